@@ -1,0 +1,433 @@
+"""Multi-turn chat over the engine, as a library: history, chat template, per-turn stats, transcript.
+Prints nothing.
+
+Each turn renders the whole conversation with the model's own chat template and hands the tokens to the
+engine, which keeps both KV caches between calls and decodes only what differs from the previous call (longest
+common prefix). A reply re-tokenizes to (almost always) the tokens that were generated, so turn N processes
+little more than the new user message: `TurnRecord.prompt_tokens_processed` shows it.
+
+The template comes from the GGUF (`tokenizer.chat_template`, rendered by llama-cpp-python's sandboxed Jinja
+formatter, so a hostile template cannot reach Python). GGUFs converted without one (the demo's Gemma is) fall
+back to llama.cpp's built-in template named after the architecture; anything else is refused, file named.
+
+Commands (`/reset`, `/draft 3`, ...) are parsed here so the rules live next to what they change; the CLI runs
+them and draws the results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localspec import __version__
+from localspec.config import Preset, load_preset
+from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, TokenEvent
+from localspec.errors import ContextFullError, LocalspecError
+from localspec.llama_ctx import LlamaModel
+
+STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
+
+Message = dict[str, str]
+
+# Architectures whose GGUFs often lack a template → the llama.cpp built-in that matches their training.
+_BUILTIN_BY_ARCH = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma"}
+
+
+# -- chat templates ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Messages → prompt text. `source` says where the template came from (/stats shows it)."""
+
+    source: str
+    _render: Callable[[list[Message]], str] = field(repr=False)
+
+    def render(self, messages: list[Message]) -> str:
+        try:
+            return self._render(messages)
+        except LocalspecError:
+            raise
+        except Exception as exc:  # a template may raise on role order, a system message, ...
+            raise LocalspecError(f"chat template ({self.source}) refused the conversation: {exc}") from None
+
+    @classmethod
+    def from_jinja(cls, template: str, bos_token: str, eos_token: str, source: str = "jinja") -> ChatTemplate:
+        """A Jinja chat template (HF style) through llama-cpp-python's sandboxed formatter."""
+        import jinja2
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        try:
+            formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token,
+                                            add_generation_prompt=True)
+        except jinja2.TemplateError as exc:
+            raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
+        return cls(source=source, _render=lambda messages: formatter(messages=messages).prompt)
+
+    @classmethod
+    def builtin(cls, name: str) -> ChatTemplate:
+        """One of llama.cpp's built-in templates (`gemma`, `chatml`, `llama3`, ...)."""
+        if name not in builtin_template_names():
+            raise LocalspecError(f"unknown built-in chat template {name!r}")
+
+        def render(messages: list[Message]) -> str:
+            return _apply_builtin(name, messages)
+
+        return cls(source=f"llama.cpp built-in '{name}'", _render=render)
+
+    @classmethod
+    def for_model(cls, model: LlamaModel) -> ChatTemplate:
+        """The GGUF's own template, else the built-in for its architecture, else a LocalspecError."""
+        template = model.metadata("tokenizer.chat_template")
+        if template:
+            return cls.from_jinja(template, bos_token=_token_text(model, model.bos),
+                                  eos_token=_token_text(model, _eos(model)),
+                                  source=f"{model.path.name}: tokenizer.chat_template")
+        arch = model.metadata("general.architecture") or "?"
+        name = _BUILTIN_BY_ARCH.get(arch, arch)
+        if name in builtin_template_names():
+            return cls.builtin(name)
+        raise LocalspecError(
+            f"{model.path.name} has no chat template (tokenizer.chat_template) and llama.cpp has no "
+            f"built-in one for architecture {arch!r}: use plain completion "
+            "(`localspec generate` without --chat)"
+        )
+
+
+def builtin_template_names() -> list[str]:
+    import llama_cpp
+
+    out = (ctypes.c_char_p * 256)()
+    n = llama_cpp.llama_chat_builtin_templates(out, 256)
+    return [out[i].decode() for i in range(min(n, 256))]
+
+
+def _apply_builtin(name: str, messages: list[Message]) -> str:
+    import llama_cpp
+
+    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]  # kept alive during the call
+    chat = (llama_cpp.llama_chat_message * len(encoded))()
+    for i, (role, content) in enumerate(encoded):
+        chat[i].role = role
+        chat[i].content = content
+    size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
+    for _ in range(2):  # the first call reports the size it needs when the buffer is short
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
+        if n < 0:
+            raise LocalspecError(f"llama.cpp built-in chat template {name!r} failed (code {n})")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n
+    raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
+
+
+def _eos(model: LlamaModel) -> int:
+    import llama_cpp
+
+    return int(llama_cpp.llama_vocab_eos(model.vocab))
+
+
+def _token_text(model: LlamaModel, token: int) -> str:
+    return model.token_text(token) if token >= 0 else ""
+
+
+def encode_chat(model: LlamaModel, text: str) -> list[int]:
+    """Tokenize rendered chat text: its special tokens (`<start_of_turn>`, ...) are real tokens.
+
+    Templates differ on whether they write the BOS themselves, so add it only when the model wants one and the
+    text did not bring it (a doubled BOS measurably hurts replies).
+    """
+    tokens = model.tokenize(text, add_special=False, parse_special=True)
+    if model.add_bos and model.bos >= 0 and (not tokens or tokens[0] != model.bos):
+        tokens.insert(0, model.bos)
+    return tokens
+
+
+# -- commands ------------------------------------------------------------------------------------------------
+
+# name → (argument, help). The CLI prints this table for /help; parse_command enforces it.
+COMMANDS: dict[str, tuple[str | None, str]] = {
+    "help": (None, "list the commands"),
+    "reset": (None, "forget the conversation (keeps the system prompt) and clear both KV caches"),
+    "stats": (None, "this conversation's totals: tokens, acceptance, prompt tokens reused from the cache"),
+    "preset": ("NAME", "switch sampling and drafting to another preset (replaces /draft and /temp)"),
+    "draft": ("N", "draft length for the next replies (0 = plain decoding)"),
+    "temp": ("X", "sampling temperature (0 = greedy)"),
+    "save": ("FILE", "write the transcript and per-turn stats as JSON"),
+    "color": (None, "toggle the colour of tokens that came from accepted drafts"),
+    "exit": (None, "leave (Ctrl-D does too)"),
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str | int | float | None = None
+
+
+def parse_command(line: str) -> Command | None:
+    """`/draft 3` → Command('draft', 3); a line not starting with '/' → None; bad input → LocalspecError."""
+    text = line.strip()
+    if not text.startswith("/"):
+        return None
+    name, _, rest = text[1:].partition(" ")
+    name, rest = name.lower(), rest.strip()
+    if name not in COMMANDS:
+        raise LocalspecError(f"unknown command /{name}: /help lists the commands")
+    wanted = COMMANDS[name][0]
+    if wanted is None:
+        if rest:
+            raise LocalspecError(f"/{name} takes no argument (got {rest!r})")
+        return Command(name)
+    if not rest:
+        raise LocalspecError(f"/{name} needs {wanted}")
+    if name == "draft":
+        if not rest.isdigit():
+            raise LocalspecError(f"/draft {rest}: the draft length is a whole number (0 = off)")
+        return Command(name, int(rest))
+    if name == "temp":
+        try:
+            return Command(name, float(rest))
+        except ValueError:
+            raise LocalspecError(f"/temp {rest}: the temperature is a number (0 = greedy)") from None
+    return Command(name, rest)
+
+
+# -- the session ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrimEvent:
+    """Yielded before a reply when the oldest turns were dropped so the conversation fits the context."""
+
+    dropped_turns: int
+    prompt_tokens: int
+
+
+ChatEvent = Event | TrimEvent
+
+
+@dataclass
+class TurnRecord:
+    user: str
+    reply: str
+    stop_reason: str  # the engine's (eog, max_tokens, context_full) or STOP_INTERRUPTED
+    tokens: int  # tokens generated (the end-of-turn token not counted)
+    from_draft: int  # of which accepted draft tokens
+    prompt_tokens: int  # the whole rendered conversation this turn
+    prompt_tokens_processed: int | None  # what had to be decoded (None if interrupted: the engine never said)
+    n_draft: int
+    temperature: float
+    dropped_turns: int = 0
+    stats: dict[str, float | int] | None = None  # the engine's GenerationStats, when the reply finished
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ChatSession:
+    """A conversation with one engine. `send` streams a reply; the rest are the slash commands' effects."""
+
+    def __init__(self, engine: Engine, model: LlamaModel, preset: Preset, *, system: str | None = None,
+                 template: ChatTemplate | None = None, max_tokens: int | None = None,
+                 drop_oldest: bool = False, info: Mapping[str, Any] | None = None) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise LocalspecError(f"max_tokens {max_tokens}: must be 1 or more")
+        self.engine = engine
+        self.model = model  # the target: its tokenizer and template (the draft shares the tokenizer)
+        self.preset = preset
+        self.system = system.strip() if system and system.strip() else None
+        self.template = template or ChatTemplate.for_model(model)
+        self.max_tokens = max_tokens  # None: until the end of the turn or a full context
+        self.drop_oldest = drop_oldest
+        self.info = dict(info or {})
+        self.messages: list[Message] = []
+        self.turns: list[TurnRecord] = []
+        self.reset()
+
+    # -- conversation ---------------------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def reset(self) -> None:
+        """Forget the conversation (not the system prompt) and both KV caches: the next turn starts clean."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns = []
+        self.engine.reset()
+
+    def prompt_tokens(self, messages: list[Message] | None = None) -> list[int]:
+        return encode_chat(self.model, self.template.render(self.messages if messages is None else messages))
+
+    def send(self, text: str) -> Iterator[ChatEvent]:
+        """Stream the reply to `text`: maybe a TrimEvent, the engine's TokenEvents, then its DoneEvent.
+
+        Closing the iterator early (Ctrl-C) keeps the session usable: the partial reply joins the history and
+        the engine, stopped between rounds, keeps consistent caches. Any other exception from the engine
+        resets it, since a decode that raised may have left cells its bookkeeping does not know about.
+        """
+        text = text.strip()
+        if not text:
+            raise LocalspecError("the message is empty")
+        messages, prompt, dropped = self._fit([*self.messages, {"role": "user", "content": text}])
+        sampling, drafting = self.preset.sampling, self.preset.draft
+        limit = self.max_tokens if self.max_tokens is not None else self.n_ctx
+        tokens: list[int] = []
+        from_draft = 0
+        done: DoneEvent | None = None
+        stream = self.engine.generate(prompt, sampling, drafting, limit)
+        try:
+            if dropped:
+                yield TrimEvent(dropped_turns=dropped, prompt_tokens=len(prompt))
+            for event in stream:
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.token)
+                    from_draft += event.from_draft
+                else:
+                    done = event
+                yield event
+        except GeneratorExit:
+            pass  # the caller stopped reading: record what it saw, below
+        except BaseException:
+            stream.close()
+            self.engine.reset()
+            raise
+        finally:
+            stream.close()
+        reply = self.model.detokenize(tokens).strip()
+        record = TurnRecord(
+            user=text, reply=reply, stop_reason=done.stop_reason if done else STOP_INTERRUPTED,
+            tokens=len(tokens), from_draft=from_draft, prompt_tokens=len(prompt),
+            prompt_tokens_processed=done.stats.prompt_tokens_processed if done else None,
+            n_draft=drafting.n_draft if self.engine.draft is not None else 0,
+            temperature=sampling.temperature, dropped_turns=dropped,
+            stats=done.stats.as_dict() if done else None,
+        )
+        self.turns.append(record)
+        # An empty reply (stopped before its first token) leaves no trace in the context, so roles keep
+        # alternating as templates require.
+        self.messages = [*messages, {"role": "assistant", "content": reply}] if reply else messages[:-1]
+
+    def _fit(self, messages: list[Message]) -> tuple[list[Message], list[int], int]:
+        """The messages to send, their tokens, and how many oldest turns were dropped to make them fit."""
+        prompt = self.prompt_tokens(messages)
+        if not self.drop_oldest:
+            if len(prompt) >= self.n_ctx:
+                raise ContextFullError(
+                    f"the conversation needs {len(prompt)} tokens and the context holds {self.n_ctx}: "
+                    "/reset starts over (or chat with --drop-oldest to drop the oldest turns instead)"
+                )
+            return messages, prompt, 0
+        # Leave room for a reply, or each turn would drop again after a few tokens.
+        reply_room = min(self.max_tokens or self.n_ctx // 4, self.n_ctx // 2)
+        head = 1 if messages and messages[0]["role"] == "system" else 0
+        dropped = 0
+        while len(prompt) > self.n_ctx - reply_room and len(messages) - head > 1:
+            # Drop a user message with the reply that followed it: templates want roles to alternate.
+            cut = 2 if len(messages) - head > 2 and messages[head + 1]["role"] == "assistant" else 1
+            messages = messages[:head] + messages[head + cut :]
+            dropped += 1
+            prompt = self.prompt_tokens(messages)
+        if len(prompt) >= self.n_ctx:
+            raise ContextFullError(
+                f"this message needs {len(prompt)} tokens with the system prompt; "
+                f"the context holds {self.n_ctx}"
+            )
+        return messages, prompt, dropped
+
+    # -- settings (the slash commands) ----------------------------------------------------------------------
+
+    def set_preset(self, name: str) -> None:
+        """Sampling and drafting from another preset; the loaded models keep their load settings."""
+        chosen = load_preset(name)
+        self.preset = dataclasses.replace(chosen, load=self.preset.load)
+
+    def set_draft(self, n_draft: int) -> None:
+        if n_draft > 0 and self.engine.draft is None:
+            raise LocalspecError(
+                f"/draft {n_draft}: no draft model is loaded (start chat with a pair or --draft PATH)"
+            )
+        self.preset = self.preset.with_overrides(n_draft=n_draft)
+
+    def set_temperature(self, temperature: float) -> None:
+        self.preset = self.preset.with_overrides(temperature=temperature)
+
+    # -- reporting ------------------------------------------------------------------------------------------
+
+    def totals(self) -> dict[str, Any]:
+        """The conversation so far: what /stats shows and /save writes."""
+        finished = [t.stats for t in self.turns if t.stats is not None]
+        drafted = sum(int(s["drafted"]) for s in finished)
+        accepted = sum(int(s["accepted"]) for s in finished)
+        rounds = sum(int(s["rounds"]) for s in finished)
+        decode_s = sum(float(s["decode_s"]) for s in finished)
+        decode_tokens = sum(int(s["tokens"]) for s in finished)
+        prompt = sum(t.prompt_tokens for t in self.turns if t.prompt_tokens_processed is not None)
+        processed = sum(t.prompt_tokens_processed or 0 for t in self.turns)
+        return {
+            "turns": len(self.turns),
+            "tokens": sum(t.tokens for t in self.turns),
+            "from_draft": sum(t.from_draft for t in self.turns),
+            "prompt_tokens": prompt,
+            "prompt_tokens_processed": processed,
+            "prompt_tokens_reused": prompt - processed,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted": accepted / rounds if rounds else 0.0,
+            "decode_tps": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "context_tokens": len(self.prompt_tokens()) if self.messages else 0,
+            "n_ctx": self.n_ctx,
+        }
+
+    def transcript(self) -> dict[str, Any]:
+        return {
+            "localspec": __version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": self.info,
+            "template": self.template.source,
+            "preset": self.preset.name,
+            "settings": {"sampling": dataclasses.asdict(self.preset.sampling),
+                         "draft": dataclasses.asdict(self.preset.draft), "max_tokens": self.max_tokens,
+                         "drop_oldest": self.drop_oldest},
+            "system": self.system,
+            "messages": self.messages,
+            "turns": [t.as_dict() for t in self.turns],
+            "totals": self.totals(),
+        }
+
+    def save(self, path: Path) -> Path:
+        """Write the transcript as JSON atomically (a temporary file in the same folder, then a rename)."""
+        path = Path(path).expanduser()
+        folder = path.parent
+        if not folder.is_dir():
+            raise LocalspecError(f"{path}: folder {folder} does not exist")
+        if path.is_dir():
+            raise LocalspecError(f"{path}: is a folder")
+        data = json.dumps(self.transcript(), indent=2, ensure_ascii=False) + "\n"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        except OSError as exc:
+            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
+        return path
+
+
+def context_full(record: TurnRecord) -> bool:
+    return record.stop_reason == STOP_CONTEXT_FULL

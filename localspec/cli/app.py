@@ -1,0 +1,66 @@
+"""Wires the command groups into one typer app and maps known errors to one line.
+
+Each command group lives in its own module and registers itself through `register(app)`; this module only
+collects them. Click objects stay out of the app (typer >= 0.26 bundles its own click).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from localspec.cli import bench_cmd, chat_cmd, models_cmd
+from localspec.errors import LocalspecError
+
+app = typer.Typer(
+    name="localspec",
+    help="Lossless speculative decoding on llama.cpp: a big int4 target, a small same-family draft.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from localspec import __version__
+
+        print(f"localspec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""
+
+
+for _module in (bench_cmd, models_cmd, chat_cmd):
+    _module.register(app)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")
+
+
+def main() -> None:
+    """Console entry point: known errors become one line on stderr and a non-zero exit."""
+    try:
+        app(standalone_mode=True)
+    except LocalspecError as exc:
+        if debug_enabled():
+            raise
+        print(f"localspec: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print("localspec: interrupted", file=sys.stderr)
+        sys.exit(130)

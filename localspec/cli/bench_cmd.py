@@ -1,0 +1,169 @@
+"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy losslessness check."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from localspec import config
+from localspec.bench import BenchReport, CheckStarted, RunDone, SweepReport, WarmupStep, run_bench, run_sweep
+from localspec.cli import options
+from localspec.errors import LocalspecError
+from localspec.session import open_session, resolve_files, settle_preset
+from localspec.ui.bench_view import live_table, summary, sweep_table
+
+RepeatOpt = Annotated[int | None, typer.Option("--repeat", help="Measured runs of each mode (median).", min=1)]
+WarmupOpt = Annotated[int | None, typer.Option("--warmup", help="Short warm-up generations first.", min=0)]
+SweepOpt = Annotated[
+    str | None,
+    typer.Option("--sweep", help="Comma-separated draft lengths to compare instead (e.g. 2,4,6,8).",
+                 show_default=False),
+]
+SavePresetOpt = Annotated[
+    str | None,
+    typer.Option("--save-preset", help="With --sweep: write the best draft length into this user preset.",
+                 show_default=False),
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this path.")]
+
+
+def bench(
+    repeat: RepeatOpt = None,
+    warmup: WarmupOpt = None,
+    draft: options.DraftOpt = None,
+    preset: options.PresetOpt = None,
+    max_tokens: options.MaxTokensOpt = None,
+    temp: options.TempOpt = None,
+    seed: options.SeedOpt = None,
+    pair: options.PairOpt = None,
+    target: options.TargetOpt = None,
+    json_path: JsonOpt = None,
+    sweep: SweepOpt = None,
+    save_preset: SavePresetOpt = None,
+    ngl: options.GpuLayersOpt = None,
+    draft_ngl: options.DraftGpuLayersOpt = None,
+    ctx: options.CtxOpt = None,
+    kv_type: options.KvTypeOpt = None,
+    threads: options.ThreadsOpt = None,
+) -> None:
+    """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
+    n_draft, draft_model = options.split_draft_values(draft)
+    files = resolve_files(pair, target, draft_model)
+    if files.draft is None:
+        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
+    chosen = settle_preset(
+        config.load_preset(preset or "default"), files,
+        repeat=repeat, warmup=warmup, n_draft=n_draft, max_tokens=max_tokens, temperature=temp, seed=seed,
+        n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
+    )
+    if chosen.draft.n_draft == 0:
+        raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
+    if json_path is not None:
+        _check_writable(json_path)
+    lengths = _parse_sweep(sweep) if sweep is not None else None
+    if save_preset is not None and lengths is None:
+        raise LocalspecError("--save-preset needs --sweep: it stores the best draft length the sweep finds")
+
+    console = Console()
+    s = chosen.sampling
+    console.print(
+        f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, draft {files.draft.name}\n"
+        f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, seed {s.seed}; "
+        f"draft length {chosen.draft.n_draft}{' (adaptive)' if chosen.draft.adaptive else ''}; "
+        f"{chosen.bench.max_tokens} tokens per prompt"
+    )
+    if lengths is not None:
+        _sweep(console, files, chosen, lengths, json_path, save_preset)
+        return
+    report = _run(console, files, chosen)
+    console.print(summary(report))
+    if json_path is not None:
+        _write_json(json_path, report)
+        console.print(f"report written to {json_path}")
+    if not report.greedy_check.identical:
+        raise typer.Exit(1)
+
+
+def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
+    title = "plain vs speculative decoding (decode tok/s; prompt processing excluded)"
+    with open_session(files, chosen) as session:
+        events = run_bench(session, chosen)
+        runs = []
+        progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
+                            transient=True)
+        with progress:
+            task = progress.add_task("warm-up", total=chosen.bench.warmup)
+            event = next(events)
+            while isinstance(event, WarmupStep):
+                progress.update(task, completed=event.done)
+                event = next(events)
+        with Live(live_table(runs, chosen.bench.repeat, title), console=console, refresh_per_second=4) as live:
+            while not isinstance(event, BenchReport):
+                if isinstance(event, RunDone):
+                    runs.append(event.result)
+                    live.update(live_table(runs, chosen.bench.repeat, title))
+                elif isinstance(event, CheckStarted):
+                    live.console.print(f"checking greedy losslessness on {event.prompts} prompts…")
+                event = next(events)
+        return event
+
+
+def _parse_sweep(text: str) -> list[int]:
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise LocalspecError(f"--sweep {text}: expected comma-separated draft lengths, e.g. 2,4,6,8") from None
+    if not lengths or lengths[0] < 1 or lengths[-1] > 32:
+        raise LocalspecError(f"--sweep {text}: draft lengths must be between 1 and 32")
+    return lengths
+
+
+def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
+           save_preset: str | None) -> None:
+    with open_session(files, chosen) as session:
+        events = run_sweep(session, chosen, lengths)
+        total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                      transient=True) as progress:
+            task = progress.add_task("sweeping", total=total)
+            for event in events:
+                if isinstance(event, SweepReport):
+                    report = event
+                    break
+                label = "warming up" if isinstance(event, WarmupStep) else f"run {event.done}/{event.total}"
+                progress.update(task, advance=1, description=label)
+    console.print(sweep_table(report))
+    best = report.best
+    console.print(f"best draft length here: [bold]{best.n_draft}[/] "
+                  f"({best.summary.median_tps:.1f} tok/s, {best.summary.median_tps / report.plain_tps:.2f}x plain)")
+    if json_path is not None:
+        _write_json(json_path, report)
+        console.print(f"report written to {json_path}")
+    if save_preset is not None:
+        path = config.save_user_preset(save_preset, chosen.with_overrides(n_draft=best.n_draft))
+        console.print(f"saved draft length {best.n_draft} to preset {save_preset!r} ({path})")
+
+
+def _check_writable(path: Path) -> None:
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise LocalspecError(f"--json {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise LocalspecError(f"--json {path}: folder {folder} is not writable")
+
+
+def _write_json(path: Path, report: BenchReport | SweepReport) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report.as_json(), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(bench)

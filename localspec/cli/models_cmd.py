@@ -1,0 +1,224 @@
+"""`localspec models`, `pull`, `check`, `doctor`: pairs, downloads, tokenizer verdicts, the checklist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from localspec import compat, config, doctor, hub, memory, registry
+from localspec.cli import options
+from localspec.errors import LocalspecError
+from localspec.gguf_header import read_header
+from localspec.session import ModelFiles, resolve_files
+
+console = Console()
+GB = 1e9
+
+DefaultOpt = Annotated[
+    str | None,
+    typer.Option("--default", help="Make this pair the default for commands without model arguments."),
+]
+SpecOpt = Annotated[
+    str | None,
+    typer.Option(help="A file on the hub as REPO:FILE (instead of a pair name).", show_default=False),
+]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
+PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
+PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
+
+_MARK = {
+    doctor.OK: "[green]✓[/]",
+    doctor.WARN: "[yellow]⚠[/]",
+    doctor.FAIL: "[red]✗[/]",
+    doctor.INFO: "[blue]·[/]",
+}
+_LEVEL_MARK = {
+    compat.Level.OK: _MARK[doctor.OK],
+    compat.Level.INFO: _MARK[doctor.INFO],
+    compat.Level.WARN: _MARK[doctor.WARN],
+    compat.Level.FAIL: _MARK[doctor.FAIL],
+}
+
+
+def _size(n: int | None, approx: bool = False) -> str:
+    return "?" if n is None else f"{'~' if approx else ''}{n / GB:.1f} GB"
+
+
+def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -> str:
+    """Does the pair fit this machine? From the cached headers when downloaded, else from the listed sizes."""
+    files = _cached_files(pair)
+    if files is not None:
+        t, d = read_header(files[0]), read_header(files[1])
+        s = memory.settings_from_preset(preset, n_ctx=pair.n_ctx if not pair.builtin else None)
+        est = memory.estimate(t, d, s, devices)
+        return "[green]yes[/]" if est.fits else f"[red]no[/] ({escape(est.suggestions[0])})"
+    need = pair.expected_bytes
+    if need is None:
+        return "?"
+    room = devices.gpu_free if devices.gpu_free is not None else devices.ram_available
+    # Weights alone (KV comes on top): a quick answer before anything is downloaded.
+    return "[green]likely[/]" if need < room * 0.9 else "[red]no[/]"
+
+
+def _cached_files(pair: registry.Pair) -> tuple[Path, Path] | None:
+    if pair.builtin:
+        try:
+            from localspec import demo
+
+            target = demo.demo_dir() / demo.TARGET_FILE
+            draft = demo.demo_dir() / demo.DRAFT_FILE
+        except LocalspecError:
+            return None
+        return (target, draft) if target.is_file() and draft.is_file() else None
+    assert pair.target is not None and pair.draft is not None
+    t, d = hub.cached_path(pair.target), hub.cached_path(pair.draft)
+    return (t, d) if t is not None and d is not None else None
+
+
+def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None:
+    """List the model pairs: size, whether downloaded, whether they fit this machine."""
+    if default is not None:
+        path = registry.set_default_pair(default)
+        console.print(f"default pair: [cyan]{default}[/] (saved in {path})")
+        return
+    pairs = registry.load_pairs()
+    current = registry.default_pair_name()
+    chosen = config.load_preset(preset or "default")
+    devices = memory.probe_devices()
+    table = Table(title="localspec model pairs", title_justify="left")
+    for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
+        table.add_column(col)
+    for pair in pairs.values():
+        if pair.builtin:
+            models_text, size, downloaded = (
+                "built in: Gemma 3 270M Q4_K_M + Q2_K",
+                "0.3 GB",
+                "[green]built in[/]",
+            )
+        else:
+            assert pair.target is not None and pair.draft is not None
+            models_text = f"{pair.target.file}\n+ {pair.draft.file}"
+            exact = pair.target.size is not None and pair.draft.size is not None
+            size = _size(pair.expected_bytes, approx=not exact)
+            downloaded = "[green]yes[/]" if _cached_files(pair) else "no"
+        mark = "*" if pair.name == current else ("+" if pair.recommended else "")
+        ctx, k = ("preset", "preset") if pair.builtin else (str(pair.n_ctx), str(pair.n_draft))
+        table.add_row(mark, pair.name, models_text, size, downloaded, _fits(pair, devices, chosen), ctx, k)
+    console.print(table)
+    console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
+    if devices.gpu_free is None:
+        console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
+
+
+def pull(
+    pair: PairArg = None,
+    target: SpecOpt = None,
+    draft: SpecOpt = None,
+    yes: YesOpt = False,
+) -> None:
+    """Download a pair (or --target/--draft REPO:FILE) into the Hugging Face cache, verified and resumable."""
+    if pair is not None and (target or draft):
+        raise LocalspecError("give a pair name or --target/--draft REPO:FILE, not both")
+    if pair is None and not (target or draft):
+        raise LocalspecError(
+            "name a pair to pull (see `localspec models`) or give --target/--draft REPO:FILE"
+        )
+    if pair is not None:
+        chosen = registry.get_pair(pair)
+        if chosen.builtin:
+            console.print(f"[cyan]{chosen.name}[/] is built in: nothing to download")
+            return
+        assert chosen.target is not None and chosen.draft is not None
+        specs = [chosen.target, chosen.draft]
+    else:
+        specs = [registry.parse_spec(s) for s in (target, draft) if s]
+    for spec in specs:
+        console.print(f"pulling [cyan]{spec.label}[/] into {hub.cache_dir()}")
+    paths = hub.pull(specs)
+    for path in paths:
+        console.print(f"[green]✓[/] {path}")
+    if pair is not None and registry.default_pair_name() != pair:
+        make_default = yes or (
+            console.is_terminal and typer.confirm(f"Make {pair} your default pair?", default=True)
+        )
+        if make_default:
+            registry.set_default_pair(pair)
+            console.print(f"default pair: [cyan]{pair}[/]")
+
+
+def _files_for(pair: str | None, target: Path | None, draft: Path | None) -> ModelFiles:
+    return resolve_files(pair, target, draft)
+
+
+def check(
+    target_path: PathArg = None,
+    draft_path: PathArg = None,
+    pair: options.PairOpt = None,
+) -> None:
+    """Tokenizer compatibility of a target and a draft, from GGUF headers only (exit 1: incompatible)."""
+    if (target_path is None) != (draft_path is None):
+        raise LocalspecError("give both TARGET and DRAFT files, or a --pair")
+    files = _files_for(pair, target_path, draft_path)
+    if files.draft is None:
+        raise LocalspecError(f"pair {files.name} has no draft model to check")
+    verdict = compat.compare(read_header(files.target), read_header(files.draft))
+    console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
+    for f in verdict.findings:
+        console.print(f"{_LEVEL_MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
+    color = {"compatible": "green", "compatible with warnings": "yellow", "incompatible": "red"}[
+        verdict.label
+    ]
+    console.print(f"verdict: [bold {color}]{verdict.label}[/]")
+    if not verdict.compatible:
+        raise typer.Exit(1)
+
+
+def doctor_cmd(
+    pair: options.PairOpt = None,
+    target: options.TargetOpt = None,
+    draft: options.DraftOpt = None,
+    preset: options.PresetOpt = None,
+    ctx: options.CtxOpt = None,
+    kv_type: options.KvTypeOpt = None,
+    ngl: options.GpuLayersOpt = None,
+) -> None:
+    """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
+    n_draft, draft_model = options.split_draft_values(draft)
+    missing = ""
+    files: ModelFiles | None
+    try:
+        files = _files_for(pair, target, draft_model)
+    except LocalspecError as exc:
+        files, missing = None, str(exc)
+    chosen = config.load_preset(preset or "default").with_overrides(
+        n_draft=n_draft if n_draft is not None else (files.n_draft if files else None),
+        n_ctx=ctx,
+        kv_type=kv_type,
+        n_gpu_layers=ngl,
+    )
+    n_ctx = ctx or (files.n_ctx if files else None) or chosen.load.n_ctx
+    checks = doctor.run_checks(
+        files.target if files else None, files.draft if files else None, chosen, n_ctx=n_ctx, missing=missing
+    )
+    console.print(
+        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else pair or '?'}[/], "
+        f"preset {chosen.name}"
+    )
+    for c in checks:
+        console.print(f"{_MARK[c.status]} [bold]{c.name}[/]: {escape(c.detail)}")
+        if c.fix and c.status in (doctor.WARN, doctor.FAIL, doctor.INFO):
+            console.print(f"    [dim]fix: {escape(c.fix)}[/]")
+    if any(c.status == doctor.FAIL for c in checks):
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(models)
+    app.command()(pull)
+    app.command()(check)
+    app.command(name="doctor")(doctor_cmd)

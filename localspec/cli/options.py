@@ -1,0 +1,62 @@
+"""Shared `Annotated` option types. Every default is None: the preset (or the model spec) supplies it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from localspec.errors import LocalspecError
+
+PairOpt = Annotated[
+    str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
+]
+TargetOpt = Annotated[
+    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+]
+DraftOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--draft",
+        help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF. Repeatable.",
+        show_default=False,
+    ),
+]
+PresetOpt = Annotated[
+    str | None, typer.Option("--preset", help="Preset name or .toml path (default: default).", show_default=False)
+]
+MaxTokensOpt = Annotated[
+    int | None, typer.Option("--max-tokens", help="Tokens to generate (preset's bench.max_tokens).", min=1)
+]
+TempOpt = Annotated[float | None, typer.Option("--temp", help="Sampling temperature (0 = greedy).", min=0.0)]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.", min=0)]
+GpuLayersOpt = Annotated[
+    int | None, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).", min=-1)
+]
+DraftGpuLayersOpt = Annotated[
+    int | None, typer.Option("--draft-ngl", help="Draft layers to offload to the GPU (-1 = all).", min=-1)
+]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="Context size in tokens for both models.", min=64)]
+KvTypeOpt = Annotated[
+    str | None, typer.Option("--kv-type", help="KV cache type: f16, q8_0 or q4_0.", show_default=False)
+]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: physical cores).", min=1)]
+
+
+def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
+    """`--draft 4` is a length, `--draft small.gguf` a model; each may be given once."""
+    length: int | None = None
+    model: Path | None = None
+    for value in values or []:
+        if value.strip().lstrip("-").isdigit():
+            if length is not None:
+                raise LocalspecError(f"--draft {value}: the draft length was already given ({length})")
+            length = int(value)
+            if length < 0:
+                raise LocalspecError(f"--draft {value}: the draft length must be 0 or more")
+        else:
+            if model is not None:
+                raise LocalspecError(f"--draft {value}: the draft model was already given ({model})")
+            model = Path(value)
+    return length, model

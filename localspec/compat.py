@@ -1,0 +1,318 @@
+"""Can this draft speculate for this target? A verdict from the two GGUF headers alone (no weights).
+
+Speculation passes token ids, not text: the target tokenizes the prompt once, the draft proposes ids, the
+target verifies them. So what must agree is what an id *means* (its text, and the special ids both models act
+on, such as BOS), not how text is cut into ids. Each finding says why it breaks speculation or only warns:
+
+- incompatible: different tokenizer model, vocab sizes more than 128 apart, a token text that differs at an
+  id, BOS/add_bos (or add_eos/EOS) that differ: the draft would read a different sequence than the target.
+- warning: token types, merges, pre-tokenizer, EOS/EOT ids, chat template: they change how text becomes ids
+  or how special ids are shown, which the target decides alone; a mismatch can only lower acceptance, never
+  the output.
+- info: up to 128 trailing padding ids (tolerated, as llama.cpp does), PAD id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localspec.gguf_header import GGUFHeader, read_header
+
+VOCAB_PAD_TOLERANCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+DRAFT_MAX_FRACTION = 0.10  # a draft above ~10% of the target eats the speedup it buys
+EIGHT_BIT_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K"}
+INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_0_4_4", "Q4_0_4_8"}
+
+
+class Level(IntEnum):
+    OK = 0
+    INFO = 1
+    WARN = 2
+    FAIL = 3
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Level
+    field: str
+    message: str  # what differs, with both values
+    why: str  # why this breaks speculation, or why it only warns
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    draft: str
+    findings: tuple[Finding, ...]
+
+    @property
+    def level(self) -> Level:
+        return max((f.level for f in self.findings), default=Level.OK)
+
+    @property
+    def compatible(self) -> bool:
+        return self.level < Level.FAIL
+
+    @property
+    def label(self) -> str:
+        if self.level == Level.FAIL:
+            return "incompatible"
+        return "compatible with warnings" if self.level == Level.WARN else "compatible"
+
+    @property
+    def reason(self) -> str:
+        """The first blocking finding, as one line (what `IncompatiblePairError` says)."""
+        fails = [f for f in self.findings if f.level == Level.FAIL]
+        if not fails:
+            return ""
+        return f"{self.draft} cannot draft for {self.target}: {fails[0].message}"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "…"
+
+
+def _scalar_field(
+    findings: list[Finding], t: GGUFHeader, d: GGUFHeader, key: str, label: str, level: Level, why: str
+) -> None:
+    a, b = t.get(key), d.get(key)
+    if a == b:
+        return
+    # Unset on one side only: llama.cpp fills a default per tokenizer, which we cannot see from the header.
+    if (a is None) != (b is None) and level == Level.FAIL:
+        level = Level.WARN
+        why = "set in one file only, so llama.cpp's default applies to the other; " + why
+    findings.append(Finding(level, label, f"{label} differs: target {_show(a)}, draft {_show(b)}", why))
+
+
+def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
+    out: list[Finding] = []
+    ta, da = t.tokens, d.tokens
+    if not ta or not da:
+        missing = "target" if not ta else "draft"
+        out.append(
+            Finding(
+                Level.FAIL,
+                "tokens",
+                f"the {missing} has no tokenizer.ggml.tokens",
+                "without a vocabulary the ids cannot be matched",
+            )
+        )
+        return out
+    diff = abs(len(ta) - len(da))
+    if diff > VOCAB_PAD_TOLERANCE:
+        out.append(
+            Finding(
+                Level.FAIL,
+                "vocab size",
+                f"vocab sizes differ by {diff}: target {len(ta)}, draft {len(da)}",
+                f"more than {VOCAB_PAD_TOLERANCE} extra ids is a different vocabulary, not padding",
+            )
+        )
+        return out
+    shared = min(len(ta), len(da))
+    for i in range(shared):
+        if ta[i] != da[i]:
+            out.append(
+                Finding(
+                    Level.FAIL,
+                    "token text",
+                    f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
+                    "the draft proposes ids, so an id with another text is another token to the target",
+                )
+            )
+            return out
+    if diff:
+        longer = ta if len(ta) > len(da) else da
+        out.append(
+            Finding(
+                Level.INFO,
+                "vocab size",
+                f"vocab sizes differ by {diff} trailing ids ({len(ta)} vs {len(da)}, "
+                f"first extra {longer[shared]!r})",
+                f"up to {VOCAB_PAD_TOLERANCE} trailing padding ids are tolerated, as llama.cpp does; "
+                "they are never proposed",
+            )
+        )
+    tt, dt = t.get("tokenizer.ggml.token_type"), d.get("tokenizer.ggml.token_type")
+    if tt is not None and dt is not None:
+        n = min(len(tt), len(dt), shared)
+        bad = np.flatnonzero(np.asarray(tt[:n]) != np.asarray(dt[:n]))
+        if bad.size:
+            i = int(bad[0])
+            out.append(
+                Finding(
+                    Level.WARN,
+                    "token types",
+                    f"{bad.size} token types differ, first id {i} ({ta[i]!r}): "
+                    f"target {int(tt[i])}, draft {int(dt[i])}",
+                    "types decide which ids are special in text; the target tokenizes and shows text alone",
+                )
+            )
+    tm, dm = t.get("tokenizer.ggml.merges"), d.get("tokenizer.ggml.merges")
+    if tm != dm:
+        if tm is None or dm is None:
+            msg = f"merges present in the {'target' if tm is not None else 'draft'} only"
+        else:
+            n = min(len(tm), len(dm))
+            i = next((k for k in range(n) if tm[k] != dm[k]), n)
+            msg = (
+                f"merge {i} differs: target {tm[i]!r}, draft {dm[i]!r}"
+                if i < n
+                else f"merge counts differ: target {len(tm)}, draft {len(dm)}"
+            )
+        out.append(
+            Finding(
+                Level.WARN,
+                "merges",
+                msg,
+                "merges only decide how text becomes ids; localspec tokenizes with the target alone",
+            )
+        )
+    return out
+
+
+def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
+    """Tokenizer compatibility plus quantization advice for one target/draft pair."""
+    findings: list[Finding] = []
+    tm, dm = target.get("tokenizer.ggml.model"), draft.get("tokenizer.ggml.model")
+    if tm != dm:
+        findings.append(
+            Finding(
+                Level.FAIL,
+                "tokenizer model",
+                f"tokenizer models differ: target {_show(tm)}, draft {_show(dm)}",
+                "a different tokenizer model numbers its tokens differently",
+            )
+        )
+    else:
+        findings.extend(_compare_tokens(target, draft))
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.add_bos_token",
+        "add_bos",
+        Level.FAIL,
+        "the draft would see a sequence with (or without) a BOS the target does not have",
+    )
+    t_bos, d_bos = target.get("tokenizer.ggml.add_bos_token"), draft.get("tokenizer.ggml.add_bos_token")
+    bos_added = bool(t_bos or d_bos or t_bos is None or d_bos is None)
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.bos_token_id",
+        "BOS id",
+        Level.FAIL if bos_added else Level.WARN,
+        "every prompt starts with the target's BOS id, which the draft would read as another token"
+        if bos_added
+        else "neither model adds a BOS, so only a template that writes one is affected",
+    )
+    t_eos, d_eos = target.get("tokenizer.ggml.add_eos_token"), draft.get("tokenizer.ggml.add_eos_token")
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.add_eos_token",
+        "add_eos",
+        Level.FAIL,
+        "the draft would see an EOS the target does not append",
+    )
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.eos_token_id",
+        "EOS id",
+        Level.FAIL if (t_eos or d_eos) else Level.WARN,
+        "appended to every prompt, so both must mean the same token"
+        if (t_eos or d_eos)
+        else "the target decides when generation ends; the draft may only propose past it",
+    )
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.eot_token_id",
+        "EOT id",
+        Level.WARN,
+        "the target decides when a turn ends; the draft may only propose past it",
+    )
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.padding_token_id",
+        "PAD id",
+        Level.INFO,
+        "padding is never generated in a single-sequence run",
+    )
+    _scalar_field(
+        findings,
+        target,
+        draft,
+        "tokenizer.ggml.pre",
+        "pre-tokenizer",
+        Level.WARN,
+        "the pre-tokenizer only splits text before tokenizing, which the target does alone",
+    )
+    tc, dc = target.get("tokenizer.chat_template"), draft.get("tokenizer.chat_template")
+    if tc != dc:
+        findings.append(
+            Finding(
+                Level.WARN,
+                "chat template",
+                "chat templates differ" + (" (one file has none)" if tc is None or dc is None else ""),
+                "the target's template formats the prompt; a draft tuned on another format agrees less often",
+            )
+        )
+    findings.extend(quant_advice(target, draft))
+    return Verdict(target=target.name, draft=draft.name, findings=tuple(findings))
+
+
+def quant_advice(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:
+    """The seeds' quantization rules of thumb, as warnings."""
+    out: list[Finding] = []
+    dtype = draft.file_type
+    if dtype not in EIGHT_BIT_TYPES and draft.bits_per_weight < 8.0:
+        out.append(
+            Finding(
+                Level.WARN,
+                "draft quantization",
+                f"the draft is {dtype} ({draft.bits_per_weight:.1f} bits/weight), below 8-bit",
+                "a draft below Q8_0 agrees with the target ~10 points less often; use its Q8_0 file",
+            )
+        )
+    if target.tensor_bytes and draft.tensor_bytes > DRAFT_MAX_FRACTION * target.tensor_bytes:
+        out.append(
+            Finding(
+                Level.WARN,
+                "draft size",
+                f"the draft's weights are {draft.tensor_bytes / target.tensor_bytes:.0%} of the target's",
+                f"above ~{DRAFT_MAX_FRACTION:.0%} a draft token costs too much of a target step to pay off",
+            )
+        )
+    ttype = target.file_type
+    if ttype not in INT4_TYPES and target.main_weight_type not in INT4_TYPES:
+        out.append(
+            Finding(
+                Level.WARN,
+                "target quantization",
+                f"the target is {ttype} ({target.bits_per_weight:.1f} bits/weight), not int4-class",
+                "the 24 GB recipe needs a ~4-bit target (Q4_K_M, Q4_0, IQ4_XS) to leave room for KV",
+            )
+        )
+    return out
+
+
+def check_files(target: Path, draft: Path) -> Verdict:
+    return compare(read_header(target), read_header(draft))

@@ -1,0 +1,219 @@
+"""Presets: the one place sampling, drafting and bench defaults live.
+
+`presets/default.toml` holds every default; another preset names only what it changes and overlays the default.
+CLI options default to None and overlay the loaded preset through `Preset.with_overrides`. The same `Sampling`
+object configures the target and the draft, so p and q always go through the same pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localspec import paths
+from localspec.errors import ConfigError
+
+
+def _rng(lo: float, hi: float, kind: type) -> dict[str, Any]:
+    return {"range": (lo, hi), "kind": kind}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = field(metadata=_rng(0.0, 5.0, float))
+    top_k: int = field(metadata=_rng(0, 1_000_000, int))  # 0 = off
+    top_p: float = field(metadata=_rng(0.0, 1.0, float))  # 1 = off
+    min_p: float = field(metadata=_rng(0.0, 1.0, float))  # 0 = off
+    repeat_penalty: float = field(metadata=_rng(0.5, 2.0, float))  # 1 = off
+    repeat_last_n: int = field(metadata=_rng(0, 4096, int))
+    seed: int = field(metadata=_rng(0, 2**32 - 1, int))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Drafting:
+    n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
+    p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
+    adaptive: bool = field(metadata={"kind": bool})  # tune the draft length from recent acceptance
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    warmup: int = field(metadata=_rng(0, 1000, int))
+    repeat: int = field(metadata=_rng(1, 1000, int))
+    max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    n_ctx: int = field(metadata=_rng(64, 1 << 20, int))
+    n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))  # -1 = all
+    draft_n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))
+    kv_type: str = field(metadata={"kind": str, "choices": ("f16", "q8_0", "q4_0")})
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    n_batch: int = field(metadata=_rng(8, 8192, int))
+    device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
+
+
+_SECTIONS: dict[str, type] = {
+    "sampling": Sampling,
+    "draft": Drafting,
+    "bench": BenchSettings,
+    "load": LoadSettings,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    sampling: Sampling
+    draft: Drafting
+    bench: BenchSettings
+    load: LoadSettings
+
+    def with_overrides(self, **overrides: Any) -> Preset:
+        """Overlay CLI values (None = keep the preset's) given as `section_key=value` or a bare unique key."""
+        changes: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            section = _section_of(key)
+            changes[section][key] = _check(section, key, value, source="command line")
+        return dataclasses.replace(
+            self,
+            sampling=dataclasses.replace(self.sampling, **changes["sampling"]),
+            draft=dataclasses.replace(self.draft, **changes["draft"]),
+            bench=dataclasses.replace(self.bench, **changes["bench"]),
+            load=dataclasses.replace(self.load, **changes["load"]),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _section_of(key: str) -> str:
+    for section, cls in _SECTIONS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return section
+    raise ConfigError(f"unknown setting {key!r}")
+
+
+def _check(section: str, key: str, value: Any, source: str) -> Any:
+    """Type- and range-check one value; the error names the source, section.key and the allowed range."""
+    meta = next(f.metadata for f in dataclasses.fields(_SECTIONS[section]) if f.name == key)
+    kind = meta["kind"]
+    where = f"{source}: {section}.{key}"
+    if kind is str:
+        if value not in meta["choices"]:
+            raise ConfigError(f"{where} = {value!r}: choose one of {', '.join(meta['choices'])}")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r}: expected true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where} = {value!r}: expected a number")
+    if kind is int and not float(value).is_integer():
+        raise ConfigError(f"{where} = {value!r}: expected a whole number")
+    value = kind(value)
+    lo, hi = meta["range"]
+    if not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
+        raise ConfigError(f"{where} = {value!r}: allowed range is {lo}..{hi}")
+    return value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}] (allowed: {', '.join(_SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section} must be a table ([{section}])")
+        known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown key {section}.{key} (allowed: {', '.join(sorted(known))})")
+            out.setdefault(section, {})[key] = _check(section, key, value, source=str(path))
+    return out
+
+
+def user_preset_dir() -> Path:
+    return paths.home() / "presets"
+
+
+def shipped_preset_dir() -> Path:
+    return paths.data_path("presets")
+
+
+def preset_path(name: str) -> Path:
+    """A path as given, else `$LOCALSPEC_HOME/presets/NAME.toml`, else the shipped `presets/NAME.toml`."""
+    as_path = Path(name)
+    if as_path.suffix == ".toml":
+        if not as_path.is_file():
+            raise ConfigError(f"{as_path}: preset file not found")
+        return as_path
+    for folder in (user_preset_dir(), shipped_preset_dir()):
+        candidate = folder / f"{name}.toml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"unknown preset {name!r} (available: {', '.join(available_presets())})")
+
+
+def available_presets() -> list[str]:
+    names = {p.stem for d in (shipped_preset_dir(), user_preset_dir()) if d.is_dir() for p in d.glob("*.toml")}
+    return sorted(names)
+
+
+def load_preset(name: str = "default") -> Preset:
+    """The shipped default overlaid with the named preset. Every field must end up set."""
+    base_path = shipped_preset_dir() / "default.toml"
+    merged = _sections_from(base_path, _read_toml(base_path))
+    path = preset_path(name)
+    if path.resolve() != base_path.resolve():
+        for section, values in _sections_from(path, _read_toml(path)).items():
+            merged.setdefault(section, {}).update(values)
+    built: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        values = merged.get(section, {})
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values]
+        if missing:
+            raise ConfigError(f"{base_path}: missing key {section}.{missing[0]}")
+        built[section] = cls(**values)
+    return Preset(name=Path(name).stem, **built)
+
+
+def save_user_preset(name: str, preset: Preset) -> Path:
+    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
+    folder = user_preset_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"# written by localspec from preset {preset.name!r}"]
+    for section in _SECTIONS:
+        lines.append(f"\n[{section}]")
+        for key, value in dataclasses.asdict(getattr(preset, section)).items():
+            if isinstance(value, bool):
+                text = str(value).lower()
+            else:
+                text = f'"{value}"' if isinstance(value, str) else repr(value)
+            lines.append(f"{key} = {text}")
+    target = folder / f"{name}.toml"
+    tmp = target.with_suffix(".toml.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(target)
+    return target

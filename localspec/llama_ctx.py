@@ -1,0 +1,295 @@
+"""A thin wrapper over llama-cpp-python's low-level API: one model, one context, one reusable batch.
+
+llama-cpp-python's high-level `Llama` cannot take a second GGUF as a draft and computes logits where we do not
+need them, so the engine drives llama.cpp directly: `llama_decode` on a batch we fill through numpy views,
+`llama_get_logits` as a zero-copy numpy view, and `llama_memory_seq_rm` to rewind the KV cache.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
+import numpy as np
+
+from localspec.errors import ContextFullError, ModelLoadError
+
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+
+_backend_ready = False
+
+
+@llama_cpp.llama_log_callback
+def _log_to_stderr_when_debugging(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every load step; users see them only with LOCALSPEC_DEBUG=1.
+    if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
+        os.write(2, text)
+
+
+def _init_backend() -> None:
+    """Once per process: start llama.cpp and route its log through our callback."""
+    global _backend_ready
+    if _backend_ready:
+        return
+    llama_cpp.llama_log_set(_log_to_stderr_when_debugging, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _backend_ready = True
+
+
+def supports_gpu_offload() -> bool:
+    _init_backend()
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def default_threads() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
+
+
+@dataclass(frozen=True, slots=True)
+class TopK:
+    """Per output row, the top candidates selected on the device: no full-vocabulary copy, no host top-k."""
+
+    ids: np.ndarray  # (rows, k) int32
+    logits: np.ndarray  # (rows, k) float32
+
+    def argmax(self) -> np.ndarray:
+        return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
+
+
+class LlamaModel:
+    """One GGUF model with its context. Sequence 0 only; positions are managed by the caller (the engine)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        n_ctx: int,
+        n_gpu_layers: int = -1,
+        n_batch: int = 512,
+        kv_type: str = "f16",
+        n_threads: int = 0,
+        device_top_k: int = 0,
+    ) -> None:
+        _init_backend()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: model file not found")
+        if kv_type not in KV_TYPES:
+            raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        self.model = None
+        self.ctx = None
+        self._batch = None
+        self._top_k_chain = None
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        # CPU "repacked" weight layouts use other kernels for a batch than for one token, so a verify batch's
+        # logits differ from plain decoding's (by ~0.5 on Gemma 270M) and greedy output would not be lossless.
+        # Without them one token and a batch give bit-identical logits (checked in tests/test_engine.py).
+        mparams.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"{self.path}: llama.cpp could not load this model (LOCALSPEC_DEBUG=1 shows why)")
+
+        threads = n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.type_k = KV_TYPES[kv_type]
+        cparams.type_v = KV_TYPES[kv_type]
+        cparams.no_perf = True
+        if device_top_k:
+            cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            self.close()
+            raise ModelLoadError(
+                f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens "
+                "(out of memory? try a smaller --ctx or --kv-type q8_0)"
+            )
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
+        self.n_threads = threads
+        self.kv_type = kv_type
+        self.n_gpu_layers = n_gpu_layers
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        pad = int(llama_cpp.llama_vocab_pad(self.vocab))
+        self.unknown_token = pad if 0 <= pad < self.n_vocab else max(self.bos, 0)
+
+        # One batch for the model's life; numpy views let us fill it without per-token ctypes calls.
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))[:] = 1
+        for i in range(n_batch):
+            self._batch.seq_id[i][0] = 0
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+        # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
+        # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
+        self.device_top_k = device_top_k
+        if device_top_k > 0 and not self.use_device_top_k(True):
+            self.device_top_k = 0  # this backend cannot run it: full logits it is
+
+    # -- decoding -------------------------------------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> np.ndarray | None:
+        """Append `tokens` at positions start_pos.. to the KV cache.
+
+        Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode):
+        one row per token with `all_logits`, else one row for the last token. Prompt-sized inputs are split
+        into n_batch chunks; only the final chunk produces logits.
+        """
+        n = len(tokens)
+        if n == 0:
+            return None
+        if start_pos + n > self.n_ctx:
+            raise ContextFullError(f"{self.path.name}: {start_pos + n} tokens do not fit the context of {self.n_ctx}")
+        done = 0
+        while done < n:
+            chunk = min(self.n_batch, n - done)
+            last_chunk = done + chunk == n
+            self._tok[:chunk] = tokens[done : done + chunk]
+            self._pos[:chunk] = np.arange(start_pos + done, start_pos + done + chunk)
+            self._out[:chunk] = 1 if (all_logits and last_chunk) else 0
+            if last_chunk:
+                self._out[chunk - 1] = 1
+            self._batch.n_tokens = chunk
+            rc = llama_cpp.llama_decode(self.ctx, self._batch)
+            if rc != 0:
+                raise ModelLoadError(
+                    f"{self.path.name}: llama_decode failed with code {rc} at position {start_pos + done}"
+                    + (" (no KV slot: the context is full)" if rc == 1 else "")
+                )
+            done += chunk
+        rows = n - (done - chunk) if all_logits else 1
+        if self._top_k_chain is not None:
+            return self._device_top_k(chunk, rows)
+        ptr = llama_cpp.llama_get_logits(self.ctx)  # synchronises with the device
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+
+    def _device_top_k(self, chunk: int, rows: int) -> TopK:
+        k = self.device_top_k
+        ids = np.empty((rows, k), dtype=np.int32)
+        logits = np.empty((rows, k), dtype=np.float32)
+        for r, i in enumerate(range(chunk - rows, chunk)):
+            count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
+            if count != k:
+                raise ModelLoadError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
+            ids[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), shape=(k,))
+            logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
+        return TopK(ids, logits)
+
+    def use_device_top_k(self, on: bool) -> bool:
+        """Switch the device top-k sampler on or off (off when a request needs full logits). True if on.
+
+        llama.cpp initialises a chain for the device once, so each switch-on attaches a fresh chain.
+        """
+        on = on and self.device_top_k > 0
+        if on == (self._top_k_chain is not None):
+            return on
+        if self._top_k_chain is not None:
+            llama_cpp.llama_set_sampler(self.ctx, 0, None)
+            llama_cpp.llama_sampler_free(self._top_k_chain)
+            self._top_k_chain = None
+        if on:
+            chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(self.device_top_k))
+            if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
+                llama_cpp.llama_sampler_free(chain)
+                return False
+            self._top_k_chain = chain
+        return on
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
+            raise ModelLoadError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self.memory, True)
+
+    # -- vocabulary -----------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+            return buf.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return "".join(decoder.decode(self.piece(t)) for t in tokens) + decoder.decode(b"", final=True)
+
+    def token_text(self, token: int) -> str:
+        return llama_cpp.llama_vocab_get_text(self.vocab, token).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._top_k_chain is not None and self.ctx:
+            self.use_device_top_k(False)
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may already be gone
+            self.close()

@@ -1,0 +1,128 @@
+"""From what the user named to a ready engine: resolve files → check the pair → load both models → Engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from localspec import compat, demo, hub, memory, registry
+from localspec.config import Preset
+from localspec.engine import Engine
+from localspec.errors import IncompatiblePairError, LocalspecError
+from localspec.gguf_header import read_header
+from localspec.llama_ctx import LlamaModel
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The two GGUF files of a run and what their pair recommends (None = use the preset)."""
+
+    target: Path
+    draft: Path | None
+    name: str
+    n_ctx: int | None = None
+    n_draft: int | None = None
+
+
+def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> ModelFiles:
+    """Explicit paths win; otherwise the named pair, else the user's default pair, else the offline demo.
+
+    Pairs resolve to files already in the Hugging Face cache, offline; `localspec pull` is the only download.
+    """
+    if target is not None or draft is not None:
+        if target is None:
+            raise LocalspecError("--draft PATH needs --target PATH too")
+        for path in (target, draft):
+            if path is not None and not path.is_file():
+                raise LocalspecError(f"{path}: model file not found")
+        return ModelFiles(target=target, draft=draft, name="custom")
+    chosen = registry.get_pair(pair or registry.default_pair_name())
+    if chosen.builtin:
+        # The demo keeps the preset's context and draft length (its files are tiny).
+        return ModelFiles(target=demo.target_path(), draft=demo.draft_path(), name=chosen.name)
+    assert chosen.target is not None and chosen.draft is not None
+    return ModelFiles(
+        target=hub.require_cached(chosen.target, chosen.name),
+        draft=hub.require_cached(chosen.draft, chosen.name),
+        name=chosen.name,
+        n_ctx=chosen.n_ctx,
+        n_draft=chosen.n_draft,
+    )
+
+
+def settle_preset(preset: Preset, files: ModelFiles, **overrides: object) -> Preset:
+    """Command-line values win, then what the pair recommends (context, draft length), then the preset."""
+    if overrides.get("n_ctx") is None:
+        overrides["n_ctx"] = files.n_ctx
+    if overrides.get("n_draft") is None:
+        overrides["n_draft"] = files.n_draft
+    return preset.with_overrides(**overrides)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    verdict: compat.Verdict | None  # None without a draft
+    estimate: memory.Estimate
+
+
+def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None = None) -> Preflight:
+    """Every check that needs no weights, from the GGUF headers alone: run before any model is loaded.
+
+    Raises IncompatiblePairError for a tokenizer mismatch and LocalspecError (naming what to change) when the
+    pair will not fit the free VRAM/RAM at these settings.
+    """
+    target = read_header(files.target)
+    draft = read_header(files.draft) if files.draft is not None else None
+    verdict = compat.compare(target, draft) if draft is not None else None
+    if verdict is not None and not verdict.compatible:
+        raise IncompatiblePairError(verdict.reason)
+    settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx)
+    est = memory.estimate(target, draft, settings, devices or memory.probe_devices())
+    if not est.fits:
+        fixes = " or ".join(est.suggestions)
+        raise LocalspecError(f"pair {files.name} will not fit: {est.problem}; try {fixes}")
+    return Preflight(verdict=verdict, estimate=est)
+
+
+@dataclass
+class Session:
+    files: ModelFiles
+    preset: Preset
+    target: LlamaModel
+    draft: LlamaModel | None
+    engine: Engine
+
+    def close(self) -> None:
+        for model in (self.draft, self.target):
+            if model is not None:
+                model.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_session(files: ModelFiles, preset: Preset) -> Session:
+    """Check the pair from its headers (no weights read), then load both models and wire up an Engine."""
+    preflight(files, preset)
+    load = preset.load
+    n_ctx = load.n_ctx
+    target = LlamaModel(
+        files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
+        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k,
+    )
+    draft = None
+    try:
+        if files.draft is not None:
+            draft = LlamaModel(
+                files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
+                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k,
+            )
+    except BaseException:
+        if draft is not None:
+            draft.close()
+        target.close()
+        raise
+    return Session(files=files, preset=preset, target=target, draft=draft, engine=Engine(target, draft))

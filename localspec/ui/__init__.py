@@ -1,0 +1,1 @@
+"""rich views. Only the CLI imports these; the library never prints."""

@@ -1,0 +1,74 @@
+"""The bench table: filled in live while runs finish, then the verdict lines."""
+
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from localspec.bench import PLAIN, SPEC, BenchReport, RunResult, SweepReport
+
+
+def _fmt_tps(values: list[float]) -> tuple[str, str, str]:
+    if not values:
+        return "…", "", ""
+    return f"{statistics.median(values):.1f}", f"{min(values):.1f}", f"{max(values):.1f}"
+
+
+def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("mode")
+    table.add_column("runs", justify="right")
+    table.add_column("median tok/s", justify="right", style="bold")
+    table.add_column("min", justify="right")
+    table.add_column("max", justify="right")
+    table.add_column("acceptance", justify="right")
+    table.add_column("mean accepted", justify="right")
+    table.add_column("host work", justify="right")
+    for mode in (PLAIN, SPEC):
+        mine = [r for r in runs if r.mode == mode]
+        med, lo, hi = _fmt_tps([r.decode_tps for r in mine])
+        drafted = sum(r.drafted for r in mine)
+        rounds = sum(r.rounds for r in mine)
+        decode = sum(r.decode_s for r in mine)
+        acc = f"{sum(r.accepted for r in mine) / drafted:.1%}" if drafted else "—"
+        mean = f"{sum(r.accepted for r in mine) / rounds:.2f}" if mode == SPEC and rounds else "—"
+        host = f"{sum(r.host_s for r in mine) / decode:.1%}" if decode else ""
+        table.add_row(mode, f"{len(mine)}/{repeat}", med, lo, hi, acc, mean, host)
+    return table
+
+
+def summary(report: BenchReport) -> Group:
+    lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
+                  style="bold green" if report.speedup >= 1 else "bold yellow")]
+    lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
+    check = report.greedy_check
+    if check.identical:
+        lines.append(Text("✓ greedy output of speculative decoding is token-identical to plain decoding",
+                          style="green"))
+    else:
+        lines.append(Text(f"✗ greedy outputs differ: {check.first_mismatch}", style="bold red"))
+    return Group(*lines)
+
+
+def sweep_table(report: SweepReport) -> Table:
+    """The draft-length table with a bar per row, scaled to the fastest."""
+    top = max(r.summary.median_tps for r in report.rows) or 1.0
+    best = report.best.n_draft
+    table = Table(title="draft length sweep (median decode tok/s)", title_justify="left")
+    for name, justify in (("k", "right"), ("tok/s", "right"), ("vs plain", "right"), ("acceptance", "right"),
+                          ("mean accepted", "right"), ("", "left")):
+        table.add_column(name, justify=justify)
+    for row in report.rows:
+        s = row.summary
+        bar = "█" * max(1, round(30 * s.median_tps / top))
+        style = "bold green" if row.n_draft == best else ("dim" if row.n_draft == 0 else "")
+        table.add_row(
+            "plain" if row.n_draft == 0 else str(row.n_draft), f"{s.median_tps:.1f}",
+            f"{s.median_tps / report.plain_tps:.2f}x" if report.plain_tps else "",
+            f"{s.acceptance_rate:.1%}" if row.n_draft else "—", f"{s.mean_accepted:.2f}" if row.n_draft else "—",
+            Text(bar, style=style or "cyan"),
+        )
+    return table

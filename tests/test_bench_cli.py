@@ -1,0 +1,139 @@
+"""`localspec bench` end to end on the offline demo pair, and the CLI's error handling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from localspec.cli.app import app
+
+runner = CliRunner()
+
+
+def localspec(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real entry point in a subprocess: exit codes and stderr exactly as a user sees them."""
+    return subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "--repeat", "2", "--warmup", "2", "--max-tokens", "12",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "median" in result.output and "✓" in result.output
+    report = json.loads(out.read_text())
+    assert report["preset"]["sampling"]["temperature"] == 0.7
+    assert report["n_draft"] == 6 and report["max_tokens"] == 12
+    assert report["greedy_check"] == {"identical": True, "first_mismatch": None}
+    assert report["plain"]["runs"] == report["speculative"]["runs"] == 2
+    assert [r["mode"] for r in report["runs"]] == ["plain", "speculative", "speculative", "plain"]  # interleaved
+    spec_runs = [r for r in report["runs"] if r["mode"] == "speculative"]
+    assert all(r["tokens"] == 3 * 12 for r in report["runs"])  # every prompt of the set, every run
+    assert report["speculative"]["median_tps"] == pytest.approx(
+        sorted(r["decode_tps"] for r in spec_runs)[0] / 2 + sorted(r["decode_tps"] for r in spec_runs)[1] / 2)
+    assert 0 < report["speculative"]["acceptance_rate"] <= 1
+    assert report["speedup"] == pytest.approx(report["speculative"]["median_tps"] / report["plain"]["median_tps"])
+    env = report["environment"]
+    assert env["llama_cpp_python"] == "0.3.36" and env["pair"] == "demo"
+    assert env["target"]["path"].endswith("gemma-3-270m-q4_k_m.gguf")
+    assert env["draft"]["path"].endswith("gemma-3-270m-q2_k-draft.gguf")
+    # The verdict tells the truth either way.
+    assert ("SLOWER" in report["verdict"]) == (report["speedup"] < 1)
+
+
+@pytest.mark.slow
+def test_bench_greedy_preset_checks_the_measured_runs(use_demo_home):
+    result = runner.invoke(app, ["bench", "--preset", "greedy", "--repeat", "1", "--warmup", "0",
+                                 "--max-tokens", "8", "--draft", "3"])
+    assert result.exit_code == 0, result.output
+    assert "checking greedy losslessness" not in result.output  # temperature 0: the runs themselves compare
+    assert "✓ greedy output" in result.output and "draft length 3" in result.output
+
+
+def test_unknown_preset_is_one_line_and_exit_2(tmp_path):
+    env = {"LOCALSPEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    r = localspec("bench", "--preset", "nope", env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "localspec: error: unknown preset 'nope' (available: default, greedy)"]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_preset_file_names_file_key_and_range(tmp_path):
+    bad = tmp_path / "mine.toml"
+    bad.write_text("[draft]\nn_draft = 40\n")
+    r = localspec("bench", "--preset", str(bad), env={"LOCALSPEC_HOME": str(tmp_path)})
+    assert r.returncode == 2
+    assert f"{bad}: draft.n_draft = 40: allowed range is 0..32" in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = localspec("bench", "--preset", "nope", env={"LOCALSPEC_HOME": str(tmp_path), "LOCALSPEC_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_draft_option_takes_a_length_or_a_path_once_each(tmp_path):
+    from localspec.cli.options import split_draft_values
+    from localspec.errors import LocalspecError
+
+    assert split_draft_values(["4", "d.gguf"]) == (4, __import__("pathlib").Path("d.gguf"))
+    assert split_draft_values(None) == (None, None)
+    with pytest.raises(LocalspecError, match="draft length was already given"):
+        split_draft_values(["4", "5"])
+    with pytest.raises(LocalspecError, match="draft model was already given"):
+        split_draft_values(["a.gguf", "b.gguf"])
+
+
+def test_missing_model_file_is_named(tmp_path):
+    r = localspec("bench", "--target", str(tmp_path / "missing.gguf"), "--draft", str(tmp_path / "d.gguf"),
+                  env={"LOCALSPEC_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "missing.gguf: model file not found" in r.stderr
+
+
+def test_bench_refuses_draft_zero(use_demo_home):
+    r = localspec("bench", "--draft", "0", env={"LOCALSPEC_HOME": str(use_demo_home)})
+    assert r.returncode == 2 and "--draft 0 turns speculation off" in r.stderr
+
+
+def test_json_folder_must_exist(use_demo_home, tmp_path):
+    r = localspec("bench", "--json", str(tmp_path / "no" / "r.json"), env={"LOCALSPEC_HOME": str(use_demo_home)})
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("localspec 0.1.0")
+
+
+@pytest.mark.slow
+def test_sweep_table_json_and_saved_preset(use_demo_home, tmp_path):
+    out = tmp_path / "sweep.json"
+    result = runner.invoke(app, ["bench", "--sweep", "1,3", "--preset", "greedy", "--repeat", "1", "--warmup", "1",
+                                 "--max-tokens", "8", "--json", str(out), "--save-preset", "tuned"])
+    assert result.exit_code == 0, result.output
+    assert "draft length sweep" in result.output and "█" in result.output
+    report = json.loads(out.read_text())
+    assert [r["n_draft"] for r in report["rows"]] == [0, 1, 3]
+    best = max(report["rows"][1:], key=lambda r: r["median_tps"])["n_draft"]
+    assert report["best_n_draft"] == best
+    from localspec.config import load_preset
+
+    saved = load_preset("tuned")
+    assert saved.draft.n_draft == best and saved.sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize(("value", "message"), [("2,x", "expected comma-separated"), ("0,4", "between 1 and 32")])
+def test_sweep_values_are_checked(use_demo_home, value, message):
+    r = localspec("bench", "--sweep", value, env={"LOCALSPEC_HOME": str(use_demo_home)})
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_save_preset_needs_sweep(use_demo_home):
+    r = localspec("bench", "--save-preset", "x", env={"LOCALSPEC_HOME": str(use_demo_home)})
+    assert r.returncode == 2 and "--save-preset needs --sweep" in r.stderr

@@ -1,0 +1,160 @@
+"""`localspec chat` in a real terminal (pexpect gives it a pty): what a user sees and types.
+
+The demo pair runs the main conversation (a real Gemma, so prefix reuse and draft colours are realistic); the
+tiny generated pair, named by path, fills its context quickly for the context-full cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+pytestmark = pytest.mark.slow
+
+STATS = re.compile(r"(\d+) tokens · [\d.]+ tok/s · ([^\r\n]*?) · mean accepted [\d.]+ · "
+                   r"prompt tokens processed (\d+)/(\d+)")
+DRAFT_COLOUR = "\x1b[36m"  # cyan, DRAFT_STYLE in cli/chat_cmd.py
+PROMPT = "you›"
+
+
+def spawn(home: Path, *args: str, timeout: int = 240):
+    env = {**os.environ, "LOCALSPEC_HOME": str(home), "TERM": "xterm-256color", "COLUMNS": "200"}
+    for key in ("NO_COLOR", "FORCE_COLOR", "LOCALSPEC_DEBUG"):
+        env.pop(key, None)
+    child = pexpect.spawn(sys.executable, ["-c", "from localspec.cli.app import main; main()", "chat", *args],
+                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200))
+    child.expect("coloured like this")
+    child.expect(PROMPT)
+    return child
+
+
+def turn(child, text: str) -> tuple[str, re.Match[str]]:
+    """Send a message; return what the reply printed (with its colour codes) and the stats line's match."""
+    child.sendline(text)
+    child.expect("model›")
+    child.expect(STATS)
+    reply, stats = child.before, child.match
+    child.expect(PROMPT)
+    return reply, stats
+
+
+def command(child, line: str, answer: str) -> str:
+    child.sendline(line)
+    child.expect(answer)
+    printed = child.before + child.after
+    child.expect(PROMPT)
+    return printed
+
+
+def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None:
+    child = spawn(demo_home, "--max-tokens", "16", "--temp", "0", "--system", "You are a helpful assistant.")
+    try:
+        reply1, s1 = turn(child, "Name a large city in France.")
+        assert int(s1[1]) == 16 and int(s1[3]) == int(s1[4]) - 1  # first turn reads the whole prompt
+        assert DRAFT_COLOUR in reply1  # accepted draft tokens are coloured
+        reply2, s2 = turn(child, "And one in Germany?")
+        processed, prompt = int(s2[3]), int(s2[4])
+        assert prompt > int(s1[4]) + 16 and processed <= 20 < prompt // 2  # only the new part is read
+        command(child, "/stats", "turns 2 ")
+
+        saved = tmp_path / "chat.json"
+        command(child, f"/save {saved}", "saved 2 turns")
+        data = json.loads(saved.read_text())
+        assert [t["user"] for t in data["turns"]] == ["Name a large city in France.", "And one in Germany?"]
+        assert data["system"] == "You are a helpful assistant."
+        assert data["turns"][1]["prompt_tokens"] == prompt
+        assert data["turns"][1]["prompt_tokens_processed"] == processed
+        assert data["settings"]["sampling"]["temperature"] == 0.0 and data["settings"]["max_tokens"] == 16
+
+        command(child, "/color", "draft-token colour off")
+        reply3, s3 = turn(child, "And one in Italy?")
+        assert "acceptance" in s3[2] and DRAFT_COLOUR not in reply3  # drafting still on, colour off
+        command(child, "/draft 0", "draft length 0")
+        _, s4 = turn(child, "And one in Spain?")
+        assert s4[2] == "no drafting"
+        command(child, "/temp 0.5", r"temperature 0\.5")
+        command(child, "/preset default", r"preset default: temperature 0\.7, draft length 6")
+        command(child, "/help", r"/save FILE +write the transcript")
+        command(child, "/bogus", "unknown command /bogus")
+
+        command(child, "/reset", "conversation cleared")
+        command(child, "/stats", r"turns 0 · tokens 0 ")
+        command(child, f"/save {saved}", "saved 0 turns")
+        assert json.loads(saved.read_text())["messages"] == [
+            {"role": "system", "content": "You are a helpful assistant."}]
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(demo_home: Path) -> None:
+    child = spawn(demo_home, "--max-tokens", "100", "--temp", "0")
+    try:
+        child.sendline("Count from one to two hundred, one number per line.")
+        child.expect("model›")
+        child.expect("[A-Za-z]{3}")  # the reply has started (ANSI codes never hold three letters in a row)
+        child.sendintr()
+        child.expect(r"stopped after (\d+) tokens")
+        assert int(child.match[1]) < 100
+        child.expect(PROMPT)
+        _, stats = turn(child, "Thanks. Now say hello.")  # the session still works, from the cache
+        assert int(stats[3]) < int(stats[4]) // 2
+        child.sendintr()  # at the prompt, Ctrl-C only clears the line
+        child.expect(r"Ctrl-D or /exit quits")
+        child.expect(PROMPT)
+        child.sendeof()  # Ctrl-D leaves
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_context_full_offers_reset(tiny_pair: tuple[Path, Path], demo_home: Path) -> None:
+    target, draft = tiny_pair
+    child = spawn(demo_home, "--target", str(target), "--draft", str(draft), "--ctx", "64", "--temp", "0")
+    try:
+        child.sendline("hello")
+        child.expect(r"context full \((\d+) tokens\): /reset starts a new conversation")
+        child.expect(PROMPT)
+        child.sendline("and now?")
+        child.expect(r"the conversation needs \d+ tokens and the context holds \d+: /reset starts over")
+        child.expect(PROMPT)
+        command(child, "/reset", "conversation cleared")
+        child.sendline("hello")
+        child.expect("context full")  # a full reply again: the session works after /reset
+        child.expect(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_drop_oldest_keeps_chatting(tiny_pair: tuple[Path, Path], demo_home: Path) -> None:
+    target, draft = tiny_pair
+    child = spawn(demo_home, "--target", str(target), "--draft", str(draft), "--ctx", "64", "--temp", "0",
+                  "--max-tokens", "40", "--drop-oldest")
+    try:
+        for i in range(12):
+            child.sendline(f"message {i} " + "x " * 20)
+            if child.expect([r"dropped the (\d+) oldest turn", STATS]) == 0:
+                break
+            child.expect(PROMPT)
+        else:
+            pytest.fail("no turn was dropped")
+        child.expect(STATS)
+        child.expect(PROMPT)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

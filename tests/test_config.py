@@ -1,0 +1,85 @@
+"""Presets: the one place defaults live, strict parsing, CLI overlay."""
+
+from __future__ import annotations
+
+import pytest
+
+from localspec.config import available_presets, load_preset, save_user_preset
+from localspec.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_default_preset_values():
+    p = load_preset()
+    assert (p.sampling.temperature, p.sampling.top_p, p.sampling.top_k, p.sampling.repeat_penalty) == (
+        0.7, 0.9, 40, 1.0)
+    assert p.draft.n_draft == 6
+    assert p.bench.repeat == 5 and p.bench.warmup == 10
+
+
+def test_greedy_overlays_default():
+    g = load_preset("greedy")
+    assert g.sampling.temperature == 0.0 and g.sampling.greedy
+    assert g.sampling.top_k == load_preset().sampling.top_k  # everything else comes from default
+    assert {"default", "greedy"} <= set(available_presets())
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    f = write(tmp_path / "mine.toml", "[sampling]\ntemprature = 0.5\n")
+    with pytest.raises(ConfigError, match=r"mine\.toml: unknown key sampling\.temprature"):
+        load_preset(str(f))
+
+
+def test_unknown_section(tmp_path):
+    f = write(tmp_path / "s.toml", "[sampler]\ntop_k = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[sampler\]"):
+        load_preset(str(f))
+
+
+@pytest.mark.parametrize(("text", "pattern"), [
+    ("[sampling]\ntop_p = 1.5\n", r"sampling\.top_p = 1\.5: allowed range is 0\.0\.\.1\.0"),
+    ("[draft]\nn_draft = 99\n", r"draft\.n_draft = 99: allowed range is 0\.\.32"),
+    ("[draft]\nn_draft = 2.5\n", r"expected a whole number"),
+    ("[sampling]\ntemperature = \"hot\"\n", r"expected a number"),
+    ("[draft]\nadaptive = 1\n", r"expected true or false"),
+    ("[load]\nkv_type = \"q5\"\n", r"choose one of f16, q8_0, q4_0"),
+    ("[sampling\n", r"invalid TOML"),
+])
+def test_bad_values_name_key_and_range(tmp_path, text, pattern):
+    f = write(tmp_path / "bad.toml", text)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_preset(str(f))
+    assert "bad.toml" in str(info.value)
+
+
+def test_unknown_preset_lists_available():
+    with pytest.raises(ConfigError, match=r"unknown preset 'fast' \(available: default, greedy"):
+        load_preset("fast")
+
+
+def test_overrides_are_checked_and_none_keeps_preset():
+    p = load_preset().with_overrides(temperature=None, n_draft=3, max_tokens=7)
+    assert p.sampling.temperature == 0.7 and p.draft.n_draft == 3 and p.bench.max_tokens == 7
+    with pytest.raises(ConfigError, match=r"command line: sampling\.top_p = 2\.0: allowed range"):
+        load_preset().with_overrides(top_p=2.0)
+
+
+def test_user_preset_roundtrip_and_precedence(home):
+    tuned = load_preset("greedy").with_overrides(n_draft=4)
+    path = save_user_preset("tuned", tuned)
+    assert path == home / "presets" / "tuned.toml"
+    again = load_preset("tuned")
+    assert again.sampling == tuned.sampling and again.draft == tuned.draft and again.load == tuned.load
+    # A user preset with a shipped name wins over the shipped one.
+    (home / "presets" / "greedy.toml").write_text("[sampling]\ntemperature = 0.1\n")
+    assert load_preset("greedy").sampling.temperature == 0.1

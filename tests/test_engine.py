@@ -1,0 +1,224 @@
+"""The speculative engine through the real llama.cpp, on tiny generated pairs and the PyPI-shipped models."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from localspec.config import Drafting, load_preset
+from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
+from localspec.errors import ContextFullError, IncompatiblePairError
+from localspec.llama_ctx import LlamaModel
+from localspec.sampling import candidates
+from localspec.session import ModelFiles, open_session
+
+pytestmark = pytest.mark.slow
+
+GREEDY = load_preset("greedy")
+
+
+def drafting(k: int, adaptive: bool = False, p_min: float = 0.0) -> Drafting:
+    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive)
+
+
+def run(engine, prompt, sampling, draft: Drafting, max_tokens: int):
+    tokens, events, done = [], [], None
+    for event in engine.generate(prompt, sampling, draft, max_tokens):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token)
+            events.append(event)
+        else:
+            assert isinstance(event, DoneEvent)
+            done = event
+    return tokens, events, done
+
+
+def open_pair(target, draft, preset=GREEDY, **load):
+    if load:
+        preset = preset.with_overrides(**load)
+    return open_session(ModelFiles(target=target, draft=draft, name="test"), preset)
+
+
+def prompts(n: int, seed: int = 7, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=length).tolist() for _ in range(n)]
+
+
+def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
+    """Greedy losslessness rests on this: a verify batch must score a position exactly as plain decoding."""
+    from localspec import demo
+
+    for path in (tiny_pair[0], demo.target_path()):
+        with LlamaModel(path, n_ctx=256) as model:
+            prompt = model.tokenize("The quick brown fox jumps over the lazy dog because")
+            n = len(prompt)
+            model.decode(prompt[:-1], 0)
+            follow = [prompt[-1], 11, 12, 13, 14, 15]
+            single = [model.decode([tok], n - 1 + i, all_logits=True)[0].copy() for i, tok in enumerate(follow)]
+            model.truncate(n - 1)
+            batch = model.decode(follow, n - 1, all_logits=True)
+            assert np.array_equal(np.stack(single), batch), path.name
+
+
+@pytest.mark.parametrize("device_top_k", [0, 64])
+def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k):
+    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
+        total_drafted = total_accepted = 0
+        for prompt in prompts(8):
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 40)
+            for draft in (drafting(1), drafting(3), drafting(6), drafting(8, adaptive=True),
+                          drafting(6, p_min=0.3)):
+                spec, _, done = run(s.engine, prompt, GREEDY.sampling, draft, 40)
+                assert spec == plain, (prompt, draft)
+                total_drafted += done.stats.drafted
+                total_accepted += done.stats.accepted
+        # The pair must actually exercise both paths: rejections and acceptances.
+        assert 0.2 < total_accepted / total_drafted < 0.98
+
+
+def test_greedy_lossless_on_demo_pair(use_demo_home):
+    from localspec import demo
+    from localspec.bench import PROMPTS
+
+    with open_pair(demo.target_path(), demo.draft_path()) as s:
+        for _, text in PROMPTS:
+            prompt = s.target.tokenize(text)
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 48)
+            spec, _, done = run(s.engine, prompt, GREEDY.sampling, drafting(6), 48)
+            assert spec == plain
+            assert done.stats.accepted > 0
+
+
+@pytest.mark.parametrize(("temperature", "repeat_penalty"), [(0.0, 1.0), (0.9, 1.0), (0.9, 1.3)])
+def test_kv_caches_consistent_after_rejections(tiny_pair, temperature, repeat_penalty):
+    """Continuing after rounds with rejections must equal a fresh run on the same text (both caches rewound)."""
+    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=3)
+    with open_pair(*tiny_pair) as s:
+        prompt = prompts(1, seed=11)[0]
+        first, _, done = run(s.engine, prompt, preset.sampling, drafting(5), 30)
+        assert done.stats.accepted < done.stats.drafted  # there were rejections
+        cont_prompt = prompt + first
+        continued, _, done2 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
+        assert done2.stats.prompt_tokens_processed < len(first)  # the caches were reused, not rebuilt
+        s.engine.reset()
+        fresh, _, done3 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
+        assert done3.stats.prompt_tokens_processed == len(cont_prompt) - 1
+        assert continued == fresh
+
+
+def test_all_accepted_rounds_keep_the_draft_in_step(tiny_pair_high):
+    """Near-100% acceptance: the draft never saw the last drafted token and must catch up next round."""
+    with open_pair(*tiny_pair_high) as s:
+        for prompt in prompts(3, seed=5):
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 50)
+            spec, _, done = run(s.engine, prompt, GREEDY.sampling, drafting(4), 50)
+            assert spec == plain
+            assert done.stats.acceptance_rate > 0.9
+
+
+def test_sampling_is_seeded_and_reproducible(tiny_pair):
+    preset = GREEDY.with_overrides(temperature=0.8, top_k=20, top_p=0.95, seed=9)
+    with open_pair(*tiny_pair) as s:
+        prompt = prompts(1)[0]
+        a, _, _ = run(s.engine, prompt, preset.sampling, drafting(4), 30)
+        b, _, _ = run(s.engine, prompt, preset.sampling, drafting(4), 30)
+        c, _, _ = run(s.engine, prompt, dataclasses.replace(preset.sampling, seed=10), drafting(4), 30)
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("device_top_k", [0, 64])
+def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_top_k):
+    """The first emitted token of a speculative round must follow the target's own distribution p exactly."""
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
+        prompt = prompts(1, seed=21)[0]
+        s.engine.reset()
+        s.target.use_device_top_k(False)  # the reference p comes from the full logits
+        logits = s.target.decode(prompt, 0)
+        p = candidates(logits, preset.sampling)
+        s.engine.reset()
+        n = 1500
+        firsts = Counter()
+        accepted = 0
+        for seed in range(n):
+            sampling = dataclasses.replace(preset.sampling, seed=seed)
+            tokens, _, done = run(s.engine, prompt, sampling, drafting(1), 2)
+            firsts[tokens[0]] += 1
+            accepted += done.stats.accepted
+    assert 0 < accepted < n  # both branches (accept and resample) were taken
+    chi2 = 0.0
+    for token, prob in zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True):
+        expected = n * prob
+        chi2 += (firsts.get(token, 0) - expected) ** 2 / expected
+    assert set(firsts) <= set(p.ids[0].tolist())
+    assert chi2 < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
+
+
+def test_stops_exactly_at_max_tokens(tiny_pair):
+    with open_pair(*tiny_pair) as s:
+        prompt = prompts(1)[0]
+        for k in (0, 3, 6):
+            tokens, events, done = run(s.engine, prompt, GREEDY.sampling, drafting(k), 17)
+            assert len(tokens) == 17 and done.stop_reason == STOP_MAX_TOKENS
+
+
+def test_context_full_stops_cleanly(tiny_pair):
+    with open_pair(*tiny_pair, n_ctx=64) as s:
+        prompt = prompts(1, length=20)[0]
+        plain, _, done_plain = run(s.engine, prompt, GREEDY.sampling, drafting(0), 500)
+        spec, _, done_spec = run(s.engine, prompt, GREEDY.sampling, drafting(6), 500)
+        assert done_plain.stop_reason == done_spec.stop_reason == STOP_CONTEXT_FULL
+        assert "context full" in done_spec.message
+        assert spec == plain
+        n_ctx = s.engine.n_ctx  # llama.cpp rounds the context up (to 256 here)
+        assert n_ctx < 500
+        assert len(plain) == n_ctx - len(prompt) + 1  # the last token comes from the last cell's logits
+        too_long = n_ctx + 6
+        with pytest.raises(ContextFullError, match=f"the prompt has {too_long} tokens; the context holds {n_ctx}"):
+            run(s.engine, prompts(1, length=too_long)[0], GREEDY.sampling, drafting(6), 5)
+
+
+def test_end_of_generation_stops_a_real_chat_reply(smollm2_path):
+    """SmolLM2-Instruct drafting for itself: every draft is accepted, and <|im_end|> ends the reply."""
+    with open_pair(smollm2_path, smollm2_path) as s:
+        prompt = s.target.tokenize(
+            "<|im_start|>user\nSay hello in three words.<|im_end|>\n<|im_start|>assistant\n", parse_special=True
+        )
+        plain, _, done_plain = run(s.engine, prompt, GREEDY.sampling, drafting(0), 200)
+        spec, events, done = run(s.engine, prompt, GREEDY.sampling, drafting(6), 200)
+    assert done.stop_reason == done_plain.stop_reason == STOP_EOG
+    assert spec == plain and 0 < len(spec) < 200
+    assert done.stats.acceptance_rate == 1.0
+    assert any(e.from_draft for e in events)
+    assert "im_end" not in "".join(e.text for e in events)
+
+
+def test_stats_arithmetic(tiny_pair):
+    with open_pair(*tiny_pair) as s:
+        prompt = prompts(1, seed=3)[0]
+        tokens, events, done = run(s.engine, prompt, GREEDY.sampling, drafting(4), 33)
+        st = done.stats
+        assert st.tokens == len(tokens) == 33
+        assert st.prompt_tokens == len(prompt) and st.prompt_tokens_processed == len(prompt) - 1
+        assert st.drafted == sum(st.draft_lengths) and len(st.draft_lengths) == st.rounds
+        assert st.acceptance_rate == pytest.approx(st.accepted / st.drafted)
+        assert st.mean_accepted == pytest.approx(st.accepted / st.rounds)
+        assert sum(e.from_draft for e in events) == st.accepted - (st.accepted + st.rounds - st.tokens)
+        assert st.decode_tps == pytest.approx(st.tokens / st.decode_s)
+        assert st.host_s == pytest.approx(st.decode_s - st.draft_s - st.verify_s)
+        assert st.draft_s > 0 and st.verify_s > 0
+        # Same prompt again: the caches already hold it, nothing is re-read.
+        _, _, again = run(s.engine, prompt, GREEDY.sampling, drafting(0), 5)
+        assert again.stats.prompt_tokens_processed == 0
+        assert again.stats.drafted == 0 and again.stats.rounds == 5
+
+
+def test_incompatible_pair_is_refused(use_demo_home, smollm2_path):
+    from localspec import demo
+
+    with pytest.raises(IncompatiblePairError):
+        open_pair(demo.target_path(), smollm2_path)

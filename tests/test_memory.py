@@ -1,0 +1,138 @@
+"""Memory preflight: the header-only estimate against llama.cpp's own allocations, and the fit advice."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from localspec import demo, memory
+from localspec.gguf_header import read_header
+from tests.helpers_vocab import write_vocab
+
+MiB = 2**20
+# The estimate must land within 10% of what llama.cpp allocates in total, and the KV cache within 1%.
+TOTAL_TOLERANCE = 0.10
+KV_TOLERANCE = 0.01
+
+_LOAD = """
+import sys
+from localspec.llama_ctx import LlamaModel
+m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0)
+m.close()
+"""
+
+
+def llama_cpp_buffers(path: Path, n_ctx: int, kv_type: str) -> dict[str, float]:
+    """Load the model in a child process with llama.cpp's log on; sum the buffer sizes it reports (bytes)."""
+    env = dict(os.environ, LOCALSPEC_DEBUG="1")
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(path), str(n_ctx), kv_type],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    sums = {"weights": 0.0, "kv": 0.0, "compute": 0.0, "output": 0.0}
+    patterns = {
+        "weights": r"model buffer size = +([\d.]+) MiB",
+        "kv": r"KV buffer size = +([\d.]+) MiB",
+        "compute": r"compute buffer size = +([\d.]+) MiB",
+        "output": r"output buffer size = +([\d.]+) MiB",
+    }
+    for key, pattern in patterns.items():
+        sums[key] = sum(float(x) for x in re.findall(pattern, out.stderr)) * MiB
+    assert sums["weights"] and sums["kv"] and sums["compute"], out.stderr[-2000:]
+    return sums
+
+
+@pytest.fixture(scope="module")
+def gemma(demo_home: Path) -> Path:
+    """The demo target (Gemma 3 270M Q4_K_M), assembled once per session by conftest's demo_home."""
+    return demo_home / "cache" / "demo" / demo.TARGET_FILE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma"])
+@pytest.mark.parametrize(("n_ctx", "kv_type"), [(4096, "f16"), (16384, "q8_0")])
+def test_estimate_matches_what_llama_cpp_allocates(
+    which: str, n_ctx: int, kv_type: str, gemma: Path, smollm2_path: Path
+) -> None:
+    path = smollm2_path if which == "smollm2" else gemma
+    s = memory.Settings(n_ctx=n_ctx, n_draft=0, kv_type=kv_type, n_batch=512)
+    est = memory.model_memory(read_header(path), s, n_outputs=1, n_gpu_layers=0)
+    actual = llama_cpp_buffers(path, n_ctx, kv_type)
+    total = sum(actual.values())
+    print(
+        f"{path.name} ctx={n_ctx} {kv_type}: estimate {est.total / MiB:.1f} MiB, "
+        f"llama.cpp {total / MiB:.1f} MiB "
+        f"(weights {est.weights / MiB:.1f}/{actual['weights'] / MiB:.1f}, kv {est.kv / MiB:.1f}/"
+        f"{actual['kv'] / MiB:.1f}, compute {est.compute / MiB:.1f}/{actual['compute'] / MiB:.1f})"
+    )
+    assert est.kv == pytest.approx(actual["kv"], rel=KV_TOLERANCE)
+    assert est.total == pytest.approx(total, rel=TOTAL_TOLERANCE)
+
+
+def test_kv_cache_formula_from_the_header(tmp_path: Path) -> None:
+    # 2 layers x 2 KV heads x (16 + 16) head dims x 2 bytes (f16) per token; the context pads to 256.
+    h = read_header(write_vocab(tmp_path / "m.gguf"))
+    assert memory.kv_bytes(h, 1000, "f16") == 2 * 2 * 32 * 1024 * 2
+    assert memory.kv_bytes(h, 1024, "q8_0") == 2 * 2 * 32 * 1024 * 34 // 32
+    # per-layer KV head counts (a layer without attention has 0)
+    h2 = read_header(write_vocab(tmp_path / "m2.gguf", hparams={"head_count_kv": [2, 0]}))
+    assert memory.kv_bytes(h2, 1024, "f16") == memory.kv_bytes(h, 1024, "f16") // 2
+
+
+def _headers(gemma: Path):
+    return read_header(gemma), read_header(gemma)
+
+
+def test_fits_when_memory_is_plenty(gemma: Path) -> None:
+    t, d = _headers(gemma)
+    s = memory.Settings(n_ctx=4096, n_draft=6)
+    est = memory.estimate(t, d, s, memory.Devices(ram_available=64 << 30))
+    assert est.fits and not est.suggestions
+    assert est.total == sum(m.total for m in est.models) and len(est.models) == 2
+    # both KV caches are counted, and the target's output rows cover the verification window
+    assert est.models[0].kv == est.models[1].kv > 0
+    assert est.models[0].output == 7 * est.models[1].output
+
+
+def test_proposes_what_fits_in_ram(gemma: Path) -> None:
+    t, d = _headers(gemma)
+    s = memory.Settings(n_ctx=32768, n_draft=6)
+    need = memory.estimate(t, d, s, memory.Devices(ram_available=64 << 30)).ram_bytes
+    small = memory.Devices(ram_available=int(need * 0.9))
+    est = memory.estimate(t, d, s, small)
+    assert not est.fits and "RAM" in est.problem and "context 32768" in est.problem
+    assert est.suggestions[0] == "--kv-type q8_0 (keeps context 32768)"
+    ctx = int(est.suggestions[1].split()[1])
+    assert memory.estimate(t, d, replace(s, n_ctx=ctx), small).fits
+    assert not memory.estimate(t, d, replace(s, n_ctx=ctx * 2), small).fits
+
+
+def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
+    t, d = _headers(gemma)
+    s = memory.Settings(n_ctx=2048, n_draft=4)
+    plenty = memory.Devices(ram_available=64 << 30, gpu_free=64 << 30, gpu_name="GPU", gpu_offload=True)
+    gpu_need = memory.estimate(t, d, s, plenty).gpu_bytes
+    short = replace(plenty, gpu_free=int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM)))
+    est = memory.estimate(t, d, s, short)
+    assert not est.fits and "VRAM" in est.problem
+    ngl = [x for x in est.suggestions if x.startswith("--ngl")]
+    assert ngl, est.suggestions
+    n = int(ngl[0].split()[1])
+    assert memory.estimate(t, d, replace(s, n_gpu_layers=n), short).fits
+
+
+def test_probe_devices_says_what_it_cannot_know() -> None:
+    dev = memory.probe_devices()
+    assert dev.ram_available > 0
+    if dev.gpu_free is None:
+        assert dev.notes  # no GPU: the reason is stated, not guessed

@@ -1,0 +1,128 @@
+"""models.toml: the shipped file parses, user overrides, strict errors with file and line, default pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localspec import registry
+from localspec.errors import ConfigError
+
+GOOD = """
+[[pair]]
+name = "p1"
+description = "a pair"
+n_ctx = 4096
+n_draft = 5
+
+[pair.target]
+repo = "org/big-GGUF"
+file = "big-Q4_K_M.gguf"
+quant = "Q4_K_M"
+family = "f"
+license = "apache-2.0"
+size = 1000
+sha256 = "{sha}"
+
+[pair.draft]
+repo = "org/small-GGUF"
+file = "small-Q8_0.gguf"
+quant = "Q8_0"
+family = "f"
+license = "apache-2.0"
+approx_gb = 0.5
+""".replace("{sha}", "a" * 64)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _write(home: Path, text: str) -> Path:
+    path = home / "models.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_models_toml_parses_and_every_repo_is_cited() -> None:
+    path = registry.shipped_path()
+    pairs = registry.parse_file(path)
+    assert pairs and any(p.recommended for p in pairs)
+    text = path.read_text()
+    for p in pairs:
+        for m in (p.target, p.draft):
+            assert m is not None and m.file.endswith(".gguf")
+            # each model block is preceded by a comment citing its Hugging Face page
+            block = text[: text.index(f'repo = "{m.repo}"')].rsplit("[pair.", 1)[1]
+            assert "# https://huggingface.co/" in block, m.repo
+
+
+def test_demo_is_always_listed_and_default_until_set(home: Path) -> None:
+    pairs = registry.load_pairs()
+    assert "demo" in pairs and pairs["demo"].builtin
+    assert registry.default_pair_name() == "demo"
+
+
+def test_user_file_adds_and_overrides(home: Path) -> None:
+    shipped = registry.parse_file(registry.shipped_path())[0]
+    _write(
+        home,
+        GOOD + GOOD.replace('name = "p1"', f'name = "{shipped.name}"').replace("n_ctx = 4096", "n_ctx = 512"),
+    )
+    pairs = registry.load_pairs()
+    assert pairs["p1"].target.size == 1000 and pairs["p1"].draft.expected_bytes == 500_000_000
+    assert pairs[shipped.name].n_ctx == 512 and pairs[shipped.name].source.endswith("models.toml")
+
+
+def test_default_pair_round_trip(home: Path) -> None:
+    _write(home, GOOD)
+    registry.set_default_pair("p1")
+    assert registry.default_pair_name() == "p1"
+    with pytest.raises(ConfigError, match="unknown pair 'nope'"):
+        registry.set_default_pair("nope")
+    (home / "models.toml").unlink()
+    with pytest.raises(ConfigError, match="default pair 'p1' is not defined any more"):
+        registry.default_pair_name()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.replace("n_draft = 5", 'n_draft = 5\ncolour = "red"'),
+            r"models.toml:7: unknown key 'colour'",
+        ),
+        (lambda t: t.replace('quant = "Q8_0"\n', ""), r"models.toml:\d+: missing key 'quant'"),
+        (lambda t: t + t, r"models.toml:\d+: duplicate pair name 'p1' \(first at line 3\)"),
+        (lambda t: t.replace("n_ctx = 4096", 'n_ctx = "big"'), r"models.toml:5: n_ctx = 'big': expected int"),
+        (
+            lambda t: t.replace("size = 1000", "size = 1000\nsizes = 3"),
+            r"models.toml:15: unknown key 'sizes'",
+        ),
+        (lambda t: t.replace('repo = "org/small-GGUF"', 'repo = "small"'), r"repo 'small' is not OWNER/NAME"),
+        (lambda t: t.replace('"' + "a" * 64 + '"', '"xyz"'), r"models.toml:15: sha256 must be 64"),
+        (lambda t: t.replace('name = "p1"', 'name = "demo"'), r"reserved for the built-in demo"),
+        (lambda t: t.replace("[[pair]]", "[pair]"), r"'pair' must be an array of tables"),
+        (lambda t: "x = 1\n" + t, r"unknown top-level key 'x'"),
+        (lambda t: t + "\n[[pair\n", r"invalid TOML"),
+        (
+            lambda t: t.replace("n_draft = 5", "n_draft = 0"),
+            r"models.toml:6: n_draft = 0: allowed range is 1..32",
+        ),
+    ],
+)
+def test_strict_errors_name_file_and_line(home: Path, edit, message: str) -> None:
+    _write(home, edit(GOOD))
+    with pytest.raises(ConfigError, match=message) as err:
+        registry.load_pairs()
+    assert str(home / "models.toml") in str(err.value)
+
+
+def test_parse_spec() -> None:
+    spec = registry.parse_spec("Qwen/Qwen3-0.6B-GGUF:Qwen3-0.6B-Q8_0.gguf")
+    assert (spec.repo, spec.file) == ("Qwen/Qwen3-0.6B-GGUF", "Qwen3-0.6B-Q8_0.gguf")
+    with pytest.raises(ConfigError, match="expected REPO:FILE"):
+        registry.parse_spec("just-a-file.gguf")
