@@ -96,54 +96,71 @@ class DoneEvent:
 Event = TokenEvent | DoneEvent
 
 
-class _DraftLength:
-    """Chooses k for the next round: fixed, or adaptive from measured costs and recent acceptance.
+# On CUDA, llama.cpp scores up to 8 tokens per matmul with the same kernel as one token; a 9th switches kernels and
+# the logits change in the last bits, which can flip a near-tie (seen on the H200: k = 8 was not token-identical).
+# Greedy decoding promises identical output, so its verify batch stays within 8 tokens.
+GREEDY_MAX_DRAFT = 7
 
-    Adaptive picks the k that maximises expected tokens per second, E[tokens | k] / cost(k), where a round with
-    per-token acceptance a yields (1 − a^(k+1)) / (1 − a) tokens and costs k draft steps plus a verify whose time
-    grows with its width. Both are measured online (exponential moving averages), so it adapts to the machine.
+
+class _DraftLength:
+    """Chooses k for the next round: fixed, or adaptive from measured costs and measured acceptance.
+
+    Adaptive picks the k that maximises expected tokens per second, E[tokens | k] / cost(k). Acceptance is bursty
+    (rounds tend to be all right or wrong early), so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured
+    survival S(i) = P(positions 1..i all accepted), each position's conditional acceptance counted from recent
+    rounds (decayed). cost(k) = k draft steps + a verify of k + 1 tokens, both timed online, so it adapts to the
+    machine. An untried deeper position borrows the deepest measured rate, so k can grow when drafts are good.
     """
 
-    def __init__(self, cfg: Drafting) -> None:
-        self.k_max = cfg.n_draft
-        self.adaptive = cfg.adaptive and cfg.n_draft > 0
-        self.acceptance = 0.7  # prior until rounds are measured
+    DECAY = 0.97
+
+    def __init__(self, cfg: Drafting, k_cap: int) -> None:
+        self.k_max = min(cfg.n_draft, k_cap)
+        self.adaptive = cfg.adaptive and self.k_max > 1
+        self.tried = np.zeros(self.k_max + 1)  # index i: rounds that verified position i
+        self.ok = np.zeros(self.k_max + 1)
         self.draft_step_s = 0.0
         self.verify_s: dict[int, float] = {}
+        self.k = self.k_max
 
     def next(self) -> int:
-        if not self.adaptive or self.draft_step_s == 0.0 or not self.verify_s:
-            return self.k_max
-        a = min(self.acceptance, 0.999)
-        best_k, best_rate = self.k_max, 0.0
-        for k in range(1, self.k_max + 1):
-            expected = (1 - a ** (k + 1)) / (1 - a)
-            rate = expected / (k * self.draft_step_s + self._verify_cost(k))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        if not self.adaptive or self.draft_step_s == 0.0 or len(self.verify_s) < 2:
+            return self.k
+        rate = 0.8  # prior for a position never verified
+        survival, expected = 1.0, [1.0]
+        for i in range(1, self.k_max + 1):
+            if self.tried[i] >= 1.0:
+                rate = (self.ok[i] + 1.0) / (self.tried[i] + 2.0)
+            survival *= rate
+            expected.append(expected[-1] + survival)
+        best = max(range(1, self.k_max + 1),
+                   key=lambda k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)))
+        self.k = best
+        return best
 
-    def _verify_cost(self, k: int) -> float:
-        if k in self.verify_s:
-            return self.verify_s[k]
-        # Linear fit through the widths seen so far; one width alone means a flat cost.
-        ks = np.array(sorted(self.verify_s))
-        ts = np.array([self.verify_s[x] for x in ks])
-        if len(ks) == 1:
-            return float(ts[0])
-        slope, intercept = np.polyfit(ks, ts, 1)
-        return float(max(intercept + slope * k, ts.min()))
+    def _verify_cost(self, width: int) -> float:
+        if width in self.verify_s:
+            return self.verify_s[width]
+        widths = np.array(sorted(self.verify_s))
+        times = np.array([self.verify_s[w] for w in widths])
+        slope, intercept = np.polyfit(widths, times, 1)
+        return float(max(intercept + slope * width, times.min()))
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if not self.adaptive:
             return
+        self.tried *= self.DECAY
+        self.ok *= self.DECAY
+        verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
+        self.tried[1 : verified + 1] += 1.0
+        self.ok[1 : accepted + 1] += 1.0
         ema = 0.2
         if drafted:
-            self.acceptance = (1 - ema) * self.acceptance + ema * (accepted / drafted)
             step = draft_s / drafted
             self.draft_step_s = step if self.draft_step_s == 0.0 else (1 - ema) * self.draft_step_s + ema * step
-        old = self.verify_s.get(drafted)
-        self.verify_s[drafted] = verify_s if old is None else (1 - ema) * old + ema * verify_s
+        width = drafted + 1
+        old = self.verify_s.get(width)
+        self.verify_s[width] = verify_s if old is None else (1 - ema) * old + ema * verify_s
 
 
 class Engine:
@@ -180,15 +197,13 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         rng = np.random.default_rng(sampling.seed)
-        chooser = _DraftLength(drafting if use_draft else Drafting(n_draft=0, p_min=0.0, adaptive=False))
+        chooser = _DraftLength(drafting if use_draft else Drafting(n_draft=0, p_min=0.0, adaptive=False),
+                               GREEDY_MAX_DRAFT if sampling.greedy else drafting.n_draft)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        # Device top-k serves greedy decoding and any top-k pipeline it covers; a repetition penalty needs the
-        # penalised tokens' logits wherever they rank, so it takes full rows.
-        for model in (self.target, self.draft):
-            if model is not None and model.device_top_k:
-                model.use_device_top_k(sampling.greedy or (
-                    sampling.repeat_penalty == 1.0 and 0 < sampling.top_k <= model.device_top_k))
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0))
+        if self.draft is not None:
+            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min))
 
         t0 = time.perf_counter()
         self._prefill(list(prompt), use_draft, stats)
@@ -250,9 +265,10 @@ class Engine:
             if a != b:
                 break
             keep += 1
-        if keep < len(kv):
-            model.truncate(keep)
-            del kv[keep:]
+        # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may
+        # have left cells the bookkeeping never recorded.
+        del kv[keep:]
+        model.truncate(keep)
         todo = wanted[keep:]
         if todo:
             model.decode(todo, keep)
@@ -319,14 +335,26 @@ class Engine:
     def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
         """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""
         keep = len(self._tokens) + n_accepted  # committed tokens (cur included) + accepted drafts
+        # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
         if len(self._target_kv) > keep:
-            self.target.truncate(keep)
             del self._target_kv[keep:]
+            self.target.truncate(keep)
         if len(self._draft_kv) > keep:
-            self.draft.truncate(keep)
             del self._draft_kv[keep:]
+            self.draft.truncate(keep)
         self._tokens.extend(drafts[:n_accepted])
         self._tokens.append(next_token)
+
+
+def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float) -> str | None:
+    """What the device should compute per row. Greedy needs only the argmax (unless p_min needs probabilities);
+    a top-k pipeline needs the top candidates; a repetition penalty needs the penalised tokens' logits wherever
+    they rank, and top_k = 0 needs every logit: those take full rows."""
+    if sampling.greedy:
+        return "top_k" if p_min > 0.0 else "greedy"
+    if sampling.repeat_penalty == 1.0 and 0 < sampling.top_k <= model.device_top_k:
+        return "top_k"
+    return None
 
 
 def _argmax(scores: np.ndarray | TopK) -> np.ndarray:

@@ -60,8 +60,8 @@ MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); he
 class TopK:
     """Per output row, the top candidates selected on the device: no full-vocabulary copy, no host top-k."""
 
-    ids: np.ndarray  # (rows, k) int32
-    logits: np.ndarray  # (rows, k) float32
+    ids: np.ndarray  # (rows, k) int32; k = 1 with the device's greedy sampler
+    logits: np.ndarray  # (rows, k) float32 (zeros with the greedy sampler: only the argmax is known)
 
     def argmax(self) -> np.ndarray:
         return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
@@ -147,7 +147,8 @@ class LlamaModel:
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
         self.device_top_k = device_top_k
-        if device_top_k > 0 and not self.use_device_top_k(True):
+        self._sampler_mode: str | None = None
+        if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
 
     # -- decoding -------------------------------------------------------------------------------------------
@@ -182,7 +183,11 @@ class LlamaModel:
                 )
             done += chunk
         rows = n - (done - chunk) if all_logits else 1
-        if self._top_k_chain is not None:
+        if self._sampler_mode == "greedy":
+            ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
+                           dtype=np.int32)
+            return TopK(ids, np.zeros(ids.shape, dtype=np.float32))
+        if self._sampler_mode == "top_k":
             return self._device_top_k(chunk, rows)
         ptr = llama_cpp.llama_get_logits(self.ctx)  # synchronises with the device
         return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
@@ -199,26 +204,32 @@ class LlamaModel:
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
 
-    def use_device_top_k(self, on: bool) -> bool:
-        """Switch the device top-k sampler on or off (off when a request needs full logits). True if on.
+    def use_device_sampler(self, mode: str | None) -> bool:
+        """Select what llama.cpp computes on the device after each decode: "greedy" (the argmax token of each
+        row), "top_k" (each row's top `device_top_k` candidates) or None (full logits to the host). True if on.
 
-        llama.cpp initialises a chain for the device once, so each switch-on attaches a fresh chain.
+        llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain.
         """
-        on = on and self.device_top_k > 0
-        if on == (self._top_k_chain is not None):
-            return on
+        if not self.device_top_k:
+            mode = None
+        if mode == self._sampler_mode:
+            return mode is not None
         if self._top_k_chain is not None:
             llama_cpp.llama_set_sampler(self.ctx, 0, None)
             llama_cpp.llama_sampler_free(self._top_k_chain)
             self._top_k_chain = None
-        if on:
+            self._sampler_mode = None
+        if mode is not None:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(self.device_top_k))
+            sampler = (llama_cpp.llama_sampler_init_greedy() if mode == "greedy"
+                       else llama_cpp.llama_sampler_init_top_k(self.device_top_k))
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
             if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
                 llama_cpp.llama_sampler_free(chain)
                 return False
             self._top_k_chain = chain
-        return on
+            self._sampler_mode = mode
+        return mode is not None
 
     def truncate(self, n_keep: int) -> None:
         """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
@@ -273,7 +284,7 @@ class LlamaModel:
 
     def close(self) -> None:
         if self._top_k_chain is not None and self.ctx:
-            self.use_device_top_k(False)
+            self.use_device_sampler(None)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

@@ -137,7 +137,7 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
     with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
         prompt = prompts(1, seed=21)[0]
         s.engine.reset()
-        s.target.use_device_top_k(False)  # the reference p comes from the full logits
+        s.target.use_device_sampler(None)  # the reference p comes from the full logits
         logits = s.target.decode(prompt, 0)
         p = candidates(logits, preset.sampling)
         s.engine.reset()

@@ -68,7 +68,7 @@ def main() -> int:
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sweep", default="2,4,6,8")
+    ap.add_argument("--sweep", default="4,5,7,8")
     ap.add_argument("--adaptive-max", type=int, default=10)
     ap.add_argument("--p-min", type=float, default=0.0)
     ap.add_argument("--ctx", type=int, default=4096)
@@ -90,6 +90,9 @@ def main() -> int:
     modes = [("plain", Drafting(0, 0.0, False)), ("spec", Drafting(args.draft_max, args.p_min, False)),
              ("spec-adaptive", Drafting(args.adaptive_max, args.p_min, True))]
     modes += [(f"sweep-k{k}", Drafting(k, 0.0, False)) for k in map(int, filter(None, args.sweep.split(",")))]
+    # A/B: the same plain and fixed-k runs with full logits copied to the host (device sampling off).
+    modes += [("plain-fulllogits", Drafting(0, 0.0, False)), ("spec-fulllogits", Drafting(args.draft_max, 0.0, False))]
+    device_top_k = {m: m.device_top_k for m in (session.target, session.draft)}
     runs = []
     print(f"{'temp':>5} {'mode':<14} {'tok/s':>7} {'accept':>7} {'mean acc':>8} {'k':>5} {'round ms':>8} "
           f"{'draft':>6} {'verify':>6} {'host':>6} {'host%':>6}", flush=True)
@@ -97,6 +100,8 @@ def main() -> int:
         sampling = dataclasses.replace(preset.sampling, temperature=temp)
         plain_tokens = None
         for mode, drafting in modes:
+            for model, k in device_top_k.items():
+                model.device_top_k = 0 if mode.endswith("fulllogits") else k
             r = measure(session, prompt, sampling, drafting, args.n_predict, args.reps)
             if mode == "plain":
                 plain_tokens = r["first_tokens"]
