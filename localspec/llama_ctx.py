@@ -146,6 +146,8 @@ class LlamaModel:
 
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
+        self._pending = (0, 0)
+        self.on_gpu = n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
         self.device_top_k = device_top_k
         self._sampler_mode: str | None = None
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
@@ -153,16 +155,22 @@ class LlamaModel:
 
     # -- decoding -------------------------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> np.ndarray | None:
-        """Append `tokens` at positions start_pos.. to the KV cache.
+    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> np.ndarray | TopK | None:
+        """Append `tokens` at positions start_pos.. to the KV cache and wait for the scores.
 
-        Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode):
-        one row per token with `all_logits`, else one row for the last token. Prompt-sized inputs are split
-        into n_batch chunks; only the final chunk produces logits.
+        Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode),
+        or the device sampler's `TopK`: one row per token with `all_logits`, else one row for the last token.
+        Prompt-sized inputs are split into n_batch chunks; only the final chunk produces scores.
         """
-        n = len(tokens)
-        if n == 0:
+        if not tokens:
             return None
+        self.submit(tokens, start_pos, all_logits)
+        return self.scores()
+
+    def submit(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> None:
+        """Queue the decode and return: on a GPU llama.cpp computes asynchronously until `scores()` is read,
+        so the engine can run the draft meanwhile."""
+        n = len(tokens)
         if start_pos + n > self.n_ctx:
             raise ContextFullError(f"{self.path.name}: {start_pos + n} tokens do not fit the context of {self.n_ctx}")
         done = 0
@@ -182,7 +190,11 @@ class LlamaModel:
                     + (" (no KV slot: the context is full)" if rc == 1 else "")
                 )
             done += chunk
-        rows = n - (done - chunk) if all_logits else 1
+        self._pending = (chunk, n - (done - chunk) if all_logits else 1)
+
+    def scores(self) -> np.ndarray | TopK:
+        """Wait for the last submitted decode and return its scores (see `decode`)."""
+        chunk, rows = self._pending
         if self._sampler_mode == "greedy":
             ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
                            dtype=np.int32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 import numpy as np
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.slow
 GREEDY = load_preset("greedy")
 
 
-def drafting(k: int, adaptive: bool = False, p_min: float = 0.0) -> Drafting:
-    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive)
+def drafting(k: int, adaptive: bool = False, p_min: float = 0.0, overlap: str = "auto") -> Drafting:
+    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive, overlap=overlap)
 
 
 def run(engine, prompt, sampling, draft: Drafting, max_tokens: int):
@@ -63,14 +64,15 @@ def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
             assert np.array_equal(np.stack(single), batch), path.name
 
 
-@pytest.mark.parametrize("device_top_k", [0, 64])
-def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k):
-    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
+@pytest.mark.parametrize(("device_top_k", "overlap"), [(0, "off"), (64, "off"), (64, "on")])
+def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k, overlap):
+    d = functools.partial(drafting, overlap=overlap)
+    with open_pair(*tiny_pair, device_top_k=device_top_k, overlap=overlap) as s:
         total_drafted = total_accepted = 0
         for prompt in prompts(8):
-            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 40)
-            for draft in (drafting(1), drafting(3), drafting(6), drafting(8, adaptive=True),
-                          drafting(6, p_min=0.3)):
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, d(0), 40)
+            for draft in (d(1), d(3), d(6), d(8, adaptive=True),
+                          d(6, p_min=0.3)):
                 spec, _, done = run(s.engine, prompt, GREEDY.sampling, draft, 40)
                 assert spec == plain, (prompt, draft)
                 total_drafted += done.stats.drafted
@@ -92,31 +94,37 @@ def test_greedy_lossless_on_demo_pair(use_demo_home):
             assert done.stats.accepted > 0
 
 
-@pytest.mark.parametrize(("temperature", "repeat_penalty"), [(0.0, 1.0), (0.9, 1.0), (0.9, 1.3)])
-def test_kv_caches_consistent_after_rejections(tiny_pair, temperature, repeat_penalty):
+@pytest.mark.parametrize(("temperature", "repeat_penalty", "overlap"),
+                         [(0.0, 1.0, "off"), (0.9, 1.0, "off"), (0.9, 1.3, "off"), (0.0, 1.0, "on"), (0.9, 1.0, "on")])
+def test_kv_caches_consistent_after_rejections(tiny_pair, temperature, repeat_penalty, overlap):
     """Continuing after rounds with rejections must equal a fresh run on the same text (both caches rewound)."""
-    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=3)
+    d = functools.partial(drafting, overlap=overlap)
+    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=3, overlap=overlap)
     with open_pair(*tiny_pair) as s:
         prompt = prompts(1, seed=11)[0]
-        first, _, done = run(s.engine, prompt, preset.sampling, drafting(5), 30)
+        first, _, done = run(s.engine, prompt, preset.sampling, d(5), 30)
         assert done.stats.accepted < done.stats.drafted  # there were rejections
         cont_prompt = prompt + first
-        continued, _, done2 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
+        continued, _, done2 = run(s.engine, cont_prompt, preset.sampling, d(5), 20)
         assert done2.stats.prompt_tokens_processed < len(first)  # the caches were reused, not rebuilt
         s.engine.reset()
-        fresh, _, done3 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
+        fresh, _, done3 = run(s.engine, cont_prompt, preset.sampling, d(5), 20)
         assert done3.stats.prompt_tokens_processed == len(cont_prompt) - 1
         assert continued == fresh
 
 
-def test_all_accepted_rounds_keep_the_draft_in_step(tiny_pair_high):
-    """Near-100% acceptance: the draft never saw the last drafted token and must catch up next round."""
-    with open_pair(*tiny_pair_high) as s:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_all_accepted_rounds_keep_the_draft_in_step(tiny_pair_high, overlap):
+    """Near-100% acceptance: the draft never saw the last drafted token and must catch up next round (or, drafting
+    ahead, has already drafted the next round while the target verified)."""
+    d = functools.partial(drafting, overlap=overlap)
+    with open_pair(*tiny_pair_high, overlap=overlap) as s:
         for prompt in prompts(3, seed=5):
-            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 50)
-            spec, _, done = run(s.engine, prompt, GREEDY.sampling, drafting(4), 50)
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, d(0), 50)
+            spec, _, done = run(s.engine, prompt, GREEDY.sampling, d(4), 50)
             assert spec == plain
             assert done.stats.acceptance_rate > 0.9
+            assert (done.stats.ahead_hits > 0) == (overlap == "on")
 
 
 def test_sampling_is_seeded_and_reproducible(tiny_pair):
@@ -130,11 +138,12 @@ def test_sampling_is_seeded_and_reproducible(tiny_pair):
     assert a != c
 
 
-@pytest.mark.parametrize("device_top_k", [0, 64])
-def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_top_k):
+@pytest.mark.parametrize(("device_top_k", "overlap"), [(0, "off"), (64, "off"), (64, "on")])
+def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_top_k, overlap):
     """The first emitted token of a speculative round must follow the target's own distribution p exactly."""
-    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
-    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
+    d = functools.partial(drafting, overlap=overlap)
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0, overlap=overlap)
+    with open_pair(*tiny_pair, device_top_k=device_top_k, overlap=overlap) as s:
         prompt = prompts(1, seed=21)[0]
         s.engine.reset()
         s.target.use_device_sampler(None)  # the reference p comes from the full logits
@@ -146,7 +155,7 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
         accepted = 0
         for seed in range(n):
             sampling = dataclasses.replace(preset.sampling, seed=seed)
-            tokens, _, done = run(s.engine, prompt, sampling, drafting(1), 2)
+            tokens, _, done = run(s.engine, prompt, sampling, d(1), 2)
             firsts[tokens[0]] += 1
             accepted += done.stats.accepted
     assert 0 < accepted < n  # both branches (accept and resample) were taken
@@ -222,3 +231,44 @@ def test_incompatible_pair_is_refused(use_demo_home, smollm2_path):
 
     with pytest.raises(IncompatiblePairError):
         open_pair(demo.target_path(), smollm2_path)
+
+
+def test_greedy_verify_batch_stays_within_eight_tokens(tiny_pair_high):
+    """GPU kernels change past 8 tokens per matmul; greedy must stay exact, so k is capped at 7 there."""
+    from localspec.engine import GREEDY_MAX_DRAFT
+
+    with open_pair(*tiny_pair_high) as s:
+        prompt = prompts(1)[0]
+        _, _, greedy = run(s.engine, prompt, GREEDY.sampling, drafting(12), 40)
+        sampled = GREEDY.with_overrides(temperature=0.5).sampling
+        _, _, hot = run(s.engine, prompt, sampled, drafting(12), 40)
+    assert max(greedy.stats.draft_lengths) == GREEDY_MAX_DRAFT
+    assert max(hot.stats.draft_lengths) == 12
+
+
+def test_device_sampler_modes(tiny_pair):
+    """Greedy asks the device for the argmax only; a covered top-k pipeline for candidates; else full logits."""
+    from localspec.engine import _device_mode
+    from localspec.llama_ctx import TopK
+
+    with open_pair(*tiny_pair, device_top_k=64) as s:
+        t = s.target
+        base = GREEDY.sampling
+        assert _device_mode(t, base, p_min=0.0) == "greedy"
+        assert _device_mode(t, base, p_min=0.5) == "top_k"  # p_min needs probabilities
+        hot = dataclasses.replace(base, temperature=0.7, top_k=40)
+        assert _device_mode(t, hot, 0.0) == "top_k"
+        assert _device_mode(t, dataclasses.replace(hot, top_k=100), 0.0) is None  # more than the device keeps
+        assert _device_mode(t, dataclasses.replace(hot, top_k=0), 0.0) is None
+        assert _device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0) is None
+
+        prompt = prompts(1)[0]
+        t.use_device_sampler(None)
+        full = t.decode(prompt, 0, all_logits=True).copy()
+        for mode, width in (("greedy", 1), ("top_k", 64)):
+            t.clear()
+            assert t.use_device_sampler(mode)
+            scores = t.decode(prompt, 0, all_logits=True)
+            assert isinstance(scores, TopK) and scores.ids.shape == (len(prompt), width)
+            assert scores.argmax().tolist() == full.argmax(axis=1).tolist()
+        assert set(scores.ids[-1].tolist()) == set(np.argsort(-full[-1])[:64].tolist())

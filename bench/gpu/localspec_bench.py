@@ -54,6 +54,7 @@ def measure(session, prompt, sampling, drafting, n, reps):
         "verify_ms_per_round": 1000 * sum(st.verify_s for _, st in runs) / rounds if rounds else None,
         "host_ms_per_round": 1000 * sum(st.host_s for _, st in runs) / rounds if rounds else None,
         "mean_draft_len": drafted / rounds if rounds else 0.0,
+        "ahead_hits": sum(st.ahead_hits for _, st in runs) / rounds if rounds else 0.0,
         "first_tokens": runs[0][0],
     }
 
@@ -68,7 +69,7 @@ def main() -> int:
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sweep", default="4,5,7,8")
+    ap.add_argument("--sweep", default="4,8")
     ap.add_argument("--adaptive-max", type=int, default=10)
     ap.add_argument("--p-min", type=float, default=0.0)
     ap.add_argument("--ctx", type=int, default=4096)
@@ -83,18 +84,22 @@ def main() -> int:
     print(f"loaded both models in {time.perf_counter() - t:.1f} s", flush=True)
     # As llama.cpp's tools read -f: one trailing newline dropped, special tokens added and parsed.
     prompt = session.target.tokenize(args.prompt_file.read_text().removesuffix("\n"), parse_special=True)
-    warm = Drafting(n_draft=args.draft_max, p_min=0.0, adaptive=False)
+    warm = Drafting(n_draft=args.draft_max, p_min=0.0, adaptive=False, overlap="auto")
     for _ in range(2):
         generate(session, prompt, preset.sampling, warm, 32)
 
-    modes = [("plain", Drafting(0, 0.0, False)), ("spec", Drafting(args.draft_max, args.p_min, False)),
-             ("spec-adaptive", Drafting(args.adaptive_max, args.p_min, True))]
-    modes += [(f"sweep-k{k}", Drafting(k, 0.0, False)) for k in map(int, filter(None, args.sweep.split(",")))]
-    # A/B: the same plain and fixed-k runs with full logits copied to the host (device sampling off).
-    modes += [("plain-fulllogits", Drafting(0, 0.0, False)), ("spec-fulllogits", Drafting(args.draft_max, 0.0, False))]
+    def d(k: int, adaptive: bool = False, overlap: str = "auto") -> Drafting:
+        return Drafting(k, args.p_min, adaptive, overlap)
+
+    modes = [("plain", d(0)), ("spec", d(args.draft_max)), ("spec-adaptive", d(args.adaptive_max, True))]
+    modes += [(f"sweep-k{k}", d(k)) for k in map(int, filter(None, args.sweep.split(",")))]
+    # A/B: drafting ahead off; and plain/fixed-k with full logits copied to the host (device sampling off).
+    modes += [("spec-nooverlap", d(args.draft_max, overlap="off")),
+              ("spec-adaptive-nooverlap", d(args.adaptive_max, True, overlap="off"))]
+    modes += [("plain-fulllogits", d(0)), ("spec-fulllogits", d(args.draft_max))]
     device_top_k = {m: m.device_top_k for m in (session.target, session.draft)}
     runs = []
-    print(f"{'temp':>5} {'mode':<14} {'tok/s':>7} {'accept':>7} {'mean acc':>8} {'k':>5} {'round ms':>8} "
+    print(f"{'temp':>5} {'mode':<24} {'tok/s':>7} {'accept':>7} {'mean acc':>8} {'k':>5} {'round ms':>8} "
           f"{'draft':>6} {'verify':>6} {'host':>6} {'host%':>6}", flush=True)
     for temp in map(float, args.temps.split(",")):
         sampling = dataclasses.replace(preset.sampling, temperature=temp)
@@ -113,9 +118,10 @@ def main() -> int:
             acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "—"
             mean = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "—"
             same = {True: " ✓", False: " ✗"}.get(r.get("identical_to_plain"), "")
-            print(f"{temp:>5} {mode:<14} {r['tok_s']:>7.1f} {acc:>7} {mean:>8} {r['mean_draft_len']:>5.2f} "
+            print(f"{temp:>5} {mode:<24} {r['tok_s']:>7.1f} {acc:>7} {mean:>8} {r['mean_draft_len']:>5.2f} "
                   f"{r['round_ms']:>8.2f} {r['draft_ms_per_round']:>6.2f} {r['verify_ms_per_round']:>6.2f} "
-                  f"{r['host_ms_per_round']:>6.2f} {r['host_frac']:>6.1%}{same}", flush=True)
+                  f"{r['host_ms_per_round']:>6.2f} {r['host_frac']:>6.1%} ahead {r['ahead_hits']:.0%}{same}",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "n_predict": args.n_predict}, indent=2))
     session.close()
