@@ -78,8 +78,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, float | int]:
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
-                "accepted", "ahead_hits", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate", "mean_accepted",
-                "decode_tps", "prefill_tps")
+                "accepted", "ahead_hits", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate",
+                "mean_accepted", "decode_tps", "prefill_tps")
         return {k: getattr(self, k) for k in keys}
 
 
