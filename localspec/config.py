@@ -42,8 +42,6 @@ class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # tune the draft length from recent acceptance
-    # Draft the next round while the target verifies this one: "auto" = when the target runs on a GPU.
-    overlap: str = field(metadata={"kind": str, "choices": ("auto", "on", "off")})
 
 
 @dataclass(frozen=True)

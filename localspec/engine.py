@@ -51,7 +51,6 @@ class GenerationStats:
     draft_s: float = 0.0  # inside llama_decode of the draft (including logits sync)
     verify_s: float = 0.0  # inside llama_decode of the target
     decode_s: float = 0.0  # wall time of all rounds
-    ahead_hits: int = 0  # rounds whose drafts were made while the previous round's verify ran
     draft_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -78,7 +77,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, float | int]:
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
-                "accepted", "ahead_hits", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate",
+                "accepted", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps")
         return {k: getattr(self, k) for k in keys}
 
@@ -204,7 +203,6 @@ class Engine:
         rng = np.random.default_rng(sampling.seed)
         chooser = _DraftLength(drafting if use_draft else dataclasses.replace(drafting, n_draft=0),
                                GREEDY_MAX_DRAFT if sampling.greedy else drafting.n_draft)
-        overlap = use_draft and (drafting.overlap == "on" or (drafting.overlap == "auto" and self.target.on_gpu))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
         self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0))
@@ -217,31 +215,15 @@ class Engine:
 
         stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
         t_start = time.perf_counter()
-        ahead: tuple[list[int], list[Candidates] | None] | None = None  # drafted while the last verify ran
         while stats.tokens < max_tokens:
             room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
             if room < 0 or len(self._target_kv) + 1 > self.target.n_ctx:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
                 break
             k = min(chooser.next(), max_tokens - stats.tokens - 1, room) if use_draft else 0
-            if ahead is not None and k > 0:
-                drafts, q, draft_s = ahead[0][:k], (ahead[1][:k] if ahead[1] is not None else None), 0.0
-                stats.ahead_hits += 1
-            else:
-                drafts, q, draft_s = [], None, 0.0
-            # The draft's cache must be a prefix of what it continues: drop guesses this round does not use.
-            valid = len(self._tokens) + max(len(drafts) - 1, 0)
-            if len(self._draft_kv) > valid:
-                del self._draft_kv[valid:]
-                self.draft.truncate(valid)
-            if k and not drafts:
-                drafts, q, draft_s = self._draft(k, self._tokens, sampling, drafting, rng)
-            # Drafting ahead needs room for a second round of drafts behind this one.
-            look_ahead = overlap and bool(drafts) and len(self._tokens) + 2 * len(drafts) + 1 <= self.n_ctx
-            emitted, n_accepted, verify_s, ahead, ahead_s = self._verify(drafts, q, sampling, drafting, rng,
-                                                                          look_ahead)
-            self._rewind(drafts, n_accepted, emitted[-1], keep_draft_ahead=ahead is not None)
-            draft_s += ahead_s
+            drafts, q, draft_s = self._draft(k, sampling, drafting, rng) if k > 0 else ([], None, 0.0)
+            emitted, n_accepted, verify_s = self._verify(drafts, q, sampling, rng)
+            self._rewind(drafts, n_accepted, emitted[-1])
             chooser.observe(len(drafts), n_accepted, draft_s, verify_s)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
@@ -297,13 +279,12 @@ class Engine:
             kv.extend(todo)
         return len(todo)
 
-    def _draft(self, k: int, sequence: list[int], sampling: Sampling, drafting: Drafting,
+    def _draft(self, k: int, sampling: Sampling, drafting: Drafting,
                rng: np.random.Generator) -> tuple[list[int], list[Candidates] | None, float]:
-        """Up to k draft tokens continuing `sequence` (the committed tokens, or those plus the drafts being
-        verified when drafting ahead), one draft decode each; the draft's distributions when sampling; seconds."""
+        """Up to k draft tokens, one draft decode each; the draft's distributions when sampling; seconds."""
         draft = self.draft
         assert draft is not None
-        feed = sequence[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
+        feed = self._tokens[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
         if max(feed) >= draft.n_vocab:
             # A target-only padding id (vocabularies may differ by up to 128 trailing ids): the draft sees its
             # unknown token there instead. That can only cost acceptance, never correctness.
@@ -320,7 +301,7 @@ class Engine:
                 token = int(_argmax(scores)[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
-                dist = _distributions(scores, sequence + drafts, sampling)
+                dist = _distributions(scores, self._tokens + drafts, sampling)
                 token = dist.sample(0, rng)
                 dists.append(dist)
                 confident = drafting.p_min == 0.0 or dist.top_prob(0) >= drafting.p_min
@@ -332,25 +313,14 @@ class Engine:
                 break  # an unsure draft is usually wrong: verify what we have instead of drafting on
         return drafts, (None if sampling.greedy else dists), spent
 
-    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling, drafting: Drafting,
-                rng: np.random.Generator, look_ahead: bool,
-                ) -> tuple[list[int], int, float, tuple[list[int], list[Candidates] | None] | None, float]:
-        """One target decode of [cur] + drafts; returns (tokens to emit, accepted count, verify seconds, the
-        next round's drafts if drafting ahead paid off, seconds spent drafting ahead).
-
-        With `look_ahead` the draft keeps drafting while the target computes (llama.cpp's decode is asynchronous
-        on a GPU), betting that every draft is accepted. The bet pays when it is and the target's own next
-        token equals the draft's first guess: the guesses after it are the next round's drafts, already made.
-        """
+    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling,
+                rng: np.random.Generator) -> tuple[list[int], int, float]:
+        """One target decode of [cur] + drafts; returns (tokens to emit, accepted count, verify seconds)."""
         batch = [self._tokens[-1], *drafts]
         t = time.perf_counter()
-        self.target.submit(batch, len(self._target_kv), all_logits=True)
+        scores = self.target.decode(batch, len(self._target_kv), all_logits=True)
+        spent = time.perf_counter() - t
         self._target_kv.extend(batch)
-        ahead, ahead_q, ahead_s = [], None, 0.0
-        if look_ahead:
-            ahead, ahead_q, ahead_s = self._draft(len(drafts), self._tokens + drafts, sampling, drafting, rng)
-        scores = self.target.scores()
-        spent = time.perf_counter() - t - ahead_s
 
         if sampling.greedy:
             choice = _argmax(scores)
@@ -368,20 +338,16 @@ class Engine:
                     break
             if emitted is None:
                 emitted = [*drafts, p.sample(len(drafts), rng)]
-        next_round = None
-        if ahead and n == len(drafts) and emitted[-1] == ahead[0]:
-            next_round = (ahead[1:], ahead_q[1:] if ahead_q is not None else None)
-        return emitted, n, spent, next_round, ahead_s
+        return emitted, n, spent
 
-    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int, keep_draft_ahead: bool) -> None:
-        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens. The draft's
-        cache keeps what it drafted ahead when those drafts open the next round."""
+    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
+        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""
         keep = len(self._tokens) + n_accepted  # committed tokens (cur included) + accepted drafts
         # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
         if len(self._target_kv) > keep:
             del self._target_kv[keep:]
             self.target.truncate(keep)
-        if len(self._draft_kv) > keep and not keep_draft_ahead:
+        if len(self._draft_kv) > keep:
             del self._draft_kv[keep:]
             self.draft.truncate(keep)
         self._tokens.extend(drafts[:n_accepted])

@@ -146,8 +146,6 @@ class LlamaModel:
 
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
-        self._pending = (0, 0)
-        self.on_gpu = n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
         self.device_top_k = device_top_k
         self._sampler_mode: str | None = None
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
@@ -162,15 +160,9 @@ class LlamaModel:
         or the device sampler's `TopK`: one row per token with `all_logits`, else one row for the last token.
         Prompt-sized inputs are split into n_batch chunks; only the final chunk produces scores.
         """
-        if not tokens:
-            return None
-        self.submit(tokens, start_pos, all_logits)
-        return self.scores()
-
-    def submit(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> None:
-        """Queue the decode and return: on a GPU llama.cpp computes asynchronously until `scores()` is read,
-        so the engine can run the draft meanwhile."""
         n = len(tokens)
+        if n == 0:
+            return None
         if start_pos + n > self.n_ctx:
             raise ContextFullError(f"{self.path.name}: {start_pos + n} tokens do not fit the context of {self.n_ctx}")
         done = 0
@@ -190,11 +182,7 @@ class LlamaModel:
                     + (" (no KV slot: the context is full)" if rc == 1 else "")
                 )
             done += chunk
-        self._pending = (chunk, n - (done - chunk) if all_logits else 1)
-
-    def scores(self) -> np.ndarray | TopK:
-        """Wait for the last submitted decode and return its scores (see `decode`)."""
-        chunk, rows = self._pending
+        rows = n - (done - chunk) if all_logits else 1
         if self._sampler_mode == "greedy":
             ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
                            dtype=np.int32)

@@ -83,3 +83,15 @@ def test_user_preset_roundtrip_and_precedence(home):
     # A user preset with a shipped name wins over the shipped one.
     (home / "presets" / "greedy.toml").write_text("[sampling]\ntemperature = 0.1\n")
     assert load_preset("greedy").sampling.temperature == 0.1
+
+
+def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
+    from localspec.session import ModelFiles, settle_preset
+
+    files = ModelFiles(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", name="p", n_ctx=8192, n_draft=5)
+    pair_only = settle_preset(load_preset(), files)
+    assert (pair_only.load.n_ctx, pair_only.draft.n_draft) == (8192, 5)
+    cli = settle_preset(load_preset(), files, n_ctx=1024, n_draft=3)
+    assert (cli.load.n_ctx, cli.draft.n_draft) == (1024, 3)
+    plain_files = ModelFiles(target=files.target, draft=files.draft, name="custom")
+    assert settle_preset(load_preset(), plain_files).load.n_ctx == load_preset().load.n_ctx

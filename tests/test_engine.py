@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
 
 import numpy as np
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.slow
 GREEDY = load_preset("greedy")
 
 
-def drafting(k: int, adaptive: bool = False, p_min: float = 0.0, overlap: str = "auto") -> Drafting:
-    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive, overlap=overlap)
+def drafting(k: int, adaptive: bool = False, p_min: float = 0.0) -> Drafting:
+    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive)
 
 
 def run(engine, prompt, sampling, draft: Drafting, max_tokens: int):
@@ -64,15 +63,14 @@ def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
             assert np.array_equal(np.stack(single), batch), path.name
 
 
-@pytest.mark.parametrize(("device_top_k", "overlap"), [(0, "off"), (64, "off"), (64, "on")])
-def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k, overlap):
-    d = functools.partial(drafting, overlap=overlap)
-    with open_pair(*tiny_pair, device_top_k=device_top_k, overlap=overlap) as s:
+@pytest.mark.parametrize("device_top_k", [0, 64])
+def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k):
+    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
         total_drafted = total_accepted = 0
         for prompt in prompts(8):
-            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, d(0), 40)
-            for draft in (d(1), d(3), d(6), d(8, adaptive=True),
-                          d(6, p_min=0.3)):
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 40)
+            for draft in (drafting(1), drafting(3), drafting(6), drafting(8, adaptive=True),
+                          drafting(6, p_min=0.3)):
                 spec, _, done = run(s.engine, prompt, GREEDY.sampling, draft, 40)
                 assert spec == plain, (prompt, draft)
                 total_drafted += done.stats.drafted
@@ -94,37 +92,31 @@ def test_greedy_lossless_on_demo_pair(use_demo_home):
             assert done.stats.accepted > 0
 
 
-@pytest.mark.parametrize(("temperature", "repeat_penalty", "overlap"),
-                         [(0.0, 1.0, "off"), (0.9, 1.0, "off"), (0.9, 1.3, "off"), (0.0, 1.0, "on"), (0.9, 1.0, "on")])
-def test_kv_caches_consistent_after_rejections(tiny_pair, temperature, repeat_penalty, overlap):
+@pytest.mark.parametrize(("temperature", "repeat_penalty"), [(0.0, 1.0), (0.9, 1.0), (0.9, 1.3)])
+def test_kv_caches_consistent_after_rejections(tiny_pair, temperature, repeat_penalty):
     """Continuing after rounds with rejections must equal a fresh run on the same text (both caches rewound)."""
-    d = functools.partial(drafting, overlap=overlap)
-    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=3, overlap=overlap)
+    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=3)
     with open_pair(*tiny_pair) as s:
         prompt = prompts(1, seed=11)[0]
-        first, _, done = run(s.engine, prompt, preset.sampling, d(5), 30)
+        first, _, done = run(s.engine, prompt, preset.sampling, drafting(5), 30)
         assert done.stats.accepted < done.stats.drafted  # there were rejections
         cont_prompt = prompt + first
-        continued, _, done2 = run(s.engine, cont_prompt, preset.sampling, d(5), 20)
+        continued, _, done2 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
         assert done2.stats.prompt_tokens_processed < len(first)  # the caches were reused, not rebuilt
         s.engine.reset()
-        fresh, _, done3 = run(s.engine, cont_prompt, preset.sampling, d(5), 20)
+        fresh, _, done3 = run(s.engine, cont_prompt, preset.sampling, drafting(5), 20)
         assert done3.stats.prompt_tokens_processed == len(cont_prompt) - 1
         assert continued == fresh
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_all_accepted_rounds_keep_the_draft_in_step(tiny_pair_high, overlap):
-    """Near-100% acceptance: the draft never saw the last drafted token and must catch up next round (or, drafting
-    ahead, has already drafted the next round while the target verified)."""
-    d = functools.partial(drafting, overlap=overlap)
-    with open_pair(*tiny_pair_high, overlap=overlap) as s:
+def test_all_accepted_rounds_keep_the_draft_in_step(tiny_pair_high):
+    """Near-100% acceptance: the draft never saw the last drafted token and must catch up next round."""
+    with open_pair(*tiny_pair_high) as s:
         for prompt in prompts(3, seed=5):
-            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, d(0), 50)
-            spec, _, done = run(s.engine, prompt, GREEDY.sampling, d(4), 50)
+            plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 50)
+            spec, _, done = run(s.engine, prompt, GREEDY.sampling, drafting(4), 50)
             assert spec == plain
             assert done.stats.acceptance_rate > 0.9
-            assert (done.stats.ahead_hits > 0) == (overlap == "on")
 
 
 def test_sampling_is_seeded_and_reproducible(tiny_pair):
@@ -138,12 +130,11 @@ def test_sampling_is_seeded_and_reproducible(tiny_pair):
     assert a != c
 
 
-@pytest.mark.parametrize(("device_top_k", "overlap"), [(0, "off"), (64, "off"), (64, "on")])
-def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_top_k, overlap):
+@pytest.mark.parametrize("device_top_k", [0, 64])
+def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_top_k):
     """The first emitted token of a speculative round must follow the target's own distribution p exactly."""
-    d = functools.partial(drafting, overlap=overlap)
-    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0, overlap=overlap)
-    with open_pair(*tiny_pair, device_top_k=device_top_k, overlap=overlap) as s:
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    with open_pair(*tiny_pair, device_top_k=device_top_k) as s:
         prompt = prompts(1, seed=21)[0]
         s.engine.reset()
         s.target.use_device_sampler(None)  # the reference p comes from the full logits
@@ -155,7 +146,7 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
         accepted = 0
         for seed in range(n):
             sampling = dataclasses.replace(preset.sampling, seed=seed)
-            tokens, _, done = run(s.engine, prompt, sampling, d(1), 2)
+            tokens, _, done = run(s.engine, prompt, sampling, drafting(1), 2)
             firsts[tokens[0]] += 1
             accepted += done.stats.accepted
     assert 0 < accepted < n  # both branches (accept and resample) were taken

@@ -127,7 +127,7 @@ def test_options_reach_the_session(command: list[str], captured: dict, tmp_path:
     ])
     assert isinstance(result.exception, Opened), result.output
     files, preset = captured["files"], captured["preset"]
-    assert (files.target, files.draft, files.n_ctx) == (target, draft, 333)
+    assert (files.target, files.draft) == (target, draft)
     assert preset.name == "greedy" and preset.draft.n_draft == 3
     assert (preset.sampling.temperature, preset.sampling.seed) == (0.3, 9)
     assert (preset.load.n_ctx, preset.load.n_gpu_layers, preset.load.draft_n_gpu_layers) == (333, 5, 2)

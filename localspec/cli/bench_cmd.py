@@ -16,7 +16,7 @@ from localspec import config
 from localspec.bench import BenchReport, CheckStarted, RunDone, SweepReport, WarmupStep, run_bench, run_sweep
 from localspec.cli import options
 from localspec.errors import LocalspecError
-from localspec.session import open_session, resolve_files, settle_preset
+from localspec.session import open_session
 from localspec.ui.bench_view import live_table, summary, sweep_table
 
 RepeatOpt = Annotated[int | None, typer.Option("--repeat", help="Measured runs of each mode (median).", min=1)]
@@ -54,15 +54,12 @@ def bench(
     threads: options.ThreadsOpt = None,
 ) -> None:
     """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
-    n_draft, draft_model = options.split_draft_values(draft)
-    files = resolve_files(pair, target, draft_model)
+    files, chosen = options.resolve_run(
+        pair, target, draft, preset, repeat=repeat, warmup=warmup, max_tokens=max_tokens, temperature=temp,
+        seed=seed, n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
+    )
     if files.draft is None:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
-    chosen = settle_preset(
-        config.load_preset(preset or "default"), files,
-        repeat=repeat, warmup=warmup, n_draft=n_draft, max_tokens=max_tokens, temperature=temp, seed=seed,
-        n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
-    )
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
     if json_path is not None:
@@ -92,7 +89,7 @@ def bench(
 
 
 def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
-    title = "plain vs speculative decoding (decode tok/s; prompt processing excluded)"
+    title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
         events = run_bench(session, chosen)
         runs = []

@@ -8,7 +8,6 @@ only ever stopped between rounds (where its cache bookkeeping is consistent), ne
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -36,7 +35,7 @@ from localspec.chat import (
 from localspec.cli import options
 from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
 from localspec.errors import LocalspecError
-from localspec.session import ModelFiles, Session, open_session, resolve_files
+from localspec.session import ModelFiles, Session, open_session
 
 DRAFT_STYLE = "cyan"  # accepted draft tokens; the target's own tokens keep the terminal's colour
 
@@ -59,17 +58,9 @@ def settings(
     max_tokens: int | None = None,
 ) -> tuple[ModelFiles, config.Preset]:
     """Options → files and preset. CLI beats the pair's recommendation, which beats the preset."""
-    n_draft, draft_model = options.split_draft_values(draft)
-    files = resolve_files(pair, target, draft_model)
-    if ctx is not None:
-        # open_session prefers the pair's n_ctx to the preset's, so an explicit --ctx must replace the pair's
-        files = dataclasses.replace(files, n_ctx=ctx)
-    chosen = config.load_preset(preset or "default").with_overrides(
-        n_draft=n_draft if n_draft is not None else files.n_draft, temperature=temp, seed=seed,
-        n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
-        max_tokens=max_tokens,
-    )
-    return files, chosen
+    return options.resolve_run(pair, target, draft, preset, temperature=temp, seed=seed, n_gpu_layers=ngl,
+                               draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
+                               max_tokens=max_tokens)
 
 
 def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:

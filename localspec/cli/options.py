@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 
+from localspec import config
 from localspec.errors import LocalspecError
+from localspec.session import ModelFiles, resolve_files, settle_preset
 
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
@@ -60,3 +62,13 @@ def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | Non
                 raise LocalspecError(f"--draft {value}: the draft model was already given ({model})")
             model = Path(value)
     return length, model
+
+
+def resolve_run(pair: str | None, target: Path | None, draft: list[str] | None, preset: str | None,
+                **overrides: object) -> tuple[ModelFiles, config.Preset]:
+    """The model options of every command → the two files and the preset: command line first, then what the
+    pair recommends, then the preset."""
+    n_draft, draft_model = split_draft_values(draft)
+    files = resolve_files(pair, target, draft_model)
+    chosen = settle_preset(config.load_preset(preset or "default"), files, n_draft=n_draft, **overrides)
+    return files, chosen

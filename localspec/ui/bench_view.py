@@ -18,15 +18,16 @@ def _fmt_tps(values: list[float]) -> tuple[str, str, str]:
 
 
 def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
+    # Short headers: the table must fit an 80-column terminal without truncating a number.
     table = Table(title=title, title_justify="left")
-    table.add_column("mode")
+    table.add_column("mode", no_wrap=True)
     table.add_column("runs", justify="right")
-    table.add_column("median tok/s", justify="right", style="bold")
+    table.add_column("median", justify="right", style="bold")
     table.add_column("min", justify="right")
     table.add_column("max", justify="right")
-    table.add_column("acceptance", justify="right")
-    table.add_column("mean accepted", justify="right")
-    table.add_column("host work", justify="right")
+    table.add_column("accept", justify="right")
+    table.add_column("mean acc", justify="right")
+    table.add_column("host", justify="right")
     for mode in (PLAIN, SPEC):
         mine = [r for r in runs if r.mode == mode]
         med, lo, hi = _fmt_tps([r.decode_tps for r in mine])
