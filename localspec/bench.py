@@ -269,7 +269,7 @@ def environment(session: Session) -> dict[str, Any]:
         "gpus": gpu_names(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cpu_cores_physical": psutil.cpu_count(logical=False),
         "cpu_threads": session.target.n_threads,
         "ram_bytes": psutil.virtual_memory().total,
@@ -277,6 +277,18 @@ def environment(session: Session) -> dict[str, Any]:
         "target": model(session.target),
         "draft": model(session.draft),
     }
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one (platform.processor() is empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def gpu_names() -> list[str]:

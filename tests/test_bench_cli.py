@@ -40,7 +40,7 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     assert 0 < report["speculative"]["acceptance_rate"] <= 1
     assert report["speedup"] == pytest.approx(report["speculative"]["median_tps"] / report["plain"]["median_tps"])
     env = report["environment"]
-    assert env["llama_cpp_python"] == "0.3.36" and env["pair"] == "demo"
+    assert env["llama_cpp_python"] == "0.3.36" and env["pair"] == "demo" and env["cpu"]
     assert env["target"]["path"].endswith("gemma-3-270m-q4_k_m.gguf")
     assert env["draft"]["path"].endswith("gemma-3-270m-q2_k-draft.gguf")
     # The verdict tells the truth either way.

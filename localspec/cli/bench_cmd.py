@@ -80,6 +80,7 @@ def bench(
         _sweep(console, files, chosen, lengths, json_path, save_preset)
         return
     report = _run(console, files, chosen)
+    console.line()  # a live display that is not on a terminal ends without a newline
     console.print(summary(report))
     if json_path is not None:
         _write_json(json_path, report)
