@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localspec.config import Drafting, Sampling
+from localspec.errors import ContextFullError
 from localspec.llama_ctx import LlamaModel, TopK
 from localspec.sampling import (
     Candidates,
@@ -217,7 +218,7 @@ class Engine:
         t_start = time.perf_counter()
         while stats.tokens < max_tokens:
             room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
-            if room < 0 or len(self._target_kv) + 1 > self.target.n_ctx:
+            if room < 0:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
                 break
             k = min(chooser.next(), max_tokens - stats.tokens - 1, room) if use_draft else 0
@@ -252,8 +253,6 @@ class Engine:
     def _prefill(self, prompt: list[int], use_draft: bool, stats: GenerationStats) -> None:
         """Bring both caches to prompt[:-1], keeping the longest prefix they already share with it."""
         if len(prompt) > self.n_ctx:
-            from localspec.errors import ContextFullError
-
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         body = prompt[:-1]
         stats.prompt_tokens_processed = self._sync(self.target, self._target_kv, body)
