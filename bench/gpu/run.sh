@@ -218,26 +218,12 @@ for i in "${!SCALE_LIST[@]}"; do
     fi
 
     if [[ "${SKIP_LOCALSPEC:-0}" != 1 ]]; then
-        # localspec's side: bench/gpu/localspec_bench.py if present, else the module localspec.gpu_bench. Either
-        # way llama_cpp is imported before anything can import numpy (GPU.md: the other order segfaults there).
-        ls_cmd=()
-        if [[ -f "$HERE/localspec_bench.py" ]]; then
-            ls_cmd=(python3 -c 'import llama_cpp, runpy, sys
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")' "$HERE/localspec_bench.py")
-        elif [[ -f "$REPO/localspec/gpu_bench.py" ]]; then
-            ls_cmd=(python3 -c 'import llama_cpp, runpy
-runpy.run_module("localspec.gpu_bench", run_name="__main__", alter_sys=True)')
-        fi
-        if (( ${#ls_cmd[@]} )); then
-            # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-            step "localspec-s$s" "${LOCALSPEC_NEED_S:-90}" "${ls_cmd[@]}" --target "$T" --draft "$DR" \
-                --prompt-file "$PROMPT_FILE" --n-predict "$N_PREDICT" --draft-max "$DRAFT_MAX" \
-                --temps "${TEMPS// /,}" --seed "$SEED" --json "$D/localspec.json" ${LOCALSPEC_ARGS:-} \
-                > "$D/localspec.log" 2>&1
-        else
-            log "neither bench/gpu/localspec_bench.py nor localspec/gpu_bench.py in this tree: localspec skipped"
-        fi
+        # localspec's side; the script imports llama_cpp before numpy (GPU.md: the other order segfaults there).
+        # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
+        step "localspec-s$s" "${LOCALSPEC_NEED_S:-90}" python3 "$HERE/localspec_bench.py" --target "$T" --draft "$DR" \
+            --prompt-file "$PROMPT_FILE" --n-predict "$N_PREDICT" --draft-max "$DRAFT_MAX" \
+            --temps "${TEMPS// /,}" --seed "$SEED" --json "$D/localspec.json" ${LOCALSPEC_ARGS:-} \
+            > "$D/localspec.log" 2>&1
     fi
 
     # Make room for the next scale's target unless it is already written or the disk holds both.
