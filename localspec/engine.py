@@ -123,11 +123,10 @@ class _DraftLength:
         self.ok = np.zeros(self.k_max + 1)
         self.draft_step_s = 0.0
         self.verify_s: dict[int, float] = {}
-        self.k = self.k_max
 
     def next(self) -> int:
         if not self.adaptive:
-            return self.k
+            return self.k_max
         if len(self.verify_s) < 2:
             # The verify cost's growth per token needs two widths: probe k_max, then half of it.
             return self.k_max if not self.verify_s else max(1, self.k_max // 2)
@@ -138,10 +137,8 @@ class _DraftLength:
                 rate = (self.ok[i] + 1.0) / (self.tried[i] + 2.0)
             survival *= rate
             expected.append(expected[-1] + survival)
-        best = max(range(1, self.k_max + 1),
+        return max(range(1, self.k_max + 1),
                    key=lambda k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)))
-        self.k = best
-        return best
 
     def _verify_cost(self, width: int) -> float:
         if width in self.verify_s:
@@ -326,18 +323,14 @@ class Engine:
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
-            emitted = [*drafts[:n], int(choice[n])]
-        else:
-            p = _distributions(scores, self._tokens + drafts, sampling)
-            n, emitted = len(drafts), None
-            for i, token in enumerate(drafts):
-                ok, out = accept_or_resample(token, p, i, q[i], rng)
-                if not ok:
-                    n, emitted = i, [*drafts[:i], out]
-                    break
-            if emitted is None:
-                emitted = [*drafts, p.sample(len(drafts), rng)]
-        return emitted, n, spent
+            return [*drafts[:n], int(choice[n])], n, spent
+
+        p = _distributions(scores, self._tokens + drafts, sampling)
+        for i, token in enumerate(drafts):
+            ok, out = accept_or_resample(token, p, i, q[i], rng)
+            if not ok:
+                return [*drafts[:i], out], i, spent
+        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent
 
     def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
         """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""

@@ -90,7 +90,7 @@ class LlamaModel:
         self.model = None
         self.ctx = None
         self._batch = None
-        self._top_k_chain = None
+        self._sampler_chain = None
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
@@ -214,10 +214,10 @@ class LlamaModel:
             mode = None
         if mode == self._sampler_mode:
             return mode is not None
-        if self._top_k_chain is not None:
+        if self._sampler_chain is not None:
             llama_cpp.llama_set_sampler(self.ctx, 0, None)
-            llama_cpp.llama_sampler_free(self._top_k_chain)
-            self._top_k_chain = None
+            llama_cpp.llama_sampler_free(self._sampler_chain)
+            self._sampler_chain = None
             self._sampler_mode = None
         if mode is not None:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -227,7 +227,7 @@ class LlamaModel:
             if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
                 llama_cpp.llama_sampler_free(chain)
                 return False
-            self._top_k_chain = chain
+            self._sampler_chain = chain
             self._sampler_mode = mode
         return mode is not None
 
@@ -283,7 +283,7 @@ class LlamaModel:
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._top_k_chain is not None and self.ctx:
+        if self._sampler_chain is not None and self.ctx:
             self.use_device_sampler(None)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
