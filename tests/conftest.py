@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# The synthetic pair writer lives with its users (tests and the GPU harness), outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,7 +42,7 @@ def use_demo_home(demo_home, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from localspec.synthetic import smollm2_vocab_path
+    from synthetic import smollm2_vocab_path
 
     return smollm2_vocab_path()
 
@@ -46,7 +50,7 @@ def smollm2_path() -> Path:
 def _write_tiny(tmp_path_factory, spec) -> tuple[Path, Path]:
     import dataclasses
 
-    from localspec.synthetic import write_pair
+    from synthetic import write_pair
 
     folder = tmp_path_factory.mktemp("tiny")
     target, draft = folder / "target.gguf", folder / "draft.gguf"
@@ -59,7 +63,7 @@ def _write_tiny(tmp_path_factory, spec) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny pair whose draft often disagrees with the target (rejections on most rounds)."""
-    from localspec.synthetic import TINY
+    from synthetic import TINY
 
     return _write_tiny(tmp_path_factory, TINY)
 
@@ -67,6 +71,6 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_pair_high(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny pair whose draft almost always agrees (exercises the all-accepted path)."""
-    from localspec.synthetic import TINY_HIGH
+    from synthetic import TINY_HIGH
 
     return _write_tiny(tmp_path_factory, TINY_HIGH)

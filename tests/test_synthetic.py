@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp")  # noqa: F841 -- import before numpy (GPU.md pitfall)
+llama_cpp = pytest.importorskip("llama_cpp")  # noqa: F841 -- import before numpy (docs/architecture.md: import order)
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
-from localspec.synthetic import TINY, TINY_HIGH, PairSpec, measure_agreement, write_pair  # noqa: E402
+from synthetic import TINY, TINY_HIGH, PairSpec, measure_agreement, write_pair  # noqa: E402
 
 
 def _pair(root: Path, spec: PairSpec, name: str) -> tuple[Path, Path]:

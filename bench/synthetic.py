@@ -8,11 +8,11 @@ every position to the same argmax row, i.e. degenerate text). A small `scale` me
 barely move the residual stream, so the draft agrees almost always; a larger one makes them disagree more.
 
 One code path writes both sizes: tiny F32/F16 pairs for tests (exact, quick on a CPU) and the 32B-class Q4_0
-pair for the GPU (`../shared/GPU.md`). The F32/F16 tensors hold exactly the values the Q4_0 encoding would
+pair for the GPU (docs/performance.md). The F32/F16 tensors hold exactly the values the Q4_0 encoding would
 dequantise to, so a tiny Q4_0 pair and a tiny F32 pair of the same spec are the same model up to arithmetic.
 
-    python -m localspec.synthetic --size tiny --scale 0.01 --out DIR --measure
-    python -m localspec.synthetic --size gpu32b --scale 8e-5 --out DIR --vocab ggml-vocab-qwen2.gguf
+    python bench/synthetic.py --size tiny --scale 0.01 --out DIR --measure
+    python bench/synthetic.py --size gpu32b --scale 8e-5 --out DIR --vocab ggml-vocab-qwen2.gguf
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class PairSpec:
     seed: int = 1234
     ctx: int = 2048
     arch: Arch = "qwen3"
-    embd_d: float = 0.1  # token_embd Q4_0 d (GPU.md)
-    output_d: float = 0.05  # output head Q4_0 d (GPU.md)
+    embd_d: float = 0.1  # token_embd Q4_0 d (docs/performance.md)
+    output_d: float = 0.05  # output head Q4_0 d (docs/performance.md)
     # Blocks beyond the shared ones may reuse one random tensor per role: the GPU pair needs only the real
     # shape for speed, and this keeps writing 17 GB to I/O time.
     reuse_extra_blocks: bool = False
@@ -434,7 +434,7 @@ def measure_agreement(
     `distinct`: fraction of distinct tokens among the generated ones (near 0 means degenerate text).
     One thread by default: tiny models gain nothing from more, and spinning threads on a busy 2-core machine
     made the same measurement take 0.4 s or 24 s. On a CUDA build, call it from a process that imported
-    llama_cpp before numpy (GPU.md); `python -m localspec.synthetic --measure` does not, so it is for CPUs.
+    llama_cpp before numpy (docs/performance.md); `python bench/synthetic.py --measure` does not, so it is for CPUs.
     """
     from localspec.llama_ctx import LlamaModel  # imports llama_cpp (before numpy's heavy use; GPU.md)
 
@@ -478,7 +478,7 @@ def measure_agreement(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m localspec.synthetic", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/synthetic.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--scale", type=float, help="block weight scale (the agreement knob)")
     p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
