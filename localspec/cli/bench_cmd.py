@@ -13,7 +13,18 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from localspec import config
-from localspec.bench import BenchReport, CheckStarted, RunDone, SweepReport, WarmupStep, run_bench, run_sweep
+from localspec.bench import (
+    BenchPrompt,
+    BenchReport,
+    CheckStarted,
+    RunDone,
+    SweepReport,
+    WarmupStep,
+    load_prompts,
+    prompt_mode,
+    run_bench,
+    run_sweep,
+)
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.session import open_session
@@ -32,6 +43,14 @@ SavePresetOpt = Annotated[
                  show_default=False),
 ]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this path.")]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'.",
+                 show_default=False),
+]
+RawFlag = Annotated[
+    bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")
+]
 
 
 def bench(
@@ -45,6 +64,8 @@ def bench(
     pair: options.PairOpt = None,
     target: options.TargetOpt = None,
     json_path: JsonOpt = None,
+    prompts: PromptsOpt = None,
+    raw: RawFlag = False,
     sweep: SweepOpt = None,
     save_preset: SavePresetOpt = None,
     ngl: options.GpuLayersOpt = None,
@@ -53,9 +74,10 @@ def bench(
     kv_type: options.KvTypeOpt = None,
     threads: options.ThreadsOpt = None,
 ) -> None:
-    """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
+    """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A) or your own (--prompts)."""
+    prompt_set = load_prompts(prompts) if prompts is not None else None  # a bad file fails before any load
     files, chosen = options.resolve_run(
-        pair, target, draft, preset, repeat=repeat, warmup=warmup, max_tokens=max_tokens, temperature=temp,
+        pair, target, draft, preset, repeat=repeat, warmup=warmup, bench_max_tokens=max_tokens, temperature=temp,
         seed=seed, n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
     )
     if files.draft is None:
@@ -77,9 +99,9 @@ def bench(
         f"{chosen.bench.max_tokens} tokens per prompt"
     )
     if lengths is not None:
-        _sweep(console, files, chosen, lengths, json_path, save_preset)
+        _sweep(console, files, chosen, lengths, json_path, save_preset, prompt_set, raw)
         return
-    report = _run(console, files, chosen)
+    report = _run(console, files, chosen, prompt_set, raw)
     console.line()  # a live display that is not on a terminal ends without a newline
     console.print(summary(report))
     if json_path is not None:
@@ -89,10 +111,12 @@ def bench(
         raise typer.Exit(1)
 
 
-def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
+def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None,
+         raw: bool) -> BenchReport:
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
-        events = run_bench(session, chosen)
+        _say_prompts(console, session, prompt_set, raw)
+        events = run_bench(session, chosen, prompt_set, raw)
         runs = []
         progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
                             transient=True)
@@ -123,10 +147,17 @@ def _parse_sweep(text: str) -> list[int]:
     return lengths
 
 
+def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
+    count = len(prompt_set) if prompt_set is not None else 3
+    where = "your prompts" if prompt_set is not None else "the shipped prompts (code, prose, Q&A)"
+    console.print(f"{count} prompt(s): {where}, as {prompt_mode(session, raw)}")
+
+
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
-           save_preset: str | None) -> None:
+           save_preset: str | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
     with open_session(files, chosen) as session:
-        events = run_sweep(session, chosen, lengths)
+        _say_prompts(console, session, prompt_set, raw)
+        events = run_sweep(session, chosen, lengths, prompt_set, raw)
         total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as progress:

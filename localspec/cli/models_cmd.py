@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from localspec import compat, config, doctor, hub, memory, registry
+from localspec import compat, config, demo, doctor, hub, memory, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
@@ -54,7 +56,7 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
     files = _cached_files(pair)
     if files is not None:
         t, d = read_header(files[0]), read_header(files[1])
-        s = memory.settings_from_preset(preset, n_ctx=pair.n_ctx if not pair.builtin else None)
+        s = memory.settings_from_preset(preset.with_overrides(kv_type=pair.kv_type), n_ctx=pair.n_ctx)
         est = memory.estimate(t, d, s, devices)
         return "[green]yes[/]" if est.fits else f"[red]no[/] ({escape(est.suggestions[0])})"
     need = pair.expected_bytes
@@ -67,14 +69,7 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
 
 def _cached_files(pair: registry.Pair) -> tuple[Path, Path] | None:
     if pair.builtin:
-        try:
-            from localspec import demo
-
-            target = demo.demo_dir() / demo.TARGET_FILE
-            draft = demo.demo_dir() / demo.DRAFT_FILE
-        except LocalspecError:
-            return None
-        return (target, draft) if target.is_file() and draft.is_file() else None
+        return demo.DEMOS[pair.name].cached()
     assert pair.target is not None and pair.draft is not None
     t, d = hub.cached_path(pair.target), hub.cached_path(pair.draft)
     return (t, d) if t is not None and d is not None else None
@@ -90,27 +85,34 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     current = registry.default_pair_name()
     chosen = config.load_preset(preset or "default")
     devices = memory.probe_devices()
-    table = Table(title="localspec model pairs", title_justify="left")
-    for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
-        table.add_column(col)
+    # Narrow terminals (80 columns) fold the file names, never the pair names: those are what users type.
+    table = Table(title="localspec model pairs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1))
+    table.add_column("pair", no_wrap=True, min_width=max(len(n) for n in pairs) + 2)
+    table.add_column("target + draft", overflow="fold", ratio=1, min_width=12)
+    for col in ("size", "fits", "ctx, k"):
+        table.add_column(col, no_wrap=col != "fits")
     for pair in pairs.values():
+        built = _cached_files(pair)
         if pair.builtin:
-            models_text, size, downloaded = (
-                "built in: Gemma 3 270M Q4_K_M + Q2_K",
-                "0.3 GB",
-                "[green]built in[/]",
-            )
+            models_text = demo.DEMOS[pair.name].models_text
+            size = _size(sum(p.stat().st_size for p in built)) if built else "-"
+            downloaded = "[green]built in[/]"
         else:
             assert pair.target is not None and pair.draft is not None
             models_text = f"{pair.target.file}\n+ {pair.draft.file}"
             exact = pair.target.size is not None and pair.draft.size is not None
             size = _size(pair.expected_bytes, approx=not exact)
-            downloaded = "[green]yes[/]" if _cached_files(pair) else "no"
-        mark = "*" if pair.name == current else ("+" if pair.recommended else "")
-        ctx, k = ("preset", "preset") if pair.builtin else (str(pair.n_ctx), str(pair.n_draft))
-        table.add_row(mark, pair.name, models_text, size, downloaded, _fits(pair, devices, chosen), ctx, k)
+            downloaded = "[green]downloaded[/]" if built else "[dim]not pulled[/]"
+        name = Text(("* " if pair.name == current else "  ") + pair.name, style="bold" if pair.recommended else "")
+        if pair.recommended:
+            name.append("\n  recommended", style="green")
+        ctx = "preset" if pair.n_ctx is None else f"{pair.n_ctx}" + (f" {pair.kv_type}" if pair.kv_type else "")
+        k = "" if pair.n_draft is None else f"\nk = {pair.n_draft}"
+        table.add_row(name, models_text, f"{size}\n{downloaded}", _fits(pair, devices, chosen), ctx + k)
     console.print(table)
-    console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
+    console.print(f"* default ({current}; chat without a default: {registry.DEMO_CHAT.name})")
+    console.print(f"user pairs: {registry.user_path()}", soft_wrap=True)
     if devices.gpu_free is None:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
 

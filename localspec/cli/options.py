@@ -29,7 +29,7 @@ PresetOpt = Annotated[
     str | None, typer.Option("--preset", help="Preset name or .toml path (default: default).", show_default=False)
 ]
 MaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Tokens to generate (preset's bench.max_tokens).", min=1)
+    int | None, typer.Option("--max-tokens", help="Tokens to generate (the preset's [bench] max_tokens).", min=1)
 ]
 TempOpt = Annotated[float | None, typer.Option("--temp", help="Sampling temperature (0 = greedy).", min=0.0)]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.", min=0)]
@@ -65,10 +65,12 @@ def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | Non
 
 
 def resolve_run(pair: str | None, target: Path | None, draft: list[str] | None, preset: str | None,
-                **overrides: object) -> tuple[ModelFiles, config.Preset]:
+                fallback_pair: str | None = None, **overrides: object) -> tuple[ModelFiles, config.Preset]:
     """The model options of every command → the two files and the preset: command line first, then what the
-    pair recommends, then the preset."""
+    pair recommends (its preset, context, draft length), then the preset. Without model arguments and without
+    a default pair, `fallback_pair` (an offline demo) is used."""
     n_draft, draft_model = split_draft_values(draft)
-    files = resolve_files(pair, target, draft_model)
-    chosen = settle_preset(config.load_preset(preset or "default"), files, n_draft=n_draft, **overrides)
+    files = resolve_files(pair, target, draft_model, **({"fallback": fallback_pair} if fallback_pair else {}))
+    chosen = settle_preset(config.load_preset(preset or files.preset or "default"), files, n_draft=n_draft,
+                           **overrides)
     return files, chosen
