@@ -58,8 +58,8 @@ def shipped_prompts() -> list[BenchPrompt]:
 def load_prompts(path: Path) -> list[BenchPrompt]:
     """`--prompts FILE`: one prompt per line, or JSONL with `prompt` (text) or `messages` (a conversation).
 
-    A file is JSONL when its first non-blank line starts with `{`. Blank lines are skipped; an error names the
-    file and the line.
+    A file is JSONL when its name ends in `.jsonl` or its first non-blank line starts with `{`. Blank lines are
+    skipped; an error names the file and the line.
     """
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -72,7 +72,7 @@ def load_prompts(path: Path) -> list[BenchPrompt]:
         raise LocalspecError(f"{path}: no prompts (one per line, or JSONL with 'prompt' or 'messages')")
     if len(numbered) > MAX_PROMPTS:
         raise LocalspecError(f"{path}: {len(numbered)} prompts; at most {MAX_PROMPTS}")
-    if not numbered[0][1].lstrip().startswith("{"):
+    if Path(path).suffix != ".jsonl" and not numbered[0][1].lstrip().startswith("{"):
         return [BenchPrompt(f"line {i}", text=line) for i, line in numbered]
     return [_jsonl_prompt(path, i, line) for i, line in numbered]
 
@@ -312,7 +312,7 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
     if session.draft is None:
         raise ValueError("bench compares plain with speculative decoding: it needs a draft model")
     settings = preset.bench
-    mode = prompt_mode(session, raw)
+    kind = prompt_mode(session, raw)
     prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):
         mode = SPEC if i % 2 else PLAIN
@@ -344,7 +344,7 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
         preset=preset, n_draft=preset.draft.n_draft, max_tokens=settings.max_tokens,
         plain=ModeSummary.of(PLAIN, plain_runs), speculative=ModeSummary.of(SPEC, spec_runs),
         greedy_check=check, runs=runs, environment=environment(session),
-        prompts=[name for name, _ in prompts], prompt_mode=mode,
+        prompts=[name for name, _ in prompts], prompt_mode=kind,
     )
 
 

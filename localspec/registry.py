@@ -119,6 +119,7 @@ DEMO_CHAT = Pair(
     n_ctx=None,
     n_draft=None,
     source="built-in",
+    preset="smollm2-chat",
 )
 BUILTIN = {p.name: p for p in (DEMO, DEMO_CHAT)}
 

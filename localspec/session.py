@@ -44,7 +44,8 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
     if chosen.builtin:
         # A demo keeps the preset's context and draft length (its files are tiny).
         built = demo.DEMOS[chosen.name]
-        return ModelFiles(target=built.target_path(), draft=built.draft_path(), name=chosen.name)
+        return ModelFiles(target=built.target_path(), draft=built.draft_path(), name=chosen.name,
+                          preset=chosen.preset)
     assert chosen.target is not None and chosen.draft is not None
     return ModelFiles(
         target=hub.require_cached(chosen.target, chosen.name),

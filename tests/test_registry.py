@@ -107,7 +107,10 @@ def test_default_pair_round_trip(home: Path) -> None:
         (lambda t: t.replace('"' + "a" * 64 + '"', '"xyz"'), r"models.toml:15: sha256 must be 64"),
         (lambda t: t.replace('name = "p1"', 'name = "demo"'), r"reserved for a built-in demo"),
         (lambda t: t.replace('name = "p1"', 'name = "demo-chat"'), r"'demo-chat' is reserved"),
-        (lambda t: t.replace('n_draft = 5', 'n_draft = 5\nkv_type = "q5"'), r"models.toml:7: kv_type = 'q5': choose one of"),
+        (
+            lambda t: t.replace('n_draft = 5', 'n_draft = 5\nkv_type = "q5"'),
+            r"models.toml:7: kv_type = 'q5': choose one of",
+        ),
         (lambda t: t.replace('size = 1000', 'size = 1000\nbos = -1'), r"bos must be 0 or more"),
         (lambda t: t.replace("[[pair]]", "[pair]"), r"'pair' must be an array of tables"),
         (lambda t: "x = 1\n" + t, r"unknown top-level key 'x'"),

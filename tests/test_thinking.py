@@ -8,6 +8,10 @@ so ChatTemplate.for_model finds it exactly as it would in a real Qwen3 file.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,7 +105,7 @@ def _vocab_with_template(src: Path, out: Path, template: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def thinking_session(tmp_path_factory, smollm2_path: Path):
+def thinking_pair(tmp_path_factory, smollm2_path: Path) -> tuple[Path, Path]:
     import dataclasses
 
     from synthetic import TINY, write_pair
@@ -110,6 +114,12 @@ def thinking_session(tmp_path_factory, smollm2_path: Path):
     vocab = _vocab_with_template(smollm2_path, folder / "vocab.gguf", QWEN3_LIKE)
     target, draft = folder / "target.gguf", folder / "draft.gguf"
     write_pair(target, draft, dataclasses.replace(TINY, wtype="q4_0"), vocab_source=vocab)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def thinking_session(thinking_pair: tuple[Path, Path]):
+    target, draft = thinking_pair
     preset = load_preset("greedy").with_overrides(n_ctx=512, n_batch=64)
     with open_session(ModelFiles(target=target, draft=draft, name="tiny-thinking"), preset) as session:
         yield session
@@ -181,3 +191,36 @@ def test_the_reply_limit_comes_from_the_preset_and_is_recorded(thinking_session)
     chat.max_tokens = 3  # --max-tokens wins over the preset
     _reply(chat, "again")
     assert chat.turns[1].tokens == 3 and chat.transcript()["settings"]["max_tokens"] == 3
+
+
+def _generate(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    env.pop("LOCALSPEC_DEBUG", None)
+    return subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "generate", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_generate_chat_no_think_and_the_limit_note(thinking_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = thinking_pair
+    model = ["--target", str(target), "--draft", str(draft), "--ctx", "256", "--temp", "0"]
+    thinking = _generate(tmp_path, "hi", "--chat", "--json", "--max-tokens", "6", *model)
+    assert thinking.returncode == 0, thinking.stderr
+    data = json.loads(thinking.stdout)  # the template opened <think>: all 6 tokens are thinking
+    assert data["tokens"] == 6 and data["thinking"] == data["text"].strip() and data["answer"] == ""
+    assert data["stop_reason"] == "max_tokens" and data["max_tokens"] == 6
+    answer = _generate(tmp_path, "hi", "--chat", "--no-think", "--json", "--max-tokens", "6", *model)
+    data = json.loads(answer.stdout)
+    assert data["thinking"] == "" and data["answer"] == data["text"].strip()
+
+    # The limit comes from the preset's [generate] section, and a cut completion says so on stderr only.
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "short.toml").write_text("[generate]\nmax_tokens = 3\n")
+    cut = _generate(tmp_path, "hi", "--preset", "short", *model)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stderr == ("localspec: stopped at the limit of 3 tokens (--max-tokens, or max_tokens under "
+                          "[generate] in a preset, raises it)\n")
+    assert cut.stdout  # the completion itself, nothing else
+
+    wrong = _generate(tmp_path, "hi", "--no-think", *model)
+    assert wrong.returncode == 2 and "--no-think switches the chat template's thinking off: use it with --chat" \
+        in wrong.stderr

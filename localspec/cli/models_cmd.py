@@ -111,8 +111,9 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
         k = "" if pair.n_draft is None else f"\nk = {pair.n_draft}"
         table.add_row(name, models_text, f"{size}\n{downloaded}", _fits(pair, devices, chosen), ctx + k)
     console.print(table)
-    console.print(f"* default ({current}; chat without a default: {registry.DEMO_CHAT.name})")
-    console.print(f"user pairs: {registry.user_path()}", soft_wrap=True)
+    fallback = "" if registry.default_file().is_file() else f"; chat without a default: {registry.DEMO_CHAT.name}"
+    console.print(f"* default ({current}){fallback}")
+    console.print(f"user pairs: {registry.user_path()}")
     if devices.gpu_free is None:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
 
