@@ -205,28 +205,18 @@ def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
     findings: list[Finding] = []
     tm, dm = target.get("tokenizer.ggml.model"), draft.get("tokenizer.ggml.model")
     if tm != dm:
-        findings.append(
-            Finding(
-                Status.FAIL,
-                "tokenizer model",
-                f"tokenizer models differ: target {_show(tm)}, draft {_show(dm)}",
-                "a different tokenizer model numbers its tokens differently",
-            )
-        )
+        findings.append(Finding(Status.FAIL, "tokenizer model", f"tokenizer models differ: target {_show(tm)}, "
+                                f"draft {_show(dm)}", "a different tokenizer model numbers its tokens differently"))
     else:
         findings.extend(_compare_tokens(target, draft))
     for key, label, level, why in _scalar_rules(target, draft):
         _scalar_field(findings, target, draft, key, label, level, why)
     tc, dc = target.get("tokenizer.chat_template"), draft.get("tokenizer.chat_template")
     if tc != dc:
-        findings.append(
-            Finding(
-                Status.WARN,
-                "chat template",
-                "chat templates differ" + (" (one file has none)" if tc is None or dc is None else ""),
-                "the target's template formats the prompt; a draft tuned on another format agrees less often",
-            )
-        )
+        missing = " (one file has none)" if None in (tc, dc) else ""
+        findings.append(Finding(Status.WARN, "chat template", f"chat templates differ{missing}",
+                                "the target's template formats the prompt; a draft tuned on another format agrees "
+                                "less often"))
     findings.extend(quant_advice(target, draft))
     return Verdict(target=target.name, draft=draft.name, findings=tuple(findings))
 

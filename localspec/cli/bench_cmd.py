@@ -32,27 +32,18 @@ SavePresetOpt = Annotated[
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this path.")]
 
 
+@options.with_run_options
 def bench(
+    run: options.RunOptions,
     repeat: options.repeat = None,
     warmup: options.warmup = None,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
     max_tokens: options.max_tokens = None,
-    temperature: options.temperature = None,
-    seed: options.seed = None,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
     json_path: JsonOpt = None,
     sweep: SweepOpt = None,
     save_preset: SavePresetOpt = None,
-    n_gpu_layers: options.n_gpu_layers = None,
-    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
-    n_ctx: options.n_ctx = None,
-    kv_type: options.kv_type = None,
-    threads: options.threads = None,
 ) -> None:
     """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
-    files, chosen = options.resolve_run(locals(), command="bench")
+    files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
     if files.draft is None:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
     if chosen.draft.n_draft == 0:

@@ -198,24 +198,15 @@ def stats_line(turn: TurnRecord) -> str:
     )
 
 
+@options.with_run_options
 def chat(
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
+    run: options.RunOptions,
     system: SystemOpt = None,
     max_tokens: ChatMaxTokensOpt = None,
-    temperature: options.temperature = None,
-    seed: options.seed = None,
     drop_oldest: DropOldestOpt = False,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    n_gpu_layers: options.n_gpu_layers = None,
-    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
-    n_ctx: options.n_ctx = None,
-    kv_type: options.kv_type = None,
-    threads: options.threads = None,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
-    files, chosen = options.resolve_run(locals(), command="chat")
+    files, chosen = options.resolve_run(run, "chat", max_tokens=max_tokens)
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
         template = ChatTemplate.for_model(session.target)
@@ -238,28 +229,19 @@ def chat(
 # -- generate ------------------------------------------------------------------------------------------------
 
 
+@options.with_run_options
 def generate(
+    run: options.RunOptions,
     prompt: PromptArg,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
     max_tokens: options.max_tokens = None,
-    temperature: options.temperature = None,
-    seed: options.seed = None,
     chat_template: ChatFlag = False,
     json_out: JsonFlag = False,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    n_gpu_layers: options.n_gpu_layers = None,
-    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
-    n_ctx: options.n_ctx = None,
-    kv_type: options.kv_type = None,
-    threads: options.threads = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable)."""
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
         raise LocalspecError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
-    files, chosen = options.resolve_run(locals(), command="generate")
+    files, chosen = options.resolve_run(run, "generate", max_tokens=max_tokens)
     with open_session(files, chosen) as session:
         model = session.target
         if chat_template:

@@ -14,7 +14,7 @@ from localspec import compat, config, doctor, hub, memory, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
-from localspec.session import ModelFiles, resolve_files, settle_preset
+from localspec.session import ModelFiles, resolve_files
 from localspec.status import Status
 from localspec.ui.marks import MARK
 
@@ -162,29 +162,20 @@ def check(
         raise typer.Exit(1)
 
 
-def doctor_cmd(
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    n_ctx: options.n_ctx = None,
-    kv_type: options.kv_type = None,
-    n_gpu_layers: options.n_gpu_layers = None,
-) -> None:
+@options.with_run_options
+def doctor_cmd(run: options.RunOptions) -> None:
     """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
-    n_draft, draft_model = options.split_draft_values(draft)
     missing = ""
     files: ModelFiles | None
     try:
-        files = resolve_files(pair, target, draft_model)
+        files = run.files()
     except LocalspecError as exc:  # e.g. a pair not pulled yet: the checklist still runs and says so
         files, missing = None, str(exc)
-    chosen = settle_preset(config.load_preset(preset or "default"), files, prefer="load", flags=options.FLAGS,
-                           n_draft=n_draft, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers)
+    chosen = run.settle(files, "doctor")
     checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
                                n_ctx=chosen.load.n_ctx, missing=missing)
     console.print(
-        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else pair or '?'}[/], "
+        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"
     )
     for c in checks:
