@@ -11,7 +11,7 @@ from localspec.config import load_preset
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
-    apply_repeat_penalty,
+    apply_penalties,
     candidates,
     residual_distribution,
 )
@@ -72,11 +72,11 @@ def test_pipeline_matches_reference(settings):
 
 def test_repeat_penalty_follows_llama_cpp_and_copies():
     logits = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
-    out = apply_repeat_penalty(logits, [0, 1, 1, 3], cfg(repeat_penalty=2.0, repeat_last_n=3))
+    out = apply_penalties(logits, [0, 1, 1, 3], cfg(repeat_penalty=2.0, repeat_last_n=3))
     # window = [1, 1, 3]: token 1 (negative) is multiplied once, token 3 (positive) divided; token 0 is out.
     assert out.tolist() == [2.0, -4.0, 1.0, 0.25]
     assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # the llama.cpp buffer is never written
-    assert apply_repeat_penalty(logits, [0], cfg(repeat_penalty=1.0)) is logits
+    assert apply_penalties(logits, [0], cfg(repeat_penalty=1.0)) is logits
 
 
 def dist(pairs: dict[int, float]) -> Candidates:
