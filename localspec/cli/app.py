@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from localspec.cli import bench_cmd, chat_cmd, models_cmd
+from localspec.cli import bench_cmd, chat_cmd, models_cmd, serve_cmd
 from localspec.errors import LocalspecError
 
 app = typer.Typer(
@@ -46,7 +46,7 @@ def _root(
     """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""
 
 
-for _module in (bench_cmd, models_cmd, chat_cmd):
+for _module in (bench_cmd, models_cmd, chat_cmd, serve_cmd):
     _module.register(app)
 
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 class StopMatcher:
     """Feed text pieces in order; get back the text that is safe to emit.
 
-    `matched` becomes the stop string found (the earliest in the text); from then on nothing more is released.
-    `released` counts the characters released so far, so after a match it is where the stop string began.
+    `matched` becomes the first stop string to complete (the earliest-starting one if a piece completes several);
+    from then on nothing more is released. `released` counts the characters released so far, so after a match it
+    is where that stop string began.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
