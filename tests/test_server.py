@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import queue
 import time
 
 import pytest
-from helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
@@ -22,6 +22,7 @@ from localspec.server.app import Backend, ServerState, create_app
 from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse
 from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, QueueFull, Worker
 from localspec.session import open_session
+from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
 GREEDY = load_preset("greedy").with_overrides(n_ctx=512)
 
@@ -205,57 +206,78 @@ JSON_VALUES = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=6,
 )
-SMALL_INT = st.integers(-3, 40)
-UNIT = st.floats(-0.5, 1.5, allow_nan=False)
-FIELDS: dict[str, st.SearchStrategy] = {
-    "model": st.text(max_size=10),
-    "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "max_tokens": SMALL_INT,
-    "temperature": st.floats(-1, 6, allow_nan=False),
-    "top_k": SMALL_INT,
-    "top_p": UNIT,
-    "min_p": UNIT,
-    "repeat_penalty": st.floats(0, 3, allow_nan=False),
-    "repeat_last_n": SMALL_INT,
-    "presence_penalty": st.floats(-3, 3, allow_nan=False),
-    "frequency_penalty": st.floats(-3, 3, allow_nan=False),
-    "seed": st.integers(-3, 2**33),
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3),
-    "speculative": st.fixed_dictionaries({}, optional={"n_max": SMALL_INT, "p_min": UNIT}),
-    "n": st.integers(0, 2),
-    "logprobs": st.booleans(),
-    "user": st.text(max_size=5),
-}
-MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "bot"])},
-    optional={"content": st.text(max_size=30) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}), max_size=2),
-              "name": st.text(max_size=5)},
+TEXT = st.text(max_size=30)
+STOP = st.text(min_size=1, max_size=4)
+VALID_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": TEXT})
+ANY_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "bot"]) | JSON_VALUES},
+    optional={"content": TEXT | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}), max_size=2) | JSON_VALUES,
+              "name": st.text(max_size=5), "tool_calls": JSON_VALUES},
 )
+# field → (values the server must accept, values near or past the edges; any JSON value is tried as well)
+FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
+    "model": (st.text(max_size=10), JSON_VALUES),
+    "stream": (st.booleans(), st.integers(0, 1)),
+    "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+                       st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=2)),
+    "max_tokens": (st.integers(1, 40), st.integers(-3, 0) | st.floats(1, 3)),
+    "temperature": (st.floats(0, 5), st.floats(-1, 7) | st.text(max_size=3)),
+    "top_k": (st.integers(0, 100), st.integers(-5, 2_000_000)),
+    "top_p": (st.floats(0, 1), st.floats(-1, 2)),
+    "min_p": (st.floats(0, 1), st.floats(-1, 2)),
+    "repeat_penalty": (st.floats(0.5, 2), st.floats(-1, 3)),
+    "repeat_last_n": (st.integers(0, 64), st.integers(-5, 10_000)),
+    "presence_penalty": (st.floats(-2, 2), st.floats(-5, 5)),
+    "frequency_penalty": (st.floats(-2, 2), st.floats(-5, 5)),
+    "seed": (st.integers(-1, 2**32 - 1), st.integers(-(2**40), 2**40)),
+    "stop": (STOP | st.lists(STOP, max_size=3), st.lists(st.text(max_size=3), max_size=20)),
+    "speculative": (st.fixed_dictionaries({}, optional={"n_max": st.integers(0, 8), "p_min": st.floats(0, 1)}),
+                    st.dictionaries(st.sampled_from(["n_max", "p_min", "n_min"]), JSON_VALUES, max_size=3)),
+    "n": (st.just(1), st.integers(0, 3)),
+    "logprobs": (st.just(False), st.booleans() | st.integers(0, 3)),
+    "user": (st.text(max_size=5), JSON_VALUES),
+}
 SPECIFIC = {
-    "chat": {"messages": st.lists(MESSAGE | JSON_VALUES, max_size=3), "max_completion_tokens": SMALL_INT},
-    "completions": {"prompt": st.text(max_size=40) | st.lists(st.integers(-5, 300_000), max_size=6)
-                    | st.lists(st.text(max_size=10), max_size=2), "echo": st.booleans(), "suffix": st.text(max_size=3)},
+    "chat": {
+        "messages": (st.lists(VALID_MESSAGE, min_size=1, max_size=3), st.lists(ANY_MESSAGE, max_size=3)),
+        "max_completion_tokens": (st.integers(1, 40), st.integers(-3, 0)),
+        "tools": (st.just([]), st.lists(JSON_VALUES, min_size=1, max_size=2)),
+        "response_format": (st.just({"type": "text"}), st.fixed_dictionaries({"type": st.text(max_size=12)})),
+    },
+    "completions": {
+        "prompt": (TEXT | st.lists(st.integers(0, 262_143), min_size=1, max_size=6),
+                   st.lists(st.integers(-5, 300_000), max_size=6) | st.lists(st.text(max_size=10), max_size=2)),
+        "echo": (st.just(False), st.booleans()),
+        "suffix": (st.just(""), st.text(max_size=3)),
+    },
 }
 
 
 @st.composite
 def bodies(draw: st.DrawFn, route: str) -> dict:
-    """Each field: absent, a plausible value, or any JSON value; sometimes an unknown field."""
+    """Some fields present with values the server must accept; up to three of them replaced by values near or
+    past the edges, or by any JSON value; sometimes an unknown field. Bodies with nothing hostile must pass."""
+    fields = {**FIELDS, **SPECIFIC[route]}
+    required = "messages" if route == "chat" else "prompt"
+    present = [name for name in fields if name == required or draw(st.integers(0, 9)) < 3]
+    hostile = set(draw(st.lists(st.sampled_from(present), max_size=3, unique=True)))
+    if draw(st.integers(0, 2)) == 0:
+        hostile = set()  # a third of the bodies are entirely valid
     body = {}
-    for name, plausible in {**FIELDS, **SPECIFIC[route]}.items():
-        choice = draw(st.integers(0, 9))
-        required = name in ("messages", "prompt")
-        if choice < (1 if required else 5):
-            continue
-        body[name] = draw(plausible if choice < 9 else JSON_VALUES)
+    for name in present:
+        valid, edge = fields[name]
+        body[name] = draw((edge | JSON_VALUES) if name in hostile else valid)
+    if hostile and draw(st.integers(0, 4)) == 0:
+        body.pop(required, None)
     if draw(st.integers(0, 9)) == 0:
         body[draw(st.text(min_size=1, max_size=8))] = draw(JSON_VALUES)
     return body
 
 
 FUZZ_COUNTS: collections.Counter = collections.Counter()
+FUZZ_EXAMPLES = int(os.environ.get("LOCALSPEC_FUZZ_EXAMPLES", "150"))  # more for a longer hunt
 
 
 def check_response(r) -> None:
@@ -281,7 +303,7 @@ def test_fuzzed_requests_never_break_the_server(backend, capsys):
     # A cap of 2 tokens per reply keeps every accepted request short; the schema is what is under test.
     with client_for(backend, max_tokens=2) as client:
 
-        @settings(max_examples=150, deadline=None, database=None,
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(route=st.sampled_from(["chat", "completions"]), data=st.data())
         def structured(route, data):
@@ -289,7 +311,7 @@ def test_fuzzed_requests_never_break_the_server(backend, capsys):
             check_response(client.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}",
                                        json=body))
 
-        @settings(max_examples=100, deadline=None, database=None)
+        @settings(max_examples=FUZZ_EXAMPLES * 2 // 3, deadline=None, database=None)
         @given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/chat/completions"]),
                raw=st.binary(max_size=60) | st.sampled_from([b"NaN", b'{"prompt": NaN}', b"[" * 5000, b"{}",
                                                               b'{"prompt": "x", "max_tokens": 1e400}', b"null"]))

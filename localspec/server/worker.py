@@ -204,17 +204,28 @@ class Worker:
                 self._running = job
                 self.stats.busy = True
             t0 = time.perf_counter()
+            final: Finished | Failed = Failed("the worker stopped unexpectedly", "internal")
             try:
-                self._execute(job)
+                final = self._execute(job)
             finally:
+                # Counters first, then the final item: a client that has its reply sees them updated.
                 elapsed = time.perf_counter() - t0
                 self.stats.mean_job_s = elapsed if not self.stats.mean_job_s else (
                     0.8 * self.stats.mean_job_s + 0.2 * elapsed)
+                if isinstance(final, Failed):
+                    self.stats.failed += 1
+                elif final.result.finish_reason == FINISH_CANCELLED:
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.served += 1
+                    self.stats.last = final.result
                 with self._cond:
                     self._running = None
                     self.stats.busy = False
+                _deliver(job, final)
 
-    def _execute(self, job: Job) -> None:
+    def _execute(self, job: Job) -> Finished | Failed:
+        """Run one job, delivering its text as it is released; returns the final item."""
         matcher = StopMatcher(job.stops)
         starts: list[int] = []  # each token's offset in the generated text
         from_draft: list[bool] = []
@@ -240,33 +251,23 @@ class Worker:
                     done = event
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
             stream.close()
-            self.stats.failed += 1
-            _deliver(job, Failed(str(exc), "invalid_request"))
-            return
+            return Failed(str(exc), "invalid_request")
         except Exception as exc:
             stream.close()
             # A decode that raised may have left KV cells the bookkeeping does not know: start clean.
             self.engine.reset()
-            self.stats.failed += 1
             if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
                 log.exception("generation failed")
             else:
                 log.error("generation failed: %s: %s", type(exc).__name__, exc)
-            _deliver(job, Failed(f"generation failed: {type(exc).__name__}", "internal"))
-            return
+            return Failed(f"generation failed: {type(exc).__name__}", "internal")
         assert done is not None
         if matcher.matched is None:
             tail = matcher.flush()
             if tail:
                 released.append(tail)
                 _deliver(job, Delta(tail))
-        result = _result(job, "".join(released), matcher, done, starts, from_draft)
-        if result.finish_reason == FINISH_CANCELLED:
-            self.stats.cancelled += 1
-        else:
-            self.stats.served += 1
-            self.stats.last = result
-        _deliver(job, Finished(result))
+        return Finished(_result(job, "".join(released), matcher, done, starts, from_draft))
 
 
 def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: list[int],
