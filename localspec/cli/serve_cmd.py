@@ -23,7 +23,7 @@ from rich.text import Text
 
 from localspec.cli import options
 from localspec.errors import LocalspecError
-from localspec.server.app import Backend, ServerState, create_app
+from localspec.server.app import SHUTDOWN_GRACE_S, Backend, ServerState, create_app
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 HostOpt = Annotated[
@@ -96,7 +96,7 @@ def serve(
                       "reach this port can use the models[/]")
 
     server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5))
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
     loaded: dict[str, Any] = {}
 
     def load() -> None:

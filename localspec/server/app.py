@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from localspec import __version__
 from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import Preset
+from localspec.engine import Engine
 from localspec.errors import ConfigError, LocalspecError
 from localspec.llama_ctx import LlamaModel
 from localspec.server.schema import (
@@ -48,6 +49,7 @@ from localspec.server.worker import FINISH_CANCELLED, Delta, Failed, Finished, I
 log = logging.getLogger("localspec.server")
 
 MAX_BODY_BYTES = 64 << 20  # far above any prompt a context can hold, far below trouble
+SHUTDOWN_GRACE_S = 5.0  # a cancelled job stops at the engine's next check: well within this
 
 
 class ApiError(Exception):
@@ -77,7 +79,7 @@ class Backend:
     n_ctx: int
 
     @classmethod
-    def build(cls, engine: Any, model: LlamaModel, preset: Preset, queue: int) -> Backend:
+    def build(cls, engine: Engine, model: LlamaModel, preset: Preset, queue: int) -> Backend:
         try:
             template, problem = ChatTemplate.for_model(model), None
         except LocalspecError as exc:
@@ -274,7 +276,10 @@ async def _run(state: ServerState, backend: Backend, request: Request, req: Chat
                        headers={"Retry-After": str(worker.retry_after_s())}) from None
     reply = _Reply(state.model_id, chat)
     if req.stream:
-        return EventSourceResponse(_stream(reply, items, worker, job, req.include_usage), sep="\n")
+        # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
+        # it get there before sse-starlette would cut the connection mid-response.
+        return EventSourceResponse(_stream(reply, items, worker, job, req.include_usage), sep="\n",
+                                   shutdown_grace_period=SHUTDOWN_GRACE_S)
     return JSONResponse(reply.whole(await _collect(request, items, worker, job)))
 
 
@@ -286,6 +291,8 @@ async def _collect(request: Request, items: asyncio.Queue[Item], worker: Worker,
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 worker.cancel(job)
+                # A job cancelled while queued never reports back: end the wait here.
+                items.put_nowait(Failed("the client disconnected", "gone"))
                 return
 
     watcher = asyncio.create_task(cancel_on_disconnect())
@@ -335,6 +342,8 @@ async def _stream(reply: _Reply, items: asyncio.Queue[Item], worker: Worker, job
 
 
 def _failure(item: Failed) -> ApiError:
+    if item.kind == "gone":  # nobody will read this: nginx's "client closed request"
+        return ApiError(499, item.message, code="client_closed_request")
     if item.kind == "invalid_request":
         return ApiError(400, item.message, code="invalid_value")
     if item.kind == "shutdown":

@@ -95,7 +95,7 @@ class Finished:
 @dataclass(frozen=True, slots=True)
 class Failed:
     message: str
-    kind: str  # "invalid_request" (the prompt cannot run), "shutdown", or "internal"
+    kind: str  # "invalid_request" (the prompt cannot run), "shutdown", "internal"; the app adds "gone"
 
 
 Item = Delta | Finished | Failed
