@@ -68,9 +68,11 @@ def test_stop_inside_an_accepted_run_stops_the_engine_at_once(session, backend):
     assert "".join(deltas) == result.text == case.text[: case.cut]  # nothing of the stop, nothing after it
     assert result.finish_reason == FINISH_STOP and result.stop_string == case.stop
     assert result.engine_tokens == case.tokens_through_stop  # no token generated past the one completing it
-    assert result.predicted_n == case.returned_tokens < result.engine_tokens
-    assert result.draft_n_accepted == case.returned_from_draft <= result.predicted_n
-    assert result.draft_n_accepted <= result.draft_n
+    counted = result.stats
+    assert counted.tokens == case.returned_tokens < result.engine_tokens
+    assert counted.accepted == case.returned_from_draft <= counted.tokens
+    assert counted.accepted <= counted.drafted and counted.rounds == len(counted.draft_lengths)
+    assert result.timings()["draft_n_accepted"] == counted.accepted
 
 
 @pytest.mark.slow
@@ -82,8 +84,10 @@ def test_counts_without_a_stop_match_the_engine(session, backend):
     events = list(session.engine.generate(prompt, GREEDY.sampling, GREEDY.draft, 12))
     stats = events[-1].stats
     assert "".join(deltas) == result.text == "".join(e.text for e in events[:-1])
-    assert (result.predicted_n, result.draft_n, result.draft_n_accepted) == (12, stats.drafted, stats.accepted)
-    assert result.prompt_n == 1 and result.prompt_tokens == len(prompt)  # same prompt again: all of it cached
+    counted = result.stats
+    assert (counted.tokens, counted.drafted, counted.accepted, counted.rounds) == (
+        12, stats.drafted, stats.accepted, stats.rounds)
+    assert result.prompt_n == 1 and counted.prompt_tokens == len(prompt)  # same prompt again: all of it cached
 
 
 @pytest.mark.slow
@@ -112,7 +116,7 @@ def test_queue_is_bounded_fifo_and_cancel_frees_it(session, demo_home):
         while not any(isinstance(i, Finished) for i in seen["waiting"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert isinstance(seen["long"][-1], Finished) and seen["long"][-1].result.finish_reason == "cancelled"
-        assert isinstance(seen["waiting"][-1], Finished) and seen["waiting"][-1].result.predicted_n == 2
+        assert isinstance(seen["waiting"][-1], Finished) and seen["waiting"][-1].result.stats.tokens == 2
         assert worker.stats.cancelled == 1 and worker.stats.served == 1
     finally:
         worker.shutdown(timeout=60)

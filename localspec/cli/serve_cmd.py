@@ -26,18 +26,6 @@ from localspec.errors import LocalspecError
 from localspec.server.app import SHUTDOWN_GRACE_S, Backend, ServerState, create_app
 from localspec.session import ModelFiles, Session, open_session, preflight
 
-HostOpt = Annotated[
-    str | None, typer.Option("--host", help="Address to listen on (default: the preset's server.host).",
-                             show_default=False)
-]
-PortOpt = Annotated[
-    int | None, typer.Option("--port", help="Port (default: the preset's server.port; 0 = any free port).",
-                             min=0, max=65535)
-]
-QueueOpt = Annotated[
-    int | None, typer.Option("--queue", min=0, help="Requests that may wait while one runs; more get HTTP 503 "
-                                                    "(default: the preset's server.queue).")
-]
 ApiKeyOpt = Annotated[
     str | None, typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", show_default=False,
                              help="Require this key (Bearer or X-Api-Key); /health stays open.")
@@ -46,39 +34,31 @@ CorsOpt = Annotated[
     list[str] | None, typer.Option("--cors-origin", show_default=False,
                                    help="Allow browser requests from this origin ('*' = any). Repeatable.")
 ]
-ServeMaxTokensOpt = Annotated[int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply "
-                                                       "(default: the turn's end or a full context).")]
+ServeMaxTokensOpt = Annotated[
+    int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply (default: the turn's end or a "
+                                                         "full context).")
+]
 
 
+@options.with_run_options
 def serve(
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
-    queue: QueueOpt = None,
+    run: options.RunOptions,
+    host: options.host = None,
+    port: options.port = None,
+    queue: options.queue = None,
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
-    temperature: options.TempOpt = None,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    n_gpu_layers: options.GpuLayersOpt = None,
-    draft_n_gpu_layers: options.DraftGpuLayersOpt = None,
-    n_ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
 ) -> None:
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
-    files, chosen = options.resolve_run(pair, target, draft, preset, temperature=temperature,
-                                        n_gpu_layers=n_gpu_layers, draft_n_gpu_layers=draft_n_gpu_layers,
-                                        n_ctx=n_ctx, kv_type=kv_type, threads=threads, host=host, port=port,
-                                        queue=queue)
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
+    overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
+    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue)
     preflight(files, chosen)  # headers only: a pair that cannot work fails before the port is taken
     settings = chosen.server
     sock, loopback = _listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     key = api_key or None
-    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens)
+    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
@@ -195,11 +175,11 @@ def _status(state: ServerState, files: ModelFiles) -> Text:
         line.append(f" · cancelled {stats.cancelled}")
     if stats.rejected:
         line.append(f" · turned away {stats.rejected} (queue full)")
-    last = stats.last
-    if last is not None:
-        accepted = f"acceptance {last.acceptance_rate:.0%}" if last.draft_n else "no drafting"
-        line.append(f" · last: {last.predicted_n} tokens, {last.predicted_per_second:.1f} tok/s, {accepted}, "
-                    f"mean accepted {last.mean_accepted:.2f}, prompt {last.prompt_n}/{last.prompt_tokens} processed",
+    if stats.last is not None:
+        last = stats.last.stats
+        accepted = f"acceptance {last.acceptance_rate:.0%}" if last.drafted else "no drafting"
+        line.append(f" · last: {last.tokens} tokens, {last.decode_tps:.1f} tok/s, {accepted}, mean accepted "
+                    f"{last.mean_accepted:.2f}, prompt {stats.last.prompt_n}/{last.prompt_tokens} processed",
                     style="dim")
     return line
 

@@ -38,6 +38,7 @@ from localspec.engine import Engine
 from localspec.errors import ConfigError, LocalspecError
 from localspec.llama_ctx import LlamaModel
 from localspec.server.schema import (
+    FIELD_OF_KEY,
     ChatRequest,
     CompletionRequest,
     RequestError,
@@ -97,6 +98,7 @@ class ServerState:
     model_id: str
     api_key: str | None = None
     max_tokens: int | None = None  # the server's cap per reply (None: until the end of the turn/context)
+    seed: int | None = None  # for requests that give none (None: a random one each)
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -247,9 +249,14 @@ async def _prompt(backend: Backend, build: Any) -> list[int]:
 def _job_settings(state: ServerState, backend: Backend,
                   req: ChatRequest | CompletionRequest) -> tuple[Preset, int]:
     """The request's fields over the server's preset: one Sampling for target and draft, one Drafting."""
-    seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbits(32)
+    if req.seed is not None and req.seed >= 0:
+        seed = req.seed
+    else:  # absent or -1: the server's --seed, else random per request (a preset's fixed seed would repeat replies)
+        seed = state.seed if state.seed is not None else secrets.randbits(32)
+    overrides = req.preset_overrides()
+    names = {key: FIELD_OF_KEY.get(key, key) for key in overrides}  # errors name the request's field
     try:
-        preset = backend.preset.with_overrides(seed=seed, **req.preset_overrides())
+        preset = backend.preset.with_overrides(seed=seed, flags=names, **overrides)
     except ConfigError as exc:  # the schema checks the same ranges; this is the backstop
         raise ApiError(400, str(exc), code="invalid_value") from None
     room = backend.n_ctx  # the engine stops at a full context by itself
@@ -397,9 +404,9 @@ class _Reply:
 
 
 def _usage(result: JobResult) -> dict[str, Any]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.predicted_n,
-            "total_tokens": result.prompt_tokens + result.predicted_n,
-            "prompt_tokens_details": {"cached_tokens": result.prompt_tokens - result.prompt_n}}
+    prompt, completion = result.stats.prompt_tokens, result.stats.tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": prompt - result.prompt_n}}
 
 
 # -- errors --------------------------------------------------------------------------------------------------

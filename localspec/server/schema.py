@@ -9,7 +9,6 @@ comes from the preset's own metadata in `localspec.config`, so the server accept
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 from collections.abc import Callable
@@ -17,11 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from localspec.config import Drafting, Sampling
+from localspec.config import key_metadata
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOKENS_LIMIT = 2**31 - 1
+FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min"}  # preset key → request field
 
 
 class RequestError(Exception):
@@ -34,9 +34,9 @@ class RequestError(Exception):
         self.code = code
 
 
-def _limits(cls: type, name: str) -> dict[str, Any]:
+def _limits(key: str) -> dict[str, Any]:
     """The preset's allowed range for one key, as pydantic bounds."""
-    lo, hi = next(f.metadata["range"] for f in dataclasses.fields(cls) if f.name == name)
+    lo, hi = key_metadata(key)["range"]
     return {"ge": lo, "le": hi}
 
 
@@ -47,8 +47,8 @@ class _Strict(BaseModel):
 class Speculative(_Strict):
     """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting)."""
 
-    n_max: int | None = Field(None, **_limits(Drafting, "n_draft"))
-    p_min: float | None = Field(None, **_limits(Drafting, "p_min"))
+    n_max: int | None = Field(None, **_limits("n_draft"))
+    p_min: float | None = Field(None, **_limits("p_min"))
 
 
 class StreamOptions(_Strict):
@@ -94,15 +94,15 @@ class _Generation(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, **_limits(Sampling, "temperature"))
-    top_k: int | None = Field(None, **_limits(Sampling, "top_k"))
-    top_p: float | None = Field(None, **_limits(Sampling, "top_p"))
-    min_p: float | None = Field(None, **_limits(Sampling, "min_p"))
-    repeat_penalty: float | None = Field(None, **_limits(Sampling, "repeat_penalty"))
-    repeat_last_n: int | None = Field(None, **_limits(Sampling, "repeat_last_n"))
-    presence_penalty: float | None = Field(None, **_limits(Sampling, "presence_penalty"))
-    frequency_penalty: float | None = Field(None, **_limits(Sampling, "frequency_penalty"))
-    seed: int | None = Field(None, ge=-1, le=_limits(Sampling, "seed")["le"])  # -1: random (llama.cpp's meaning)
+    temperature: float | None = Field(None, **_limits("temperature"))
+    top_k: int | None = Field(None, **_limits("top_k"))
+    top_p: float | None = Field(None, **_limits("top_p"))
+    min_p: float | None = Field(None, **_limits("min_p"))
+    repeat_penalty: float | None = Field(None, **_limits("repeat_penalty"))
+    repeat_last_n: int | None = Field(None, **_limits("repeat_last_n"))
+    presence_penalty: float | None = Field(None, **_limits("presence_penalty"))
+    frequency_penalty: float | None = Field(None, **_limits("frequency_penalty"))
+    seed: int | None = Field(None, ge=-1, le=_limits("seed")["le"])  # -1: random (llama.cpp's meaning)
     stop: tuple[str, ...] = ()
     speculative: Speculative | None = None
     # Bookkeeping fields of the OpenAI API that change nothing about the generation.

@@ -13,6 +13,7 @@ whenever the event loop next looks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localspec.config import Drafting, Sampling
-from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, Engine, TokenEvent
+from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, Engine, GenerationStats, TokenEvent
 from localspec.errors import LocalspecError
 from localspec.server.stops import StopMatcher
 
@@ -44,46 +45,35 @@ class Delta:
 
 @dataclass(frozen=True)
 class JobResult:
-    """What one job returned, counted over the tokens whose text reached the client."""
+    """What one job returned. `stats` are the engine's, counted over the tokens whose text reached the client: a
+    stop string can end inside an accepted draft run, and the tokens after it are neither returned nor counted."""
 
     text: str
     finish_reason: str  # FINISH_STOP, FINISH_LENGTH or FINISH_CANCELLED
     stop_string: str | None
-    prompt_tokens: int  # the whole prompt
-    prompt_n: int  # prompt tokens actually decoded (the rest was reused from the KV caches: cached tokens)
-    prompt_ms: float
-    predicted_n: int  # tokens returned (a stop string cuts the ones after it)
-    predicted_ms: float
-    draft_n: int  # draft tokens drafted in the rounds that produced returned tokens
-    draft_n_accepted: int  # returned tokens that were accepted draft tokens
-    rounds: int
-    engine_tokens: int  # tokens the engine generated (>= predicted_n: a stop string ends inside a token)
+    stats: GenerationStats
+    engine_tokens: int  # tokens the engine generated (>= stats.tokens: a stop string ends inside a token)
 
     @property
-    def predicted_per_second(self) -> float:
-        return self.predicted_n / (self.predicted_ms / 1000.0) if self.predicted_ms > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.draft_n_accepted / self.rounds if self.rounds else 0.0
+    def prompt_n(self) -> int:
+        """llama.cpp's meaning: prompt tokens evaluated. The engine prefills all but the last prompt token and
+        decodes that one in the first verify batch, so even a fully cached prompt costs 1."""
+        return self.stats.prompt_tokens_processed + 1
 
     def timings(self) -> dict[str, float | int]:
         """llama.cpp server's `timings` (so UIs that read them work), plus localspec's acceptance figures."""
+        s = self.stats
         return {
             "prompt_n": self.prompt_n,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_second": round(self.prompt_n / (self.prompt_ms / 1000.0), 3) if self.prompt_ms > 0 else 0.0,
-            "predicted_n": self.predicted_n,
-            "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_second": round(self.predicted_per_second, 3),
-            "draft_n": self.draft_n,
-            "draft_n_accepted": self.draft_n_accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted": round(self.mean_accepted, 4),
+            "prompt_ms": round(s.prefill_s * 1000, 3),
+            "prompt_per_second": round(self.prompt_n / s.prefill_s, 3) if s.prefill_s > 0 else 0.0,
+            "predicted_n": s.tokens,
+            "predicted_ms": round(s.decode_s * 1000, 3),
+            "predicted_per_second": round(s.decode_tps, 3),
+            "draft_n": s.drafted,
+            "draft_n_accepted": s.accepted,
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "mean_accepted": round(s.mean_accepted, 4),
         }
 
 
@@ -287,23 +277,12 @@ def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: 
             finish = FINISH_STOP
     # Each round emits its accepted draft tokens, then one token of the target's own (from_draft False).
     rounds = 1 + sum(1 for f in from_draft[: returned - 1] if not f) if returned else 0
-    stats = done.stats
-    return JobResult(
-        text=text,
-        finish_reason=finish,
-        stop_string=matcher.matched,
-        prompt_tokens=stats.prompt_tokens,
-        # llama.cpp's meaning: tokens evaluated for the prompt. The engine prefills all but the last prompt token
-        # and decodes that one in the first verify batch, so a fully cached prompt still costs 1.
-        prompt_n=stats.prompt_tokens_processed + 1,
-        prompt_ms=stats.prefill_s * 1000.0,
-        predicted_n=returned,
-        predicted_ms=stats.decode_s * 1000.0,
-        draft_n=sum(stats.draft_lengths[:rounds]),
-        draft_n_accepted=sum(from_draft[:returned]),
-        rounds=rounds,
-        engine_tokens=stats.tokens,
-    )
+    stats = dataclasses.replace(done.stats, tokens=returned, rounds=rounds,
+                                drafted=sum(done.stats.draft_lengths[:rounds]),
+                                accepted=sum(from_draft[:returned]),
+                                draft_lengths=done.stats.draft_lengths[:rounds])
+    return JobResult(text=text, finish_reason=finish, stop_string=matcher.matched, stats=stats,
+                     engine_tokens=done.stats.tokens)
 
 
 def _deliver(job: Job, item: Item) -> None:
