@@ -106,7 +106,9 @@ def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling) -> Candidates
             keep &= base >= cfg.min_p * base[:, :1]
         keep[:, 0] = True
 
-    scaled = (vals - vals[:, :1]) / cfg.temperature
+    # A temperature near 0 sends every logit but the top one to -inf, i.e. probability 0, as intended.
+    with np.errstate(over="ignore"):
+        scaled = (vals - vals[:, :1]) / cfg.temperature
     probs = np.where(keep, np.exp(scaled), 0.0)
     probs /= probs.sum(axis=1, keepdims=True)
     width = int(keep.sum(axis=1).max())  # sorted descending, so survivors sit at the front

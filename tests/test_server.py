@@ -382,3 +382,18 @@ def test_shutdown_fails_queued_jobs_with_a_reason(session):
     worker.shutdown(timeout=0)
     assert isinstance(got[0], Failed) and got[0].kind == "shutdown"
 
+
+
+def test_listening_address_checks():
+    """The warning for a server reachable from other machines rests on this; a busy port is a one-line error."""
+    from localspec.cli.serve_cmd import is_loopback, listen
+    from localspec.errors import LocalspecError
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.5")
+    sock = listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(LocalspecError, match=r"cannot listen on 127\.0\.0\.1:\d+: .*try another --port"):
+            listen("127.0.0.1", sock.getsockname()[1])
+    finally:
+        sock.close()

@@ -55,7 +55,7 @@ def serve(
     files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue)
     preflight(files, chosen)  # headers only: a pair that cannot work fails before the port is taken
     settings = chosen.server
-    sock, loopback = _listen(settings.host, settings.port)
+    sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     key = api_key or None
     state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed)
@@ -71,7 +71,7 @@ def serve(
         f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/] · "
         f"{'API key required' if key else 'no API key'} · queue {settings.queue} · Ctrl-C stops"
     )
-    if not loopback and key is None:
+    if not is_loopback(sock.getsockname()[0]) and key is None:
         console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
                       "reach this port can use the models[/]")
 
@@ -137,8 +137,8 @@ def model_id(files: ModelFiles) -> str:
     return files.target.stem if files.name == "custom" else files.name
 
 
-def _listen(host: str, port: int) -> tuple[socket.socket, bool]:
-    """A listening socket on host:port, and whether it is loopback-only."""
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; a busy port or an unknown host is a one-line error."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -152,7 +152,12 @@ def _listen(host: str, port: int) -> tuple[socket.socket, bool]:
     except OSError as exc:
         sock.close()
         raise LocalspecError(f"cannot listen on {host}:{port}: {exc.strerror} (try another --port)") from None
-    return sock, ipaddress.ip_address(address[0]).is_loopback
+    return sock
+
+
+def is_loopback(address: str) -> bool:
+    """Whether only this machine can connect (0.0.0.0 and :: mean every interface)."""
+    return ipaddress.ip_address(address).is_loopback
 
 
 def _url_host(host: str) -> str:
