@@ -30,11 +30,19 @@ class Sampling:
     min_p: float = field(metadata=_rng(0.0, 1.0, float))  # 0 = off
     repeat_penalty: float = field(metadata=_rng(0.5, 2.0, float))  # 1 = off
     repeat_last_n: int = field(metadata=_rng(0, 4096, int))
+    presence_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off (OpenAI's range)
+    frequency_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off
     seed: int = field(metadata=_rng(0, 2**32 - 1, int))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes logits (they depend on history, so they need full logit rows)."""
+        active = self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return active and self.repeat_last_n > 0
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,19 @@ class LoadSettings:
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = field(metadata={"kind": str})  # where `localspec serve` listens
+    port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
+    queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait behind the running one
+
+
 _SECTIONS: dict[str, type] = {
     "sampling": Sampling,
     "draft": Drafting,
     "bench": BenchSettings,
     "load": LoadSettings,
+    "server": ServerSettings,
 }
 
 
@@ -77,6 +93,7 @@ class Preset:
     draft: Drafting
     bench: BenchSettings
     load: LoadSettings
+    server: ServerSettings
 
     def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,
                        **overrides: Any) -> Preset:
@@ -131,6 +148,10 @@ def _check(section: str, key: str, value: Any, where: str) -> Any:
     meta = key_metadata(key, section)
     kind = meta["kind"]
     if kind is str:
+        if "choices" not in meta:
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
+            return value
         if value not in meta["choices"]:
             raise ConfigError(f"{where} = {value!r}: choose one of {', '.join(meta['choices'])}")
         return value

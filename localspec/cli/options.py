@@ -74,6 +74,9 @@ threads = _setting("threads", "--threads", "CPU threads (0 = physical cores).")
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
+host = _setting("host", "--host", "Address to listen on.")
+port = _setting("port", "--port", "Port to listen on (0 = any free port).")
+queue = _setting("queue", "--queue", "Requests that may wait while one runs; more get HTTP 503.")
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
