@@ -27,7 +27,7 @@ from gguf.constants import (
     LlamaFileType,
 )
 
-from localspec.errors import LocalspecError
+from localspec.errors import GGUFError
 
 # A 262k-token vocabulary with merges and scores is ~15 MB of header; 256 MiB leaves room and still bounds a
 # hostile file that claims a billion strings.
@@ -50,10 +50,6 @@ _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.INT64: "q",
     GGUFValueType.FLOAT64: "d",
 }
-
-
-class GGUFError(LocalspecError):
-    """The file is not a readable GGUF file; the message names it."""
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from localspec.errors import LocalspecError
+from localspec.errors import HubError, LocalspecError
 from localspec.registry import ModelSpec
 
 PARTIAL_SUFFIX = ".localspec-partial"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class HubError(LocalspecError):
-    """A download problem with a one-line cause (404, 401/gated, network, disk, checksum)."""
 
 
 # -- environment -------------------------------------------------------------------------------------------
