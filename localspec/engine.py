@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.errors import ContextFullError
+from localspec.errors import ContextFullError, UsageError
 from localspec.llama_ctx import LlamaModel, TopK
 from localspec.sampling import (
     Candidates,
@@ -195,7 +195,7 @@ class Engine:
                  max_tokens: int) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped."""
         if not prompt:
-            raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+            raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         rng = np.random.default_rng(sampling.seed)

@@ -33,7 +33,7 @@ _REASONS = {
     errno.EROFS: "read-only file system",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
-    errno.EISDIR: "it is a folder",
+    errno.EISDIR: "it is a directory",
     errno.ENOTDIR: "a file is in the way of its folder",
     errno.ENOENT: "its folder does not exist",
 }
@@ -45,14 +45,14 @@ def not_utf8(where: str, exc: UnicodeDecodeError) -> str:
 
 
 def not_a_file(st_mode: int) -> str | None:
-    """What a path is when it is not a regular file ("a folder", "a FIFO (named pipe)"), else None.
+    """What a path is when it is not a regular file ("a directory", "a FIFO (named pipe)"), else None.
 
     Checked before opening: reading a FIFO without a writer blocks forever, a device never ends.
     """
     if stat.S_ISREG(st_mode):
         return None
     if stat.S_ISDIR(st_mode):
-        return "a folder"
+        return "a directory"
     if stat.S_ISFIFO(st_mode):
         return "a FIFO (named pipe)"
     if stat.S_ISSOCK(st_mode):
@@ -93,7 +93,7 @@ def check_writable(path: str | os.PathLike[str], what: str = "", need: int = MIN
     target = Path(path).expanduser()
     label = f"{what} {target}" if what else str(target)
     if target.is_dir():
-        raise WriteError(f"cannot write {label}: it is a folder")
+        raise WriteError(f"cannot write {label}: it is a directory")
     folder = target.parent
     try:
         if parents:
@@ -129,6 +129,16 @@ def _remove_stale(folder: Path, name: str) -> None:
             continue
 
 
+def _mode_for(target: Path) -> int:
+    """The replaced file's mode, else what the umask allows (as open() would create it)."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], what: str = "", parents: bool = False) -> Iterator[Path]:
     """A temporary path next to `path` for a writer that opens the file itself (llama.cpp's quantizer).
@@ -148,6 +158,8 @@ def atomic_path(path: str | os.PathLike[str], what: str = "", parents: bool = Fa
     except OSError as exc:
         raise write_error(target, exc, what) from None
     tmp = Path(name)
+    with contextlib.suppress(OSError):  # mkstemp makes 0600; the file gets the mode a plain open() would give
+        os.chmod(tmp, _mode_for(target))
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDONLY)

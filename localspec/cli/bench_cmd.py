@@ -31,7 +31,9 @@ SavePresetOpt = Annotated[
     typer.Option("--save-preset", help="With --sweep: write the best draft length into this user preset.",
                  show_default=False),
 ]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this path.")]
+JsonOpt = Annotated[
+    Path | None, typer.Option("--json", help="Also write the report as JSON to this path.", readable=False)
+]
 
 
 def bench(

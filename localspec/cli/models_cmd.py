@@ -29,7 +29,7 @@ SpecOpt = Annotated[
 ]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
-PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
+PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
 _MARK = {
     doctor.OK: "[green]✓[/]",

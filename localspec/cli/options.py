@@ -14,8 +14,10 @@ from localspec.session import ModelFiles, resolve_files, settle_preset
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
 ]
+# readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+    Path | None,
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
 ]
 DraftOpt = Annotated[
     list[str] | None,
