@@ -181,10 +181,9 @@ def atomic_path(path: str | os.PathLike[str], what: str = "", parents: bool = Fa
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str], mode: str = "wb", what: str = "", parents: bool = False
-                ) -> Iterator[IO]:
-    """An open temporary file that becomes `path` (fsynced, renamed) only if the block completes."""
-    with atomic_path(path, what, parents) as tmp, open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+def atomic_file(path: str | os.PathLike[str], what: str = "", parents: bool = False) -> Iterator[IO[bytes]]:
+    """An open (binary) temporary file that becomes `path` (fsynced, renamed) only if the block completes."""
+    with atomic_path(path, what, parents) as tmp, open(tmp, "wb") as fh:
         yield fh
         fh.flush()
 
@@ -193,6 +192,6 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, what: str = ""
                  parents: bool = False) -> Path:
     """Write `data` (text as UTF-8) to `path` atomically; returns the path. See the module docstring."""
     target = Path(path).expanduser()
-    with atomic_file(target, "wb", what, parents) as fh:
+    with atomic_file(target, what, parents) as fh:
         fh.write(data.encode("utf-8") if isinstance(data, str) else data)
     return target
