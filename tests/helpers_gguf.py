@@ -38,10 +38,9 @@ def array(item_type: int, items: list) -> bytes:
 
 def kv(key: str, vtype: int, v: object) -> bytes:
     """One metadata record; for ARRAY, `v` is a (item_type, items) pair or the packed array bytes."""
-    if vtype == ARRAY:
-        payload = v if isinstance(v, bytes) else array(*v)  # type: ignore[misc]
-    else:
-        payload = value(vtype, v)
+    if vtype != ARRAY:
+        return string(key) + struct.pack("<I", vtype) + value(vtype, v)
+    payload = v if isinstance(v, bytes) else array(*v)  # type: ignore[misc]
     return string(key) + struct.pack("<I", vtype) + payload
 
 
