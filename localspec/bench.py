@@ -17,8 +17,8 @@ from importlib import metadata
 from typing import Any
 
 from localspec import __version__
-from localspec.config import Drafting, Preset
-from localspec.engine import DoneEvent, GenerationStats, TokenEvent
+from localspec.config import Preset
+from localspec.engine import GenerationStats, collect
 from localspec.errors import UsageError
 from localspec.session import Session
 
@@ -34,30 +34,16 @@ PLAIN, SPEC = "plain", "speculative"
 
 @dataclass
 class RunResult:
+    """One measured run: the engine's stats summed over the prompt set, and each prompt's tokens."""
+
     mode: str
     index: int
-    tokens: int
-    decode_s: float
-    drafted: int
-    accepted: int
-    rounds: int
-    draft_s: float
-    verify_s: float
-    host_s: float
-    prefill_tps: float
+    stats: GenerationStats
+    prefill_tps: float  # median over the prompts that processed any prompt tokens
     outputs: dict[str, list[int]] = field(repr=False)
 
-    @property
-    def decode_tps(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.accepted / self.rounds if self.rounds else 0.0
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "index": self.index, "prefill_tps": self.prefill_tps, **self.stats.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -73,15 +59,12 @@ class ModeSummary:
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
-        tps = [r.decode_tps for r in runs]
-        drafted = sum(r.drafted for r in runs)
-        rounds = sum(r.rounds for r in runs)
-        decode = sum(r.decode_s for r in runs)
+        tps = [r.stats.decode_tps for r in runs]
+        total = GenerationStats.total(r.stats for r in runs)
         return cls(
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
-            acceptance_rate=sum(r.accepted for r in runs) / drafted if drafted else 0.0,
-            mean_accepted=sum(r.accepted for r in runs) / rounds if rounds else 0.0,
-            host_fraction=sum(r.host_s for r in runs) / decode if decode else 0.0,
+            acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
+            host_fraction=total.host_fraction,
         )
 
 
@@ -114,11 +97,6 @@ class BenchReport:
                 "the draft does not save enough target work here")
 
     def as_json(self) -> dict[str, Any]:
-        def run_dict(r: RunResult) -> dict[str, Any]:
-            d = {k: v for k, v in dataclasses.asdict(r).items() if k != "outputs"}
-            d.update(decode_tps=r.decode_tps, acceptance_rate=r.acceptance_rate, mean_accepted=r.mean_accepted)
-            return d
-
         return {
             "localspec_bench": 1,
             "environment": self.environment,
@@ -131,7 +109,7 @@ class BenchReport:
             "speedup": self.speedup,
             "verdict": self.verdict,
             "greedy_check": dataclasses.asdict(self.greedy_check),
-            "runs": [run_dict(r) for r in self.runs],
+            "runs": [r.as_dict() for r in self.runs],
         }
 
 
@@ -156,36 +134,18 @@ class CheckStarted:
 BenchEvent = WarmupStep | RunDone | CheckStarted | BenchReport
 
 
-def _generate(session: Session, prompt: list[int], preset: Preset, drafting: Drafting,
-              max_tokens: int) -> tuple[list[int], GenerationStats]:
-    tokens: list[int] = []
-    stats = GenerationStats()
-    for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens):
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token)
-        elif isinstance(event, DoneEvent):
-            stats = event.stats
-    return tokens, stats
-
-
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
              max_tokens: int) -> RunResult:
     drafting = preset.draft if mode == SPEC else dataclasses.replace(preset.draft, n_draft=0)
-    totals = GenerationStats()
     outputs: dict[str, list[int]] = {}
-    prefill_tps = []
+    stats: list[GenerationStats] = []
     for name, prompt in prompts:
-        out, s = _generate(session, prompt, preset, drafting, max_tokens)
-        outputs[name] = out
-        for key in ("tokens", "drafted", "accepted", "rounds", "draft_s", "verify_s", "decode_s"):
-            setattr(totals, key, getattr(totals, key) + getattr(s, key))
-        if s.prompt_tokens_processed:
-            prefill_tps.append(s.prefill_tps)
-    return RunResult(
-        mode=mode, index=index, tokens=totals.tokens, decode_s=totals.decode_s, drafted=totals.drafted,
-        accepted=totals.accepted, rounds=totals.rounds, draft_s=totals.draft_s, verify_s=totals.verify_s,
-        host_s=totals.host_s, prefill_tps=statistics.median(prefill_tps) if prefill_tps else 0.0, outputs=outputs,
-    )
+        generation = collect(session.engine.generate(prompt, preset.sampling, drafting, max_tokens))
+        outputs[name] = generation.tokens
+        stats.append(generation.stats)
+    prefill = [s.prefill_tps for s in stats if s.prompt_tokens_processed]
+    return RunResult(mode=mode, index=index, stats=GenerationStats.total(stats),
+                     prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs)
 
 
 def _compare(plain: dict[str, list[int]], spec: dict[str, list[int]]) -> GreedyCheck:
@@ -244,10 +204,8 @@ def run_bench(session: Session, preset: Preset) -> Iterator[BenchEvent]:
 
 def environment(session: Session) -> dict[str, Any]:
     """Versions, hardware and model files, for the JSON report (so numbers can be compared honestly)."""
-    import llama_cpp
-    import psutil
-
-    from localspec.llama_ctx import supports_gpu_offload
+    from localspec import machine
+    from localspec.llama_ctx import supports_gpu_offload, system_info
 
     def version(dist: str) -> str | None:
         try:
@@ -265,49 +223,19 @@ def environment(session: Session) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "localspec": __version__,
         "llama_cpp_python": version("llama-cpp-python"),
-        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "llama_cpp_system_info": system_info(),
         "gpu_offload": supports_gpu_offload(),
-        "gpus": gpu_names(),
+        "gpus": [gpu.name for gpu in machine.nvidia_gpus()],
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_cores_physical": psutil.cpu_count(logical=False),
+        "cpu": machine.cpu_name(),
+        "cpu_cores_physical": machine.physical_cores(),
         "cpu_threads": session.target.n_threads,
-        "ram_bytes": psutil.virtual_memory().total,
+        "ram_bytes": machine.ram_total(),
         "pair": session.files.name,
         "target": model(session.target),
         "draft": model(session.draft),
     }
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one (platform.processor() is empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def gpu_names() -> list[str]:
-    """NVIDIA GPUs seen through NVML; empty without a driver (the normal case on CPU machines)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-        return names
-    finally:
-        pynvml.nvmlShutdown()
 
 
 # -- draft-length sweep -----------------------------------------------------------------------------------------

@@ -72,19 +72,10 @@ def draft_path() -> Path:
     if final.is_file():
         return final
     source = target_path()
-    import llama_cpp
+    from localspec.llama_ctx import quantize
 
-    from localspec.llama_ctx import _init_backend, default_threads
-
-    _init_backend()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{DRAFT_FTYPE_NAME}")
-    params.allow_requantize = True
-    params.nthread = default_threads()
     with _writing(final, opened=False) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise LocalspecError(f"{source}: llama.cpp could not requantize the demo draft (code {rc})")
+        quantize(source, tmp, DRAFT_FTYPE_NAME)
     return final
 
 

@@ -19,8 +19,6 @@ from localspec.fsutil import atomic_write, check_writable
 from localspec.session import open_session
 from localspec.ui.bench_view import live_table, summary, sweep_table
 
-RepeatOpt = Annotated[int | None, typer.Option("--repeat", help="Measured runs of each mode (median).", min=1)]
-WarmupOpt = Annotated[int | None, typer.Option("--warmup", help="Short warm-up generations first.", min=0)]
 SweepOpt = Annotated[
     str | None,
     typer.Option("--sweep", help="Comma-separated draft lengths to compare instead (e.g. 2,4,6,8).",
@@ -36,24 +34,15 @@ JsonOpt = Annotated[
 ]
 
 
+@options.with_run_options
 def bench(
-    repeat: RepeatOpt = None,
-    warmup: WarmupOpt = None,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    max_tokens: options.MaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
+    run: options.RunOptions,
+    repeat: options.repeat = None,
+    warmup: options.warmup = None,
+    max_tokens: options.max_tokens = None,
     json_path: JsonOpt = None,
     sweep: SweepOpt = None,
     save_preset: SavePresetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
 ) -> None:
     """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
     lengths = _parse_sweep(sweep) if sweep is not None else None
@@ -64,10 +53,7 @@ def bench(
         check_writable(json_path, "bench report")
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
-    files, chosen = options.resolve_run(
-        pair, target, draft, preset, repeat=repeat, warmup=warmup, max_tokens=max_tokens, temperature=temp,
-        seed=seed, n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
-    )
+    files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
     if files.draft is None:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
     if chosen.draft.n_draft == 0:
