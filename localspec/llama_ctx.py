@@ -40,17 +40,23 @@ def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 _log_to_stderr_when_debugging = llama_cpp.llama_log_callback(_log)
 
 
-def interrupt_handler(signum: int, frame: FrameType | None) -> None:
-    """The SIGINT handler for entry points. Python runs a handler at the next bytecode, which can be inside the
-    log callback above while llama.cpp calls it; ctypes would print the KeyboardInterrupt there and drop it, so
-    Ctrl-C would be lost. Inside the callback the interrupt is re-armed from another thread, which runs once the
-    callback has returned and llama.cpp has released the GIL; the handler then raises where Python can see it."""
+def deferred_in_callback(signum: int, frame: FrameType | None) -> bool:
+    """For signal handlers that raise (Ctrl-C, SIGTERM). Python runs a handler at the next bytecode, which can be
+    inside the log callback above while llama.cpp calls it; ctypes would print the exception there and drop it,
+    so the signal would be lost. Inside the callback this re-arms the signal from another thread, which runs once
+    llama.cpp has released the GIL again, and returns True: the handler then runs where Python can raise."""
     while frame is not None:
         if frame.f_code is _log.__code__:
             threading.Timer(0.001, _thread.interrupt_main, args=(signum,)).start()
-            return
+            return True
         frame = frame.f_back
-    raise KeyboardInterrupt
+    return False
+
+
+def interrupt_handler(signum: int, frame: FrameType | None) -> None:
+    """The SIGINT handler for entry points: KeyboardInterrupt, never lost inside a llama.cpp callback."""
+    if not deferred_in_callback(signum, frame):
+        raise KeyboardInterrupt
 
 
 def _init_backend() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from types import FrameType
 from typing import Annotated
 
 # The import-order guard lives in the entry points (and llama_ctx), not in the package: llama_cpp must load before
@@ -59,8 +60,9 @@ class _Terminated(BaseException):
     """SIGTERM as an exception, so every `finally` and atomic write cleans up (typer does not catch it)."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    if not llama_ctx.deferred_in_callback(signum, frame):
+        raise _Terminated
 
 
 def _interrupted(exc: BaseException) -> bool:
