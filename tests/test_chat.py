@@ -262,7 +262,7 @@ def test_settings_commands(demo_session) -> None:
     chat = _chat(demo_session, max_tokens=8)
     chat.set_draft(0)
     _reply(chat, "Hi")
-    assert chat.turns[-1].n_draft == 0 and chat.turns[-1].stats["drafted"] == 0
+    assert chat.turns[-1].n_draft == 0 and chat.turns[-1].stats.drafted == 0
     chat.set_draft(3)
     chat.set_temperature(0.5)
     assert chat.preset.draft.n_draft == 3 and chat.preset.sampling.temperature == 0.5
@@ -307,7 +307,7 @@ def test_save_writes_transcript_and_stats_atomically(demo_session, tmp_path: Pat
     chat.save(path)  # overwriting is fine
     with pytest.raises(LocalspecError, match="does not exist"):
         chat.save(tmp_path / "missing" / "chat.json")
-    with pytest.raises(LocalspecError, match="is a folder"):
+    with pytest.raises(LocalspecError, match="is a directory"):
         chat.save(tmp_path)
 
 

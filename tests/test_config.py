@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from localspec.config import available_presets, load_preset, save_user_preset
@@ -68,7 +70,7 @@ def test_unknown_preset_lists_available():
 
 
 def test_overrides_are_checked_and_none_keeps_preset():
-    p = load_preset().with_overrides(temperature=None, n_draft=3, bench_max_tokens=7)
+    p = load_preset().with_overrides(temperature=None, n_draft=3, max_tokens=7)
     assert p.sampling.temperature == 0.7 and p.draft.n_draft == 3 and p.bench.max_tokens == 7
     with pytest.raises(ConfigError, match=r"command line: sampling\.top_p = 2\.0: allowed range"):
         load_preset().with_overrides(top_p=2.0)
@@ -77,14 +79,13 @@ def test_overrides_are_checked_and_none_keeps_preset():
 def test_reply_limits_are_preset_keys_of_their_own():
     p = load_preset()
     assert (p.chat.max_tokens, p.generate.max_tokens, p.bench.max_tokens) == (1024, 512, 128)
-    q = p.with_overrides(chat_max_tokens=50, generate_max_tokens=60)
-    assert (q.chat.max_tokens, q.generate.max_tokens, q.bench.max_tokens) == (50, 60, 128)
-    # max_tokens is a key of three sections: a bare one must not silently pick one of them.
-    with pytest.raises(ConfigError, match=r"'max_tokens' is ambiguous: use one of bench_max_tokens, "
-                                          r"chat_max_tokens, generate_max_tokens"):
-        p.with_overrides(max_tokens=5)
+    # max_tokens is a key of bench, chat and generate: each command's option means its own section's.
+    chat = p.with_overrides(prefer="chat", max_tokens=50)
+    gen = p.with_overrides(prefer="generate", max_tokens=60)
+    assert (chat.chat.max_tokens, chat.generate.max_tokens, chat.bench.max_tokens) == (50, 512, 128)
+    assert (gen.chat.max_tokens, gen.generate.max_tokens, gen.bench.max_tokens) == (1024, 60, 128)
     with pytest.raises(ConfigError, match=r"command line: chat\.max_tokens = 0: allowed range is 1\.\."):
-        p.with_overrides(chat_max_tokens=0)
+        p.with_overrides(prefer="chat", max_tokens=0)
 
 
 def test_qwen3_presets_carry_the_recommended_sampling():
@@ -103,9 +104,10 @@ def test_a_pair_names_its_preset_and_the_command_line_still_wins(tmp_path, monke
     files = ModelFiles(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", name="qwen3-32b", n_ctx=8192,
                        n_draft=6, kv_type="q8_0", preset="qwen3-thinking")
     monkeypatch.setattr(options, "resolve_files", lambda *a, **k: files)
-    _, chosen = options.resolve_run("qwen3-32b", None, None, None)
+    _, chosen = options.resolve_run(options.RunOptions(pair="qwen3-32b"), "chat")
     assert chosen.name == "qwen3-thinking" and chosen.sampling.top_k == 20 and chosen.load.kv_type == "q8_0"
-    _, chosen = options.resolve_run("qwen3-32b", None, None, "greedy", kv_type="f16")
+    assert chosen.chat.max_tokens == 4096 and chosen.load.n_ctx == 8192
+    _, chosen = options.resolve_run(options.RunOptions(pair="qwen3-32b", preset="greedy", kv_type="f16"), "chat")
     assert chosen.name == "greedy" and chosen.sampling.temperature == 0.0 and chosen.load.kv_type == "f16"
 
 
@@ -130,3 +132,24 @@ def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
     assert (cli.load.n_ctx, cli.draft.n_draft) == (1024, 3)
     plain_files = ModelFiles(target=files.target, draft=files.draft, name="custom")
     assert settle_preset(load_preset(), plain_files).load.n_ctx == load_preset().load.n_ctx
+
+
+def test_tests_never_see_the_developers_own_home() -> None:
+    """conftest points LOCALSPEC_HOME at an empty folder per test: a developer's greedy.toml cannot leak in."""
+    from localspec import paths
+
+    home = paths.home()
+    assert home != Path.home() / ".config" / "localspec"
+    assert not home.exists() or not any(home.iterdir())
+
+
+def test_server_section_is_a_preset_like_the_others(tmp_path):
+    p = load_preset()
+    assert (p.server.host, p.server.port, p.server.queue) == ("127.0.0.1", 8080, 8)
+    assert load_preset().with_overrides(port=0, queue=1).server.port == 0
+    f = write(tmp_path / "srv.toml", "[server]\nport = 70000\n")
+    with pytest.raises(ConfigError, match=r"srv\.toml: server\.port = 70000: allowed range is 0\.\.65535"):
+        load_preset(str(f))
+    f = write(tmp_path / "host.toml", "[server]\nhost = \"\"\n")
+    with pytest.raises(ConfigError, match=r"server\.host = '': expected a non-empty string"):
+        load_preset(str(f))

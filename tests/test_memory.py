@@ -9,10 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localspec import demo, memory
-from localspec.gguf_header import GGUFHeader, TensorInfo, read_header
+from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
 from tests.helpers_vocab import write_vocab
 
 MiB = 2**20
@@ -157,7 +158,8 @@ def _qwen3_header(name: str, n_layer: int, n_head: int, n_embd: int, file_bytes:
         "qwen3.attention.key_length": 128,
         "qwen3.attention.value_length": 128,
         "qwen3.embedding_length": n_embd,
-        "tokenizer.ggml.tokens": [""] * 151936,
+        "qwen3.context_length": 40960,
+        "tokenizer.ggml.tokens": StringArray(b"", np.zeros(151936, dtype=np.int64)),  # 151936 empty strings
     }
     weights = TensorInfo("weights", (file_bytes,), 0, 0, file_bytes)
     return GGUFHeader(Path(name), 3, meta, (weights,), 0, file_bytes, 0)

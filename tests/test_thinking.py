@@ -182,7 +182,7 @@ def test_nothink_writes_the_empty_block_and_templates_without_a_switch_refuse(
 
 
 def test_the_reply_limit_comes_from_the_preset_and_is_recorded(thinking_session) -> None:
-    preset = thinking_session.preset.with_overrides(chat_max_tokens=5)
+    preset = thinking_session.preset.with_overrides(prefer="chat", max_tokens=5)
     chat = ChatSession(thinking_session.engine, thinking_session.target, preset)
     assert chat.reply_limit == 5
     _, done = _reply(chat, "hello")

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from localspec import config, registry
+from localspec import registry
 from localspec.chat import (
     COMMANDS,
     STOP_INTERRUPTED,
@@ -37,10 +37,12 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.cli import options
-from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, TokenEvent
-from localspec.errors import LocalspecError
+from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
+from localspec.errors import DecodeError, LocalspecError, UsageError
+from localspec.fsutil import not_utf8
 from localspec.session import ModelFiles, Session, open_session
 
+EXIT_CONTEXT_FULL = 3  # generate: the completion stopped short because the context filled (message on stderr)
 DRAFT_STYLE = "cyan"  # accepted draft tokens; the target's own tokens keep the terminal's colour
 THINK_STYLE = "dim italic"  # a thinking model's thinking, shown before (and apart from) its answer
 
@@ -51,28 +53,12 @@ DropOldestOpt = Annotated[
 ChatMaxTokensOpt = Annotated[
     int | None, typer.Option("--max-tokens", help="Reply limit in tokens (the preset's [chat] max_tokens).", min=1)
 ]
-GenMaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Tokens to generate (the preset's [generate] max_tokens).", min=1)
-]
 NoThinkFlag = Annotated[
     bool, typer.Option("--no-think", help="A thinking model (Qwen3) answers without thinking first.")
 ]
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
 ChatFlag = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object: text, stop reason, stats.")]
-
-
-def settings(
-    pair: str | None, target: Path | None, draft: list[str] | None, preset: str | None, *,
-    temp: float | None = None, seed: int | None = None, ngl: int | None = None, draft_ngl: int | None = None,
-    ctx: int | None = None, kv_type: str | None = None, threads: int | None = None,
-    chat_max_tokens: int | None = None, generate_max_tokens: int | None = None, fallback_pair: str | None = None,
-) -> tuple[ModelFiles, config.Preset]:
-    """Options → files and preset. CLI beats the pair's recommendation, which beats the preset."""
-    return options.resolve_run(pair, target, draft, preset, fallback_pair=fallback_pair, temperature=temp,
-                               seed=seed, n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx,
-                               kv_type=kv_type, threads=threads, chat_max_tokens=chat_max_tokens,
-                               generate_max_tokens=generate_max_tokens)
 
 
 def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:
@@ -242,12 +228,12 @@ class ChatView:
 
 def stats_line(turn: TurnRecord) -> str:
     """The one line after each reply."""
-    s = turn.stats or {}
-    acceptance = f"acceptance {s.get('acceptance_rate', 0.0):.0%}" if s.get("drafted") else "no drafting"
+    s = turn.stats or GenerationStats()
+    acceptance = f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "no drafting"
     reread = f" ({turn.reread} re-read: the template rewrote the history)" if turn.reread else ""
     return (
-        f"{turn.tokens} tokens · {s.get('decode_tps', 0.0):.1f} tok/s · {acceptance} · "
-        f"mean accepted {s.get('mean_accepted', 0.0):.2f} · "
+        f"{turn.tokens} tokens · {s.decode_tps:.1f} tok/s · {acceptance} · "
+        f"mean accepted {s.mean_accepted:.2f} · "
         f"prompt tokens processed {turn.prompt_tokens_processed}/{turn.prompt_tokens}{reread}"
     )
 
@@ -260,26 +246,17 @@ class _Shown:
         self.answer = False
 
 
+@options.with_run_options
 def chat(
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
+    run: options.RunOptions,
     system: SystemOpt = None,
     max_tokens: ChatMaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
     drop_oldest: DropOldestOpt = False,
     no_think: NoThinkFlag = False,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
-    files, chosen = settings(pair, target, draft, preset, temp=temp, seed=seed, ngl=ngl, draft_ngl=draft_ngl,
-                             ctx=ctx, kv_type=kv_type, threads=threads, fallback_pair=registry.DEMO_CHAT.name)
+    # --max-tokens goes to the session, not the preset: /preset switches keep the user's limit.
+    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name)
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
         template = ChatTemplate.for_model(session.target)
@@ -302,32 +279,22 @@ def chat(
 # -- generate ------------------------------------------------------------------------------------------------
 
 
+@options.with_run_options
 def generate(
+    run: options.RunOptions,
     prompt: PromptArg,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    max_tokens: GenMaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
+    max_tokens: options.max_tokens = None,
     chat_template: ChatFlag = False,
     no_think: NoThinkFlag = False,
     json_out: JsonFlag = False,
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
 ) -> None:
-    """Print the completion of PROMPT to stdout, and nothing else (pipeable)."""
-    text = sys.stdin.read() if prompt == "-" else prompt
+    """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
+    text = _read_stdin() if prompt == "-" else prompt
     if not text.strip():
-        raise LocalspecError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
+        raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
     if no_think and not chat_template:
-        raise LocalspecError("--no-think switches the chat template's thinking off: use it with --chat")
-    files, chosen = settings(pair, target, draft, preset, temp=temp, seed=seed, ngl=ngl, draft_ngl=draft_ngl,
-                             ctx=ctx, kv_type=kv_type, threads=threads, generate_max_tokens=max_tokens)
+        raise UsageError("--no-think switches the chat template's thinking off: use it with --chat")
+    files, chosen = options.resolve_run(run, "generate", max_tokens=max_tokens)
     limit = chosen.generate.max_tokens
     with open_session(files, chosen) as session:
         model = session.target
@@ -335,8 +302,8 @@ def generate(
         if chat_template:
             template = ChatTemplate.for_model(model)
             if no_think and not template.thinking_switch:
-                raise LocalspecError(f"--no-think: this model's chat template has no thinking switch "
-                                     f"(enable_thinking) ({template.source})")
+                raise UsageError(f"--no-think: this model's chat template has no thinking switch "
+                                 f"(enable_thinking) ({template.source})")
             variables = {"enable_thinking": False} if no_think else {}
             rendered = template.render([{"role": "user", "content": text}], **variables)
             opens_thinking = starts_in_thinking(rendered)
@@ -358,7 +325,8 @@ def generate(
         except BrokenPipeError:  # `| head`: the reader left; that is not an error
             _silence_stdout()
             return
-        assert done is not None
+        if done is None:  # the engine always ends with a DoneEvent; without one there is no result to report
+            raise DecodeError("generation ended without its final stats")
         if json_out:
             completion = model.detokenize(out)
             thinking, answer = split_thinking(completion, thinking=opens_thinking)
@@ -371,14 +339,28 @@ def generate(
             sys.stdout.write(json.dumps(result, indent=2) + "\n")
         elif sys.stdout.isatty():
             sys.stdout.write("\n")  # keep the shell prompt off the last line; pipes get the exact text
-        if done.stop_reason == STOP_MAX_TOKENS and not json_out:
-            # On stderr, so a pipe still gets exactly the completion.
-            print(f"localspec: stopped at the limit of {limit} tokens (--max-tokens, or max_tokens under "
-                  "[generate] in a preset, raises it)", file=sys.stderr)
         try:
             sys.stdout.flush()
         except BrokenPipeError:
             _silence_stdout()
+            return
+    if done.stop_reason == STOP_MAX_TOKENS and not json_out:
+        # On stderr, so a pipe still gets exactly the completion.
+        print(f"localspec: stopped at the limit of {limit} tokens (--max-tokens, or max_tokens under "
+              "[generate] in a preset, raises it)", file=sys.stderr)
+    if done.stop_reason == STOP_CONTEXT_FULL:
+        # The text stops short of what was asked: say so where a pipe does not swallow it, and exit non-zero.
+        print(f"localspec: stopped: context full ({session.engine.n_ctx} tokens)", file=sys.stderr)
+        raise typer.Exit(EXIT_CONTEXT_FULL)
+
+
+def _read_stdin() -> str:
+    """The prompt from stdin, strictly UTF-8: a wrong encoding is named, not silently replaced."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(not_utf8("stdin", exc)) from None
 
 
 def _silence_stdout() -> None:

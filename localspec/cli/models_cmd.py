@@ -17,6 +17,8 @@ from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
 from localspec.session import ModelFiles, resolve_files
+from localspec.status import Status
+from localspec.ui.marks import MARK
 
 console = Console()
 GB = 1e9
@@ -31,20 +33,7 @@ SpecOpt = Annotated[
 ]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
-PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
-
-_MARK = {
-    doctor.OK: "[green]✓[/]",
-    doctor.WARN: "[yellow]⚠[/]",
-    doctor.FAIL: "[red]✗[/]",
-    doctor.INFO: "[blue]·[/]",
-}
-_LEVEL_MARK = {
-    compat.Level.OK: _MARK[doctor.OK],
-    compat.Level.INFO: _MARK[doctor.INFO],
-    compat.Level.WARN: _MARK[doctor.WARN],
-    compat.Level.FAIL: _MARK[doctor.FAIL],
-}
+PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
 
 def _size(n: int | None, approx: bool = False) -> str:
@@ -92,6 +81,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     table.add_column("target + draft", overflow="fold", ratio=1, min_width=12)
     for col in ("size", "fits", "ctx, k"):
         table.add_column(col, no_wrap=col != "fits")
+    unreadable: list[str] = []
     for pair in pairs.values():
         built = _cached_files(pair)
         if pair.builtin:
@@ -109,8 +99,15 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
             name.append("\n  recommended", style="green")
         ctx = "preset" if pair.n_ctx is None else f"{pair.n_ctx}" + (f" {pair.kv_type}" if pair.kv_type else "")
         k = "" if pair.n_draft is None else f"\nk = {pair.n_draft}"
-        table.add_row(name, models_text, f"{size}\n{downloaded}", _fits(pair, devices, chosen), ctx + k)
+        try:
+            fits = _fits(pair, devices, chosen)
+        except LocalspecError as exc:  # one corrupt cached file: this row says so, the others still list
+            fits = "[red]unreadable[/]"
+            unreadable.append(str(exc))
+        table.add_row(name, models_text, f"{size}\n{downloaded}", fits, ctx + k)
     console.print(table)
+    for problem in unreadable:
+        console.print(f"[red]✗[/] {escape(problem)}")
     fallback = "" if registry.default_file().is_file() else f"; chat without a default: {registry.DEMO_CHAT.name}"
     console.print(f"* default ({current}){fallback}")
     console.print(f"user pairs: {registry.user_path()}")
@@ -142,7 +139,7 @@ def pull(
         specs = [registry.parse_spec(s) for s in (target, draft) if s]
     for spec in specs:
         console.print(f"pulling [cyan]{spec.label}[/] into {hub.cache_dir()}")
-    paths = hub.pull(specs)
+    paths = hub.pull(specs, on_wait=_say_waiting)
     for path in paths:
         console.print(f"[green]✓[/] {path}")
     if pair is not None and registry.default_pair_name() != pair:
@@ -154,8 +151,9 @@ def pull(
             console.print(f"default pair: [cyan]{pair}[/]")
 
 
-def _files_for(pair: str | None, target: Path | None, draft: Path | None) -> ModelFiles:
-    return resolve_files(pair, target, draft)
+def _say_waiting(spec: registry.ModelSpec, pid: int | None) -> None:
+    who = f"process {pid}" if pid is not None else "another process"
+    console.print(f"[yellow]{escape(spec.file)} is already downloading in {who}: waiting for it to finish…[/]")
 
 
 def check(
@@ -166,13 +164,13 @@ def check(
     """Tokenizer compatibility of a target and a draft, from GGUF headers only (exit 1: incompatible)."""
     if (target_path is None) != (draft_path is None):
         raise LocalspecError("give both TARGET and DRAFT files, or a --pair")
-    files = _files_for(pair, target_path, draft_path)
+    files = resolve_files(pair, target_path, draft_path)
     if files.draft is None:
         raise LocalspecError(f"pair {files.name} has no draft model to check")
     verdict = compat.compare(read_header(files.target), read_header(files.draft))
     console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
     for f in verdict.findings:
-        console.print(f"{_LEVEL_MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
+        console.print(f"{MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
     color = {"compatible": "green", "compatible with warnings": "yellow", "incompatible": "red"}[
         verdict.label
     ]
@@ -181,42 +179,27 @@ def check(
         raise typer.Exit(1)
 
 
-def doctor_cmd(
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    ngl: options.GpuLayersOpt = None,
-) -> None:
+@options.with_run_options
+def doctor_cmd(run: options.RunOptions) -> None:
     """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
-    n_draft, draft_model = options.split_draft_values(draft)
     missing = ""
     files: ModelFiles | None
     try:
-        files = _files_for(pair, target, draft_model)
-    except LocalspecError as exc:
+        files = run.files()
+    except LocalspecError as exc:  # e.g. a pair not pulled yet: the checklist still runs and says so
         files, missing = None, str(exc)
-    chosen = config.load_preset(preset or "default").with_overrides(
-        n_draft=n_draft if n_draft is not None else (files.n_draft if files else None),
-        n_ctx=ctx,
-        kv_type=kv_type,
-        n_gpu_layers=ngl,
-    )
-    n_ctx = ctx or (files.n_ctx if files else None) or chosen.load.n_ctx
-    checks = doctor.run_checks(
-        files.target if files else None, files.draft if files else None, chosen, n_ctx=n_ctx, missing=missing
-    )
+    chosen = run.settle(files, "doctor")
+    checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
+                               n_ctx=chosen.load.n_ctx, missing=missing)
     console.print(
-        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else pair or '?'}[/], "
+        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"
     )
     for c in checks:
-        console.print(f"{_MARK[c.status]} [bold]{c.name}[/]: {escape(c.detail)}")
-        if c.fix and c.status in (doctor.WARN, doctor.FAIL, doctor.INFO):
+        console.print(f"{MARK[c.status]} [bold]{c.name}[/]: {escape(c.detail)}")
+        if c.fix and c.status != Status.OK:
             console.print(f"    [dim]fix: {escape(c.fix)}[/]")
-    if any(c.status == doctor.FAIL for c in checks):
+    if any(c.status == Status.FAIL for c in checks):
         raise typer.Exit(1)
 
 

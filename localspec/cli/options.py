@@ -1,9 +1,23 @@
-"""Shared `Annotated` option types. Every default is None: the preset (or the model spec) supplies it."""
+"""Shared `Annotated` option types, each named after the preset key it overlays. Every default is None: the preset
+(or the model pair) supplies it.
+
+Parameters are named after preset keys (`temperature`, shown as `--temp`; `n_ctx`, shown as `--ctx`), so values
+pass straight to `Preset.with_overrides`. The options every model-running command shares are declared once
+(`RunOptions`) and added to each command by `with_run_options`.
+Types, ranges and choices come from `config.py`'s field metadata, so they are written down once; config checks
+the values and names the flag in its one-line error.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,16 +25,37 @@ from localspec import config
 from localspec.errors import LocalspecError
 from localspec.session import ModelFiles, resolve_files, settle_preset
 
+FLAGS: dict[str, str] = {}  # preset key → the flag users type, for error messages
+
+
+def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
+    """The option for one preset key: its type and the allowed values in --help, from config's metadata."""
+    meta = config.key_metadata(key, section)
+    if "choices" in meta:
+        text += f" One of: {', '.join(meta['choices'])}."
+    elif "range" in meta:
+        lo, hi = meta["range"]
+        text += f" Allowed: {lo}..{hi}."
+    FLAGS[key] = flag
+    kind = meta["kind"]
+    return Annotated[kind | None, typer.Option(flag, help=text, show_default=False)]
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
 ]
+# readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+    Path | None,
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
 ]
 DraftOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--draft",
+        metavar="K|PATH",
         help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF. Repeatable.",
         show_default=False,
     ),
@@ -28,22 +63,22 @@ DraftOpt = Annotated[
 PresetOpt = Annotated[
     str | None, typer.Option("--preset", help="Preset name or .toml path (default: default).", show_default=False)
 ]
-MaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Tokens to generate (the preset's [bench] max_tokens).", min=1)
-]
-TempOpt = Annotated[float | None, typer.Option("--temp", help="Sampling temperature (0 = greedy).", min=0.0)]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.", min=0)]
-GpuLayersOpt = Annotated[
-    int | None, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).", min=-1)
-]
-DraftGpuLayersOpt = Annotated[
-    int | None, typer.Option("--draft-ngl", help="Draft layers to offload to the GPU (-1 = all).", min=-1)
-]
-CtxOpt = Annotated[int | None, typer.Option("--ctx", help="Context size in tokens for both models.", min=64)]
-KvTypeOpt = Annotated[
-    str | None, typer.Option("--kv-type", help="KV cache type: f16, q8_0 or q4_0.", show_default=False)
-]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: physical cores).", min=1)]
+
+# -- preset keys -------------------------------------------------------------------------------------------------
+
+temperature = _setting("temperature", "--temp", "Sampling temperature (0 = greedy).")
+seed = _setting("seed", "--seed", "Sampling seed.")
+n_ctx = _setting("n_ctx", "--ctx", "Context size in tokens for both models.")
+n_gpu_layers = _setting("n_gpu_layers", "--ngl", "Target layers to offload to the GPU (-1 = all).")
+draft_n_gpu_layers = _setting("draft_n_gpu_layers", "--draft-ngl", "Draft layers to offload to the GPU (-1 = all).")
+kv_type = _setting("kv_type", "--kv-type", "KV cache type for both models.")
+threads = _setting("threads", "--threads", "CPU threads (0 = physical cores).")
+repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
+warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
+max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
+host = _setting("host", "--host", "Address to listen on.")
+port = _setting("port", "--port", "Port to listen on (0 = any free port).")
+queue = _setting("queue", "--queue", "Requests that may wait while one runs; more get HTTP 503.")
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
@@ -64,13 +99,68 @@ def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | Non
     return length, model
 
 
-def resolve_run(pair: str | None, target: Path | None, draft: list[str] | None, preset: str | None,
-                fallback_pair: str | None = None, **overrides: object) -> tuple[ModelFiles, config.Preset]:
-    """The model options of every command → the two files and the preset: command line first, then what the
-    pair recommends (its preset, context, draft length), then the preset. Without model arguments and without
-    a default pair, `fallback_pair` (an offline demo) is used."""
-    n_draft, draft_model = split_draft_values(draft)
-    files = resolve_files(pair, target, draft_model, **({"fallback": fallback_pair} if fallback_pair else {}))
-    chosen = settle_preset(config.load_preset(preset or files.preset or "default"), files, n_draft=n_draft,
-                           **overrides)
-    return files, chosen
+@dataclass(frozen=True)
+class RunOptions:
+    """The options every model-running command shares: which models, which preset, how to sample and load."""
+
+    pair: str | None = None
+    target: Path | None = None
+    draft: list[str] | None = None
+    preset: str | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    n_gpu_layers: int | None = None
+    draft_n_gpu_layers: int | None = None
+    n_ctx: int | None = None
+    kv_type: str | None = None
+    threads: int | None = None
+
+    def files(self, fallback_pair: str | None = None) -> ModelFiles:
+        """The two model files; without model arguments and without a default pair, `fallback_pair` (an offline
+        demo: chat's is the instruct one)."""
+        _, draft_model = split_draft_values(self.draft)
+        return resolve_files(self.pair, self.target, draft_model, **({"fallback": fallback_pair} if fallback_pair
+                                                                     else {}))
+
+    def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
+        """The preset with every value overlaid: command line first, then what the pair recommends (its preset,
+        context, draft length, KV type), then the preset. `more` are the command's own preset-key options; a key in
+        several sections (`max_tokens`) means the one in the command's own section."""
+        n_draft, _ = split_draft_values(self.draft)
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in config.preset_keys()}
+        preset = self.preset or (files.preset if files is not None else None) or "default"
+        return settle_preset(config.load_preset(preset), files, n_draft=n_draft, prefer=command, flags=FLAGS,
+                             **settings, **more)
+
+
+_RUN_OPTIONS: dict[str, Any] = {
+    "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
+    "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
+    "kv_type": kv_type, "threads": threads,
+}
+
+
+def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the shared `RunOptions`: typer sees each of them in the command's signature, the command
+    receives them together as its `run` parameter. One list of options, however many commands run models."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
+           if p.name != "run"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+              for name, annotation in _RUN_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def run_command(**kwargs: Any) -> None:
+        run = RunOptions(**{name: kwargs.pop(name) for name in _RUN_OPTIONS})
+        return command(run=run, **kwargs)
+
+    run_command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+    run_command.__annotations__ = {p.name: p.annotation for p in (*own, *shared)}
+    return run_command
+
+
+def resolve_run(run: RunOptions, command: str, fallback_pair: str | None = None,
+                **more: Any) -> tuple[ModelFiles, config.Preset]:
+    """A command's run options (and its own preset-key options) → its two model files and its preset."""
+    files = run.files(fallback_pair)
+    return files, run.settle(files, command, **more)
