@@ -137,8 +137,9 @@ SMOLLM2 = DemoPair(
     target_file=SMOLLM2_FILE,
     draft_file="SmolLM2-135M-Instruct.Q8_0-draft.gguf",
     # Chosen by measured acceptance x speed (bench/demo_draft_quant.py: greedy, 5 chat prompts through the
-    # template, 64 tokens each, draft length 6, 1 thread, median of 3 interleaved runs on a shared 2-core EPYC):
-    # Q8_0 accepted 88% at 19.2 tok/s, Q5_0 59% at 13.5, Q4_0 45% at 12.2, Q2_K 34% at 10.0 (plain: 44.8).
+    # template, 64 tokens each, draft length 6, 1 thread, median of 3 interleaved runs on a shared 2-core EPYC;
+    # docs/performance.md): Q8_0 accepted 88% at 13.4 tok/s, Q5_0 59% at 8.9, Q4_0 45% at 7.7, Q2_K 34% at 7.5
+    # (plain: 20.8).
     # Requantized from Q4_1, Q8_0 re-encodes the target's own weights almost exactly, while the smaller types
     # add their own rounding to a 135M model that has little to spare; and SmolLM2's 576-wide rows are not a
     # multiple of the 256-weight K-quant blocks, so K-quants fall back to other types and save little. On a CPU

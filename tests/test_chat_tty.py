@@ -186,7 +186,7 @@ def test_chat_with_no_arguments_talks_offline(tmp_path: Path) -> None:
         _, s2 = turn(child, "And three plus three?")
         # Only the new message is read: "<|im_end|>\n<|im_start|>user\nAnd three plus three?<|im_end|>\n
         # <|im_start|>assistant\n" is 13 tokens; a little slack for a reply that re-tokenizes differently at its end.
-        assert int(s2[3]) <= 16 < int(s2[4]) // 2
+        assert int(s2[3]) <= 20 < int(s2[4]) // 2
         child.sendline("Write a very long story about a dragon who learns to bake bread.")
         child.expect("model›")
         child.expect("[A-Za-z]{3}")
