@@ -16,7 +16,6 @@ them and draws the results.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -29,9 +28,9 @@ from typing import Any
 
 from localspec import __version__
 from localspec.config import Preset, load_preset
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, TokenEvent
+from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, GenerationStats, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
 
@@ -61,27 +60,16 @@ class ChatTemplate:
 
     @classmethod
     def from_jinja(cls, template: str, bos_token: str, eos_token: str, source: str = "jinja") -> ChatTemplate:
-        """A Jinja chat template (HF style) through llama-cpp-python's sandboxed formatter."""
-        import jinja2
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        try:
-            formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token,
-                                            add_generation_prompt=True)
-        except jinja2.TemplateError as exc:
-            raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
-        return cls(source=source, _render=lambda messages: formatter(messages=messages).prompt)
+        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx)."""
+        return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source))
 
     @classmethod
     def builtin(cls, name: str) -> ChatTemplate:
         """One of llama.cpp's built-in templates (`gemma`, `chatml`, `llama3`, ...)."""
-        if name not in builtin_template_names():
+        if name not in builtin_chat_templates():
             raise LocalspecError(f"unknown built-in chat template {name!r}")
-
-        def render(messages: list[Message]) -> str:
-            return _apply_builtin(name, messages)
-
-        return cls(source=f"llama.cpp built-in '{name}'", _render=render)
+        return cls(source=f"llama.cpp built-in '{name}'",
+                   _render=lambda messages: apply_builtin_template(name, messages))
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> ChatTemplate:
@@ -89,51 +77,17 @@ class ChatTemplate:
         template = model.metadata("tokenizer.chat_template")
         if template:
             return cls.from_jinja(template, bos_token=_token_text(model, model.bos),
-                                  eos_token=_token_text(model, _eos(model)),
+                                  eos_token=_token_text(model, model.eos),
                                   source=f"{model.path.name}: tokenizer.chat_template")
         arch = model.metadata("general.architecture") or "?"
         name = _BUILTIN_BY_ARCH.get(arch, arch)
-        if name in builtin_template_names():
+        if name in builtin_chat_templates():
             return cls.builtin(name)
         raise LocalspecError(
             f"{model.path.name} has no chat template (tokenizer.chat_template) and llama.cpp has no "
             f"built-in one for architecture {arch!r}: use plain completion "
             "(`localspec generate` without --chat)"
         )
-
-
-def builtin_template_names() -> list[str]:
-    import llama_cpp
-
-    out = (ctypes.c_char_p * 256)()
-    n = llama_cpp.llama_chat_builtin_templates(out, 256)
-    return [out[i].decode() for i in range(min(n, 256))]
-
-
-def _apply_builtin(name: str, messages: list[Message]) -> str:
-    import llama_cpp
-
-    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]  # kept alive during the call
-    chat = (llama_cpp.llama_chat_message * len(encoded))()
-    for i, (role, content) in enumerate(encoded):
-        chat[i].role = role
-        chat[i].content = content
-    size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
-    for _ in range(2):  # the first call reports the size it needs when the buffer is short
-        buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
-        if n < 0:
-            raise LocalspecError(f"llama.cpp built-in chat template {name!r} failed (code {n})")
-        if n <= size:
-            return buf.raw[:n].decode("utf-8", errors="replace")
-        size = n
-    raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
-
-
-def _eos(model: LlamaModel) -> int:
-    import llama_cpp
-
-    return int(llama_cpp.llama_vocab_eos(model.vocab))
 
 
 def _token_text(model: LlamaModel, token: int) -> str:
@@ -228,10 +182,11 @@ class TurnRecord:
     n_draft: int
     temperature: float
     dropped_turns: int = 0
-    stats: dict[str, float | int] | None = None  # the engine's GenerationStats, when the reply finished
+    stats: GenerationStats | None = None  # the engine's, when the reply finished
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "stats": self.stats.as_dict() if self.stats else None}
 
 
 class ChatSession:
@@ -311,7 +266,7 @@ class ChatSession:
             prompt_tokens_processed=done.stats.prompt_tokens_processed if done else None,
             n_draft=drafting.n_draft if self.engine.draft is not None else 0,
             temperature=sampling.temperature, dropped_turns=dropped,
-            stats=done.stats.as_dict() if done else None,
+            stats=done.stats if done else None,
         )
         self.turns.append(record)
         # An empty reply (stopped before its first token) leaves no trace in the context, so roles keep
@@ -366,12 +321,7 @@ class ChatSession:
 
     def totals(self) -> dict[str, Any]:
         """The conversation so far: what /stats shows and /save writes."""
-        finished = [t.stats for t in self.turns if t.stats is not None]
-        drafted = sum(int(s["drafted"]) for s in finished)
-        accepted = sum(int(s["accepted"]) for s in finished)
-        rounds = sum(int(s["rounds"]) for s in finished)
-        decode_s = sum(float(s["decode_s"]) for s in finished)
-        decode_tokens = sum(int(s["tokens"]) for s in finished)
+        total = GenerationStats.total(t.stats for t in self.turns if t.stats is not None)
         prompt = sum(t.prompt_tokens for t in self.turns if t.prompt_tokens_processed is not None)
         processed = sum(t.prompt_tokens_processed or 0 for t in self.turns)
         return {
@@ -381,9 +331,9 @@ class ChatSession:
             "prompt_tokens": prompt,
             "prompt_tokens_processed": processed,
             "prompt_tokens_reused": prompt - processed,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted": accepted / rounds if rounds else 0.0,
-            "decode_tps": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "acceptance_rate": total.acceptance_rate,
+            "mean_accepted": total.mean_accepted,
+            "decode_tps": total.decode_tps,
             "context_tokens": len(self.prompt_tokens()) if self.messages else 0,
             "n_ctx": self.n_ctx,
         }

@@ -15,13 +15,13 @@ on, such as BOS), not how text is cut into ids. Each finding says why it breaks 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from localspec.gguf_header import GGUFHeader, read_header
+from localspec.status import Status
 
 VOCAB_PAD_TOLERANCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 DRAFT_MAX_FRACTION = 0.10  # a draft above ~10% of the target eats the speedup it buys
@@ -29,16 +29,9 @@ EIGHT_BIT_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K"}
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_0_4_4", "Q4_0_4_8"}
 
 
-class Level(IntEnum):
-    OK = 0
-    INFO = 1
-    WARN = 2
-    FAIL = 3
-
-
 @dataclass(frozen=True)
 class Finding:
-    level: Level
+    level: Status
     field: str
     message: str  # what differs, with both values
     why: str  # why this breaks speculation, or why it only warns
@@ -51,23 +44,23 @@ class Verdict:
     findings: tuple[Finding, ...]
 
     @property
-    def level(self) -> Level:
-        return max((f.level for f in self.findings), default=Level.OK)
+    def level(self) -> Status:
+        return max((f.level for f in self.findings), default=Status.OK)
 
     @property
     def compatible(self) -> bool:
-        return self.level < Level.FAIL
+        return self.level < Status.FAIL
 
     @property
     def label(self) -> str:
-        if self.level == Level.FAIL:
+        if self.level == Status.FAIL:
             return "incompatible"
-        return "compatible with warnings" if self.level == Level.WARN else "compatible"
+        return "compatible with warnings" if self.level == Status.WARN else "compatible"
 
     @property
     def reason(self) -> str:
         """The first blocking finding, as one line (what `IncompatiblePairError` says)."""
-        fails = [f for f in self.findings if f.level == Level.FAIL]
+        fails = [f for f in self.findings if f.level == Status.FAIL]
         if not fails:
             return ""
         return f"{self.draft} cannot draft for {self.target}: {fails[0].message}"
@@ -81,14 +74,14 @@ def _show(value: Any) -> str:
 
 
 def _scalar_field(
-    findings: list[Finding], t: GGUFHeader, d: GGUFHeader, key: str, label: str, level: Level, why: str
+    findings: list[Finding], t: GGUFHeader, d: GGUFHeader, key: str, label: str, level: Status, why: str
 ) -> None:
     a, b = t.get(key), d.get(key)
     if a == b:
         return
     # Unset on one side only: llama.cpp fills a default per tokenizer, which we cannot see from the header.
-    if (a is None) != (b is None) and level == Level.FAIL:
-        level = Level.WARN
+    if (a is None) != (b is None) and level == Status.FAIL:
+        level = Status.WARN
         why = "set in one file only, so llama.cpp's default applies to the other; " + why
     findings.append(Finding(level, label, f"{label} differs: target {_show(a)}, draft {_show(b)}", why))
 
@@ -100,7 +93,7 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
         missing = "target" if not ta else "draft"
         out.append(
             Finding(
-                Level.FAIL,
+                Status.FAIL,
                 "tokens",
                 f"the {missing} has no tokenizer.ggml.tokens",
                 "without a vocabulary the ids cannot be matched",
@@ -111,7 +104,7 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
     if diff > VOCAB_PAD_TOLERANCE:
         out.append(
             Finding(
-                Level.FAIL,
+                Status.FAIL,
                 "vocab size",
                 f"vocab sizes differ by {diff}: target {len(ta)}, draft {len(da)}",
                 f"more than {VOCAB_PAD_TOLERANCE} extra ids is a different vocabulary, not padding",
@@ -123,7 +116,7 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
         if ta[i] != da[i]:
             out.append(
                 Finding(
-                    Level.FAIL,
+                    Status.FAIL,
                     "token text",
                     f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
                     "the draft proposes ids, so an id with another text is another token to the target",
@@ -134,7 +127,7 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
         longer = ta if len(ta) > len(da) else da
         out.append(
             Finding(
-                Level.INFO,
+                Status.INFO,
                 "vocab size",
                 f"vocab sizes differ by {diff} trailing ids ({len(ta)} vs {len(da)}, "
                 f"first extra {longer[shared]!r})",
@@ -150,7 +143,7 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
             i = int(bad[0])
             out.append(
                 Finding(
-                    Level.WARN,
+                    Status.WARN,
                     "token types",
                     f"{bad.size} token types differ, first id {i} ({ta[i]!r}): "
                     f"target {int(tt[i])}, draft {int(dt[i])}",
@@ -171,13 +164,40 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
             )
         out.append(
             Finding(
-                Level.WARN,
+                Status.WARN,
                 "merges",
                 msg,
                 "merges only decide how text becomes ids; localspec tokenizes with the target alone",
             )
         )
     return out
+
+
+def _scalar_rules(target: GGUFHeader, draft: GGUFHeader) -> list[tuple[str, str, Status, str]]:
+    """(key, label, level when the two files differ, why) for each special id and flag both models act on.
+
+    BOS and EOS ids only break speculation when a model adds them to every prompt; otherwise a mismatch warns.
+    """
+    t_bos, d_bos = target.get("tokenizer.ggml.add_bos_token"), draft.get("tokenizer.ggml.add_bos_token")
+    bos_added = bool(t_bos or d_bos or t_bos is None or d_bos is None)
+    eos_added = bool(target.get("tokenizer.ggml.add_eos_token") or draft.get("tokenizer.ggml.add_eos_token"))
+    ends = "the target decides when {} ends; the draft may only propose past it"
+    return [
+        ("tokenizer.ggml.add_bos_token", "add_bos", Status.FAIL,
+         "the draft would see a sequence with (or without) a BOS the target does not have"),
+        ("tokenizer.ggml.bos_token_id", "BOS id", Status.FAIL if bos_added else Status.WARN,
+         "every prompt starts with the target's BOS id, which the draft would read as another token" if bos_added
+         else "neither model adds a BOS, so only a template that writes one is affected"),
+        ("tokenizer.ggml.add_eos_token", "add_eos", Status.FAIL,
+         "the draft would see an EOS the target does not append"),
+        ("tokenizer.ggml.eos_token_id", "EOS id", Status.FAIL if eos_added else Status.WARN,
+         "appended to every prompt, so both must mean the same token" if eos_added else ends.format("generation")),
+        ("tokenizer.ggml.eot_token_id", "EOT id", Status.WARN, ends.format("a turn")),
+        ("tokenizer.ggml.padding_token_id", "PAD id", Status.INFO,
+         "padding is never generated in a single-sequence run"),
+        ("tokenizer.ggml.pre", "pre-tokenizer", Status.WARN,
+         "the pre-tokenizer only splits text before tokenizing, which the target does alone"),
+    ]
 
 
 def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
@@ -187,7 +207,7 @@ def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
     if tm != dm:
         findings.append(
             Finding(
-                Level.FAIL,
+                Status.FAIL,
                 "tokenizer model",
                 f"tokenizer models differ: target {_show(tm)}, draft {_show(dm)}",
                 "a different tokenizer model numbers its tokens differently",
@@ -195,81 +215,13 @@ def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
         )
     else:
         findings.extend(_compare_tokens(target, draft))
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.add_bos_token",
-        "add_bos",
-        Level.FAIL,
-        "the draft would see a sequence with (or without) a BOS the target does not have",
-    )
-    t_bos, d_bos = target.get("tokenizer.ggml.add_bos_token"), draft.get("tokenizer.ggml.add_bos_token")
-    bos_added = bool(t_bos or d_bos or t_bos is None or d_bos is None)
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.bos_token_id",
-        "BOS id",
-        Level.FAIL if bos_added else Level.WARN,
-        "every prompt starts with the target's BOS id, which the draft would read as another token"
-        if bos_added
-        else "neither model adds a BOS, so only a template that writes one is affected",
-    )
-    t_eos, d_eos = target.get("tokenizer.ggml.add_eos_token"), draft.get("tokenizer.ggml.add_eos_token")
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.add_eos_token",
-        "add_eos",
-        Level.FAIL,
-        "the draft would see an EOS the target does not append",
-    )
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.eos_token_id",
-        "EOS id",
-        Level.FAIL if (t_eos or d_eos) else Level.WARN,
-        "appended to every prompt, so both must mean the same token"
-        if (t_eos or d_eos)
-        else "the target decides when generation ends; the draft may only propose past it",
-    )
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.eot_token_id",
-        "EOT id",
-        Level.WARN,
-        "the target decides when a turn ends; the draft may only propose past it",
-    )
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.padding_token_id",
-        "PAD id",
-        Level.INFO,
-        "padding is never generated in a single-sequence run",
-    )
-    _scalar_field(
-        findings,
-        target,
-        draft,
-        "tokenizer.ggml.pre",
-        "pre-tokenizer",
-        Level.WARN,
-        "the pre-tokenizer only splits text before tokenizing, which the target does alone",
-    )
+    for key, label, level, why in _scalar_rules(target, draft):
+        _scalar_field(findings, target, draft, key, label, level, why)
     tc, dc = target.get("tokenizer.chat_template"), draft.get("tokenizer.chat_template")
     if tc != dc:
         findings.append(
             Finding(
-                Level.WARN,
+                Status.WARN,
                 "chat template",
                 "chat templates differ" + (" (one file has none)" if tc is None or dc is None else ""),
                 "the target's template formats the prompt; a draft tuned on another format agrees less often",
@@ -286,7 +238,7 @@ def quant_advice(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:
     if dtype not in EIGHT_BIT_TYPES and draft.bits_per_weight < 8.0:
         out.append(
             Finding(
-                Level.WARN,
+                Status.WARN,
                 "draft quantization",
                 f"the draft is {dtype} ({draft.bits_per_weight:.1f} bits/weight), below 8-bit",
                 "a draft below Q8_0 agrees with the target ~10 points less often; use its Q8_0 file",
@@ -295,7 +247,7 @@ def quant_advice(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:
     if target.tensor_bytes and draft.tensor_bytes > DRAFT_MAX_FRACTION * target.tensor_bytes:
         out.append(
             Finding(
-                Level.WARN,
+                Status.WARN,
                 "draft size",
                 f"the draft's weights are {draft.tensor_bytes / target.tensor_bytes:.0%} of the target's",
                 f"above ~{DRAFT_MAX_FRACTION:.0%} a draft token costs too much of a target step to pay off",
@@ -305,7 +257,7 @@ def quant_advice(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:
     if ttype not in INT4_TYPES and target.main_weight_type not in INT4_TYPES:
         out.append(
             Finding(
-                Level.WARN,
+                Status.WARN,
                 "target quantization",
                 f"the target is {ttype} ({target.bits_per_weight:.1f} bits/weight), not int4-class",
                 "the 24 GB recipe needs a ~4-bit target (Q4_K_M, Q4_0, IQ4_XS) to leave room for KV",

@@ -78,38 +78,58 @@ class Preset:
     bench: BenchSettings
     load: LoadSettings
 
-    def with_overrides(self, **overrides: Any) -> Preset:
-        """Overlay CLI values (None = keep the preset's) given as `section_key=value` or a bare unique key."""
+    def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,
+                       **overrides: Any) -> Preset:
+        """Overlay CLI or request values (None = keep the preset's), each named by its preset key.
+
+        A key that lives in several sections (`max_tokens`) goes to `prefer`'s section when it has one. `flags`
+        maps keys to the option the user typed (`temperature` → `--temp`), so an out-of-range value names it.
+        """
         changes: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
         for key, value in overrides.items():
             if value is None:
                 continue
-            section = _section_of(key)
-            changes[section][key] = _check(section, key, value, source="command line")
+            section = section_of(key, prefer)
+            where = (flags or {}).get(key) or f"command line: {section}.{key}"
+            changes[section][key] = _check(section, key, value, where=where)
         return dataclasses.replace(
-            self,
-            sampling=dataclasses.replace(self.sampling, **changes["sampling"]),
-            draft=dataclasses.replace(self.draft, **changes["draft"]),
-            bench=dataclasses.replace(self.bench, **changes["bench"]),
-            load=dataclasses.replace(self.load, **changes["load"]),
+            self, **{section: dataclasses.replace(getattr(self, section), **values)
+                     for section, values in changes.items()},
         )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _section_of(key: str) -> str:
-    for section, cls in _SECTIONS.items():
-        if key in {f.name for f in dataclasses.fields(cls)}:
+def section_of(key: str, prefer: str | None = None) -> str:
+    """The preset section that holds `key` (`prefer` first, when it has it)."""
+    if prefer in _SECTIONS and key in _keys(prefer):
+        return prefer
+    for section in _SECTIONS:
+        if key in _keys(section):
             return section
     raise ConfigError(f"unknown setting {key!r}")
 
 
-def _check(section: str, key: str, value: Any, source: str) -> Any:
-    """Type- and range-check one value; the error names the source, section.key and the allowed range."""
-    meta = next(f.metadata for f in dataclasses.fields(_SECTIONS[section]) if f.name == key)
+def _keys(section: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_SECTIONS[section])}
+
+
+def preset_keys() -> set[str]:
+    """Every key of every section: the names CLI parameters and request fields take when they overlay a preset."""
+    return set().union(*(_keys(section) for section in _SECTIONS))
+
+
+def key_metadata(key: str, prefer: str | None = None) -> dict[str, Any]:
+    """A key's kind and allowed range or choices: the one place they are written down."""
+    section = section_of(key, prefer)
+    return dict(next(f.metadata for f in dataclasses.fields(_SECTIONS[section]) if f.name == key))
+
+
+def _check(section: str, key: str, value: Any, where: str) -> Any:
+    """Type- and range-check one value; the error names where it came from and the allowed range."""
+    meta = key_metadata(key, section)
     kind = meta["kind"]
-    where = f"{source}: {section}.{key}"
     if kind is str:
         if value not in meta["choices"]:
             raise ConfigError(f"{where} = {value!r}: choose one of {', '.join(meta['choices'])}")
@@ -146,11 +166,11 @@ def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]
             raise ConfigError(f"{path}: unknown section [{section}] (allowed: {', '.join(_SECTIONS)})")
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {section} must be a table ([{section}])")
-        known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        known = _keys(section)
         for key, value in table.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {section}.{key} (allowed: {', '.join(sorted(known))})")
-            out.setdefault(section, {})[key] = _check(section, key, value, source=str(path))
+            out.setdefault(section, {})[key] = _check(section, key, value, where=f"{path}: {section}.{key}")
     return out
 
 

@@ -75,20 +75,11 @@ def draft_path() -> Path:
     if final.is_file():
         return final
     source = target_path()
-    import llama_cpp
+    from localspec.llama_ctx import quantize
 
-    from localspec.llama_ctx import _init_backend, default_threads
-
-    _init_backend()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{DRAFT_FTYPE_NAME}")
-    params.allow_requantize = True
-    params.nthread = default_threads()
     tmp = final.with_suffix(f".part-{os.getpid()}")
     try:
-        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise LocalspecError(f"{source}: llama.cpp could not requantize the demo draft (code {rc})")
+        quantize(source, tmp, DRAFT_FTYPE_NAME)
         tmp.replace(final)
     finally:
         tmp.unlink(missing_ok=True)

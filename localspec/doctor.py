@@ -12,8 +12,8 @@ from localspec import compat, memory
 from localspec.config import Preset
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader, read_header
+from localspec.status import Status
 
-OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 GiB = float(1 << 30)
 GPU_BUILD_FIX = (
     'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
@@ -23,7 +23,7 @@ GPU_BUILD_FIX = (
 
 @dataclass(frozen=True)
 class Check:
-    status: str  # ok / warn / fail / info
+    status: Status
     name: str
     detail: str
     fix: str = ""
@@ -42,34 +42,34 @@ def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
     if d is None:
         return [
             Check(
-                WARN, "tokenizer", "no draft model: plain decoding only", "give --draft PATH or --pair NAME"
+                Status.WARN, "tokenizer", "no draft model: plain decoding only", "give --draft PATH or --pair NAME"
             )
         ]
     v = compat.compare(t, d)
     token_findings = [
         f for f in v.findings if f.field not in {"draft quantization", "draft size", "target quantization"}
     ]
-    worst = max((f.level for f in token_findings), default=compat.Level.OK)
+    worst = max((f.level for f in token_findings), default=Status.OK)
     first = next((f for f in token_findings if f.level == worst), None)
     family = f"{t.arch} / {d.arch}"
-    if worst == compat.Level.FAIL:
+    if worst == Status.FAIL:
         out = [
             Check(
-                FAIL,
+                Status.FAIL,
                 "same family and tokenizer",
                 f"{family}: {first.message}" if first else family,
                 "use a draft of the target's own family (same tokenizer), e.g. a pair in `localspec models`",
             )
         ]
-    elif worst == compat.Level.WARN and first is not None:
-        out = [Check(WARN, "same family and tokenizer", f"{family}: {first.message}", first.why)]
+    elif worst == Status.WARN and first is not None:
+        out = [Check(Status.WARN, "same family and tokenizer", f"{family}: {first.message}", first.why)]
     else:
-        out = [Check(OK, "same family and tokenizer", f"{family}: every id means the same token")]
+        out = [Check(Status.OK, "same family and tokenizer", f"{family}: every id means the same token")]
     dq = next((f for f in v.findings if f.field == "draft quantization"), None)
     out.append(
-        Check(WARN, "draft ≥ 8-bit", dq.message, "use the draft's Q8_0 file")
+        Check(Status.WARN, "draft ≥ 8-bit", dq.message, "use the draft's Q8_0 file")
         if dq
-        else Check(OK, "draft ≥ 8-bit", f"draft is {d.file_type}")
+        else Check(Status.OK, "draft ≥ 8-bit", f"draft is {d.file_type}")
     )
     for field, name in (
         ("draft size", "draft ≤ ~10% of target"),
@@ -77,9 +77,9 @@ def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
     ):
         f = next((x for x in v.findings if x.field == field), None)
         out.append(
-            Check(WARN, name, f.message, f.why)
+            Check(Status.WARN, name, f.message, f.why)
             if f
-            else Check(OK, name, f"target {t.file_type}, draft {d.file_type}")
+            else Check(Status.OK, name, f"target {t.file_type}, draft {d.file_type}")
         )
     return out
 
@@ -87,7 +87,7 @@ def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
 def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     out = [
         Check(
-            OK,
+            Status.OK,
             "one sampling configuration",
             "the preset's sampling section drives both target and draft "
             f"(temperature {preset.sampling.temperature}, top_k {preset.sampling.top_k}, "
@@ -96,13 +96,13 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     ]
     k = preset.draft.n_draft
     if preset.draft.adaptive:
-        out.append(Check(OK, "draft length", f"adaptive, at most {k}"))
+        out.append(Check(Status.OK, "draft length", f"adaptive, at most {k}"))
     elif 4 <= k <= 6:
-        out.append(Check(OK, "draft length", f"{k}"))
+        out.append(Check(Status.OK, "draft length", f"{k}"))
     else:
         out.append(
             Check(
-                WARN,
+                Status.WARN,
                 "draft length",
                 f"{k} (4-6 suits most pairs)",
                 "--draft 5, or adaptive = true in a preset, or tune it with `localspec bench --draft N`",
@@ -113,7 +113,7 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     if n_ctx < need:
         out.append(
             Check(
-                FAIL,
+                Status.FAIL,
                 "KV room for the verification window",
                 f"context {n_ctx} < {preset.bench.max_tokens} generated + {window} window tokens",
                 f"--ctx {max(1024, 1 << (need - 1).bit_length())}",
@@ -122,34 +122,34 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     else:
         out.append(
             Check(
-                OK,
+                Status.OK,
                 "KV room for the verification window",
                 f"context {n_ctx}: {window} tokens reserved for drafting and verification",
             )
         )
     if preset.bench.warmup > 0:
-        out.append(Check(OK, "warm-up", f"{preset.bench.warmup} warm-up generations before measuring"))
+        out.append(Check(Status.OK, "warm-up", f"{preset.bench.warmup} warm-up generations before measuring"))
     else:
         out.append(
             Check(
-                WARN,
+                Status.WARN,
                 "warm-up",
                 "off: the first runs pay for cold caches and clocks",
                 "--warmup 10 (or bench.warmup in a preset)",
             )
         )
-    out.append(Check(OK, "fixed seed", f"seed {preset.sampling.seed} for every run, so comparisons repeat"))
+    out.append(Check(Status.OK, "fixed seed", f"seed {preset.sampling.seed} for every run, so comparisons repeat"))
     return out
 
 
 def _machine_checks(dev: memory.Devices) -> list[Check]:
     out = []
     if dev.gpu_offload:
-        out.append(Check(OK, "llama-cpp-python GPU offload", "built with GPU offload"))
+        out.append(Check(Status.OK, "llama-cpp-python GPU offload", "built with GPU offload"))
     else:
         out.append(
             Check(
-                WARN,
+                Status.WARN,
                 "llama-cpp-python GPU offload",
                 "CPU-only build (llama_supports_gpu_offload = 0)",
                 GPU_BUILD_FIX,
@@ -159,7 +159,7 @@ def _machine_checks(dev: memory.Devices) -> list[Check]:
         free = f"{(dev.gpu_free or 0) / GiB:.1f} GiB free of {(dev.gpu_total or 0) / GiB:.1f} GiB"
         out.append(
             Check(
-                OK if dev.gpu_offload else WARN,
+                Status.OK if dev.gpu_offload else Status.WARN,
                 "GPU",
                 f"{dev.gpu_name}, driver {dev.driver}, "
                 + (free if dev.gpu_free is not None else "unused by this build"),
@@ -170,13 +170,13 @@ def _machine_checks(dev: memory.Devices) -> list[Check]:
         why = "; ".join(dev.notes) or "no NVIDIA GPU found"
         out.append(
             Check(
-                INFO,
+                Status.INFO,
                 "GPU",
                 f"none usable ({why}); models run on the CPU",
                 "install the NVIDIA driver and nvidia-ml-py for VRAM checks",
             )
         )
-    out.append(Check(INFO, "RAM", f"{dev.ram_available / GiB:.1f} GiB available"))
+    out.append(Check(Status.INFO, "RAM", f"{dev.ram_available / GiB:.1f} GiB available"))
     return out
 
 
@@ -189,8 +189,8 @@ def _fit_check(t: GGUFHeader, d: GGUFHeader | None, preset: Preset, n_ctx: int, 
         else f"{est.ram_bytes / GiB:.1f} GiB RAM (no GPU: VRAM not checked)"
     )
     if est.fits:
-        return Check(OK, "the pair fits", f"needs {where} at context {n_ctx}, {s.kv_type} KV")
-    return Check(FAIL, "the pair fits", est.problem, "try " + " or ".join(est.suggestions))
+        return Check(Status.OK, "the pair fits", f"needs {where} at context {n_ctx}, {s.kv_type} KV")
+    return Check(Status.FAIL, "the pair fits", est.problem, "try " + " or ".join(est.suggestions))
 
 
 def run_checks(
@@ -210,7 +210,7 @@ def run_checks(
     if t is None:
         # A missing pair's message already names `localspec pull`; a bad file needs another file.
         fix = "" if "localspec pull" in error else "give --target/--draft paths to valid GGUF files"
-        checks.append(Check(FAIL, "model files", error, fix))
+        checks.append(Check(Status.FAIL, "model files", error, fix))
     else:
         checks.extend(_pair_checks(t, d))
     checks.extend(_settings_checks(preset, ctx))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +46,12 @@ class TokenEvent:
 
 @dataclass
 class GenerationStats:
+    """The one home of a generation's numbers; every report (bench, chat, generate, the server) reads these.
+
+    Counts and seconds add up (`+`, `total`), so totals over prompts, runs or chat turns are built the same way and
+    the rates below are always derived from summed counts, never averaged.
+    """
+
     prompt_tokens: int = 0
     prompt_tokens_processed: int = 0  # the part of the prompt not already in the KV caches
     prefill_s: float = 0.0
@@ -58,10 +64,22 @@ class GenerationStats:
     decode_s: float = 0.0  # wall time of all rounds
     draft_lengths: list[int] = field(default_factory=list)
 
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        return GenerationStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                  for f in dataclasses.fields(self)})
+
+    @classmethod
+    def total(cls, many: Iterable[GenerationStats]) -> GenerationStats:
+        return sum(many, cls())
+
     @property
     def host_s(self) -> float:
         """Everything in the rounds that is not a llama_decode: sampling, acceptance, bookkeeping."""
         return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
+    def host_fraction(self) -> float:
+        return self.host_s / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,8 +99,9 @@ class GenerationStats:
         return self.prompt_tokens_processed / self.prefill_s if self.prefill_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
+        """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
-                "accepted", "draft_s", "verify_s", "decode_s", "host_s", "acceptance_rate",
+                "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps")
         return {k: getattr(self, k) for k in keys}
 
@@ -100,6 +119,35 @@ class DoneEvent:
 
 
 Event = TokenEvent | DoneEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A whole generation, collected: what a caller that does not stream needs."""
+
+    tokens: list[int]
+    from_draft: int  # how many of `tokens` were accepted draft tokens
+    done: DoneEvent
+    trace: list[tuple[int, float]]  # generate(trace=True): each token's (row argmax, top-2 margin); else empty
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.done.stats
+
+
+def collect(events: Iterable[Event]) -> Generation:
+    """Drain an engine stream into its tokens and its final DoneEvent."""
+    tokens: list[int] = []
+    trace: list[tuple[int, float]] = []
+    from_draft = 0
+    for event in events:
+        if isinstance(event, DoneEvent):
+            return Generation(tokens, from_draft, event, trace)
+        tokens.append(event.token)
+        from_draft += event.from_draft
+        if event.row_argmax is not None and event.margin is not None:
+            trace.append((event.row_argmax, event.margin))
+    raise RuntimeError("the engine stream ended without a DoneEvent")  # an engine bug, not a user error
 
 
 class _DraftLength:

@@ -1,8 +1,10 @@
-"""A thin wrapper over llama-cpp-python's low-level API: one model, one context, one reusable batch.
+"""The one wall around llama.cpp: every call into llama-cpp-python goes through this module.
 
-llama-cpp-python's high-level `Llama` cannot take a second GGUF as a draft and computes logits where we do not
-need them, so the engine drives llama.cpp directly: `llama_decode` on a batch we fill through numpy views,
-`llama_get_logits` as a zero-copy numpy view, and `llama_memory_seq_rm` to rewind the KV cache.
+`LlamaModel` is one model, one context, one reusable batch. llama-cpp-python's high-level `Llama` cannot take a
+second GGUF as a draft and computes logits where we do not need them, so the engine drives llama.cpp directly:
+`llama_decode` on a batch we fill through numpy views, `llama_get_logits` as a zero-copy numpy view, and
+`llama_memory_seq_rm` to rewind the KV cache. Beside it: chat templates (llama.cpp's built-ins and the GGUF's own
+Jinja template through llama-cpp-python's sandboxed formatter), the quantizer, and the build's capabilities.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import codecs
 import contextlib
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, ModelLoadError
+from localspec.errors import ContextFullError, LocalspecError, ModelLoadError
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
@@ -47,10 +49,72 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def default_threads() -> int:
-    import psutil
+def system_info() -> str:
+    """llama.cpp's build and CPU feature summary (for bench reports)."""
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+def default_threads() -> int:
+    from localspec.machine import physical_cores
+
+    return physical_cores()
+
+
+def quantize(source: Path, dest: Path, ftype_name: str) -> None:
+    """Requantize `source` into `dest` with llama.cpp's own quantizer (e.g. ftype_name "Q2_K")."""
+    _init_backend()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.allow_requantize = True
+    params.nthread = default_threads()
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), params)
+    if rc != 0:
+        raise ModelLoadError(f"{source}: llama.cpp could not requantize it to {ftype_name} (code {rc})")
+
+
+# -- chat templates ----------------------------------------------------------------------------------------------
+
+ChatMessages = list[dict[str, str]]
+
+
+def builtin_chat_templates() -> list[str]:
+    """The names of llama.cpp's built-in chat templates (`gemma`, `chatml`, `llama3`, ...)."""
+    out = (ctypes.c_char_p * 256)()
+    n = llama_cpp.llama_chat_builtin_templates(out, 256)
+    return [out[i].decode() for i in range(min(n, 256))]
+
+
+def apply_builtin_template(name: str, messages: ChatMessages) -> str:
+    """Render messages with one of llama.cpp's built-in templates, ending with the assistant's turn opened."""
+    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]  # kept alive during the call
+    chat = (llama_cpp.llama_chat_message * len(encoded))()
+    for i, (role, content) in enumerate(encoded):
+        chat[i].role = role
+        chat[i].content = content
+    size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
+    for _ in range(2):  # the first call reports the size it needs when the buffer is short
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
+        if n < 0:
+            raise LocalspecError(f"llama.cpp built-in chat template {name!r} failed (code {n})")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n
+    raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
+
+
+def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[[ChatMessages], str]:
+    """A GGUF's Jinja chat template, rendered by llama-cpp-python's sandboxed formatter (a hostile template cannot
+    reach Python). Parse errors become a LocalspecError naming `source`."""
+    import jinja2
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    try:
+        formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token,
+                                        add_generation_prompt=True)
+    except jinja2.TemplateError as exc:
+        raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
+    return lambda messages: formatter(messages=messages).prompt
 
 
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
@@ -155,6 +219,7 @@ class LlamaModel:
         self.on_gpu = n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
         pad = int(llama_cpp.llama_vocab_pad(self.vocab))
         self.unknown_token = pad if 0 <= pad < self.n_vocab else max(self.bos, 0)
 

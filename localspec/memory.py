@@ -12,8 +12,6 @@ the CUDA context and cuBLAS workspace, which the header cannot tell.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass, field, replace
 
 from localspec.gguf_header import GGUFHeader
@@ -130,10 +128,9 @@ def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layer
 
 
 def probe_devices() -> Devices:
-    """Free RAM (psutil) and, through NVML, the GPU's name, driver and free memory; never raises."""
-    import psutil
+    """Free RAM and the first usable GPU's name, driver and free memory (`machine`); never raises."""
+    from localspec import machine
 
-    ram = int(psutil.virtual_memory().available)
     notes: list[str] = []
     try:
         from localspec.llama_ctx import supports_gpu_offload
@@ -142,52 +139,22 @@ def probe_devices() -> Devices:
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
         offload = False
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
-    gpu = _nvml_gpu(notes)
-    if gpu is None:
+    gpus = machine.nvidia_gpus(notes)
+    ram = machine.ram_available()
+    if not gpus:
         return Devices(ram_available=ram, gpu_offload=offload, notes=tuple(notes))
-    name, driver, free, total = gpu
+    gpu = gpus[0]
     if not offload:
         notes.append("llama-cpp-python was built without GPU offload, so the GPU is not used")
     return Devices(
         ram_available=ram,
-        gpu_free=free if offload else None,
-        gpu_total=total,
-        gpu_name=name,
-        driver=driver,
+        gpu_free=gpu.free if offload else None,
+        gpu_total=gpu.total,
+        gpu_name=gpu.name,
+        driver=gpu.driver,
         gpu_offload=offload,
         notes=tuple(notes),
     )
-
-
-def _nvml_gpu(notes: list[str]) -> tuple[str, str, int, int] | None:
-    """GPU 0 (or CUDA_VISIBLE_DEVICES' first) through NVML; None without an NVIDIA driver."""
-    try:
-        import pynvml
-    except ImportError:
-        notes.append("nvidia-ml-py is not installed: VRAM unknown")
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        notes.append("no NVIDIA driver (NVML unavailable): VRAM unknown")
-        return None
-    try:
-        index = 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        if visible.isdigit():
-            index = int(visible)
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        as_str = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731 -- older NVML returns bytes
-        return as_str(name), as_str(driver), int(mem.free), int(mem.total)
-    except Exception as exc:
-        notes.append(f"NVML could not read the GPU ({exc.__class__.__name__}): VRAM unknown")
-        return None
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
 
 
 def _place(models: tuple[ModelMemory, ...], devices: Devices) -> tuple[int, int]:

@@ -50,13 +50,15 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> 
     )
 
 
-def settle_preset(preset: Preset, files: ModelFiles, **overrides: object) -> Preset:
+def settle_preset(preset: Preset, files: ModelFiles | None, *, prefer: str | None = None,
+                  flags: dict[str, str] | None = None, **overrides: object) -> Preset:
     """Command-line values win, then what the pair recommends (context, draft length), then the preset."""
-    if overrides.get("n_ctx") is None:
-        overrides["n_ctx"] = files.n_ctx
-    if overrides.get("n_draft") is None:
-        overrides["n_draft"] = files.n_draft
-    return preset.with_overrides(**overrides)
+    if files is not None:
+        if overrides.get("n_ctx") is None:
+            overrides["n_ctx"] = files.n_ctx
+        if overrides.get("n_draft") is None:
+            overrides["n_draft"] = files.n_draft
+    return preset.with_overrides(prefer=prefer, flags=flags, **overrides)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Nor read the developer's own settings: test modules load presets at import time, before any fixture runs, so
+# the isolation starts here; `_isolated_home` then gives every test a fresh home of its own.
+os.environ["LOCALSPEC_HOME"] = tempfile.mkdtemp(prefix="localspec-tests-")
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="localspec-tests-hf-")
+os.environ.pop("HF_HUB_CACHE", None)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch) -> None:
+    """Every test starts with an empty LOCALSPEC_HOME (fixtures such as use_demo_home point it elsewhere)."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path_factory.mktemp("home")))
 
 
 @pytest.fixture(scope="session")

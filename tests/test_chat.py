@@ -262,7 +262,7 @@ def test_settings_commands(demo_session) -> None:
     chat = _chat(demo_session, max_tokens=8)
     chat.set_draft(0)
     _reply(chat, "Hi")
-    assert chat.turns[-1].n_draft == 0 and chat.turns[-1].stats["drafted"] == 0
+    assert chat.turns[-1].n_draft == 0 and chat.turns[-1].stats.drafted == 0
     chat.set_draft(3)
     chat.set_temperature(0.5)
     assert chat.preset.draft.n_draft == 3 and chat.preset.sampling.temperature == 0.5

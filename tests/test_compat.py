@@ -8,7 +8,8 @@ import pytest
 from gguf import LlamaFileType, TokenType
 
 from localspec import demo
-from localspec.compat import Level, check_files
+from localspec.compat import check_files
+from localspec.status import Status
 from tests.helpers_vocab import N_TOKENS, base_vocab, write_vocab
 
 
@@ -24,7 +25,7 @@ def _pair(tmp_path: Path, **draft_changes: object):
     return check_files(target, draft)
 
 
-def _fields(verdict, level: Level) -> list[str]:
+def _fields(verdict, level: Status) -> list[str]:
     return [f.field for f in verdict.findings if f.level == level]
 
 
@@ -38,9 +39,9 @@ def test_gemma_vs_smollm2_is_incompatible_and_says_why(gemma: Path, smollm2_path
 def test_a_model_is_compatible_with_itself(gemma: Path) -> None:
     v = check_files(gemma, gemma)
     assert v.compatible
-    assert _fields(v, Level.FAIL) == []
+    assert _fields(v, Status.FAIL) == []
     # only the seeds' quantization advice remains: the same file as its own draft is too big and below 8 bit
-    assert set(_fields(v, Level.WARN)) == {"draft quantization", "draft size"}
+    assert set(_fields(v, Status.WARN)) == {"draft quantization", "draft size"}
 
 
 def test_identical_generated_vocabs_are_compatible(tmp_path: Path) -> None:
@@ -60,7 +61,7 @@ def test_trailing_padding_ids_are_tolerated(tmp_path: Path) -> None:
     base = base_vocab()
     v = _pair(tmp_path, tokens=base["tokens"][: N_TOKENS - 100], types=base["types"][: N_TOKENS - 100])
     assert v.label == "compatible"
-    assert _fields(v, Level.INFO) == ["vocab size"]
+    assert _fields(v, Status.INFO) == ["vocab size"]
 
 
 def test_more_than_128_extra_ids_is_another_vocabulary(tmp_path: Path) -> None:
@@ -98,7 +99,7 @@ def test_tokenizer_model_that_differs_is_incompatible(tmp_path: Path) -> None:
 def test_differences_that_only_warn(tmp_path: Path, changes: dict, field: str) -> None:
     v = _pair(tmp_path, **changes)
     assert v.label == "compatible with warnings", v.findings
-    assert _fields(v, Level.WARN) == [field]
+    assert _fields(v, Status.WARN) == [field]
     finding = next(f for f in v.findings if f.field == field)
     assert finding.why  # every finding explains itself
 
@@ -116,4 +117,4 @@ def test_target_not_int4_and_big_draft_warn(tmp_path: Path) -> None:
     )
     d = write_vocab(tmp_path / "d.gguf", tensors=[("blk.0.w", (256, 16), Q.Q8_0)])
     v = check_files(t, d)
-    assert set(_fields(v, Level.WARN)) == {"target quantization", "draft size"}
+    assert set(_fields(v, Status.WARN)) == {"target quantization", "draft size"}

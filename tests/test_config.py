@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from localspec.config import available_presets, load_preset, save_user_preset
@@ -95,3 +97,12 @@ def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
     assert (cli.load.n_ctx, cli.draft.n_draft) == (1024, 3)
     plain_files = ModelFiles(target=files.target, draft=files.draft, name="custom")
     assert settle_preset(load_preset(), plain_files).load.n_ctx == load_preset().load.n_ctx
+
+
+def test_tests_never_see_the_developers_own_home() -> None:
+    """conftest points LOCALSPEC_HOME at an empty folder per test: a developer's greedy.toml cannot leak in."""
+    from localspec import paths
+
+    home = paths.home()
+    assert home != Path.home() / ".config" / "localspec"
+    assert not home.exists() or not any(home.iterdir())

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from localspec import config, demo, doctor, memory
+from localspec.status import Status
 
 PLENTY = memory.Devices(ram_available=64 << 30)
 NAMES = [
@@ -41,34 +42,34 @@ def test_every_item_of_the_checklist_is_there(gemma: Path) -> None:
     checks = doctor.run_checks(gemma, gemma, config.load_preset(), devices=PLENTY)
     assert [c.name for c in checks] == NAMES
     by = _by_name(checks)
-    assert by["same family and tokenizer"].status == doctor.OK
-    assert by["the pair fits"].status == doctor.OK
-    assert by["GPU"].status == doctor.INFO  # no GPU given: says so instead of guessing
+    assert by["same family and tokenizer"].status == Status.OK
+    assert by["the pair fits"].status == Status.OK
+    assert by["GPU"].status == Status.INFO  # no GPU given: says so instead of guessing
     for c in checks:
-        if c.status in (doctor.WARN, doctor.FAIL):
+        if c.status in (Status.WARN, Status.FAIL):
             assert c.fix, c  # every problem comes with a fix
 
 
 def test_incompatible_pair_fails_with_the_reason(gemma: Path, smollm2_path: Path) -> None:
     by = _by_name(doctor.run_checks(gemma, smollm2_path, config.load_preset(), devices=PLENTY))
     c = by["same family and tokenizer"]
-    assert c.status == doctor.FAIL and "tokenizer models differ" in c.detail
-    assert by["draft ≥ 8-bit"].status == doctor.WARN  # SmolLM2 here is Q4_1
+    assert c.status == Status.FAIL and "tokenizer models differ" in c.detail
+    assert by["draft ≥ 8-bit"].status == Status.WARN  # SmolLM2 here is Q4_1
 
 
 def test_settings_checks_flip(gemma: Path) -> None:
     preset = config.load_preset().with_overrides(n_draft=12, warmup=0)
     by = _by_name(doctor.run_checks(gemma, gemma, preset, devices=PLENTY, n_ctx=128))
-    assert by["draft length"].status == doctor.WARN and "--draft 5" in by["draft length"].fix
-    assert by["warm-up"].status == doctor.WARN
+    assert by["draft length"].status == Status.WARN and "--draft 5" in by["draft length"].fix
+    assert by["warm-up"].status == Status.WARN
     kv = by["KV room for the verification window"]
-    assert kv.status == doctor.FAIL and kv.fix.startswith("--ctx ")
+    assert kv.status == Status.FAIL and kv.fix.startswith("--ctx ")
 
 
 def test_pair_that_does_not_fit_proposes_a_fix(gemma: Path) -> None:
     small = dataclasses.replace(PLENTY, ram_available=600 << 20)
     c = _by_name(doctor.run_checks(gemma, gemma, config.load_preset(), devices=small))["the pair fits"]
-    assert c.status == doctor.FAIL and "RAM" in c.detail and c.fix.startswith("try ")
+    assert c.status == Status.FAIL and "RAM" in c.detail and c.fix.startswith("try ")
 
 
 def test_gpu_build_and_gpu_lines() -> None:
@@ -81,10 +82,10 @@ def test_gpu_build_and_gpu_lines() -> None:
         gpu_offload=True,
     )
     by = _by_name(doctor.run_checks(None, None, config.load_preset(), devices=dev, missing="no files"))
-    assert by["llama-cpp-python GPU offload"].status == doctor.OK
+    assert by["llama-cpp-python GPU offload"].status == Status.OK
     assert by["GPU"].detail.startswith("RTX 4090, driver 550.1, 20.0 GiB free of 24.0 GiB")
-    assert by["model files"].status == doctor.FAIL
+    assert by["model files"].status == Status.FAIL
     cpu = dataclasses.replace(dev, gpu_free=None, gpu_offload=False)
     by = _by_name(doctor.run_checks(None, None, config.load_preset(), devices=cpu))
-    assert by["llama-cpp-python GPU offload"].status == doctor.WARN
+    assert by["llama-cpp-python GPU offload"].status == Status.WARN
     assert "GGML_CUDA" in by["llama-cpp-python GPU offload"].fix

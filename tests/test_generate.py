@@ -151,7 +151,7 @@ def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:
         (["chat", "--draft", "x.gguf"], "--draft PATH needs --target PATH too"),
         (["chat", "--target", "missing.gguf"], "missing.gguf: model file not found"),
         (["generate", "hi", "--preset", "nope"], "unknown preset 'nope'"),
-        (["chat", "--kv-type", "q5"], "load.kv_type = 'q5'"),
+        (["chat", "--kv-type", "q5"], "--kv-type = 'q5': choose one of f16, q8_0, q4_0"),
     ],
 )
 def test_bad_options_name_the_culprit(args: list[str], message: str, captured: dict) -> None:

@@ -11,7 +11,6 @@ llama_cpp = pytest.importorskip("llama_cpp")  # noqa: F841 -- import before nump
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
-
 from synthetic import TINY, TINY_HIGH, PairSpec, measure_agreement, write_pair  # noqa: E402
 
 

@@ -46,12 +46,11 @@ def time_pattern(model: LlamaModel, ctx: list[int], widths: list[int], warmup: i
     base = len(ctx)
     follow = ctx[:32]
     out = []
-    for i, w in enumerate(widths):
+    for w in widths:
         t = time.perf_counter()
         model.decode(follow[:w], base, all_logits=True)
         out.append(time.perf_counter() - t)
         model.truncate(base)
-        del i
     return out[warmup:]
 
 
@@ -75,7 +74,8 @@ def timings(model: LlamaModel, calls: int) -> dict:
     }
     for name, ws in patterns.items():
         times = time_pattern(model, ctx, ws, warm)
-        res["patterns"][name] = {"mean_ms": 1000 * statistics.fmean(times), "median_ms": 1000 * statistics.median(times),
+        res["patterns"][name] = {"mean_ms": 1000 * statistics.fmean(times),
+                                 "median_ms": 1000 * statistics.median(times),
                                  "mean_width": statistics.fmean(ws[warm:])}
     # What the widths would cost with a warm graph each: the constant-width medians, weighted as the pattern is.
     for name, ws in patterns.items():
@@ -108,8 +108,11 @@ def logits_vs_single(model: LlamaModel, cpu: LlamaModel | None, max_width: int) 
             "min_top2_margin_single": float((top2[:, 1] - top2[:, 0]).min()),
         }
         if cpu is not None:
+            # In chunks of 16: llama.cpp hands batches of 32+ tokens to the GPU even for CPU-resident weights.
             cpu.clear()
-            ref = cpu.decode(ctx[:-1] + feed, 0, all_logits=True)[len(ctx) - 1 :].copy()
+            for start in range(0, len(ctx) - 1, 16):
+                cpu.decode(ctx[start : min(start + 16, len(ctx) - 1)], start)
+            ref = cpu.decode(feed, len(ctx) - 1, all_logits=True).copy()
             entry["max_abs_diff_single_vs_cpu"] = float(np.abs(single_a - ref).max())
             entry["max_abs_diff_batch_vs_cpu"] = float(np.abs(batch - ref).max())
         rows[w] = entry

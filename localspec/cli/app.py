@@ -6,14 +6,13 @@ collects them. Click objects stay out of the app (typer >= 0.26 bundles its own 
 
 from __future__ import annotations
 
-# The import-order guard lives in the entry points (and llama_ctx), not in the package: llama_cpp must load before
-# numpy, or model loading crashed on the CUDA image (docs/architecture.md). Config and header code need no libllama.
-import llama_cpp  # noqa: F401, I001
-
 import os
 import sys
 from typing import Annotated
 
+# The import-order guard lives in the entry points (and llama_ctx), not in the package: llama_cpp must load before
+# numpy, or model loading crashed on the CUDA image (docs/architecture.md). Config and header code need no libllama.
+import llama_cpp  # noqa: F401, I001
 import typer
 
 from localspec.cli import bench_cmd, chat_cmd, models_cmd

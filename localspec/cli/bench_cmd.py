@@ -19,8 +19,6 @@ from localspec.errors import LocalspecError
 from localspec.session import open_session
 from localspec.ui.bench_view import live_table, summary, sweep_table
 
-RepeatOpt = Annotated[int | None, typer.Option("--repeat", help="Measured runs of each mode (median).", min=1)]
-WarmupOpt = Annotated[int | None, typer.Option("--warmup", help="Short warm-up generations first.", min=0)]
 SweepOpt = Annotated[
     str | None,
     typer.Option("--sweep", help="Comma-separated draft lengths to compare instead (e.g. 2,4,6,8).",
@@ -35,29 +33,26 @@ JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the rep
 
 
 def bench(
-    repeat: RepeatOpt = None,
-    warmup: WarmupOpt = None,
+    repeat: options.repeat = None,
+    warmup: options.warmup = None,
     draft: options.DraftOpt = None,
     preset: options.PresetOpt = None,
-    max_tokens: options.MaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
+    max_tokens: options.max_tokens = None,
+    temperature: options.temperature = None,
+    seed: options.seed = None,
     pair: options.PairOpt = None,
     target: options.TargetOpt = None,
     json_path: JsonOpt = None,
     sweep: SweepOpt = None,
     save_preset: SavePresetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
+    n_gpu_layers: options.n_gpu_layers = None,
+    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
+    n_ctx: options.n_ctx = None,
+    kv_type: options.kv_type = None,
+    threads: options.threads = None,
 ) -> None:
     """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
-    files, chosen = options.resolve_run(
-        pair, target, draft, preset, repeat=repeat, warmup=warmup, max_tokens=max_tokens, temperature=temp,
-        seed=seed, n_gpu_layers=ngl, draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
-    )
+    files, chosen = options.resolve_run(locals(), command="bench")
     if files.draft is None:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
     if chosen.draft.n_draft == 0:
@@ -85,7 +80,7 @@ def bench(
     if json_path is not None:
         _write_json(json_path, report)
         console.print(f"report written to {json_path}")
-    if not report.greedy_check.identical:
+    if not report.greedy_check.passed:
         raise typer.Exit(1)
 
 
@@ -108,7 +103,7 @@ def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
                     runs.append(event.result)
                     live.update(live_table(runs, chosen.bench.repeat, title))
                 elif isinstance(event, CheckStarted):
-                    live.console.print(f"checking greedy losslessness on {event.prompts} prompts…")
+                    live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
                 event = next(events)
         return event
 

@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from localspec import config
 from localspec.chat import (
     COMMANDS,
     STOP_INTERRUPTED,
@@ -33,7 +32,7 @@ from localspec.chat import (
     parse_command,
 )
 from localspec.cli import options
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
+from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import LocalspecError
 from localspec.session import ModelFiles, Session, open_session
 
@@ -49,18 +48,6 @@ ChatMaxTokensOpt = Annotated[
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
 ChatFlag = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object: text, stop reason, stats.")]
-
-
-def settings(
-    pair: str | None, target: Path | None, draft: list[str] | None, preset: str | None, *,
-    temp: float | None = None, seed: int | None = None, ngl: int | None = None, draft_ngl: int | None = None,
-    ctx: int | None = None, kv_type: str | None = None, threads: int | None = None,
-    max_tokens: int | None = None,
-) -> tuple[ModelFiles, config.Preset]:
-    """Options → files and preset. CLI beats the pair's recommendation, which beats the preset."""
-    return options.resolve_run(pair, target, draft, preset, temperature=temp, seed=seed, n_gpu_layers=ngl,
-                               draft_n_gpu_layers=draft_ngl, n_ctx=ctx, kv_type=kv_type, threads=threads,
-                               max_tokens=max_tokens)
 
 
 def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:
@@ -202,11 +189,11 @@ class ChatView:
 
 def stats_line(turn: TurnRecord) -> str:
     """The one line after each reply."""
-    s = turn.stats or {}
-    acceptance = f"acceptance {s.get('acceptance_rate', 0.0):.0%}" if s.get("drafted") else "no drafting"
+    s = turn.stats or GenerationStats()
+    acceptance = f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "no drafting"
     return (
-        f"{turn.tokens} tokens · {s.get('decode_tps', 0.0):.1f} tok/s · {acceptance} · "
-        f"mean accepted {s.get('mean_accepted', 0.0):.2f} · "
+        f"{turn.tokens} tokens · {s.decode_tps:.1f} tok/s · {acceptance} · "
+        f"mean accepted {s.mean_accepted:.2f} · "
         f"prompt tokens processed {turn.prompt_tokens_processed}/{turn.prompt_tokens}"
     )
 
@@ -216,20 +203,19 @@ def chat(
     preset: options.PresetOpt = None,
     system: SystemOpt = None,
     max_tokens: ChatMaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
+    temperature: options.temperature = None,
+    seed: options.seed = None,
     drop_oldest: DropOldestOpt = False,
     pair: options.PairOpt = None,
     target: options.TargetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
+    n_gpu_layers: options.n_gpu_layers = None,
+    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
+    n_ctx: options.n_ctx = None,
+    kv_type: options.kv_type = None,
+    threads: options.threads = None,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
-    files, chosen = settings(pair, target, draft, preset, temp=temp, seed=seed, ngl=ngl, draft_ngl=draft_ngl,
-                             ctx=ctx, kv_type=kv_type, threads=threads)
+    files, chosen = options.resolve_run(locals(), command="chat")
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
         template = ChatTemplate.for_model(session.target)
@@ -256,25 +242,24 @@ def generate(
     prompt: PromptArg,
     draft: options.DraftOpt = None,
     preset: options.PresetOpt = None,
-    max_tokens: options.MaxTokensOpt = None,
-    temp: options.TempOpt = None,
-    seed: options.SeedOpt = None,
+    max_tokens: options.max_tokens = None,
+    temperature: options.temperature = None,
+    seed: options.seed = None,
     chat_template: ChatFlag = False,
     json_out: JsonFlag = False,
     pair: options.PairOpt = None,
     target: options.TargetOpt = None,
-    ngl: options.GpuLayersOpt = None,
-    draft_ngl: options.DraftGpuLayersOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    threads: options.ThreadsOpt = None,
+    n_gpu_layers: options.n_gpu_layers = None,
+    draft_n_gpu_layers: options.draft_n_gpu_layers = None,
+    n_ctx: options.n_ctx = None,
+    kv_type: options.kv_type = None,
+    threads: options.threads = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable)."""
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
         raise LocalspecError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
-    files, chosen = settings(pair, target, draft, preset, temp=temp, seed=seed, ngl=ngl, draft_ngl=draft_ngl,
-                             ctx=ctx, kv_type=kv_type, threads=threads, max_tokens=max_tokens)
+    files, chosen = options.resolve_run(locals(), command="generate")
     with open_session(files, chosen) as session:
         model = session.target
         if chat_template:

@@ -14,7 +14,9 @@ from localspec import compat, config, doctor, hub, memory, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
-from localspec.session import ModelFiles, resolve_files
+from localspec.session import ModelFiles, resolve_files, settle_preset
+from localspec.status import Status
+from localspec.ui.marks import MARK
 
 console = Console()
 GB = 1e9
@@ -30,20 +32,6 @@ SpecOpt = Annotated[
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
 PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
-
-_MARK = {
-    doctor.OK: "[green]✓[/]",
-    doctor.WARN: "[yellow]⚠[/]",
-    doctor.FAIL: "[red]✗[/]",
-    doctor.INFO: "[blue]·[/]",
-}
-_LEVEL_MARK = {
-    compat.Level.OK: _MARK[doctor.OK],
-    compat.Level.INFO: _MARK[doctor.INFO],
-    compat.Level.WARN: _MARK[doctor.WARN],
-    compat.Level.FAIL: _MARK[doctor.FAIL],
-}
-
 
 def _size(n: int | None, approx: bool = False) -> str:
     return "?" if n is None else f"{'~' if approx else ''}{n / GB:.1f} GB"
@@ -151,10 +139,6 @@ def pull(
             console.print(f"default pair: [cyan]{pair}[/]")
 
 
-def _files_for(pair: str | None, target: Path | None, draft: Path | None) -> ModelFiles:
-    return resolve_files(pair, target, draft)
-
-
 def check(
     target_path: PathArg = None,
     draft_path: PathArg = None,
@@ -163,13 +147,13 @@ def check(
     """Tokenizer compatibility of a target and a draft, from GGUF headers only (exit 1: incompatible)."""
     if (target_path is None) != (draft_path is None):
         raise LocalspecError("give both TARGET and DRAFT files, or a --pair")
-    files = _files_for(pair, target_path, draft_path)
+    files = resolve_files(pair, target_path, draft_path)
     if files.draft is None:
         raise LocalspecError(f"pair {files.name} has no draft model to check")
     verdict = compat.compare(read_header(files.target), read_header(files.draft))
     console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
     for f in verdict.findings:
-        console.print(f"{_LEVEL_MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
+        console.print(f"{MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
     color = {"compatible": "green", "compatible with warnings": "yellow", "incompatible": "red"}[
         verdict.label
     ]
@@ -183,37 +167,31 @@ def doctor_cmd(
     target: options.TargetOpt = None,
     draft: options.DraftOpt = None,
     preset: options.PresetOpt = None,
-    ctx: options.CtxOpt = None,
-    kv_type: options.KvTypeOpt = None,
-    ngl: options.GpuLayersOpt = None,
+    n_ctx: options.n_ctx = None,
+    kv_type: options.kv_type = None,
+    n_gpu_layers: options.n_gpu_layers = None,
 ) -> None:
     """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
     n_draft, draft_model = options.split_draft_values(draft)
     missing = ""
     files: ModelFiles | None
     try:
-        files = _files_for(pair, target, draft_model)
-    except LocalspecError as exc:
+        files = resolve_files(pair, target, draft_model)
+    except LocalspecError as exc:  # e.g. a pair not pulled yet: the checklist still runs and says so
         files, missing = None, str(exc)
-    chosen = config.load_preset(preset or "default").with_overrides(
-        n_draft=n_draft if n_draft is not None else (files.n_draft if files else None),
-        n_ctx=ctx,
-        kv_type=kv_type,
-        n_gpu_layers=ngl,
-    )
-    n_ctx = ctx or (files.n_ctx if files else None) or chosen.load.n_ctx
-    checks = doctor.run_checks(
-        files.target if files else None, files.draft if files else None, chosen, n_ctx=n_ctx, missing=missing
-    )
+    chosen = settle_preset(config.load_preset(preset or "default"), files, prefer="load", flags=options.FLAGS,
+                           n_draft=n_draft, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers)
+    checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
+                               n_ctx=chosen.load.n_ctx, missing=missing)
     console.print(
         f"[bold]localspec doctor[/] pair [cyan]{files.name if files else pair or '?'}[/], "
         f"preset {chosen.name}"
     )
     for c in checks:
-        console.print(f"{_MARK[c.status]} [bold]{c.name}[/]: {escape(c.detail)}")
-        if c.fix and c.status in (doctor.WARN, doctor.FAIL, doctor.INFO):
+        console.print(f"{MARK[c.status]} [bold]{c.name}[/]: {escape(c.detail)}")
+        if c.fix and c.status != Status.OK:
             console.print(f"    [dim]fix: {escape(c.fix)}[/]")
-    if any(c.status == doctor.FAIL for c in checks):
+    if any(c.status == Status.FAIL for c in checks):
         raise typer.Exit(1)
 
 

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import statistics
-
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from localspec.bench import PLAIN, SPEC, BenchReport, RunResult, SweepReport
-
-
-def _fmt_tps(values: list[float]) -> tuple[str, str, str]:
-    if not values:
-        return "…", "", ""
-    return f"{statistics.median(values):.1f}", f"{min(values):.1f}", f"{max(values):.1f}"
+from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunResult, SweepReport
 
 
 def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
@@ -30,14 +22,15 @@ def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
     table.add_column("host", justify="right")
     for mode in (PLAIN, SPEC):
         mine = [r for r in runs if r.mode == mode]
-        med, lo, hi = _fmt_tps([r.decode_tps for r in mine])
-        drafted = sum(r.drafted for r in mine)
-        rounds = sum(r.rounds for r in mine)
-        decode = sum(r.decode_s for r in mine)
-        acc = f"{sum(r.accepted for r in mine) / drafted:.1%}" if drafted else "—"
-        mean = f"{sum(r.accepted for r in mine) / rounds:.2f}" if mode == SPEC and rounds else "—"
-        host = f"{sum(r.host_s for r in mine) / decode:.1%}" if decode else ""
-        table.add_row(mode, f"{len(mine)}/{repeat}", med, lo, hi, acc, mean, host)
+        if not mine:
+            table.add_row(mode, f"0/{repeat}", "…", "", "", "", "", "")
+            continue
+        m = ModeSummary.of(mode, mine)
+        table.add_row(
+            mode, f"{m.runs}/{repeat}", f"{m.median_tps:.1f}", f"{m.min_tps:.1f}", f"{m.max_tps:.1f}",
+            f"{m.acceptance_rate:.1%}" if mode == SPEC else "—", f"{m.mean_accepted:.2f}" if mode == SPEC else "—",
+            f"{m.host_fraction:.1%}",
+        )
     return table
 
 
@@ -46,11 +39,18 @@ def summary(report: BenchReport) -> Group:
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
     check = report.greedy_check
-    if check.identical:
-        lines.append(Text("✓ greedy output of speculative decoding is token-identical to plain decoding",
-                          style="green"))
-    else:
-        lines.append(Text(f"✗ greedy outputs differ: {check.first_mismatch}", style="bold red"))
+    if not check.invariant_holds:
+        bad = sum(p.not_argmax for p in check.prompts)
+        lines.append(Text(f"✗ greedy check: {bad} speculative tokens are not their verify row's argmax",
+                          style="bold red"))
+    elif check.exact:  # CPU: batch and single-token logits are bitwise equal, so the outputs must be too
+        style = "green" if check.passed else "bold red"
+        lines.append(Text(f"{'✓' if check.passed else '✗'} greedy: speculative output is {check.describe()}",
+                          style=style))
+    else:  # GPU: logits depend on the batch shape; the divergence is a measurement, not a failure
+        lines.append(Text("✓ greedy: every speculative token is its verify row's argmax", style="green"))
+        lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
+                          "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
     return Group(*lines)
 
 
