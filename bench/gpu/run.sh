@@ -16,6 +16,7 @@
 # budget leaves the rest to the next call on the same machine, which skips every step whose output exists.
 # Environment (defaults in brackets):
 #   OUT [bench/gpu/work/out]     what comes back (summary, logs, results.tar.gz)
+#   CARRY [bench/gpu/carry]      make_archive.sh's output
 #   WORK [bench/gpu/work]        source, build, models, results (git-ignored)
 #   SCALES ["8e-5 1.2e-4"]       synthetic block scales: two acceptance levels (docs/gpu.md)
 #   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  REPEAT [5] (localspec bench --repeat)  WARMUP [10]
@@ -26,17 +27,18 @@
 #                                (greedy only, REAL_REPEAT [1] localspec runs, one llama.cpp run per sampling mode)
 #   SIZE [gpu32b]                synthetic preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
+#   CARRIED_PY [1]               0 = this machine's Python packages, not the carried ones (CPU dry run)
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
 #   RERUN [0]                    1 = forget earlier results (else finished steps are skipped)
 #   KEEP_MODELS [0]              keep each scale's 17 GB target after its runs (else deleted when disk is short)
 #   BUDGET_S [570]               wall-clock budget: steps that would not fit are skipped and say so
-#   LOCALSPEC_ARGS               extra `localspec bench` arguments
+#   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
 
 T0=$(date +%s)
 REPO="$(pwd)"
 HERE="$REPO/bench/gpu"
-CARRY="$HERE/carry"
+CARRY="${CARRY:-$HERE/carry}"
 WORK="${WORK:-$HERE/work}"
 OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES:-8e-5 1.2e-4}"
@@ -119,7 +121,12 @@ if [[ "$(cat "$PYDIR/.stamp" 2>/dev/null)" != "$(sum_of "$CARRY/py.tar.gz")" ]];
     rm -rf "$PYDIR" && mkdir -p "$PYDIR" && tar -C "$PYDIR" -xzf "$CARRY/py.tar.gz" \
         && sum_of "$CARRY/py.tar.gz" > "$PYDIR/.stamp"
 fi
-export PYTHONPATH="$PYDIR/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# CARRIED_PY=0 uses this machine's own packages instead (the CPU dry run: its Python need not be 3.12).
+if [[ "${CARRIED_PY:-1}" == 1 ]]; then
+    export PYTHONPATH="$PYDIR/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
@@ -224,34 +231,39 @@ LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; mai
 
 # -- one pair ------------------------------------------------------------------------------------------------------
 done_ok() { [[ -s "$1" ]]; }
-bench_pair() {  # bench_pair NAME TARGET DRAFT TEMPS REPEAT LLAMA_REPS
-    local name="$1" T="$2" DR="$3" temps="$4" repeat="$5" reps="$6"
-    local D="$RES/$name"; mkdir -p "$D/llama"
+measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and `localspec bench`
+    local name="$1" T="$2" DR="$3" temps="$4" repeat="$5"
+    local D="$RES/$name"; mkdir -p "$D"
     if [[ "${SKIP_LLAMA_BENCH:-0}" != 1 ]] && ! done_ok "$D/llama-bench.json"; then
         # Plain decoding speed: tg only (-p 0), flash attention, all layers on the GPU; JSON on stdout.
         step "llama-bench-$name" 40 "$BIN/llama-bench" -m "$T" -m "$DR" -p 0 -n 128 -fa 1 -ngl $NGL \
             -r "$BENCH_REPS" -o json > "$D/llama-bench.json.tmp" 2> "$D/llama-bench.log" \
             && mv "$D/llama-bench.json.tmp" "$D/llama-bench.json"
     fi
-    if [[ "${SKIP_LOCALSPEC:-0}" != 1 ]]; then
-        for temp in $temps; do
-            local json="$D/localspec-t$temp.json"
-            done_ok "$json" && continue
-            # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
-            # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-            step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --target "$T" --draft "$DR" --temp "$temp" \
-                --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
-                --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
-        done
-    fi
+    [[ "${SKIP_LOCALSPEC:-0}" == 1 ]] && return 0
+    local temp
+    for temp in $temps; do
+        local json="$D/localspec-t$temp.json"
+        done_ok "$json" && continue
+        # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
+        # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
+        step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --target "$T" --draft "$DR" --temp "$temp" \
+            --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
+            --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
+    done
+}
+llama_pair() {  # llama_pair NAME TARGET DRAFT TEMPS REPS: llama-speculative-simple, repetitions interleaved
+    local name="$1" T="$2" DR="$3" temps="$4" reps="$5"
     [[ "${SKIP_LLAMA:-0}" == 1 ]] && return 0
+    local D="$RES/$name/llama"; mkdir -p "$D"
     local rep temp mode p
     for rep in $(seq 1 "$reps"); do
         for temp in $temps; do
             for mode in $LLAMA_SAMPLING; do
                 for p in "${PROMPT_FILES[@]}"; do
-                    local base; base="$D/llama/t$temp-$mode-r$rep-$(basename "$p" .txt)"
+                    local base; base="$D/t$temp-$mode-r$rep-$(basename "$p" .txt)"
                     grep -q "decoded" "$base.log" 2>/dev/null && continue
+                    (( $(left) < 15 )) && { log "SKIP the rest of llama-$name: budget"; return 0; }
                     local extra=(); [[ "$temp" != 0 ]] && extra=("${SAMPLING_EXTRA[@]}")
                     [[ "$mode" == backend ]] && extra+=(--backend-sampling)
                     # stdout: the prompt and the generated text (the greedy-fidelity comparison reads it);
@@ -270,7 +282,8 @@ widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, bat
     local json="$RES/$name/verify-widths.json"
     [[ "${SKIP_WIDTHS:-0}" == 1 ]] || done_ok "$json" && return 0
     mkdir -p "$RES/$name"
-    step "widths-$name" 45 python3 "$HERE/verify_widths.py" --model "$model" --json "$json" "$@" \
+    # shellcheck disable=SC2086  # WIDTHS_ARGS is a word list on purpose
+    step "widths-$name" 45 python3 "$HERE/verify_widths.py" --model "$model" --json "$json" "$@" ${WIDTHS_ARGS:-} \
         > "$RES/$name/verify-widths.log" 2>&1
 }
 
@@ -278,8 +291,9 @@ widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, bat
 if [[ -n "$REAL_PAIR" ]]; then
     IFS=: read -r real_name real_target real_draft <<< "$REAL_PAIR"
     if [[ -f "$real_target" && -f "$real_draft" ]]; then
-        bench_pair "$real_name" "$real_target" "$real_draft" 0 "$REAL_REPEAT" 1
+        measure_pair "$real_name" "$real_target" "$real_draft" 0 "$REAL_REPEAT"
         widths "$real_name" "$real_target" --logits
+        llama_pair "$real_name" "$real_target" "$real_draft" 0 1
     else
         log "REAL_PAIR: $real_target or $real_draft missing"
     fi
@@ -293,8 +307,9 @@ for i in "${!SCALE_LIST[@]}"; do
     for w in "${!WRITER_PID[@]}"; do wait_writer "$w"; done
     T="$(target_of "$s")"; DR="$(draft_of "$s")"
     [[ -f "$T" && -f "$DR" ]] || { log "no models for scale $s"; continue; }
-    bench_pair "s$s" "$T" "$DR" "$TEMPS" "$REPEAT" "$LLAMA_REPS"
+    measure_pair "s$s" "$T" "$DR" "$TEMPS" "$REPEAT"
     (( i == 0 )) && widths "s$s" "$T"
+    llama_pair "s$s" "$T" "$DR" "$TEMPS" "$LLAMA_REPS"
 
     # Make room for the next scale's target unless it is already written or the disk holds both.
     if (( i + 1 < n_scales )) && [[ "$KEEP_MODELS" != 1 && -z "${WRITER_PID[${SCALE_LIST[$((i + 1))]}]:-}" ]] \

@@ -167,7 +167,7 @@ def summarize(res: Path) -> dict[str, Any]:
         if widths:
             pair["verify_widths"] = widths
         tg = (pair["llama_bench"].get("target") or {}).get("tok_s")
-        for js in sorted(pair_dir.glob("localspec-t*.json")):
+        for js in sorted(pair_dir.glob("localspec-t*.json"), key=lambda j: float(j.stem.removeprefix("localspec-t"))):
             doc = _load(js)
             if not doc:
                 continue

@@ -132,13 +132,14 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--logits", action="store_true", help="also compare batch and single-token logits (and CPU)")
     ap.add_argument("--max-width", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: physical cores; 1 on a busy CPU)")
     a = ap.parse_args()
     result: dict = {"model": str(a.model)}
-    with LlamaModel(a.model, n_ctx=1024, n_gpu_layers=-1, device_top_k=64) as model:
+    with LlamaModel(a.model, n_ctx=1024, n_gpu_layers=-1, device_top_k=64, n_threads=a.threads) as model:
         result["on_gpu"] = model.on_gpu
         result["timings_ms"] = timings(model, a.calls)
         if a.logits:
-            cpu = LlamaModel(a.model, n_ctx=1024, n_gpu_layers=0) if model.on_gpu else None
+            cpu = LlamaModel(a.model, n_ctx=1024, n_gpu_layers=0, n_threads=a.threads) if model.on_gpu else None
             try:
                 result["logits"] = logits_vs_single(model, cpu, a.max_width)
             finally:
