@@ -128,6 +128,8 @@ else
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+log "python packages: $(python3 -c 'import gguf, numpy, rich, typer; from importlib.metadata import version as v
+print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), sep=", ")' 2>&1 | tail -1)"
 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
 # Files are named by preset and scale; the writer renames a finished file into place, so one that exists is whole.
