@@ -82,7 +82,7 @@ def llama_runs(folder: Path, prompts: list[str]) -> dict[str, dict[str, Any]]:
 
 def generated_text(out_file: Path, prompt: str) -> str | None:
     """llama-speculative-simple's stdout: the prompt's pieces, the generated text, then a blank line."""
-    text = out_file.read_text(errors="replace")
+    text = out_file.read_bytes().decode("utf-8", errors="replace")  # as written: read_text() would turn \r\n into \n
     at = text.find(prompt)
     if at < 0:
         return None
