@@ -333,6 +333,9 @@ def test_device_sampler_modes(tiny_pair):
 
     with open_pair(*tiny_pair, device_top_k=64) as s:
         t = s.target
+        # A CPU-only llama.cpp (with the RPC backend, which makes llama_supports_gpu_offload() true): no GPU, so
+        # exact greedy and no padded verify batches.
+        assert not t.on_gpu and not s.engine.constant_width
         base = GREEDY.sampling
         assert _device_mode(t, base, p_min=0.0) == "greedy"
         assert _device_mode(t, base, p_min=0.5) == "top_k"  # p_min needs probabilities

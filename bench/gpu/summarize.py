@@ -44,9 +44,12 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     out: dict[str, Any] = {}
+    names = {Path(str(row.get("model_filename", ""))).name for row in rows}
     for row in rows:
         name = Path(str(row.get("model_filename", ""))).name
         role = "draft" if name.endswith("draft.gguf") else "target" if name.endswith("target.gguf") else name
+        if len(names) == 1:  # a pair whose draft is its target (the greedy-fidelity check)
+            role = "target"
         if row.get("n_gen", 0) and not row.get("n_prompt", 0):
             out[role] = {"tg": row["n_gen"], "tok_s": row.get("avg_ts"), "stddev": row.get("stddev_ts"),
                          "build": row.get("build_commit"), "gpu": row.get("gpu_info")}
