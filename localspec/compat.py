@@ -112,17 +112,17 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
         )
         return out
     shared = min(len(ta), len(da))
-    for i in range(shared):
-        if ta[i] != da[i]:
-            out.append(
-                Finding(
-                    Status.FAIL,
-                    "token text",
-                    f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
-                    "the draft proposes ids, so an id with another text is another token to the target",
-                )
+    i = ta.first_difference(da)
+    if i is not None:
+        out.append(
+            Finding(
+                Status.FAIL,
+                "token text",
+                f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
+                "the draft proposes ids, so an id with another text is another token to the target",
             )
-            return out
+        )
+        return out
     if diff:
         longer = ta if len(ta) > len(da) else da
         out.append(
@@ -156,7 +156,8 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
             msg = f"merges present in the {'target' if tm is not None else 'draft'} only"
         else:
             n = min(len(tm), len(dm))
-            i = next((k for k in range(n) if tm[k] != dm[k]), n)
+            first = tm.first_difference(dm)
+            i = n if first is None else first
             msg = (
                 f"merge {i} differs: target {tm[i]!r}, draft {dm[i]!r}"
                 if i < n
@@ -205,28 +206,18 @@ def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
     findings: list[Finding] = []
     tm, dm = target.get("tokenizer.ggml.model"), draft.get("tokenizer.ggml.model")
     if tm != dm:
-        findings.append(
-            Finding(
-                Status.FAIL,
-                "tokenizer model",
-                f"tokenizer models differ: target {_show(tm)}, draft {_show(dm)}",
-                "a different tokenizer model numbers its tokens differently",
-            )
-        )
+        findings.append(Finding(Status.FAIL, "tokenizer model", f"tokenizer models differ: target {_show(tm)}, "
+                                f"draft {_show(dm)}", "a different tokenizer model numbers its tokens differently"))
     else:
         findings.extend(_compare_tokens(target, draft))
     for key, label, level, why in _scalar_rules(target, draft):
         _scalar_field(findings, target, draft, key, label, level, why)
     tc, dc = target.get("tokenizer.chat_template"), draft.get("tokenizer.chat_template")
     if tc != dc:
-        findings.append(
-            Finding(
-                Status.WARN,
-                "chat template",
-                "chat templates differ" + (" (one file has none)" if tc is None or dc is None else ""),
-                "the target's template formats the prompt; a draft tuned on another format agrees less often",
-            )
-        )
+        missing = " (one file has none)" if None in (tc, dc) else ""
+        findings.append(Finding(Status.WARN, "chat template", f"chat templates differ{missing}",
+                                "the target's template formats the prompt; a draft tuned on another format agrees "
+                                "less often"))
     findings.extend(quant_advice(target, draft))
     return Verdict(target=target.name, draft=draft.name, findings=tuple(findings))
 

@@ -33,6 +33,9 @@ def _headers(target: Path | None, draft: Path | None) -> tuple[GGUFHeader | None
     try:
         t = read_header(target) if target else None
         d = read_header(draft) if draft else None
+        for header in (t, d):
+            if header is not None:
+                header.hparams  # noqa: B018 -- every key's type and range, before any check reads them
     except LocalspecError as exc:
         return None, None, str(exc)
     return t, d, ""
@@ -100,44 +103,21 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     elif 4 <= k <= 6:
         out.append(Check(Status.OK, "draft length", f"{k}"))
     else:
-        out.append(
-            Check(
-                Status.WARN,
-                "draft length",
-                f"{k} (4-6 suits most pairs)",
-                "--draft 5, or adaptive = true in a preset, or tune it with `localspec bench --draft N`",
-            )
-        )
+        out.append(Check(Status.WARN, "draft length", f"{k} (4-6 suits most pairs)",
+                         "--draft 5, or adaptive = true in a preset, or tune it with `localspec bench --draft N`"))
     window = memory.Settings(n_ctx=n_ctx, n_draft=k).window
     need = preset.bench.max_tokens + window
+    room = "KV room for the verification window"
     if n_ctx < need:
-        out.append(
-            Check(
-                Status.FAIL,
-                "KV room for the verification window",
-                f"context {n_ctx} < {preset.bench.max_tokens} generated + {window} window tokens",
-                f"--ctx {max(1024, 1 << (need - 1).bit_length())}",
-            )
-        )
+        out.append(Check(Status.FAIL, room, f"context {n_ctx} < {preset.bench.max_tokens} generated + {window} "
+                         "window tokens", f"--ctx {max(1024, 1 << (need - 1).bit_length())}"))
     else:
-        out.append(
-            Check(
-                Status.OK,
-                "KV room for the verification window",
-                f"context {n_ctx}: {window} tokens reserved for drafting and verification",
-            )
-        )
+        out.append(Check(Status.OK, room, f"context {n_ctx}: {window} tokens reserved for drafting and verification"))
     if preset.bench.warmup > 0:
         out.append(Check(Status.OK, "warm-up", f"{preset.bench.warmup} warm-up generations before measuring"))
     else:
-        out.append(
-            Check(
-                Status.WARN,
-                "warm-up",
-                "off: the first runs pay for cold caches and clocks",
-                "--warmup 10 (or bench.warmup in a preset)",
-            )
-        )
+        out.append(Check(Status.WARN, "warm-up", "off: the first runs pay for cold caches and clocks",
+                         "--warmup 10 (or bench.warmup in a preset)"))
     out.append(Check(Status.OK, "fixed seed", f"seed {preset.sampling.seed} for every run, so comparisons repeat"))
     return out
 

@@ -16,18 +16,18 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.errors import ContextFullError
+from localspec.errors import ContextFullError, UsageError
 from localspec.llama_ctx import DeviceDist, LlamaModel, Sampled, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
-    apply_repeat_penalty,
+    apply_penalties,
     candidates,
     candidates_from_top_k,
 )
@@ -109,12 +109,13 @@ class GenerationStats:
 STOP_EOG = "eog"
 STOP_MAX_TOKENS = "max_tokens"
 STOP_CONTEXT_FULL = "context_full"
+STOP_REQUESTED = "requested"  # the caller's should_stop said so (a stop string matched, a client left)
 
 
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
     stats: GenerationStats
-    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS or STOP_CONTEXT_FULL
+    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS, STOP_CONTEXT_FULL or STOP_REQUESTED
     message: str
 
 
@@ -255,15 +256,18 @@ class Engine:
     def n_ctx(self) -> int:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
-    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int, *,
-                 trace: bool = False) -> Iterator[Event]:
+    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
 
+        `should_stop` is asked before each round and after each token the caller has consumed; True ends the
+        generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
+        A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
         `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
         if not prompt:
-            raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+            raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         trace = trace and sampling.greedy
@@ -284,6 +288,9 @@ class Engine:
         stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
         t_start = time.perf_counter()
         while stats.tokens < max_tokens:
+            if should_stop is not None and should_stop():
+                stop, message = STOP_REQUESTED, "stopped by the caller"
+                break
             room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
             if room < 0:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
@@ -312,6 +319,10 @@ class Engine:
                 yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted, row_argmax, margin)
                 if stats.tokens >= max_tokens:
                     finished = True
+                    break
+                if should_stop is not None and should_stop():
+                    # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
+                    stop, message, finished = STOP_REQUESTED, "stopped by the caller", True
                     break
             if finished:
                 break
@@ -375,7 +386,7 @@ class Engine:
             spent += time.perf_counter() - t
             self._draft_kv.extend(feed)
             if sampling.greedy:
-                token = int(_argmax(scores)[0])
+                token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
                 dist = _distributions(scores, self._tokens + drafts, sampling)
@@ -402,12 +413,13 @@ class Engine:
         scores = _first_rows(self.target.decode(batch, len(self._target_kv), all_logits=True), len(drafts) + 1)
         spent = time.perf_counter() - t
         self._target_kv.extend(batch)
-        rows = _row_argmax_and_margin(scores) if trace else []
 
         if isinstance(scores, Sampled):  # plain decoding at T > 0: the device drew the token
-            return [int(scores.tokens[0])], 0, spent, rows
+            return [int(scores.tokens[0])], 0, spent, []
         if sampling.greedy:
-            choice = _argmax(scores)
+            scored = _penalized(scores, self._tokens + drafts, sampling)
+            rows = _row_argmax_and_margin(scored) if trace else []  # read from the rows, apart from the choice
+            choice = _argmax(scored)
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
@@ -417,8 +429,8 @@ class Engine:
         for i, token in enumerate(drafts):
             ok, out = accept_or_resample(token, p, i, q[i], rng)
             if not ok:
-                return [*drafts[:i], out], i, spent, rows
-        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, rows
+                return [*drafts[:i], out], i, spent, []
+        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, []
 
     def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
         """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""
@@ -436,15 +448,14 @@ class Engine:
 
 def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float, *, plain: bool = False,
                  trace: bool = False) -> str | DeviceDist | None:
-    """What the device should compute per row. Greedy needs only the argmax (unless p_min or a trace needs the
-    candidates' logits); plain decoding at T > 0 draws its token on the device (the whole pipeline, nothing
-    copied back); a top-k pipeline needs the top candidates (rejection sampling compares p and q); a repetition
-    penalty needs the penalised tokens' logits wherever they rank, and top_k = 0 needs every logit: those take
-    full rows."""
+    """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
+    full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
+    at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows."""
+    if sampling.penalized:
+        return None
     if sampling.greedy:
         return "top_k" if p_min > 0.0 or trace else "greedy"
-    if sampling.repeat_penalty != 1.0:
-        return None
     if plain:
         return DeviceDist(sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed)
     if 0 < sampling.top_k <= model.device_top_k:
@@ -487,14 +498,20 @@ def _argmax(scores: np.ndarray | TopK) -> np.ndarray:
     return scores.argmax() if isinstance(scores, TopK) else np.argmax(scores, axis=1)
 
 
+def _penalized(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> np.ndarray | TopK:
+    """Every row with the penalties applied; row i sees the history plus the rows before it. Penalties get full
+    rows (see _device_mode), so TopK passes through unchanged."""
+    if isinstance(scores, TopK) or not sampling.penalized:
+        return scores
+    base = len(history) - len(scores) + 1  # row i follows history[:base + i]
+    return np.stack([apply_penalties(row, history[: base + i], sampling) for i, row in enumerate(scores)])
+
+
 def _distributions(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> Candidates:
-    """The sampling pipeline for every row; row i's repetition penalty sees the history plus rows before it."""
-    if isinstance(scores, TopK):  # only chosen when no penalty applies (see generate)
+    """The sampling pipeline for every row."""
+    if isinstance(scores, TopK):  # only chosen when no penalty applies (see _device_mode)
         return candidates_from_top_k(scores.ids, scores.logits, sampling)
-    if sampling.repeat_penalty != 1.0:
-        base = len(history) - len(scores) + 1  # row i follows history[:base + i]
-        scores = np.stack([apply_repeat_penalty(row, history[: base + i], sampling) for i, row in enumerate(scores)])
-    return candidates(scores, sampling)
+    return candidates(_penalized(scores, history, sampling), sampling)
 
 
 def _top_softmax(scores: np.ndarray | TopK) -> float:

@@ -14,7 +14,7 @@ from localspec import compat, config, doctor, hub, memory, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
-from localspec.session import ModelFiles, resolve_files, settle_preset
+from localspec.session import ModelFiles, resolve_files
 from localspec.status import Status
 from localspec.ui.marks import MARK
 
@@ -31,7 +31,7 @@ SpecOpt = Annotated[
 ]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
-PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
+PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
 def _size(n: int | None, approx: bool = False) -> str:
     return "?" if n is None else f"{'~' if approx else ''}{n / GB:.1f} GB"
@@ -81,6 +81,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     table = Table(title="localspec model pairs", title_justify="left")
     for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
         table.add_column(col)
+    unreadable: list[str] = []
     for pair in pairs.values():
         if pair.builtin:
             models_text, size, downloaded = (
@@ -96,8 +97,15 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
             downloaded = "[green]yes[/]" if _cached_files(pair) else "no"
         mark = "*" if pair.name == current else ("+" if pair.recommended else "")
         ctx, k = ("preset", "preset") if pair.builtin else (str(pair.n_ctx), str(pair.n_draft))
-        table.add_row(mark, pair.name, models_text, size, downloaded, _fits(pair, devices, chosen), ctx, k)
+        try:
+            fits = _fits(pair, devices, chosen)
+        except LocalspecError as exc:  # one corrupt cached file: this row says so, the others still list
+            downloaded, fits = "[red]unreadable[/]", "?"
+            unreadable.append(str(exc))
+        table.add_row(mark, pair.name, models_text, size, downloaded, fits, ctx, k)
     console.print(table)
+    for problem in unreadable:
+        console.print(f"[red]✗[/] {escape(problem)}")
     console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
     if devices.gpu_free is None:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
@@ -127,7 +135,7 @@ def pull(
         specs = [registry.parse_spec(s) for s in (target, draft) if s]
     for spec in specs:
         console.print(f"pulling [cyan]{spec.label}[/] into {hub.cache_dir()}")
-    paths = hub.pull(specs)
+    paths = hub.pull(specs, on_wait=_say_waiting)
     for path in paths:
         console.print(f"[green]✓[/] {path}")
     if pair is not None and registry.default_pair_name() != pair:
@@ -137,6 +145,11 @@ def pull(
         if make_default:
             registry.set_default_pair(pair)
             console.print(f"default pair: [cyan]{pair}[/]")
+
+
+def _say_waiting(spec: registry.ModelSpec, pid: int | None) -> None:
+    who = f"process {pid}" if pid is not None else "another process"
+    console.print(f"[yellow]{escape(spec.file)} is already downloading in {who}: waiting for it to finish…[/]")
 
 
 def check(
@@ -162,29 +175,20 @@ def check(
         raise typer.Exit(1)
 
 
-def doctor_cmd(
-    pair: options.PairOpt = None,
-    target: options.TargetOpt = None,
-    draft: options.DraftOpt = None,
-    preset: options.PresetOpt = None,
-    n_ctx: options.n_ctx = None,
-    kv_type: options.kv_type = None,
-    n_gpu_layers: options.n_gpu_layers = None,
-) -> None:
+@options.with_run_options
+def doctor_cmd(run: options.RunOptions) -> None:
     """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
-    n_draft, draft_model = options.split_draft_values(draft)
     missing = ""
     files: ModelFiles | None
     try:
-        files = resolve_files(pair, target, draft_model)
+        files = run.files()
     except LocalspecError as exc:  # e.g. a pair not pulled yet: the checklist still runs and says so
         files, missing = None, str(exc)
-    chosen = settle_preset(config.load_preset(preset or "default"), files, prefer="load", flags=options.FLAGS,
-                           n_draft=n_draft, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers)
+    chosen = run.settle(files, "doctor")
     checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
                                n_ctx=chosen.load.n_ctx, missing=missing)
     console.print(
-        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else pair or '?'}[/], "
+        f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"
     )
     for c in checks:

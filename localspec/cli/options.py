@@ -1,14 +1,21 @@
 """Shared `Annotated` option types, each named after the preset key it overlays. Every default is None: the preset
 (or the model pair) supplies it.
 
-A command names its parameters after preset keys (`temperature`, shown as `--temp`; `n_ctx`, shown as `--ctx`) and
-hands its `locals()` to `resolve_run`, which passes every preset-named value straight to `Preset.with_overrides`.
+Parameters are named after preset keys (`temperature`, shown as `--temp`; `n_ctx`, shown as `--ctx`), so values
+pass straight to `Preset.with_overrides`. The options every model-running command shares are declared once
+(`RunOptions`) and added to each command by `with_run_options`.
 Types, ranges and choices come from `config.py`'s field metadata, so they are written down once; config checks
 the values and names the flag in its one-line error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,13 +46,16 @@ def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
 ]
+# readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+    Path | None,
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
 ]
 DraftOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--draft",
+        metavar="K|PATH",
         help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF. Repeatable.",
         show_default=False,
     ),
@@ -66,6 +76,9 @@ threads = _setting("threads", "--threads", "CPU threads (0 = physical cores).")
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
+host = _setting("host", "--host", "Address to listen on.")
+port = _setting("port", "--port", "Port to listen on (0 = any free port).")
+queue = _setting("queue", "--queue", "Requests that may wait while one runs; more get HTTP 503.")
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
@@ -86,17 +99,63 @@ def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | Non
     return length, model
 
 
-def resolve_run(values: dict[str, Any], command: str) -> tuple[ModelFiles, config.Preset]:
-    """A command's `locals()` → its two model files and its preset.
+@dataclass(frozen=True)
+class RunOptions:
+    """The options every model-running command shares: which models, which preset, how to sample and load."""
 
-    `pair`, `target`, `draft` and `preset` pick the files and the preset; every other value named after a preset
-    key overlays it (command line first, then what the pair recommends, then the preset). A key that lives in
-    several sections (`max_tokens`) means the one in the command's own section.
-    """
-    n_draft, draft_model = split_draft_values(values.get("draft"))
-    files = resolve_files(values.get("pair"), values.get("target"), draft_model)
-    keys = config.preset_keys()
-    overrides = {k: v for k, v in values.items() if k in keys and v is not None}
-    chosen = settle_preset(config.load_preset(values.get("preset") or "default"), files, n_draft=n_draft,
-                           prefer=command, flags=FLAGS, **overrides)
-    return files, chosen
+    pair: str | None = None
+    target: Path | None = None
+    draft: list[str] | None = None
+    preset: str | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    n_gpu_layers: int | None = None
+    draft_n_gpu_layers: int | None = None
+    n_ctx: int | None = None
+    kv_type: str | None = None
+    threads: int | None = None
+
+    def files(self) -> ModelFiles:
+        _, draft_model = split_draft_values(self.draft)
+        return resolve_files(self.pair, self.target, draft_model)
+
+    def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
+        """The preset with every value overlaid: command line first, then what the pair recommends, then the
+        preset. `more` are the command's own preset-key options; a key in several sections (`max_tokens`) means
+        the one in the command's own section."""
+        n_draft, _ = split_draft_values(self.draft)
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in config.preset_keys()}
+        return settle_preset(config.load_preset(self.preset or "default"), files, n_draft=n_draft, prefer=command,
+                             flags=FLAGS, **settings, **more)
+
+
+_RUN_OPTIONS: dict[str, Any] = {
+    "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
+    "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
+    "kv_type": kv_type, "threads": threads,
+}
+
+
+def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the shared `RunOptions`: typer sees each of them in the command's signature, the command
+    receives them together as its `run` parameter. One list of options, however many commands run models."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
+           if p.name != "run"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+              for name, annotation in _RUN_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def run_command(**kwargs: Any) -> None:
+        run = RunOptions(**{name: kwargs.pop(name) for name in _RUN_OPTIONS})
+        return command(run=run, **kwargs)
+
+    run_command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+    run_command.__annotations__ = {p.name: p.annotation for p in (*own, *shared)}
+    return run_command
+
+
+def resolve_run(run: RunOptions, command: str, **more: Any) -> tuple[ModelFiles, config.Preset]:
+    """A command's run options (and its own preset-key options) → its two model files and its preset."""
+    files = run.files()
+    return files, run.settle(files, command, **more)
