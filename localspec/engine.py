@@ -4,7 +4,8 @@ One generation: `_prefill` the prompt into both KV caches (reusing whatever pref
 of `_draft` (up to k tokens, one draft decode each), `_verify` (one batched target decode with logits at every
 drafted position), acceptance (greedy match or rejection sampling), and `_rewind` (the one place KV cells of
 rejected tokens are removed from both caches). k = 0 is plain decoding through the same code, so baselines are
-apples to apples.
+apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so llama.cpp's
+CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
 
 Bookkeeping invariant between rounds: `self._tokens` is the committed sequence; the target's KV cache holds all of
 it except the last token (`cur`), which opens the next verify batch; the draft's KV cache holds a prefix of it and

@@ -1,4 +1,4 @@
-"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy losslessness check."""
+"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy fidelity check."""
 
 from __future__ import annotations
 
