@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ from typing import Any
 
 from localspec import paths
 from localspec.errors import ConfigError
+from localspec.fsutil import atomic_write, read_text
+
+_PRESET_NAME = re.compile(r"^(?!.*\.toml$)[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def _rng(lo: float, hi: float, kind: type) -> dict[str, Any]:
@@ -172,12 +176,9 @@ def _check(section: str, key: str, value: Any, where: str) -> Any:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -240,10 +241,8 @@ def load_preset(name: str = "default") -> Preset:
     return Preset(name=Path(name).stem, **built)
 
 
-def save_user_preset(name: str, preset: Preset) -> Path:
-    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
-    folder = user_preset_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+def preset_text(preset: Preset) -> str:
+    """Every value of `preset` as a stand-alone preset file."""
     lines = [f"# written by localspec from preset {preset.name!r}"]
     for section in _SECTIONS:
         lines.append(f"\n[{section}]")
@@ -253,8 +252,16 @@ def save_user_preset(name: str, preset: Preset) -> Path:
             else:
                 text = f'"{value}"' if isinstance(value, str) else repr(value)
             lines.append(f"{key} = {text}")
-    target = folder / f"{name}.toml"
-    tmp = target.with_suffix(".toml.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(target)
-    return target
+    return "\n".join(lines) + "\n"
+
+
+def user_preset_path(name: str) -> Path:
+    """`$LOCALSPEC_HOME/presets/NAME.toml`; NAME may not leave that folder (no path separators, no `..`)."""
+    if not _PRESET_NAME.match(name):
+        raise ConfigError(f"preset name {name!r}: use letters, digits, '.', '_', '-' (no path, no .toml)")
+    return user_preset_dir() / f"{name}.toml"
+
+
+def save_user_preset(name: str, preset: Preset) -> Path:
+    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
+    return atomic_write(user_preset_path(name), preset_text(preset), what="preset", parents=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.errors import ContextFullError
+from localspec.errors import ContextFullError, UsageError
 from localspec.llama_ctx import LlamaModel, TopK
 from localspec.sampling import (
     Candidates,
@@ -245,7 +245,7 @@ class Engine:
         A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
         """
         if not prompt:
-            raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+            raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         rng = np.random.default_rng(sampling.seed)

@@ -46,8 +46,10 @@ def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
 ]
+# readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+    Path | None,
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
 ]
 DraftOpt = Annotated[
     list[str] | None,
