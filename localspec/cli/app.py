@@ -15,7 +15,7 @@ from typing import Annotated
 import llama_cpp  # noqa: F401, I001
 import typer
 
-from localspec.cli import bench_cmd, chat_cmd, models_cmd
+from localspec.cli import bench_cmd, chat_cmd, models_cmd, rpc_cmd
 from localspec.errors import LocalspecError
 
 app = typer.Typer(
@@ -45,7 +45,7 @@ def _root(
     """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""
 
 
-for _module in (bench_cmd, models_cmd, chat_cmd):
+for _module in (bench_cmd, models_cmd, chat_cmd, rpc_cmd):
     _module.register(app)
 
 
