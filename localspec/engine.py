@@ -67,7 +67,8 @@ class GenerationStats:
     draft_s: float = 0.0  # inside llama_decode of the draft (including logits sync)
     verify_s: float = 0.0  # inside llama_decode of the target
     decode_s: float = 0.0  # wall time of all rounds
-    ahead_kept: int = 0  # rounds whose drafts were made while the previous round's verify ran (draft-ahead)
+    ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, betting on it
+    ahead_kept: int = 0  # ... and the bets that came true: rounds whose drafts cost no time on the critical path
     ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
     draft_lengths: list[int] = field(default_factory=list)
 
@@ -109,7 +110,7 @@ class GenerationStats:
         """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
-                "mean_accepted", "decode_tps", "prefill_tps", "ahead_kept", "ahead_s")
+                "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -468,6 +469,7 @@ class Engine:
         ahead = job.result()
         if ahead is None:
             return None
+        stats.ahead_made += 1
         stats.ahead_s += ahead.seconds
         if all_accepted and next_token == ahead.guess:
             return ahead
