@@ -94,6 +94,11 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def ahead_hit_rate(self) -> float:
+        """Draft-ahead: the share of rounds drafted beside a verify that the next round used."""
+        return self.ahead_kept / self.ahead_made if self.ahead_made else 0.0
+
+    @property
     def mean_accepted(self) -> float:
         """Accepted draft tokens per round (each round also emits one token of the target's own)."""
         return self.accepted / self.rounds if self.rounds else 0.0
@@ -110,7 +115,8 @@ class GenerationStats:
         """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
-                "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s")
+                "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
+                "ahead_hit_rate")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -241,6 +247,7 @@ class Engine:
         self.draft = draft
         self.draft_ahead = draft_ahead and draft is not None
         self._worker: ThreadPoolExecutor | None = None  # drafts ahead beside the verify (started when first used)
+        self._job: Future[_Ahead | None] | None = None  # the last draft-ahead handed to the worker
         self._target_kv: list[int] = []  # tokens in the target's KV cache, position by position
         self._draft_kv: list[int] = []
         self._tokens: list[int] = []
@@ -250,6 +257,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget both KV caches (the next prompt is processed in full)."""
+        self._wait_for_worker()
         self.target.clear()
         self._target_kv = []
         if self.draft is not None:
@@ -257,7 +265,15 @@ class Engine:
         self._draft_kv = []
         self._tokens = []
 
+    def _wait_for_worker(self) -> None:
+        """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
+        if self._job is not None:
+            with contextlib.suppress(BaseException):
+                self._job.result()
+            self._job = None
+
     def close(self) -> None:
+        self._wait_for_worker()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -271,6 +287,7 @@ class Engine:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+        self._wait_for_worker()
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
@@ -434,7 +451,7 @@ class Engine:
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
-        job = self._worker.submit(self._draft_ahead, drafts, k, sampling, drafting, rng)
+        job = self._job = self._worker.submit(self._draft_ahead, drafts, k, sampling, drafting, rng)
         try:
             yield job
         finally:

@@ -80,8 +80,11 @@ def _ggml() -> ctypes.CDLL:
     global _ggml_lib
     if _ggml_lib is None:
         _init_backend()
-        from llama_cpp._ggml import libggml
+        from llama_cpp._ctypes_extensions import load_shared_library
 
+        # The libggml next to the libllama actually loaded: LLAMA_CPP_LIB_PATH may point at another build (the GPU
+        # harness's), and llama_cpp._ggml would load the package's own copy instead.
+        libggml = load_shared_library("ggml", Path(llama_cpp.llama_cpp._lib._name).parent)
         vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
         for name, restype, argtypes in (
             ("ggml_backend_dev_count", size, []),

@@ -190,17 +190,22 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
 
     notes: list[str] = []
     gpus: list[DeviceMem] = []
+    nvml_notes: list[str] = []
+    nvidia = machine.nvidia_gpus(nvml_notes)
     try:
         from localspec import llama_ctx
 
-        for i, d in enumerate(llama_ctx.gpu_devices()):
-            free, total = d.memory()
+        found = llama_ctx.gpu_devices()
+        # NVML's numbers when they describe the same GPUs in the same order (CUDA's order is NVML's unless
+        # CUDA_DEVICE_ORDER or mixed models reorder them); asking llama.cpp instead starts a CUDA context on every
+        # GPU, ones this run will not use included.
+        same = [g.name for g in nvidia] == [d.description for d in found]
+        for i, d in enumerate(found):
+            free, total = (nvidia[i].free, nvidia[i].total) if same else d.memory()
             gpus.append(DeviceMem(Dev("gpu", i), d.description, free, total))
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
         llama_ctx = None
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
-    nvml_notes: list[str] = []
-    nvidia = machine.nvidia_gpus(nvml_notes)
     unused: tuple[str, ...] = ()
     if not gpus:
         notes.extend(nvml_notes)
