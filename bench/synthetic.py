@@ -18,6 +18,7 @@ dequantise to, so a tiny Q4_0 pair and a tiny F32 pair of the same spec are the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import os
@@ -31,6 +32,8 @@ from typing import Literal
 
 import gguf
 import numpy as np
+
+from localspec.fsutil import atomic_path
 
 WeightType = Literal["f32", "f16", "q4_0"]
 Arch = Literal["qwen3", "llama"]
@@ -308,6 +311,7 @@ class _Model:
     def __init__(
         self,
         path: Path,
+        tmp: Path,
         spec: PairSpec,
         n_blocks: int,
         stream: int,
@@ -317,10 +321,8 @@ class _Model:
     ) -> None:
         self.spec = spec
         self.plan = _plan(spec, n_vocab, n_blocks, stream)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = path.with_name(path.name + ".partial")  # a crash never leaves a valid-looking file behind
-        self.path = path
-        self.writer = gguf.GGUFWriter(self.tmp, spec.arch)
+        self.path = path  # written as `tmp`, which fsutil.atomic_path renames to `path` once it is complete
+        self.writer = gguf.GGUFWriter(tmp, spec.arch)
         _add_kv(self.writer, spec, n_blocks, label, vocab_kv)
         for t in self.plan:
             if t.key is None:
@@ -345,7 +347,6 @@ class _Model:
     def finish(self) -> None:
         assert self.next == len(self.plan), "not every planned tensor was written"
         self.writer.close()
-        os.replace(self.tmp, self.path)
 
 
 def write_pair(
@@ -361,18 +362,35 @@ def write_pair(
     t0 = time.perf_counter()
     vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
     tag = f"{spec.arch} {spec.n_embd}d scale {spec.scale:g} seed {spec.seed}"
-    target = _Model(
-        Path(target_path),
-        spec,
-        spec.target_blocks,
-        1,
-        n_vocab,
-        vocab_kv,
-        f"localspec synthetic target ({tag})",
-    )
-    draft = _Model(
-        Path(draft_path), spec, spec.draft_blocks, 2, n_vocab, vocab_kv, f"localspec synthetic draft ({tag})"
-    )
+    with contextlib.ExitStack() as files:
+        # localspec's atomic write: a crash or Ctrl-C leaves neither a valid-looking file nor its temporary one.
+        target = _Model(
+            Path(target_path),
+            files.enter_context(atomic_path(target_path, "synthetic target", parents=True)),
+            spec,
+            spec.target_blocks,
+            1,
+            n_vocab,
+            vocab_kv,
+            f"localspec synthetic target ({tag})",
+        )
+        draft = _Model(
+            Path(draft_path),
+            files.enter_context(atomic_path(draft_path, "synthetic draft", parents=True)),
+            spec,
+            spec.draft_blocks,
+            2,
+            n_vocab,
+            vocab_kv,
+            f"localspec synthetic draft ({tag})",
+        )
+        _write_tensors(spec, target, draft)
+    if log:
+        size = sum(p.stat().st_size for p in (target.path, draft.path)) / 2**30
+        log(f"wrote {target.path} and {draft.path} ({size:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+
+
+def _write_tensors(spec: PairSpec, target: _Model, draft: _Model) -> None:
     # The shared prefix of both plans must be identical, tensor for tensor (see _plan).
     n_common = 3 + sum(
         1 for t in draft.plan if t.name.startswith(tuple(f"blk.{b}." for b in range(spec.shared_blocks)))
@@ -402,9 +420,6 @@ def write_pair(
                 model.write(data_for(t))
             model.finish()
             cache.clear()
-    if log:
-        size = sum(p.stat().st_size for p in (target.path, draft.path)) / 2**30
-        log(f"wrote {target.path} and {draft.path} ({size:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
 
 
 # -- measuring agreement -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 from localspec import __version__
 from localspec.config import Preset
 from localspec.engine import GenerationStats, collect
+from localspec.errors import UsageError
 from localspec.session import Session
 
 # Code, prose and Q&A: acceptance differs by kind of text, so the set mixes them.
@@ -166,7 +167,7 @@ def tokenize_prompts(session: Session) -> list[tuple[str, list[int]]]:
 def run_bench(session: Session, preset: Preset) -> Iterator[BenchEvent]:
     """Warm up, then `preset.bench.repeat` plain and speculative runs, interleaved; then the greedy check."""
     if session.draft is None:
-        raise ValueError("bench compares plain with speculative decoding: it needs a draft model")
+        raise UsageError("bench compares plain with speculative decoding: it needs a draft model")
     settings = preset.bench
     prompts = tokenize_prompts(session)
     for i in range(settings.warmup):
@@ -289,7 +290,7 @@ SweepEvent = WarmupStep | RunDone | SweepReport
 def run_sweep(session: Session, preset: Preset, lengths: list[int]) -> Iterator[SweepEvent]:
     """Median tok/s per draft length (plus plain decoding as the baseline), the k values interleaved per repeat."""
     if session.draft is None:
-        raise ValueError("a draft-length sweep needs a draft model")
+        raise UsageError("a draft-length sweep needs a draft model")
     settings = preset.bench
     prompts = tokenize_prompts(session)
     for i in range(settings.warmup):

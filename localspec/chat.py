@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from localspec import __version__
 from localspec.config import Preset, load_preset
 from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, GenerationStats, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
+from localspec.fsutil import atomic_write
 from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
@@ -355,28 +354,9 @@ class ChatSession:
         }
 
     def save(self, path: Path) -> Path:
-        """Write the transcript as JSON atomically (a temporary file in the same folder, then a rename)."""
-        path = Path(path).expanduser()
-        folder = path.parent
-        if not folder.is_dir():
-            raise LocalspecError(f"{path}: folder {folder} does not exist")
-        if path.is_dir():
-            raise LocalspecError(f"{path}: is a folder")
+        """Write the transcript as JSON atomically (fsutil.atomic_write: a temporary file, then a rename)."""
         data = json.dumps(self.transcript(), indent=2, ensure_ascii=False) + "\n"
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        except OSError as exc:
-            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise LocalspecError(f"{path}: cannot write: {exc.strerror}") from None
-        return path
+        return atomic_write(Path(path).expanduser(), data, what="transcript")
 
 
 def context_full(record: TurnRecord) -> bool:

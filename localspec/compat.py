@@ -112,17 +112,17 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
         )
         return out
     shared = min(len(ta), len(da))
-    for i in range(shared):
-        if ta[i] != da[i]:
-            out.append(
-                Finding(
-                    Status.FAIL,
-                    "token text",
-                    f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
-                    "the draft proposes ids, so an id with another text is another token to the target",
-                )
+    i = ta.first_difference(da)
+    if i is not None:
+        out.append(
+            Finding(
+                Status.FAIL,
+                "token text",
+                f"token id {i} differs: target {ta[i]!r}, draft {da[i]!r}",
+                "the draft proposes ids, so an id with another text is another token to the target",
             )
-            return out
+        )
+        return out
     if diff:
         longer = ta if len(ta) > len(da) else da
         out.append(
@@ -156,7 +156,8 @@ def _compare_tokens(t: GGUFHeader, d: GGUFHeader) -> list[Finding]:
             msg = f"merges present in the {'target' if tm is not None else 'draft'} only"
         else:
             n = min(len(tm), len(dm))
-            i = next((k for k in range(n) if tm[k] != dm[k]), n)
+            first = tm.first_difference(dm)
+            i = n if first is None else first
             msg = (
                 f"merge {i} differs: target {tm[i]!r}, draft {dm[i]!r}"
                 if i < n

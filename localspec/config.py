@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,10 @@ from typing import Any
 
 from localspec import paths
 from localspec.errors import ConfigError, LocalspecError
+from localspec.fsutil import atomic_write, read_text
 from localspec.rpc import Endpoint, parse_endpoint, parse_endpoints
+
+_PRESET_NAME = re.compile(r"^(?!.*\.toml$)[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def _rng(lo: float, hi: float, kind: type) -> dict[str, Any]:
@@ -76,11 +80,19 @@ class Sampling:
     min_p: float = field(metadata=_rng(0.0, 1.0, float))  # 0 = off
     repeat_penalty: float = field(metadata=_rng(0.5, 2.0, float))  # 1 = off
     repeat_last_n: int = field(metadata=_rng(0, 4096, int))
+    presence_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off (OpenAI's range)
+    frequency_penalty: float = field(metadata=_rng(-2.0, 2.0, float))  # 0 = off
     seed: int = field(metadata=_rng(0, 2**32 - 1, int))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes logits (they depend on history, so they need full logit rows)."""
+        active = self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return active and self.repeat_last_n > 0
 
 
 @dataclass(frozen=True)
@@ -134,12 +146,20 @@ class RpcServerSettings:
     cache: bool = field(metadata={"kind": bool})  # keep large tensors on disk there, so a reload sends less
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = field(metadata={"kind": str})  # where `localspec serve` listens
+    port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
+    queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait behind the running one
+
+
 _SECTIONS: dict[str, type] = {
     "sampling": Sampling,
     "draft": Drafting,
     "bench": BenchSettings,
     "load": LoadSettings,
-    "rpc_server": RpcServerSettings,
+    "server": ServerSettings,
+    "rpc_server": RpcServerSettings,  # after server: an unqualified host or port means `localspec serve`'s
 }
 
 
@@ -150,6 +170,7 @@ class Preset:
     draft: Drafting
     bench: BenchSettings
     load: LoadSettings
+    server: ServerSettings
     rpc_server: RpcServerSettings
 
     def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,
@@ -213,6 +234,10 @@ def _check(section: str, key: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r}: {exc}") from None
         return value.strip()
     if kind is str:
+        if "choices" not in meta:
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
+            return value
         if value not in meta["choices"]:
             raise ConfigError(f"{where} = {value!r}: choose one of {', '.join(meta['choices'])}")
         return value
@@ -233,12 +258,9 @@ def _check(section: str, key: str, value: Any, where: str) -> Any:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -301,10 +323,8 @@ def load_preset(name: str = "default") -> Preset:
     return Preset(name=Path(name).stem, **built)
 
 
-def save_user_preset(name: str, preset: Preset) -> Path:
-    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
-    folder = user_preset_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+def preset_text(preset: Preset) -> str:
+    """Every value of `preset` as a stand-alone preset file."""
     lines = [f"# written by localspec from preset {preset.name!r}"]
     for section in _SECTIONS:
         lines.append(f"\n[{section}]")
@@ -314,8 +334,16 @@ def save_user_preset(name: str, preset: Preset) -> Path:
             else:
                 text = f'"{value}"' if isinstance(value, str) else repr(value)
             lines.append(f"{key} = {text}")
-    target = folder / f"{name}.toml"
-    tmp = target.with_suffix(".toml.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(target)
-    return target
+    return "\n".join(lines) + "\n"
+
+
+def user_preset_path(name: str) -> Path:
+    """`$LOCALSPEC_HOME/presets/NAME.toml`; NAME may not leave that folder (no path separators, no `..`)."""
+    if not _PRESET_NAME.match(name):
+        raise ConfigError(f"preset name {name!r}: use letters, digits, '.', '_', '-' (no path, no .toml)")
+    return user_preset_dir() / f"{name}.toml"
+
+
+def save_user_preset(name: str, preset: Preset) -> Path:
+    """Write every value of `preset` to `$LOCALSPEC_HOME/presets/NAME.toml` (atomically), so it stands alone."""
+    return atomic_write(user_preset_path(name), preset_text(preset), what="preset", parents=True)

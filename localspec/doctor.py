@@ -33,6 +33,9 @@ def _headers(target: Path | None, draft: Path | None) -> tuple[GGUFHeader | None
     try:
         t = read_header(target) if target else None
         d = read_header(draft) if draft else None
+        for header in (t, d):
+            if header is not None:
+                header.hparams  # noqa: B018 -- every key's type and range, before any check reads them
     except LocalspecError as exc:
         return None, None, str(exc)
     return t, d, ""

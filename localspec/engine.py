@@ -24,19 +24,19 @@ import codecs
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.errors import ContextFullError
+from localspec.errors import ContextFullError, UsageError
 from localspec.llama_ctx import LlamaModel, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
-    apply_repeat_penalty,
+    apply_penalties,
     candidates,
     candidates_from_top_k,
 )
@@ -123,12 +123,13 @@ class GenerationStats:
 STOP_EOG = "eog"
 STOP_MAX_TOKENS = "max_tokens"
 STOP_CONTEXT_FULL = "context_full"
+STOP_REQUESTED = "requested"  # the caller's should_stop said so (a stop string matched, a client left)
 
 
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
     stats: GenerationStats
-    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS or STOP_CONTEXT_FULL
+    stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS, STOP_CONTEXT_FULL or STOP_REQUESTED
     message: str
 
 
@@ -282,11 +283,16 @@ class Engine:
     def n_ctx(self) -> int:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
-    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting,
-                 max_tokens: int) -> Iterator[Event]:
-        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped."""
+    def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
+
+        `should_stop` is asked before each round and after each token the caller has consumed; True ends the
+        generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
+        A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
+        """
         if not prompt:
-            raise ValueError("the prompt must hold at least one token (a BOS token will do)")
+            raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         self._wait_for_worker()
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
@@ -308,6 +314,9 @@ class Engine:
         t_start = time.perf_counter()
         ahead: _Ahead | None = None
         while stats.tokens < max_tokens:
+            if should_stop is not None and should_stop():
+                stop, message = STOP_REQUESTED, "stopped by the caller"
+                break
             room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
             if room < 0:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
@@ -343,6 +352,10 @@ class Engine:
                 yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted)
                 if stats.tokens >= max_tokens:
                     finished = True
+                    break
+                if should_stop is not None and should_stop():
+                    # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
+                    stop, message, finished = STOP_REQUESTED, "stopped by the caller", True
                     break
             if finished:
                 break
@@ -400,7 +413,7 @@ class Engine:
             spent += time.perf_counter() - t
             self._draft_kv.extend(feed)
             if sampling.greedy:
-                token = int(_argmax(scores)[0])
+                token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
                 dist = _distributions(scores, sequence + drafts, sampling)
@@ -425,7 +438,7 @@ class Engine:
         self._target_kv.extend(batch)
 
         if sampling.greedy:
-            choice = _argmax(scores)
+            choice = _argmax(_penalized(scores, self._tokens + drafts, sampling))
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
@@ -521,11 +534,13 @@ class Engine:
 
 def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float) -> str | None:
     """What the device should compute per row. Greedy needs only the argmax (unless p_min needs probabilities);
-    a top-k pipeline needs the top candidates; a repetition penalty needs the penalised tokens' logits wherever
-    they rank, and top_k = 0 needs every logit: those take full rows."""
+    a top-k pipeline needs the top candidates; a penalty needs the penalised tokens' logits wherever they rank,
+    and top_k = 0 needs every logit: those take full rows."""
+    if sampling.penalized:
+        return None
     if sampling.greedy:
         return "top_k" if p_min > 0.0 else "greedy"
-    if sampling.repeat_penalty == 1.0 and 0 < sampling.top_k <= model.device_top_k:
+    if 0 < sampling.top_k <= model.device_top_k:
         return "top_k"
     return None
 
@@ -535,14 +550,20 @@ def _argmax(scores: np.ndarray | TopK) -> np.ndarray:
     return scores.argmax() if isinstance(scores, TopK) else np.argmax(scores, axis=1)
 
 
+def _penalized(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> np.ndarray | TopK:
+    """Every row with the penalties applied; row i sees the history plus the rows before it. Penalties get full
+    rows (see _device_mode), so TopK passes through unchanged."""
+    if isinstance(scores, TopK) or not sampling.penalized:
+        return scores
+    base = len(history) - len(scores) + 1  # row i follows history[:base + i]
+    return np.stack([apply_penalties(row, history[: base + i], sampling) for i, row in enumerate(scores)])
+
+
 def _distributions(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> Candidates:
-    """The sampling pipeline for every row; row i's repetition penalty sees the history plus rows before it."""
-    if isinstance(scores, TopK):  # only chosen when no penalty applies (see generate)
+    """The sampling pipeline for every row."""
+    if isinstance(scores, TopK):  # only chosen when no penalty applies (see _device_mode)
         return candidates_from_top_k(scores.ids, scores.logits, sampling)
-    if sampling.repeat_penalty != 1.0:
-        base = len(history) - len(scores) + 1  # row i follows history[:base + i]
-        scores = np.stack([apply_repeat_penalty(row, history[: base + i], sampling) for i, row in enumerate(scores)])
-    return candidates(scores, sampling)
+    return candidates(_penalized(scores, history, sampling), sampling)
 
 
 def _top_softmax(scores: np.ndarray | TopK) -> float:

@@ -1,4 +1,9 @@
-"""Errors a user can act on. The CLI prints them as one line and exits non-zero."""
+"""Errors a user can act on: one tree, one line each. The CLI prints them and exits with `exit_code`.
+
+Everything a user can reach raises a `LocalspecError` subclass whose message names the culprit (file, key,
+token id, option); a `ValueError` or an `assert` reaching a user is a bug. Tracebacks only with
+LOCALSPEC_DEBUG=1.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,32 @@ class LocalspecError(Exception):
     exit_code = 2
 
 
+class UsageError(LocalspecError):
+    """The request cannot be run as asked (an empty prompt, a bench without a draft, --draft without --target)."""
+
+
 class ConfigError(LocalspecError):
-    """A preset or models.toml problem: the message names the file and key."""
+    """A preset, models.toml or default-pair problem: the message names the file and key."""
+
+
+class GGUFError(LocalspecError):
+    """The file is not a readable GGUF file, or a header value has the wrong type or range; the message names it."""
+
+
+class HubError(LocalspecError):
+    """A download problem with a one-line cause (404, 401/gated, network, disk, checksum, another pull)."""
+
+
+class WriteError(LocalspecError):
+    """A file localspec writes could not be written (read-only, full, a folder in the way); names the path."""
 
 
 class ModelLoadError(LocalspecError):
     """llama.cpp could not load a model or create its context."""
+
+
+class DecodeError(LocalspecError):
+    """llama.cpp failed while generating (a decode, the device sampler or a KV rewind), after a good load."""
 
 
 class IncompatiblePairError(LocalspecError):

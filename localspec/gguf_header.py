@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,33 @@ from gguf.constants import (
     LlamaFileType,
 )
 
-from localspec.errors import LocalspecError
+from localspec.errors import GGUFError
+from localspec.fsutil import not_a_file
 
 # A 262k-token vocabulary with merges and scores is ~15 MB of header; 256 MiB leaves room and still bounds a
 # hostile file that claims a billion strings.
 MAX_HEADER_BYTES = 256 << 20
 MAX_STRING_BYTES = 16 << 20  # chat templates are the longest strings seen (tens of kB)
 MAX_ARRAY_LEN = 1 << 24
-MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 16  # real files carry 20-60 keys; each kept key costs ~100 bytes of Python objects
+MAX_TENSORS = 1 << 16  # real files hold a few hundred to ~3k tensor infos (~250 bytes each in memory)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 3  # arrays of arrays: gguf allows them, no model uses them; deeper is a RecursionError bomb
+# The only string arrays anything compares; every other one is skipped while reading, so a header of millions
+# of short strings costs no memory (a Python str is ~50 bytes beyond its text).
+KEPT_STRING_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
+
+# llama.cpp aborts the process (GGML_ASSERT) instead of failing the load beyond these (vendor/llama.cpp,
+# src/llama-hparams.h and llama_model_base::load_hparams in src/llama-model.cpp, llama-cpp-python 0.3.36).
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+# Far above any real model, low enough that the memory estimate and llama.cpp's uint32 fields stay sane.
+MAX_EMBD = 1 << 18
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 14
+MAX_CTX = 1 << 30
+MAX_VOCAB = 1 << 22
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "B",
@@ -52,8 +71,152 @@ _SCALARS: dict[GGUFValueType, str] = {
 }
 
 
-class GGUFError(LocalspecError):
-    """The file is not a readable GGUF file; the message names it."""
+class StringArray(Sequence[str]):
+    """A GGUF string array kept as one bytes blob plus the end offset of each item: an item costs its bytes
+    and 8, so memory stays the size of the header. Items decode on access; byte tokens that are not valid UTF-8
+    keep their bytes as surrogates, so they stay comparable."""
+
+    __slots__ = ("_blob", "_ends")
+
+    def __init__(self, blob: bytes | bytearray = b"", ends: np.ndarray | None = None) -> None:
+        self._blob = blob
+        self._ends = ends if ends is not None else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def raw(self, i: int) -> bytes:
+        start = int(self._ends[i - 1]) if i > 0 else 0
+        return bytes(self._blob[start : int(self._ends[i])])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        i = i + n if i < 0 else i
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.raw(i).decode("utf-8", errors="surrogateescape")
+
+    def __iter__(self) -> Iterator[str]:
+        start = 0
+        for end in self._ends.tolist():
+            yield bytes(self._blob[start:end]).decode("utf-8", errors="surrogateescape")
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return np.array_equal(self._ends, other._ends) and self._blob == other._blob
+        if isinstance(other, list):
+            return list(self) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-sized content, like a list
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} items)"
+
+    def first_difference(self, other: StringArray) -> int | None:
+        """The first index present in both where the items differ, or None: vectorised, since comparing a
+        262k-token vocabulary item by item in Python takes a noticeable fraction of a second."""
+        n = min(len(self), len(other))
+        a_ends, b_ends = self._ends[:n], other._ends[:n]
+        moved = np.flatnonzero(a_ends != b_ends)
+        # Before the first differing end offset, items have equal lengths, so the blobs align byte for byte.
+        m = int(moved[0]) if moved.size else n
+        aligned = int(a_ends[m - 1]) if m > 0 else 0
+        if aligned:
+            a = np.frombuffer(self._blob, dtype=np.uint8, count=aligned)
+            b = np.frombuffer(other._blob, dtype=np.uint8, count=aligned)
+            differ = np.flatnonzero(a != b)
+            if differ.size:
+                return int(np.searchsorted(a_ends, differ[0], side="right"))
+        return m if m < n else None
+
+    def first_duplicate(self) -> tuple[int, int] | None:
+        """Two ids with the same text, as llama.cpp sees them (an empty token reads as `[EMPTY_i]`)."""
+        seen: dict[bytes, int] = {}
+        start = 0
+        for i, end in enumerate(self._ends.tolist()):
+            text = bytes(self._blob[start:end]) or f"[EMPTY_{i}]".encode()
+            first = seen.setdefault(text, i)
+            if first != i:
+                return first, i
+            start = end
+        return None
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """An array nothing in localspec reads: skipped while reading, only its item kind and length kept."""
+
+    item: str
+    count: int
+
+
+# The type each key must have where localspec reads it (`GGUFHeader.get`); a wrong one is a one-line error,
+# never a traceback further down (a number where a string belongs, an array where an id belongs).
+KEY_TYPES: dict[str, str] = {
+    "general.architecture": "str",
+    "general.file_type": "int",
+    "general.alignment": "int",
+    "tokenizer.ggml.model": "str",
+    "tokenizer.ggml.pre": "str",
+    "tokenizer.chat_template": "str",
+    "tokenizer.ggml.tokens": "strings",
+    "tokenizer.ggml.merges": "strings",
+    "tokenizer.ggml.token_type": "ints",
+    "tokenizer.ggml.bos_token_id": "int",
+    "tokenizer.ggml.eos_token_id": "int",
+    "tokenizer.ggml.eot_token_id": "int",
+    "tokenizer.ggml.padding_token_id": "int",
+    "tokenizer.ggml.add_bos_token": "bool",
+    "tokenizer.ggml.add_eos_token": "bool",
+}
+_WANTED = {
+    "str": "a string",
+    "int": "an integer",
+    "bool": "true or false",
+    "strings": "an array of strings",
+    "ints": "an array of integers",
+    "count": "an integer, or one per layer",
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _has_type(value: object, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "int":
+        return _is_int(value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "strings":
+        return isinstance(value, StringArray)
+    if kind == "ints":
+        return isinstance(value, np.ndarray) and value.dtype.kind in "iu"
+    raise AssertionError(kind)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a float ({value:g})"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r}{'…' if len(value) > 40 else ''})"
+    if isinstance(value, StringArray):
+        return f"an array of {len(value)} strings"
+    if isinstance(value, np.ndarray):
+        return f"an array of {len(value)} {value.dtype.name} values"
+    if isinstance(value, SkippedArray):
+        return f"an array of {value.count} {value.item}s"
+    return type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -77,6 +240,20 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class HParams:
+    """What the memory estimate and llama.cpp's loader rely on, type- and range-checked (`GGUFHeader.hparams`)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: tuple[int, ...]  # per layer
+    n_head_kv: tuple[int, ...]  # per layer; 0 = a layer without attention
+    key_length: int  # per head
+    value_length: int
+    n_ctx_train: int
+    n_vocab: int
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     path: Path
     version: int
@@ -89,7 +266,17 @@ class GGUFHeader:
     # -- generic access ------------------------------------------------------------------------------------
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
+        """The value of `key`; a key localspec knows (`KEY_TYPES`) must have its type or GGUFError names it."""
+        value = self.metadata.get(key)
+        if value is None:
+            return default
+        kind = KEY_TYPES.get(key)
+        if kind is not None and not _has_type(value, kind):
+            raise self.error(f"{key} is {_describe(value)}, expected {_WANTED[kind]}")
+        return value
+
+    def error(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {what} (corrupt file?)")
 
     @property
     def name(self) -> str:
@@ -97,7 +284,7 @@ class GGUFHeader:
 
     @property
     def arch(self) -> str:
-        return str(self.metadata.get("general.architecture", "?"))
+        return self.get("general.architecture", "?")
 
     def arch_get(self, suffix: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{suffix}", default)
@@ -129,8 +316,8 @@ class GGUFHeader:
     @property
     def file_type(self) -> str:
         """`general.file_type` by name (Q4_K_M, Q8_0...), else the main weight type."""
-        ftype = self.metadata.get("general.file_type")
-        if isinstance(ftype, int):
+        ftype = self.get("general.file_type")
+        if ftype is not None:
             try:
                 return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
             except ValueError:
@@ -140,16 +327,105 @@ class GGUFHeader:
     # -- tokenizer -------------------------------------------------------------------------------------------
 
     @property
-    def tokens(self) -> list[str]:
-        return self.metadata.get("tokenizer.ggml.tokens") or []
+    def tokens(self) -> StringArray:
+        return self.get("tokenizer.ggml.tokens") or StringArray()
 
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
 
+    # -- what llama.cpp will rely on -------------------------------------------------------------------------
+
+    @cached_property
+    def hparams(self) -> HParams:
+        """Every check llama.cpp's loader would answer with an abort (GGML_ASSERT) or a division by zero
+        instead of a failed load, plus the types of every key localspec reads. Run before any model is loaded:
+        a header that passes here reaches llama.cpp with its hyperparameters in range."""
+        for key in KEY_TYPES:
+            self.get(key)
+        return _check_hparams(self)
+
+
+def _check_hparams(h: GGUFHeader) -> HParams:
+    if h.arch == "?":
+        raise h.error("general.architecture is missing (not a model file?)")
+
+    def count(suffix: str, lo: int, hi: int, default: int | None = None, why: str = "") -> int:
+        key = f"{h.arch}.{suffix}"
+        value = h.metadata.get(key)
+        if value is None:
+            if default is None:
+                raise h.error(f"{key} is missing")
+            return default
+        if not _is_int(value):
+            raise h.error(f"{key} is {_describe(value)}, expected {_WANTED['int']}")
+        if not lo <= value <= hi:
+            raise h.error(f"{key} = {value} is out of range {lo}..{hi}{why}")
+        return value
+
+    def per_layer(suffix: str, lo: int, hi: int, n_layer: int, default: tuple[int, ...]) -> tuple[int, ...]:
+        key = f"{h.arch}.{suffix}"
+        value = h.metadata.get(key)
+        if value is None:
+            return default
+        if _is_int(value):
+            values = (value,) * n_layer
+        elif isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+            if len(value) != n_layer:
+                raise h.error(f"{key} has {len(value)} values for {n_layer} layers")
+            values = tuple(int(v) for v in value.tolist())
+        else:
+            raise h.error(f"{key} is {_describe(value)}, expected {_WANTED['count']}")
+        bad = next((v for v in values if not lo <= v <= hi), None)
+        if bad is not None:
+            raise h.error(f"{key} = {bad} is out of range {lo}..{hi}")
+        return values
+
+    n_layer = count("block_count", 1, LLAMA_MAX_LAYERS, why=" (llama.cpp's layer limit)")
+    n_embd = count("embedding_length", 1, MAX_EMBD)
+    n_ctx_train = count("context_length", 1, MAX_CTX)
+    n_head = per_layer("attention.head_count", 0, MAX_HEADS, n_layer, (0,) * n_layer)
+    n_head_kv = per_layer("attention.head_count_kv", 0, MAX_HEADS, n_layer, n_head)
+    for il, (heads, kv) in enumerate(zip(n_head, n_head_kv, strict=True)):
+        # Query heads share KV heads in equal groups; ggml asserts the division when it builds the graph.
+        if kv > heads or (kv and heads % kv):
+            raise h.error(f"layer {il}: {heads} attention heads cannot share {kv} KV heads in equal groups")
+    head_dim = n_embd // n_head[0] if n_head[0] else 0  # llama.cpp's default, from layer 0
+    key_length = count("attention.key_length", 1, MAX_HEAD_DIM, default=head_dim)
+    value_length = count("attention.value_length", 1, MAX_HEAD_DIM, default=head_dim)
+
+    n_expert = count("expert_count", 0, LLAMA_MAX_EXPERTS, default=0, why=" (llama.cpp's expert limit)")
+    used = max(per_layer("expert_used_count", 0, LLAMA_MAX_EXPERTS, n_layer, (0,)), default=0)
+    groups = count("expert_group_count", 0, LLAMA_MAX_EXPERTS, default=0)
+    groups_used = count("expert_group_used_count", 0, LLAMA_MAX_EXPERTS, default=0)
+    if n_expert == 0 and (used or groups):
+        raise h.error(f"{h.arch}.expert_used_count/expert_group_count set for a model without experts")
+    if n_expert and not (0 < used <= n_expert):
+        raise h.error(f"{h.arch}.expert_used_count = {used} for {n_expert} experts")
+    if n_expert and (groups >= n_expert or (groups > 1 and (n_expert % groups or not 0 < groups_used < groups))):
+        raise h.error(f"{h.arch}: {n_expert} experts cannot form {groups} groups with {groups_used} used")
+    count("nextn_predict_layers", 0, n_layer, default=0)
+    scaling = h.metadata.get(f"{h.arch}.rope.scaling.type")
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:
+        raise h.error(f"{h.arch}.rope.scaling.type is {_describe(scaling)}, expected one of "
+                      + ", ".join(ROPE_SCALING_TYPES))
+
+    n_vocab = len(h.tokens)
+    if not 1 <= n_vocab <= MAX_VOCAB:
+        raise h.error(f"tokenizer.ggml.tokens holds {n_vocab} tokens, expected 1..{MAX_VOCAB}")
+    count("vocab_size", 1, MAX_VOCAB, default=n_vocab)
+    duplicate = h.tokens.first_duplicate()
+    if duplicate is not None:
+        first, second = duplicate
+        raise h.error(f"tokens {first} and {second} are both {h.tokens[second]!r} (llama.cpp aborts on that)")
+    return HParams(n_layer, n_embd, n_head, n_head_kv, key_length, value_length, n_ctx_train, n_vocab)
+
 
 class _Cursor:
-    """Sequential reads over a buffered file, refusing to go past the header limit or the end of the file."""
+    """Sequential reads over a buffered file, refusing to go past the header limit or the end of the file.
+
+    Every read or skip is checked against both before a byte is allocated, so a length field cannot make the
+    reader reserve memory the file does not back."""
 
     def __init__(self, fh: Any, path: Path, file_size: int, limit: int) -> None:
         self.fh = fh
@@ -158,29 +434,47 @@ class _Cursor:
         self.limit = limit
         self.pos = 0
 
-    def read(self, n: int) -> bytes:
+    def room(self, n: int) -> None:
         if n < 0 or self.pos + n > self.limit:
             raise GGUFError(f"{self.path}: GGUF header larger than {self.limit >> 20} MiB (corrupt file?)")
+        if self.pos + n > self.file_size:
+            raise GGUFError(f"{self.path}: truncated GGUF file (header ends at byte {self.file_size})")
+
+    def read(self, n: int) -> bytes:
+        self.room(n)
         data = self.fh.read(n)
         if len(data) != n:
             raise GGUFError(f"{self.path}: truncated GGUF file (header ends at byte {self.pos + len(data)})")
         self.pos += n
         return data
 
+    def read_array(self, dtype: np.dtype, count: int) -> np.ndarray:
+        self.room(count * dtype.itemsize)
+        out = np.empty(count, dtype=dtype)
+        got = self.fh.readinto(memoryview(out).cast("B")) if count else 0
+        if got != out.nbytes:
+            raise GGUFError(f"{self.path}: truncated GGUF file (header ends at byte {self.pos + got})")
+        self.pos += out.nbytes
+        return out
+
+    def skip(self, n: int) -> None:
+        self.room(n)
+        self.fh.seek(n, os.SEEK_CUR)
+        self.pos += n
+
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
         return struct.unpack("<" + fmt, self.read(size))[0]
 
-    def string(self, what: str) -> str:
+    def string_length(self, what: str) -> int:
         n = self.unpack("Q")
         if n > MAX_STRING_BYTES:
             raise GGUFError(f"{self.path}: {what}: string of {n} bytes (corrupt file?)")
-        raw = self.read(n)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            # Some vocabularies carry byte tokens that are not valid UTF-8; keep them comparable.
-            return raw.decode("utf-8", errors="surrogateescape")
+        return n
+
+    def string(self, what: str) -> str:
+        # Some vocabularies carry byte tokens that are not valid UTF-8; surrogates keep them comparable.
+        return self.read(self.string_length(what)).decode("utf-8", errors="surrogateescape")
 
 
 def _value(cur: _Cursor, vtype: int, key: str) -> Any:
@@ -193,23 +487,47 @@ def _value(cur: _Cursor, vtype: int, key: str) -> Any:
     if kind == GGUFValueType.STRING:
         return cur.string(key)
     if kind == GGUFValueType.ARRAY:
-        item_type = cur.unpack("I")
-        count = cur.unpack("Q")
-        if count > MAX_ARRAY_LEN:
-            raise GGUFError(f"{cur.path}: metadata {key!r} claims {count} items (corrupt file?)")
-        if item_type == GGUFValueType.STRING:
-            return [cur.string(key) for _ in range(count)]
-        if item_type in _SCALARS:
-            fmt = _SCALARS[GGUFValueType(item_type)]
-            raw = cur.read(count * struct.calcsize(fmt))
-            # Numeric arrays (scores, token types) stay numpy arrays: compact and fast to compare.
-            return np.frombuffer(raw, dtype=np.dtype("<" + fmt)).copy()
-        if item_type == GGUFValueType.ARRAY:
-            return [_value(cur, GGUFValueType.ARRAY, key) for _ in range(count)]
-        raise GGUFError(
-            f"{cur.path}: metadata {key!r} has unknown array item type {item_type} (corrupt file?)"
-        )
+        return _array(cur, key, depth=1)
     return cur.unpack(_SCALARS[kind])
+
+
+def _array(cur: _Cursor, key: str, depth: int) -> Any:
+    """One array (item type, count, items). Kept compactly where something reads it, skipped otherwise."""
+    if depth > MAX_NESTING:
+        raise GGUFError(f"{cur.path}: metadata {key!r} nests arrays more than {MAX_NESTING} deep (corrupt file?)")
+    item_type = cur.unpack("I")
+    count = cur.unpack("Q")
+    if count > MAX_ARRAY_LEN:
+        raise GGUFError(f"{cur.path}: metadata {key!r} claims {count} items (corrupt file?)")
+    if item_type == GGUFValueType.STRING:
+        if depth == 1 and key in KEPT_STRING_ARRAYS:
+            return _string_array(cur, key, count)
+        for _ in range(count):
+            cur.skip(cur.string_length(key))
+        return SkippedArray("string", count)
+    if item_type in _SCALARS:
+        # Numeric arrays (scores, token types, per-layer counts) stay numpy arrays: as compact as in the file.
+        dtype = np.dtype("<" + _SCALARS[GGUFValueType(item_type)])
+        if depth == 1:
+            return cur.read_array(dtype, count)
+        cur.skip(count * dtype.itemsize)
+        return SkippedArray(dtype.name, count)
+    if item_type == GGUFValueType.ARRAY:
+        for _ in range(count):
+            _array(cur, key, depth + 1)
+        return SkippedArray("array", count)
+    raise GGUFError(f"{cur.path}: metadata {key!r} has unknown array item type {item_type} (corrupt file?)")
+
+
+def _string_array(cur: _Cursor, key: str, count: int) -> StringArray:
+    cur.room(8 * count)  # each item has at least its 8-byte length: the file must back the offsets array
+    ends = np.empty(count, dtype=np.int64)
+    blob = bytearray()
+    read, length = cur.read, cur.string_length
+    for i in range(count):
+        blob += read(length(key))
+        ends[i] = len(blob)
+    return StringArray(blob, ends)
 
 
 def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], type_id: int) -> int:
@@ -227,12 +545,14 @@ def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], type_id: int) -
 
 def _read(path: Path, limit: int) -> GGUFHeader:
     try:
-        file_size = path.stat().st_size
+        st = path.stat()
+        kind = not_a_file(st.st_mode)
+        if kind is not None:  # opening a FIFO would wait forever for a writer
+            raise GGUFError(f"{path}: is {kind}, not a GGUF file")
+        file_size = st.st_size
         fh = path.open("rb", buffering=1 << 20)
     except FileNotFoundError:
         raise GGUFError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise GGUFError(f"{path}: is a directory, not a GGUF file") from None
     except OSError as exc:
         raise GGUFError(f"{path}: cannot read: {exc.strerror}") from None
     with fh:
@@ -249,7 +569,7 @@ def _read(path: Path, limit: int) -> GGUFHeader:
             raise GGUFError(f"{path}: unsupported GGUF version {version}")
         n_tensors = cur.unpack("Q")
         n_kv = cur.unpack("Q")
-        if n_tensors > MAX_TENSORS or n_kv > MAX_ARRAY_LEN:
+        if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
             raise GGUFError(f"{path}: header claims {n_tensors} tensors and {n_kv} keys (corrupt file?)")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
@@ -268,7 +588,7 @@ def _read(path: Path, limit: int) -> GGUFHeader:
                 TensorInfo(name, shape, type_id, offset, _tensor_bytes(path, name, shape, type_id))
             )
         alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if not _is_int(alignment) or alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{path}: general.alignment = {alignment!r} is not a power of two")
         header_bytes = cur.pos
     data_offset = -(-header_bytes // alignment) * alignment

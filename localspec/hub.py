@@ -12,24 +12,21 @@ Environment, read at call time: HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HOME /
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from localspec.errors import LocalspecError
+from localspec.errors import HubError, LocalspecError
 from localspec.registry import ModelSpec
 
 PARTIAL_SUFFIX = ".localspec-partial"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class HubError(LocalspecError):
-    """A download problem with a one-line cause (404, 401/gated, network, disk, checksum)."""
 
 
 # -- environment -------------------------------------------------------------------------------------------
@@ -227,49 +224,114 @@ def _sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str
     return digest.hexdigest()
 
 
-def download(remote: RemoteFile) -> Path:
+WaitCallback = Callable[[ModelSpec, "int | None"], None]
+
+
+@contextlib.contextmanager
+def _one_pull_per_file(remote: RemoteFile, on_wait: WaitCallback | None) -> Iterator[None]:
+    """Two pulls of one file must not append to the same partial file: the second waits for the first, which
+    holds a per-file lock (filelock, as huggingface_hub uses; the OS releases it if that process dies). Its
+    pid sits next to the lock so the waiting pull can say whom it waits for."""
+    from filelock import FileLock, Timeout
+
+    locks = cache_dir() / ".locks" / _storage(remote.spec).name
+    owner = locks / f"{remote.etag}.localspec.pid"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _hub_error(exc, remote.spec) from None
+    # Not huggingface_hub's own `<etag>.lock`: hf_hub_download takes that one inside this lock.
+    lock = FileLock(str(locks / f"{remote.etag}.localspec.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if on_wait is not None:
+            on_wait(remote.spec, _pid_in(owner))
+        lock.acquire()  # until the other pull ends; Ctrl-C still stops this one
+    try:
+        owner.write_text(f"{os.getpid()}\n", encoding="utf-8")
+        yield
+    finally:
+        owner.unlink(missing_ok=True)
+        lock.release()
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None  # the other pull is just starting or finishing
+
+
+def download(remote: RemoteFile, on_wait: WaitCallback | None = None) -> Path:
     """Fetch (resuming a partial file), verify, and link into the cache. Returns the snapshot path."""
-    from huggingface_hub import hf_hub_download
+    with _one_pull_per_file(remote, on_wait):
+        if not remote.blob.is_file():  # another pull may have finished it while this one waited
+            _fetch(remote)
+    return _link(remote.spec)
+
+
+def _fetch(remote: RemoteFile) -> None:
+    """Download into the partial file (resuming it), check size and sha256, then give it the blob's name."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
     spec = remote.spec
-    if not remote.blob.is_file():
-        remote.partial.parent.mkdir(parents=True, exist_ok=True)
-        have = remote.have
-        if have > remote.size:  # a stale partial from another version of the file
-            remote.partial.unlink()
-            have = 0
-        headers = build_hf_headers(token=token())
-        # Signed CDN links must not receive the hub token (huggingface_hub drops it the same way).
-        if urlparse(remote.url).netloc != urlparse(endpoint()).netloc:
-            headers.pop("authorization", None)
-        try:
-            with remote.partial.open("ab") as fh:
-                http_get(
-                    remote.url,
-                    fh,
-                    resume_size=have,
-                    headers=headers,
-                    expected_size=remote.size,
-                    displayed_filename=spec.file,
-                )
-        except Exception as exc:
-            # The partial file stays (under its partial name) so the next pull resumes it.
-            raise _hub_error(exc, spec) from None
-        got = remote.partial.stat().st_size
-        if got != remote.size:
+    remote.partial.parent.mkdir(parents=True, exist_ok=True)
+    have = remote.have
+    if have > remote.size:  # a stale partial from another version of the file
+        remote.partial.unlink()
+        have = 0
+    headers = build_hf_headers(token=token())
+    # Signed CDN links must not receive the hub token (huggingface_hub drops it the same way).
+    if urlparse(remote.url).netloc != urlparse(endpoint()).netloc:
+        headers.pop("authorization", None)
+    try:
+        with remote.partial.open("ab") as fh:
+            http_get(
+                remote.url,
+                fh,
+                resume_size=have,
+                headers=headers,
+                expected_size=remote.size,
+                displayed_filename=spec.file,
+            )
+    except Exception as exc:
+        got = remote.have
+        if isinstance(exc, OSError) and exc.errno is None and got != remote.size:
+            # huggingface_hub's size check, whose advice (force_download=True) is not a localspec option.
+            raise _size_mismatch(remote, got) from None
+        # The partial file stays (under its partial name) so the next pull resumes it.
+        raise _hub_error(exc, spec) from None
+    got = remote.partial.stat().st_size
+    if got != remote.size:
+        raise _size_mismatch(remote, got)
+    if remote.sha256:
+        actual = _sha256_of(remote.partial)
+        if actual != remote.sha256:
             remote.partial.unlink(missing_ok=True)
-            raise HubError(f"{spec.file}: got {got} bytes, the hub lists {remote.size}; removed, pull again")
-        if remote.sha256:
-            actual = _sha256_of(remote.partial)
-            if actual != remote.sha256:
-                remote.partial.unlink(missing_ok=True)
-                raise HubError(
-                    f"{spec.file}: checksum mismatch (sha256 {actual[:12]}, expected {remote.sha256[:12]}): "
-                    "the download was removed, pull again"
-                )
-        remote.partial.replace(remote.blob)
+            raise HubError(
+                f"{spec.file}: checksum mismatch (sha256 {actual[:12]}, expected {remote.sha256[:12]}): "
+                "the download was removed, pull again"
+            )
+    remote.partial.replace(remote.blob)
+
+
+def _size_mismatch(remote: RemoteFile, got: int) -> HubError:
+    """The body did not match the size the hub announced: short keeps the partial file (resumable), long is
+    corrupt and goes."""
+    spec = remote.spec
+    if got < remote.size:
+        return HubError(f"{spec.file}: the download stopped at {got} of {remote.size} bytes; pull again to resume")
+    remote.partial.unlink(missing_ok=True)
+    return HubError(
+        f"{spec.file}: the server sent {got} bytes where it announced {remote.size}; removed, pull again"
+    )
+
+
+def _link(spec: ModelSpec) -> Path:
+    from huggingface_hub import hf_hub_download
+
     try:
         # The blob is in place, so this only writes refs/ and the snapshots/ link (one HEAD request).
         path = hf_hub_download(
@@ -285,10 +347,11 @@ def download(remote: RemoteFile) -> Path:
     return Path(path)
 
 
-def pull(specs: list[ModelSpec]) -> list[Path]:
-    """Download every file that is not cached yet: metadata first, one disk check for all, then the bytes."""
+def pull(specs: list[ModelSpec], on_wait: WaitCallback | None = None) -> list[Path]:
+    """Download every file that is not cached yet: metadata first, one disk check for all, then the bytes.
+    `on_wait(spec, pid)` is told when another process is already downloading a file (this one then waits)."""
     paths: list[Path | None] = [cached_path(s) for s in specs]
     missing = [s for s, p in zip(specs, paths, strict=True) if p is None]
     remotes = {s: resolve(s) for s in missing}
     check_disk(remotes.values())
-    return [p if p is not None else download(remotes[s]) for s, p in zip(specs, paths, strict=True)]
+    return [p if p is not None else download(remotes[s], on_wait) for s, p in zip(specs, paths, strict=True)]

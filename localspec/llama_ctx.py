@@ -9,30 +9,55 @@ Jinja template through llama-cpp-python's sandboxed formatter), the quantizer, a
 
 from __future__ import annotations
 
+import _thread
 import codecs
 import contextlib
 import ctypes
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, LocalspecError, ModelLoadError
+from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
+from localspec.gguf_header import read_header
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
 _backend_ready = False
 
 
-@llama_cpp.llama_log_callback
-def _log_to_stderr_when_debugging(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # llama.cpp logs every load step; users see them only with LOCALSPEC_DEBUG=1.
     if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
         os.write(2, text)
+
+
+_log_to_stderr_when_debugging = llama_cpp.llama_log_callback(_log)
+
+
+def deferred_in_callback(signum: int, frame: FrameType | None) -> bool:
+    """For signal handlers that raise (Ctrl-C, SIGTERM). Python runs a handler at the next bytecode, which can be
+    inside the log callback above while llama.cpp calls it; ctypes would print the exception there and drop it,
+    so the signal would be lost. Inside the callback this re-arms the signal from another thread, which runs once
+    llama.cpp has released the GIL again, and returns True: the handler then runs where Python can raise."""
+    while frame is not None:
+        if frame.f_code is _log.__code__:
+            threading.Timer(0.001, _thread.interrupt_main, args=(signum,)).start()
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt_handler(signum: int, frame: FrameType | None) -> None:
+    """The SIGINT handler for entry points: KeyboardInterrupt, never lost inside a llama.cpp callback."""
+    if not deferred_in_callback(signum, frame):
+        raise KeyboardInterrupt
 
 
 def _init_backend() -> None:
@@ -287,6 +312,10 @@ class LlamaModel:
         self._batch = None
         self._sampler_chain = None
 
+        # The last wall before llama.cpp's loader, which aborts the process (GGML_ASSERT) on some out-of-range
+        # hyperparameters instead of failing: such a header stops here with one line (cached, so cheap).
+        read_header(self.path).hparams  # noqa: B018
+
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # Always an explicit, NULL-terminated device list: llama.cpp's default (NULL) takes every registered
@@ -329,7 +358,8 @@ class LlamaModel:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self.ctx)))
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
         self.n_threads = threads
         self.kv_type = kv_type
@@ -383,7 +413,7 @@ class LlamaModel:
             self._batch.n_tokens = chunk
             rc = llama_cpp.llama_decode(self.ctx, self._batch)
             if rc != 0:
-                raise ModelLoadError(
+                raise DecodeError(
                     f"{self.path.name}: llama_decode failed with code {rc} at position {start_pos + done}"
                     + (" (no KV slot: the context is full)" if rc == 1 else "")
                 )
@@ -405,7 +435,7 @@ class LlamaModel:
         for r, i in enumerate(range(chunk - rows, chunk)):
             count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
             if count != k:
-                raise ModelLoadError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
+                raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
             ids[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), shape=(k,))
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
@@ -440,7 +470,7 @@ class LlamaModel:
     def truncate(self, n_keep: int) -> None:
         """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
-            raise ModelLoadError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+            raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self.memory, True)

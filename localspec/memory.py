@@ -139,45 +139,25 @@ class Estimate:
         return ", ".join(parts)
 
 
-def _int(value: object, default: int = 0) -> int:
-    """A count that may be stored per layer (an array): take the largest, which bounds the allocation."""
-    if value is None:
-        return default
-    if hasattr(value, "__len__"):
-        return int(max(value)) if len(value) else default  # type: ignore[arg-type]
-    return int(value)  # type: ignore[call-overload]
-
-
 def kv_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
-    """KV cache bytes at this context, from the header's attention shape."""
-    n_layer = _int(header.arch_get("block_count"))
-    n_head = _int(header.arch_get("attention.head_count"), 1)
-    n_embd = _int(header.arch_get("embedding_length"))
-    head_dim = n_embd // n_head if n_head else 0
-    k_len = _int(header.arch_get("attention.key_length"), head_dim)
-    v_len = _int(header.arch_get("attention.value_length"), head_dim)
-    kv_heads = header.arch_get("attention.head_count_kv", n_head)
+    """KV cache bytes at this context, from the header's (checked) attention shape."""
+    hp = header.hparams
     cells = -(-n_ctx // CTX_PAD) * CTX_PAD
-    if hasattr(kv_heads, "__len__"):  # per-layer counts (0 = a layer without attention)
-        per_layer = sum(int(h) for h in kv_heads) * (k_len + v_len)
-    else:
-        per_layer = n_layer * int(kv_heads) * (k_len + v_len)
-    return int(per_layer * cells * KV_BYTES[kv_type])
+    per_token = sum(hp.n_head_kv) * (hp.key_length + hp.value_length)  # a layer without attention has 0 KV heads
+    return int(per_token * cells * KV_BYTES[kv_type])
 
 
 def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layers: int) -> ModelMemory:
-    n_layer = _int(header.arch_get("block_count"), 1)
-    n_embd = _int(header.arch_get("embedding_length"))
-    n_vocab = header.n_vocab or _int(header.arch_get("vocab_size"))
+    hp = header.hparams  # validated: n_layer >= 1, so the GPU share below never divides by zero
     n_ubatch = min(s.n_batch, s.n_ctx)
-    frac = 1.0 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer) / n_layer
+    frac = 1.0 if n_gpu_layers < 0 else min(n_gpu_layers, hp.n_layer) / hp.n_layer
     return ModelMemory(
         name=header.name,
-        n_layer=n_layer,
+        n_layer=hp.n_layer,
         weights=header.tensor_bytes,
         kv=kv_bytes(header, s.n_ctx, s.kv_type),
-        compute=n_ubatch * (4 * n_vocab + 8 * n_embd),
-        output=max(1, n_outputs) * n_vocab * 4,
+        compute=n_ubatch * (4 * hp.n_vocab + 8 * hp.n_embd),
+        output=max(1, n_outputs) * hp.n_vocab * 4,
         gpu_fraction=frac,
     )
 
@@ -383,7 +363,7 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     if ctx is not None:
         out.append(f"--ctx {ctx}")
     if devices.gpus:
-        n_layer = _int(target.arch_get("block_count"), 1)
+        n_layer = target.hparams.n_layer
         start = n_layer if s.n_gpu_layers < 0 else min(s.n_gpu_layers, n_layer)
         for ngl in range(start - 1, -1, -1):
             if _fits(target, draft, replace(s, n_gpu_layers=ngl), devices):

@@ -8,7 +8,6 @@ work); the same name twice in one file is a mistake. The default pair lives in `
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -17,10 +16,13 @@ from typing import Any
 
 from localspec import demo, paths
 from localspec.errors import ConfigError
+from localspec.fsutil import atomic_write, read_text
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A file name in the repository's top folder: it becomes a path in the cache, so no separators and no `..`.
+_FILE = re.compile(r"^[A-Za-z0-9._+-]+\.gguf$")
 
 # key -> (type, required)
 _PAIR_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
@@ -115,7 +117,7 @@ def default_file() -> Path:
 def parse_spec(text: str) -> ModelSpec:
     """`REPO:FILE` from the command line (`--target bartowski/X-GGUF:X-Q4_K_M.gguf`)."""
     repo, sep, file = text.partition(":")
-    if not sep or not _REPO.match(repo) or not file.endswith(".gguf"):
+    if not sep or not _REPO.match(repo) or not _FILE.match(file):
         raise ConfigError(f"{text!r}: expected REPO:FILE, e.g. Qwen/Qwen3-0.6B-GGUF:Qwen3-0.6B-Q8_0.gguf")
     return ModelSpec(repo=repo, file=file)
 
@@ -173,6 +175,11 @@ def _model(where: str, loc: _Locator, index: int, part: str, table: dict[str, An
         raise ConfigError(f"{where}:{line_of('repo')}: repo {table['repo']!r} is not OWNER/NAME")
     if not table["file"].endswith(".gguf"):
         raise ConfigError(f"{where}:{line_of('file')}: file {table['file']!r} is not a .gguf file")
+    if not _FILE.match(table["file"]):
+        raise ConfigError(
+            f"{where}:{line_of('file')}: file {table['file']!r}: a file name without folders or '..' "
+            "(letters, digits, '.', '_', '-', '+')"
+        )
     sha = table.get("sha256")
     if sha is not None and not _SHA256.match(sha):
         raise ConfigError(f"{where}:{line_of('sha256')}: sha256 must be 64 lowercase hex digits")
@@ -193,10 +200,7 @@ def _model(where: str, loc: _Locator, index: int, part: str, table: dict[str, An
 
 def parse_file(path: Path) -> list[Pair]:
     """Every pair in one models.toml, strictly."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    text = read_text(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -211,6 +215,10 @@ def parse_file(path: Path) -> list[Pair]:
     pairs: list[Pair] = []
     seen: dict[str, int] = {}
     for index, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"{path}:{loc.pair_line(index)}: pair #{index + 1} = {table!r}: expected a [[pair]] table"
+            )
 
         def line_of(key: str | None, index: int = index) -> int:
             return loc.key_line(index, key) if key else loc.pair_line(index)
@@ -268,12 +276,9 @@ def get_pair(name: str) -> Pair:
 def default_pair_name() -> str:
     """The pair commands use without model arguments: the user's choice, else the offline demo."""
     path = default_file()
-    try:
-        name = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         return DEMO.name
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    name = read_text(path).strip()
     if not name:
         return DEMO.name
     pairs = load_pairs()
@@ -286,9 +291,4 @@ def default_pair_name() -> str:
 
 def set_default_pair(name: str) -> Path:
     get_pair(name)  # refuse unknown names before writing
-    path = default_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".default-pair.{os.getpid()}.tmp")
-    tmp.write_text(name + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write(default_file(), name + "\n", what="the default pair to", parents=True)

@@ -1,8 +1,8 @@
 """One sampling pipeline for target (p) and draft (q), and the lossless acceptance rules.
 
-Pipeline (llama.cpp's order): repetition penalty → top-k → top-p → min-p → temperature. It works on a matrix of
-logit rows at once (one per verified position) and keeps only the candidates that survive, so host work per round
-is one `argpartition` over the vocabulary per row plus small (rows × k) arithmetic.
+Pipeline (llama.cpp's order): penalties (repeat, frequency, presence) → top-k → top-p → min-p → temperature. It
+works on a matrix of logit rows at once (one per verified position) and keeps only the candidates that survive, so
+host work per round is one `argpartition` over the vocabulary per row plus small (rows × k) arithmetic.
 
 Acceptance (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x)); on rejection
 sample from normalize(max(0, p − q)). The emitted token is then distributed exactly as p. At temperature 0 the rule
@@ -43,25 +43,30 @@ def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(ids[min(i, len(ids) - 1)])
 
 
-def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -> np.ndarray:
-    """llama.cpp's penalty: divide positive logits, multiply negative ones, once per distinct recent token.
+def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -> np.ndarray:
+    """llama.cpp's penalties over the last `repeat_last_n` tokens: for each distinct token there, divide a
+    positive logit (multiply a negative one) by the repeat penalty, then subtract count × frequency penalty and
+    the presence penalty once (OpenAI's meaning).
 
     Returns a copy when it changes anything: `logits` may be a view into llama.cpp's buffer.
     """
-    if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0 or not history:
+    if not cfg.penalized or not history:
         return logits
-    recent = np.unique(np.asarray(history[-cfg.repeat_last_n :], dtype=np.int64))
-    recent = recent[recent < logits.shape[-1]]
+    recent, counts = np.unique(np.asarray(history[-cfg.repeat_last_n :], dtype=np.int64), return_counts=True)
+    inside = recent < logits.shape[-1]
+    recent, counts = recent[inside], counts[inside]
     out = np.array(logits, dtype=np.float32, copy=True)
     vals = out[recent]
-    out[recent] = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+    if cfg.repeat_penalty != 1.0:
+        vals = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+    out[recent] = vals - (counts * cfg.frequency_penalty + cfg.presence_penalty)
     return out
 
 
 def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
     """Turn (rows, vocab) logits into the pipeline's distributions, vectorised over rows.
 
-    Repetition penalty must already be applied (it depends on each row's own history).
+    Penalties must already be applied (it depends on each row's own history).
     """
     rows, vocab = logits.shape
     k = cfg.top_k if 0 < cfg.top_k < vocab else vocab
@@ -101,7 +106,9 @@ def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling) -> Candidates
             keep &= base >= cfg.min_p * base[:, :1]
         keep[:, 0] = True
 
-    scaled = (vals - vals[:, :1]) / cfg.temperature
+    # A temperature near 0 sends every logit but the top one to -inf, i.e. probability 0, as intended.
+    with np.errstate(over="ignore"):
+        scaled = (vals - vals[:, :1]) / cfg.temperature
     probs = np.where(keep, np.exp(scaled), 0.0)
     probs /= probs.sum(axis=1, keepdims=True)
     width = int(keep.sum(axis=1).max())  # sorted descending, so survivors sit at the front

@@ -8,7 +8,8 @@ from pathlib import Path
 from localspec import compat, demo, hub, llama_ctx, memory, placement, registry
 from localspec.config import Preset
 from localspec.engine import Engine
-from localspec.errors import IncompatiblePairError, LocalspecError
+from localspec.errors import IncompatiblePairError, LocalspecError, UsageError
+from localspec.fsutil import not_a_file
 from localspec.gguf_header import read_header
 from localspec.llama_ctx import LlamaModel
 
@@ -31,16 +32,17 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> 
     """
     if target is not None or draft is not None:
         if target is None:
-            raise LocalspecError("--draft PATH needs --target PATH too")
+            raise UsageError("--draft PATH needs --target PATH too")
         for path in (target, draft):
-            if path is not None and not path.is_file():
-                raise LocalspecError(f"{path}: model file not found")
+            if path is not None:
+                _check_model_file(path)
         return ModelFiles(target=target, draft=draft, name="custom")
     chosen = registry.get_pair(pair or registry.default_pair_name())
     if chosen.builtin:
         # The demo keeps the preset's context and draft length (its files are tiny).
         return ModelFiles(target=demo.target_path(), draft=demo.draft_path(), name=chosen.name)
-    assert chosen.target is not None and chosen.draft is not None
+    if chosen.target is None or chosen.draft is None:  # only the built-in demo has no specs
+        raise LocalspecError(f"pair {chosen.name} names no model files")
     return ModelFiles(
         target=hub.require_cached(chosen.target, chosen.name),
         draft=hub.require_cached(chosen.draft, chosen.name),
@@ -48,6 +50,18 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> 
         n_ctx=chosen.n_ctx,
         n_draft=chosen.n_draft,
     )
+
+
+def _check_model_file(path: Path) -> None:
+    """A model path must be a regular file: say what it is otherwise (a FIFO would block the reader forever)."""
+    try:
+        kind = not_a_file(path.stat().st_mode)
+    except FileNotFoundError:
+        raise LocalspecError(f"{path}: model file not found") from None
+    except OSError as exc:
+        raise LocalspecError(f"{path}: cannot read: {exc.strerror}") from None
+    if kind is not None:
+        raise LocalspecError(f"{path}: is {kind}, not a GGUF model file")
 
 
 def settle_preset(preset: Preset, files: ModelFiles | None, *, prefer: str | None = None,
@@ -70,11 +84,15 @@ class Preflight:
 def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None = None) -> Preflight:
     """Every check that needs no weights, from the GGUF headers alone: run before any model is loaded.
 
-    Raises IncompatiblePairError for a tokenizer mismatch and LocalspecError (naming what to change) when the
+    Raises GGUFError for a header llama.cpp would abort on (a hyperparameter out of range, a key of the wrong
+    type), IncompatiblePairError for a tokenizer mismatch and LocalspecError (naming what to change) when the
     pair will not fit the free VRAM/RAM at these settings.
     """
     target = read_header(files.target)
     draft = read_header(files.draft) if files.draft is not None else None
+    for header in (target, draft):
+        if header is not None:
+            header.hparams  # noqa: B018 -- raises GGUFError on what would make llama.cpp abort
     verdict = compat.compare(target, draft) if draft is not None else None
     if verdict is not None and not verdict.compatible:
         raise IncompatiblePairError(verdict.reason)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -86,3 +91,76 @@ def tiny_pair_high(tmp_path_factory) -> tuple[Path, Path]:
     from synthetic import TINY_HIGH
 
     return _write_tiny(tmp_path_factory, TINY_HIGH)
+
+
+# -- file systems that refuse writes (tests of every writer) -------------------------------------------------
+
+FAULTS = Path(__file__).resolve().parent / "faults"
+
+
+@dataclass(frozen=True)
+class BadFolder:
+    """A folder where writes fail. `how` is "tmpfs" (a real mount), "chmod" (permission bits) or "fault"
+    (tests/faults/sitecustomize.py, for CLI subprocesses run with `env`), whichever the machine allows."""
+
+    path: Path
+    how: str
+    env: dict[str, str]
+
+
+def fault_env(op: str, code: str, path: Path) -> dict[str, str]:
+    """Environment for a CLI subprocess whose file-system calls of kind `op` under `path` fail with `code`."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p),
+            "LOCALSPEC_TEST_FAULT": f"{op}:{code}:{path}"}
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    """A small tmpfs at `path`: only root can, and only where the container allows mounts."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def readonly_dir(tmp_path: Path) -> Iterator[BadFolder]:
+    """A folder nothing can be created in: a read-only tmpfs as root (permission bits do not stop root), mode
+    0555 otherwise, fault-injected EROFS as a last resort."""
+    path = tmp_path / "readonly"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield BadFolder(path, "chmod", {})
+        path.chmod(0o755)
+    elif _mount_tmpfs(path, "ro,size=64k"):
+        yield BadFolder(path, "tmpfs", {})
+        _unmount(path)
+    else:
+        yield BadFolder(path, "fault", fault_env("create", "EROFS", path))
+
+
+@pytest.fixture
+def full_dir(tmp_path: Path) -> Iterator[BadFolder]:
+    """A folder on a full file system: a 64 kB tmpfs filled to the last byte where mounts work, else a fault-
+    injected ENOSPC when the written file is synced (a disk that fills during the write)."""
+    path = tmp_path / "full"
+    path.mkdir()
+    if _mount_tmpfs(path, "size=64k"):
+        with contextlib.suppress(OSError), (path / "filler").open("wb") as fh:
+            while True:
+                fh.write(b"\0" * 4096)
+                fh.flush()
+        assert shutil.disk_usage(path).free == 0
+        yield BadFolder(path, "tmpfs", {})
+        _unmount(path)
+    else:
+        yield BadFolder(path, "fault", fault_env("fsync", "ENOSPC", path))
+
+
+def temp_files(folder: Path) -> list[Path]:
+    """What a failed write could leave behind: localspec's `.NAME.PID.*.tmp` files and older suffixes."""
+    return [p for p in folder.rglob("*") if p.name.endswith((".tmp", ".partial")) or ".part-" in p.name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,6 +24,7 @@ class HubFile:
     advertised_sha256: str | None = None  # None = the real sha256 of content
     advertised_size: int | None = None  # None = len(content)
     cut_first_get_at: int | None = None  # drop the connection after this many bytes, once
+    seconds_per_mib: float = 0.0  # serve GET bodies this slowly (concurrent pulls overlap)
     _cut_done: bool = False
 
     @property
@@ -116,6 +118,13 @@ class FakeHub:
                     self.wfile.write(body[: f.cut_first_get_at])
                     self.wfile.flush()
                     self.close_connection = True
+                    return None
+                if f.seconds_per_mib:
+                    step = 1 << 16
+                    for i in range(0, len(body), step):
+                        self.wfile.write(body[i : i + step])
+                        self.wfile.flush()
+                        time.sleep(f.seconds_per_mib / 16)
                     return None
                 self.wfile.write(body)
                 return None

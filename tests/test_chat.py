@@ -307,7 +307,7 @@ def test_save_writes_transcript_and_stats_atomically(demo_session, tmp_path: Pat
     chat.save(path)  # overwriting is fine
     with pytest.raises(LocalspecError, match="does not exist"):
         chat.save(tmp_path / "missing" / "chat.json")
-    with pytest.raises(LocalspecError, match="is a folder"):
+    with pytest.raises(LocalspecError, match="is a directory"):
         chat.save(tmp_path)
 
 

@@ -106,3 +106,15 @@ def test_tests_never_see_the_developers_own_home() -> None:
     home = paths.home()
     assert home != Path.home() / ".config" / "localspec"
     assert not home.exists() or not any(home.iterdir())
+
+
+def test_server_section_is_a_preset_like_the_others(tmp_path):
+    p = load_preset()
+    assert (p.server.host, p.server.port, p.server.queue) == ("127.0.0.1", 8080, 8)
+    assert load_preset().with_overrides(port=0, queue=1).server.port == 0
+    f = write(tmp_path / "srv.toml", "[server]\nport = 70000\n")
+    with pytest.raises(ConfigError, match=r"srv\.toml: server\.port = 70000: allowed range is 0\.\.65535"):
+        load_preset(str(f))
+    f = write(tmp_path / "host.toml", "[server]\nhost = \"\"\n")
+    with pytest.raises(ConfigError, match=r"server\.host = '': expected a non-empty string"):
+        load_preset(str(f))

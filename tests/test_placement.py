@@ -189,8 +189,10 @@ def test_doctor_reports_each_rpc_server(demo_home: Path) -> None:
     assert down.status == Status.FAIL and down.detail == "connection refused" and "rpc-server" in down.fix
 
 
-def test_models_judges_fit_against_every_gpu_together() -> None:
-    pair = registry.load_pairs()["qwen2.5-coder-32b"]  # 20.4 GB of weights, not downloaded here
+def test_models_judges_fit_against_every_gpu_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = registry.load_pairs()["qwen2.5-coder-32b"]  # 20.4 GB of weights
+    # not downloaded (and huggingface_hub not imported here: it reads HF_HUB_OFFLINE once, at its import)
+    monkeypatch.setattr(models_cmd, "_cached_files", lambda pair: None)
     preset = config.load_preset()
     assert "no" in models_cmd._fits(pair, machine(12), preset)
     assert "likely" in models_cmd._fits(pair, machine(12, 12), preset)

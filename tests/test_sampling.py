@@ -11,7 +11,7 @@ from localspec.config import load_preset
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
-    apply_repeat_penalty,
+    apply_penalties,
     candidates,
     residual_distribution,
 )
@@ -72,11 +72,11 @@ def test_pipeline_matches_reference(settings):
 
 def test_repeat_penalty_follows_llama_cpp_and_copies():
     logits = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
-    out = apply_repeat_penalty(logits, [0, 1, 1, 3], cfg(repeat_penalty=2.0, repeat_last_n=3))
+    out = apply_penalties(logits, [0, 1, 1, 3], cfg(repeat_penalty=2.0, repeat_last_n=3))
     # window = [1, 1, 3]: token 1 (negative) is multiplied once, token 3 (positive) divided; token 0 is out.
     assert out.tolist() == [2.0, -4.0, 1.0, 0.25]
     assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # the llama.cpp buffer is never written
-    assert apply_repeat_penalty(logits, [0], cfg(repeat_penalty=1.0)) is logits
+    assert apply_penalties(logits, [0], cfg(repeat_penalty=1.0)) is logits
 
 
 def dist(pairs: dict[int, float]) -> Candidates:
@@ -129,3 +129,31 @@ def test_identical_distributions_always_accept():
     p = dist({0: 0.4, 1: 0.6})
     rng = np.random.default_rng(0)
     assert all(accept_or_resample(q_tok, p, 0, p, rng)[0] for q_tok in [0, 1] * 200)
+
+
+def test_frequency_and_presence_penalties_follow_llama_cpp():
+    logits = np.array([2.0, -2.0, 1.0, 0.5, 3.0], dtype=np.float32)
+    c = cfg(repeat_penalty=2.0, repeat_last_n=4, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, [4, 0, 1, 1, 3], c)
+    # window = [0, 1, 1, 3]: repeat penalty first, then count × 0.5 + 0.25 subtracted; token 4 is out of it.
+    assert out.tolist() == pytest.approx([2.0 / 2 - 0.75, -2.0 * 2 - 1.25, 1.0, 0.5 / 2 - 0.75, 3.0])
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5, 3.0]
+    # negative penalties (OpenAI allows -2..2) favour repeats; no window means no penalty
+    assert apply_penalties(logits, [2], cfg(presence_penalty=-1.0))[2] == pytest.approx(2.0)
+    assert apply_penalties(logits, [2], cfg(presence_penalty=1.0, repeat_last_n=0)) is logits
+
+
+def test_penalties_reach_both_distributions_through_the_engine_pipeline():
+    """p and q go through the same function: a penalised token loses mass in both."""
+    from localspec.engine import _distributions
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 1, size=(2, 50)).astype(np.float32)
+    logits[:, 7] = 5.0  # the favourite everywhere
+    plain = cfg(temperature=1.0, top_k=0, top_p=1.0)
+    penalised = cfg(temperature=1.0, top_k=0, top_p=1.0, frequency_penalty=2.0, presence_penalty=2.0)
+    for rows in (logits[:1], logits):  # one draft row (q) and a verify batch (p)
+        before = _distributions(rows, [3, 7, 7], plain)
+        after = _distributions(rows, [3, 7, 7], penalised)
+        for r in range(len(rows)):
+            assert after.prob_of(r, 7) < before.prob_of(r, 7) / 10

@@ -109,3 +109,15 @@ def test_preset_agreement_levels(tmp_path: Path) -> None:
     high = measure_agreement(*_pair(tmp_path, TINY_HIGH, "high"), n_prompts=8)
     assert 0.6 <= mid["greedy"] <= 0.9, mid
     assert high["greedy"] >= 0.97, high
+
+
+def test_an_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import synthetic
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synthetic, "_write_tensors", interrupted)  # Ctrl-C halfway through the tensor data
+    with pytest.raises(KeyboardInterrupt):
+        write_pair(tmp_path / "t.gguf", tmp_path / "d.gguf", TINY)
+    assert list(tmp_path.iterdir()) == []

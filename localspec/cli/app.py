@@ -7,7 +7,9 @@ collects them. Click objects stay out of the app (typer >= 0.26 bundles its own 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from types import FrameType
 from typing import Annotated
 
 # The import-order guard lives in the entry points (and llama_ctx), not in the package: llama_cpp must load before
@@ -15,7 +17,8 @@ from typing import Annotated
 import llama_cpp  # noqa: F401, I001
 import typer
 
-from localspec.cli import bench_cmd, chat_cmd, models_cmd, rpc_cmd
+from localspec import llama_ctx
+from localspec.cli import bench_cmd, chat_cmd, models_cmd, rpc_cmd, serve_cmd
 from localspec.errors import LocalspecError
 
 app = typer.Typer(
@@ -45,7 +48,7 @@ def _root(
     """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""
 
 
-for _module in (bench_cmd, models_cmd, chat_cmd, rpc_cmd):
+for _module in (bench_cmd, models_cmd, chat_cmd, serve_cmd, rpc_cmd):
     _module.register(app)
 
 
@@ -53,8 +56,30 @@ def debug_enabled() -> bool:
     return os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")
 
 
+class _Terminated(BaseException):
+    """SIGTERM as an exception, so every `finally` and atomic write cleans up (typer does not catch it)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    if not llama_ctx.deferred_in_callback(signum, frame):
+        raise _Terminated
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """typer turns Ctrl-C into a silent exit 130; find the KeyboardInterrupt behind it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def main() -> None:
     """Console entry point: known errors become one line on stderr and a non-zero exit."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell made us ignore it
+        signal.signal(signal.SIGINT, llama_ctx.interrupt_handler)
     try:
         app(standalone_mode=True)
     except LocalspecError as exc:
@@ -67,3 +92,16 @@ def main() -> None:
             raise
         print("localspec: interrupted", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as exc:
+        if exc.code == 130 and _interrupted(exc):
+            print("localspec: interrupted", file=sys.stderr)
+        raise
+    except _Terminated:
+        print("localspec: terminated", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+    except OSError as exc:  # a file-system failure no command anticipated: still one line, naming the file
+        if debug_enabled():
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"localspec: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        sys.exit(2)

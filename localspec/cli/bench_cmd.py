@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +23,8 @@ from localspec.bench import (
     run_sweep,
 )
 from localspec.cli import options
-from localspec.errors import LocalspecError
+from localspec.errors import LocalspecError, WriteError
+from localspec.fsutil import atomic_write, check_writable
 from localspec.session import open_session
 from localspec.ui.bench_view import live_table, summary, sweep_table
 
@@ -38,7 +38,9 @@ SavePresetOpt = Annotated[
     typer.Option("--save-preset", help="With --sweep: write the best draft length into this user preset.",
                  show_default=False),
 ]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this path.")]
+JsonOpt = Annotated[
+    Path | None, typer.Option("--json", help="Also write the report as JSON to this path.", readable=False)
+]
 
 
 @options.with_run_options
@@ -52,16 +54,19 @@ def bench(
     save_preset: SavePresetOpt = None,
 ) -> None:
     """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
+    lengths = _parse_sweep(sweep) if sweep is not None else None
+    if save_preset is not None and lengths is None:
+        raise LocalspecError("--save-preset needs --sweep: it stores the best draft length the sweep finds")
+    # Refuse now what could not be saved after minutes of measuring.
+    if json_path is not None:
+        check_writable(json_path, "bench report")
+    if save_preset is not None:
+        check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
     if files.draft is None:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
-    if json_path is not None:
-        _check_writable(json_path)
-    lengths = _parse_sweep(sweep) if sweep is not None else None
-    if save_preset is not None and lengths is None:
-        raise LocalspecError("--save-preset needs --sweep: it stores the best draft length the sweep finds")
 
     console = Console()
     s = chosen.sampling
@@ -148,22 +153,24 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
         _write_json(json_path, report)
         console.print(f"report written to {json_path}")
     if save_preset is not None:
-        path = config.save_user_preset(save_preset, chosen.with_overrides(n_draft=best.n_draft))
+        tuned = chosen.with_overrides(n_draft=best.n_draft)
+        try:
+            path = config.save_user_preset(save_preset, tuned)
+        except WriteError as exc:
+            # The sweep's result must not be lost: show the preset so it can be saved by hand.
+            print(config.preset_text(tuned), end="", flush=True)
+            raise WriteError(f"{exc}; the preset is printed above instead") from None
         console.print(f"saved draft length {best.n_draft} to preset {save_preset!r} ({path})")
 
 
-def _check_writable(path: Path) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise LocalspecError(f"--json {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise LocalspecError(f"--json {path}: folder {folder} is not writable")
-
-
 def _write_json(path: Path, report: BenchReport | SweepReport) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report.as_json(), indent=2) + "\n")
-    tmp.replace(path)
+    text = json.dumps(report.as_json(), indent=2) + "\n"
+    try:
+        atomic_write(path, text, what="bench report")
+    except WriteError as exc:
+        # Checked before the run, yet the disk can fill or the folder vanish meanwhile: keep the result.
+        print(text, end="", flush=True)
+        raise WriteError(f"{exc}; the report is printed above instead") from None
 
 
 def register(app: typer.Typer) -> None:

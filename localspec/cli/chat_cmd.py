@@ -33,9 +33,11 @@ from localspec.chat import (
 )
 from localspec.cli import options
 from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, GenerationStats, TokenEvent
-from localspec.errors import LocalspecError
+from localspec.errors import DecodeError, LocalspecError, UsageError
+from localspec.fsutil import not_utf8
 from localspec.session import ModelFiles, Session, open_session
 
+EXIT_CONTEXT_FULL = 3  # generate: the completion stopped short because the context filled (message on stderr)
 DRAFT_STYLE = "cyan"  # accepted draft tokens; the target's own tokens keep the terminal's colour
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt for the conversation.")]
@@ -237,10 +239,10 @@ def generate(
     chat_template: ChatFlag = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Print the completion of PROMPT to stdout, and nothing else (pipeable)."""
-    text = sys.stdin.read() if prompt == "-" else prompt
+    """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
+    text = _read_stdin() if prompt == "-" else prompt
     if not text.strip():
-        raise LocalspecError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
+        raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
     files, chosen = options.resolve_run(run, "generate", max_tokens=max_tokens)
     with open_session(files, chosen) as session:
         model = session.target
@@ -264,7 +266,8 @@ def generate(
         except BrokenPipeError:  # `| head`: the reader left; that is not an error
             _silence_stdout()
             return
-        assert done is not None
+        if done is None:  # the engine always ends with a DoneEvent; without one there is no result to report
+            raise DecodeError("generation ended without its final stats")
         if json_out:
             result = {"text": model.detokenize(out), "tokens": len(out), "stop_reason": done.stop_reason,
                       "stats": done.stats.as_dict(), "model": _model_info(files, session),
@@ -278,6 +281,20 @@ def generate(
             sys.stdout.flush()
         except BrokenPipeError:
             _silence_stdout()
+            return
+    if done.stop_reason == STOP_CONTEXT_FULL:
+        # The text stops short of what was asked: say so where a pipe does not swallow it, and exit non-zero.
+        print(f"localspec: stopped: context full ({session.engine.n_ctx} tokens)", file=sys.stderr)
+        raise typer.Exit(EXIT_CONTEXT_FULL)
+
+
+def _read_stdin() -> str:
+    """The prompt from stdin, strictly UTF-8: a wrong encoding is named, not silently replaced."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(not_utf8("stdin", exc)) from None
 
 
 def _silence_stdout() -> None:

@@ -31,7 +31,7 @@ SpecOpt = Annotated[
 ]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
-PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False)]
+PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
 def _size(n: int | None, approx: bool = False) -> str:
     return "?" if n is None else f"{'~' if approx else ''}{n / GB:.1f} GB"
@@ -85,6 +85,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     table = Table(title="localspec model pairs", title_justify="left")
     for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
         table.add_column(col)
+    unreadable: list[str] = []
     for pair in pairs.values():
         if pair.builtin:
             models_text, size, downloaded = (
@@ -100,8 +101,15 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
             downloaded = "[green]yes[/]" if _cached_files(pair) else "no"
         mark = "*" if pair.name == current else ("+" if pair.recommended else "")
         ctx, k = ("preset", "preset") if pair.builtin else (str(pair.n_ctx), str(pair.n_draft))
-        table.add_row(mark, pair.name, models_text, size, downloaded, _fits(pair, devices, chosen), ctx, k)
+        try:
+            fits = _fits(pair, devices, chosen)
+        except LocalspecError as exc:  # one corrupt cached file: this row says so, the others still list
+            downloaded, fits = "[red]unreadable[/]", "?"
+            unreadable.append(str(exc))
+        table.add_row(mark, pair.name, models_text, size, downloaded, fits, ctx, k)
     console.print(table)
+    for problem in unreadable:
+        console.print(f"[red]✗[/] {escape(problem)}")
     console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
     if not devices.gpus:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
@@ -133,7 +141,7 @@ def pull(
         specs = [registry.parse_spec(s) for s in (target, draft) if s]
     for spec in specs:
         console.print(f"pulling [cyan]{spec.label}[/] into {hub.cache_dir()}")
-    paths = hub.pull(specs)
+    paths = hub.pull(specs, on_wait=_say_waiting)
     for path in paths:
         console.print(f"[green]✓[/] {path}")
     if pair is not None and registry.default_pair_name() != pair:
@@ -143,6 +151,11 @@ def pull(
         if make_default:
             registry.set_default_pair(pair)
             console.print(f"default pair: [cyan]{pair}[/]")
+
+
+def _say_waiting(spec: registry.ModelSpec, pid: int | None) -> None:
+    who = f"process {pid}" if pid is not None else "another process"
+    console.print(f"[yellow]{escape(spec.file)} is already downloading in {who}: waiting for it to finish…[/]")
 
 
 def check(

@@ -48,8 +48,10 @@ def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
 PairOpt = Annotated[
     str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
 ]
+# readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target GGUF file (the big model).", show_default=False)
+    Path | None,
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
 ]
 DraftOpt = Annotated[
     list[str] | None,
@@ -84,6 +86,9 @@ rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target u
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
+host = _setting("host", "--host", "Address to listen on.")
+port = _setting("port", "--port", "Port to listen on (0 = any free port).")
+queue = _setting("queue", "--queue", "Requests that may wait while one runs; more get HTTP 503.")
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:

@@ -1,0 +1,216 @@
+"""`localspec serve`: the OpenAI-compatible server, with a live status line.
+
+The socket is bound first (a busy port is a one-line error), uvicorn starts answering at once (/health says 503
+"loading"), and the pair loads on a background thread; then the server is ready. Ctrl-C (or SIGTERM) cancels the
+running and queued requests, lets uvicorn close the connections, frees both models and exits 0.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import socket
+import threading
+from typing import Annotated, Any
+
+import typer
+import uvicorn
+from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.text import Text
+
+from localspec.cli import options
+from localspec.errors import LocalspecError
+from localspec.server.app import SHUTDOWN_GRACE_S, Backend, ServerState, create_app
+from localspec.session import ModelFiles, Session, open_session, preflight
+
+ApiKeyOpt = Annotated[
+    str | None, typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", show_default=False,
+                             help="Require this key (Bearer or X-Api-Key); /health stays open.")
+]
+CorsOpt = Annotated[
+    list[str] | None, typer.Option("--cors-origin", show_default=False,
+                                   help="Allow browser requests from this origin ('*' = any). Repeatable.")
+]
+ServeMaxTokensOpt = Annotated[
+    int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply (default: the turn's end or a "
+                                                         "full context).")
+]
+
+
+@options.with_run_options
+def serve(
+    run: options.RunOptions,
+    host: options.host = None,
+    port: options.port = None,
+    queue: options.queue = None,
+    api_key: ApiKeyOpt = None,
+    cors_origin: CorsOpt = None,
+    max_tokens: ServeMaxTokensOpt = None,
+) -> None:
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
+    overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
+    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue)
+    preflight(files, chosen)  # headers only: a pair that cannot work fails before the port is taken
+    settings = chosen.server
+    sock = listen(settings.host, settings.port)
+    bound_port = sock.getsockname()[1]
+    key = api_key or None
+    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed)
+    app = create_app(state, tuple(cors_origin or ()))
+
+    console = Console(highlight=False)
+    _route_logs_to(console)
+    url = f"http://{_url_host(settings.host)}:{bound_port}/v1"
+    draft_name = files.draft.name if files.draft else "none (plain decoding)"
+    console.print(
+        f"[bold]localspec serve[/] · pair [cyan]{escape(files.name)}[/]: target {escape(files.target.name)}, "
+        f"draft {escape(draft_name)}\n"
+        f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/] · "
+        f"{'API key required' if key else 'no API key'} · queue {settings.queue} · Ctrl-C stops"
+    )
+    if not is_loopback(sock.getsockname()[0]) and key is None:
+        console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
+                      "reach this port can use the models[/]")
+
+    server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            session = open_session(files, chosen)
+            loaded["session"] = session
+            state.attach(Backend.build(session.engine, session.target, chosen, settings.queue))
+            if server.should_exit:  # Ctrl-C while loading
+                state.backend.worker.shutdown()  # type: ignore[union-attr]
+        except BaseException as exc:  # reported after the server stops
+            loaded["error"] = exc
+            state.load_error = str(exc)
+            server.should_exit = True
+
+    server.on_exit = lambda: state.backend.worker.shutdown(timeout=0) if state.backend else None
+    loader = threading.Thread(target=load, name="localspec-load", daemon=True)
+    loader.start()
+    try:
+        with Live(console=console, refresh_per_second=2, get_renderable=lambda: _status(state, files)):
+            _run_quietly(server, sock)
+        console.print("[dim]localspec serve stopped[/]")
+    finally:
+        loader.join()
+        if state.backend is not None:
+            state.backend.worker.shutdown(timeout=30)
+        session: Session | None = loaded.get("session")
+        if session is not None:
+            session.close()
+        sock.close()
+    if "error" in loaded:
+        raise loaded["error"]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a shutdown signal cancels the engine's work at once instead of waiting for it."""
+
+    on_exit: Any = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self.on_exit is not None:
+            self.on_exit()
+
+
+def _run_quietly(server: uvicorn.Server, sock: socket.socket) -> None:
+    """Run until a signal. uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers
+    in place the re-raised Ctrl-C ends nothing more, so the command returns and exits 0."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def model_id(files: ModelFiles) -> str:
+    """The id clients send and /v1/models lists: the pair's name, or the target file's name for custom paths."""
+    return files.target.stem if files.name == "custom" else files.name
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; a busy port or an unknown host is a one-line error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise LocalspecError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise LocalspecError(f"cannot listen on {host}:{port}: {exc.strerror} (try another --port)") from None
+    return sock
+
+
+def is_loopback(address: str) -> bool:
+    """Whether only this machine can connect (0.0.0.0 and :: mean every interface)."""
+    return ipaddress.ip_address(address).is_loopback
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"  # where a browser on this machine reaches it
+    return f"[{host}]" if ":" in host else host
+
+
+def _status(state: ServerState, files: ModelFiles) -> Text:
+    """The live line: loading, or requests served/queued and the last request's speed and acceptance."""
+    backend = state.backend
+    if backend is None:
+        if state.load_error:
+            return Text(f"● failed to load: {state.load_error}", style="red")
+        return Text(f"● loading {files.target.name} …", style="yellow")
+    worker, stats = backend.worker, backend.worker.stats
+    line = Text("● ", style="green" if not stats.busy else "cyan")
+    line.append(f"{'generating' if stats.busy else 'ready'} · served {stats.served} · queued {worker.queued}")
+    if stats.cancelled:
+        line.append(f" · cancelled {stats.cancelled}")
+    if stats.rejected:
+        line.append(f" · turned away {stats.rejected} (queue full)")
+    if stats.last is not None:
+        last = stats.last.stats
+        accepted = f"acceptance {last.acceptance_rate:.0%}" if last.drafted else "no drafting"
+        line.append(f" · last: {last.tokens} tokens, {last.decode_tps:.1f} tok/s, {accepted}, mean accepted "
+                    f"{last.mean_accepted:.2f}, prompt {stats.last.prompt_n}/{last.prompt_tokens} processed",
+                    style="dim")
+    return line
+
+
+class _ConsoleHandler(logging.Handler):
+    """Server log lines printed through rich, so they land above the live status line, not through it."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info:  # only under LOCALSPEC_DEBUG=1 (see server/app.py)
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        self.console.print(Text(text, style="red" if record.levelno >= logging.ERROR else "yellow"))
+
+
+def _route_logs_to(console: Console) -> None:
+    handler = _ConsoleHandler(console)
+    for name in ("localspec.server", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+

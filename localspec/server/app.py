@@ -1,0 +1,446 @@
+"""The HTTP surface: FastAPI routes in OpenAI's shapes over one Worker.
+
+`create_app(state)` answers at once; `state.attach(backend)` makes it serve once the models are loaded (until then
+/health says 503 and generation routes answer 503 "loading"). Every error is OpenAI-shaped JSON:
+`{"error": {"message", "type", "param", "code"}}`. Requests are parsed here (schema.py), turned into a prompt and
+one Sampling/Drafting pair (the request's fields over the server's preset), and handed to the worker; the
+response streams the worker's output as SSE or collects it into one JSON body. A client that leaves cancels its
+job, whether it was streaming or waiting for JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localspec import __version__
+from localspec.chat import ChatTemplate, encode_chat
+from localspec.config import Preset
+from localspec.engine import Engine
+from localspec.errors import ConfigError, LocalspecError
+from localspec.llama_ctx import LlamaModel
+from localspec.server.schema import (
+    FIELD_OF_KEY,
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    parse,
+    parse_body,
+)
+from localspec.server.worker import FINISH_CANCELLED, Delta, Failed, Finished, Item, Job, JobResult, QueueFull, Worker
+
+log = logging.getLogger("localspec.server")
+
+MAX_BODY_BYTES = 64 << 20  # far above any prompt a context can hold, far below trouble
+SHUTDOWN_GRACE_S = 5.0  # a cancelled job stops at the engine's next check: well within this
+
+
+class ApiError(Exception):
+    """Becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, kind, param, code)
+        self.headers = headers
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Backend:
+    """A loaded pair, ready to serve: the worker owns the engine; the target's tokenizer makes prompts."""
+
+    worker: Worker
+    model: LlamaModel
+    preset: Preset
+    template: ChatTemplate | None
+    template_error: str | None  # why chat is unavailable (no template), told to each chat request
+    n_ctx: int
+
+    @classmethod
+    def build(cls, engine: Engine, model: LlamaModel, preset: Preset, queue: int) -> Backend:
+        try:
+            template, problem = ChatTemplate.for_model(model), None
+        except LocalspecError as exc:
+            template, problem = None, str(exc)
+        worker = Worker(engine, queue)
+        worker.start()
+        return cls(worker=worker, model=model, preset=preset, template=template, template_error=problem,
+                   n_ctx=engine.n_ctx)
+
+
+@dataclass
+class ServerState:
+    """What the routes read: fixed settings, and the backend once loaded."""
+
+    model_id: str
+    api_key: str | None = None
+    max_tokens: int | None = None  # the server's cap per reply (None: until the end of the turn/context)
+    seed: int | None = None  # for requests that give none (None: a random one each)
+    backend: Backend | None = None
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def attach(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def ready(self) -> Backend:
+        if self.backend is None:
+            reason = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise ApiError(503, reason, kind="server_error", code="model_loading", headers={"Retry-After": "1"})
+        return self.backend
+
+
+def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAPI:
+    app = FastAPI(title="localspec", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.localspec = state
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    _install_error_handlers(app)
+
+    async def health() -> JSONResponse:
+        if state.backend is None:
+            status = "error" if state.load_error else "loading"
+            return JSONResponse({"status": status, "message": state.load_error}, status_code=503)
+        stats, worker = state.backend.worker.stats, state.backend.worker
+        return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "queued": worker.queued,
+                             "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
+                             "rejected": stats.rejected})
+
+    async def models(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "localspec"}]})
+
+    async def chat_completions(request: Request) -> Any:
+        _authorize(state, request)
+        req = parse(ChatRequest, parse_body(await _read_body(request)))
+        backend = state.ready()
+        if backend.template is None:
+            raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
+                           code="no_chat_template")
+        messages = [m.as_template_message() for m in req.messages]
+
+        def build() -> list[int]:
+            assert backend.template is not None
+            return encode_chat(backend.model, backend.template.render(messages))
+
+        prompt = await _prompt(backend, build)
+        return await _run(state, backend, request, req, prompt, chat=True)
+
+    async def completions(request: Request) -> Any:
+        _authorize(state, request)
+        req = parse(CompletionRequest, parse_body(await _read_body(request)))
+        backend = state.ready()
+        source = req.prompt
+
+        def build() -> list[int]:
+            if isinstance(source, list):
+                n_vocab = backend.model.n_vocab
+                bad = next((t for t in source if not 0 <= t < n_vocab), None)
+                if bad is not None:
+                    raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                                       param="prompt", code="invalid_value")
+                return list(source)
+            # Special tokens in the text are parsed, as llama.cpp's server does: front-ends that apply a chat
+            # template themselves (SillyTavern's text completion) send `<start_of_turn>` and expect a token.
+            return backend.model.tokenize(source, add_special=True, parse_special=True)
+
+        prompt = await _prompt(backend, build)
+        return await _run(state, backend, request, req, prompt, chat=False)
+
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/models", _guarded(models), methods=["GET"])
+        app.add_api_route(f"{prefix}/chat/completions", _guarded(chat_completions), methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", _guarded(completions), methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/health", health, methods=["GET"])
+    return app
+
+
+# -- request handling ----------------------------------------------------------------------------------------
+
+
+def _guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+    """An unexpected exception becomes a logged line and an OpenAI-shaped 500 here, inside the route: past it,
+    Starlette would re-raise it to uvicorn, which prints a traceback."""
+
+    @functools.wraps(handler)
+    async def run(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except (ApiError, RequestError):
+            raise
+        except Exception as exc:
+            _log_internal(request.url.path, exc)
+            raise ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
+                           code="internal_error") from None
+
+    return run
+
+
+def _log_internal(where: str, exc: BaseException) -> None:
+    if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
+        log.error("internal error on %s", where, exc_info=exc)
+    else:
+        log.error("internal error on %s: %s: %s (LOCALSPEC_DEBUG=1 shows the traceback)", where,
+                  type(exc).__name__, exc)
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    given = request.headers.get("x-api-key")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if given is None and scheme.lower() == "bearer":
+        given = token.strip()
+    if not given or not hmac.compare_digest(given.encode(), state.api_key.encode()):
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _prompt(backend: Backend, build: Any) -> list[int]:
+    """Template rendering and tokenization off the event loop (a long prompt takes a while), then the checks."""
+    try:
+        prompt = await anyio.to_thread.run_sync(build)
+    except LocalspecError as exc:  # e.g. a chat template that refuses this conversation
+        raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+    if not prompt:
+        raise ApiError(400, "the prompt is empty (this model adds no BOS token)", param="prompt", code="invalid_value")
+    if len(prompt) >= backend.n_ctx:
+        raise ApiError(400, f"the prompt has {len(prompt)} tokens and the context holds {backend.n_ctx}: "
+                            "prompt and reply must fit", code="context_length_exceeded")
+    return prompt
+
+
+def _job_settings(state: ServerState, backend: Backend,
+                  req: ChatRequest | CompletionRequest) -> tuple[Preset, int]:
+    """The request's fields over the server's preset: one Sampling for target and draft, one Drafting."""
+    if req.seed is not None and req.seed >= 0:
+        seed = req.seed
+    else:  # absent or -1: the server's --seed, else random per request (a preset's fixed seed would repeat replies)
+        seed = state.seed if state.seed is not None else secrets.randbits(32)
+    overrides = req.preset_overrides()
+    names = {key: FIELD_OF_KEY.get(key, key) for key in overrides}  # errors name the request's field
+    try:
+        preset = backend.preset.with_overrides(seed=seed, flags=names, **overrides)
+    except ConfigError as exc:  # the schema checks the same ranges; this is the backstop
+        raise ApiError(400, str(exc), code="invalid_value") from None
+    room = backend.n_ctx  # the engine stops at a full context by itself
+    limits = [n for n in (req.limit(), state.max_tokens) if n is not None]
+    return preset, min([*limits, room])
+
+
+async def _run(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
+               prompt: list[int], *, chat: bool) -> Any:
+    preset, max_tokens = _job_settings(state, backend, req)
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue[Item] = asyncio.Queue()
+
+    def sink(item: Item) -> None:  # runs on the worker thread
+        loop.call_soon_threadsafe(items.put_nowait, item)
+
+    job = Job(prompt=prompt, sampling=preset.sampling, drafting=preset.draft, max_tokens=max_tokens,
+              stops=req.stop, sink=sink)
+    worker = backend.worker
+    try:
+        worker.submit(job)
+    except QueueFull as exc:
+        raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
+                       headers={"Retry-After": str(worker.retry_after_s())}) from None
+    reply = _Reply(state.model_id, chat)
+    if req.stream:
+        # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
+        # it get there before sse-starlette would cut the connection mid-response.
+        return EventSourceResponse(_stream(reply, items, worker, job, req.include_usage), sep="\n",
+                                   shutdown_grace_period=SHUTDOWN_GRACE_S)
+    return JSONResponse(reply.whole(await _collect(request, items, worker, job)))
+
+
+async def _collect(request: Request, items: asyncio.Queue[Item], worker: Worker, job: Job) -> JobResult:
+    """Wait for the whole reply; a client that leaves meanwhile cancels the job."""
+
+    async def cancel_on_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                worker.cancel(job)
+                # A job cancelled while queued never reports back: end the wait here.
+                items.put_nowait(Failed("the client disconnected", "gone"))
+                return
+
+    watcher = asyncio.create_task(cancel_on_disconnect())
+    try:
+        while True:
+            item = await items.get()
+            if isinstance(item, Finished):
+                if item.result.finish_reason == FINISH_CANCELLED:
+                    raise ApiError(503, "the request was cancelled: the server is shutting down",
+                                   kind="server_error", code="shutdown")
+                return item.result
+            if isinstance(item, Failed):
+                raise _failure(item)
+    finally:
+        watcher.cancel()
+        worker.cancel(job)  # a no-op when it finished; stops it when this handler was cancelled
+
+
+async def _stream(reply: _Reply, items: asyncio.Queue[Item], worker: Worker, job: Job,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE data lines. sse-starlette cancels this generator when the client disconnects (or the server shuts
+    down); the `finally` then cancels the job."""
+    try:
+        if reply.chat:
+            yield reply.chunk({"role": "assistant", "content": ""})
+        while True:
+            item = await items.get()
+            if isinstance(item, Delta):
+                yield reply.chunk({"content": item.text} if reply.chat else item.text)
+                continue
+            if isinstance(item, Failed):
+                yield _json(_failure(item).body)
+            elif item.result.finish_reason == FINISH_CANCELLED:
+                yield _json(error_body("the request was cancelled: the server is shutting down", "server_error",
+                                       code="shutdown"))
+            else:
+                yield reply.final_chunk(item.result)
+                if include_usage:
+                    yield reply.usage_chunk(item.result)
+            break
+        yield "[DONE]"
+    except Exception as exc:  # a bug: tell the client and log one line, as _guarded does for JSON routes
+        _log_internal("stream", exc)
+        yield _json(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
+    finally:
+        worker.cancel(job)
+
+
+def _failure(item: Failed) -> ApiError:
+    if item.kind == "gone":  # nobody will read this: nginx's "client closed request"
+        return ApiError(499, item.message, code="client_closed_request")
+    if item.kind == "invalid_request":
+        return ApiError(400, item.message, code="invalid_value")
+    if item.kind == "shutdown":
+        return ApiError(503, item.message, kind="server_error", code="shutdown")
+    return ApiError(500, item.message, kind="server_error", code="internal_error")
+
+
+# -- response shapes -----------------------------------------------------------------------------------------
+
+
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class _Reply:
+    """OpenAI's shapes for one reply: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, model_id: str, chat: bool) -> None:
+        self.model_id = model_id
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.fingerprint = f"localspec-{__version__}"
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
+                "system_fingerprint": self.fingerprint}
+
+    def _choice(self, payload: dict[str, Any] | str, finish: str | None, whole: bool = False) -> dict[str, Any]:
+        if self.chat:
+            key = "message" if whole else "delta"
+            return {"index": 0, key: payload, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": payload, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, payload: dict[str, Any] | str) -> str:
+        return _json({**self._head(True), "choices": [self._choice(payload, None)]})
+
+    def final_chunk(self, result: JobResult) -> str:
+        empty: dict[str, Any] | str = {} if self.chat else ""
+        return _json({**self._head(True), "choices": [self._choice(empty, result.finish_reason)],
+                      "timings": result.timings()})
+
+    def usage_chunk(self, result: JobResult) -> str:
+        return _json({**self._head(True), "choices": [], "usage": _usage(result)})
+
+    def whole(self, result: JobResult) -> dict[str, Any]:
+        payload: dict[str, Any] | str = {"role": "assistant", "content": result.text} if self.chat else result.text
+        return {**self._head(False), "choices": [self._choice(payload, result.finish_reason, whole=True)],
+                "usage": _usage(result), "timings": result.timings()}
+
+
+def _usage(result: JobResult) -> dict[str, Any]:
+    prompt, completion = result.stats.prompt_tokens, result.stats.tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": prompt - result.prompt_n}}
+
+
+# -- errors --------------------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    async def request_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestError)
+        return JSONResponse(error_body(exc.message, "invalid_request_error", exc.param, exc.code), status_code=400)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}: this server has /v1/chat/completions, /v1/completions, " \
+                      "/v1/models and /health"
+        else:
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error", code=str(exc.status_code)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"invalid request: {exc}", "invalid_request_error"), status_code=400)
+
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        _log_internal(request.url.path, exc)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error",
+                                       code="internal_error"), status_code=500)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)

@@ -1,0 +1,290 @@
+"""The request bodies of /v1/chat/completions and /v1/completions, and what is refused.
+
+Strict on purpose: an unknown field is a 400 naming it (a typo such as `temprature` must not fall back to the
+preset silently), and so is a known OpenAI field whose feature localspec does not have (`n > 1`, `logprobs`,
+`tools`, `response_format` JSON/grammar, ...), unless its value asks for nothing (`n: 1`, `logprobs: false`,
+`tools: []`), which front-ends send by default. Types are strict (`"0.5"` is not a temperature) and every range
+comes from the preset's own metadata in `localspec.config`, so the server accepts exactly what a preset may hold.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from localspec.config import key_metadata
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+MAX_TOKENS_LIMIT = 2**31 - 1
+FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min"}  # preset key → request field
+
+
+class RequestError(Exception):
+    """A request the server cannot run as sent: becomes an OpenAI-shaped 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def _limits(key: str) -> dict[str, Any]:
+    """The preset's allowed range for one key, as pydantic bounds."""
+    lo, hi = key_metadata(key)["range"]
+    return {"ge": lo, "le": hi}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Speculative(_Strict):
+    """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting)."""
+
+    n_max: int | None = Field(None, **_limits("n_draft"))
+    p_min: float | None = Field(None, **_limits("p_min"))
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v == ok and type(v) is type(ok) for ok in values)
+
+
+# field → (does this value ask for nothing?, why it is refused otherwise)
+_COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_neutral(None, 1), "only n = 1 is supported (one choice per request)"),
+    "logit_bias": (_neutral(None, {}), "logit_bias is not supported (it would change the target's distribution)"),
+}
+_CHAT_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": (_neutral(None, False), "logprobs are not supported"),
+    "top_logprobs": (_neutral(None, 0), "logprobs are not supported"),
+    "tools": (_neutral(None, []), "tool calling is not supported"),
+    "tool_choice": (_neutral(None, "none", "auto"), "tool calling is not supported"),
+    "parallel_tool_calls": (_neutral(None, True, False), "tool calling is not supported"),
+    "functions": (_neutral(None, []), "function calling is not supported"),
+    "function_call": (_neutral(None, "none", "auto"), "function calling is not supported"),
+    "response_format": (_neutral(None, {"type": "text"}),
+                        "only {\"type\": \"text\"} is supported (no JSON mode, schemas or grammars)"),
+    "modalities": (_neutral(None, ["text"]), "only text output is supported"),
+    "audio": (_neutral(None), "audio output is not supported"),
+}
+_COMPLETION_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": (_neutral(None), "logprobs are not supported"),
+    "best_of": (_neutral(None, 1), "only best_of = 1 is supported"),
+    "echo": (_neutral(None, False), "echo is not supported"),
+    "suffix": (_neutral(None, ""), "suffix (fill-in-the-middle) is not supported"),
+}
+
+
+class _Generation(_Strict):
+    """Fields shared by both endpoints. Sampling fields overlay the server's preset; absent = the preset's."""
+
+    model: str | None = None  # one model per server: any name is served by it
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, **_limits("temperature"))
+    top_k: int | None = Field(None, **_limits("top_k"))
+    top_p: float | None = Field(None, **_limits("top_p"))
+    min_p: float | None = Field(None, **_limits("min_p"))
+    repeat_penalty: float | None = Field(None, **_limits("repeat_penalty"))
+    repeat_last_n: int | None = Field(None, **_limits("repeat_last_n"))
+    presence_penalty: float | None = Field(None, **_limits("presence_penalty"))
+    frequency_penalty: float | None = Field(None, **_limits("frequency_penalty"))
+    seed: int | None = Field(None, ge=-1, le=_limits("seed")["le"])  # -1: random (llama.cpp's meaning)
+    stop: tuple[str, ...] = ()
+    speculative: Speculative | None = None
+    # Bookkeeping fields of the OpenAI API that change nothing about the generation.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    # Known OpenAI fields this server refuses unless neutral: declared so `extra="forbid"` leaves them to
+    # `parse`, which names them with a reason.
+    n: Any = None
+    logit_bias: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+            raise ValueError("expected a string or a list of strings")
+        if len(values) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(not s for s in values):
+            raise ValueError("a stop string must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in values):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return tuple(values)
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def preset_overrides(self) -> dict[str, Any]:
+        """Preset keys this request sets (seed not included: the server draws one when absent or -1)."""
+        keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                "frequency_penalty")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        if self.speculative is not None:
+            out["n_draft"] = self.speculative.n_max
+            out["p_min"] = self.speculative.p_min
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str = ""
+    name: str | None = None
+    refusal: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        """A string, null (an assistant turn with no text), or text parts joined by newlines."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        if not isinstance(value, list):
+            raise ValueError("expected a string or a list of text parts")
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError('expected parts like {"type": "text", "text": "..."}')
+            if part["type"] != "text":
+                raise ValueError(f"only text parts are supported (got type {part['type']!r})")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError('a text part is {"type": "text", "text": "..."}')
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    def as_template_message(self) -> dict[str, str]:
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+_MESSAGE_UNSUPPORTED = {
+    "tool_calls": (_neutral(None, []), "tool calling is not supported"),
+    "tool_call_id": (_neutral(None), "tool calling is not supported"),
+    "function_call": (_neutral(None), "function calling is not supported"),
+    "refusal": (_neutral(None), "refusals cannot be replayed to the model"),
+}
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    # One prompt per request: text, or token ids.
+    prompt: str | list[int]
+    logprobs: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]  # ["text"] or [[ids]]: a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return value
+        raise ValueError("expected one prompt: a string or a non-empty list of token ids")
+
+
+def parse_body(body: bytes) -> Any:
+    """JSON → Python, refusing NaN and Infinity (not JSON, though Python's parser takes them)."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(body, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def parse(cls: type[_Generation], data: Any) -> Any:
+    """Validate a decoded body into `cls` (ChatRequest or CompletionRequest), or raise RequestError."""
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    unsupported = _CHAT_UNSUPPORTED if cls is ChatRequest else _COMPLETION_UNSUPPORTED
+    _refuse(data, unsupported, "")
+    if cls is ChatRequest and isinstance(data.get("messages"), list):
+        for i, message in enumerate(data["messages"]):
+            if isinstance(message, dict):
+                _refuse(message, _MESSAGE_UNSUPPORTED, f"messages[{i}].")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc, cls) from None
+
+
+def _refuse(data: dict[str, Any], unsupported: dict[str, tuple[Callable[[Any], bool], str]], prefix: str) -> None:
+    for name, (neutral, why) in unsupported.items():
+        if name in data and not neutral(data[name]):
+            raise RequestError(f"{prefix}{name}: {why}", param=f"{prefix}{name}", code="unsupported_parameter")
+
+
+def _explain(exc: ValidationError, cls: type[BaseModel]) -> RequestError:
+    """The first validation error as one line naming the field (OpenAI's `param`)."""
+    err = exc.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    if err["type"] == "extra_forbidden":
+        name = str(err["loc"][-1])
+        known = list(cls.model_fields) if len(err["loc"]) == 1 else []
+        hint = difflib.get_close_matches(name, known, n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return RequestError(f"unknown field {param!r}{suggestion}", param=param, code="unknown_parameter")
+    if err["type"] == "missing":
+        return RequestError(f"{param!r} is required", param=param, code="missing_required_parameter")
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "literal_error":
+        message += f" (got {repr(err['input'])[:60]})"
+    return RequestError(f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -1,0 +1,292 @@
+"""The one engine thread: a bounded FIFO of jobs, run one at a time, each streamed back as it is generated.
+
+Interface (kept small so that a batched, multi-slot scheduler can replace it): `submit(job)` queues a Job or
+raises QueueFull; the job's `sink` receives `Delta`s and then exactly one `Finished` or `Failed`, called from the
+worker thread; `cancel(job)` takes a queued job out or stops a running one at the engine's next check (between
+rounds, or after the token being emitted), which keeps the engine's KV bookkeeping consistent; `shutdown()`
+cancels everything. No job ever interrupts another.
+
+Stop strings are matched here, on the worker thread, so the engine is stopped the moment one completes instead of
+whenever the event loop next looks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from localspec.config import Drafting, Sampling
+from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, Engine, GenerationStats, TokenEvent
+from localspec.errors import LocalspecError
+from localspec.server.stops import StopMatcher
+
+log = logging.getLogger("localspec.server")
+
+FINISH_STOP = "stop"  # end of turn or a stop string (OpenAI's finish_reason)
+FINISH_LENGTH = "length"  # max_tokens or a full context
+FINISH_CANCELLED = "cancelled"  # the client left or the server is shutting down (never sent to a client)
+
+
+class QueueFull(Exception):
+    """The FIFO holds its maximum of waiting jobs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str  # safe to send: nothing at or past a stop string
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What one job returned. `stats` are the engine's, counted over the tokens whose text reached the client: a
+    stop string can end inside an accepted draft run, and the tokens after it are neither returned nor counted."""
+
+    text: str
+    finish_reason: str  # FINISH_STOP, FINISH_LENGTH or FINISH_CANCELLED
+    stop_string: str | None
+    stats: GenerationStats
+    engine_tokens: int  # tokens the engine generated (>= stats.tokens: a stop string ends inside a token)
+
+    @property
+    def prompt_n(self) -> int:
+        """llama.cpp's meaning: prompt tokens evaluated. The engine prefills all but the last prompt token and
+        decodes that one in the first verify batch, so even a fully cached prompt costs 1."""
+        return self.stats.prompt_tokens_processed + 1
+
+    def timings(self) -> dict[str, float | int]:
+        """llama.cpp server's `timings` (so UIs that read them work), plus localspec's acceptance figures."""
+        s = self.stats
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(s.prefill_s * 1000, 3),
+            "prompt_per_second": round(self.prompt_n / s.prefill_s, 3) if s.prefill_s > 0 else 0.0,
+            "predicted_n": s.tokens,
+            "predicted_ms": round(s.decode_s * 1000, 3),
+            "predicted_per_second": round(s.decode_tps, 3),
+            "draft_n": s.drafted,
+            "draft_n_accepted": s.accepted,
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "mean_accepted": round(s.mean_accepted, 4),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    result: JobResult
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+    kind: str  # "invalid_request" (the prompt cannot run), "shutdown", "internal"; the app adds "gone"
+
+
+Item = Delta | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    sampling: Sampling
+    drafting: Drafting
+    max_tokens: int
+    stops: tuple[str, ...]
+    sink: Callable[[Item], None]  # called on the worker thread (or the cancelling thread for a queued job)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class WorkerStats:
+    """Counters for the status line and /health (read from other threads; ints are updated atomically)."""
+
+    served: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0  # queue full
+    busy: bool = False
+    last: JobResult | None = None
+    mean_job_s: float = 0.0  # smoothed wall time of a job, for Retry-After
+
+
+class Worker:
+    def __init__(self, engine: Engine, queue_size: int) -> None:
+        self.engine = engine
+        self.queue_size = queue_size
+        self.stats = WorkerStats()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._running: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
+
+    # -- the interface ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            # `queue_size` jobs may wait behind the running one; when idle, the first pending job is about to run.
+            capacity = self.queue_size + (0 if self._running is not None else 1)
+            if len(self._pending) >= capacity:
+                self.stats.rejected += 1
+                raise QueueFull(f"{len(self._pending)} requests are already waiting")
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: dropped if still queued (its sink hears nothing more), else stopped at the next check."""
+        job._cancelled.set()
+        with self._cond:
+            if job in self._pending:
+                self._pending.remove(job)
+                self.stats.cancelled += 1
+
+    def retry_after_s(self) -> int:
+        """A guess at when a queue slot frees up (the running job ends), for the Retry-After header."""
+        return int(min(60, max(1, math.ceil(self.stats.mean_job_s))))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Cancel the running job, fail the queued ones, and end the thread (waits up to `timeout`)."""
+        with self._cond:
+            self._closed = True
+            pending, self._pending = list(self._pending), collections.deque()
+            running = self._running
+            self._cond.notify_all()
+        if running is not None:
+            running._cancelled.set()
+        for job in pending:
+            job._cancelled.set()
+            _deliver(job, Failed("the server is shutting down", "shutdown"))
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the thread -------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._pending.popleft()
+                if job.cancelled:  # cancelled between the queue and here
+                    self.stats.cancelled += 1
+                    continue
+                self._running = job
+                self.stats.busy = True
+            t0 = time.perf_counter()
+            final: Finished | Failed = Failed("the worker stopped unexpectedly", "internal")
+            try:
+                final = self._execute(job)
+            finally:
+                # Counters first, then the final item: a client that has its reply sees them updated.
+                elapsed = time.perf_counter() - t0
+                self.stats.mean_job_s = elapsed if not self.stats.mean_job_s else (
+                    0.8 * self.stats.mean_job_s + 0.2 * elapsed)
+                if isinstance(final, Failed):
+                    self.stats.failed += 1
+                elif final.result.finish_reason == FINISH_CANCELLED:
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.served += 1
+                    self.stats.last = final.result
+                with self._cond:
+                    self._running = None
+                    self.stats.busy = False
+                _deliver(job, final)
+
+    def _execute(self, job: Job) -> Finished | Failed:
+        """Run one job, delivering its text as it is released; returns the final item."""
+        matcher = StopMatcher(job.stops)
+        starts: list[int] = []  # each token's offset in the generated text
+        from_draft: list[bool] = []
+        released: list[str] = []
+        produced = 0
+        done: DoneEvent | None = None
+
+        def should_stop() -> bool:
+            return job.cancelled or matcher.matched is not None
+
+        stream = self.engine.generate(job.prompt, job.sampling, job.drafting, job.max_tokens, should_stop)
+        try:
+            for event in stream:
+                if isinstance(event, TokenEvent):
+                    starts.append(produced)
+                    from_draft.append(event.from_draft)
+                    produced += len(event.text)
+                    safe = matcher.feed(event.text)
+                    if safe:
+                        released.append(safe)
+                        _deliver(job, Delta(safe))
+                else:
+                    done = event
+        except LocalspecError as exc:  # e.g. the prompt does not fit the context
+            stream.close()
+            return Failed(str(exc), "invalid_request")
+        except Exception as exc:
+            stream.close()
+            # A decode that raised may have left KV cells the bookkeeping does not know: start clean.
+            self.engine.reset()
+            if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
+                log.exception("generation failed")
+            else:
+                log.error("generation failed: %s: %s", type(exc).__name__, exc)
+            return Failed(f"generation failed: {type(exc).__name__}", "internal")
+        assert done is not None
+        if matcher.matched is None:
+            tail = matcher.flush()
+            if tail:
+                released.append(tail)
+                _deliver(job, Delta(tail))
+        return Finished(_result(job, "".join(released), matcher, done, starts, from_draft))
+
+
+def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: list[int],
+            from_draft: list[bool]) -> JobResult:
+    """Count what reached the client. A token is returned when its text starts before the cut (the stop
+    string's start); a round counts when it returned a token, with all it drafted (the work was done)."""
+    if matcher.matched is not None:
+        returned = sum(1 for s in starts if s < matcher.released)
+        finish = FINISH_STOP
+    else:
+        returned = len(starts)
+        if job.cancelled:
+            finish = FINISH_CANCELLED
+        elif done.stop_reason in (STOP_MAX_TOKENS, STOP_CONTEXT_FULL):
+            finish = FINISH_LENGTH
+        else:
+            finish = FINISH_STOP
+    # Each round emits its accepted draft tokens, then one token of the target's own (from_draft False).
+    rounds = 1 + sum(1 for f in from_draft[: returned - 1] if not f) if returned else 0
+    stats = dataclasses.replace(done.stats, tokens=returned, rounds=rounds,
+                                drafted=sum(done.stats.draft_lengths[:rounds]),
+                                accepted=sum(from_draft[:returned]),
+                                draft_lengths=done.stats.draft_lengths[:rounds])
+    return JobResult(text=text, finish_reason=finish, stop_string=matcher.matched, stats=stats,
+                     engine_tokens=done.stats.tokens)
+
+
+def _deliver(job: Job, item: Item) -> None:
+    try:
+        job.sink(item)
+    except Exception as exc:  # the consumer is gone (event loop closed): nothing to tell
+        log.debug("dropped %s for a departed client: %s", type(item).__name__, exc)

@@ -1,0 +1,84 @@
+"""Crafted GGUF files packed by hand with `struct`: what a corrupt or hostile file can say.
+
+`pack` builds a header from raw key/value records; `rewrite` copies a real model with some keys replaced,
+removed or added, keeping its tensor infos and data, so llama.cpp could load it but for what was changed.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+MAGIC = 0x46554747
+ALIGNMENT = 32
+
+# GGUF value types (gguf.GGUFValueType), spelled out: these files must not depend on a writer's opinions.
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_FMT = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i", FLOAT32: "f", BOOL: "?",
+        UINT64: "Q", INT64: "q", FLOAT64: "d"}
+
+
+def string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def value(vtype: int, v: object) -> bytes:
+    """A value's bytes without its type tag (strings and scalars)."""
+    if vtype == STRING:
+        return string(v)  # type: ignore[arg-type]
+    return struct.pack("<" + _FMT[vtype], v)
+
+
+def array(item_type: int, items: list) -> bytes:
+    """An array value's bytes (item type, count, items) without the ARRAY tag."""
+    body = b"".join(value(item_type, i) for i in items)
+    return struct.pack("<IQ", item_type, len(items)) + body
+
+
+def kv(key: str, vtype: int, v: object) -> bytes:
+    """One metadata record; for ARRAY, `v` is a (item_type, items) pair or the packed array bytes."""
+    if vtype != ARRAY:
+        return string(key) + struct.pack("<I", vtype) + value(vtype, v)
+    payload = v if isinstance(v, bytes) else array(*v)  # type: ignore[misc]
+    return string(key) + struct.pack("<I", vtype) + payload
+
+
+def nested_arrays(depth: int) -> bytes:
+    """An array holding an array holding ... `depth` levels, innermost empty (a few bytes per level)."""
+    inner = struct.pack("<IQ", UINT8, 0)
+    for _ in range(depth - 1):
+        inner = struct.pack("<IQ", ARRAY, 1) + inner
+    return inner
+
+
+def pack(records: list[bytes], tensor_infos: bytes = b"", n_tensors: int = 0, data: bytes = b"") -> bytes:
+    header = struct.pack("<IIQQ", MAGIC, 3, n_tensors, len(records)) + b"".join(records) + tensor_infos
+    pad = b"\0" * (-len(header) % ALIGNMENT) if data else b""
+    return header + pad + data
+
+
+def write(path: Path, records: list[bytes], **kw: object) -> Path:
+    path.write_bytes(pack(records, **kw))  # type: ignore[arg-type]
+    return path
+
+
+def rewrite(src: Path, dst: Path, changes: dict[str, bytes | None]) -> Path:
+    """`src` with the records of `changes` replaced (bytes from `kv`), removed (None) or appended (new keys)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(src)
+    records: list[bytes] = []
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):  # the reader's pseudo-fields for the file header
+            continue
+        if name in changes:
+            if changes[name] is not None:
+                records.append(changes[name])  # type: ignore[arg-type]
+            continue
+        records.append(b"".join(p.tobytes() for p in field.parts))
+    records += [r for k, r in changes.items() if k not in reader.fields and r is not None]
+    infos = b"".join(b"".join(p.tobytes() for p in t.field.parts) for t in reader.tensors)
+    data = src.read_bytes()[reader.data_offset:]
+    dst.write_bytes(pack(records, infos, len(reader.tensors), data))
+    return dst

@@ -1,0 +1,307 @@
+"""`localspec serve` end to end: a live uvicorn server on a free loopback port with the offline demo pair, driven
+by the official `openai` client (and httpx where headers matter).
+
+Every wait is bounded in time; every loop in count.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from localspec.config import load_preset
+from localspec.session import open_session
+from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
+
+pytestmark = pytest.mark.slow
+
+KEY = "sekrit-test-key"
+N = 16
+
+
+class Server:
+    def __init__(self, home: Path, tmp: Path, *args: str) -> None:
+        self.log = tmp / "serve.log"
+        env = {**os.environ, "LOCALSPEC_HOME": str(home), "COLUMNS": "200"}
+        env.pop("LOCALSPEC_DEBUG", None)
+        env.pop("LOCALSPEC_API_KEY", None)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from localspec.cli.app import main; main()", "serve", "--port", "0", *args],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.url = self._wait_for_url()
+        self.root = self.url.removesuffix("/v1")
+        self._wait_ready()
+
+    def _wait_for_url(self) -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = re.search(r"http://127\.0\.0\.1:\d+/v1", self.log.read_text())
+            if found:
+                return found.group(0)
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.2)
+        raise AssertionError(f"no URL printed: {self.log.read_text()}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            r = httpx.get(f"{self.root}/health", timeout=10)
+            if r.status_code == 200:
+                return
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            time.sleep(0.2)
+        raise AssertionError(f"not ready: {self.log.read_text()}")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.root}/health", timeout=10).json()
+
+    def client(self, key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=600, **kw)
+
+    def wait_idle(self, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health()
+            if not h["busy"] and not h["queued"]:
+                return h
+            time.sleep(0.1)
+        raise AssertionError(f"still busy: {self.health()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(demo_home, tmp_path_factory) -> Iterator[Server]:
+    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--cors-origin", "http://ui.example")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(demo_home, tmp_path_factory) -> Iterator[Server]:
+    """An API key and room for one waiting request."""
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--api-key", KEY, "--queue", "1")
+    yield s
+    s.stop()
+
+
+def run_cli(home: Path, *args: str) -> str:
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    env.pop("LOCALSPEC_DEBUG", None)
+    done = subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def stream_text(chunks) -> str:
+    out = []
+    for chunk in chunks:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            out.append(piece or "")
+    return "".join(out)
+
+
+# -- answers -------------------------------------------------------------------------------------------------
+
+
+def test_models_health_and_cors(server):
+    assert [m.id for m in server.client().models.list()] == ["demo"]
+    assert server.health()["status"] == "ok"
+    preflight = httpx.options(f"{server.url}/chat/completions", timeout=10, headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+    missing = httpx.get(f"{server.url}/nothing", timeout=10)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_greedy_completion_equals_generate(server, demo_home):
+    want = run_cli(demo_home, "generate", PROMPT, "--temp", "0", "--max-tokens", str(N))
+    client = server.client()
+    whole = client.completions.create(model="demo", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert whole.choices[0].text == want
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == N
+    timings = whole.model_extra["timings"]
+    assert timings["predicted_n"] == N and 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+    assert timings["acceptance_rate"] == pytest.approx(timings["draft_n_accepted"] / timings["draft_n"], abs=1e-3)
+    streamed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
+    assert stream_text(streamed) == want
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=N, temperature=0,
+                                      extra_body={"speculative": {"n_max": 0}})
+    assert plain.choices[0].text == want
+    assert plain.model_extra["timings"]["draft_n"] == 0
+
+
+def test_greedy_chat_equals_generate_and_streams_draft_stats(server, demo_home):
+    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N))
+    client = server.client()
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=N, temperature=0)
+    assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=N, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert stream_text(chunks) == want
+    final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert final.model_extra["timings"]["predicted_n"] == chunks[-1].usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stop_inside_an_accepted_draft_run_leaks_nothing(server, demo_home):
+    greedy = load_preset("greedy")
+    with open_session(demo_files(demo_home), greedy.with_overrides(n_ctx=256)) as local:
+        case = find_stop_in_draft_run(local.engine, local.target.tokenize(PROMPT), greedy.sampling, greedy.draft, 40)
+    client = server.client()
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=40, temperature=0, stop=[case.stop])
+    whole = client.completions.create(**kw)
+    assert whole.choices[0].text == case.text[: case.cut] and whole.choices[0].finish_reason == "stop"
+    timings = whole.model_extra["timings"]
+    assert whole.usage.completion_tokens == timings["predicted_n"] == case.returned_tokens
+    assert timings["draft_n_accepted"] == case.returned_from_draft <= timings["predicted_n"]
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert stream_text(chunks) == case.text[: case.cut]  # every chunk, the final one included
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_prompt_n_shrinks_on_the_second_turn(server):
+    client = server.client()
+    turn1 = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="demo", messages=turn1, max_tokens=8, temperature=0)
+    reply = first.choices[0].message.content
+    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "And another one?"}]
+    second = client.chat.completions.create(model="demo", messages=turn2, max_tokens=8, temperature=0)
+    p1, p2 = first.usage.prompt_tokens, second.usage.prompt_tokens
+    n1, n2 = first.model_extra["timings"]["prompt_n"], second.model_extra["timings"]["prompt_n"]
+    assert n1 > p1 // 2  # turn 1 was mostly new
+    assert n2 <= p2 - p1  # turn 2 processed only what follows turn 1's prompt (not even all of the reply)
+    assert second.usage.prompt_tokens_details.cached_tokens == p2 - n2 >= p1
+
+
+def test_two_concurrent_clients_both_complete(server):
+    client = server.client()
+    prompts = [PROMPT, "Once upon a time"]
+    want = [client.completions.create(model="demo", prompt=p, max_tokens=8, temperature=0).choices[0].text
+            for p in prompts]
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        got[i] = stream_text(client.completions.create(model="demo", prompt=prompts[i], max_tokens=8,
+                                                       temperature=0, stream=True))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert got == {0: want[0], 1: want[1]}
+
+
+def test_a_client_that_disconnects_frees_the_engine(server):
+    before = server.wait_idle()["cancelled"]
+    client = server.client()
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3000, temperature=0, stream=True)
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()  # the connection goes away mid-generation
+    t0 = time.monotonic()
+    quick = client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert quick.usage.completion_tokens == 2
+    assert time.monotonic() - t0 < 120  # not behind 3000 tokens of a departed client
+    after = server.wait_idle()
+    assert after["cancelled"] == before + 1
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"grammar": "root ::= \"a\""}}, "grammar"),
+])
+def test_unsupported_fields_are_a_400_naming_them(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=2, **extra)
+    error = info.value.body
+    assert error["param"] == param and param in error["message"]
+
+
+def test_a_prompt_larger_than_the_context_is_a_400(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model="demo", prompt="word " * 5000, max_tokens=2)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+# -- the guarded server: key and queue -----------------------------------------------------------------------
+
+
+def test_api_key_is_required_except_for_health(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").models.list()
+    assert httpx.post(f"{guarded.url}/completions", json={"prompt": "x"}, timeout=10).status_code == 401
+    assert [m.id for m in guarded.client(KEY).models.list()] == ["demo"]  # Bearer
+    by_header = httpx.get(f"{guarded.url}/models", headers={"X-Api-Key": KEY}, timeout=10)
+    assert by_header.status_code == 200
+    assert httpx.get(f"{guarded.root}/health", timeout=10).status_code == 200
+
+
+def test_a_full_queue_answers_503_with_retry_after(guarded):
+    client = guarded.client(KEY)
+    running = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3000, temperature=0, stream=True)
+    next(iter(running))  # it is generating
+    waiting: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: waiting.update(r=client.completions.create(
+        model="demo", prompt="Once upon a time", max_tokens=2, temperature=0)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while guarded.health()["queued"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert guarded.health()["queued"] == 1
+    full = httpx.post(f"{guarded.url}/completions", json={"prompt": "x", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert full.status_code == 503 and int(full.headers["retry-after"]) >= 1
+    assert full.json()["error"]["code"] == "queue_full"
+    running.close()  # frees the engine for the waiting request
+    thread.join(timeout=300)
+    assert waiting["r"].usage.completion_tokens == 2
+    assert guarded.health()["rejected"] == 1
+
+
+def test_ctrl_c_cancels_in_flight_work_and_exits_0(guarded):
+    client = guarded.client(KEY)
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3000, temperature=0, stream=True)
+    next(iter(stream))
+    t0 = time.monotonic()
+    guarded.proc.send_signal(signal.SIGINT)
+    received = 0
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:  # ends with the server's shutdown error, or a connection closed mid-stream
+            received += 1
+    assert received < 3000
+    assert guarded.proc.wait(timeout=120) == 0
+    assert time.monotonic() - t0 < 120
+    assert "stopped" in guarded.log.read_text()
