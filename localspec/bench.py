@@ -57,6 +57,7 @@ class ModeSummary:
     acceptance_rate: float
     mean_accepted: float
     host_fraction: float  # share of decode time spent outside llama_decode
+    ahead_hit_rate: float | None = None  # draft-ahead: share of the rounds drafted ahead that were used (None: off)
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
@@ -65,7 +66,7 @@ class ModeSummary:
         return cls(
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
             acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
-            host_fraction=total.host_fraction,
+            host_fraction=total.host_fraction, ahead_hit_rate=total.ahead_hit_rate if total.ahead_made else None,
         )
 
 
@@ -304,7 +305,17 @@ def environment(session: Session) -> dict[str, Any]:
         "pair": session.files.name,
         "target": model(session.target),
         "draft": model(session.draft),
+        "placement": placement(session),
     }
+
+
+def placement(session: Session) -> dict[str, Any]:
+    """Where each model runs and whether the draft drafts ahead: bench's header line and its JSON."""
+    plan = session.plan
+    return {"target": plan.target.describe() if plan else None, "draft": plan.draft.describe() if plan else None,
+            "target_devices": [d.name for d in session.target.devices],
+            "draft_devices": [d.name for d in session.draft.devices] if session.draft else [],
+            "draft_ahead": session.engine.draft_ahead}
 
 
 # -- draft-length sweep -----------------------------------------------------------------------------------------

@@ -9,15 +9,24 @@ CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the d
 
 Bookkeeping invariant between rounds: `self._tokens` is the committed sequence; the target's KV cache holds all of
 it except the last token (`cur`), which opens the next verify batch; the draft's KV cache holds a prefix of it and
-catches up at the start of its next `_draft`.
+catches up at the start of its next `_draft` (or, after a kept draft-ahead, the next round's drafts but the last).
+
+Draft-ahead (`Engine(draft_ahead=True)`, for a draft on a device of its own): while the target verifies a round,
+a worker thread drafts the next one, betting that every draft is accepted and that the target's own next token
+is the draft's argmax there. The bet is kept only when it came true and the next round asks for the same length;
+otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of its own
+that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft scores
+a token alone as it scores it in a batch, which localspec's losslessness already rests on).
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +72,9 @@ class GenerationStats:
     draft_s: float = 0.0  # inside llama_decode of the draft (including logits sync)
     verify_s: float = 0.0  # inside llama_decode of the target
     decode_s: float = 0.0  # wall time of all rounds
+    ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, betting on it
+    ahead_kept: int = 0  # ... and the bets that came true: rounds whose drafts cost no time on the critical path
+    ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
     draft_lengths: list[int] = field(default_factory=list)
 
     def __add__(self, other: GenerationStats) -> GenerationStats:
@@ -87,6 +99,11 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def ahead_hit_rate(self) -> float:
+        """Draft-ahead: the share of rounds drafted beside a verify that the next round used."""
+        return self.ahead_kept / self.ahead_made if self.ahead_made else 0.0
+
+    @property
     def mean_accepted(self) -> float:
         """Accepted draft tokens per round (each round also emits one token of the target's own)."""
         return self.accepted / self.rounds if self.rounds else 0.0
@@ -103,7 +120,8 @@ class GenerationStats:
         """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
-                "mean_accepted", "decode_tps", "prefill_tps")
+                "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
+                "ahead_hit_rate")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -226,10 +244,23 @@ class _DraftLength:
         self.verify_s[width] = verify_s if old is None else (1 - ema) * old + ema * verify_s
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """The next round's drafts, made while this round's verify ran, and what keeping or throwing them needs."""
+
+    guess: int  # the target's next token, as the draft bet it (its argmax after the last draft)
+    k: int  # the draft length they were made for
+    drafts: list[int]
+    q: list[Candidates] | None
+    rng_state: dict  # the draft's random stream before them: a thrown bet gives its draws back
+    seconds: float  # spent in the draft's decodes, beside the verify
+
+
 class Engine:
     """Speculative decoding over a target and an optional draft `LlamaModel` (same tokenizer)."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, constant_width: bool | None = None) -> None:
+    def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, constant_width: bool | None = None,
+                 draft_ahead: bool = False) -> None:
         self.target = target
         self.draft = draft
         # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
@@ -237,6 +268,9 @@ class Engine:
         # padded positions (docs/gpu.md). On a CPU the padded positions are pure extra work, so only on a GPU.
         self.constant_width = target.on_gpu if constant_width is None else constant_width
         self._chooser: tuple[tuple, _DraftLength] | None = None
+        self.draft_ahead = draft_ahead and draft is not None
+        self._worker: ThreadPoolExecutor | None = None  # drafts ahead beside the verify (started when first used)
+        self._job: Future[_Ahead | None] | None = None  # the last draft-ahead handed to the worker
         self._target_kv: list[int] = []  # tokens in the target's KV cache, position by position
         self._draft_kv: list[int] = []
         self._tokens: list[int] = []
@@ -246,12 +280,26 @@ class Engine:
 
     def reset(self) -> None:
         """Forget both KV caches (the next prompt is processed in full)."""
+        self._wait_for_worker()
         self.target.clear()
         self._target_kv = []
         if self.draft is not None:
             self.draft.clear()
         self._draft_kv = []
         self._tokens = []
+
+    def _wait_for_worker(self) -> None:
+        """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
+        if self._job is not None:
+            with contextlib.suppress(BaseException):
+                self._job.result()
+            self._job = None
+
+    def close(self) -> None:
+        self._wait_for_worker()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     @property
     def n_ctx(self) -> int:
@@ -269,10 +317,12 @@ class Engine:
         """
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
+        self._wait_for_worker()
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
         trace = trace and sampling.greedy
-        rng = np.random.default_rng(sampling.seed)
+        rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
+        draft_rng = np.random.default_rng([sampling.seed, 1])  # the draft's samples: a stream draft-ahead can rewind
         chooser = self._draft_length(drafting if use_draft else dataclasses.replace(drafting, n_draft=0), sampling)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -288,6 +338,7 @@ class Engine:
 
         stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
         t_start = time.perf_counter()
+        ahead: _Ahead | None = None
         while stats.tokens < max_tokens:
             if should_stop is not None and should_stop():
                 stop, message = STOP_REQUESTED, "stopped by the caller"
@@ -298,10 +349,19 @@ class Engine:
                 break
             k_round = chooser.next() if use_draft else 0
             k = min(k_round, max_tokens - stats.tokens - 1, room)
-            drafts, q, draft_s = self._draft(k, sampling, drafting, rng) if k > 0 else ([], None, 0.0)
+            if ahead is not None and ahead.k == k:
+                drafts, q, draft_s = ahead.drafts, ahead.q, 0.0
+                stats.ahead_kept += 1
+            else:
+                self._throw_ahead(ahead, draft_rng)
+                drafts, q, draft_s = self._draft(k, sampling, drafting, draft_rng) if k > 0 else ([], None, 0.0)
             width = min(k_round, room) + 1 if self.constant_width else len(drafts) + 1
-            emitted, n_accepted, verify_s, rows = self._verify(drafts, q, sampling, rng, width, trace)
-            self._rewind(drafts, n_accepted, emitted[-1])
+            # If every draft is accepted, the next round has this many more tokens behind it.
+            k_next = min(k_round, max_tokens - stats.tokens - len(drafts) - 2, room - len(drafts) - 1)
+            with self._drafting_ahead(drafts, k_next, sampling, drafting, draft_rng) as job:
+                emitted, n_accepted, verify_s, rows = self._verify(drafts, q, sampling, rng, width, trace)
+            ahead = self._settle_ahead(job, n_accepted == len(drafts), emitted[-1], draft_rng, stats)
+            self._rewind(drafts, n_accepted, emitted[-1], keep_draft=ahead is not None)
             chooser.observe(len(drafts), n_accepted, draft_s, verify_s, width)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
@@ -368,12 +428,14 @@ class Engine:
             kv.extend(todo)
         return len(todo)
 
-    def _draft(self, k: int, sampling: Sampling, drafting: Drafting,
-               rng: np.random.Generator) -> tuple[list[int], list[Candidates] | None, float]:
-        """Up to k draft tokens, one draft decode each; the draft's distributions when sampling; seconds."""
+    def _draft(self, k: int, sampling: Sampling, drafting: Drafting, rng: np.random.Generator,
+               sequence: list[int] | None = None) -> tuple[list[int], list[Candidates] | None, float]:
+        """Up to k draft tokens continuing `sequence` (default: the committed tokens), one draft decode each; the
+        draft's distributions when sampling; seconds."""
         draft = self.draft
         assert draft is not None
-        feed = self._tokens[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
+        sequence = self._tokens if sequence is None else sequence
+        feed = sequence[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
         if max(feed) >= draft.n_vocab:
             # A target-only padding id (vocabularies may differ by up to 128 trailing ids): the draft sees its
             # unknown token there instead. That can only cost acceptance, never correctness.
@@ -390,7 +452,7 @@ class Engine:
                 token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
-                dist = _distributions(scores, self._tokens + drafts, sampling)
+                dist = _distributions(scores, sequence + drafts, sampling)
                 token = dist.sample(0, rng)
                 dists.append(dist)
                 confident = drafting.p_min == 0.0 or dist.top_prob(0) >= drafting.p_min
@@ -433,14 +495,81 @@ class Engine:
                 return [*drafts[:i], out], i, spent, []
         return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, []
 
-    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
-        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""
+    # -- draft-ahead: the next round's drafts while this round verifies --------------------------------------
+
+    @contextlib.contextmanager
+    def _drafting_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
+                        rng: np.random.Generator) -> Iterator[Future[_Ahead | None] | None]:
+        """Run `_draft_ahead` in the worker thread for as long as the block (the verify) runs. llama.cpp releases
+        the GIL inside each decode, so the two models compute at once. Whatever happens in the block, the draft
+        model is idle again when it ends."""
+        if not (self.draft_ahead and drafts and k > 0):
+            yield None
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
+        job = self._job = self._worker.submit(self._draft_ahead, drafts, k, sampling, drafting, rng)
+        try:
+            yield job
+        finally:
+            with contextlib.suppress(Exception):  # its own error, if any, is raised by _settle_ahead
+                job.result()
+
+    def _draft_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
+                     rng: np.random.Generator) -> _Ahead | None:
+        """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
+        the draws that follow are the next round's own), then draft the next round behind it."""
+        draft = self.draft
+        assert draft is not None
+        state = rng.bit_generator.state
+        t = time.perf_counter()
+        sequence = self._tokens + drafts
+        feed = sequence[len(self._draft_kv) :]  # the last draft, which the draft has not seen yet
+        if not feed:  # drafting stopped at a draft-only id, after feeding every draft: nothing to guess from
+            return None
+        scores = draft.decode(feed, len(self._draft_kv))
+        self._draft_kv.extend(feed)
+        guess = int(_argmax(scores)[0])
+        if guess >= self.target.n_vocab:
+            return None
+        ahead, q, _ = self._draft(k, sampling, drafting, rng, sequence=[*sequence, guess])
+        return _Ahead(guess, k, ahead, q, state, time.perf_counter() - t)
+
+    def _settle_ahead(self, job: Future[_Ahead | None] | None, all_accepted: bool, next_token: int,
+                      rng: np.random.Generator, stats: GenerationStats) -> _Ahead | None:
+        """Keep the drafted-ahead round if its bet came true; otherwise give its random draws back."""
+        if job is None:
+            return None
+        ahead = job.result()
+        if ahead is None:
+            return None
+        stats.ahead_made += 1
+        stats.ahead_s += ahead.seconds
+        if all_accepted and next_token == ahead.guess:
+            return ahead
+        rng.bit_generator.state = ahead.rng_state  # its KV cells go with the round's rejected ones (_rewind)
+        return None
+
+    def _throw_ahead(self, ahead: _Ahead | None, rng: np.random.Generator) -> None:
+        """Undo a kept drafted-ahead round that the next round cannot use (it asks for another length): its
+        draws go back to the stream, its KV cells from cur on leave the draft's cache (the next draft feeds cur)."""
+        if ahead is None:
+            return
+        rng.bit_generator.state = ahead.rng_state
+        keep = min(len(self._draft_kv), len(self._tokens) - 1)
+        if len(self._draft_kv) > keep:
+            del self._draft_kv[keep:]
+            self.draft.truncate(keep)
+
+    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int, keep_draft: bool = False) -> None:
+        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens. With `keep_draft`
+        the draft's cache keeps the next round's drafts (a kept draft-ahead)."""
         keep = len(self._tokens) + n_accepted  # committed tokens (cur included) + accepted drafts
         # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
         if len(self._target_kv) > keep:
             del self._target_kv[keep:]
             self.target.truncate(keep)
-        if len(self._draft_kv) > keep:
+        if len(self._draft_kv) > keep and not keep_draft:
             del self._draft_kv[keep:]
             self.draft.truncate(keep)
         self._tokens.extend(drafts[:n_accepted])

@@ -13,6 +13,7 @@ import _thread
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -70,8 +71,132 @@ def _init_backend() -> None:
 
 
 def supports_gpu_offload() -> bool:
-    _init_backend()
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """Whether this build has a local GPU to offload to. Not llama_supports_gpu_offload(): that also counts the
+    RPC backend, so a CPU build with -DGGML_RPC=ON says yes."""
+    return bool(gpu_devices())
+
+
+# -- devices: local GPUs and RPC servers (ggml's backend registry, declared from ggml-backend.h) -----------------
+
+_DEV_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+_SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+_ggml_lib: ctypes.CDLL | None = None
+_rpc_servers: dict[str, list[int]] = {}  # endpoint -> its ggml device handles, registered once per process
+
+
+@dataclass(frozen=True)
+class BackendDevice:
+    """One ggml device. `handle` is its ggml_backend_dev_t, valid for the life of the process."""
+
+    name: str  # ggml's name: "CUDA0", "RPC0", "CPU"
+    description: str  # "NVIDIA GeForce RTX 3090"; an RPC device's is its server's HOST:PORT
+    kind: str  # "cpu", "gpu", "igpu", "accel" or "rpc"
+    handle: int = dataclasses.field(repr=False, compare=False, default=0)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes as llama.cpp sees them (a CUDA device starts its context for this)."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _ggml().ggml_backend_dev_memory(self.handle, ctypes.byref(free), ctypes.byref(total))
+        return int(free.value), int(total.value)
+
+
+def _ggml() -> ctypes.CDLL:
+    """libggml with the prototypes this module calls (llama-cpp-python binds libllama only)."""
+    global _ggml_lib
+    if _ggml_lib is None:
+        _init_backend()
+        from llama_cpp._ctypes_extensions import load_shared_library
+
+        # The libggml next to the libllama actually loaded: LLAMA_CPP_LIB_PATH may point at another build (the GPU
+        # harness's), and llama_cpp._ggml would load the package's own copy instead.
+        libggml = load_shared_library("ggml", Path(llama_cpp.llama_cpp._lib._name).parent)
+        vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        for name, restype, argtypes in (
+            ("ggml_backend_dev_count", size, []),
+            ("ggml_backend_dev_get", vp, [size]),
+            ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
+            ("ggml_backend_dev_name", text, [vp]),
+            ("ggml_backend_dev_description", text, [vp]),
+            ("ggml_backend_dev_type", ctypes.c_int, [vp]),
+            ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(size), ctypes.POINTER(size)]),
+            ("ggml_backend_dev_backend_reg", vp, [vp]),
+            ("ggml_backend_reg_name", text, [vp]),
+            ("ggml_backend_reg_by_name", vp, [text]),
+            ("ggml_backend_reg_get_proc_address", vp, [vp, text]),
+            ("ggml_backend_reg_dev_count", size, [vp]),
+            ("ggml_backend_reg_dev_get", vp, [vp, size]),
+            ("ggml_backend_register", None, [vp]),
+        ):
+            fn = getattr(libggml, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        _ggml_lib = libggml
+    return _ggml_lib
+
+
+def _device(handle: int) -> BackendDevice:
+    g = _ggml()
+    kind = _DEV_KINDS.get(g.ggml_backend_dev_type(handle), "other")
+    if kind == "gpu" and g.ggml_backend_reg_name(g.ggml_backend_dev_backend_reg(handle)) == b"RPC":
+        kind = "rpc"  # RPC devices report themselves as GPUs
+    return BackendDevice(g.ggml_backend_dev_name(handle).decode(), g.ggml_backend_dev_description(handle).decode(),
+                         kind, handle)
+
+
+def backend_devices() -> list[BackendDevice]:
+    """Every device ggml has registered, in its order (RPC servers once they are added)."""
+    g = _ggml()
+    return [_device(g.ggml_backend_dev_get(i)) for i in range(g.ggml_backend_dev_count())]
+
+
+def gpu_devices() -> list[BackendDevice]:
+    """The local GPUs llama.cpp offloads to, numbered as llama.cpp numbers them: discrete GPUs, or the integrated
+    ones when there is none (llama.cpp's own rule). RPC devices are not local GPUs."""
+    devices = backend_devices()
+    return [d for d in devices if d.kind == "gpu"] or [d for d in devices if d.kind == "igpu"]
+
+
+def cpu_device() -> BackendDevice:
+    return _device(_ggml().ggml_backend_dev_by_type(0))
+
+
+def _rpc_function(name: str, prototype: type) -> Callable:
+    g = _ggml()
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    address = g.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
+    if not address:
+        raise LocalspecError("this llama.cpp was built without RPC support: reinstall llama-cpp-python with "
+                             'CMAKE_ARGS="-DGGML_RPC=ON ..." (see the README)')
+    return prototype(address)
+
+
+def rpc_devices(endpoints: Sequence[str]) -> list[BackendDevice]:
+    """The devices of these RPC servers, registered with ggml once each (after `rpc.hello` proved each one
+    answers: ggml's own connect aborts the process on a dead endpoint). Raises a one-line LocalspecError naming
+    the first endpoint that does not answer, before anything is registered or sent."""
+    from localspec import rpc
+
+    todo = [e for e in endpoints if e not in _rpc_servers]
+    for endpoint in todo:
+        rpc.hello(rpc.parse_endpoint(endpoint))
+    if todo:
+        add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
+    g = _ggml()
+    for endpoint in todo:
+        reg = add_server(endpoint.encode())
+        if not reg:
+            raise LocalspecError(f"RPC server {endpoint}: offers no device")
+        g.ggml_backend_register(reg)  # as llama.cpp's --rpc does: its devices join ggml's list
+        _rpc_servers[endpoint] = [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
+    return [_device(h) for e in endpoints for h in _rpc_servers[e]]
+
+
+def serve_rpc(endpoint: str, devices: Sequence[BackendDevice], threads: int, cache_dir: Path | None) -> None:
+    """Run ggml's RPC server on `endpoint` (HOST:PORT) for these devices. Blocks for as long as it serves;
+    returns when it cannot listen (ggml prints why)."""
+    start = _rpc_function("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
+        None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)))
+    handles = (ctypes.c_void_p * len(devices))(*[d.handle for d in devices])
+    start(endpoint.encode(), str(cache_dir).encode() if cache_dir else None, threads, len(devices), handles)
 
 
 def has_gpu_device() -> bool:
@@ -202,7 +327,13 @@ class LlamaModel:
         kv_type: str = "f16",
         n_threads: int = 0,
         device_top_k: int = 0,
+        devices: Sequence[BackendDevice] | None = None,
+        split_mode: str = "layer",
+        tensor_split: Sequence[float] = (),
+        main_gpu: int = 0,
     ) -> None:
+        """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
+        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
         _init_backend()
         self.path = Path(path)
         if not self.path.is_file():
@@ -220,6 +351,16 @@ class LlamaModel:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        # Always an explicit, NULL-terminated device list: llama.cpp's default (NULL) takes every registered
+        # device, RPC servers included, and this model may not be meant for them.
+        self.devices = tuple(gpu_devices() if devices is None else devices)
+        self._device_array = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+        mparams.devices = ctypes.cast(self._device_array, ctypes.c_void_p)
+        mparams.split_mode = _SPLIT_MODES[split_mode]
+        mparams.main_gpu = main_gpu
+        if tensor_split:
+            self._tensor_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            mparams.tensor_split = self._tensor_split
         # CPU "repacked" weight layouts use other kernels for a batch than for one token, so a verify batch's
         # logits differ from plain decoding's (by ~0.5 on Gemma 270M) and greedy output would not be lossless.
         # Without them one token and a batch give bit-identical logits (checked in tests/test_engine.py).

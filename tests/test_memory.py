@@ -13,6 +13,7 @@ import pytest
 
 from localspec import demo, memory
 from localspec.gguf_header import read_header
+from localspec.placement import Dev
 from tests.helpers_vocab import write_vocab
 
 MiB = 2**20
@@ -26,6 +27,10 @@ from localspec.llama_ctx import LlamaModel
 m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0)
 m.close()
 """
+
+
+def gpu(index: int, free: int, name: str = "GPU") -> memory.DeviceMem:
+    return memory.DeviceMem(Dev("gpu", index), name, free, free)
 
 
 def llama_cpp_buffers(path: Path, n_ctx: int, kv_type: str) -> dict[str, float]:
@@ -120,9 +125,9 @@ def test_proposes_what_fits_in_ram(gemma: Path) -> None:
 def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
     t, d = _headers(gemma)
     s = memory.Settings(n_ctx=2048, n_draft=4)
-    plenty = memory.Devices(ram_available=64 << 30, gpu_free=64 << 30, gpu_name="GPU", gpu_offload=True)
+    plenty = memory.Devices(ram_available=64 << 30, gpus=(gpu(0, 64 << 30),))
     gpu_need = memory.estimate(t, d, s, plenty).gpu_bytes
-    short = replace(plenty, gpu_free=int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM)))
+    short = replace(plenty, gpus=(gpu(0, int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM))),))
     est = memory.estimate(t, d, s, short)
     assert not est.fits and "VRAM" in est.problem
     ngl = [x for x in est.suggestions if x.startswith("--ngl")]
@@ -134,5 +139,5 @@ def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
 def test_probe_devices_says_what_it_cannot_know() -> None:
     dev = memory.probe_devices()
     assert dev.ram_available > 0
-    if dev.gpu_free is None:
+    if not dev.gpus:
         assert dev.notes  # no GPU: the reason is stated, not guessed

@@ -12,7 +12,16 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from localspec import config
-from localspec.bench import BenchReport, CheckStarted, RunDone, SweepReport, WarmupStep, run_bench, run_sweep
+from localspec.bench import (
+    BenchReport,
+    CheckStarted,
+    RunDone,
+    SweepReport,
+    WarmupStep,
+    placement,
+    run_bench,
+    run_sweep,
+)
 from localspec.cli import options
 from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
@@ -83,6 +92,7 @@ def bench(
 def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
+        _print_placement(console, session)
         events = run_bench(session, chosen)
         runs = []
         progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
@@ -104,6 +114,12 @@ def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
         return event
 
 
+def _print_placement(console: Console, session) -> None:
+    where = placement(session)
+    console.print(f"placement: target {where['target']}, draft {where['draft']}; draft-ahead "
+                  f"{'on' if where['draft_ahead'] else 'off'}")
+
+
 def _parse_sweep(text: str) -> list[int]:
     try:
         lengths = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -117,6 +133,7 @@ def _parse_sweep(text: str) -> list[int]:
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
            save_preset: str | None) -> None:
     with open_session(files, chosen) as session:
+        _print_placement(console, session)
         events = run_sweep(session, chosen, lengths)
         total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from localspec import compat, config, doctor, hub, memory, registry
+from localspec import compat, config, doctor, hub, memory, placement, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
@@ -43,13 +43,17 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
     if files is not None:
         t, d = read_header(files[0]), read_header(files[1])
         s = memory.settings_from_preset(preset, n_ctx=pair.n_ctx if not pair.builtin else None)
-        est = memory.estimate(t, d, s, devices)
+        try:
+            est = memory.estimate(t, d, s, devices)
+        except LocalspecError as exc:  # the preset names a device this machine does not have
+            return f"[red]?[/] ({escape(str(exc))})"
         return "[green]yes[/]" if est.fits else f"[red]no[/] ({escape(est.suggestions[0])})"
     need = pair.expected_bytes
     if need is None:
         return "?"
-    room = devices.gpu_free if devices.gpu_free is not None else devices.ram_available
-    # Weights alone (KV comes on top): a quick answer before anything is downloaded.
+    # Weights alone (KV comes on top) against every GPU (and RPC server) together: a quick answer before anything
+    # is downloaded.
+    room = sum(g.free for g in devices.gpus + devices.rpc) if devices.gpus or devices.rpc else devices.ram_available
     return "[green]likely[/]" if need < room * 0.9 else "[red]no[/]"
 
 
@@ -77,7 +81,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     pairs = registry.load_pairs()
     current = registry.default_pair_name()
     chosen = config.load_preset(preset or "default")
-    devices = memory.probe_devices()
+    devices = memory.probe_devices(placement.rpc_servers(chosen.load), strict=False)
     table = Table(title="localspec model pairs", title_justify="left")
     for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
         table.add_column(col)
@@ -107,8 +111,10 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     for problem in unreadable:
         console.print(f"[red]✗[/] {escape(problem)}")
     console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
-    if devices.gpu_free is None:
+    if not devices.gpus:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
+    elif len(devices.gpus) > 1:
+        console.print(f"[dim]'fits' counts all {len(devices.gpus)} GPUs together (the target split by layer)[/]")
 
 
 def pull(

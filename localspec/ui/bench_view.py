@@ -38,6 +38,9 @@ def summary(report: BenchReport) -> Group:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
+    if report.speculative.ahead_hit_rate is not None:
+        lines.append(Text(f"draft-ahead: {report.speculative.ahead_hit_rate:.0%} of the rounds drafted during the "
+                          "previous verify were used"))
     check = report.greedy_check
     if not check.invariant_holds:
         bad = sum(p.not_argmax for p in check.prompts)
