@@ -1,26 +1,35 @@
 """`localspec bench` as a library: warm-up, interleaved measured runs, medians, a JSON-ready report.
 
 It yields progress events and returns data; the CLI draws them. A run generates `max_tokens` for every prompt of
-the shipped prompt set; its tok/s is all generated tokens over all decode time (prompt processing is reported
-apart). Plain (k = 0) and speculative runs alternate, so drifting clocks or thermals hit both modes alike.
+the prompt set (the shipped one, or the user's own from `--prompts FILE`); its tok/s is all generated tokens over
+all decode time (prompt processing is reported apart). Plain (k = 0) and speculative runs alternate, so drifting
+clocks or thermals hit both modes alike.
+
+Bench measures what users run: when the target carries a chat template, each prompt goes through it (as a user
+message), because replies to a templated prompt are what chat produces and acceptance differs between the two;
+`raw` keeps plain completion.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
+import json
 import platform
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from localspec import __version__
+from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import Preset
 from localspec.engine import GenerationStats, collect
 from localspec.errors import UsageError
+from localspec.fsutil import read_text
 from localspec.session import Session
 
 # Code, prose and Q&A: acceptance differs by kind of text, so the set mixes them.
@@ -31,6 +40,97 @@ PROMPTS: tuple[tuple[str, str], ...] = (
 )
 WARMUP_TOKENS = 16
 PLAIN, SPEC = "plain", "speculative"
+RAW, TEMPLATE = "raw completion", "chat template"
+MAX_PROMPTS = 10_000
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of the set: plain text, or a conversation (`messages`) that needs the chat template."""
+
+    name: str
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+def shipped_prompts() -> list[BenchPrompt]:
+    return [BenchPrompt(name, text=text) for name, text in PROMPTS]
+
+
+def load_prompts(path: Path) -> list[BenchPrompt]:
+    """`--prompts FILE`: one prompt per line, or JSONL with `prompt` (text) or `messages` (a conversation).
+
+    A file is JSONL when its name ends in `.jsonl` or its first non-blank line starts with `{`. Blank lines are
+    skipped; an error names the file and the line.
+    """
+    lines = read_text(Path(path)).splitlines()  # a missing, unreadable, special or non-UTF-8 file: one line
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"{path}: no prompts (one per line, or JSONL with 'prompt' or 'messages')")
+    if len(numbered) > MAX_PROMPTS:
+        raise UsageError(f"{path}: {len(numbered)} prompts; at most {MAX_PROMPTS}")
+    if Path(path).suffix != ".jsonl" and not numbered[0][1].lstrip().startswith("{"):
+        return [BenchPrompt(f"line {i}", text=line) for i, line in numbered]
+    return [_jsonl_prompt(path, i, line) for i, line in numbered]
+
+
+def _jsonl_prompt(path: Path, lineno: int, line: str) -> BenchPrompt:
+    where = f"{path}:{lineno}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: invalid JSON ({exc.msg}, column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise UsageError(f"{where}: expected an object with 'prompt' or 'messages'")
+    unknown = sorted(set(item) - {"prompt", "messages", "name"})
+    if unknown:
+        raise UsageError(f"{where}: unknown key {unknown[0]!r} (allowed: prompt, messages, name)")
+    if ("prompt" in item) == ("messages" in item):
+        raise UsageError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    name = item.get("name", f"line {lineno}")
+    if not isinstance(name, str):
+        raise UsageError(f"{where}: 'name' must be a string")
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"].strip():
+            raise UsageError(f"{where}: 'prompt' must be a non-empty string")
+        return BenchPrompt(name, text=item["prompt"])
+    messages = item["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    for n, m in enumerate(messages, 1):
+        if (not isinstance(m, dict) or set(m) != {"role", "content"} or not isinstance(m["role"], str)
+                or not isinstance(m["content"], str)):
+            raise UsageError(f"{where}: message {n} must be an object with string 'role' and 'content'")
+    return BenchPrompt(name, messages=tuple(messages))
+
+
+def prompt_mode(session: Session, raw: bool) -> str:
+    """Through the chat template when the target carries one (what chat sends), unless `raw`."""
+    return RAW if raw or not session.target.metadata("tokenizer.chat_template") else TEMPLATE
+
+
+def tokenize_prompts(session: Session, prompts: list[BenchPrompt] | None = None,
+                     raw: bool = False) -> list[tuple[str, list[int]]]:
+    prompts = shipped_prompts() if prompts is None else prompts
+    mode = prompt_mode(session, raw)
+    template: ChatTemplate | None = None
+    out: list[tuple[str, list[int]]] = []
+    for p in prompts:
+        if p.messages is None and mode == RAW:
+            assert p.text is not None
+            out.append((p.name, session.target.tokenize(p.text, add_special=True)))
+            continue
+        if p.messages is not None and raw:
+            raise UsageError(f"prompt {p.name!r} is a conversation (messages): it needs the chat template, "
+                                 "so it cannot run with --raw")
+        template = template or ChatTemplate.for_model(session.target)
+        messages = list(p.messages) if p.messages is not None else [{"role": "user", "content": p.text or ""}]
+        out.append((p.name, encode_chat(session.target, template.render(messages))))
+    too_long = [name for name, tokens in out if len(tokens) >= session.engine.n_ctx]
+    if too_long:
+        raise UsageError(f"prompt {too_long[0]!r} does not fit the context of {session.engine.n_ctx} tokens "
+                             "(--ctx raises it)")
+    return out
 
 
 @dataclass
@@ -136,6 +236,8 @@ class BenchReport:
     greedy_check: GreedyCheck
     runs: list[RunResult]
     environment: dict[str, Any]
+    prompts: list[str] = field(default_factory=list)
+    prompt_mode: str = RAW
 
     @property
     def speedup(self) -> float:
@@ -155,7 +257,8 @@ class BenchReport:
             "preset": self.preset.as_dict(),
             "n_draft": self.n_draft,
             "max_tokens": self.max_tokens,
-            "prompts": [name for name, _ in PROMPTS],
+            "prompts": self.prompts,
+            "prompt_mode": self.prompt_mode,
             "plain": dataclasses.asdict(self.plain),
             "speculative": dataclasses.asdict(self.speculative),
             "speedup": self.speedup,
@@ -234,16 +337,14 @@ def _text_with_ends(session: Session, tokens: list[int]) -> tuple[str, list[int]
     return text, ends
 
 
-def tokenize_prompts(session: Session) -> list[tuple[str, list[int]]]:
-    return [(name, session.target.tokenize(text, add_special=True)) for name, text in PROMPTS]
-
-
-def run_bench(session: Session, preset: Preset) -> Iterator[BenchEvent]:
+def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | None = None,
+              raw: bool = False) -> Iterator[BenchEvent]:
     """Warm up, then `preset.bench.repeat` plain and speculative runs, interleaved; then the greedy check."""
     if session.draft is None:
         raise UsageError("bench compares plain with speculative decoding: it needs a draft model")
     settings = preset.bench
-    prompts = tokenize_prompts(session)
+    kind = prompt_mode(session, raw)
+    prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):
         mode = SPEC if i % 2 else PLAIN
         name, prompt = prompts[i % len(prompts)]
@@ -269,6 +370,7 @@ def run_bench(session: Session, preset: Preset) -> Iterator[BenchEvent]:
         preset=preset, n_draft=preset.draft.n_draft, max_tokens=settings.max_tokens,
         plain=ModeSummary.of(PLAIN, plain_runs), speculative=ModeSummary.of(SPEC, spec_runs),
         greedy_check=check, runs=runs, environment=environment(session),
+        prompts=[name for name, _ in prompts], prompt_mode=kind,
     )
 
 
@@ -356,12 +458,13 @@ class SweepReport:
 SweepEvent = WarmupStep | RunDone | SweepReport
 
 
-def run_sweep(session: Session, preset: Preset, lengths: list[int]) -> Iterator[SweepEvent]:
+def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: list[BenchPrompt] | None = None,
+              raw: bool = False) -> Iterator[SweepEvent]:
     """Median tok/s per draft length (plus plain decoding as the baseline), the k values interleaved per repeat."""
     if session.draft is None:
         raise UsageError("a draft-length sweep needs a draft model")
     settings = preset.bench
-    prompts = tokenize_prompts(session)
+    prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):
         _one_run(session, [prompts[i % len(prompts)]], preset, SPEC if i % 2 else PLAIN, -1, WARMUP_TOKENS)
         yield WarmupStep(i + 1, settings.warmup)

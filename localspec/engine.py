@@ -302,6 +302,11 @@ class Engine:
             self._worker = None
 
     @property
+    def cached_tokens(self) -> tuple[int, ...]:
+        """The tokens in the target's KV cache, position by position (chat reports how much it could reuse)."""
+        return tuple(self._target_kv)
+
+    @property
     def n_ctx(self) -> int:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 

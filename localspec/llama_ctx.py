@@ -264,9 +264,10 @@ def apply_builtin_template(name: str, messages: ChatMessages) -> str:
     raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
 
 
-def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[[ChatMessages], str]:
+def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[..., str]:
     """A GGUF's Jinja chat template, rendered by llama-cpp-python's sandboxed formatter (a hostile template cannot
-    reach Python). Parse errors become a LocalspecError naming `source`."""
+    reach Python). Parse errors become a LocalspecError naming `source`. Keyword arguments of the renderer reach the
+    template as variables (the formatter passes them through): Qwen3's `enable_thinking`."""
     import jinja2
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -275,7 +276,7 @@ def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: s
                                         add_generation_prompt=True)
     except jinja2.TemplateError as exc:
         raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
-    return lambda messages: formatter(messages=messages).prompt
+    return lambda messages, **variables: formatter(messages=messages, **variables).prompt
 
 
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
