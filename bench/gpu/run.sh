@@ -248,8 +248,9 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and
         local json="$D/localspec-t$temp.json"
         done_ok "$json" && continue
         # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
+        # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there).
         # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-        step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --target "$T" --draft "$DR" --temp "$temp" \
+        step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" --temp "$temp" \
             --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
             --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
     done
