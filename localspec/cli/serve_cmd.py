@@ -88,7 +88,6 @@ def serve(
 
     server = _uvicorn_server(app, on_exit)
 
-
     def load() -> None:
         try:
             session = open_session(files, chosen)
