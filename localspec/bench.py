@@ -12,6 +12,7 @@ message), because replies to a templated prompt are what chat produces and accep
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import platform
@@ -156,6 +157,7 @@ class ModeSummary:
     acceptance_rate: float
     mean_accepted: float
     host_fraction: float  # share of decode time spent outside llama_decode
+    ahead_hit_rate: float | None = None  # draft-ahead: share of the rounds drafted ahead that were used (None: off)
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
@@ -164,14 +166,64 @@ class ModeSummary:
         return cls(
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
             acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
-            host_fraction=total.host_fraction,
+            host_fraction=total.host_fraction, ahead_hit_rate=total.ahead_hit_rate if total.ahead_made else None,
         )
 
 
 @dataclass(frozen=True)
+class PromptCheck:
+    """One prompt of the greedy check: speculative against single-token (plain) decoding, both at temperature 0."""
+
+    name: str
+    tokens: int  # tokens compared (the shorter output)
+    first_divergence: int | None  # index of the first token where the outputs differ; None: identical
+    plain_margin: float | None  # plain decoding's top-1 minus top-2 logit at that token: how close the call was
+    spec_margin: float | None  # the same, in the verify row that chose the speculative token there
+    not_argmax: int  # speculative tokens that are not their verify row's argmax: the invariant, always 0
+    # Plain decoding's output, so other implementations' greedy output can be compared with it (bench/gpu).
+    plain_tokens: list[int] = field(repr=False)
+    plain_text: str = field(repr=False)
+    plain_token_ends: list[int] = field(repr=False)  # character offset in plain_text where each token ends
+    plain_margins: list[float] = field(repr=False)
+
+
+@dataclass(frozen=True)
 class GreedyCheck:
-    identical: bool
-    first_mismatch: str | None  # "prompt 'code', token 17: plain 1234 vs speculative 99"
+    """Greedy fidelity. Always checked: every speculative token is the argmax of its row in its verify batch.
+    On a CPU (`exact`) a batch scores each position bit for bit as a single token does, so speculative output
+    must also be token-identical to plain decoding. On a GPU the logits depend on the batch shape (docs/gpu.md):
+    the divergence from plain decoding is measured and reported, not a failure."""
+
+    exact: bool
+    prompts: list[PromptCheck]
+
+    @property
+    def invariant_holds(self) -> bool:
+        return all(p.not_argmax == 0 for p in self.prompts)
+
+    @property
+    def diverged(self) -> list[PromptCheck]:
+        return [p for p in self.prompts if p.first_divergence is not None]
+
+    @property
+    def passed(self) -> bool:
+        return self.invariant_holds and not (self.exact and self.diverged)
+
+    def describe(self) -> str:
+        """One line on the divergence from plain decoding."""
+        n = len(self.prompts)
+        if not self.diverged:
+            return f"token-identical to plain decoding on {n} of {n} prompts"
+        firsts = ", ".join(
+            f"{p.name!r} at token {p.first_divergence}"
+            + (f" (top-2 margin {p.plain_margin:.3f})" if p.plain_margin is not None else "")
+            for p in self.diverged)
+        return f"diverged from plain decoding on {len(self.diverged)} of {n} prompts: {firsts}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"exact": self.exact, "invariant_holds": self.invariant_holds, "passed": self.passed,
+                "diverged": len(self.diverged), "summary": self.describe(),
+                "prompts": [dataclasses.asdict(p) for p in self.prompts]}
 
 
 @dataclass
@@ -211,7 +263,7 @@ class BenchReport:
             "speculative": dataclasses.asdict(self.speculative),
             "speedup": self.speedup,
             "verdict": self.verdict,
-            "greedy_check": dataclasses.asdict(self.greedy_check),
+            "greedy_check": self.greedy_check.as_dict(),
             "runs": [r.as_dict() for r in self.runs],
         }
 
@@ -251,15 +303,38 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
                      prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs)
 
 
-def _compare(plain: dict[str, list[int]], spec: dict[str, list[int]]) -> GreedyCheck:
-    for name, a in plain.items():
-        b = spec[name]
-        for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            if x != y:
-                return GreedyCheck(False, f"prompt {name!r}, token {i}: plain {x} vs speculative {y}")
-        if len(a) != len(b):
-            return GreedyCheck(False, f"prompt {name!r}: plain made {len(a)} tokens, speculative {len(b)}")
-    return GreedyCheck(True, None)
+def greedy_check(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset,
+                 max_tokens: int) -> GreedyCheck:
+    """Plain and speculative decoding at temperature 0 of every prompt, traced (see GreedyCheck)."""
+    sampling = dataclasses.replace(preset.sampling, temperature=0.0)
+    plain_drafting = dataclasses.replace(preset.draft, n_draft=0)
+    checks = []
+    for name, prompt in prompts:
+        plain = collect(session.engine.generate(prompt, sampling, plain_drafting, max_tokens, trace=True))
+        spec = collect(session.engine.generate(prompt, sampling, preset.draft, max_tokens, trace=True))
+        n = min(len(plain.tokens), len(spec.tokens))
+        first = next((i for i in range(n) if plain.tokens[i] != spec.tokens[i]), None)
+        if first is None and len(plain.tokens) != len(spec.tokens):
+            first = n
+        text, ends = _text_with_ends(session, plain.tokens)
+        checks.append(PromptCheck(
+            name=name, tokens=n, first_divergence=first,
+            plain_margin=plain.trace[first][1] if first is not None and first < len(plain.trace) else None,
+            spec_margin=spec.trace[first][1] if first is not None and first < len(spec.trace) else None,
+            not_argmax=sum(token != argmax for token, (argmax, _) in zip(spec.tokens, spec.trace, strict=True)),
+            plain_tokens=plain.tokens, plain_text=text, plain_token_ends=ends,
+            plain_margins=[margin for _, margin in plain.trace],
+        ))
+    return GreedyCheck(exact=not session.target.on_gpu, prompts=checks)
+
+
+def _text_with_ends(session: Session, tokens: list[int]) -> tuple[str, list[int]]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text, ends = "", []
+    for token in tokens:
+        text += decoder.decode(session.target.piece(token))
+        ends.append(len(text))
+    return text, ends
 
 
 def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | None = None,
@@ -286,15 +361,10 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
 
     plain_runs = [r for r in runs if r.mode == PLAIN]
     spec_runs = [r for r in runs if r.mode == SPEC]
-    if preset.sampling.greedy:
-        check = _compare(plain_runs[0].outputs, spec_runs[0].outputs)
-    else:
-        # Sampled outputs differ run to run by design; losslessness is checked at temperature 0.
-        yield CheckStarted(len(prompts))
-        greedy = dataclasses.replace(preset, sampling=dataclasses.replace(preset.sampling, temperature=0.0))
-        plain = _one_run(session, prompts, greedy, PLAIN, 0, settings.max_tokens)
-        spec = _one_run(session, prompts, greedy, SPEC, 0, settings.max_tokens)
-        check = _compare(plain.outputs, spec.outputs)
+    # Apart from the timed runs, at any temperature: the check's trace asks the device for candidates, not only
+    # the argmax, and sampled outputs differ run to run by design.
+    yield CheckStarted(len(prompts))
+    check = greedy_check(session, prompts, preset, settings.max_tokens)
 
     yield BenchReport(
         preset=preset, n_draft=preset.draft.n_draft, max_tokens=settings.max_tokens,
@@ -337,7 +407,17 @@ def environment(session: Session) -> dict[str, Any]:
         "pair": session.files.name,
         "target": model(session.target),
         "draft": model(session.draft),
+        "placement": placement(session),
     }
+
+
+def placement(session: Session) -> dict[str, Any]:
+    """Where each model runs and whether the draft drafts ahead: bench's header line and its JSON."""
+    plan = session.plan
+    return {"target": plan.target.describe() if plan else None, "draft": plan.draft.describe() if plan else None,
+            "target_devices": [d.name for d in session.target.devices],
+            "draft_devices": [d.name for d in session.draft.devices] if session.draft else [],
+            "draft_ahead": session.engine.draft_ahead}
 
 
 # -- draft-length sweep -----------------------------------------------------------------------------------------

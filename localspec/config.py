@@ -11,19 +11,65 @@ import dataclasses
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localspec import paths
-from localspec.errors import ConfigError
+from localspec.errors import ConfigError, LocalspecError
 from localspec.fsutil import atomic_write, read_text
+from localspec.rpc import Endpoint, parse_endpoint, parse_endpoints
 
 _PRESET_NAME = re.compile(r"^(?!.*\.toml$)[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def _rng(lo: float, hi: float, kind: type) -> dict[str, Any]:
     return {"range": (lo, hi), "kind": kind}
+
+
+def _text(check: Callable[[str], object], form: str) -> dict[str, Any]:
+    """A free-form string key: `check` raises ValueError (its message says what is wrong) on a bad value; `form`
+    is what --help and errors show as the expected format."""
+    return {"kind": str, "check": check, "form": form}
+
+
+def _proportions(text: str) -> object:
+    """`3,1`: one non-negative proportion per device, not all zero ("" = llama.cpp's default, by free memory)."""
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError("expected comma-separated numbers, e.g. 3,1") from None
+    if any(not math.isfinite(v) or v < 0 for v in values) or not any(values):
+        raise ValueError("proportions must be finite, non-negative and not all zero")
+    return values
+
+
+def _endpoints(text: str) -> object:
+    try:
+        return parse_endpoints(text)
+    except LocalspecError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _address(text: str) -> object:
+    if not text.strip() or any(c.isspace() or c in ",:" for c in text.strip()):
+        raise ValueError("expected one host name or IPv4 address, e.g. 127.0.0.1")
+    return text.strip()
+
+
+def _draft_device(text: str) -> object:
+    text = text.strip()
+    if text == "auto" or text.isdigit():
+        return text
+    if ":" in text:
+        try:
+            return parse_endpoint(text)
+        except LocalspecError as exc:
+            raise ValueError(str(exc)) from None
+    raise ValueError("expected auto, a GPU number or an RPC server HOST:PORT")
 
 
 @dataclass(frozen=True)
@@ -82,6 +128,32 @@ class LoadSettings:
     threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
     n_batch: int = field(metadata=_rng(8, 8192, int))
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
+    # Placement (llama.cpp's model params): how the target spreads over devices, and where the draft goes.
+    split_mode: str = field(metadata={"kind": str, "choices": ("none", "layer", "row")})
+    tensor_split: str = field(metadata=_text(_proportions, "proportions per target device, e.g. 3,1"))
+    main_gpu: int = field(metadata=_rng(0, 15, int))
+    draft_device: str = field(metadata=_text(_draft_device, "auto, a GPU number or HOST:PORT"))
+    rpc: str = field(metadata=_text(_endpoints, "HOST:PORT[,HOST:PORT...]"))
+    # Draft the next round while the target verifies (auto: when the draft runs on another device than the target)
+    overlap: str = field(metadata={"kind": str, "choices": ("auto", "on", "off")})
+
+    @property
+    def tensor_split_values(self) -> tuple[float, ...]:
+        return _proportions(self.tensor_split)  # type: ignore[return-value]
+
+    @property
+    def rpc_endpoints(self) -> tuple[Endpoint, ...]:
+        return parse_endpoints(self.rpc)
+
+
+@dataclass(frozen=True)
+class RpcServerSettings:
+    """`localspec rpc-server`: where it listens and how it computes."""
+
+    host: str = field(metadata=_text(_address, "an address to listen on, e.g. 127.0.0.1"))
+    port: int = field(metadata=_rng(1, 65535, int))
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    cache: bool = field(metadata={"kind": bool})  # keep large tensors on disk there, so a reload sends less
 
 
 @dataclass(frozen=True)
@@ -99,6 +171,7 @@ _SECTIONS: dict[str, type] = {
     "generate": GenerateSettings,
     "load": LoadSettings,
     "server": ServerSettings,
+    "rpc_server": RpcServerSettings,  # after server: an unqualified host or port means `localspec serve`'s
 }
 
 
@@ -112,6 +185,7 @@ class Preset:
     generate: GenerateSettings
     load: LoadSettings
     server: ServerSettings
+    rpc_server: RpcServerSettings
 
     def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,
                        **overrides: Any) -> Preset:
@@ -165,6 +239,14 @@ def _check(section: str, key: str, value: Any, where: str) -> Any:
     """Type- and range-check one value; the error names where it came from and the allowed range."""
     meta = key_metadata(key, section)
     kind = meta["kind"]
+    if kind is str and "check" in meta:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r}: expected a string ({meta['form']})")
+        try:
+            meta["check"](value)
+        except ValueError as exc:
+            raise ConfigError(f"{where} = {value!r}: {exc}") from None
+        return value.strip()
     if kind is str:
         if "choices" not in meta:
             if not isinstance(value, str) or not value.strip():

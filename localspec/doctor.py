@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, memory
+from localspec import compat, memory, placement
 from localspec.config import Preset
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader, read_header
@@ -16,7 +16,7 @@ from localspec.status import Status
 
 GiB = float(1 << 30)
 GPU_BUILD_FIX = (
-    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
+    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON" pip install --force-reinstall --no-cache-dir '
     "llama-cpp-python==0.3.36"
 )
 
@@ -122,55 +122,65 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     return out
 
 
-def _machine_checks(dev: memory.Devices) -> list[Check]:
+RPC_FIX = ("start it there (`localspec rpc-server --host ADDRESS --port PORT`, or llama.cpp's rpc-server), or "
+           "drop it from --rpc / [load] rpc")
+
+
+def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[Check]:
     out = []
     if dev.gpu_offload:
-        out.append(Check(Status.OK, "llama-cpp-python GPU offload", "built with GPU offload"))
+        out.append(Check(Status.OK, "llama-cpp-python GPU offload",
+                         f"built with GPU offload: llama.cpp sees {len(dev.gpus)} GPU{'s' * (len(dev.gpus) > 1)}"))
     else:
-        out.append(
-            Check(
-                Status.WARN,
-                "llama-cpp-python GPU offload",
-                "CPU-only build (llama_supports_gpu_offload = 0)",
-                GPU_BUILD_FIX,
-            )
-        )
-    if dev.gpu_name:
-        free = f"{(dev.gpu_free or 0) / GiB:.1f} GiB free of {(dev.gpu_total or 0) / GiB:.1f} GiB"
-        out.append(
-            Check(
-                Status.OK if dev.gpu_offload else Status.WARN,
-                "GPU",
-                f"{dev.gpu_name}, driver {dev.driver}, "
-                + (free if dev.gpu_free is not None else "unused by this build"),
-                "" if dev.gpu_offload else GPU_BUILD_FIX,
-            )
-        )
+        out.append(Check(Status.WARN, "llama-cpp-python GPU offload", "CPU-only build (llama.cpp has no GPU device)",
+                         GPU_BUILD_FIX))
+    if dev.gpus:
+        listed = "; ".join(f"{g.label}: {g.name}, {g.free / GiB:.1f} GiB free of {g.total / GiB:.1f} GiB"
+                           for g in dev.gpus)
+        out.append(Check(Status.OK, "GPU", listed + (f"; driver {dev.driver}" if dev.driver else "")))
+    elif dev.unused_gpus:
+        out.append(Check(Status.WARN, "GPU", f"{', '.join(dev.unused_gpus)}, driver {dev.driver}: unused by this "
+                         "build", GPU_BUILD_FIX))
     else:
-        why = "; ".join(dev.notes) or "no NVIDIA GPU found"
-        out.append(
-            Check(
-                Status.INFO,
-                "GPU",
-                f"none usable ({why}); models run on the CPU",
-                "install the NVIDIA driver and nvidia-ml-py for VRAM checks",
-            )
-        )
+        why = "; ".join(dev.notes) or "no GPU found"
+        out.append(Check(Status.INFO, "GPU", f"none usable ({why}); models run on the CPU",
+                         "install the NVIDIA driver and nvidia-ml-py for VRAM checks"))
+    for endpoint in rpc_servers:
+        error = next((e for e in dev.rpc_errors if f"RPC server {endpoint}:" in e), None)
+        if error is not None:
+            out.append(Check(Status.FAIL, f"RPC server {endpoint}", error.split(": ", 1)[-1], RPC_FIX))
+            continue
+        devs = [d for d in dev.rpc if d.dev.endpoint == endpoint]
+        out.append(Check(Status.OK, f"RPC server {endpoint}", "answers; " + "; ".join(
+            f"{d.name}: {d.free / GiB:.1f} GiB free of {d.total / GiB:.1f} GiB" for d in devs)))
     out.append(Check(Status.INFO, "RAM", f"{dev.ram_available / GiB:.1f} GiB available"))
     return out
 
 
-def _fit_check(t: GGUFHeader, d: GGUFHeader | None, preset: Preset, n_ctx: int, dev: memory.Devices) -> Check:
+def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices) -> tuple[Check, memory.Settings]:
     s = memory.settings_from_preset(preset, n_ctx=n_ctx)
-    est = memory.estimate(t, d, s, dev)
-    where = (
-        f"{est.gpu_bytes / GiB:.1f} GiB VRAM + {est.ram_bytes / GiB:.1f} GiB RAM"
-        if dev.gpu_free is not None
-        else f"{est.ram_bytes / GiB:.1f} GiB RAM (no GPU: VRAM not checked)"
-    )
+    try:
+        plan = memory.plan_for(s, dev)
+    except LocalspecError as exc:
+        return Check(Status.FAIL, "placement", str(exc), "see `localspec doctor` for the GPUs llama.cpp sees"), s
+    ahead = placement.draft_ahead(preset.load.overlap, plan)
+    detail = (f"target: {plan.target.describe()}; draft: {plan.draft.describe()}; draft-ahead "
+              f"{'on' if ahead else 'off'} ({preset.load.overlap})")
+    if len(dev.gpus) > 1 and not plan.separate and not plan.draft.on_cpu:
+        return Check(Status.INFO, "placement", detail, "on two GPUs, --draft-device 1 lets the draft run ahead "
+                     "beside the target's verify (measure with `localspec bench`)"), s
+    return Check(Status.OK, "placement", detail), s
+
+
+def _fit_check(t: GGUFHeader, d: GGUFHeader | None, s: memory.Settings, dev: memory.Devices) -> Check:
+    try:
+        est = memory.estimate(t, d, s, dev)
+    except LocalspecError as exc:
+        return Check(Status.FAIL, "the pair fits", str(exc), "choose a placement this machine has")
+    where = est.where() if est.per_device else f"RAM {est.ram_bytes / GiB:.1f} GiB (no GPU: VRAM not checked)"
     if est.fits:
-        return Check(Status.OK, "the pair fits", f"needs {where} at context {n_ctx}, {s.kv_type} KV")
-    return Check(Status.FAIL, "the pair fits", est.problem, "try " + " or ".join(est.suggestions))
+        return Check(Status.OK, "the pair fits", f"at context {s.n_ctx}, {s.kv_type} KV: {where}")
+    return Check(Status.FAIL, "the pair fits", f"{est.problem} ({where})", "try " + " or ".join(est.suggestions))
 
 
 def run_checks(
@@ -183,7 +193,8 @@ def run_checks(
     missing: str = "",
 ) -> list[Check]:
     """The checklist in order. `missing` explains why there are no files (e.g. a pair not pulled yet)."""
-    dev = devices or memory.probe_devices()
+    servers = placement.rpc_servers(preset.load)
+    dev = devices or memory.probe_devices(servers, strict=False)
     ctx = n_ctx or preset.load.n_ctx
     checks: list[Check] = []
     t, d, error = _headers(target, draft) if target else (None, None, missing or "no model files")
@@ -194,7 +205,9 @@ def run_checks(
     else:
         checks.extend(_pair_checks(t, d))
     checks.extend(_settings_checks(preset, ctx))
-    checks.extend(_machine_checks(dev))
-    if t is not None:
-        checks.append(_fit_check(t, d, preset, ctx, dev))
+    checks.extend(_machine_checks(dev, servers))
+    placed, settings = _placement_check(preset, ctx, dev)
+    checks.append(placed)
+    if t is not None and placed.status != Status.FAIL:
+        checks.append(_fit_check(t, d, settings, dev))
     return checks

@@ -4,26 +4,36 @@ One generation: `_prefill` the prompt into both KV caches (reusing whatever pref
 of `_draft` (up to k tokens, one draft decode each), `_verify` (one batched target decode with logits at every
 drafted position), acceptance (greedy match or rejection sampling), and `_rewind` (the one place KV cells of
 rejected tokens are removed from both caches). k = 0 is plain decoding through the same code, so baselines are
-apples to apples.
+apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so llama.cpp's
+CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
 
 Bookkeeping invariant between rounds: `self._tokens` is the committed sequence; the target's KV cache holds all of
 it except the last token (`cur`), which opens the next verify batch; the draft's KV cache holds a prefix of it and
-catches up at the start of its next `_draft`.
+catches up at the start of its next `_draft` (or, after a kept draft-ahead, the next round's drafts but the last).
+
+Draft-ahead (`Engine(draft_ahead=True)`, for a draft on a device of its own): while the target verifies a round,
+a worker thread drafts the next one, betting that every draft is accepted and that the target's own next token
+is the draft's argmax there. The bet is kept only when it came true and the next round asks for the same length;
+otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of its own
+that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft scores
+a token alone as it scores it in a batch, which localspec's losslessness already rests on).
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.errors import ContextFullError, UsageError
-from localspec.llama_ctx import LlamaModel, TopK
+from localspec.llama_ctx import DeviceDist, LlamaModel, Sampled, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
@@ -38,6 +48,10 @@ class TokenEvent:
     token: int
     text: str  # the UTF-8 text this token completes (may be "" mid-character)
     from_draft: bool  # True when the token is an accepted draft token
+    # With generate(trace=True) at temperature 0: the argmax of the target row this token was chosen from (read
+    # from the row itself, apart from the acceptance logic) and that row's top-1 minus top-2 logit.
+    row_argmax: int | None = None
+    margin: float | None = None
 
 
 @dataclass
@@ -58,6 +72,9 @@ class GenerationStats:
     draft_s: float = 0.0  # inside llama_decode of the draft (including logits sync)
     verify_s: float = 0.0  # inside llama_decode of the target
     decode_s: float = 0.0  # wall time of all rounds
+    ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, betting on it
+    ahead_kept: int = 0  # ... and the bets that came true: rounds whose drafts cost no time on the critical path
+    ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
     draft_lengths: list[int] = field(default_factory=list)
 
     def __add__(self, other: GenerationStats) -> GenerationStats:
@@ -82,6 +99,11 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def ahead_hit_rate(self) -> float:
+        """Draft-ahead: the share of rounds drafted beside a verify that the next round used."""
+        return self.ahead_kept / self.ahead_made if self.ahead_made else 0.0
+
+    @property
     def mean_accepted(self) -> float:
         """Accepted draft tokens per round (each round also emits one token of the target's own)."""
         return self.accepted / self.rounds if self.rounds else 0.0
@@ -98,7 +120,8 @@ class GenerationStats:
         """Counts, seconds and the derived rates (draft_lengths left out: a list per round)."""
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
-                "mean_accepted", "decode_tps", "prefill_tps")
+                "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
+                "ahead_hit_rate")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -125,6 +148,7 @@ class Generation:
     tokens: list[int]
     from_draft: int  # how many of `tokens` were accepted draft tokens
     done: DoneEvent
+    trace: list[tuple[int, float]]  # generate(trace=True): each token's (row argmax, top-2 margin); else empty
 
     @property
     def stats(self) -> GenerationStats:
@@ -134,47 +158,55 @@ class Generation:
 def collect(events: Iterable[Event]) -> Generation:
     """Drain an engine stream into its tokens and its final DoneEvent."""
     tokens: list[int] = []
+    trace: list[tuple[int, float]] = []
     from_draft = 0
     for event in events:
         if isinstance(event, DoneEvent):
-            return Generation(tokens, from_draft, event)
+            return Generation(tokens, from_draft, event, trace)
         tokens.append(event.token)
         from_draft += event.from_draft
+        if event.row_argmax is not None and event.margin is not None:
+            trace.append((event.row_argmax, event.margin))
     raise RuntimeError("the engine stream ended without a DoneEvent")  # an engine bug, not a user error
 
 
-# On CUDA, llama.cpp scores up to 8 tokens per matmul with the same kernel as one token; a 9th switches kernels and
-# the logits change in the last bits, which can flip a near-tie (seen on the H200: k = 8 was not token-identical).
-# Greedy decoding promises identical output, so its verify batch stays within 8 tokens.
-GREEDY_MAX_DRAFT = 7
-
-
 class _DraftLength:
-    """Chooses k for the next round: fixed, or adaptive from measured costs and measured acceptance.
+    """Chooses k for the next round: fixed, or adaptive among a few lengths that it changes rarely.
 
-    Adaptive picks the k that maximises expected tokens per second, E[tokens | k] / cost(k). Acceptance is bursty
-    (rounds tend to be all right or wrong early), so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured
-    survival S(i) = P(positions 1..i all accepted), each position's conditional acceptance counted from recent
-    rounds (decayed). cost(k) = k draft steps + a verify of k + 1 tokens, both timed online, so it adapts to the
-    machine. An untried deeper position borrows the deepest measured rate, so k can grow when drafts are good.
+    On CUDA every change of the verify width costs: llama.cpp rebuilds its compute graph and the CUDA graph runs
+    uncaptured for two calls, then is captured again (docs/gpu.md: widths 7,7,5,5 cost 23.0 ms a call against
+    19.0 for 7 and 15.7 for 5). So adaptive drafting holds k for EPOCH rounds and considers only a short LADDER
+    of lengths (a third, two thirds and all of the preset's k). At an epoch's end it moves to the length that
+    maximises expected tokens per second, E[tokens | k] / cost(k), and only if that beats the current length
+    by MIN_GAIN. Acceptance is bursty, so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured survival
+    S(i) = P(positions 1..i all accepted) from each position's conditional acceptance; a position never
+    verified borrows the deepest measured rate. cost(k) = k draft steps + a verify of k + 1 tokens, both timed
+    online (the verify cost of an untried width from a line through the tried ones). The first two epochs probe
+    the longest and the middle length, since a line needs two widths.
     """
 
-    DECAY = 0.97
+    EPOCH = 16
+    MIN_GAIN = 1.05
 
-    def __init__(self, cfg: Drafting, k_cap: int) -> None:
-        self.k_max = min(cfg.n_draft, k_cap)
-        self.adaptive = cfg.adaptive and self.k_max > 1
+    def __init__(self, cfg: Drafting) -> None:
+        self.k_max = cfg.n_draft
+        self.ladder = sorted({max(1, round(self.k_max * f)) for f in (1 / 3, 2 / 3, 1.0)})
+        self.adaptive = cfg.adaptive and len(self.ladder) > 1
+        self.k = self.k_max
+        self.rounds = 0
         self.tried = np.zeros(self.k_max + 1)  # index i: rounds that verified position i
         self.ok = np.zeros(self.k_max + 1)
         self.draft_step_s = 0.0
         self.verify_s: dict[int, float] = {}
 
     def next(self) -> int:
-        if not self.adaptive:
-            return self.k_max
+        if self.adaptive and self.rounds and self.rounds % self.EPOCH == 0:
+            self.k = self._choose()
+        return self.k
+
+    def _choose(self) -> int:
         if len(self.verify_s) < 2:
-            # The verify cost's growth per token needs two widths: probe k_max, then half of it.
-            return self.k_max if not self.verify_s else max(1, self.k_max // 2)
+            return self.ladder[len(self.ladder) // 2] if self.k == self.k_max else self.k_max
         rate = 0.8  # prior for a position never verified
         survival, expected = 1.0, [1.0]
         for i in range(1, self.k_max + 1):
@@ -182,8 +214,9 @@ class _DraftLength:
                 rate = (self.ok[i] + 1.0) / (self.tried[i] + 2.0)
             survival *= rate
             expected.append(expected[-1] + survival)
-        return max(range(1, self.k_max + 1),
-                   key=lambda k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)))
+        speed = {k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)) for k in self.ladder}
+        best = max(speed, key=speed.__getitem__)
+        return best if speed[best] > self.MIN_GAIN * speed.get(self.k, 0.0) else self.k
 
     def _verify_cost(self, width: int) -> float:
         if width in self.verify_s:
@@ -193,11 +226,13 @@ class _DraftLength:
         slope, intercept = np.polyfit(widths, times, 1)
         return float(max(intercept + slope * width, times.min()))
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int) -> None:
+        self.rounds += 1
         if not self.adaptive:
             return
-        self.tried *= self.DECAY
-        self.ok *= self.DECAY
+        if self.rounds % self.EPOCH == 0:  # older epochs count less: acceptance drifts with the text
+            self.tried *= 0.5
+            self.ok *= 0.5
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         self.tried[1 : verified + 1] += 1.0
         self.ok[1 : accepted + 1] += 1.0
@@ -205,17 +240,37 @@ class _DraftLength:
         if drafted:
             step = draft_s / drafted
             self.draft_step_s = step if self.draft_step_s == 0.0 else (1 - ema) * self.draft_step_s + ema * step
-        width = drafted + 1
         old = self.verify_s.get(width)
         self.verify_s[width] = verify_s if old is None else (1 - ema) * old + ema * verify_s
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """The next round's drafts, made while this round's verify ran, and what keeping or throwing them needs."""
+
+    guess: int  # the target's next token, as the draft bet it (its argmax after the last draft)
+    k: int  # the draft length they were made for
+    drafts: list[int]
+    q: list[Candidates] | None
+    rng_state: dict  # the draft's random stream before them: a thrown bet gives its draws back
+    seconds: float  # spent in the draft's decodes, beside the verify
 
 
 class Engine:
     """Speculative decoding over a target and an optional draft `LlamaModel` (same tokenizer)."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel | None) -> None:
+    def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, constant_width: bool | None = None,
+                 draft_ahead: bool = False) -> None:
         self.target = target
         self.draft = draft
+        # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
+        # the last round before max_tokens): on CUDA a width change re-captures graphs, which costs more than the
+        # padded positions (docs/gpu.md). On a CPU the padded positions are pure extra work, so only on a GPU.
+        self.constant_width = target.on_gpu if constant_width is None else constant_width
+        self._chooser: tuple[tuple, _DraftLength] | None = None
+        self.draft_ahead = draft_ahead and draft is not None
+        self._worker: ThreadPoolExecutor | None = None  # drafts ahead beside the verify (started when first used)
+        self._job: Future[_Ahead | None] | None = None  # the last draft-ahead handed to the worker
         self._target_kv: list[int] = []  # tokens in the target's KV cache, position by position
         self._draft_kv: list[int] = []
         self._tokens: list[int] = []
@@ -225,12 +280,26 @@ class Engine:
 
     def reset(self) -> None:
         """Forget both KV caches (the next prompt is processed in full)."""
+        self._wait_for_worker()
         self.target.clear()
         self._target_kv = []
         if self.draft is not None:
             self.draft.clear()
         self._draft_kv = []
         self._tokens = []
+
+    def _wait_for_worker(self) -> None:
+        """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
+        if self._job is not None:
+            with contextlib.suppress(BaseException):
+                self._job.result()
+            self._job = None
+
+    def close(self) -> None:
+        self._wait_for_worker()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     @property
     def cached_tokens(self) -> tuple[int, ...]:
@@ -242,23 +311,29 @@ class Engine:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
 
         `should_stop` is asked before each round and after each token the caller has consumed; True ends the
         generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
         A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
+        `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
+        the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
+        self._wait_for_worker()
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
-        rng = np.random.default_rng(sampling.seed)
-        chooser = _DraftLength(drafting if use_draft else dataclasses.replace(drafting, n_draft=0),
-                               GREEDY_MAX_DRAFT if sampling.greedy else drafting.n_draft)
+        trace = trace and sampling.greedy
+        rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
+        draft_rng = np.random.default_rng([sampling.seed, 1])  # the draft's samples: a stream draft-ahead can rewind
+        chooser = self._draft_length(drafting if use_draft else dataclasses.replace(drafting, n_draft=0), sampling)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0))
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not use_draft,
+                                                    trace=trace))
+        self.target.restart_device_sampler()
         if self.draft is not None:
             self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min))
 
@@ -268,6 +343,7 @@ class Engine:
 
         stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
         t_start = time.perf_counter()
+        ahead: _Ahead | None = None
         while stats.tokens < max_tokens:
             if should_stop is not None and should_stop():
                 stop, message = STOP_REQUESTED, "stopped by the caller"
@@ -276,11 +352,22 @@ class Engine:
             if room < 0:
                 stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
                 break
-            k = min(chooser.next(), max_tokens - stats.tokens - 1, room) if use_draft else 0
-            drafts, q, draft_s = self._draft(k, sampling, drafting, rng) if k > 0 else ([], None, 0.0)
-            emitted, n_accepted, verify_s = self._verify(drafts, q, sampling, rng)
-            self._rewind(drafts, n_accepted, emitted[-1])
-            chooser.observe(len(drafts), n_accepted, draft_s, verify_s)
+            k_round = chooser.next() if use_draft else 0
+            k = min(k_round, max_tokens - stats.tokens - 1, room)
+            if ahead is not None and ahead.k == k:
+                drafts, q, draft_s = ahead.drafts, ahead.q, 0.0
+                stats.ahead_kept += 1
+            else:
+                self._throw_ahead(ahead, draft_rng)
+                drafts, q, draft_s = self._draft(k, sampling, drafting, draft_rng) if k > 0 else ([], None, 0.0)
+            width = min(k_round, room) + 1 if self.constant_width else len(drafts) + 1
+            # If every draft is accepted, the next round has this many more tokens behind it.
+            k_next = min(k_round, max_tokens - stats.tokens - len(drafts) - 2, room - len(drafts) - 1)
+            with self._drafting_ahead(drafts, k_next, sampling, drafting, draft_rng) as job:
+                emitted, n_accepted, verify_s, rows = self._verify(drafts, q, sampling, rng, width, trace)
+            ahead = self._settle_ahead(job, n_accepted == len(drafts), emitted[-1], draft_rng, stats)
+            self._rewind(drafts, n_accepted, emitted[-1], keep_draft=ahead is not None)
+            chooser.observe(len(drafts), n_accepted, draft_s, verify_s, width)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
             stats.rounds += 1
@@ -294,7 +381,8 @@ class Engine:
                     stop, message, finished = STOP_EOG, "end of generation", True
                     break
                 stats.tokens += 1
-                yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted)
+                row_argmax, margin = rows[i] if rows else (None, None)
+                yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted, row_argmax, margin)
                 if stats.tokens >= max_tokens:
                     finished = True
                     break
@@ -306,6 +394,14 @@ class Engine:
                 break
         stats.decode_s = time.perf_counter() - t_start
         yield DoneEvent(stats, stop, message)
+
+    def _draft_length(self, drafting: Drafting, sampling: Sampling) -> _DraftLength:
+        """The chooser, kept across generations with the same drafting: what adaptive drafting measured (costs,
+        acceptance) stays valid for the next prompt, and probing again every generation would cost rounds."""
+        key = (drafting, sampling.greedy)
+        if self._chooser is None or self._chooser[0] != key:
+            self._chooser = (key, _DraftLength(drafting))
+        return self._chooser[1]
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
@@ -337,12 +433,14 @@ class Engine:
             kv.extend(todo)
         return len(todo)
 
-    def _draft(self, k: int, sampling: Sampling, drafting: Drafting,
-               rng: np.random.Generator) -> tuple[list[int], list[Candidates] | None, float]:
-        """Up to k draft tokens, one draft decode each; the draft's distributions when sampling; seconds."""
+    def _draft(self, k: int, sampling: Sampling, drafting: Drafting, rng: np.random.Generator,
+               sequence: list[int] | None = None) -> tuple[list[int], list[Candidates] | None, float]:
+        """Up to k draft tokens continuing `sequence` (default: the committed tokens), one draft decode each; the
+        draft's distributions when sampling; seconds."""
         draft = self.draft
         assert draft is not None
-        feed = self._tokens[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
+        sequence = self._tokens if sequence is None else sequence
+        feed = sequence[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
         if max(feed) >= draft.n_vocab:
             # A target-only padding id (vocabularies may differ by up to 128 trailing ids): the draft sees its
             # unknown token there instead. That can only cost acceptance, never correctness.
@@ -359,7 +457,7 @@ class Engine:
                 token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
                 confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
             else:
-                dist = _distributions(scores, self._tokens + drafts, sampling)
+                dist = _distributions(scores, sequence + drafts, sampling)
                 token = dist.sample(0, rng)
                 dists.append(dist)
                 confident = drafting.p_min == 0.0 or dist.top_prob(0) >= drafting.p_min
@@ -371,54 +469,163 @@ class Engine:
                 break  # an unsure draft is usually wrong: verify what we have instead of drafting on
         return drafts, (None if sampling.greedy else dists), spent
 
-    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling,
-                rng: np.random.Generator) -> tuple[list[int], int, float]:
-        """One target decode of [cur] + drafts; returns (tokens to emit, accepted count, verify seconds)."""
+    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling, rng: np.random.Generator,
+                width: int, trace: bool) -> tuple[list[int], int, float, list[tuple[int, float]]]:
+        """One target decode of [cur] + drafts, padded to `width` tokens; returns (tokens to emit, accepted count,
+        verify seconds, and with `trace` each real row's (argmax, top-2 margin))."""
         batch = [self._tokens[-1], *drafts]
+        # Padding only keeps the batch shape: its positions come after every real one (causal attention), their
+        # rows are never read, and _rewind drops their KV cells with the rejected drafts'.
+        batch += [batch[-1]] * (width - len(batch))
         t = time.perf_counter()
-        scores = self.target.decode(batch, len(self._target_kv), all_logits=True)
+        scores = _first_rows(self.target.decode(batch, len(self._target_kv), all_logits=True), len(drafts) + 1)
         spent = time.perf_counter() - t
         self._target_kv.extend(batch)
 
+        if isinstance(scores, Sampled):  # plain decoding at T > 0: the device drew the token
+            return [int(scores.tokens[0])], 0, spent, []
         if sampling.greedy:
-            choice = _argmax(_penalized(scores, self._tokens + drafts, sampling))
+            scored = _penalized(scores, self._tokens + drafts, sampling)
+            rows = _row_argmax_and_margin(scored) if trace else []  # read from the rows, apart from the choice
+            choice = _argmax(scored)
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
-            return [*drafts[:n], int(choice[n])], n, spent
+            return [*drafts[:n], int(choice[n])], n, spent, rows
 
         p = _distributions(scores, self._tokens + drafts, sampling)
         for i, token in enumerate(drafts):
             ok, out = accept_or_resample(token, p, i, q[i], rng)
             if not ok:
-                return [*drafts[:i], out], i, spent
-        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent
+                return [*drafts[:i], out], i, spent, []
+        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, []
 
-    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
-        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens."""
+    # -- draft-ahead: the next round's drafts while this round verifies --------------------------------------
+
+    @contextlib.contextmanager
+    def _drafting_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
+                        rng: np.random.Generator) -> Iterator[Future[_Ahead | None] | None]:
+        """Run `_draft_ahead` in the worker thread for as long as the block (the verify) runs. llama.cpp releases
+        the GIL inside each decode, so the two models compute at once. Whatever happens in the block, the draft
+        model is idle again when it ends."""
+        if not (self.draft_ahead and drafts and k > 0):
+            yield None
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
+        job = self._job = self._worker.submit(self._draft_ahead, drafts, k, sampling, drafting, rng)
+        try:
+            yield job
+        finally:
+            with contextlib.suppress(Exception):  # its own error, if any, is raised by _settle_ahead
+                job.result()
+
+    def _draft_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
+                     rng: np.random.Generator) -> _Ahead | None:
+        """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
+        the draws that follow are the next round's own), then draft the next round behind it."""
+        draft = self.draft
+        assert draft is not None
+        state = rng.bit_generator.state
+        t = time.perf_counter()
+        sequence = self._tokens + drafts
+        feed = sequence[len(self._draft_kv) :]  # the last draft, which the draft has not seen yet
+        if not feed:  # drafting stopped at a draft-only id, after feeding every draft: nothing to guess from
+            return None
+        scores = draft.decode(feed, len(self._draft_kv))
+        self._draft_kv.extend(feed)
+        guess = int(_argmax(scores)[0])
+        if guess >= self.target.n_vocab:
+            return None
+        ahead, q, _ = self._draft(k, sampling, drafting, rng, sequence=[*sequence, guess])
+        return _Ahead(guess, k, ahead, q, state, time.perf_counter() - t)
+
+    def _settle_ahead(self, job: Future[_Ahead | None] | None, all_accepted: bool, next_token: int,
+                      rng: np.random.Generator, stats: GenerationStats) -> _Ahead | None:
+        """Keep the drafted-ahead round if its bet came true; otherwise give its random draws back."""
+        if job is None:
+            return None
+        ahead = job.result()
+        if ahead is None:
+            return None
+        stats.ahead_made += 1
+        stats.ahead_s += ahead.seconds
+        if all_accepted and next_token == ahead.guess:
+            return ahead
+        rng.bit_generator.state = ahead.rng_state  # its KV cells go with the round's rejected ones (_rewind)
+        return None
+
+    def _throw_ahead(self, ahead: _Ahead | None, rng: np.random.Generator) -> None:
+        """Undo a kept drafted-ahead round that the next round cannot use (it asks for another length): its
+        draws go back to the stream, its KV cells from cur on leave the draft's cache (the next draft feeds cur)."""
+        if ahead is None:
+            return
+        rng.bit_generator.state = ahead.rng_state
+        keep = min(len(self._draft_kv), len(self._tokens) - 1)
+        if len(self._draft_kv) > keep:
+            del self._draft_kv[keep:]
+            self.draft.truncate(keep)
+
+    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int, keep_draft: bool = False) -> None:
+        """Drop the KV cells of rejected tokens from both caches and commit the round's tokens. With `keep_draft`
+        the draft's cache keeps the next round's drafts (a kept draft-ahead)."""
         keep = len(self._tokens) + n_accepted  # committed tokens (cur included) + accepted drafts
         # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
         if len(self._target_kv) > keep:
             del self._target_kv[keep:]
             self.target.truncate(keep)
-        if len(self._draft_kv) > keep:
+        if len(self._draft_kv) > keep and not keep_draft:
             del self._draft_kv[keep:]
             self.draft.truncate(keep)
         self._tokens.extend(drafts[:n_accepted])
         self._tokens.append(next_token)
 
 
-def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float) -> str | None:
-    """What the device should compute per row. Greedy needs only the argmax (unless p_min needs probabilities);
-    a top-k pipeline needs the top candidates; a penalty needs the penalised tokens' logits wherever they rank,
-    and top_k = 0 needs every logit: those take full rows."""
+def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float, *, plain: bool = False,
+                 trace: bool = False) -> str | DeviceDist | None:
+    """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
+    full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
+    at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows."""
     if sampling.penalized:
         return None
     if sampling.greedy:
-        return "top_k" if p_min > 0.0 else "greedy"
+        return "top_k" if p_min > 0.0 or trace else "greedy"
+    if plain:
+        return DeviceDist(sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed)
     if 0 < sampling.top_k <= model.device_top_k:
         return "top_k"
     return None
+
+
+def _first_rows(scores: np.ndarray | TopK | Sampled | None, n: int) -> np.ndarray | TopK | Sampled:
+    """The rows of the real tokens of a (possibly padded) verify batch."""
+    assert scores is not None
+    if isinstance(scores, TopK):
+        return TopK(scores.ids[:n], scores.logits[:n])
+    if isinstance(scores, Sampled):
+        return Sampled(scores.tokens[:n])
+    return scores[:n]
+
+
+def _row_argmax_and_margin(scores: np.ndarray | TopK | Sampled) -> list[tuple[int, float]]:
+    """Each row's argmax and its lead over the runner-up, in logits (from the device's candidates or full rows)."""
+    assert not isinstance(scores, Sampled)
+    logits = scores.logits if isinstance(scores, TopK) else scores
+    ids = scores.ids if isinstance(scores, TopK) else None
+    out = []
+    for r in range(len(logits)):
+        row = logits[r]
+        if len(row) < 2:  # a single candidate: nothing to compare with
+            out.append((int(ids[r, 0]) if ids is not None else 0, float("inf")))
+            continue
+        top2 = np.argpartition(row, len(row) - 2)[-2:]
+        best, second = (top2[1], top2[0]) if row[top2[1]] >= row[top2[0]] else (top2[0], top2[1])
+        # np.argmax breaks ties toward the lower index, as the acceptance does; argpartition does not.
+        best = int(np.argmax(row)) if row[best] == row[second] else int(best)
+        token = int(ids[r, best]) if ids is not None else best
+        out.append((token, float(row[best] - row[second])))
+    return out
 
 
 def _argmax(scores: np.ndarray | TopK) -> np.ndarray:

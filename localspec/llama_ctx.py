@@ -13,6 +13,7 @@ import _thread
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
+import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
 from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
@@ -70,8 +71,143 @@ def _init_backend() -> None:
 
 
 def supports_gpu_offload() -> bool:
+    """Whether this build has a local GPU to offload to. Not llama_supports_gpu_offload(): that also counts the
+    RPC backend, so a CPU build with -DGGML_RPC=ON says yes."""
+    return bool(gpu_devices())
+
+
+# -- devices: local GPUs and RPC servers (ggml's backend registry, declared from ggml-backend.h) -----------------
+
+_DEV_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+_SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+_ggml_lib: ctypes.CDLL | None = None
+_rpc_servers: dict[str, list[int]] = {}  # endpoint -> its ggml device handles, registered once per process
+
+
+@dataclass(frozen=True)
+class BackendDevice:
+    """One ggml device. `handle` is its ggml_backend_dev_t, valid for the life of the process."""
+
+    name: str  # ggml's name: "CUDA0", "RPC0", "CPU"
+    description: str  # "NVIDIA GeForce RTX 3090"; an RPC device's is its server's HOST:PORT
+    kind: str  # "cpu", "gpu", "igpu", "accel" or "rpc"
+    handle: int = dataclasses.field(repr=False, compare=False, default=0)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes as llama.cpp sees them (a CUDA device starts its context for this)."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _ggml().ggml_backend_dev_memory(self.handle, ctypes.byref(free), ctypes.byref(total))
+        return int(free.value), int(total.value)
+
+
+def _ggml() -> ctypes.CDLL:
+    """libggml with the prototypes this module calls (llama-cpp-python binds libllama only)."""
+    global _ggml_lib
+    if _ggml_lib is None:
+        _init_backend()
+        from llama_cpp._ctypes_extensions import load_shared_library
+
+        # The libggml next to the libllama actually loaded: LLAMA_CPP_LIB_PATH may point at another build (the GPU
+        # harness's), and llama_cpp._ggml would load the package's own copy instead.
+        libggml = load_shared_library("ggml", Path(llama_cpp.llama_cpp._lib._name).parent)
+        vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        for name, restype, argtypes in (
+            ("ggml_backend_dev_count", size, []),
+            ("ggml_backend_dev_get", vp, [size]),
+            ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
+            ("ggml_backend_dev_name", text, [vp]),
+            ("ggml_backend_dev_description", text, [vp]),
+            ("ggml_backend_dev_type", ctypes.c_int, [vp]),
+            ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(size), ctypes.POINTER(size)]),
+            ("ggml_backend_dev_backend_reg", vp, [vp]),
+            ("ggml_backend_reg_name", text, [vp]),
+            ("ggml_backend_reg_by_name", vp, [text]),
+            ("ggml_backend_reg_get_proc_address", vp, [vp, text]),
+            ("ggml_backend_reg_dev_count", size, [vp]),
+            ("ggml_backend_reg_dev_get", vp, [vp, size]),
+            ("ggml_backend_register", None, [vp]),
+        ):
+            fn = getattr(libggml, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        _ggml_lib = libggml
+    return _ggml_lib
+
+
+def _device(handle: int) -> BackendDevice:
+    g = _ggml()
+    kind = _DEV_KINDS.get(g.ggml_backend_dev_type(handle), "other")
+    if kind == "gpu" and g.ggml_backend_reg_name(g.ggml_backend_dev_backend_reg(handle)) == b"RPC":
+        kind = "rpc"  # RPC devices report themselves as GPUs
+    return BackendDevice(g.ggml_backend_dev_name(handle).decode(), g.ggml_backend_dev_description(handle).decode(),
+                         kind, handle)
+
+
+def backend_devices() -> list[BackendDevice]:
+    """Every device ggml has registered, in its order (RPC servers once they are added)."""
+    g = _ggml()
+    return [_device(g.ggml_backend_dev_get(i)) for i in range(g.ggml_backend_dev_count())]
+
+
+def gpu_devices() -> list[BackendDevice]:
+    """The local GPUs llama.cpp offloads to, numbered as llama.cpp numbers them: discrete GPUs, or the integrated
+    ones when there is none (llama.cpp's own rule). RPC devices are not local GPUs."""
+    devices = backend_devices()
+    return [d for d in devices if d.kind == "gpu"] or [d for d in devices if d.kind == "igpu"]
+
+
+def cpu_device() -> BackendDevice:
+    return _device(_ggml().ggml_backend_dev_by_type(0))
+
+
+def _rpc_function(name: str, prototype: type) -> Callable:
+    g = _ggml()
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    address = g.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
+    if not address:
+        raise LocalspecError("this llama.cpp was built without RPC support: reinstall llama-cpp-python with "
+                             'CMAKE_ARGS="-DGGML_RPC=ON ..." (see the README)')
+    return prototype(address)
+
+
+def rpc_devices(endpoints: Sequence[str]) -> list[BackendDevice]:
+    """The devices of these RPC servers, registered with ggml once each (after `rpc.hello` proved each one
+    answers: ggml's own connect aborts the process on a dead endpoint). Raises a one-line LocalspecError naming
+    the first endpoint that does not answer, before anything is registered or sent."""
+    from localspec import rpc
+
+    todo = [e for e in endpoints if e not in _rpc_servers]
+    for endpoint in todo:
+        rpc.hello(rpc.parse_endpoint(endpoint))
+    if todo:
+        add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
+    g = _ggml()
+    for endpoint in todo:
+        reg = add_server(endpoint.encode())
+        if not reg:
+            raise LocalspecError(f"RPC server {endpoint}: offers no device")
+        g.ggml_backend_register(reg)  # as llama.cpp's --rpc does: its devices join ggml's list
+        _rpc_servers[endpoint] = [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
+    return [_device(h) for e in endpoints for h in _rpc_servers[e]]
+
+
+def serve_rpc(endpoint: str, devices: Sequence[BackendDevice], threads: int, cache_dir: Path | None) -> None:
+    """Run ggml's RPC server on `endpoint` (HOST:PORT) for these devices. Blocks for as long as it serves;
+    returns when it cannot listen (ggml prints why)."""
+    start = _rpc_function("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
+        None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)))
+    handles = (ctypes.c_void_p * len(devices))(*[d.handle for d in devices])
+    start(endpoint.encode(), str(cache_dir).encode() if cache_dir else None, threads, len(devices), handles)
+
+
+def has_gpu_device() -> bool:
+    """Whether llama.cpp sees a GPU (dedicated or integrated). llama_supports_gpu_offload() is not that: it is
+    also true on a CPU-only build that has the RPC backend (the PyPI build does)."""
     _init_backend()
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    lib = llama_cpp.llama_cpp._lib  # ggml's registry, reached through libllama's handle (it links libggml)
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    gpu, igpu = 1, 2  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
+    return any(lib.ggml_backend_dev_by_type(kind) for kind in (gpu, igpu))
 
 
 def system_info() -> str:
@@ -157,6 +293,28 @@ class TopK:
         return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
 
 
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """Per output row, a token drawn on the device by the `DeviceDist` chain (plain decoding at T > 0)."""
+
+    tokens: np.ndarray  # (rows,) int32
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceDist:
+    """Plain decoding's whole sampling pipeline as one device chain: top-k → top-p → min-p → temperature → a draw.
+
+    llama.cpp's order and rules (top-p and min-p on the softmax at temperature 1), the same pipeline as
+    `localspec.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
+    """
+
+    top_k: int  # 0 = off
+    top_p: float  # 1 = off
+    min_p: float  # 0 = off
+    temperature: float  # > 0
+    seed: int
+
+
 class LlamaModel:
     """One GGUF model with its context. Sequence 0 only; positions are managed by the caller (the engine)."""
 
@@ -170,7 +328,13 @@ class LlamaModel:
         kv_type: str = "f16",
         n_threads: int = 0,
         device_top_k: int = 0,
+        devices: Sequence[BackendDevice] | None = None,
+        split_mode: str = "layer",
+        tensor_split: Sequence[float] = (),
+        main_gpu: int = 0,
     ) -> None:
+        """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
+        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
         _init_backend()
         self.path = Path(path)
         if not self.path.is_file():
@@ -188,6 +352,16 @@ class LlamaModel:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        # Always an explicit, NULL-terminated device list: llama.cpp's default (NULL) takes every registered
+        # device, RPC servers included, and this model may not be meant for them.
+        self.devices = tuple(gpu_devices() if devices is None else devices)
+        self._device_array = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+        mparams.devices = ctypes.cast(self._device_array, ctypes.c_void_p)
+        mparams.split_mode = _SPLIT_MODES[split_mode]
+        mparams.main_gpu = main_gpu
+        if tensor_split:
+            self._tensor_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            mparams.tensor_split = self._tensor_split
         # CPU "repacked" weight layouts use other kernels for a batch than for one token, so a verify batch's
         # logits differ from plain decoding's (by ~0.5 on Gemma 270M) and greedy output would not be lossless.
         # Without them one token and a batch give bit-identical logits (checked in tests/test_engine.py).
@@ -224,6 +398,8 @@ class LlamaModel:
         self.n_threads = threads
         self.kv_type = kv_type
         self.n_gpu_layers = n_gpu_layers
+        # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
+        self.on_gpu = n_gpu_layers != 0 and has_gpu_device()
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
@@ -243,7 +419,7 @@ class LlamaModel:
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
         self.device_top_k = device_top_k
-        self._sampler_mode: str | None = None
+        self._sampler_mode: str | DeviceDist | None = None
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
 
@@ -283,6 +459,16 @@ class LlamaModel:
             ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
                            dtype=np.int32)
             return TopK(ids, np.zeros(ids.shape, dtype=np.float32))
+        if isinstance(self._sampler_mode, DeviceDist):
+            tokens = np.array([llama_cpp.llama_get_sampled_token_ith(self.ctx, i) for i in range(chunk - rows, chunk)],
+                              dtype=np.int32)
+            # The context allows several outputs per sequence, which makes llama.cpp's dist sampler
+            # transactional: each decode draws from a copy of its RNG, and only an accepted token advances it.
+            # Plain decoding emits every draw, so each is committed here; without this every token would be
+            # drawn with the same uniform number.
+            for token in tokens.tolist():
+                llama_cpp.llama_sampler_accept(self._sampler_chain, token)
+            return Sampled(tokens)
         if self._sampler_mode == "top_k":
             return self._device_top_k(chunk, rows)
         ptr = llama_cpp.llama_get_logits(self.ctx)  # synchronises with the device
@@ -300,11 +486,13 @@ class LlamaModel:
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
 
-    def use_device_sampler(self, mode: str | None) -> bool:
+    def use_device_sampler(self, mode: str | DeviceDist | None) -> bool:
         """Select what llama.cpp computes on the device after each decode: "greedy" (the argmax token of each
-        row), "top_k" (each row's top `device_top_k` candidates) or None (full logits to the host). True if on.
+        row), "top_k" (each row's top `device_top_k` candidates), a `DeviceDist` chain (one sampled token per
+        row) or None (full logits to the host). True if on; False when this build cannot run the chain.
 
-        llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain.
+        llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
+        decode rebuilds its graph: callers switch per generation, not per round).
         """
         if not self.device_top_k:
             mode = None
@@ -317,15 +505,19 @@ class LlamaModel:
             self._sampler_mode = None
         if mode is not None:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-            sampler = (llama_cpp.llama_sampler_init_greedy() if mode == "greedy"
-                       else llama_cpp.llama_sampler_init_top_k(self.device_top_k))
-            llama_cpp.llama_sampler_chain_add(chain, sampler)
+            for sampler in _device_samplers(mode, self.device_top_k):
+                llama_cpp.llama_sampler_chain_add(chain, sampler)
             if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
                 llama_cpp.llama_sampler_free(chain)
                 return False
             self._sampler_chain = chain
             self._sampler_mode = mode
         return mode is not None
+
+    def restart_device_sampler(self) -> None:
+        """Reseed a `DeviceDist` chain, so each generation with the same seed draws the same tokens."""
+        if isinstance(self._sampler_mode, DeviceDist):
+            llama_cpp.llama_sampler_reset(self._sampler_chain)
 
     def truncate(self, n_keep: int) -> None:
         """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
@@ -400,3 +592,22 @@ class LlamaModel:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may already be gone
             self.close()
+
+
+def _device_samplers(mode: str | DeviceDist, device_top_k: int) -> list[ctypes.c_void_p]:
+    """The llama.cpp samplers of one device chain, in pipeline order."""
+    if mode == "greedy":
+        return [llama_cpp.llama_sampler_init_greedy()]
+    if mode == "top_k":
+        return [llama_cpp.llama_sampler_init_top_k(device_top_k)]
+    assert isinstance(mode, DeviceDist) and mode.temperature > 0.0
+    chain = []
+    if mode.top_k > 0:
+        chain.append(llama_cpp.llama_sampler_init_top_k(mode.top_k))
+    if mode.top_p < 1.0:
+        chain.append(llama_cpp.llama_sampler_init_top_p(mode.top_p, 1))
+    if mode.min_p > 0.0:
+        chain.append(llama_cpp.llama_sampler_init_min_p(mode.min_p, 1))
+    chain.append(llama_cpp.llama_sampler_init_temp(mode.temperature))
+    chain.append(llama_cpp.llama_sampler_init_dist(mode.seed))
+    return chain

@@ -8,13 +8,21 @@ What llama.cpp allocates per model (checked against its own buffer log in tests/
 - output buffer: a row of logits per requested output, the verification window (draft length + 1).
 The verification window also needs KV room, reserved out of the context. On a GPU a fixed allowance covers
 the CUDA context and cuBLAS workspace, which the header cannot tell.
+
+Several devices (`placement`): offloaded weights and KV spread over the target's devices in proportion to
+`tensor_split`, or to each device's free memory (llama.cpp's default); the compute buffer sits on the last of
+them (the one with the output layer); the draft sits on its one device. Each device is checked on its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from localspec import placement
+from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader
+from localspec.placement import Dev, ModelPlacement, Plan
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per element, ggml block sizes
 CTX_PAD = 256  # llama.cpp pads n_ctx to a multiple of 256
@@ -47,6 +55,11 @@ class Settings:
     n_batch: int = 512
     n_gpu_layers: int = -1
     draft_n_gpu_layers: int = -1
+    split_mode: str = "layer"
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = 0
+    draft_device: str = "auto"
+    rpc: tuple[str, ...] = ()  # the target's RPC servers, HOST:PORT
 
     @property
     def window(self) -> int:
@@ -55,16 +68,46 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class DeviceMem:
+    dev: Dev
+    name: str  # "NVIDIA GeForce RTX 3090"; an RPC device: what its server calls it
+    free: int  # bytes
+    total: int
+
+    @property
+    def label(self) -> str:
+        return self.dev.label
+
+
+@dataclass(frozen=True)
 class Devices:
-    """Free memory as seen now. `gpu_free` is None when no NVIDIA GPU (or no GPU build) can be used."""
+    """Free memory as seen now: RAM, the GPUs this llama.cpp build offloads to (by llama.cpp's number) and the
+    devices of connected RPC servers."""
 
     ram_available: int
-    gpu_free: int | None = None
-    gpu_total: int | None = None
-    gpu_name: str | None = None
+    gpus: tuple[DeviceMem, ...] = ()
+    rpc: tuple[DeviceMem, ...] = ()
     driver: str | None = None
-    gpu_offload: bool = False
+    unused_gpus: tuple[str, ...] = ()  # NVIDIA GPUs present that this build cannot use (a CPU-only build)
+    rpc_errors: tuple[str, ...] = ()  # RPC servers that did not answer (probe_devices(strict=False))
     notes: tuple[str, ...] = ()
+
+    @property
+    def gpu_offload(self) -> bool:
+        return bool(self.gpus)
+
+    def find(self, dev: Dev) -> DeviceMem | None:
+        return next((d for d in (*self.gpus, *self.rpc) if d.dev == dev), None)
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    device: DeviceMem
+    need: int  # bytes this placement puts there
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.device.free * (1 - HEADROOM)
 
 
 @dataclass(frozen=True)
@@ -72,7 +115,8 @@ class Estimate:
     settings: Settings
     models: tuple[ModelMemory, ...]
     devices: Devices
-    gpu_bytes: int
+    plan: Plan
+    per_device: tuple[DeviceNeed, ...]  # every device either model uses, in device order
     ram_bytes: int
     fits: bool
     problem: str = ""  # what does not fit, one line
@@ -82,6 +126,17 @@ class Estimate:
     @property
     def total(self) -> int:
         return sum(m.total for m in self.models)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What goes to this machine's GPUs, all of them together."""
+        return sum(n.need for n in self.per_device if n.device.dev.kind == "gpu")
+
+    def where(self) -> str:
+        """Per device, what goes there against what is free: one line for doctor and bench."""
+        parts = [f"{n.device.label} {n.need / GiB:.1f} of {n.device.free / GiB:.1f} GiB free" for n in self.per_device]
+        parts.append(f"RAM {self.ram_bytes / GiB:.1f} of {self.devices.ram_available / GiB:.1f} GiB")
+        return ", ".join(parts)
 
 
 def kv_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
@@ -107,86 +162,151 @@ def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layer
     )
 
 
-def probe_devices() -> Devices:
-    """Free RAM and the first usable GPU's name, driver and free memory (`machine`); never raises."""
+def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
+    """Free RAM, llama.cpp's GPUs with their free memory, the NVIDIA driver, and the devices of these RPC servers
+    (HOST:PORT; each is checked to answer first). A dead RPC server raises a one-line LocalspecError, or with
+    `strict=False` is listed in `rpc_errors`. Nothing else raises: what could not be read goes in `notes`."""
     from localspec import machine
 
     notes: list[str] = []
+    gpus: list[DeviceMem] = []
+    nvml_notes: list[str] = []
+    nvidia = machine.nvidia_gpus(nvml_notes)
     try:
-        from localspec.llama_ctx import supports_gpu_offload
+        from localspec import llama_ctx
 
-        offload = supports_gpu_offload()
+        found = llama_ctx.gpu_devices()
+        # NVML's numbers when they describe the same GPUs in the same order (CUDA's order is NVML's unless
+        # CUDA_DEVICE_ORDER or mixed models reorder them); asking llama.cpp instead starts a CUDA context on every
+        # GPU, ones this run will not use included.
+        same = [g.name for g in nvidia] == [d.description for d in found]
+        for i, d in enumerate(found):
+            free, total = (nvidia[i].free, nvidia[i].total) if same else d.memory()
+            gpus.append(DeviceMem(Dev("gpu", i), d.description, free, total))
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
-        offload = False
+        llama_ctx = None
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
-    gpus = machine.nvidia_gpus(notes)
-    ram = machine.ram_available()
+    unused: tuple[str, ...] = ()
     if not gpus:
-        return Devices(ram_available=ram, gpu_offload=offload, notes=tuple(notes))
-    gpu = gpus[0]
-    if not offload:
-        notes.append("llama-cpp-python was built without GPU offload, so the GPU is not used")
-    return Devices(
-        ram_available=ram,
-        gpu_free=gpu.free if offload else None,
-        gpu_total=gpu.total,
-        gpu_name=gpu.name,
-        driver=gpu.driver,
-        gpu_offload=offload,
-        notes=tuple(notes),
+        notes.extend(nvml_notes)
+        if nvidia:
+            unused = tuple(g.name for g in nvidia)
+            notes.append("llama-cpp-python was built without GPU offload, so the GPU is not used")
+    rpc_devs: list[DeviceMem] = []
+    errors: list[str] = []
+    for endpoint in dict.fromkeys(rpc):
+        try:
+            if llama_ctx is None:
+                raise LocalspecError(f"RPC server {endpoint}: llama-cpp-python is not importable")
+            for i, d in enumerate(llama_ctx.rpc_devices([endpoint])):
+                free, total = d.memory()
+                rpc_devs.append(DeviceMem(Dev("rpc", i, endpoint), d.name, free, total))
+        except LocalspecError as exc:
+            if strict:
+                raise
+            errors.append(str(exc))
+    return Devices(ram_available=machine.ram_available(), gpus=tuple(gpus), rpc=tuple(rpc_devs),
+                   driver=nvidia[0].driver if nvidia else None, unused_gpus=unused, rpc_errors=tuple(errors),
+                   notes=tuple(notes))
+
+
+def plan_for(s: Settings, devices: Devices) -> Plan:
+    """The placement these settings give on these devices (raises LocalspecError naming a bad option)."""
+    return placement.plan(
+        n_gpus=len(devices.gpus), rpc=[d.dev for d in devices.rpc], split_mode=s.split_mode,
+        tensor_split=s.tensor_split, main_gpu=s.main_gpu, draft_device=s.draft_device,
+        n_gpu_layers=s.n_gpu_layers, draft_n_gpu_layers=s.draft_n_gpu_layers,
+        target_rpc=s.rpc,
     )
 
 
-def _place(models: tuple[ModelMemory, ...], devices: Devices) -> tuple[int, int]:
-    """(GPU bytes, RAM bytes). Offloaded layers carry their weights, KV and the compute buffer to the GPU."""
-    if devices.gpu_free is None:
-        return 0, sum(m.total for m in models)
-    gpu = GPU_RUNTIME_OVERHEAD
+def _shares(p: ModelPlacement, devices: Devices) -> list[tuple[Dev, float]]:
+    """Each device's share of a model's offloaded layers: tensor_split, else free memory (llama.cpp's rule)."""
+    if len(p.devices) == 1:
+        return [(p.devices[0], 1.0)]
+    weights = list(p.tensor_split) or [getattr(devices.find(d), "free", 0) for d in p.devices]
+    if not any(weights):
+        weights = [1.0] * len(p.devices)
+    total = float(sum(weights))
+    return [(d, w / total) for d, w in zip(p.devices, weights, strict=True)]
+
+
+def _on_devices(m: ModelMemory, p: ModelPlacement, devices: Devices) -> dict[Dev, int]:
+    """One model's bytes per device: its offloaded weights and KV by share, the compute buffer with the output
+    layer (the last device)."""
+    shares = [] if p.on_cpu else [(d, w) for d, w in _shares(p, devices) if w > 0]
+    out = {dev: int((m.weights + m.kv) * m.gpu_fraction * share) for dev, share in shares}
+    if shares:
+        out[shares[-1][0]] += m.compute
+    return out
+
+
+def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple[dict[Dev, int], int]:
+    """(bytes per device, RAM bytes); each local GPU used also pays the CUDA runtime once."""
+    need: dict[Dev, int] = {}
     ram = 0
-    for m in models:
-        on_gpu = m.gpu_fraction
-        gpu += int((m.weights + m.kv) * on_gpu) + (m.compute if on_gpu > 0 else 0)
-        ram += int((m.weights + m.kv) * (1 - on_gpu)) + m.output + (0 if on_gpu > 0 else m.compute)
-    return gpu, ram
+    for m, p in zip(models, (plan.target, plan.draft), strict=False):
+        placed = _on_devices(m, p, devices)
+        for dev, n in placed.items():
+            need[dev] = need.get(dev, 0) + n
+        offloaded = m.gpu_fraction if placed else 0.0
+        ram += int((m.weights + m.kv) * (1 - offloaded)) + m.output + (0 if placed else m.compute)
+    for dev in need:
+        if dev.kind == "gpu":
+            need[dev] += GPU_RUNTIME_OVERHEAD
+    return need, ram
 
 
-def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> Estimate:
-    """What both models will allocate at these settings, placed on GPU/RAM and compared with what is free."""
+def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
     models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers)]
     if draft is not None:
         models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.draft_n_gpu_layers))
-    mt = tuple(models)
-    gpu, ram = _place(mt, devices)
-    unknowns = list(devices.notes)
-    gpu_ok = devices.gpu_free is None or gpu <= devices.gpu_free * (1 - HEADROOM)
+    return tuple(models)
+
+
+def _needs(plan: Plan, models: Sequence[ModelMemory], devices: Devices) -> tuple[tuple[DeviceNeed, ...], int]:
+    need, ram = _place(models, plan, devices)
+    known = [(devices.find(dev), n) for dev, n in sorted(need.items())]
+    return tuple(DeviceNeed(d, n) for d, n in known if d is not None), ram
+
+
+def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> Estimate:
+    """What both models will allocate at these settings, placed on the devices and compared with what is free
+    on each. Raises LocalspecError when the placement names a device this machine does not have."""
+    plan = plan_for(s, devices)
+    models = _models(target, draft, s)
+    per_device, ram = _needs(plan, models, devices)
     ram_ok = ram <= devices.ram_available * (1 - HEADROOM)
+    short = next((n for n in per_device if not n.fits), None)
     problem = ""
-    if not gpu_ok:
+    if short is not None:
+        memory_kind = "VRAM" if short.device.dev.kind == "gpu" else "memory"
         problem = (
-            f"needs {gpu / GiB:.1f} GiB of VRAM at context {s.n_ctx} ({s.kv_type} KV), "
-            f"{(devices.gpu_free or 0) / GiB:.1f} GiB free on {devices.gpu_name}"
+            f"needs {short.need / GiB:.1f} GiB of {memory_kind} on {short.device.label} ({short.device.name}) at "
+            f"context {s.n_ctx} ({s.kv_type} KV), {short.device.free / GiB:.1f} GiB free there"
         )
     elif not ram_ok:
         problem = (
             f"needs {ram / GiB:.1f} GiB of RAM at context {s.n_ctx} ({s.kv_type} KV), "
             f"{devices.ram_available / GiB:.1f} GiB available"
         )
+    fits = short is None and ram_ok
     if s.n_ctx <= s.window:
         problem = problem or f"context {s.n_ctx} leaves no room beside the verification window of {s.window}"
-        gpu_ok = False
-    result = Estimate(s, mt, devices, gpu, ram, gpu_ok and ram_ok, problem, (), tuple(unknowns))
+        fits = False
+    result = Estimate(s, models, devices, plan, per_device, ram, fits, problem, (), tuple(devices.notes))
     if not result.fits:
-        result = replace(result, suggestions=tuple(_suggest(target, draft, s, devices)))
+        result = replace(result, suggestions=tuple(_suggest(target, draft, s, devices, result)))
     return result
 
 
 def _fits(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> bool:
-    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers)]
-    if draft is not None:
-        models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.draft_n_gpu_layers))
-    gpu, ram = _place(tuple(models), devices)
-    gpu_ok = devices.gpu_free is None or gpu <= devices.gpu_free * (1 - HEADROOM)
-    return gpu_ok and ram <= devices.ram_available * (1 - HEADROOM) and s.n_ctx > s.window
+    try:
+        plan = plan_for(s, devices)
+    except LocalspecError:
+        return False
+    per_device, ram = _needs(plan, _models(target, draft, s), devices)
+    return all(n.fits for n in per_device) and ram <= devices.ram_available * (1 - HEADROOM) and s.n_ctx > s.window
 
 
 def _largest_ctx(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> int | None:
@@ -198,9 +318,43 @@ def _largest_ctx(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devi
     return None
 
 
-def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> list[str]:
-    """Each alternative that fits, in the order that costs the least quality or speed."""
+def _placement_fixes(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices,
+                     est: Estimate) -> list[str]:
+    """Other placements that fit at the same context and quality: the draft on another GPU, the target over
+    every GPU, or a tensor split that leaves room where the draft sits."""
     out: list[str] = []
+    short = {n.device.dev for n in est.per_device if not n.fits}
+    draft_dev = est.plan.draft.devices[0] if draft is not None and not est.plan.draft.on_cpu else None
+    if draft_dev in short:
+        freed = _on_devices(est.models[1], est.plan.draft, devices)[draft_dev]
+        for gpu in devices.gpus:
+            if gpu.dev != draft_dev and _fits(target, draft, replace(s, draft_device=str(gpu.dev.index)), devices):
+                out.append(f"--draft-device {gpu.dev.index} (the draft on {gpu.label}: frees "
+                           f"{freed / GiB:.1f} GiB on {draft_dev.label})")
+                break
+    if s.split_mode == "none" and len(devices.gpus) > 1 and _fits(target, draft, replace(s, split_mode="layer"),
+                                                                  devices):
+        out.append("--split-mode layer (the target over every GPU)")
+    devs = est.plan.target.devices
+    if len(devs) > 1 and not est.plan.target.on_cpu:
+        # Give each device the target share that the room left beside everything else there can take.
+        others = {n.device.dev: n.need for n in est.per_device}
+        for dev, n in _on_devices(est.models[0], est.plan.target, devices).items():
+            others[dev] -= n
+        room = [max(0.0, getattr(devices.find(d), "free", 0) * (1 - HEADROOM) - others.get(d, 0)) for d in devs]
+        if any(room):
+            split = tuple(round(100 * r / sum(room)) for r in room)
+            if split != s.tensor_split and any(split) and _fits(target, draft, replace(s, tensor_split=split),
+                                                                   devices):
+                out.append(f"--tensor-split {','.join(map(str, split))} (the target's share per device: "
+                           f"{', '.join(d.label for d in devs)})")
+    return out
+
+
+def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices,
+             est: Estimate) -> list[str]:
+    """Each alternative that fits, in the order that costs the least quality or speed."""
+    out = _placement_fixes(target, draft, s, devices, est)
     for kv in ("q8_0", "q4_0"):
         if KV_BYTES[kv] < KV_BYTES[s.kv_type] and _fits(target, draft, replace(s, kv_type=kv), devices):
             out.append(f"--kv-type {kv} (keeps context {s.n_ctx})")
@@ -208,7 +362,7 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     ctx = _largest_ctx(target, draft, s, devices)
     if ctx is not None:
         out.append(f"--ctx {ctx}")
-    if devices.gpu_free is not None:
+    if devices.gpus:
         n_layer = target.hparams.n_layer
         start = n_layer if s.n_gpu_layers < 0 else min(s.n_gpu_layers, n_layer)
         for ngl in range(start - 1, -1, -1):
@@ -240,4 +394,9 @@ def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int 
         n_batch=load.n_batch,
         n_gpu_layers=load.n_gpu_layers,
         draft_n_gpu_layers=load.draft_n_gpu_layers,
+        split_mode=load.split_mode,
+        tensor_split=load.tensor_split_values,
+        main_gpu=load.main_gpu,
+        draft_device=load.draft_device,
+        rpc=tuple(str(e) for e in load.rpc_endpoints),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, memory, registry
+from localspec import compat, demo, hub, llama_ctx, memory, placement, registry
 from localspec.config import Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, UsageError
@@ -105,11 +105,20 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
     if verdict is not None and not verdict.compatible:
         raise IncompatiblePairError(verdict.reason)
     settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx)
-    est = memory.estimate(target, draft, settings, devices or memory.probe_devices())
+    # RPC servers are checked here, before any weight is read: a dead one is a one-line error naming it.
+    est = memory.estimate(target, draft, settings, devices or memory.probe_devices(placement.rpc_servers(preset.load)))
     if not est.fits:
         fixes = " or ".join(est.suggestions)
         raise LocalspecError(f"pair {files.name} will not fit: {est.problem}; try {fixes}")
     return Preflight(verdict=verdict, estimate=est)
+
+
+def _placed(p: placement.ModelPlacement) -> dict[str, object]:
+    """A placement as LlamaModel's arguments: ggml's device handles, split mode, proportions, main device."""
+    gpus = llama_ctx.gpu_devices()
+    devices = [gpus[d.index] if d.kind == "gpu" else llama_ctx.rpc_devices([d.endpoint])[d.index]
+               for d in p.devices]
+    return {"devices": devices, "split_mode": p.split_mode, "tensor_split": p.tensor_split, "main_gpu": p.main}
 
 
 @dataclass
@@ -119,8 +128,10 @@ class Session:
     target: LlamaModel
     draft: LlamaModel | None
     engine: Engine
+    plan: placement.Plan | None = None
 
     def close(self) -> None:
+        self.engine.close()
         for model in (self.draft, self.target):
             if model is not None:
                 model.close()
@@ -134,23 +145,24 @@ class Session:
 
 def open_session(files: ModelFiles, preset: Preset) -> Session:
     """Check the pair from its headers (no weights read), then load both models and wire up an Engine."""
-    preflight(files, preset)
+    plan = preflight(files, preset).estimate.plan
     load = preset.load
     n_ctx = load.n_ctx
     target = LlamaModel(
         files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
-        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k,
+        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, **_placed(plan.target),
     )
     draft = None
     try:
         if files.draft is not None:
             draft = LlamaModel(
                 files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
-                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k,
+                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, **_placed(plan.draft),
             )
     except BaseException:
         if draft is not None:
             draft.close()
         target.close()
         raise
-    return Session(files=files, preset=preset, target=target, draft=draft, engine=Engine(target, draft))
+    engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan))
+    return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from localspec import config, demo, doctor, memory
+from localspec.placement import Dev
 from localspec.status import Status
 
 PLENTY = memory.Devices(ram_available=64 << 30)
@@ -24,6 +25,7 @@ NAMES = [
     "llama-cpp-python GPU offload",
     "GPU",
     "RAM",
+    "placement",
     "the pair fits",
 ]
 
@@ -75,17 +77,16 @@ def test_pair_that_does_not_fit_proposes_a_fix(gemma: Path) -> None:
 def test_gpu_build_and_gpu_lines() -> None:
     dev = memory.Devices(
         ram_available=1 << 30,
-        gpu_free=20 << 30,
-        gpu_total=24 << 30,
-        gpu_name="RTX 4090",
+        gpus=(memory.DeviceMem(Dev("gpu", 0), "RTX 4090", 20 << 30, 24 << 30),),
         driver="550.1",
-        gpu_offload=True,
     )
     by = _by_name(doctor.run_checks(None, None, config.load_preset(), devices=dev, missing="no files"))
     assert by["llama-cpp-python GPU offload"].status == Status.OK
-    assert by["GPU"].detail.startswith("RTX 4090, driver 550.1, 20.0 GiB free of 24.0 GiB")
+    assert by["GPU"].detail == "GPU 0: RTX 4090, 20.0 GiB free of 24.0 GiB; driver 550.1"
     assert by["model files"].status == Status.FAIL
-    cpu = dataclasses.replace(dev, gpu_free=None, gpu_offload=False)
+    assert by["placement"].detail.startswith("target: GPU 0; draft: GPU 0; draft-ahead off (auto)")
+    cpu = dataclasses.replace(dev, gpus=(), unused_gpus=("RTX 4090",))
     by = _by_name(doctor.run_checks(None, None, config.load_preset(), devices=cpu))
     assert by["llama-cpp-python GPU offload"].status == Status.WARN
     assert "GGML_CUDA" in by["llama-cpp-python GPU offload"].fix
+    assert by["GPU"].status == Status.WARN and "unused by this build" in by["GPU"].detail

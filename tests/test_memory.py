@@ -14,6 +14,7 @@ import pytest
 
 from localspec import demo, memory
 from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
+from localspec.placement import Dev
 from tests.helpers_vocab import write_vocab
 
 MiB = 2**20
@@ -27,6 +28,10 @@ from localspec.llama_ctx import LlamaModel
 m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0)
 m.close()
 """
+
+
+def gpu(index: int, free: int, name: str = "GPU") -> memory.DeviceMem:
+    return memory.DeviceMem(Dev("gpu", index), name, free, free)
 
 
 def llama_cpp_buffers(path: Path, n_ctx: int, kv_type: str) -> dict[str, float]:
@@ -121,9 +126,9 @@ def test_proposes_what_fits_in_ram(gemma: Path) -> None:
 def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
     t, d = _headers(gemma)
     s = memory.Settings(n_ctx=2048, n_draft=4)
-    plenty = memory.Devices(ram_available=64 << 30, gpu_free=64 << 30, gpu_name="GPU", gpu_offload=True)
+    plenty = memory.Devices(ram_available=64 << 30, gpus=(gpu(0, 64 << 30),))
     gpu_need = memory.estimate(t, d, s, plenty).gpu_bytes
-    short = replace(plenty, gpu_free=int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM)))
+    short = replace(plenty, gpus=(gpu(0, int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM))),))
     est = memory.estimate(t, d, s, short)
     assert not est.fits and "VRAM" in est.problem
     ngl = [x for x in est.suggestions if x.startswith("--ngl")]
@@ -135,7 +140,7 @@ def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
 def test_probe_devices_says_what_it_cannot_know() -> None:
     dev = memory.probe_devices()
     assert dev.ram_available > 0
-    if dev.gpu_free is None:
+    if not dev.gpus:
         assert dev.notes  # no GPU: the reason is stated, not guessed
 
 
@@ -143,8 +148,8 @@ def test_probe_devices_says_what_it_cannot_know() -> None:
 
 GiB = 2**30
 # What a 24 GB card (RTX 3090/4090: 24 GiB) leaves free with a desktop running.
-CARD_24GB = memory.Devices(ram_available=64 * GiB, gpu_free=int(23.5 * GiB), gpu_total=24 * GiB,
-                           gpu_name="24 GB card", gpu_offload=True)
+CARD_24GB = memory.Devices(ram_available=64 * GiB,
+                           gpus=(memory.DeviceMem(Dev("gpu", 0), "24 GB card", int(23.5 * GiB), 24 * GiB),))
 
 
 def _qwen3_header(name: str, n_layer: int, n_head: int, n_embd: int, file_bytes: int) -> GGUFHeader:
@@ -181,7 +186,7 @@ def test_qwen3_32b_fits_a_24_gb_card() -> None:
     est = memory.estimate(t, d, s, CARD_24GB)
     assert est.fits, est.problem
     assert est.gpu_bytes / GiB == pytest.approx(21.63, abs=0.01)  # the number written in models.toml
-    spare = CARD_24GB.gpu_free * (1 - memory.HEADROOM) - est.gpu_bytes
+    spare = CARD_24GB.gpus[0].free * (1 - memory.HEADROOM) - est.gpu_bytes
     assert spare / GiB == pytest.approx(0.69, abs=0.01)
     # f16 KV at the same context does not fit: that is why the pair asks for q8_0.
     assert not memory.estimate(t, d, replace(s, kv_type="f16"), CARD_24GB).fits

@@ -18,7 +18,7 @@ import llama_cpp  # noqa: F401, I001
 import typer
 
 from localspec import llama_ctx
-from localspec.cli import bench_cmd, chat_cmd, models_cmd, serve_cmd
+from localspec.cli import bench_cmd, chat_cmd, models_cmd, rpc_cmd, serve_cmd
 from localspec.errors import LocalspecError
 
 app = typer.Typer(
@@ -48,7 +48,7 @@ def _root(
     """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""
 
 
-for _module in (bench_cmd, models_cmd, chat_cmd, serve_cmd):
+for _module in (bench_cmd, models_cmd, chat_cmd, serve_cmd, rpc_cmd):
     _module.register(app)
 
 

@@ -1,4 +1,4 @@
-"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy losslessness check."""
+"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy fidelity check."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from localspec.bench import (
     SweepReport,
     WarmupStep,
     load_prompts,
+    placement,
     prompt_mode,
     run_bench,
     run_sweep,
@@ -98,7 +99,7 @@ def bench(
     if json_path is not None:
         _write_json(json_path, report)
         console.print(f"report written to {json_path}")
-    if not report.greedy_check.identical:
+    if not report.greedy_check.passed:
         raise typer.Exit(1)
 
 
@@ -106,6 +107,7 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
          raw: bool) -> BenchReport:
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
+        _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
         events = run_bench(session, chosen, prompt_set, raw)
         runs = []
@@ -123,9 +125,15 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
                     runs.append(event.result)
                     live.update(live_table(runs, chosen.bench.repeat, title))
                 elif isinstance(event, CheckStarted):
-                    live.console.print(f"checking greedy losslessness on {event.prompts} prompts…")
+                    live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
                 event = next(events)
         return event
+
+
+def _print_placement(console: Console, session) -> None:
+    where = placement(session)
+    console.print(f"placement: target {where['target']}, draft {where['draft']}; draft-ahead "
+                  f"{'on' if where['draft_ahead'] else 'off'}")
 
 
 def _parse_sweep(text: str) -> list[int]:
@@ -147,6 +155,7 @@ def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
            save_preset: str | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
     with open_session(files, chosen) as session:
+        _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
         events = run_sweep(session, chosen, lengths, prompt_set, raw)
         total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)

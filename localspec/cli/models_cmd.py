@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from localspec import compat, config, demo, doctor, hub, memory, registry
+from localspec import compat, config, demo, doctor, hub, memory, placement, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
@@ -46,13 +46,17 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
     if files is not None:
         t, d = read_header(files[0]), read_header(files[1])
         s = memory.settings_from_preset(preset.with_overrides(kv_type=pair.kv_type), n_ctx=pair.n_ctx)
-        est = memory.estimate(t, d, s, devices)
+        try:
+            est = memory.estimate(t, d, s, devices)
+        except LocalspecError as exc:  # the preset names a device this machine does not have
+            return f"[red]?[/] ({escape(str(exc))})"
         return "[green]yes[/]" if est.fits else f"[red]no[/] ({escape(est.suggestions[0])})"
     need = pair.expected_bytes
     if need is None:
         return "?"
-    room = devices.gpu_free if devices.gpu_free is not None else devices.ram_available
-    # Weights alone (KV comes on top): a quick answer before anything is downloaded.
+    # Weights alone (KV comes on top) against every GPU (and RPC server) together: a quick answer before anything
+    # is downloaded.
+    room = sum(g.free for g in devices.gpus + devices.rpc) if devices.gpus or devices.rpc else devices.ram_available
     return "[green]likely[/]" if need < room * 0.9 else "[red]no[/]"
 
 
@@ -73,7 +77,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     pairs = registry.load_pairs()
     current = registry.default_pair_name()
     chosen = config.load_preset(preset or "default")
-    devices = memory.probe_devices()
+    devices = memory.probe_devices(placement.rpc_servers(chosen.load), strict=False)
     # Narrow terminals (80 columns) fold the file names, never the pair names: those are what users type.
     table = Table(title="localspec model pairs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1))
@@ -111,8 +115,10 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     fallback = "" if registry.default_file().is_file() else f"; chat without a default: {registry.DEMO_CHAT.name}"
     console.print(f"* default ({current}){fallback}")
     console.print(f"user pairs: {registry.user_path()}")
-    if devices.gpu_free is None:
+    if not devices.gpus:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
+    elif len(devices.gpus) > 1:
+        console.print(f"[dim]'fits' counts all {len(devices.gpus)} GPUs together (the target split by layer)[/]")
 
 
 def pull(

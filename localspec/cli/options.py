@@ -33,6 +33,8 @@ def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
     meta = config.key_metadata(key, section)
     if "choices" in meta:
         text += f" One of: {', '.join(meta['choices'])}."
+    elif "form" in meta:
+        text += f" Format: {meta['form']}."
     elif "range" in meta:
         lo, hi = meta["range"]
         text += f" Allowed: {lo}..{hi}."
@@ -73,6 +75,14 @@ n_gpu_layers = _setting("n_gpu_layers", "--ngl", "Target layers to offload to th
 draft_n_gpu_layers = _setting("draft_n_gpu_layers", "--draft-ngl", "Draft layers to offload to the GPU (-1 = all).")
 kv_type = _setting("kv_type", "--kv-type", "KV cache type for both models.")
 threads = _setting("threads", "--threads", "CPU threads (0 = physical cores).")
+split_mode = _setting("split_mode", "--split-mode", "How the target spreads over several GPUs.")
+tensor_split = _setting("tensor_split", "--tensor-split",
+                        "The target's share per device: RPC servers first, then GPUs ('' = by free memory).")
+main_gpu = _setting("main_gpu", "--main-gpu", "The GPU of the whole target with --split-mode none.")
+draft_device = _setting("draft_device", "--draft-device", "Where the draft runs (auto = the target's main GPU).")
+overlap = _setting("overlap", "--overlap",
+                   "Draft the next round while the target verifies (auto = when the draft has its own device).")
+rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.")
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
@@ -114,6 +124,12 @@ class RunOptions:
     n_ctx: int | None = None
     kv_type: str | None = None
     threads: int | None = None
+    split_mode: str | None = None
+    tensor_split: str | None = None
+    main_gpu: int | None = None
+    draft_device: str | None = None
+    overlap: str | None = None
+    rpc: str | None = None
 
     def files(self, fallback_pair: str | None = None) -> ModelFiles:
         """The two model files; without model arguments and without a default pair, `fallback_pair` (an offline
@@ -136,7 +152,8 @@ class RunOptions:
 _RUN_OPTIONS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
-    "kv_type": kv_type, "threads": threads,
+    "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
+    "main_gpu": main_gpu, "draft_device": draft_device, "overlap": overlap, "rpc": rpc,
 }
 
 

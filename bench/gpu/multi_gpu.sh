@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# Two GPUs (issue #12): the draft on a GPU of its own, drafting the next round while the target verifies, against
+# one GPU and llama.cpp's speculative-simple; and the 48 GB case (the target split over both GPUs). Device call on a
+# machine with two GPUs (kind nvidia-h200-x2), carry ["bench/gpu/carry"] (make_archive.sh), from the repo root:
+#     bash bench/gpu/multi_gpu.sh
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES=""
+#    so it only builds), then the synthetic 32B pairs (bench/synthetic.py, the same files run.sh writes).
+# 2. Per scale and temperature, `localspec bench` (warm-up, REPEAT interleaved plain/speculative runs over its three
+#    prompts, medians, greedy check, JSON) in each placement of CONFIGS:
+#      one-gpu    --split-mode none --draft-device 0               target and draft on GPU 0 (draft-ahead: auto = off)
+#      ahead      --split-mode none --draft-device 1 --overlap on  target on GPU 0, draft on GPU 1, drafting ahead
+#      no-ahead   --split-mode none --draft-device 1 --overlap off the same placement, rounds one after the other
+#      split      --split-mode layer                               the 48 GB case: the target over both GPUs, the
+#                                                                  draft with its main GPU (GPU 0)
+#    and llama-speculative-simple on the same prompts, LLAMA_REPS times each: -dev CUDA0 -devd CUDA0 (one GPU) and
+#    -dev CUDA0 -devd CUDA1 (the draft on GPU 1).
+# 3. bench/gpu/multi_summary.py: medians and ratios as a Markdown table (summary.md) and JSON (summary.json).
+# Every result is kept in $WORK/multi; one that exists is not measured again, so a call that runs out of budget
+# leaves the rest to the next call on the same (warm) machine.
+# Environment (defaults in brackets):
+#   OUT [bench/gpu/work/out]  CARRY [bench/gpu/carry]  WORK [bench/gpu/work]
+#   SCALES ["8e-5 1.2e-4"]    synthetic block scales: the two acceptance levels of docs/performance.md
+#   TEMPS ["0 0.7"]  CONFIGS ["ahead no-ahead one-gpu split"]  N_PREDICT [256]  DRAFT_MAX [6]
+#   REPEAT [5]  WARMUP [5]    `localspec bench --repeat/--warmup`
+#   LLAMA_REPS [5]            llama-speculative-simple runs per prompt and placement (the summary takes medians)
+#   BUDGET_S [570]  RERUN [0] (1 = forget earlier results)  LOCALSPEC_ARGS (extra `localspec bench` arguments)
+set -uo pipefail
+
+T0=$(date +%s)
+REPO="$(pwd)"
+HERE="$REPO/bench/gpu"
+CARRY="${CARRY:-$HERE/carry}"
+WORK="${WORK:-$HERE/work}"
+OUT="${OUT:-$WORK/out}"
+SCALES="${SCALES:-8e-5 1.2e-4}"
+TEMPS="${TEMPS:-0 0.7}"
+CONFIGS="${CONFIGS:-ahead no-ahead one-gpu split}"
+N_PREDICT="${N_PREDICT:-256}"
+DRAFT_MAX="${DRAFT_MAX:-6}"
+REPEAT="${REPEAT:-5}"
+WARMUP="${WARMUP:-5}"
+LLAMA_REPS="${LLAMA_REPS:-5}"
+BUDGET_S="${BUDGET_S:-570}"
+SEED=42
+SIZE=gpu32b
+BIN="$WORK/build/bin"
+MODELS="$WORK/models"
+RES="$WORK/multi"
+[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
+mkdir -p "$OUT" "$MODELS" "$RES/prompts"
+OUT="$(cd "$OUT" && pwd)"
+
+exec 3>&1
+log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+finish() {
+    python3 "$HERE/multi_summary.py" "$RES" --json "$RES/summary.json" 2>&1 | tee "$RES/summary.md"
+    cp "$RES/summary.md" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
+    tar -C "$RES" -czf "$OUT/multi-results.tar.gz" .
+    log "done in $(( $(date +%s) - T0 ))s"
+}
+# run NAME NEED_S CMD...: CMD if NEED_S seconds remain (capped at what remains); its rc.
+run() {
+    local name="$1" need="$2"; shift 2
+    local remain; remain=$(left)
+    if (( remain < need )); then log "SKIP $name: ${remain}s left, needs ~${need}s"; return 99; fi
+    log "START $name"
+    local t; t=$(date +%s)
+    timeout --kill-after=10 "$remain" "$@"; local rc=$?
+    log "END $name rc=$rc $(( $(date +%s) - t ))s"
+    return $rc
+}
+
+{ date -u +%FT%TZ; nproc; free -g; df -h "$WORK"
+  nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv 2>&1 || true
+  nvidia-smi topo -m 2>&1 || true; } > "$RES/env.txt" 2>&1
+(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )) || log "WARNING: fewer than two GPUs visible: the two-GPU rows will fail"
+
+# -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
+if [[ ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
+    run prepare 300 env SCALES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
+        bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
+fi
+[[ -x "$BIN/llama-speculative-simple" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }
+export PYTHONPATH="$WORK/pyenv/py:$WORK/pyenv/extra:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+export LLAMA_CPP_LIB_PATH="$BIN" LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for s in $SCALES; do
+    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    [[ -f "$T" && -f "$D" ]] && continue
+    run "write-s$s" 60 python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
+        --prefix "$SIZE-s$s-" --vocab "$CARRY/ggml-vocab-qwen2.gguf" > "$RES/write-s$s.log" 2>&1
+done
+# localspec's prompt set, as files for llama.cpp (its -f drops one trailing newline: add one)
+python3 - "$RES/prompts" <<'EOF' 2>&1 | tee -a "$RES/run.log"
+import llama_cpp  # noqa: I001  -- before numpy (docs/architecture.md)
+import sys
+from pathlib import Path
+
+from localspec.bench import PROMPTS
+from localspec.llama_ctx import gpu_devices
+
+for name, text in PROMPTS:
+    (Path(sys.argv[1]) / f"{name}.txt").write_text(text + "\n")
+print("llama.cpp GPUs:", ", ".join(f"{d.name} ({d.description})" for d in gpu_devices()) or "none")
+EOF
+mapfile -t PROMPT_FILES < <(ls "$RES"/prompts/*.txt)
+
+# -- 2. measure ----------------------------------------------------------------------------------------------------
+LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
+placement() {
+    case "$1" in
+        one-gpu) echo "--split-mode none --main-gpu 0 --draft-device 0" ;;
+        ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --overlap on" ;;
+        no-ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --overlap off" ;;
+        split) echo "--split-mode layer" ;;
+        *) return 1 ;;
+    esac
+}
+# Rotate through the configurations within each (scale, temperature): a slow spell of the machine then hits all.
+for s in $SCALES; do
+    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    [[ -f "$T" && -f "$D" ]] || { log "no pair for scale $s"; continue; }
+    for temp in $TEMPS; do
+        for config in $CONFIGS; do
+            json="$RES/s$s/localspec-$config-t$temp.json"
+            [[ -s "$json" ]] && continue
+            mkdir -p "$RES/s$s"
+            # shellcheck disable=SC2046,SC2086  # word lists on purpose
+            run "localspec-s$s-$config-t$temp" 90 "${LOCALSPEC[@]}" bench --target "$T" --draft "$D" --temp "$temp" \
+                --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$REPEAT" --warmup "$WARMUP" --seed "$SEED" \
+                --ctx 4096 $(placement "$config") --json "$json.tmp" ${LOCALSPEC_ARGS:-} \
+                > "$RES/s$s/localspec-$config-t$temp.log" 2>&1
+            [[ -s "$json.tmp" ]] && mv "$json.tmp" "$json"
+        done
+        for rep in $(seq 1 "$LLAMA_REPS"); do
+            for devd in CUDA0 CUDA1; do
+                for p in "${PROMPT_FILES[@]}"; do
+                    base="$RES/s$s/llama/t$temp-$devd-r$rep-$(basename "$p" .txt)"
+                    grep -q "decoded" "$base.log" 2>/dev/null && continue
+                    mkdir -p "$(dirname "$base")"
+                    extra=(); [[ "$temp" != 0 ]] && extra=(--top-k 40 --top-p 0.9 --min-p 0)
+                    run "llama-$(basename "$base")" 15 "$BIN/llama-speculative-simple" -m "$T" -md "$D" \
+                        -dev CUDA0 -devd "$devd" -ngl 99 -ngld 99 -fa on -c 4096 -n "$N_PREDICT" -f "$p" \
+                        --seed "$SEED" --temp "$temp" "${extra[@]}" --spec-type draft-simple \
+                        --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 \
+                        > "$base.out" 2> "$base.log"
+                done
+            done
+        done
+    done
+done
+finish

@@ -1,0 +1,92 @@
+"""`localspec rpc-server`: lend this machine's GPUs (or its CPU) to localspec or llama.cpp on another machine.
+
+It wraps ggml's own RPC server (`ggml_backend_rpc_start_server`), so it speaks exactly the protocol of the
+llama.cpp it was built with: a client with `--rpc HOST:PORT` — localspec, llama-cli, llama-server — sees this
+machine's devices as its own. The server runs in a thread of its own; this one waits for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from localspec import config, paths, rpc
+from localspec.cli import options
+from localspec.errors import LocalspecError
+
+HostOpt = Annotated[str | None, typer.Option("--host", help="Address to listen on (default: the preset's "
+                                             "rpc_server.host, 127.0.0.1). RPC has no authentication.",
+                                             show_default=False)]
+PortOpt = Annotated[int | None, typer.Option("--port", help="Port (default: the preset's rpc_server.port).",
+                                             show_default=False)]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads when serving the CPU "
+                                                "(0 = physical cores).", show_default=False)]
+CacheOpt = Annotated[bool | None, typer.Option("--cache/--no-cache", help="Keep large tensors on disk here, so "
+                                               "loading the same model again sends less.", show_default=False)]
+
+
+def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt = None, cache: CacheOpt = None,
+               preset: options.PresetOpt = None) -> None:
+    """Serve this machine's devices over llama.cpp's RPC protocol (clients: --rpc HOST:PORT)."""
+    settings = config.load_preset(preset or "default").with_overrides(
+        prefer="rpc_server", flags={"host": "--host", "port": "--port", "threads": "--threads", "cache": "--cache"},
+        host=host, port=port, threads=threads, cache=cache,
+    ).rpc_server
+    endpoint = rpc.Endpoint(settings.host, settings.port)
+    err = Console(stderr=True)
+    if not endpoint.loopback:
+        err.print(f"[yellow]⚠ listening on {endpoint}: llama.cpp's RPC protocol has no authentication and no "
+                  "encryption: anyone who reaches this port can run code on these devices and read what they "
+                  "hold. Use it on a trusted network only.[/]")
+    _check_port_free(endpoint)
+
+    from localspec import llama_ctx
+
+    devices = llama_ctx.gpu_devices() or [llama_ctx.cpu_device()]
+    cache_dir = paths.home() / "cache" / "rpc" if settings.cache else None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    n_threads = settings.threads or llama_ctx.default_threads()
+    console = Console()
+    console.print(f"[bold]localspec rpc-server[/] on [cyan]{endpoint}[/]: "
+                  + ", ".join(f"{d.name} ({d.description})" for d in devices)
+                  + (f", {n_threads} threads" if devices[0].kind == "cpu" else "")
+                  + (f"; tensor cache {cache_dir}" if cache_dir else ""))
+    console.print(f"clients: localspec bench --rpc {endpoint}   (Ctrl-C stops)")
+    server = threading.Thread(target=llama_ctx.serve_rpc, args=(str(endpoint), devices, n_threads, cache_dir),
+                              name="rpc-server", daemon=True)
+    server.start()
+    try:
+        while server.is_alive():
+            server.join(0.5)
+    except KeyboardInterrupt:
+        console.print("rpc-server stopped")
+        _exit_now(0)
+    raise LocalspecError(f"RPC server {endpoint}: ggml's server stopped (it prints why above)")
+
+
+def _check_port_free(endpoint: rpc.Endpoint) -> None:
+    """Bind once ourselves, so a busy port or a foreign address is a one-line error (ggml would only print)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ggml's server socket does
+            sock.bind((endpoint.host, endpoint.port))
+    except OSError as exc:
+        raise LocalspecError(f"cannot listen on {endpoint}: {exc.strerror or exc}") from None
+
+
+def _exit_now(code: int) -> None:
+    # The server thread sits in accept() inside ggml: leave without interpreter or C++ teardown under its feet.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="rpc-server")(rpc_server)

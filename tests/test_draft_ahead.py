@@ -1,0 +1,82 @@
+"""Draft-ahead (the next round drafted while the target verifies) changes nothing in the output: the same tokens,
+the same accepted ones, with a greedy and a sampled pipeline, on a pair that rejects often and one that rarely
+does. Two real contexts on the CPU; on a machine with two GPUs the same code overlaps their work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localspec import engine
+from localspec.config import Drafting, load_preset
+from localspec.engine import collect
+from localspec.session import ModelFiles, open_session
+
+pytestmark = pytest.mark.slow
+
+GREEDY = load_preset("greedy")
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=12).tolist() for _ in range(n)]
+
+
+@pytest.fixture
+def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft length that changes every round, the same in every run (adaptive drafting's choice depends on
+    measured times, so two runs of it differ anyway): a bet made for one length is thrown when the next round
+    asks for another."""
+    lengths = [5, 3, 4, 4]
+
+    def next_length(self) -> int:
+        self.calls = getattr(self, "calls", -1) + 1
+        return min(lengths[self.calls % len(lengths)], self.k_max)
+
+    monkeypatch.setattr(engine._DraftLength, "next", next_length)
+
+
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])
+@pytest.mark.parametrize(("temperature", "repeat_penalty", "p_min", "lengths"), [
+    (0.0, 1.0, 0.0, "fixed"),
+    (0.4, 1.0, 0.0, "fixed"),  # (0.4: peaked enough that the argmax bet on the sampled token often wins)
+    (0.4, 1.3, 0.0, "fixed"),  # full logits on the host, the penalty over the drafted-ahead history
+    (0.4, 1.0, 0.2, "fixed"),  # drafts that stop early
+    (0.0, 1.0, 0.0, "changing"),
+    (0.4, 1.0, 0.0, "changing"),
+])
+def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: str, temperature: float,
+                                                               repeat_penalty: float, p_min: float,
+                                                               lengths: str) -> None:
+    target, draft = request.getfixturevalue(pair)
+    if lengths == "changing":
+        request.getfixturevalue("changing_length")
+    preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=11)
+    drafting = Drafting(n_draft=5, p_min=p_min, adaptive=False)
+    kept = made = 0
+    with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
+        assert not s.engine.draft_ahead  # auto: both models on the CPU share one device
+        for prompt in prompts(3, seed=5):
+            s.engine.draft_ahead = False
+            sequential = collect(s.engine.generate(prompt, preset.sampling, drafting, 48))
+            s.engine.draft_ahead = True
+            ahead = collect(s.engine.generate(prompt, preset.sampling, drafting, 48))
+            assert ahead.tokens == sequential.tokens, prompt
+            assert ahead.from_draft == sequential.from_draft
+            assert (ahead.stats.rounds, ahead.stats.drafted, ahead.stats.accepted) == (
+                sequential.stats.rounds, sequential.stats.drafted, sequential.stats.accepted)
+            assert sequential.stats.ahead_made == 0 and ahead.stats.ahead_s > 0
+            kept += ahead.stats.ahead_kept
+            made += ahead.stats.ahead_made
+    # The paths this must cover: bets kept (their drafts used) and bets thrown (their draws given back); on the
+    # pair that agrees almost always, greedy bets can all come true.
+    assert 0 < kept <= made
+    if pair == "tiny_pair" or temperature > 0:
+        assert kept < made
+
+
+def test_overlap_setting_reaches_the_engine(tiny_pair) -> None:
+    files = ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test")
+    for overlap, expected in (("on", True), ("off", False), ("auto", False)):
+        with open_session(files, GREEDY.with_overrides(overlap=overlap)) as s:
+            assert s.engine.draft_ahead is expected
