@@ -67,7 +67,8 @@ def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None
     try:
         reply1, s1, notes = turn_with_notes(child, "Name a large city in France.")
         assert int(s1[1]) == 16 and int(s1[3]) == int(s1[4]) - 1  # first turn reads the whole prompt
-        assert "reply cut at the limit of 16 tokens" in notes  # a reply stopped by the limit says so
+        assert "reply cut at the limit of 16 tokens" in notes  # a reply stopped by the limit says so...
+        assert "max_tokens under [chat] in a preset" in notes  # ...and where the limit lives
         assert DRAFT_COLOUR in reply1  # accepted draft tokens are coloured
         reply2, s2 = turn(child, "And one in Germany?")
         processed, prompt = int(s2[3]), int(s2[4])

@@ -51,7 +51,7 @@ DropOldestOpt = Annotated[
     bool, typer.Option("--drop-oldest", help="When the context is full, drop the oldest turns (not stop).")
 ]
 ChatMaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Reply limit in tokens (the preset's [chat] max_tokens).", min=1)
+    int | None, typer.Option("--max-tokens", help="Reply limit in tokens (the preset's chat.max_tokens).", min=1)
 ]
 NoThinkFlag = Annotated[
     bool, typer.Option("--no-think", help="A thinking model (Qwen3) answers without thinking first.")
@@ -186,7 +186,7 @@ class ChatView:
         console.print(f"[dim]{escape(stats_line(turn))}[/]")
         if done.stop_reason == STOP_MAX_TOKENS:
             console.print(f"[yellow]reply cut at the limit of {turn.max_tokens} tokens[/] [dim](--max-tokens, or "
-                          "max_tokens under [chat] in a preset, raises it)[/]")
+                          "max_tokens under \\[chat] in a preset, raises it)[/]")
         if done.stop_reason == STOP_CONTEXT_FULL:
             hint = ("the oldest turns will be dropped next turn" if self.chat.drop_oldest
                     else "/reset starts a new conversation")
