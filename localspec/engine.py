@@ -396,8 +396,11 @@ class Engine:
         yield DoneEvent(stats, stop, message)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling) -> _DraftLength:
-        """The chooser, kept across generations with the same drafting: what adaptive drafting measured (costs,
-        acceptance) stays valid for the next prompt, and probing again every generation would cost rounds."""
+        """A fixed length's chooser is fresh each generation. An adaptive one is kept across generations with the
+        same drafting: what it measured (costs, acceptance) stays valid for the next prompt, and probing again
+        every generation would cost rounds."""
+        if not drafting.adaptive:
+            return _DraftLength(drafting)
         key = (drafting, sampling.greedy)
         if self._chooser is None or self._chooser[0] != key:
             self._chooser = (key, _DraftLength(drafting))

@@ -392,3 +392,15 @@ def test_device_sampler_modes(tiny_pair):
             assert isinstance(scores, TopK) and scores.ids.shape == (len(prompt), width)
             assert scores.argmax().tolist() == full.argmax(axis=1).tolist()
         assert set(scores.ids[-1].tolist()) == set(np.argsort(-full[-1])[:64].tolist())
+
+
+def test_adaptive_drafting_keeps_what_it_measured_across_generations(tiny_pair):
+    """Adaptive drafting's chooser survives to the next prompt (no new probing); a fixed length starts fresh."""
+    with open_pair(*tiny_pair) as s:
+        adaptive, fixed = drafting(6, adaptive=True), drafting(6)
+        first = s.engine._draft_length(adaptive, GREEDY.sampling)
+        assert s.engine._draft_length(adaptive, GREEDY.sampling) is first
+        assert s.engine._draft_length(drafting(5, adaptive=True), GREEDY.sampling) is not first
+        assert s.engine._draft_length(fixed, GREEDY.sampling) is not s.engine._draft_length(fixed, GREEDY.sampling)
+        run(s.engine, prompts(1)[0], GREEDY.sampling, adaptive, 20)
+        assert s.engine._draft_length(adaptive, GREEDY.sampling).rounds > 0
