@@ -10,6 +10,13 @@ The template comes from the GGUF (`tokenizer.chat_template`, rendered by llama-c
 formatter, so a hostile template cannot reach Python). GGUFs converted without one (the demo's Gemma is) fall
 back to llama.cpp's built-in template named after the architecture; anything else is refused, file named.
 
+Thinking models (Qwen3) write `<think>…</think>` before the answer. Their template has an `enable_thinking`
+switch (`/think`, `/nothink`), passed as an extra template variable (llama-cpp-python's formatter forwards
+keyword arguments to the template), and it drops earlier turns' thinking from the history. The rendered prompt
+then no longer extends what the KV cache holds: the engine keeps the longest common prefix and decodes the rest,
+and `TurnRecord.reread` counts the tokens decoded again where the cache already had (other) tokens.
+`ThinkSplitter` separates thinking from answer in the token stream, so the CLI can show them apart.
+
 Commands (`/reset`, `/draft 3`, ...) are parsed here so the rules live next to what they change; the CLI runs
 them and draws the results.
 """
@@ -19,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +54,13 @@ class ChatTemplate:
     """Messages → prompt text. `source` says where the template came from (/stats shows it)."""
 
     source: str
-    _render: Callable[[list[Message]], str] = field(repr=False)
+    _render: Callable[..., str] = field(repr=False)
+    thinking_switch: bool = False  # the template reads `enable_thinking` (Qwen3): /think and /nothink work
 
-    def render(self, messages: list[Message]) -> str:
+    def render(self, messages: list[Message], **variables: Any) -> str:
+        """The prompt text; `variables` reach a Jinja template as extra names (`enable_thinking=False`)."""
         try:
-            return self._render(messages)
+            return self._render(messages, **variables)
         except LocalspecError:
             raise
         except Exception as exc:  # a template may raise on role order, a system message, ...
@@ -59,16 +68,19 @@ class ChatTemplate:
 
     @classmethod
     def from_jinja(cls, template: str, bos_token: str, eos_token: str, source: str = "jinja") -> ChatTemplate:
-        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx)."""
-        return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source))
+        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx). Extra
+        variables reach the template (`enable_thinking`)."""
+        return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source),
+                   thinking_switch="enable_thinking" in template)
 
     @classmethod
     def builtin(cls, name: str) -> ChatTemplate:
         """One of llama.cpp's built-in templates (`gemma`, `chatml`, `llama3`, ...)."""
         if name not in builtin_chat_templates():
             raise LocalspecError(f"unknown built-in chat template {name!r}")
+        # llama.cpp's built-ins take no variables.
         return cls(source=f"llama.cpp built-in '{name}'",
-                   _render=lambda messages: apply_builtin_template(name, messages))
+                   _render=lambda messages, **variables: apply_builtin_template(name, messages))
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> ChatTemplate:
@@ -105,6 +117,76 @@ def encode_chat(model: LlamaModel, text: str) -> list[int]:
     return tokens
 
 
+# -- thinking ------------------------------------------------------------------------------------------------
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def starts_in_thinking(prompt_text: str) -> bool:
+    """Some templates open the thinking block themselves (the prompt ends inside `<think>`)."""
+    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+
+
+class ThinkSplitter:
+    """Streamed reply text → (is_thinking, text) pieces, without the tags.
+
+    A tag may arrive split over several tokens, so text that could be the start of a tag is held back until the
+    next piece decides. Whitespace right after a tag is dropped (templates put newlines there).
+    """
+
+    def __init__(self, thinking: bool = False) -> None:
+        self.thinking = thinking
+        self._held = ""
+        self._strip = thinking  # drop whitespace at the start of a block
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        data = self._held + text
+        self._held = ""
+        while data:
+            tag = THINK_CLOSE if self.thinking else THINK_OPEN
+            at = data.find(tag)
+            if at >= 0:
+                self._emit(out, data[:at])
+                data = data[at + len(tag):]
+                self.thinking = not self.thinking
+                self._strip = True
+                continue
+            keep = _partial_suffix(data, tag)
+            self._emit(out, data[: len(data) - keep])
+            self._held = data[len(data) - keep:]
+            break
+        return out
+
+    def flush(self) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        self._emit(out, self._held)
+        self._held = ""
+        return out
+
+    def _emit(self, out: list[tuple[bool, str]], text: str) -> None:
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        if text:
+            out.append((self.thinking, text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_thinking(text: str, thinking: bool = False) -> tuple[str, str]:
+    """A whole reply → (thinking, answer)."""
+    splitter = ThinkSplitter(thinking)
+    parts = splitter.feed(text) + splitter.flush()
+    return ("".join(t for is_t, t in parts if is_t).strip(), "".join(t for is_t, t in parts if not is_t).strip())
+
+
 # -- commands ------------------------------------------------------------------------------------------------
 
 # name → (argument, help). The CLI prints this table for /help; parse_command enforces it.
@@ -115,6 +197,8 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "preset": ("NAME", "switch sampling and drafting to another preset (replaces /draft and /temp)"),
     "draft": ("N", "draft length for the next replies (0 = plain decoding)"),
     "temp": ("X", "sampling temperature (0 = greedy)"),
+    "think": (None, "let a thinking model (Qwen3) think before it answers (its template's enable_thinking)"),
+    "nothink": (None, "answer without thinking"),
     "save": ("FILE", "write the transcript and per-turn stats as JSON"),
     "color": (None, "toggle the colour of tokens that came from accepted drafts"),
     "exit": (None, "leave (Ctrl-D does too)"),
@@ -182,6 +266,12 @@ class TurnRecord:
     temperature: float
     dropped_turns: int = 0
     stats: GenerationStats | None = None  # the engine's, when the reply finished
+    # Of the prompt tokens processed, those at positions the KV cache already held: the template rewrote the
+    # history there (Qwen3 drops earlier thinking), so they were read again instead of reused.
+    reread: int = 0
+    thinking: str = ""  # the reply's <think> block, if any
+    answer: str = ""  # the reply without it (what history shows for earlier turns)
+    max_tokens: int = 0  # the reply limit in force
 
     def as_dict(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -193,7 +283,8 @@ class ChatSession:
 
     def __init__(self, engine: Engine, model: LlamaModel, preset: Preset, *, system: str | None = None,
                  template: ChatTemplate | None = None, max_tokens: int | None = None,
-                 drop_oldest: bool = False, info: Mapping[str, Any] | None = None) -> None:
+                 drop_oldest: bool = False, info: Mapping[str, Any] | None = None,
+                 thinking: bool = True) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise LocalspecError(f"max_tokens {max_tokens}: must be 1 or more")
         self.engine = engine
@@ -201,8 +292,10 @@ class ChatSession:
         self.preset = preset
         self.system = system.strip() if system and system.strip() else None
         self.template = template or ChatTemplate.for_model(model)
-        self.max_tokens = max_tokens  # None: until the end of the turn or a full context
+        self.max_tokens = max_tokens  # None: the preset's [chat] max_tokens
         self.drop_oldest = drop_oldest
+        # None when the template has no switch: the model thinks (or not) as it was trained.
+        self.thinking: bool | None = thinking if self.template.thinking_switch else None
         self.info = dict(info or {})
         self.messages: list[Message] = []
         self.turns: list[TurnRecord] = []
@@ -220,8 +313,20 @@ class ChatSession:
         self.turns = []
         self.engine.reset()
 
+    @property
+    def reply_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else self.preset.chat.max_tokens
+
+    def prompt_text(self, messages: list[Message] | None = None) -> str:
+        variables = {} if self.thinking is None else {"enable_thinking": self.thinking}
+        return self.template.render(self.messages if messages is None else messages, **variables)
+
     def prompt_tokens(self, messages: list[Message] | None = None) -> list[int]:
-        return encode_chat(self.model, self.template.render(self.messages if messages is None else messages))
+        return encode_chat(self.model, self.prompt_text(messages))
+
+    def splitter(self) -> ThinkSplitter:
+        """A splitter for the next reply's stream (the template may open the thinking block itself)."""
+        return ThinkSplitter(starts_in_thinking(self.prompt_text([*self.messages, {"role": "user", "content": "x"}])))
 
     def send(self, text: str) -> Iterator[ChatEvent]:
         """Stream the reply to `text`: maybe a TrimEvent, the engine's TokenEvents, then its DoneEvent.
@@ -235,7 +340,10 @@ class ChatSession:
             raise LocalspecError("the message is empty")
         messages, prompt, dropped = self._fit([*self.messages, {"role": "user", "content": text}])
         sampling, drafting = self.preset.sampling, self.preset.draft
-        limit = self.max_tokens if self.max_tokens is not None else self.n_ctx
+        limit = self.reply_limit
+        cached = self.engine.cached_tokens
+        common = _common_prefix(cached, prompt[:-1])
+        opens_thinking = starts_in_thinking(self.prompt_text(messages))
         tokens: list[int] = []
         from_draft = 0
         done: DoneEvent | None = None
@@ -258,14 +366,21 @@ class ChatSession:
             raise
         finally:
             stream.close()
-        reply = self.model.detokenize(tokens).strip()
+        raw = self.model.detokenize(tokens)
+        # A template that opened the thinking block itself gets its tag back, so the history holds the whole
+        # block and the template can drop it from later prompts.
+        reply = (THINK_OPEN + "\n" + raw if opens_thinking and raw.strip() else raw).strip()
+        thinking, answer = split_thinking(raw, thinking=opens_thinking)
+        processed = done.stats.prompt_tokens_processed if done else None
         record = TurnRecord(
             user=text, reply=reply, stop_reason=done.stop_reason if done else STOP_INTERRUPTED,
             tokens=len(tokens), from_draft=from_draft, prompt_tokens=len(prompt),
-            prompt_tokens_processed=done.stats.prompt_tokens_processed if done else None,
+            prompt_tokens_processed=processed,
             n_draft=drafting.n_draft if self.engine.draft is not None else 0,
             temperature=sampling.temperature, dropped_turns=dropped,
             stats=done.stats if done else None,
+            reread=min(processed, len(cached) - common) if processed is not None else 0,
+            thinking=thinking, answer=answer, max_tokens=limit,
         )
         self.turns.append(record)
         # An empty reply (stopped before its first token) leaves no trace in the context, so roles keep
@@ -283,7 +398,7 @@ class ChatSession:
                 )
             return messages, prompt, 0
         # Leave room for a reply, or each turn would drop again after a few tokens.
-        reply_room = min(self.max_tokens or self.n_ctx // 4, self.n_ctx // 2)
+        reply_room = min(self.reply_limit, self.n_ctx // 2)
         head = 1 if messages and messages[0]["role"] == "system" else 0
         dropped = 0
         while len(prompt) > self.n_ctx - reply_room and len(messages) - head > 1:
@@ -316,6 +431,14 @@ class ChatSession:
     def set_temperature(self, temperature: float) -> None:
         self.preset = self.preset.with_overrides(temperature=temperature)
 
+    def set_thinking(self, on: bool) -> None:
+        if self.thinking is None:
+            raise LocalspecError(
+                f"/{'think' if on else 'nothink'}: this model's chat template has no thinking switch "
+                f"(enable_thinking) ({self.template.source})"
+            )
+        self.thinking = on
+
     # -- reporting ------------------------------------------------------------------------------------------
 
     def totals(self) -> dict[str, Any]:
@@ -324,6 +447,7 @@ class ChatSession:
         prompt = sum(t.prompt_tokens for t in self.turns if t.prompt_tokens_processed is not None)
         processed = sum(t.prompt_tokens_processed or 0 for t in self.turns)
         return {
+            "prompt_tokens_reread": sum(t.reread for t in self.turns),
             "turns": len(self.turns),
             "tokens": sum(t.tokens for t in self.turns),
             "from_draft": sum(t.from_draft for t in self.turns),
@@ -345,8 +469,8 @@ class ChatSession:
             "template": self.template.source,
             "preset": self.preset.name,
             "settings": {"sampling": dataclasses.asdict(self.preset.sampling),
-                         "draft": dataclasses.asdict(self.preset.draft), "max_tokens": self.max_tokens,
-                         "drop_oldest": self.drop_oldest},
+                         "draft": dataclasses.asdict(self.preset.draft), "max_tokens": self.reply_limit,
+                         "drop_oldest": self.drop_oldest, "thinking": self.thinking},
             "system": self.system,
             "messages": self.messages,
             "turns": [t.as_dict() for t in self.turns],
@@ -361,3 +485,12 @@ class ChatSession:
 
 def context_full(record: TurnRecord) -> bool:
     return record.stop_reason == STOP_CONTEXT_FULL
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

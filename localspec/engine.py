@@ -4,7 +4,8 @@ One generation: `_prefill` the prompt into both KV caches (reusing whatever pref
 of `_draft` (up to k tokens, one draft decode each), `_verify` (one batched target decode with logits at every
 drafted position), acceptance (greedy match or rejection sampling), and `_rewind` (the one place KV cells of
 rejected tokens are removed from both caches). k = 0 is plain decoding through the same code, so baselines are
-apples to apples.
+apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so llama.cpp's
+CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
 
 Bookkeeping invariant between rounds: `self._tokens` is the committed sequence; the target's KV cache holds all of
 it except the last token (`cur`), which opens the next verify batch; the draft's KV cache holds a prefix of it and
@@ -32,7 +33,7 @@ import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.errors import ContextFullError, UsageError
-from localspec.llama_ctx import LlamaModel, TopK
+from localspec.llama_ctx import DeviceDist, LlamaModel, Sampled, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
@@ -47,6 +48,10 @@ class TokenEvent:
     token: int
     text: str  # the UTF-8 text this token completes (may be "" mid-character)
     from_draft: bool  # True when the token is an accepted draft token
+    # With generate(trace=True) at temperature 0: the argmax of the target row this token was chosen from (read
+    # from the row itself, apart from the acceptance logic) and that row's top-1 minus top-2 logit.
+    row_argmax: int | None = None
+    margin: float | None = None
 
 
 @dataclass
@@ -143,6 +148,7 @@ class Generation:
     tokens: list[int]
     from_draft: int  # how many of `tokens` were accepted draft tokens
     done: DoneEvent
+    trace: list[tuple[int, float]]  # generate(trace=True): each token's (row argmax, top-2 margin); else empty
 
     @property
     def stats(self) -> GenerationStats:
@@ -152,47 +158,55 @@ class Generation:
 def collect(events: Iterable[Event]) -> Generation:
     """Drain an engine stream into its tokens and its final DoneEvent."""
     tokens: list[int] = []
+    trace: list[tuple[int, float]] = []
     from_draft = 0
     for event in events:
         if isinstance(event, DoneEvent):
-            return Generation(tokens, from_draft, event)
+            return Generation(tokens, from_draft, event, trace)
         tokens.append(event.token)
         from_draft += event.from_draft
+        if event.row_argmax is not None and event.margin is not None:
+            trace.append((event.row_argmax, event.margin))
     raise RuntimeError("the engine stream ended without a DoneEvent")  # an engine bug, not a user error
 
 
-# On CUDA, llama.cpp scores up to 8 tokens per matmul with the same kernel as one token; a 9th switches kernels and
-# the logits change in the last bits, which can flip a near-tie (seen on the H200: k = 8 was not token-identical).
-# Greedy decoding promises identical output, so its verify batch stays within 8 tokens.
-GREEDY_MAX_DRAFT = 7
-
-
 class _DraftLength:
-    """Chooses k for the next round: fixed, or adaptive from measured costs and measured acceptance.
+    """Chooses k for the next round: fixed, or adaptive among a few lengths that it changes rarely.
 
-    Adaptive picks the k that maximises expected tokens per second, E[tokens | k] / cost(k). Acceptance is bursty
-    (rounds tend to be all right or wrong early), so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured
-    survival S(i) = P(positions 1..i all accepted), each position's conditional acceptance counted from recent
-    rounds (decayed). cost(k) = k draft steps + a verify of k + 1 tokens, both timed online, so it adapts to the
-    machine. An untried deeper position borrows the deepest measured rate, so k can grow when drafts are good.
+    On CUDA every change of the verify width costs: llama.cpp rebuilds its compute graph and the CUDA graph runs
+    uncaptured for two calls, then is captured again (docs/gpu.md: widths 7,7,5,5 cost 23.0 ms a call against
+    19.0 for 7 and 15.7 for 5). So adaptive drafting holds k for EPOCH rounds and considers only a short LADDER
+    of lengths (a third, two thirds and all of the preset's k). At an epoch's end it moves to the length that
+    maximises expected tokens per second, E[tokens | k] / cost(k), and only if that beats the current length
+    by MIN_GAIN. Acceptance is bursty, so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured survival
+    S(i) = P(positions 1..i all accepted) from each position's conditional acceptance; a position never
+    verified borrows the deepest measured rate. cost(k) = k draft steps + a verify of k + 1 tokens, both timed
+    online (the verify cost of an untried width from a line through the tried ones). The first two epochs probe
+    the longest and the middle length, since a line needs two widths.
     """
 
-    DECAY = 0.97
+    EPOCH = 16
+    MIN_GAIN = 1.05
 
-    def __init__(self, cfg: Drafting, k_cap: int) -> None:
-        self.k_max = min(cfg.n_draft, k_cap)
-        self.adaptive = cfg.adaptive and self.k_max > 1
+    def __init__(self, cfg: Drafting) -> None:
+        self.k_max = cfg.n_draft
+        self.ladder = sorted({max(1, round(self.k_max * f)) for f in (1 / 3, 2 / 3, 1.0)})
+        self.adaptive = cfg.adaptive and len(self.ladder) > 1
+        self.k = self.k_max
+        self.rounds = 0
         self.tried = np.zeros(self.k_max + 1)  # index i: rounds that verified position i
         self.ok = np.zeros(self.k_max + 1)
         self.draft_step_s = 0.0
         self.verify_s: dict[int, float] = {}
 
     def next(self) -> int:
-        if not self.adaptive:
-            return self.k_max
+        if self.adaptive and self.rounds and self.rounds % self.EPOCH == 0:
+            self.k = self._choose()
+        return self.k
+
+    def _choose(self) -> int:
         if len(self.verify_s) < 2:
-            # The verify cost's growth per token needs two widths: probe k_max, then half of it.
-            return self.k_max if not self.verify_s else max(1, self.k_max // 2)
+            return self.ladder[len(self.ladder) // 2] if self.k == self.k_max else self.k_max
         rate = 0.8  # prior for a position never verified
         survival, expected = 1.0, [1.0]
         for i in range(1, self.k_max + 1):
@@ -200,8 +214,9 @@ class _DraftLength:
                 rate = (self.ok[i] + 1.0) / (self.tried[i] + 2.0)
             survival *= rate
             expected.append(expected[-1] + survival)
-        return max(range(1, self.k_max + 1),
-                   key=lambda k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)))
+        speed = {k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)) for k in self.ladder}
+        best = max(speed, key=speed.__getitem__)
+        return best if speed[best] > self.MIN_GAIN * speed.get(self.k, 0.0) else self.k
 
     def _verify_cost(self, width: int) -> float:
         if width in self.verify_s:
@@ -211,11 +226,13 @@ class _DraftLength:
         slope, intercept = np.polyfit(widths, times, 1)
         return float(max(intercept + slope * width, times.min()))
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int) -> None:
+        self.rounds += 1
         if not self.adaptive:
             return
-        self.tried *= self.DECAY
-        self.ok *= self.DECAY
+        if self.rounds % self.EPOCH == 0:  # older epochs count less: acceptance drifts with the text
+            self.tried *= 0.5
+            self.ok *= 0.5
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         self.tried[1 : verified + 1] += 1.0
         self.ok[1 : accepted + 1] += 1.0
@@ -223,7 +240,6 @@ class _DraftLength:
         if drafted:
             step = draft_s / drafted
             self.draft_step_s = step if self.draft_step_s == 0.0 else (1 - ema) * self.draft_step_s + ema * step
-        width = drafted + 1
         old = self.verify_s.get(width)
         self.verify_s[width] = verify_s if old is None else (1 - ema) * old + ema * verify_s
 
@@ -243,9 +259,15 @@ class _Ahead:
 class Engine:
     """Speculative decoding over a target and an optional draft `LlamaModel` (same tokenizer)."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, draft_ahead: bool = False) -> None:
+    def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, constant_width: bool | None = None,
+                 draft_ahead: bool = False) -> None:
         self.target = target
         self.draft = draft
+        # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
+        # the last round before max_tokens): on CUDA a width change re-captures graphs, which costs more than the
+        # padded positions (docs/gpu.md). On a CPU the padded positions are pure extra work, so only on a GPU.
+        self.constant_width = target.on_gpu if constant_width is None else constant_width
+        self._chooser: tuple[tuple, _DraftLength] | None = None
         self.draft_ahead = draft_ahead and draft is not None
         self._worker: ThreadPoolExecutor | None = None  # drafts ahead beside the verify (started when first used)
         self._job: Future[_Ahead | None] | None = None  # the last draft-ahead handed to the worker
@@ -280,29 +302,38 @@ class Engine:
             self._worker = None
 
     @property
+    def cached_tokens(self) -> tuple[int, ...]:
+        """The tokens in the target's KV cache, position by position (chat reports how much it could reuse)."""
+        return tuple(self._target_kv)
+
+    @property
     def n_ctx(self) -> int:
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
 
         `should_stop` is asked before each round and after each token the caller has consumed; True ends the
         generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
         A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
+        `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
+        the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         self._wait_for_worker()
         stats = GenerationStats(prompt_tokens=len(prompt))
         use_draft = self.draft is not None and drafting.n_draft > 0
+        trace = trace and sampling.greedy
         rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
         draft_rng = np.random.default_rng([sampling.seed, 1])  # the draft's samples: a stream draft-ahead can rewind
-        chooser = _DraftLength(drafting if use_draft else dataclasses.replace(drafting, n_draft=0),
-                               GREEDY_MAX_DRAFT if sampling.greedy else drafting.n_draft)
+        chooser = self._draft_length(drafting if use_draft else dataclasses.replace(drafting, n_draft=0), sampling)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0))
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not use_draft,
+                                                    trace=trace))
+        self.target.restart_device_sampler()
         if self.draft is not None:
             self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min))
 
@@ -329,13 +360,14 @@ class Engine:
             else:
                 self._throw_ahead(ahead, draft_rng)
                 drafts, q, draft_s = self._draft(k, sampling, drafting, draft_rng) if k > 0 else ([], None, 0.0)
+            width = min(k_round, room) + 1 if self.constant_width else len(drafts) + 1
             # If every draft is accepted, the next round has this many more tokens behind it.
             k_next = min(k_round, max_tokens - stats.tokens - len(drafts) - 2, room - len(drafts) - 1)
             with self._drafting_ahead(drafts, k_next, sampling, drafting, draft_rng) as job:
-                emitted, n_accepted, verify_s = self._verify(drafts, q, sampling, rng)
+                emitted, n_accepted, verify_s, rows = self._verify(drafts, q, sampling, rng, width, trace)
             ahead = self._settle_ahead(job, n_accepted == len(drafts), emitted[-1], draft_rng, stats)
             self._rewind(drafts, n_accepted, emitted[-1], keep_draft=ahead is not None)
-            chooser.observe(len(drafts), n_accepted, draft_s, verify_s)
+            chooser.observe(len(drafts), n_accepted, draft_s, verify_s, width)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
             stats.rounds += 1
@@ -349,7 +381,8 @@ class Engine:
                     stop, message, finished = STOP_EOG, "end of generation", True
                     break
                 stats.tokens += 1
-                yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted)
+                row_argmax, margin = rows[i] if rows else (None, None)
+                yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted, row_argmax, margin)
                 if stats.tokens >= max_tokens:
                     finished = True
                     break
@@ -361,6 +394,14 @@ class Engine:
                 break
         stats.decode_s = time.perf_counter() - t_start
         yield DoneEvent(stats, stop, message)
+
+    def _draft_length(self, drafting: Drafting, sampling: Sampling) -> _DraftLength:
+        """The chooser, kept across generations with the same drafting: what adaptive drafting measured (costs,
+        acceptance) stays valid for the next prompt, and probing again every generation would cost rounds."""
+        key = (drafting, sampling.greedy)
+        if self._chooser is None or self._chooser[0] != key:
+            self._chooser = (key, _DraftLength(drafting))
+        return self._chooser[1]
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
@@ -428,28 +469,36 @@ class Engine:
                 break  # an unsure draft is usually wrong: verify what we have instead of drafting on
         return drafts, (None if sampling.greedy else dists), spent
 
-    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling,
-                rng: np.random.Generator) -> tuple[list[int], int, float]:
-        """One target decode of [cur] + drafts; returns (tokens to emit, accepted count, verify seconds)."""
+    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling, rng: np.random.Generator,
+                width: int, trace: bool) -> tuple[list[int], int, float, list[tuple[int, float]]]:
+        """One target decode of [cur] + drafts, padded to `width` tokens; returns (tokens to emit, accepted count,
+        verify seconds, and with `trace` each real row's (argmax, top-2 margin))."""
         batch = [self._tokens[-1], *drafts]
+        # Padding only keeps the batch shape: its positions come after every real one (causal attention), their
+        # rows are never read, and _rewind drops their KV cells with the rejected drafts'.
+        batch += [batch[-1]] * (width - len(batch))
         t = time.perf_counter()
-        scores = self.target.decode(batch, len(self._target_kv), all_logits=True)
+        scores = _first_rows(self.target.decode(batch, len(self._target_kv), all_logits=True), len(drafts) + 1)
         spent = time.perf_counter() - t
         self._target_kv.extend(batch)
 
+        if isinstance(scores, Sampled):  # plain decoding at T > 0: the device drew the token
+            return [int(scores.tokens[0])], 0, spent, []
         if sampling.greedy:
-            choice = _argmax(_penalized(scores, self._tokens + drafts, sampling))
+            scored = _penalized(scores, self._tokens + drafts, sampling)
+            rows = _row_argmax_and_margin(scored) if trace else []  # read from the rows, apart from the choice
+            choice = _argmax(scored)
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
-            return [*drafts[:n], int(choice[n])], n, spent
+            return [*drafts[:n], int(choice[n])], n, spent, rows
 
         p = _distributions(scores, self._tokens + drafts, sampling)
         for i, token in enumerate(drafts):
             ok, out = accept_or_resample(token, p, i, q[i], rng)
             if not ok:
-                return [*drafts[:i], out], i, spent
-        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent
+                return [*drafts[:i], out], i, spent, []
+        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, []
 
     # -- draft-ahead: the next round's drafts while this round verifies --------------------------------------
 
@@ -532,17 +581,51 @@ class Engine:
         self._tokens.append(next_token)
 
 
-def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float) -> str | None:
-    """What the device should compute per row. Greedy needs only the argmax (unless p_min needs probabilities);
-    a top-k pipeline needs the top candidates; a penalty needs the penalised tokens' logits wherever they rank,
-    and top_k = 0 needs every logit: those take full rows."""
+def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float, *, plain: bool = False,
+                 trace: bool = False) -> str | DeviceDist | None:
+    """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
+    full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
+    at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows."""
     if sampling.penalized:
         return None
     if sampling.greedy:
-        return "top_k" if p_min > 0.0 else "greedy"
+        return "top_k" if p_min > 0.0 or trace else "greedy"
+    if plain:
+        return DeviceDist(sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed)
     if 0 < sampling.top_k <= model.device_top_k:
         return "top_k"
     return None
+
+
+def _first_rows(scores: np.ndarray | TopK | Sampled | None, n: int) -> np.ndarray | TopK | Sampled:
+    """The rows of the real tokens of a (possibly padded) verify batch."""
+    assert scores is not None
+    if isinstance(scores, TopK):
+        return TopK(scores.ids[:n], scores.logits[:n])
+    if isinstance(scores, Sampled):
+        return Sampled(scores.tokens[:n])
+    return scores[:n]
+
+
+def _row_argmax_and_margin(scores: np.ndarray | TopK | Sampled) -> list[tuple[int, float]]:
+    """Each row's argmax and its lead over the runner-up, in logits (from the device's candidates or full rows)."""
+    assert not isinstance(scores, Sampled)
+    logits = scores.logits if isinstance(scores, TopK) else scores
+    ids = scores.ids if isinstance(scores, TopK) else None
+    out = []
+    for r in range(len(logits)):
+        row = logits[r]
+        if len(row) < 2:  # a single candidate: nothing to compare with
+            out.append((int(ids[r, 0]) if ids is not None else 0, float("inf")))
+            continue
+        top2 = np.argpartition(row, len(row) - 2)[-2:]
+        best, second = (top2[1], top2[0]) if row[top2[1]] >= row[top2[0]] else (top2[0], top2[1])
+        # np.argmax breaks ties toward the lower index, as the acceptance does; argpartition does not.
+        best = int(np.argmax(row)) if row[best] == row[second] else int(best)
+        token = int(ids[r, best]) if ids is not None else best
+        out.append((token, float(row[best] - row[second])))
+    return out
 
 
 def _argmax(scores: np.ndarray | TopK) -> np.ndarray:

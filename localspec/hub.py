@@ -123,7 +123,12 @@ def _hub_error(exc: BaseException, spec: ModelSpec) -> LocalspecError:
 
     where = f"{endpoint()}/{spec.repo}"
     if isinstance(exc, hf.GatedRepoError):
-        return HubError(f"{spec.repo} is gated: accept its licence at {where} and set HF_TOKEN (401/403)")
+        status = exc.response.status_code if exc.response is not None else "401/403"
+        if token():
+            return HubError(f"{spec.repo} is gated and the token in HF_TOKEN has no access yet ({status}): "
+                            f"accept the licence at {where} with that account, then pull again")
+        return HubError(f"{spec.repo} is gated ({status}): accept the licence at {where}, then set HF_TOKEN "
+                        f"to a token of that account (https://huggingface.co/settings/tokens) and pull again")
     if isinstance(exc, hf.RemoteEntryNotFoundError):
         return HubError(f"{spec.repo} has no file {spec.file} at revision {spec.revision} (404)")
     if isinstance(exc, hf.RevisionNotFoundError):

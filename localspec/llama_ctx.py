@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (GPU.md)
+import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
 from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
@@ -199,6 +199,17 @@ def serve_rpc(endpoint: str, devices: Sequence[BackendDevice], threads: int, cac
     start(endpoint.encode(), str(cache_dir).encode() if cache_dir else None, threads, len(devices), handles)
 
 
+def has_gpu_device() -> bool:
+    """Whether llama.cpp sees a GPU (dedicated or integrated). llama_supports_gpu_offload() is not that: it is
+    also true on a CPU-only build that has the RPC backend (the PyPI build does)."""
+    _init_backend()
+    lib = llama_cpp.llama_cpp._lib  # ggml's registry, reached through libllama's handle (it links libggml)
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    gpu, igpu = 1, 2  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
+    return any(lib.ggml_backend_dev_by_type(kind) for kind in (gpu, igpu))
+
+
 def system_info() -> str:
     """llama.cpp's build and CPU feature summary (for bench reports)."""
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
@@ -253,9 +264,10 @@ def apply_builtin_template(name: str, messages: ChatMessages) -> str:
     raise LocalspecError(f"llama.cpp built-in chat template {name!r} kept asking for a larger buffer")
 
 
-def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[[ChatMessages], str]:
+def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: str) -> Callable[..., str]:
     """A GGUF's Jinja chat template, rendered by llama-cpp-python's sandboxed formatter (a hostile template cannot
-    reach Python). Parse errors become a LocalspecError naming `source`."""
+    reach Python). Parse errors become a LocalspecError naming `source`. Keyword arguments of the renderer reach the
+    template as variables (the formatter passes them through): Qwen3's `enable_thinking`."""
     import jinja2
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -264,7 +276,7 @@ def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: s
                                         add_generation_prompt=True)
     except jinja2.TemplateError as exc:
         raise LocalspecError(f"chat template ({source}) does not parse: {exc}") from None
-    return lambda messages: formatter(messages=messages).prompt
+    return lambda messages, **variables: formatter(messages=messages, **variables).prompt
 
 
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
@@ -279,6 +291,28 @@ class TopK:
 
     def argmax(self) -> np.ndarray:
         return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """Per output row, a token drawn on the device by the `DeviceDist` chain (plain decoding at T > 0)."""
+
+    tokens: np.ndarray  # (rows,) int32
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceDist:
+    """Plain decoding's whole sampling pipeline as one device chain: top-k → top-p → min-p → temperature → a draw.
+
+    llama.cpp's order and rules (top-p and min-p on the softmax at temperature 1), the same pipeline as
+    `localspec.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
+    """
+
+    top_k: int  # 0 = off
+    top_p: float  # 1 = off
+    min_p: float  # 0 = off
+    temperature: float  # > 0
+    seed: int
 
 
 class LlamaModel:
@@ -364,6 +398,8 @@ class LlamaModel:
         self.n_threads = threads
         self.kv_type = kv_type
         self.n_gpu_layers = n_gpu_layers
+        # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
+        self.on_gpu = n_gpu_layers != 0 and has_gpu_device()
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
@@ -383,7 +419,7 @@ class LlamaModel:
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
         self.device_top_k = device_top_k
-        self._sampler_mode: str | None = None
+        self._sampler_mode: str | DeviceDist | None = None
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
 
@@ -423,6 +459,16 @@ class LlamaModel:
             ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
                            dtype=np.int32)
             return TopK(ids, np.zeros(ids.shape, dtype=np.float32))
+        if isinstance(self._sampler_mode, DeviceDist):
+            tokens = np.array([llama_cpp.llama_get_sampled_token_ith(self.ctx, i) for i in range(chunk - rows, chunk)],
+                              dtype=np.int32)
+            # The context allows several outputs per sequence, which makes llama.cpp's dist sampler
+            # transactional: each decode draws from a copy of its RNG, and only an accepted token advances it.
+            # Plain decoding emits every draw, so each is committed here; without this every token would be
+            # drawn with the same uniform number.
+            for token in tokens.tolist():
+                llama_cpp.llama_sampler_accept(self._sampler_chain, token)
+            return Sampled(tokens)
         if self._sampler_mode == "top_k":
             return self._device_top_k(chunk, rows)
         ptr = llama_cpp.llama_get_logits(self.ctx)  # synchronises with the device
@@ -440,11 +486,13 @@ class LlamaModel:
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
 
-    def use_device_sampler(self, mode: str | None) -> bool:
+    def use_device_sampler(self, mode: str | DeviceDist | None) -> bool:
         """Select what llama.cpp computes on the device after each decode: "greedy" (the argmax token of each
-        row), "top_k" (each row's top `device_top_k` candidates) or None (full logits to the host). True if on.
+        row), "top_k" (each row's top `device_top_k` candidates), a `DeviceDist` chain (one sampled token per
+        row) or None (full logits to the host). True if on; False when this build cannot run the chain.
 
-        llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain.
+        llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
+        decode rebuilds its graph: callers switch per generation, not per round).
         """
         if not self.device_top_k:
             mode = None
@@ -457,15 +505,19 @@ class LlamaModel:
             self._sampler_mode = None
         if mode is not None:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-            sampler = (llama_cpp.llama_sampler_init_greedy() if mode == "greedy"
-                       else llama_cpp.llama_sampler_init_top_k(self.device_top_k))
-            llama_cpp.llama_sampler_chain_add(chain, sampler)
+            for sampler in _device_samplers(mode, self.device_top_k):
+                llama_cpp.llama_sampler_chain_add(chain, sampler)
             if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
                 llama_cpp.llama_sampler_free(chain)
                 return False
             self._sampler_chain = chain
             self._sampler_mode = mode
         return mode is not None
+
+    def restart_device_sampler(self) -> None:
+        """Reseed a `DeviceDist` chain, so each generation with the same seed draws the same tokens."""
+        if isinstance(self._sampler_mode, DeviceDist):
+            llama_cpp.llama_sampler_reset(self._sampler_chain)
 
     def truncate(self, n_keep: int) -> None:
         """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
@@ -540,3 +592,22 @@ class LlamaModel:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may already be gone
             self.close()
+
+
+def _device_samplers(mode: str | DeviceDist, device_top_k: int) -> list[ctypes.c_void_p]:
+    """The llama.cpp samplers of one device chain, in pipeline order."""
+    if mode == "greedy":
+        return [llama_cpp.llama_sampler_init_greedy()]
+    if mode == "top_k":
+        return [llama_cpp.llama_sampler_init_top_k(device_top_k)]
+    assert isinstance(mode, DeviceDist) and mode.temperature > 0.0
+    chain = []
+    if mode.top_k > 0:
+        chain.append(llama_cpp.llama_sampler_init_top_k(mode.top_k))
+    if mode.top_p < 1.0:
+        chain.append(llama_cpp.llama_sampler_init_top_p(mode.top_p, 1))
+    if mode.min_p > 0.0:
+        chain.append(llama_cpp.llama_sampler_init_min_p(mode.min_p, 1))
+    chain.append(llama_cpp.llama_sampler_init_temp(mode.temperature))
+    chain.append(llama_cpp.llama_sampler_init_dist(mode.seed))
+    return chain

@@ -31,6 +31,8 @@ _PAIR_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "n_ctx": (int, True),
     "n_draft": (int, True),
     "recommended": (bool, False),
+    "preset": (str, False),  # the preset this pair's family wants (sampling, reply limit); --preset wins
+    "kv_type": (str, False),  # the KV cache type its n_ctx was sized for (see the memory arithmetic there)
     "target": (dict, True),
     "draft": (dict, True),
 }
@@ -44,7 +46,13 @@ _MODEL_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "approx_gb": ((int, float), False),  # the page's rounded size, for fit estimates before download
     "sha256": (str, False),
     "revision": (str, False),
+    # Tokenizer facts as published (config.json / GGUF metadata): a test checks target against draft with
+    # localspec's own compatibility rules, so a wrong pairing fails CI before anyone downloads 20 GB.
+    "n_vocab": (int, False),
+    "bos": (int, False),
+    "eos": (int, False),
 }
+_KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,9 @@ class ModelSpec:
     approx_gb: float | None = None
     sha256: str | None = None
     revision: str = "main"
+    n_vocab: int | None = None
+    bos: int | None = None
+    eos: int | None = None
 
     @property
     def label(self) -> str:
@@ -74,12 +85,14 @@ class ModelSpec:
 class Pair:
     name: str
     description: str
-    target: ModelSpec | None  # None for the built-in demo, whose files come from PyPI packages
+    target: ModelSpec | None  # None for the built-in demos, whose files come from PyPI packages
     draft: ModelSpec | None
-    n_ctx: int
-    n_draft: int
+    n_ctx: int | None  # None: the preset's (the built-in demos are tiny)
+    n_draft: int | None
     source: str  # the file it came from, or "built-in"
     recommended: bool = False
+    preset: str | None = None
+    kv_type: str | None = None
 
     @property
     def builtin(self) -> bool:
@@ -92,14 +105,25 @@ class Pair:
 
 
 DEMO = Pair(
-    name=demo.DEMO_PAIR,
-    description="offline demo: Gemma 3 270M Q4_K_M + its own Q2_K requantization (from PyPI, no download)",
+    name=demo.GEMMA.name,
+    description=demo.GEMMA.description,
     target=None,
     draft=None,
-    n_ctx=2048,
-    n_draft=4,
+    n_ctx=None,
+    n_draft=None,
     source="built-in",
 )
+DEMO_CHAT = Pair(
+    name=demo.SMOLLM2.name,
+    description=demo.SMOLLM2.description,
+    target=None,
+    draft=None,
+    n_ctx=None,
+    n_draft=None,
+    source="built-in",
+    preset="smollm2-chat",
+)
+BUILTIN = {p.name: p for p in (DEMO, DEMO_CHAT)}
 
 
 def shipped_path() -> Path:
@@ -185,6 +209,9 @@ def _model(where: str, loc: _Locator, index: int, part: str, table: dict[str, An
         raise ConfigError(f"{where}:{line_of('sha256')}: sha256 must be 64 lowercase hex digits")
     if table.get("size") is not None and table["size"] <= 0:
         raise ConfigError(f"{where}:{line_of('size')}: size must be a positive number of bytes")
+    for key in ("n_vocab", "bos", "eos"):
+        if table.get(key) is not None and table[key] < 0:
+            raise ConfigError(f"{where}:{line_of(key)}: {key} must be 0 or more")
     return ModelSpec(
         repo=table["repo"],
         file=table["file"],
@@ -195,6 +222,9 @@ def _model(where: str, loc: _Locator, index: int, part: str, table: dict[str, An
         approx_gb=float(table["approx_gb"]) if "approx_gb" in table else None,
         sha256=sha,
         revision=table.get("revision", "main"),
+        n_vocab=table.get("n_vocab"),
+        bos=table.get("bos"),
+        eos=table.get("eos"),
     )
 
 
@@ -229,9 +259,9 @@ def parse_file(path: Path) -> list[Pair]:
             raise ConfigError(
                 f"{path}:{line_of('name')}: pair name {name!r}: use letters, digits, '.', '_', '-'"
             )
-        if name == demo.DEMO_PAIR:
+        if name in BUILTIN:
             raise ConfigError(
-                f"{path}:{line_of('name')}: pair name {name!r} is reserved for the built-in demo"
+                f"{path}:{line_of('name')}: pair name {name!r} is reserved for a built-in demo"
             )
         if name in seen:
             raise ConfigError(
@@ -241,6 +271,10 @@ def parse_file(path: Path) -> list[Pair]:
         for key, lo, hi in (("n_ctx", 256, 1 << 20), ("n_draft", 1, 32)):
             if not lo <= table[key] <= hi:
                 raise ConfigError(f"{path}:{line_of(key)}: {key} = {table[key]}: allowed range is {lo}..{hi}")
+        if table.get("kv_type") is not None and table["kv_type"] not in _KV_TYPES:
+            raise ConfigError(
+                f"{path}:{line_of('kv_type')}: kv_type = {table['kv_type']!r}: choose one of {', '.join(_KV_TYPES)}"
+            )
         pairs.append(
             Pair(
                 name=name,
@@ -251,19 +285,22 @@ def parse_file(path: Path) -> list[Pair]:
                 n_draft=table["n_draft"],
                 source=str(path),
                 recommended=table.get("recommended", False),
+                preset=table.get("preset"),
+                kv_type=table.get("kv_type"),
             )
         )
     return pairs
 
 
 def load_pairs() -> dict[str, Pair]:
-    """demo, then the shipped pairs, then the user's (which may replace shipped ones by name)."""
-    pairs: dict[str, Pair] = {DEMO.name: DEMO}
+    """The shipped pairs (recommended first), the user's (which may replace shipped ones by name), the demos."""
+    pairs: dict[str, Pair] = {}
     for path in (shipped_path(), user_path()):
         if path.is_file():
             for pair in parse_file(path):
                 pairs[pair.name] = pair
-    return pairs
+    ordered = sorted(pairs.values(), key=lambda p: not p.recommended)  # stable: file order within each group
+    return {p.name: p for p in [*ordered, *BUILTIN.values()]}
 
 
 def get_pair(name: str) -> Pair:
@@ -273,14 +310,15 @@ def get_pair(name: str) -> Pair:
     return pairs[name]
 
 
-def default_pair_name() -> str:
-    """The pair commands use without model arguments: the user's choice, else the offline demo."""
+def default_pair_name(fallback: str = DEMO.name) -> str:
+    """The pair commands use without model arguments: the user's choice, else `fallback`, an offline demo
+    (`chat` falls back to the instruct demo, since a base model cannot hold a conversation)."""
     path = default_file()
     if not path.exists() and not path.is_symlink():
-        return DEMO.name
+        return fallback
     name = read_text(path).strip()
     if not name:
-        return DEMO.name
+        return fallback
     pairs = load_pairs()
     if name not in pairs:
         raise ConfigError(

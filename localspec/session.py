@@ -23,10 +23,14 @@ class ModelFiles:
     name: str
     n_ctx: int | None = None
     n_draft: int | None = None
+    kv_type: str | None = None
+    preset: str | None = None  # the preset the pair names (used when --preset is not given)
 
 
-def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> ModelFiles:
-    """Explicit paths win; otherwise the named pair, else the user's default pair, else the offline demo.
+def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
+                  fallback: str = registry.DEMO.name) -> ModelFiles:
+    """Explicit paths win; otherwise the named pair, else the user's default pair, else the offline demo
+    `fallback` (chat's is the instruct demo).
 
     Pairs resolve to files already in the Hugging Face cache, offline; `localspec pull` is the only download.
     """
@@ -37,11 +41,13 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> 
             if path is not None:
                 _check_model_file(path)
         return ModelFiles(target=target, draft=draft, name="custom")
-    chosen = registry.get_pair(pair or registry.default_pair_name())
+    chosen = registry.get_pair(pair or registry.default_pair_name(fallback))
     if chosen.builtin:
-        # The demo keeps the preset's context and draft length (its files are tiny).
-        return ModelFiles(target=demo.target_path(), draft=demo.draft_path(), name=chosen.name)
-    if chosen.target is None or chosen.draft is None:  # only the built-in demo has no specs
+        # A demo keeps the preset's context and draft length (its files are tiny).
+        built = demo.DEMOS[chosen.name]
+        return ModelFiles(target=built.target_path(), draft=built.draft_path(), name=chosen.name,
+                          preset=chosen.preset)
+    if chosen.target is None or chosen.draft is None:  # only the built-in demos have no specs
         raise LocalspecError(f"pair {chosen.name} names no model files")
     return ModelFiles(
         target=hub.require_cached(chosen.target, chosen.name),
@@ -49,6 +55,8 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None) -> 
         name=chosen.name,
         n_ctx=chosen.n_ctx,
         n_draft=chosen.n_draft,
+        kv_type=chosen.kv_type,
+        preset=chosen.preset,
     )
 
 
@@ -66,12 +74,12 @@ def _check_model_file(path: Path) -> None:
 
 def settle_preset(preset: Preset, files: ModelFiles | None, *, prefer: str | None = None,
                   flags: dict[str, str] | None = None, **overrides: object) -> Preset:
-    """Command-line values win, then what the pair recommends (context, draft length), then the preset."""
+    """Command-line values win, then what the pair recommends (context, draft length, KV type), then the
+    preset."""
     if files is not None:
-        if overrides.get("n_ctx") is None:
-            overrides["n_ctx"] = files.n_ctx
-        if overrides.get("n_draft") is None:
-            overrides["n_draft"] = files.n_draft
+        for key, recommended in (("n_ctx", files.n_ctx), ("n_draft", files.n_draft), ("kv_type", files.kv_type)):
+            if overrides.get(key) is None:
+                overrides[key] = recommended
     return preset.with_overrides(prefer=prefer, flags=flags, **overrides)
 
 

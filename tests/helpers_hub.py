@@ -37,7 +37,7 @@ class FakeHub:
     files: dict[tuple[str, str], HubFile] = field(default_factory=dict)  # (repo, file) -> content
     missing_repos: set[str] = field(default_factory=set)  # 404 RepoNotFound
     private_repos: set[str] = field(default_factory=set)  # 401 RepoNotFound without the right token
-    gated_repos: set[str] = field(default_factory=set)  # 403 GatedRepo
+    gated_repos: set[str] = field(default_factory=set)  # 401 (no token) / 403 (token without access) GatedRepo
     good_token: str = "hf_good"
     requests: list[tuple[str, str, str | None, str | None]] = field(
         default_factory=list
@@ -91,7 +91,8 @@ class FakeHub:
                         return self._error(401, None, "Invalid credentials in Authorization header")
                     return self._error(401, "RepoNotFound", "Invalid username or password.")
                 if repo in hub.gated_repos and auth != f"Bearer {hub.good_token}":
-                    return self._error(403, "GatedRepo", "Access to model is restricted")
+                    # As the hub does: 401 without a token, 403 with one that has not accepted the licence.
+                    return self._error(403 if auth else 401, "GatedRepo", "Access to model is restricted")
                 f = hub.files.get((repo, name))
                 if f is None:
                     return self._error(404, "EntryNotFound", "Entry not found")

@@ -1,7 +1,8 @@
 """`localspec chat` in a real terminal (pexpect gives it a pty): what a user sees and types.
 
-The demo pair runs the main conversation (a real Gemma, so prefix reuse and draft colours are realistic); the
-tiny generated pair, named by path, fills its context quickly for the context-full cases.
+The Gemma demo pair runs the main conversation (a real model, so prefix reuse and draft colours are realistic);
+the tiny generated pair, named by path, fills its context quickly for the context-full cases; `chat` with no
+arguments runs the instruct demo (SmolLM2) from a clean home, as a new user would.
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ def spawn(home: Path, *args: str, timeout: int = 240):
 
 def turn(child, text: str) -> tuple[str, re.Match[str]]:
     """Send a message; return what the reply printed (with its colour codes) and the stats line's match."""
+    reply, stats, _ = turn_with_notes(child, text)
+    return reply, stats
+
+
+def turn_with_notes(child, text: str) -> tuple[str, re.Match[str], str]:
+    """`turn`, plus what was printed after the stats line (a cut reply, a full context)."""
     child.sendline(text)
     child.expect("model›")
     child.expect(STATS)
     reply, stats = child.before, child.match
     child.expect(PROMPT)
-    return reply, stats
+    return reply, stats, child.before
 
 
 def command(child, line: str, answer: str) -> str:
@@ -54,10 +61,14 @@ def command(child, line: str, answer: str) -> str:
 
 
 def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None:
-    child = spawn(demo_home, "--max-tokens", "16", "--temp", "0", "--system", "You are a helpful assistant.")
+    # The Gemma base demo, named: it never ends a turn early, so every reply runs to --max-tokens.
+    child = spawn(demo_home, "--pair", "demo", "--max-tokens", "16", "--temp", "0", "--system",
+                  "You are a helpful assistant.")
     try:
-        reply1, s1 = turn(child, "Name a large city in France.")
+        reply1, s1, notes = turn_with_notes(child, "Name a large city in France.")
         assert int(s1[1]) == 16 and int(s1[3]) == int(s1[4]) - 1  # first turn reads the whole prompt
+        assert "reply cut at the limit of 16 tokens" in notes  # a reply stopped by the limit says so...
+        assert "max_tokens under [chat] in a preset" in notes  # ...and where the limit lives
         assert DRAFT_COLOUR in reply1  # accepted draft tokens are coloured
         reply2, s2 = turn(child, "And one in Germany?")
         processed, prompt = int(s2[3]), int(s2[4])
@@ -97,7 +108,7 @@ def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(demo_home: Path) -> None:
-    child = spawn(demo_home, "--max-tokens", "100", "--temp", "0")
+    child = spawn(demo_home, "--pair", "demo", "--max-tokens", "100", "--temp", "0")
     try:
         child.sendline("Count from one to two hundred, one number per line.")
         child.expect("model›")
@@ -158,3 +169,36 @@ def test_drop_oldest_keeps_chatting(tiny_pair: tuple[Path, Path], demo_home: Pat
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_chat_with_no_arguments_talks_offline(tmp_path: Path) -> None:
+    """What a new user does first, from a clean LOCALSPEC_HOME: the instruct demo answers and ends its turn."""
+    home = tmp_path / "fresh-home"
+    child = spawn(home)
+    try:
+        reply, s1, notes = turn_with_notes(child, "What is two plus two?")
+        assert "reply cut at the limit" not in notes  # it ended its turn by itself
+        text = re.sub(r"\x1b\[[0-9;]*m", "", reply)  # without colour codes
+        # A 135M model is no mathematician; what matters is that it answers the question and ends its turn.
+        assert re.search(r"\b(4|four|two)\b", text, re.IGNORECASE), text
+        tokens, prompt = int(s1[1]), int(s1[4])
+        assert 0 < tokens < 200
+        assert int(s1[3]) == prompt - 1  # a fresh cache reads the whole prompt
+        _, s2 = turn(child, "And three plus three?")
+        # Only the new message is read: "<|im_end|>\n<|im_start|>user\nAnd three plus three?<|im_end|>\n
+        # <|im_start|>assistant\n" is 13 tokens; a little slack for a reply that re-tokenizes differently at its end.
+        assert int(s2[3]) <= 20 < int(s2[4]) // 2
+        child.sendline("Write a very long story about a dragon who learns to bake bread.")
+        child.expect("model›")
+        child.expect("[A-Za-z]{3}")
+        child.sendintr()
+        child.expect(r"stopped after (\d+) tokens")
+        child.expect(PROMPT)
+        command(child, "/reset", "conversation cleared")
+        command(child, "/stats", r"turns 0 · tokens 0 ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    assert (home / "cache" / "demo-chat").is_dir()  # the draft was built on first use

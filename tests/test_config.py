@@ -65,7 +65,7 @@ def test_bad_values_name_key_and_range(tmp_path, text, pattern):
 
 
 def test_unknown_preset_lists_available():
-    with pytest.raises(ConfigError, match=r"unknown preset 'fast' \(available: default, greedy"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'fast' \(available: default, greedy, qwen3-instruct"):
         load_preset("fast")
 
 
@@ -74,6 +74,41 @@ def test_overrides_are_checked_and_none_keeps_preset():
     assert p.sampling.temperature == 0.7 and p.draft.n_draft == 3 and p.bench.max_tokens == 7
     with pytest.raises(ConfigError, match=r"command line: sampling\.top_p = 2\.0: allowed range"):
         load_preset().with_overrides(top_p=2.0)
+
+
+def test_reply_limits_are_preset_keys_of_their_own():
+    p = load_preset()
+    assert (p.chat.max_tokens, p.generate.max_tokens, p.bench.max_tokens) == (1024, 512, 128)
+    # max_tokens is a key of bench, chat and generate: each command's option means its own section's.
+    chat = p.with_overrides(prefer="chat", max_tokens=50)
+    gen = p.with_overrides(prefer="generate", max_tokens=60)
+    assert (chat.chat.max_tokens, chat.generate.max_tokens, chat.bench.max_tokens) == (50, 512, 128)
+    assert (gen.chat.max_tokens, gen.generate.max_tokens, gen.bench.max_tokens) == (1024, 60, 128)
+    with pytest.raises(ConfigError, match=r"command line: chat\.max_tokens = 0: allowed range is 1\.\."):
+        p.with_overrides(prefer="chat", max_tokens=0)
+
+
+def test_qwen3_presets_carry_the_recommended_sampling():
+    thinking, instruct = load_preset("qwen3-thinking"), load_preset("qwen3-instruct")
+    t, i = thinking.sampling, instruct.sampling
+    assert (t.temperature, t.top_p, t.top_k, t.min_p) == (0.6, 0.95, 20, 0.0)
+    assert (i.temperature, i.top_p, i.top_k, i.min_p) == (0.7, 0.8, 20, 0.0)
+    assert thinking.chat.max_tokens == 4096  # thinking counts against the reply limit
+    assert thinking.draft == load_preset().draft  # one sampling object; drafting stays the default's
+
+
+def test_a_pair_names_its_preset_and_the_command_line_still_wins(tmp_path, monkeypatch):
+    from localspec.cli import options
+    from localspec.session import ModelFiles
+
+    files = ModelFiles(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", name="qwen3-32b", n_ctx=8192,
+                       n_draft=6, kv_type="q8_0", preset="qwen3-thinking")
+    monkeypatch.setattr(options, "resolve_files", lambda *a, **k: files)
+    _, chosen = options.resolve_run(options.RunOptions(pair="qwen3-32b"), "chat")
+    assert chosen.name == "qwen3-thinking" and chosen.sampling.top_k == 20 and chosen.load.kv_type == "q8_0"
+    assert chosen.chat.max_tokens == 4096 and chosen.load.n_ctx == 8192
+    _, chosen = options.resolve_run(options.RunOptions(pair="qwen3-32b", preset="greedy", kv_type="f16"), "chat")
+    assert chosen.name == "greedy" and chosen.sampling.temperature == 0.0 and chosen.load.kv_type == "f16"
 
 
 def test_user_preset_roundtrip_and_precedence(home):

@@ -257,26 +257,118 @@ def test_incompatible_pair_is_refused(use_demo_home, smollm2_path):
         open_pair(demo.target_path(), smollm2_path)
 
 
-def test_greedy_verify_batch_stays_within_eight_tokens(tiny_pair_high):
-    """GPU kernels change past 8 tokens per matmul; greedy must stay exact, so k is capped at 7 there."""
-    from localspec.engine import GREEDY_MAX_DRAFT
-
+def test_greedy_draft_length_is_not_capped(tiny_pair_high):
+    """No cap at T = 0: a wider verify batch is not less exact than a narrow one on a GPU (docs/gpu.md)."""
     with open_pair(*tiny_pair_high) as s:
         prompt = prompts(1)[0]
-        _, _, greedy = run(s.engine, prompt, GREEDY.sampling, drafting(12), 40)
-        sampled = GREEDY.with_overrides(temperature=0.5).sampling
-        _, _, hot = run(s.engine, prompt, sampled, drafting(12), 40)
-    assert max(greedy.stats.draft_lengths) == GREEDY_MAX_DRAFT
-    assert max(hot.stats.draft_lengths) == 12
+        plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 40)
+        spec, _, greedy = run(s.engine, prompt, GREEDY.sampling, drafting(12), 40)
+    assert max(greedy.stats.draft_lengths) == 12
+    assert spec == plain
+
+
+def test_constant_width_pads_short_drafts_and_stays_exact(tiny_pair):
+    """GPU mode (forced here): early stops below p_min and the last round are padded to the generation's width;
+    the padding never changes what is emitted, on the CPU to the bit."""
+    from localspec.engine import Engine
+
+    with open_pair(*tiny_pair) as s:
+        padded = Engine(s.target, s.draft, constant_width=True)
+        widths = []
+        real_decode = s.target.decode
+
+        def spy(tokens, start_pos, all_logits=False):
+            if all_logits:
+                widths.append(len(tokens))
+            return real_decode(tokens, start_pos, all_logits)
+
+        s.target.decode = spy
+        try:
+            for prompt in prompts(3, seed=4):
+                for sampling in (GREEDY.sampling, GREEDY.with_overrides(temperature=0.8, seed=5).sampling):
+                    s.engine.reset()
+                    ref, _, _ = run(s.engine, prompt, sampling, drafting(5, p_min=0.4), 23)
+                    widths.clear()
+                    out, _, done = run(padded, prompt, sampling, drafting(5, p_min=0.4), 23)
+                    assert out == ref
+                    assert set(widths) == {6}, widths
+                    assert min(done.stats.draft_lengths) < 5  # some drafts really were short
+                    padded.reset()
+        finally:
+            del s.target.decode
+
+
+def test_trace_reports_each_tokens_row_argmax_and_margin(tiny_pair):
+    """At T = 0 every emitted token is its verify row's argmax; the trace reads it from the row, with the margin."""
+    with open_pair(*tiny_pair) as s:
+        prompt = prompts(1, seed=8)[0]
+        plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 30)
+        s.engine.reset()
+        s.target.use_device_sampler(None)
+        full = s.target.decode(prompt + plain[:-1], 0, all_logits=True)[len(prompt) - 1 :].copy()
+        s.engine.reset()
+        for k in (0, 4):
+            events = []
+            for event in s.engine.generate(prompt, GREEDY.sampling, drafting(k), 30, trace=True):
+                if isinstance(event, TokenEvent):
+                    events.append(event)
+            assert [e.token for e in events] == plain
+            assert all(e.row_argmax == e.token for e in events)
+            ordered = np.sort(full, axis=1)
+            assert np.allclose([e.margin for e in events], ordered[:, -1] - ordered[:, -2])
+        sampled = GREEDY.with_overrides(temperature=0.7).sampling
+        _, events, _ = run(s.engine, prompt, sampled, drafting(4), 10)
+        assert all(e.margin is None and e.row_argmax is None for e in events)
+
+
+def test_plain_sampling_on_the_device_follows_the_target_distribution(smollm2_path):
+    """k = 0 at T > 0 draws on the device (DeviceDist). Each token's randomized PIT value under the host
+    pipeline's distribution p (from full logits of the same sequence) must be uniform: a wrong pipeline, or one
+    uniform number reused for every draw, fails this."""
+    from localspec.llama_ctx import Sampled
+
+    preset = GREEDY.with_overrides(temperature=0.9, top_k=40, top_p=0.95, seed=13)
+    with open_pair(smollm2_path, None) as s:
+        prompt = s.target.tokenize("Once upon a time, in a small village by the sea,")
+        assert isinstance(_device_scores(s, prompt, preset), Sampled)
+        s.engine.reset()
+        tokens, _, _ = run(s.engine, prompt, preset.sampling, drafting(0), 400)
+        s.engine.reset()
+        s.target.use_device_sampler(None)
+        logits = s.target.decode(prompt + tokens[:-1], 0, all_logits=True)[len(prompt) - 1 :]
+        p = candidates(np.array(logits), preset.sampling)
+    rng = np.random.default_rng(0)
+    pit = []
+    for row, token in enumerate(tokens):
+        ids, probs = p.ids[row], p.probs[row]
+        hit = np.flatnonzero(ids == token)
+        assert hit.size, f"token {row} ({token}) is outside the pipeline's support"
+        below = probs[: hit[0]].sum()  # candidates are sorted by probability: a fixed order per row
+        pit.append(below + rng.random() * probs[hit[0]])
+    pit = np.sort(np.array(pit))
+    ks = np.max(np.abs(pit - np.arange(1, len(pit) + 1) / len(pit)))
+    assert ks < 1.63 / np.sqrt(len(pit))  # Kolmogorov-Smirnov at p = 0.01
+    assert len(set(tokens)) > 40  # really sampled, not a near-greedy walk
+
+
+def _device_scores(s, prompt, preset):
+    from localspec.engine import _device_mode
+
+    s.engine.reset()
+    s.target.use_device_sampler(_device_mode(s.target, preset.sampling, 0.0, plain=True))
+    return s.target.decode(prompt, 0)
 
 
 def test_device_sampler_modes(tiny_pair):
     """Greedy asks the device for the argmax only; a covered top-k pipeline for candidates; else full logits."""
     from localspec.engine import _device_mode
-    from localspec.llama_ctx import TopK
+    from localspec.llama_ctx import DeviceDist, TopK
 
     with open_pair(*tiny_pair, device_top_k=64) as s:
         t = s.target
+        # A CPU-only llama.cpp (with the RPC backend, which makes llama_supports_gpu_offload() true): no GPU, so
+        # exact greedy and no padded verify batches.
+        assert not t.on_gpu and not s.engine.constant_width
         base = GREEDY.sampling
         assert _device_mode(t, base, p_min=0.0) == "greedy"
         assert _device_mode(t, base, p_min=0.5) == "top_k"  # p_min needs probabilities
@@ -285,6 +377,10 @@ def test_device_sampler_modes(tiny_pair):
         assert _device_mode(t, dataclasses.replace(hot, top_k=100), 0.0) is None  # more than the device keeps
         assert _device_mode(t, dataclasses.replace(hot, top_k=0), 0.0) is None
         assert _device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0) is None
+        assert _device_mode(t, base, 0.0, trace=True) == "top_k"  # the trace needs the runner-up's logit
+        plain = _device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True)
+        assert plain == DeviceDist(top_k=0, top_p=base.top_p, min_p=base.min_p, temperature=0.7, seed=base.seed)
+        assert _device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0, plain=True) is None
 
         prompt = prompts(1)[0]
         t.use_device_sampler(None)

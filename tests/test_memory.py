@@ -9,10 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localspec import demo, memory
-from localspec.gguf_header import read_header
+from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
 from localspec.placement import Dev
 from tests.helpers_vocab import write_vocab
 
@@ -141,3 +142,57 @@ def test_probe_devices_says_what_it_cannot_know() -> None:
     assert dev.ram_available > 0
     if not dev.gpus:
         assert dev.notes  # no GPU: the reason is stated, not guessed
+
+
+# -- the 24 GB arithmetic behind models.toml's qwen3-32b entry ---------------------------------------------------
+
+GiB = 2**30
+# What a 24 GB card (RTX 3090/4090: 24 GiB) leaves free with a desktop running.
+CARD_24GB = memory.Devices(ram_available=64 * GiB,
+                           gpus=(memory.DeviceMem(Dev("gpu", 0), "24 GB card", int(23.5 * GiB), 24 * GiB),))
+
+
+def _qwen3_header(name: str, n_layer: int, n_head: int, n_embd: int, file_bytes: int) -> GGUFHeader:
+    """Header facts of an official Qwen3 GGUF (config.json: 8 KV heads of 128, 151936 tokens). The weights are
+    taken as the whole file (the header is a few MB of it), which errs on the safe side."""
+    meta = {
+        "general.architecture": "qwen3",
+        "qwen3.block_count": n_layer,
+        "qwen3.attention.head_count": n_head,
+        "qwen3.attention.head_count_kv": 8,
+        "qwen3.attention.key_length": 128,
+        "qwen3.attention.value_length": 128,
+        "qwen3.embedding_length": n_embd,
+        "qwen3.context_length": 40960,
+        "tokenizer.ggml.tokens": StringArray(b"", np.zeros(151936, dtype=np.int64)),  # 151936 empty strings
+    }
+    weights = TensorInfo("weights", (file_bytes,), 0, 0, file_bytes)
+    return GGUFHeader(Path(name), 3, meta, (weights,), 0, file_bytes, 0)
+
+
+def test_qwen3_32b_fits_a_24_gb_card() -> None:
+    from localspec import registry
+
+    pair = registry.get_pair("qwen3-32b")
+    assert pair.target is not None and pair.draft is not None and pair.target.size and pair.draft.size
+    t = _qwen3_header(pair.target.file, 64, 64, 5120, pair.target.size)
+    d = _qwen3_header(pair.draft.file, 28, 16, 1024, pair.draft.size)
+    # The 0.6B's KV cache per token: 28 layers x 8 heads x 256 (K and V) x 2 bytes = 112 KiB, against 12 KiB for
+    # Qwen2.5 0.5B (24 x 2 x 128 x 2): ~9x. The 32B's: 256 KiB.
+    assert memory.kv_bytes(d, 256, "f16") // 256 == 112 * 1024
+    assert memory.kv_bytes(t, 256, "f16") // 256 == 256 * 1024
+
+    s = memory.Settings(n_ctx=pair.n_ctx or 0, n_draft=pair.n_draft or 0, kv_type=pair.kv_type or "f16")
+    est = memory.estimate(t, d, s, CARD_24GB)
+    assert est.fits, est.problem
+    assert est.gpu_bytes / GiB == pytest.approx(21.63, abs=0.01)  # the number written in models.toml
+    spare = CARD_24GB.gpus[0].free * (1 - memory.HEADROOM) - est.gpu_bytes
+    assert spare / GiB == pytest.approx(0.69, abs=0.01)
+    # f16 KV at the same context does not fit: that is why the pair asks for q8_0.
+    assert not memory.estimate(t, d, replace(s, kv_type="f16"), CARD_24GB).fits
+
+    def largest(kv_type: str) -> int:
+        return max(c for c in range(256, 65536, 256)
+                   if memory.estimate(t, d, replace(s, n_ctx=c, kv_type=kv_type), CARD_24GB).fits)
+
+    assert (largest("q8_0"), largest("f16")) == (11776, 6144)  # also written in models.toml

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,33 @@ def test_doctor_on_the_demo_pair(use_demo_home: Path) -> None:
     assert result.exit_code == 0, result.output
     for line in ("same family and tokenizer", "draft ≥ 8-bit", "the pair fits", "GPU offload"):
         assert line in result.output
+
+
+def test_models_at_80_columns_shows_every_pair_name_whole_and_qwen3_first(env: FakeHub) -> None:
+    out = _main("models", env={**__import__("os").environ, "COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    names = [*registry.load_pairs()]
+    for name in names:  # never cut to "qwen2.5-…"
+        assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", out.stdout), name
+    assert "…" not in out.stdout
+    rows = [line for line in lines if any(re.search(rf"\s{re.escape(n)}\s", f" {line} ") for n in names)]
+    assert rows[0].split()[0] == "qwen3-32b"  # the recommended pair comes first...
+    assert "recommended" in lines[lines.index(rows[0]) + 1]  # ...marked as such
+    assert re.search(r"qwen3-32b\s+Qwen3-32B-Q4_K_M\.gguf\s+20\.4 GB\s+(likely|no)\s+8192 q8_0", rows[0])
+
+
+def test_pull_of_a_gated_repo_without_a_token_prints_the_licence_step(env: FakeHub, tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "home" / "models.toml").write_text(USER_PAIR.replace("org/tiny-target", "org/gated-target"))
+    env.gated_repos.add("org/gated-target")
+    out = _main("pull", "tiny", env=dict(os.environ))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert re.fullmatch(
+        r"localspec: error: org/gated-target is gated \(401\): accept the licence at "
+        rf"{re.escape(env.url)}/org/gated-target, then set HF_TOKEN to a token of that account "
+        r"\(https://huggingface.co/settings/tokens\) and pull again\n",
+        out.stderr,
+    ), out.stderr

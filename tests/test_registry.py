@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,13 @@ def test_default_pair_round_trip(home: Path) -> None:
         ),
         (lambda t: t.replace('repo = "org/small-GGUF"', 'repo = "small"'), r"repo 'small' is not OWNER/NAME"),
         (lambda t: t.replace('"' + "a" * 64 + '"', '"xyz"'), r"models.toml:15: sha256 must be 64"),
-        (lambda t: t.replace('name = "p1"', 'name = "demo"'), r"reserved for the built-in demo"),
+        (lambda t: t.replace('name = "p1"', 'name = "demo"'), r"reserved for a built-in demo"),
+        (lambda t: t.replace('name = "p1"', 'name = "demo-chat"'), r"'demo-chat' is reserved"),
+        (
+            lambda t: t.replace('n_draft = 5', 'n_draft = 5\nkv_type = "q5"'),
+            r"models.toml:7: kv_type = 'q5': choose one of",
+        ),
+        (lambda t: t.replace('size = 1000', 'size = 1000\nbos = -1'), r"bos must be 0 or more"),
         (lambda t: t.replace("[[pair]]", "[pair]"), r"'pair' must be an array of tables"),
         (lambda t: "x = 1\n" + t, r"unknown top-level key 'x'"),
         (lambda t: t + "\n[[pair\n", r"invalid TOML"),
@@ -126,3 +133,67 @@ def test_parse_spec() -> None:
     assert (spec.repo, spec.file) == ("Qwen/Qwen3-0.6B-GGUF", "Qwen3-0.6B-Q8_0.gguf")
     with pytest.raises(ConfigError, match="expected REPO:FILE"):
         registry.parse_spec("just-a-file.gguf")
+
+
+# -- the shipped pairs' published tokenizer facts, checked against each other -----------------------------------
+
+
+def _facts_gguf(path: Path, spec: registry.ModelSpec, other: registry.ModelSpec) -> Path:
+    """A header-only GGUF carrying what models.toml says about one file (vocab size, BOS, EOS, quantization)."""
+    from gguf import LlamaFileType, TokenType
+
+    from tests.helpers_vocab import write_vocab
+
+    n = spec.n_vocab or other.n_vocab or 300
+    return write_vocab(
+        path,
+        tokens=[f"tok{i}" for i in range(n)],  # same text at every shared id: only the listed facts differ
+        types=[TokenType.CONTROL] * 3 + [TokenType.NORMAL] * (n - 3),
+        bos=spec.bos if spec.bos is not None else (other.bos if other.bos is not None else 1),
+        eos=spec.eos if spec.eos is not None else (other.eos if other.eos is not None else 2),
+        ftype=LlamaFileType[f"MOSTLY_{spec.quant}"],
+    )
+
+
+SHIPPED = registry.parse_file(registry.shipped_path())
+
+
+@pytest.mark.parametrize("pair", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_each_shipped_pair_passes_check_from_its_published_facts(pair: registry.Pair, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    t, d = pair.target, pair.draft
+    assert t is not None and d is not None
+    assert t.family == d.family, "a draft must come from the target's family"
+    for m in (t, d):
+        assert m.quant.lower().replace("_", "") in m.file.lower().replace("_", ""), f"{m.file} is not {m.quant}"
+    target = _facts_gguf(tmp_path / "target.gguf", t, d)
+    draft = _facts_gguf(tmp_path / "draft.gguf", d, t)
+    result = CliRunner().invoke(app, ["check", str(target), str(draft)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "verdict: compatible" in result.output
+
+
+def test_a_wrong_fact_in_models_toml_fails_the_check(tmp_path: Path) -> None:
+    """The facts test above would catch a mistyped entry: a draft whose BOS or vocabulary differs."""
+    from localspec import compat
+    from localspec.gguf_header import read_header
+
+    pair = next(p for p in SHIPPED if p.name == "qwen3-32b")
+    assert pair.target is not None and pair.draft is not None
+    for wrong in ({"bos": 151644}, {"n_vocab": 151936 + 129}):
+        bad = dataclasses.replace(pair.draft, **wrong)
+        target = _facts_gguf(tmp_path / "t.gguf", pair.target, bad)
+        draft = _facts_gguf(tmp_path / "d.gguf", bad, pair.target)
+        assert not compat.compare(read_header(target), read_header(draft)).compatible, wrong
+
+
+def test_qwen3_32b_is_the_recommended_pair_with_its_preset() -> None:
+    pairs = registry.load_pairs()
+    first = next(iter(pairs.values()))
+    assert first.name == "qwen3-32b" and first.recommended and first.preset == "qwen3-thinking"
+    assert first.kv_type == "q8_0" and first.n_ctx == 8192
+    assert [p.name for p in pairs.values() if p.recommended] == ["qwen3-32b"]
+    assert list(pairs)[-2:] == ["demo", "demo-chat"] and all(pairs[n].builtin for n in ("demo", "demo-chat"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import queue
 import time
@@ -303,8 +304,9 @@ def check_response(r) -> None:
 
 
 @pytest.mark.slow
-def test_fuzzed_requests_never_break_the_server(backend, capsys):
+def test_fuzzed_requests_never_break_the_server(backend, capsys, caplog):
     # A cap of 2 tokens per reply keeps every accepted request short; the schema is what is under test.
+    caplog.set_level(logging.WARNING)
     with client_for(backend, max_tokens=2) as client:
 
         @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
@@ -329,6 +331,7 @@ def test_fuzzed_requests_never_break_the_server(backend, capsys):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         health = client.get("/health").json()
         assert health["status"] == "ok" and not health["busy"] and health["failed"] == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # nothing went wrong inside
     with capsys.disabled():
         print(f"\nfuzz: {sum(FUZZ_COUNTS.values())} requests, by status {dict(sorted(FUZZ_COUNTS.items()))}")
     assert FUZZ_COUNTS[200] >= 20 and FUZZ_COUNTS[400] >= 50  # both paths were exercised

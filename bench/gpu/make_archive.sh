@@ -1,94 +1,81 @@
 #!/usr/bin/env bash
-# Packs what the GPU machine lacks into bench/gpu/carry/ (git-ignored; the device call names it in `carry`):
-#   llama.cpp.tar.gz       the llama.cpp vendored by the pinned llama-cpp-python, trimmed to what CMake needs for
-#                          llama-bench, llama-speculative-simple and the shared libllama/ggml libraries
-#   py.tar.gz              py/: llama_cpp (ctypes bindings, no compiled lib: LLAMA_CPP_LIB_PATH points at the CUDA
-#                          build), gguf and llama_cpp's pure-Python deps; pyfallback/: packages localspec imports
-#                          that run.sh links in only where the image lacks them (never shadowing the image's own)
-#   ggml-vocab-qwen2.gguf  tokenizer metadata for the synthetic 32B pair (151,936 tokens)
+# Packs what the GPU machine lacks into bench/gpu/carry/ (git-ignored; the device call carries it). Everything comes
+# from PyPI through pip, at the versions pinned here and in pyproject.toml, so any machine with pip makes the same:
+#   llama.cpp.tar.gz       the llama.cpp vendored in the llama-cpp-python sdist (the project's pin), trimmed to what
+#                          CMake needs for llama-bench, llama-speculative-simple and the shared libllama/ggml libraries
+#   py.tar.gz              py/: llama_cpp's Python bindings from the same sdist (no compiled library: run.sh points
+#                          LLAMA_CPP_LIB_PATH at the CUDA build) and the pure-Python packages localspec needs that the
+#                          GPU image lacks or may hold at other versions (wheels for CPython 3.12, x86-64 Linux)
+#   ggml-vocab-qwen2.gguf  tokenizer metadata for the synthetic 32B pair (Qwen2, 151,936 tokens): the sdist's
+#                          vendor/llama.cpp/models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file)
 #   MANIFEST.txt           sizes, sources and the versions packed
-# Run here (CPU machine), from anywhere:  bash bench/gpu/make_archive.sh
+# Run here (any machine with Python and pip, network to PyPI), from anywhere:  bash bench/gpu/make_archive.sh
+# Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep pip's downloads there to rerun offline.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CARRY="$HERE/carry"
-VENDOR_SRC="${VENDOR_SRC:-/work/vendor_src/llama.cpp}"
-VOCAB="${VOCAB:-/work/vendor_src/ggml-vocab-qwen2.gguf}"
-PY="${PY:-/work/venv/bin/python}"
-SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+PYTHON="${PYTHON:-python3}"
+LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"  # = pyproject.toml's pin: the bindings must match the library's ABI
+# Pure-Python packages for the device's Python 3.12, the versions localspec is tested with; pydantic-core is the one
+# compiled wheel (typer >= 0.27 validates through pydantic).
+WHEELS=(
+    gguf==0.19.0 diskcache==5.6.3
+    typer==0.29.2 shellingham==1.5.4 annotated-doc==0.0.7 pydantic==2.14.4 pydantic-core==2.50.5
+    typing-inspection==0.4.5 annotated-types==0.8.0 typing-extensions==4.16.0
+    rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+)
 
-[[ -f "$VENDOR_SRC/CMakeLists.txt" ]] || { echo "no llama.cpp source at $VENDOR_SRC" >&2; exit 1; }
-[[ -f "$VOCAB" ]] || { echo "no vocab GGUF at $VOCAB" >&2; exit 1; }
-[[ -f "$SITE/llama_cpp/llama_cpp.py" ]] || { echo "llama_cpp not installed in $SITE" >&2; exit 1; }
-
-mkdir -p "$CARRY"
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
+DOWNLOADS="${DOWNLOADS:-$STAGE/downloads}"
+mkdir -p "$CARRY" "$DOWNLOADS/wheels" "$STAGE/src" "$STAGE/py"
 
-# -- llama.cpp source ---------------------------------------------------------------------------------------------
+# -- the pinned sdist ----------------------------------------------------------------------------------------------
+sdist="$(ls "$DOWNLOADS"/llama_cpp_python-*.tar.gz 2>/dev/null | head -1 || true)"
+if [[ -z "$sdist" ]]; then
+    "$PYTHON" -m pip download --quiet --no-binary :all: --no-deps --dest "$DOWNLOADS" "$LLAMA_CPP_PYTHON"
+    sdist="$(ls "$DOWNLOADS"/llama_cpp_python-*.tar.gz | head -1)"
+fi
+top="$(basename "$sdist" .tar.gz)"  # an sdist unpacks into NAME-VERSION/
+tar -C "$STAGE/src" -xzf "$sdist" "$top/llama_cpp" "$top/vendor/llama.cpp"
+SRC="$STAGE/src/$top"
+VENDOR="$SRC/vendor/llama.cpp"
+VOCAB="$VENDOR/models/ggml-vocab-qwen2.gguf"
+[[ -f "$VENDOR/CMakeLists.txt" ]] || { echo "the sdist $sdist holds no vendor/llama.cpp" >&2; exit 1; }
+[[ -f "$VOCAB" ]] || { echo "the sdist $sdist holds no $VOCAB (llama.cpp moved its tokenizer test files?)" >&2; exit 1; }
+
+# -- llama.cpp source ----------------------------------------------------------------------------------------------
 # Excluded: what no CMake target we build reads (models/docs/media/benches/tests/web UI, CI files, Python
 # converters, app bundles for other platforms). Every examples/ and tools/ folder that a CMakeLists.txt
 # add_subdirectory()s stays, or configure fails.
-tar -C "$(dirname "$VENDOR_SRC")" -czf "$CARRY/llama.cpp.tar.gz" \
-    --exclude-vcs \
-    --exclude='__pycache__' \
-    --exclude="$(basename "$VENDOR_SRC")/models" \
-    --exclude="$(basename "$VENDOR_SRC")/docs" \
-    --exclude="$(basename "$VENDOR_SRC")/media" \
-    --exclude="$(basename "$VENDOR_SRC")/benches" \
-    --exclude="$(basename "$VENDOR_SRC")/tests" \
-    --exclude="$(basename "$VENDOR_SRC")/tools/ui" \
-    --exclude="$(basename "$VENDOR_SRC")/.github" \
-    --exclude="$(basename "$VENDOR_SRC")/.devops" \
-    --exclude="$(basename "$VENDOR_SRC")/gguf-py" \
-    --exclude="$(basename "$VENDOR_SRC")/conversion" \
-    --exclude="$(basename "$VENDOR_SRC")/examples/llama.android" \
-    --exclude="$(basename "$VENDOR_SRC")/examples/llama.swiftui" \
-    --exclude="$(basename "$VENDOR_SRC")/examples/model-conversion" \
-    --exclude="$(basename "$VENDOR_SRC")/build*" \
-    --transform "s,^$(basename "$VENDOR_SRC"),llama.cpp," \
-    "$(basename "$VENDOR_SRC")"
+excludes=()
+for d in models docs media benches tests tools/ui .github .devops gguf-py conversion examples/llama.android \
+    examples/llama.swiftui examples/model-conversion 'build*'; do
+    excludes+=(--exclude="llama.cpp/$d")
+done
+tar -C "$SRC/vendor" -czf "$CARRY/llama.cpp.tar.gz" --exclude-vcs --exclude='__pycache__' "${excludes[@]}" llama.cpp
 
-# -- Python packages ----------------------------------------------------------------------------------------------
-mkdir -p "$STAGE/py" "$STAGE/pyfallback"
-copy_pkg() {  # copy_pkg DEST NAME...: packages or single modules from site-packages, minus caches and binaries
-    local dest="$1"; shift
-    for name in "$@"; do
-        if [[ -d "$SITE/$name" ]]; then
-            cp -r "$SITE/$name" "$dest/"
-        elif [[ -f "$SITE/$name.py" ]]; then
-            cp "$SITE/$name.py" "$dest/"
-        else
-            echo "missing package $name in $SITE" >&2; exit 1
-        fi
-    done
-}
-# Always on the path there (the image has none of these). llama_cpp without lib/ (CPU build for 3.11) and
-# server/ (fastapi etc.); markupsafe without its 3.11 C speedups (it falls back to pure Python).
-copy_pkg "$STAGE/py" llama_cpp gguf jinja2 markupsafe diskcache
-rm -rf "$STAGE/py/llama_cpp/lib" "$STAGE/py/llama_cpp/server"
-find "$STAGE/py" -name '*.so' -delete
-# Fallbacks: pure Python (psutil's extension is abi3, so it loads on 3.12 too).
-copy_pkg "$STAGE/pyfallback" typing_extensions typer click rich markdown_it mdurl pygments shellingham psutil \
-    yaml tqdm
-find "$STAGE/pyfallback/yaml" -name '*.so' -delete  # PyYAML falls back to its pure-Python loader
-find "$STAGE" -name '__pycache__' -type d -prune -exec rm -rf {} +
-tar -C "$STAGE" -czf "$CARRY/py.tar.gz" py pyfallback
+# -- Python packages -----------------------------------------------------------------------------------------------
+cp -r "$SRC/llama_cpp" "$STAGE/py/"
+rm -rf "$STAGE/py/llama_cpp/server"  # fastapi & co.; localspec never starts llama-cpp-python's server
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any --dest "$DOWNLOADS/wheels" "${WHEELS[@]}"
+for whl in "$DOWNLOADS"/wheels/*.whl; do
+    "$PYTHON" -m zipfile -e "$whl" "$STAGE/py/"
+done
+rm -rf "$STAGE"/py/*.dist-info/RECORD
+find "$STAGE/py" -name '__pycache__' -type d -prune -exec rm -rf {} +
+tar -C "$STAGE" -czf "$CARRY/py.tar.gz" py
 
 cp "$VOCAB" "$CARRY/ggml-vocab-qwen2.gguf"
 
 {
-    echo "made $(date -u +%FT%TZ) on $(hostname)"
-    echo "llama.cpp source: $VENDOR_SRC"
-    "$PY" - <<'EOF'
-import importlib.metadata as m
-for d in ("llama_cpp_python", "gguf", "jinja2", "markupsafe", "diskcache", "typer", "click", "rich", "psutil",
-          "pygments", "PyYAML", "tqdm"):
-    try:
-        print(f"{d}=={m.version(d)}")
-    except m.PackageNotFoundError:
-        print(f"{d}: not installed")
-EOF
+    echo "made $(date -u +%FT%TZ) by bench/gpu/make_archive.sh"
+    echo "sdist: $(basename "$sdist") (sha256 $(sha256sum "$sdist" | cut -d' ' -f1))"
+    echo "vocab: $top/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"
+    echo "wheels:"; (cd "$DOWNLOADS/wheels" && ls -1 ./*.whl | sed 's,^\./,  ,')
     (cd "$CARRY" && ls -l --block-size=K llama.cpp.tar.gz py.tar.gz ggml-vocab-qwen2.gguf)
 } > "$CARRY/MANIFEST.txt"
 cat "$CARRY/MANIFEST.txt"

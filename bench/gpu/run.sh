@@ -1,41 +1,58 @@
 #!/usr/bin/env bash
-# GPU benchmark, end to end in one device call (issue #5; facts in ../shared/GPU.md). Run from the repo root:
+# GPU benchmark, end to end (issue #11; facts and reference numbers in docs/gpu.md). Run from the repo root:
 #     bash bench/gpu/run.sh
-# with bench/gpu/carry/ carried (make_archive.sh). Steps, each timed, logged and skippable:
-#   1. unpack the trimmed llama.cpp and build llama-bench, llama-speculative-simple and the shared libs (CUDA sm_90);
-#      meanwhile, in the background, write the synthetic 32B target + 2-block draft for every scale
-#   2. per scale: llama-bench tg (target and draft), llama-speculative-simple at each temperature,
-#      then bench/gpu/localspec_bench.py (localspec plain, speculative, adaptive, k sweep) on the same files
-#   3. bench/gpu/summarize.py: JSON under $OUT and a table with the ratios
+# with bench/gpu/carry/ carried (make_archive.sh). Steps, each timed, logged, skippable and resumable:
+#   1. in the background, write the synthetic 32B target + 2-block draft for every scale (bench/synthetic.py needs
+#      only numpy and gguf, so it starts before llama.cpp exists); meanwhile unpack and build llama.cpp (CUDA sm_90):
+#      llama-bench, llama-speculative-simple and the shared libraries that localspec loads too
+#   2. per pair: llama-bench tg128 (target and draft); `localspec bench` at each temperature (the product itself:
+#      warm-up, interleaved plain/speculative runs over its shipped prompt set, medians, greedy check, JSON);
+#      llama.cpp's llama-speculative-simple on the same prompts, LLAMA_REPS times per configuration, with host and
+#      with backend (--backend-sampling) sampling, the repetitions interleaved
+#   3. bench/gpu/verify_widths.py on the first synthetic target (verify cost per width, CUDA graph warmth) and on
+#      the real pair's target, if any (batch vs single-token logits)
+#   4. bench/gpu/summarize.py: medians, ratios, the greedy-fidelity comparison; summary.txt and summary.json
+# Results live in $WORK/results (kept on a warm machine) and are copied to $OUT at the end: a call that runs out of
+# budget leaves the rest to the next call on the same machine, which skips every step whose output exists.
 # Environment (defaults in brackets):
-#   OUT [bench/gpu/work/out]   results (the device call provides it)
-#   WORK [bench/gpu/work]      source, build, models (git-ignored: a warm machine keeps it between calls)
-#   SCALES ["8e-5 1.2e-4"]     synthetic block scales (GPU.md: ~74% and ~66% acceptance; 8e-5 first: its
-#                              llama.cpp reference numbers are in GPU.md)
-#   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  BENCH_REPS [3]  SEED [42]  PROMPT_FILE [bench/gpu/prompt.txt]
-#   SIZE [gpu32b]              synthetic preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
-#   CUDA [1]                   0 = CPU build (dry run on a machine without a GPU)
-#   JOBS [nproc]               build parallelism; FORCE_BUILD=1 rebuilds even if the binaries exist
-#   SKIP_BUILD SKIP_WRITE SKIP_LLAMA_BENCH SKIP_SPEC SKIP_LOCALSPEC  =1 to skip a step (SKIP_WRITE reuses files)
-#   KEEP_MODELS [0]            keep each scale's 17 GB target after its runs (else deleted when disk is short)
-#   BUDGET_S [570]             wall-clock budget: steps that would not fit are skipped and say so
-#   LOCALSPEC_ARGS             extra arguments for localspec_bench.py (e.g. "--reps 2 --sweep 4,6");
-#   LOCALSPEC_NEED_S [90]      seconds the localspec step needs to be started (else skipped for the budget)
+#   OUT [bench/gpu/work/out]     what comes back (summary, logs, results.tar.gz)
+#   CARRY [bench/gpu/carry]      make_archive.sh's output
+#   WORK [bench/gpu/work]        source, build, models, results (git-ignored)
+#   SCALES ["8e-5 1.2e-4"]       synthetic block scales: two acceptance levels (docs/gpu.md)
+#   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  REPEAT [5] (localspec bench --repeat)  WARMUP [10]
+#   LLAMA_REPS [5]               llama-speculative-simple runs per configuration (each run = every prompt once)
+#   LLAMA_SAMPLING ["host backend"]  llama.cpp's sampling: on the host, and with --backend-sampling
+#   BENCH_REPS [3]               llama-bench repetitions
+#   REAL_PAIR                    "NAME:TARGET.gguf:DRAFT.gguf", a real pair for the greedy-fidelity check
+#                                (greedy only, REAL_REPEAT [1] localspec runs, one llama.cpp run per sampling mode)
+#   SIZE [gpu32b]                synthetic preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
+#   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
+#   CARRIED_PY [1]               0 = this machine's Python packages, not the carried ones (CPU dry run)
+#   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
+#   RERUN [0]                    1 = forget earlier results (else finished steps are skipped)
+#   KEEP_MODELS [0]              keep each scale's 17 GB target after its runs (else deleted when disk is short)
+#   BUDGET_S [570]               wall-clock budget: steps that would not fit are skipped and say so
+#   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
 
 T0=$(date +%s)
 REPO="$(pwd)"
 HERE="$REPO/bench/gpu"
-CARRY="$HERE/carry"
+CARRY="${CARRY:-$HERE/carry}"
 WORK="${WORK:-$HERE/work}"
 OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES:-8e-5 1.2e-4}"
 TEMPS="${TEMPS:-0 0.7}"
 N_PREDICT="${N_PREDICT:-256}"
 DRAFT_MAX="${DRAFT_MAX:-6}"
+REPEAT="${REPEAT:-5}"
+WARMUP="${WARMUP:-10}"
+LLAMA_REPS="${LLAMA_REPS:-5}"
+LLAMA_SAMPLING="${LLAMA_SAMPLING:-host backend}"
 BENCH_REPS="${BENCH_REPS:-3}"
-SEED="${SEED:-42}"
-PROMPT_FILE="${PROMPT_FILE:-$HERE/prompt.txt}"
+REAL_PAIR="${REAL_PAIR:-}"
+REAL_REPEAT="${REAL_REPEAT:-1}"
+SEED=42
 SIZE="${SIZE:-gpu32b}"
 CUDA="${CUDA:-1}"
 JOBS="${JOBS:-$(nproc)}"
@@ -47,13 +64,15 @@ BUILD="$WORK/build"
 BIN="$BUILD/bin"
 MODELS="$WORK/models"
 PYDIR="$WORK/pyenv"
-mkdir -p "$OUT" "$WORK" "$MODELS"
+RES="$WORK/results"
+[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
+mkdir -p "$OUT" "$WORK" "$MODELS" "$RES"
 OUT="$(cd "$OUT" && pwd)"
-STEPS="$OUT/steps.tsv"
-: > "$STEPS"
+STEPS="$RES/steps.tsv"
+touch "$STEPS"
 
 exec 3>&1  # log lines go to the call's stdout even from inside a step whose output is redirected to a file
-log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$OUT/run.log" >&3; }
+log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 # step NAME NEED_S CMD...: run CMD if NEED_S seconds remain, capped at what remains; record rc and time.
 # CMD may be a shell function defined here (exported and run through bash -c, since timeout needs a program).
@@ -77,6 +96,12 @@ step() {
     printf '%s\t%s\t%s\t\n' "$name" "$rc" "$dt" >> "$STEPS"
     return $rc
 }
+finish() {  # everything that comes back: the summary, the logs, all results in one archive
+    python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt"
+    cp "$RES/summary.txt" "$RES/summary.json" "$RES/run.log" "$RES/steps.tsv" "$OUT/" 2>/dev/null
+    tar -C "$RES" -czf "$OUT/results.tar.gz" .
+    log "done in $(( $(date +%s) - T0 ))s"
+}
 
 # -- environment -------------------------------------------------------------------------------------------------
 {
@@ -85,34 +110,33 @@ step() {
     nvcc --version 2>&1 | tail -2 || true
     cmake --version | head -1; python3 --version
     cat "$CARRY/MANIFEST.txt" 2>/dev/null
-} > "$OUT/env.txt" 2>&1
+} > "$RES/env.txt" 2>&1
 log "env: $(python3 --version 2>&1), $(nproc) cores, budget ${BUDGET_S}s, scales: $SCALES"
 
-# -- Python: carried packages (llama_cpp, gguf, ...) + fallbacks the image lacks -----------------------------------
+# -- Python: the carried packages (llama_cpp bindings, gguf, typer, ...) first on the path ------------------------
 # Stamps hold the archive's checksum, not its mtime: each call copies the carry afresh (new mtimes), and a warm
 # machine's unpacked tree and build must survive that.
 sum_of() { sha256sum "$1" | cut -d' ' -f1; }
 if [[ "$(cat "$PYDIR/.stamp" 2>/dev/null)" != "$(sum_of "$CARRY/py.tar.gz")" ]]; then
-    rm -rf "$PYDIR" && mkdir -p "$PYDIR/extra" && tar -C "$PYDIR" -xzf "$CARRY/py.tar.gz" \
+    rm -rf "$PYDIR" && mkdir -p "$PYDIR" && tar -C "$PYDIR" -xzf "$CARRY/py.tar.gz" \
         && sum_of "$CARRY/py.tar.gz" > "$PYDIR/.stamp"
 fi
-# A fallback joins the path only if the image cannot import it: we never shadow the image's own packages.
-for pkg in "$PYDIR"/pyfallback/*; do
-    name="$(basename "$pkg" .py)"
-    if [[ ! -e "$PYDIR/extra/$(basename "$pkg")" ]] && ! python3 -c "import $name" 2>/dev/null; then
-        ln -s "$pkg" "$PYDIR/extra/$(basename "$pkg")"
-        log "python: using carried $name"
-    fi
-done
-export PYTHONPATH="$PYDIR/py:$PYDIR/extra:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1
+# CARRIED_PY=0 uses this machine's own packages instead (the CPU dry run: its Python need not be 3.12).
+if [[ "${CARRIED_PY:-1}" == 1 ]]; then
+    export PYTHONPATH="$PYDIR/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+log "python packages: $(python3 -c 'import gguf, numpy, rich, typer; from importlib.metadata import version as v
+print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), sep=", ")' 2>&1 | tail -1)"
 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
 # Files are named by preset and scale; the writer renames a finished file into place, so one that exists is whole.
 target_of() { echo "$MODELS/$SIZE-s$1-target.gguf"; }
 draft_of() { echo "$MODELS/$SIZE-s$1-draft.gguf"; }
 declare -A WRITER_PID=()
-start_writer() {  # start_writer SCALE: background write unless the pair exists (and SKIP_WRITE or complete)
+start_writer() {  # start_writer SCALE: background write unless the pair exists
     local s="$1"
     if [[ -f "$(target_of "$s")" && -f "$(draft_of "$s")" ]]; then
         log "models for scale $s exist: reusing"; return 0
@@ -121,9 +145,8 @@ start_writer() {  # start_writer SCALE: background write unless the pair exists 
     local vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
     log "writing $SIZE pair at scale $s (background)"
     ( t=$(date +%s)
-      nice -n 5 timeout "$(left)" python3 -m localspec.synthetic --size "$SIZE" --scale "$s" --out "$MODELS" \
-          --prefix "$SIZE-s$s-" \
-          "${vocab_arg[@]}" > "$OUT/write-s$s.log" 2>&1
+      nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
+          --prefix "$SIZE-s$s-" "${vocab_arg[@]}" > "$RES/write-s$s.log" 2>&1
       rc=$?; printf 'write-s%s\t%s\t%s\tbackground\n' "$s" "$rc" "$(( $(date +%s) - t ))" >> "$STEPS"; exit $rc
     ) &
     WRITER_PID[$s]=$!
@@ -134,13 +157,13 @@ wait_writer() {
     log "waiting for the scale $s writer"
     wait "$pid"; local rc=$?
     unset "WRITER_PID[$s]"
-    (( rc == 0 )) || log "writer for scale $s failed (rc $rc): $(tail -3 "$OUT/write-s$s.log")"
+    (( rc == 0 )) || log "writer for scale $s failed (rc $rc): $(tail -3 "$RES/write-s$s.log")"
     return $rc
 }
 free_gb() { df -Pk "$MODELS" | awk 'NR==2 {print int($4 / 1048576)}'; }
 need_gb() { [[ "$SIZE" == gpu32b ]] && echo 20 || echo 1; }  # one pair, with margin
 
-# Write every scale up front when the disk holds them all (page cache keeps them warm: 128 GiB RAM);
+# Write every scale up front when the disk holds them all (the page cache keeps them warm: 128 GiB RAM there);
 # otherwise write the first now and each next one after the previous target is deleted.
 read -r -a SCALE_LIST <<< "$SCALES"
 n_scales=${#SCALE_LIST[@]}
@@ -164,67 +187,132 @@ build() {
         -DGGML_CCACHE=OFF)
     if [[ "$CUDA" == 1 ]]; then
         flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
-    else  # this CPU machine faults on AMX: never a native build here
+    else  # CPU dry run: a portable AVX2 build (native builds have crashed on AMX machines)
         flags+=(-DGGML_CUDA=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
     fi
-    [[ -f "$BUILD/build.ninja" ]] || cmake -S "$SRC" -B "$BUILD" "${flags[@]}" > "$OUT/cmake-configure.log" 2>&1
+    [[ -f "$BUILD/build.ninja" ]] || cmake -S "$SRC" -B "$BUILD" "${flags[@]}" > "$RES/cmake-configure.log" 2>&1
     # libllama.so and libggml*.so are dependencies of both tools, so they land in $BIN too.
-    cmake --build "$BUILD" --target llama-bench llama-speculative-simple -j "$JOBS" > "$OUT/cmake-build.log" 2>&1
+    cmake --build "$BUILD" --target llama-bench llama-speculative-simple -j "$JOBS" > "$RES/cmake-build.log" 2>&1
 }
 export -f build sum_of
-export SRC BUILD CARRY CUDA JOBS OUT
+export SRC BUILD CARRY CUDA JOBS RES
 build_current() { have_bins && [[ "$(cat "$SRC/.stamp" 2>/dev/null)" == "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]; }
 if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current; }; then
     log "build: reusing $BIN"
 elif ! step build 200 build; then
-    log "build failed: $(tail -20 "$OUT/cmake-build.log" 2>/dev/null || tail -20 "$OUT/cmake-configure.log")"
+    log "build failed: $(tail -20 "$RES/cmake-build.log" 2>/dev/null || tail -20 "$RES/cmake-configure.log")"
 fi
-have_bins || { log "no llama.cpp binaries in $BIN: stopping"; wait; exit 1; }
-ls -l "$BIN" > "$OUT/bin-ls.txt" 2>&1
+have_bins || { log "no llama.cpp binaries in $BIN: stopping"; wait; finish; exit 1; }
+ls -l "$BIN" > "$RES/bin-ls.txt" 2>&1
 export LLAMA_CPP_LIB_PATH="$BIN"
 export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-# llama_cpp must be imported before numpy there (GPU.md); this also proves the bindings match the build.
-python3 -c "import llama_cpp, sys; print('llama_cpp', llama_cpp.__version__, 'gpu offload:',
-bool(llama_cpp.llama_supports_gpu_offload()), 'python', sys.version.split()[0])" 2>&1 | tee -a "$OUT/run.log"
+# llama_cpp before numpy (docs/gpu.md); this also proves the bindings load the build, and writes the prompts.
+PROMPTS="$RES/prompts"
+mkdir -p "$PROMPTS"
+python3 - "$PROMPTS" <<'EOF' 2>&1 | tee -a "$RES/run.log"
+import llama_cpp  # noqa: I001
+import sys
+from pathlib import Path
+
+from localspec.bench import PROMPTS
+
+print("llama_cpp", llama_cpp.__version__, "gpu offload:", bool(llama_cpp.llama_supports_gpu_offload()),
+      "python", sys.version.split()[0])
+for name, text in PROMPTS:
+    # llama.cpp's -f drops one trailing newline: add one, so it reads exactly the text localspec tokenizes.
+    (Path(sys.argv[1]) / f"{name}.txt").write_text(text + "\n")
+print("prompts:", ", ".join(name for name, _ in PROMPTS))
+EOF
+mapfile -t PROMPT_FILES < <(ls "$PROMPTS"/*.txt)
+(( ${#PROMPT_FILES[@]} )) || { log "no prompts written: stopping"; finish; exit 1; }
 
 NGL=99
 SAMPLING_EXTRA=(--top-k 40 --top-p 0.9 --min-p 0)  # the preset `default` (temperature 0.7, top-k 40, top-p 0.9)
+LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
+
+# -- one pair ------------------------------------------------------------------------------------------------------
+done_ok() { [[ -s "$1" ]]; }
+measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and `localspec bench`
+    local name="$1" T="$2" DR="$3" temps="$4" repeat="$5"
+    local D="$RES/$name"; mkdir -p "$D"
+    if [[ "${SKIP_LLAMA_BENCH:-0}" != 1 ]] && ! done_ok "$D/llama-bench.json"; then
+        # Plain decoding speed: tg only (-p 0), flash attention, all layers on the GPU; JSON on stdout.
+        step "llama-bench-$name" 40 "$BIN/llama-bench" -m "$T" -m "$DR" -p 0 -n 128 -fa 1 -ngl $NGL \
+            -r "$BENCH_REPS" -o json > "$D/llama-bench.json.tmp" 2> "$D/llama-bench.log" \
+            && mv "$D/llama-bench.json.tmp" "$D/llama-bench.json"
+    fi
+    [[ "${SKIP_LOCALSPEC:-0}" == 1 ]] && return 0
+    local temp
+    for temp in $temps; do
+        local json="$D/localspec-t$temp.json"
+        done_ok "$json" && continue
+        # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
+        # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there).
+        # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
+        step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" --temp "$temp" \
+            --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
+            --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
+    done
+}
+llama_pair() {  # llama_pair NAME TARGET DRAFT TEMPS REPS: llama-speculative-simple, repetitions interleaved
+    local name="$1" T="$2" DR="$3" temps="$4" reps="$5"
+    [[ "${SKIP_LLAMA:-0}" == 1 ]] && return 0
+    local D="$RES/$name/llama"; mkdir -p "$D"
+    local rep temp mode p
+    for rep in $(seq 1 "$reps"); do
+        for temp in $temps; do
+            for mode in $LLAMA_SAMPLING; do
+                for p in "${PROMPT_FILES[@]}"; do
+                    local base; base="$D/t$temp-$mode-r$rep-$(basename "$p" .txt)"
+                    grep -q "decoded" "$base.log" 2>/dev/null && continue
+                    (( $(left) < 15 )) && { log "SKIP the rest of llama-$name: budget"; return 0; }
+                    local extra=(); [[ "$temp" != 0 ]] && extra=("${SAMPLING_EXTRA[@]}")
+                    [[ "$mode" == backend ]] && extra+=(--backend-sampling)
+                    # stdout: the prompt and the generated text (the greedy-fidelity comparison reads it);
+                    # stderr: the log with the timings.
+                    step "llama-$name-$(basename "$base")" 15 "$BIN/llama-speculative-simple" -m "$T" -md "$DR" \
+                        -ngl $NGL -ngld $NGL -fa on -c 4096 -n "$N_PREDICT" -f "$p" --seed "$SEED" --temp "$temp" \
+                        "${extra[@]}" --spec-type draft-simple --spec-draft-n-max "$DRAFT_MAX" \
+                        --spec-draft-n-min 0 --spec-draft-p-min 0 > "$base.out" 2> "$base.log" || true
+                done
+            done
+        done
+    done
+}
+widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, batch vs single logits
+    local name="$1" model="$2"; shift 2
+    local json="$RES/$name/verify-widths.json"
+    [[ "${SKIP_WIDTHS:-0}" == 1 ]] || done_ok "$json" && return 0
+    mkdir -p "$RES/$name"
+    # shellcheck disable=SC2086  # WIDTHS_ARGS is a word list on purpose
+    step "widths-$name" 45 python3 "$HERE/verify_widths.py" --model "$model" --json "$json" "$@" ${WIDTHS_ARGS:-} \
+        > "$RES/$name/verify-widths.log" 2>&1
+}
+
+# -- the real pair first (small: its greedy-fidelity figures should not wait for the budget) ----------------------
+if [[ -n "$REAL_PAIR" ]]; then
+    IFS=: read -r real_name real_target real_draft <<< "$REAL_PAIR"
+    if [[ -f "$real_target" && -f "$real_draft" ]]; then
+        measure_pair "$real_name" "$real_target" "$real_draft" 0 "$REAL_REPEAT"
+        widths "$real_name" "$real_target" --logits
+        llama_pair "$real_name" "$real_target" "$real_draft" 0 1
+    else
+        log "REAL_PAIR: $real_target or $real_draft missing"
+    fi
+fi
 
 # -- per scale -----------------------------------------------------------------------------------------------------
 for i in "${!SCALE_LIST[@]}"; do
     s="${SCALE_LIST[$i]}"
-    D="$OUT/s$s"; mkdir -p "$D"
     [[ -n "${WRITER_PID[$s]:-}" ]] || start_writer "$s"
     # Every pending writer finishes before any measurement: a 17 GB write in the background would skew them.
     for w in "${!WRITER_PID[@]}"; do wait_writer "$w"; done
     T="$(target_of "$s")"; DR="$(draft_of "$s")"
     [[ -f "$T" && -f "$DR" ]] || { log "no models for scale $s"; continue; }
-
-    if [[ "${SKIP_LLAMA_BENCH:-0}" != 1 ]]; then
-        # Plain decoding speed: tg only (-p 0), flash attention, all layers on the GPU; JSON on stdout.
-        step "llama-bench-s$s" 40 "$BIN/llama-bench" -m "$T" -m "$DR" -p 0 -n 128 -fa 1 -ngl $NGL \
-            -r "$BENCH_REPS" -o json > "$D/llama-bench.json" 2> "$D/llama-bench.log"
-    fi
-
-    if [[ "${SKIP_SPEC:-0}" != 1 ]]; then
-        for temp in $TEMPS; do
-            extra=(); [[ "$temp" != 0 ]] && extra=("${SAMPLING_EXTRA[@]}")
-            step "spec-simple-s$s-t$temp" 30 "$BIN/llama-speculative-simple" -m "$T" -md "$DR" -ngl $NGL -ngld $NGL \
-                -fa on -c 4096 -n "$N_PREDICT" -f "$PROMPT_FILE" --seed "$SEED" --temp "$temp" "${extra[@]}" \
-                --spec-type draft-simple --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 \
-                > "$D/spec-simple-t$temp.log" 2>&1
-        done
-    fi
-
-    if [[ "${SKIP_LOCALSPEC:-0}" != 1 ]]; then
-        # localspec's side; the script imports llama_cpp before numpy (GPU.md: the other order segfaults there).
-        # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-        step "localspec-s$s" "${LOCALSPEC_NEED_S:-90}" python3 "$HERE/localspec_bench.py" --target "$T" --draft "$DR" \
-            --prompt-file "$PROMPT_FILE" --n-predict "$N_PREDICT" --draft-max "$DRAFT_MAX" \
-            --temps "${TEMPS// /,}" --seed "$SEED" --json "$D/localspec.json" ${LOCALSPEC_ARGS:-} \
-            > "$D/localspec.log" 2>&1
-    fi
+    measure_pair "s$s" "$T" "$DR" "$TEMPS" "$REPEAT"
+    (( i == 0 )) && widths "s$s" "$T"
+    llama_pair "s$s" "$T" "$DR" "$TEMPS" "$LLAMA_REPS"
 
     # Make room for the next scale's target unless it is already written or the disk holds both.
     if (( i + 1 < n_scales )) && [[ "$KEEP_MODELS" != 1 && -z "${WRITER_PID[${SCALE_LIST[$((i + 1))]}]:-}" ]] \
@@ -233,7 +321,4 @@ for i in "${!SCALE_LIST[@]}"; do
     fi
 done
 wait  # any writer still running
-
-# -- summary -------------------------------------------------------------------------------------------------------
-python3 "$HERE/summarize.py" "$OUT" --scales "$SCALES" --temps "$TEMPS" 2>&1 | tee "$OUT/summary.txt"
-log "done in $(( $(date +%s) - T0 ))s"
+finish

@@ -1,217 +1,281 @@
-"""Parse the GPU run's outputs (llama-bench JSON, llama-speculative-simple logs, localspec JSON) into one
-JSON file and print a table with the ratios. Standard library only: it runs on the GPU image as is.
+"""Read one GPU run's results (bench/gpu/run.sh) and print the comparison: llama-bench, `localspec bench`'s JSON,
+llama.cpp's llama-speculative-simple (medians over repetitions, host and backend sampling), the greedy fidelity of
+both speculative loops against single-token decoding, and the verify-width timings. Standard library only: it runs
+on the GPU image as is, and here on a copy of the results.
 
-    python3 bench/gpu/summarize.py OUT_DIR [--scales "1.2e-4 8e-5"] [--temps "0 0.7"]
+    python3 bench/gpu/summarize.py RESULTS_DIR        # writes RESULTS_DIR/summary.json, prints the tables
 
-localspec.gpu_bench's JSON is read leniently: a list of runs, or {"runs": [...]}, each run a dict with
-mode ("plain"/"spec", or draft_max 0 for plain), temp (or temperature), tok_s (or decode_tok_s), and
-optionally acceptance (0..1 or percent) and host_frac (share of a round spent outside llama_decode).
+RESULTS_DIR holds one folder per pair (s8e-5, s1.2e-4, smollm2, ...) with llama-bench.json, localspec-t<T>.json,
+llama/t<T>-<host|backend>-r<rep>-<prompt>.{out,log} and verify-widths.json, and prompts/<prompt>.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 _SPEC_PATTERNS = {
-    "encoded_tokens": r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds",
-    "decoded_tokens": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s",
-    "n_draft": r"n_draft\s+=\s+(\d+)",
-    "n_predict": r"n_predict\s+=\s+(\d+)",
+    "decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
     "n_drafted": r"n_drafted\s+=\s+(\d+)",
     "n_accept": r"n_accept\s+=\s+(\d+)",
-    "accept_pct": r"accept\s+=\s+([\d.]+)%",
 }
+_RUN_NAME = re.compile(r"t(?P<temp>[\d.]+)-(?P<mode>host|backend)-r(?P<rep>\d+)-(?P<prompt>.+)\.log$")
 
 
-def parse_spec_simple(text: str) -> dict[str, Any]:
-    """The summary llama-speculative-simple prints at the end (examples/speculative-simple)."""
-    out: dict[str, Any] = {}
-    for key, pat in _SPEC_PATTERNS.items():
-        m = re.search(pat, text)
-        if not m:
-            continue
-        if key == "decoded_tokens":
-            out["decoded_tokens"], out["decode_s"], out["tok_s"] = int(m[1]), float(m[2]), float(m[3])
-        elif key == "encoded_tokens":
-            out["prompt_tokens"], out["prompt_s"] = int(m[1]), float(m[2])
-        elif key == "accept_pct":
-            out["acceptance"] = float(m[1]) / 100
-        else:
-            out[key] = int(m[1])
-    if "n_accept" in out and out.get("n_drafted"):
-        out["acceptance"] = out["n_accept"] / out["n_drafted"]
-    return out
+def parse_spec_simple(text: str) -> dict[str, Any] | None:
+    """The summary llama-speculative-simple prints at the end; None if the run did not finish."""
+    found = {key: re.search(pat, text) for key, pat in _SPEC_PATTERNS.items()}
+    if not all(found.values()):
+        return None
+    return {"tokens": int(found["decoded"][1]), "seconds": float(found["decoded"][2]),
+            "drafted": int(found["n_drafted"][1]), "accepted": int(found["n_accept"][1])}
 
 
 def parse_llama_bench(text: str) -> dict[str, Any]:
     """llama-bench -o json: one entry per (model, test); keep tg tok/s per model file."""
-    out: dict[str, Any] = {}
     try:
         rows = json.loads(text)
     except json.JSONDecodeError:
-        return out
+        return {}
+    out: dict[str, Any] = {}
+    names = {Path(str(row.get("model_filename", ""))).name for row in rows}
     for row in rows:
         name = Path(str(row.get("model_filename", ""))).name
         role = "draft" if name.endswith("draft.gguf") else "target" if name.endswith("target.gguf") else name
+        if len(names) == 1:  # a pair whose draft is its target (the greedy-fidelity check)
+            role = "target"
         if row.get("n_gen", 0) and not row.get("n_prompt", 0):
-            out[role] = {
-                "tg": row["n_gen"],
-                "tok_s": row.get("avg_ts"),
-                "stddev": row.get("stddev_ts"),
-                "samples": row.get("samples_ts"),
-                "build": row.get("build_commit"),
-                "gpu": row.get("gpu_info"),
-                "flash_attn": row.get("flash_attn"),
-            }
+            out[role] = {"tg": row["n_gen"], "tok_s": row.get("avg_ts"), "stddev": row.get("stddev_ts"),
+                         "build": row.get("build_commit"), "gpu": row.get("gpu_info")}
     return out
 
 
-def _runs(doc: Any) -> list[dict[str, Any]]:
-    runs = doc.get("runs", []) if isinstance(doc, dict) else doc
-    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+def llama_runs(folder: Path, prompts: list[str]) -> dict[str, dict[str, Any]]:
+    """Per "<temp>/<mode>": each complete repetition's tok/s (all prompts' tokens over all their decode time) and
+    acceptance; the median, min and max over repetitions."""
+    parts: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
+    for log in sorted(folder.glob("*.log")):
+        m = _RUN_NAME.match(log.name)
+        parsed = parse_spec_simple(log.read_text(errors="replace")) if m else None
+        if m and parsed:
+            parts.setdefault((m["temp"], m["mode"], int(m["rep"])), {})[m["prompt"]] = parsed
+    by_config: dict[str, dict[str, Any]] = {}
+    for (temp, mode, rep), runs in sorted(parts.items()):
+        if set(runs) != set(prompts):
+            continue  # an unfinished repetition (budget): left out
+        tokens = sum(r["tokens"] for r in runs.values())
+        seconds = sum(r["seconds"] for r in runs.values())
+        drafted = sum(r["drafted"] for r in runs.values())
+        entry = by_config.setdefault(f"{float(temp):g}/{mode}", {"reps": []})
+        entry["reps"].append({"rep": rep, "tok_s": tokens / seconds if seconds else None,
+                              "acceptance": sum(r["accepted"] for r in runs.values()) / drafted if drafted else None})
+    for entry in by_config.values():
+        tps = [r["tok_s"] for r in entry["reps"] if r["tok_s"]]
+        acc = [r["acceptance"] for r in entry["reps"] if r["acceptance"] is not None]
+        entry.update(runs=len(tps), median=statistics.median(tps) if tps else None, min=min(tps, default=None),
+                     max=max(tps, default=None), acceptance=statistics.median(acc) if acc else None)
+    return by_config
 
 
-def localspec_pick(doc: Any, mode: str, temp: float) -> dict[str, Any] | None:
-    for r in _runs(doc):
-        r_mode = r.get("mode") or ("plain" if r.get("draft_max", r.get("draft", 1)) == 0 else "spec")
-        r_temp = float(r.get("temp", r.get("temperature", 0.0)))
-        if r_mode == mode and abs(r_temp - temp) < 1e-9:
-            acc = r.get("acceptance")
-            if acc is not None and acc > 1:
-                acc = acc / 100
-            return {
-                "tok_s": r.get("tok_s", r.get("decode_tok_s")),
-                "acceptance": acc,
-                "host_frac": r.get("host_frac"),
-            }
-    return None
+def generated_text(out_file: Path, prompt: str) -> str | None:
+    """llama-speculative-simple's stdout: the prompt's pieces, the generated text, then a blank line."""
+    text = out_file.read_bytes().decode("utf-8", errors="replace")  # as written: read_text() would turn \r\n into \n
+    at = text.find(prompt)
+    if at < 0:
+        return None
+    text = text[at + len(prompt):]
+    return text[:-2] if text.endswith("\n\n") else text
 
 
-def best_k(doc: Any, temp: float) -> dict[str, Any] | None:
-    """The fastest fixed draft length of localspec_bench.py's sweep (modes "sweep-k<N>") at one temperature."""
-    best: dict[str, Any] | None = None
-    for r in _runs(doc):
-        mode = str(r.get("mode", ""))
-        same_temp = abs(float(r.get("temp", 0.0)) - temp) < 1e-9
-        faster = bool(r.get("tok_s")) and (best is None or r["tok_s"] > best["tok_s"])
-        if mode.startswith("sweep-k") and same_temp and faster:
-            best = {"k": int(mode.removeprefix("sweep-k")), "tok_s": r["tok_s"], "acceptance": r.get("acceptance")}
-    return best
+def divergence(plain: dict[str, Any], other: str) -> dict[str, Any]:
+    """Where `other` (another loop's greedy text) first differs from localspec's plain decoding, in plain tokens."""
+    ref, ends = plain["plain_text"], plain["plain_token_ends"]
+    n = min(len(ref), len(other))
+    first_char = next((i for i in range(n) if ref[i] != other[i]), None)
+    if first_char is None and len(other) < len(ref):
+        first_char = len(other)  # it stopped (end of generation) where plain decoding went on
+    if first_char is None:
+        return {"first_divergence": None, "plain_margin": None}
+    token = min(bisect.bisect_right(ends, first_char), len(ends) - 1)  # the plain token holding that character
+    margins = plain["plain_margins"]
+    return {"first_divergence": token, "plain_margin": margins[token] if token < len(margins) else None}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def summarize(out_dir: Path, scales: list[str], temps: list[str]) -> dict[str, Any]:
-    result: dict[str, Any] = {"scales": {}}
-    steps = out_dir / "steps.tsv"
-    if steps.is_file():
-        result["steps"] = [line.split("\t") for line in steps.read_text().splitlines() if line]
-    for s in scales:
-        d = out_dir / f"s{s}"
-        entry: dict[str, Any] = {}
-        bench = d / "llama-bench.json"
-        entry["llama_bench"] = parse_llama_bench(bench.read_text()) if bench.is_file() else {}
-        loc_path = d / "localspec.json"
-        loc: Any = None
-        if loc_path.is_file():
-            try:
-                loc = json.loads(loc_path.read_text())
-            except json.JSONDecodeError as e:
-                entry["localspec_error"] = str(e)
-        entry["localspec_raw"] = loc
-        entry["temps"] = {}
-        tg = (entry["llama_bench"].get("target") or {}).get("tok_s")
-        for t in temps:
-            log = d / f"spec-simple-t{t}.log"
-            spec = parse_spec_simple(log.read_text(errors="replace")) if log.is_file() else {}
-            lp = localspec_pick(loc, "plain", float(t)) if loc is not None else None
-            ls = localspec_pick(loc, "spec", float(t)) if loc is not None else None
-            entry["temps"][t] = {
-                "llama_cpp_spec": spec,
-                "localspec_plain": lp,
-                "localspec_spec": ls,
-                "localspec_adaptive": localspec_pick(loc, "spec-adaptive", float(t)) if loc is not None else None,
-                "localspec_best_k": best_k(loc, float(t)) if loc is not None else None,
-                "ratio_spec_vs_llama_cpp": _ratio(ls and ls["tok_s"], spec.get("tok_s")),
-                "ratio_plain_vs_llama_bench": _ratio(lp and lp["tok_s"], tg),
-                "speedup_spec_vs_plain": _ratio(ls and ls["tok_s"], lp and lp["tok_s"]),
-            }
-        result["scales"][s] = entry
+def fidelity(pair_dir: Path, check: dict[str, Any], prompt_texts: dict[str, str]) -> dict[str, Any]:
+    """Greedy divergence from single-token decoding: localspec (its bench's check) and llama.cpp (its T = 0 runs,
+    compared as text with localspec's plain output of the same prompts)."""
+    prompts = {p["name"]: p for p in check["prompts"]}
+    result: dict[str, Any] = {"localspec": {
+        "invariant_holds": check["invariant_holds"], "exact": check["exact"],
+        "prompts": {name: {"first_divergence": p["first_divergence"], "plain_margin": p["plain_margin"],
+                           "spec_margin": p["spec_margin"]} for name, p in prompts.items()}}}
+    for mode in ("host", "backend"):
+        per_prompt: dict[str, Any] = {}
+        for name, plain in prompts.items():
+            texts = []
+            for out in sorted((pair_dir / "llama").glob(f"t0-{mode}-r*-{name}.out")):
+                text = generated_text(out, prompt_texts.get(name, ""))
+                if text is not None:
+                    texts.append(text)
+            if texts:
+                per_prompt[name] = divergence(plain, texts[0]) | {"runs": len(texts),
+                                                                   "same_text_every_run": len(set(texts)) == 1}
+        if per_prompt:
+            result[f"llama_cpp_{mode}"] = {"prompts": per_prompt}
+    for entry in result.values():
+        p = entry["prompts"]
+        entry["diverged"] = sum(v["first_divergence"] is not None for v in p.values())
+        entry["compared"] = len(p)
     return result
 
 
-def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+def round_profile(doc: dict[str, Any]) -> dict[str, float] | None:
+    """Where a speculative round's time goes, summed over the measured speculative runs."""
+    runs = [r for r in doc.get("runs", []) if r.get("mode") == "speculative"]
+    rounds = sum(r["rounds"] for r in runs)
+    if not rounds:
+        return None
+    total = {k: sum(r[k] for r in runs) for k in ("draft_s", "verify_s", "decode_s", "tokens", "drafted")}
+    return {"round_ms": 1000 * total["decode_s"] / rounds, "draft_ms": 1000 * total["draft_s"] / rounds,
+            "verify_ms": 1000 * total["verify_s"] / rounds,
+            "host_ms": 1000 * (total["decode_s"] - total["draft_s"] - total["verify_s"]) / rounds,
+            "tokens_per_round": total["tokens"] / rounds, "draft_len": total["drafted"] / rounds}
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def summarize(res: Path) -> dict[str, Any]:
+    prompt_texts = {p.stem: p.read_text().removesuffix("\n") for p in sorted((res / "prompts").glob("*.txt"))}
+    result: dict[str, Any] = {"prompts": sorted(prompt_texts), "pairs": {}}
+    steps = res / "steps.tsv"
+    if steps.is_file():
+        result["steps"] = [line.split("\t") for line in steps.read_text().splitlines() if line]
+    for pair_dir in sorted(p for p in res.iterdir() if p.is_dir() and p.name != "prompts"):
+        pair: dict[str, Any] = {"temps": {}}
+        bench = pair_dir / "llama-bench.json"
+        pair["llama_bench"] = parse_llama_bench(bench.read_text()) if bench.is_file() else {}
+        llama = llama_runs(pair_dir / "llama", sorted(prompt_texts)) if (pair_dir / "llama").is_dir() else {}
+        widths = _load(pair_dir / "verify-widths.json")
+        if widths:
+            pair["verify_widths"] = widths
+        tg = (pair["llama_bench"].get("target") or {}).get("tok_s")
+        for js in sorted(pair_dir.glob("localspec-t*.json"), key=lambda j: float(j.stem.removeprefix("localspec-t"))):
+            doc = _load(js)
+            if not doc:
+                continue
+            temp = f"{float(js.stem.removeprefix('localspec-t')):g}"
+            ls_plain, ls_spec = doc["plain"], doc["speculative"]
+            host, backend = llama.get(f"{temp}/host"), llama.get(f"{temp}/backend")
+            faster = max((c for c in (host, backend) if c and c.get("median")), key=lambda c: c["median"],
+                         default=None)
+            pair["temps"][temp] = {
+                "localspec_plain": ls_plain, "localspec_spec": ls_spec, "llama_cpp_host": host,
+                "llama_cpp_backend": backend,
+                "ratio_vs_llama_cpp": ls_spec["median_tps"] / faster["median"] if faster else None,
+                "llama_cpp_faster": ("host" if faster is host else "backend") if faster else None,
+                "ratio_plain_vs_llama_bench": ls_plain["median_tps"] / tg if tg else None,
+                "speedup_vs_plain": doc.get("speedup"),
+                "profile": round_profile(doc),
+                "environment": {k: doc.get("environment", {}).get(k) for k in ("gpus", "llama_cpp_python", "python")},
+            }
+            if temp == "0" or "fidelity" not in pair:
+                pair["fidelity"] = fidelity(pair_dir, doc["greedy_check"], prompt_texts)
+        result["pairs"][pair_dir.name] = pair
+    return result
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(x) if isinstance(x, int | float) else "—"
 
 
-def table(result: dict[str, Any]) -> str:
-    head = (
-        "scale",
-        "T",
-        "bench tg",
-        "draft tg",
-        "llama.cpp spec",
-        "acc",
-        "ls plain",
-        "ls spec",
-        "acc",
-        "host",
-        "ls adaptive",
-        "best k",
-        "ls/llama.cpp",
-        "plain/bench",
-    )
-    rows = [head]
-    for s, e in result["scales"].items():
-        lb = e["llama_bench"]
-        for t, r in e["temps"].items():
-            spec, lp, ls = r["llama_cpp_spec"], r["localspec_plain"] or {}, r["localspec_spec"] or {}
-            rows.append(
-                (
-                    s,
-                    t,
-                    _f((lb.get("target") or {}).get("tok_s")),
-                    _f((lb.get("draft") or {}).get("tok_s"), "{:.0f}"),
-                    _f(spec.get("tok_s")),
-                    _f(spec.get("acceptance"), "{:.1%}"),
-                    _f(lp.get("tok_s")),
-                    _f(ls.get("tok_s")),
-                    _f(ls.get("acceptance"), "{:.1%}"),
-                    _f(ls.get("host_frac"), "{:.1%}"),
-                    _f((r.get("localspec_adaptive") or {}).get("tok_s")),
-                    "{k}: {tok_s:.1f}".format(**r["localspec_best_k"]) if r.get("localspec_best_k") else "—",
-                    _f(r["ratio_spec_vs_llama_cpp"], "{:.2f}x"),
-                    _f(r["ratio_plain_vs_llama_bench"], "{:.3f}"),
-                )
-            )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = [" | ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
+def _llama(c: dict[str, Any] | None) -> str:
+    if not c or not c.get("median"):
+        return "—"
+    return f"{c['median']:.1f} [{c['min']:.0f}-{c['max']:.0f}] ({_f(c['acceptance'], '{:.0%}')}, n={c['runs']})"
+
+
+def tables(result: dict[str, Any]) -> str:
+    rows = [("pair", "T", "bench tg", "ls plain", "ls spec (acc)", "host", "llama.cpp host", "llama.cpp backend",
+             "ls/llama.cpp", "plain/bench")]
+    for name, pair in result["pairs"].items():
+        tg = (pair["llama_bench"].get("target") or {}).get("tok_s")
+        for temp, r in pair["temps"].items():
+            lp, ls = r["localspec_plain"], r["localspec_spec"]
+            rows.append((name, temp, _f(tg), _f(lp["median_tps"]),
+                         f"{ls['median_tps']:.1f} ({ls['acceptance_rate']:.0%})", _f(ls["host_fraction"], "{:.1%}"),
+                         _llama(r["llama_cpp_host"]), _llama(r["llama_cpp_backend"]),
+                         _f(r["ratio_vs_llama_cpp"], "{:.2f}x"), _f(r["ratio_plain_vs_llama_bench"], "{:.3f}")))
+    out = [_table(rows) if len(rows) > 1 else "(no localspec results)"]
+    out.append("tok/s, medians; llama.cpp: median [min-max] (acceptance, complete runs); ls/llama.cpp = localspec "
+               "speculative / the faster llama.cpp column; host = localspec's share of a round outside llama_decode")
+
+    prof = [("pair", "T", "round ms", "draft ms", "verify ms", "host ms", "tokens/round", "draft len")]
+    for name, pair in result["pairs"].items():
+        for temp, r in pair["temps"].items():
+            p = r.get("profile")
+            if p:
+                prof.append((name, temp, _f(p["round_ms"], "{:.2f}"), _f(p["draft_ms"], "{:.2f}"),
+                             _f(p["verify_ms"], "{:.2f}"), _f(p["host_ms"], "{:.2f}"),
+                             _f(p["tokens_per_round"], "{:.2f}"), _f(p["draft_len"], "{:.2f}")))
+    if len(prof) > 1:
+        out += ["", "localspec speculative round profile", _table(prof)]
+
+    fid = [("pair", "loop", "diverged", "first divergence (token: plain top-2 margin)")]
+    for name, pair in result["pairs"].items():
+        for loop, entry in pair.get("fidelity", {}).items():
+            firsts = ", ".join(f"{p}: {v['first_divergence']} ({_f(v['plain_margin'], '{:.3f}')})"
+                               for p, v in entry["prompts"].items() if v["first_divergence"] is not None)
+            flag = ""
+            if loop == "localspec":
+                flag = " ✓ argmax invariant" if entry["invariant_holds"] else " ✗ ARGMAX INVARIANT BROKEN"
+            fid.append((name, loop + flag, f"{entry['diverged']}/{entry['compared']}", firsts or "none"))
+    if len(fid) > 1:
+        out += ["", "greedy (T = 0) divergence from single-token decoding", _table(fid)]
+
+    for name, pair in result["pairs"].items():
+        w = pair.get("verify_widths")
+        if not w:
+            continue
+        t = w["timings_ms"]
+        out += ["", f"{name}: verify ms by width: " + "  ".join(f"w{k} {v:.2f}" for k, v in t["constant"].items())]
+        for pat, v in t["patterns"].items():
+            out.append(f"  {pat:>26}: {v['mean_ms']:.2f} ms a call (warm graphs: {v['warm_ms']:.2f})")
+        for k, e in (w.get("logits") or {}).get("by_width", {}).items():
+            cpu = (f", |single-cpu| {e['max_abs_diff_single_vs_cpu']:.3f}, |batch-cpu| "
+                   f"{e['max_abs_diff_batch_vs_cpu']:.3f}") if "max_abs_diff_batch_vs_cpu" in e else ""
+            out.append(f"  logits w{k}: max |batch - single| {e['max_abs_diff']:.4f}, argmax flips "
+                       f"{e['argmax_flips']}{cpu}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("--scales", default="8e-5 1.2e-4")
-    p.add_argument("--temps", default="0 0.7")
+    p.add_argument("results", type=Path)
     a = p.parse_args(argv)
-    result = summarize(a.out_dir, a.scales.split(), a.temps.split())
-    (a.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
-    print(table(result))
-    print("\ntok/s; acc = accepted / drafted; host = localspec's share of a round outside llama_decode;")
-    print("ls/llama.cpp = localspec speculative / llama.cpp speculative-simple (targets: >= 1.3x at T=0,")
-    print(">= 1.5x at T=0.7); plain/bench = localspec plain / llama-bench tg128 (target: >= 0.97). summary.json")
+    result = summarize(a.results)
+    (a.results / "summary.json").write_text(json.dumps(result, indent=2))
+    print(tables(result))
     for step in result.get("steps", []):
         if len(step) > 1 and step[1] not in ("0", "skipped"):
-            print(f"step {step[0]} failed (rc {step[1]}): see its log under {a.out_dir}", file=sys.stderr)
+            print(f"step {step[0]} failed (rc {step[1]}): see its log under {a.results}", file=sys.stderr)
     return 0
 
 

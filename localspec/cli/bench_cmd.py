@@ -1,4 +1,4 @@
-"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy losslessness check."""
+"""`localspec bench`: median-of-N plain vs speculative tok/s, live, with a greedy fidelity check."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from localspec import config
 from localspec.bench import (
+    BenchPrompt,
     BenchReport,
     CheckStarted,
     RunDone,
     SweepReport,
     WarmupStep,
+    load_prompts,
     placement,
+    prompt_mode,
     run_bench,
     run_sweep,
 )
@@ -41,6 +44,14 @@ SavePresetOpt = Annotated[
 JsonOpt = Annotated[
     Path | None, typer.Option("--json", help="Also write the report as JSON to this path.", readable=False)
 ]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'.",
+                 show_default=False, readable=False),
+]
+RawFlag = Annotated[
+    bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")
+]
 
 
 @options.with_run_options
@@ -50,10 +61,13 @@ def bench(
     warmup: options.warmup = None,
     max_tokens: options.max_tokens = None,
     json_path: JsonOpt = None,
+    prompts: PromptsOpt = None,
+    raw: RawFlag = False,
     sweep: SweepOpt = None,
     save_preset: SavePresetOpt = None,
 ) -> None:
-    """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A)."""
+    """Measure plain vs speculative decoding on a fixed prompt set (code, prose, Q&A) or your own (--prompts)."""
+    prompt_set = load_prompts(prompts) if prompts is not None else None  # a bad file fails before any load
     lengths = _parse_sweep(sweep) if sweep is not None else None
     if save_preset is not None and lengths is None:
         raise LocalspecError("--save-preset needs --sweep: it stores the best draft length the sweep finds")
@@ -77,23 +91,25 @@ def bench(
         f"{chosen.bench.max_tokens} tokens per prompt"
     )
     if lengths is not None:
-        _sweep(console, files, chosen, lengths, json_path, save_preset)
+        _sweep(console, files, chosen, lengths, json_path, save_preset, prompt_set, raw)
         return
-    report = _run(console, files, chosen)
+    report = _run(console, files, chosen, prompt_set, raw)
     console.line()  # a live display that is not on a terminal ends without a newline
     console.print(summary(report))
     if json_path is not None:
         _write_json(json_path, report)
         console.print(f"report written to {json_path}")
-    if not report.greedy_check.identical:
+    if not report.greedy_check.passed:
         raise typer.Exit(1)
 
 
-def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
+def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None,
+         raw: bool) -> BenchReport:
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
         _print_placement(console, session)
-        events = run_bench(session, chosen)
+        _say_prompts(console, session, prompt_set, raw)
+        events = run_bench(session, chosen, prompt_set, raw)
         runs = []
         progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
                             transient=True)
@@ -109,7 +125,7 @@ def _run(console: Console, files, chosen: config.Preset) -> BenchReport:
                     runs.append(event.result)
                     live.update(live_table(runs, chosen.bench.repeat, title))
                 elif isinstance(event, CheckStarted):
-                    live.console.print(f"checking greedy losslessness on {event.prompts} prompts…")
+                    live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
                 event = next(events)
         return event
 
@@ -130,11 +146,18 @@ def _parse_sweep(text: str) -> list[int]:
     return lengths
 
 
+def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
+    count = len(prompt_set) if prompt_set is not None else 3
+    where = "your prompts" if prompt_set is not None else "the shipped prompts (code, prose, Q&A)"
+    console.print(f"{count} prompt(s): {where}, as {prompt_mode(session, raw)}")
+
+
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
-           save_preset: str | None) -> None:
+           save_preset: str | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
     with open_session(files, chosen) as session:
         _print_placement(console, session)
-        events = run_sweep(session, chosen, lengths)
+        _say_prompts(console, session, prompt_set, raw)
+        events = run_sweep(session, chosen, lengths, prompt_set, raw)
         total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as progress:

@@ -1,7 +1,9 @@
 """`localspec chat` (a streaming multi-turn chat) and `localspec generate` (one completion, pipeable).
 
-Both share bench's model, preset and `--draft` options. `chat` draws with rich: tokens that came from accepted
-draft tokens in their own colour, one stats line per reply. Ctrl-C during a reply only stops that reply: a
+Both share bench's model, preset and `--draft` options. Without model arguments and without a default pair,
+`chat` runs the offline instruct demo (`demo-chat`). `chat` draws with rich: tokens that came from accepted
+draft tokens in their own colour, a thinking model's thinking dimmed and apart from its answer, one stats line
+per reply. Ctrl-C during a reply only stops that reply: a
 SIGINT handler sets a flag that the loop checks after each event and then closes the stream, so the engine is
 only ever stopped between rounds (where its cache bookkeeping is consistent), never inside a llama_decode.
 """
@@ -21,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from localspec import registry
 from localspec.chat import (
     COMMANDS,
     STOP_INTERRUPTED,
@@ -30,22 +33,28 @@ from localspec.chat import (
     TurnRecord,
     encode_chat,
     parse_command,
+    split_thinking,
+    starts_in_thinking,
 )
 from localspec.cli import options
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, GenerationStats, TokenEvent
+from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import DecodeError, LocalspecError, UsageError
 from localspec.fsutil import not_utf8
 from localspec.session import ModelFiles, Session, open_session
 
 EXIT_CONTEXT_FULL = 3  # generate: the completion stopped short because the context filled (message on stderr)
 DRAFT_STYLE = "cyan"  # accepted draft tokens; the target's own tokens keep the terminal's colour
+THINK_STYLE = "dim italic"  # a thinking model's thinking, shown before (and apart from) its answer
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt for the conversation.")]
 DropOldestOpt = Annotated[
     bool, typer.Option("--drop-oldest", help="When the context is full, drop the oldest turns (not stop).")
 ]
 ChatMaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Cap on tokens per reply (default: the turn's end).", min=1)
+    int | None, typer.Option("--max-tokens", help="Reply limit in tokens (the preset's chat.max_tokens).", min=1)
+]
+NoThinkFlag = Annotated[
+    bool, typer.Option("--no-think", help="A thinking model (Qwen3) answers without thinking first.")
 ]
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
 ChatFlag = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
@@ -135,19 +144,26 @@ class ChatView:
         elif name == "color":
             self.color = not self.color
             out(f"[dim]draft-token colour {'on' if self.color else 'off'}[/]")
+        elif name in ("think", "nothink"):
+            chat.set_thinking(name == "think")
+            hint = "" if name == "think" else " (Qwen recommends /preset qwen3-instruct for answers without thinking)"
+            out(f"[dim]thinking {'on' if chat.thinking else 'off'} from the next message{escape(hint)}[/]")
         return True
 
     def reply(self, text: str) -> None:
         console = self.console
         console.print("[bold magenta]model›[/] ", end="")
+        splitter = self.chat.splitter()
         stream: Iterator[Any] = self.chat.send(text)
         done: DoneEvent | None = None
+        shown = _Shown()
         with _StopOnInterrupt() as stop:
             try:
                 for event in stream:
                     if isinstance(event, TokenEvent):
                         style = DRAFT_STYLE if (self.color and event.from_draft) else ""
-                        console.print(Text(event.text, style=style), end="", soft_wrap=True)
+                        for thinking, piece in splitter.feed(event.text):
+                            self._show(piece, thinking, style, shown)
                     elif isinstance(event, TrimEvent):
                         console.print(f"[dim](dropped the {event.dropped_turns} oldest turn(s) to fit the "
                                       "context)[/]\n[bold magenta]model›[/] ", end="")
@@ -160,21 +176,41 @@ class ChatView:
                 raise
             finally:
                 stream.close()  # records the (partial) turn in the session
+                for thinking, piece in splitter.flush():
+                    self._show(piece, thinking, "", shown)
         console.print()
         turn = self.chat.turns[-1]
         if turn.stop_reason == STOP_INTERRUPTED or done is None:
             console.print(f"[yellow]stopped after {turn.tokens} tokens[/] [dim](Ctrl-C)[/]")
             return
         console.print(f"[dim]{escape(stats_line(turn))}[/]")
+        if done.stop_reason == STOP_MAX_TOKENS:
+            console.print(f"[yellow]reply cut at the limit of {turn.max_tokens} tokens[/] [dim](--max-tokens, or "
+                          "max_tokens under \\[chat] in a preset, raises it)[/]")
         if done.stop_reason == STOP_CONTEXT_FULL:
             hint = ("the oldest turns will be dropped next turn" if self.chat.drop_oldest
                     else "/reset starts a new conversation")
             console.print(f"[yellow]context full ({self.chat.n_ctx} tokens): {hint}[/]")
 
+    def _show(self, piece: str, thinking: bool, style: str, shown: _Shown) -> None:
+        """Thinking dimmed under its own label; the answer after it on a fresh line."""
+        console = self.console
+        if thinking and not shown.thinking:
+            console.print(Text("(thinking) ", style=THINK_STYLE), end="")
+            shown.thinking = True
+        if not thinking and shown.thinking and not shown.answer:
+            console.print()
+            console.print("[bold magenta]      ›[/] ", end="")
+        if not thinking:
+            shown.answer = True
+        console.print(Text(piece, style=THINK_STYLE if thinking else style), end="", soft_wrap=True)
+
     def _settings_text(self) -> str:
         p = self.chat.preset
         draft = f"draft length {p.draft.n_draft}" if self.chat.engine.draft is not None else "no draft model"
-        return f"preset {p.name}: temperature {p.sampling.temperature}, {draft}"
+        thinking = "" if self.chat.thinking is None else f", thinking {'on' if self.chat.thinking else 'off'}"
+        return (f"preset {p.name}: temperature {p.sampling.temperature}, {draft}, "
+                f"reply limit {self.chat.reply_limit}{thinking}")
 
     def _totals_text(self) -> str:
         t = self.chat.totals()
@@ -184,7 +220,8 @@ class ChatView:
             f"{t['decode_tps']:.1f} tok/s · acceptance {t['acceptance_rate']:.0%} · "
             f"mean accepted {t['mean_accepted']:.2f}\n"
             f"prompt tokens processed {t['prompt_tokens_processed']} of {t['prompt_tokens']} "
-            f"({reused:.0%} reused from the KV cache) · context {t['context_tokens']}/{t['n_ctx']} tokens\n"
+            f"({reused:.0%} reused from the KV cache, {t['prompt_tokens_reread']} re-read where the template "
+            f"rewrote the history) · context {t['context_tokens']}/{t['n_ctx']} tokens\n"
             f"{self._settings_text()} · template: {self.chat.template.source}"
         )
 
@@ -193,11 +230,20 @@ def stats_line(turn: TurnRecord) -> str:
     """The one line after each reply."""
     s = turn.stats or GenerationStats()
     acceptance = f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "no drafting"
+    reread = f" ({turn.reread} re-read: the template rewrote the history)" if turn.reread else ""
     return (
         f"{turn.tokens} tokens · {s.decode_tps:.1f} tok/s · {acceptance} · "
         f"mean accepted {s.mean_accepted:.2f} · "
-        f"prompt tokens processed {turn.prompt_tokens_processed}/{turn.prompt_tokens}"
+        f"prompt tokens processed {turn.prompt_tokens_processed}/{turn.prompt_tokens}{reread}"
     )
+
+
+class _Shown:
+    """What one reply has drawn so far (thinking, answer)."""
+
+    def __init__(self) -> None:
+        self.thinking = False
+        self.answer = False
 
 
 @options.with_run_options
@@ -206,15 +252,17 @@ def chat(
     system: SystemOpt = None,
     max_tokens: ChatMaxTokensOpt = None,
     drop_oldest: DropOldestOpt = False,
+    no_think: NoThinkFlag = False,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
-    files, chosen = options.resolve_run(run, "chat", max_tokens=max_tokens)
+    # --max-tokens goes to the session, not the preset: /preset switches keep the user's limit.
+    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name)
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
         template = ChatTemplate.for_model(session.target)
         session_chat = ChatSession(session.engine, session.target, chosen, system=system, template=template,
                                    max_tokens=max_tokens, drop_oldest=drop_oldest,
-                                   info=_model_info(files, session))
+                                   info=_model_info(files, session), thinking=not no_think)
         view = ChatView(console, session_chat)
         draft_name = files.draft.name if files.draft else "none (plain decoding)"
         console.print(
@@ -237,24 +285,35 @@ def generate(
     prompt: PromptArg,
     max_tokens: options.max_tokens = None,
     chat_template: ChatFlag = False,
+    no_think: NoThinkFlag = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
     text = _read_stdin() if prompt == "-" else prompt
     if not text.strip():
         raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
+    if no_think and not chat_template:
+        raise UsageError("--no-think switches the chat template's thinking off: use it with --chat")
     files, chosen = options.resolve_run(run, "generate", max_tokens=max_tokens)
+    limit = chosen.generate.max_tokens
     with open_session(files, chosen) as session:
         model = session.target
+        opens_thinking = False
         if chat_template:
             template = ChatTemplate.for_model(model)
-            tokens = encode_chat(model, template.render([{"role": "user", "content": text}]))
+            if no_think and not template.thinking_switch:
+                raise UsageError(f"--no-think: this model's chat template has no thinking switch "
+                                 f"(enable_thinking) ({template.source})")
+            variables = {"enable_thinking": False} if no_think else {}
+            rendered = template.render([{"role": "user", "content": text}], **variables)
+            opens_thinking = starts_in_thinking(rendered)
+            tokens = encode_chat(model, rendered)
         else:
             tokens = model.tokenize(text, add_special=True, parse_special=False)
         out: list[int] = []
         done: DoneEvent | None = None
         try:
-            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, chosen.bench.max_tokens)
+            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit)
             for event in events:
                 if isinstance(event, TokenEvent):
                     out.append(event.token)
@@ -269,7 +328,10 @@ def generate(
         if done is None:  # the engine always ends with a DoneEvent; without one there is no result to report
             raise DecodeError("generation ended without its final stats")
         if json_out:
-            result = {"text": model.detokenize(out), "tokens": len(out), "stop_reason": done.stop_reason,
+            completion = model.detokenize(out)
+            thinking, answer = split_thinking(completion, thinking=opens_thinking)
+            result = {"text": completion, "thinking": thinking, "answer": answer, "tokens": len(out),
+                      "stop_reason": done.stop_reason, "max_tokens": limit,
                       "stats": done.stats.as_dict(), "model": _model_info(files, session),
                       "preset": chosen.name,
                       "n_draft": chosen.draft.n_draft if files.draft else 0,
@@ -282,6 +344,10 @@ def generate(
         except BrokenPipeError:
             _silence_stdout()
             return
+    if done.stop_reason == STOP_MAX_TOKENS and not json_out:
+        # On stderr, so a pipe still gets exactly the completion.
+        print(f"localspec: stopped at the limit of {limit} tokens (--max-tokens, or max_tokens under "
+              "[generate] in a preset, raises it)", file=sys.stderr)
     if done.stop_reason == STOP_CONTEXT_FULL:
         # The text stops short of what was asked: say so where a pipe does not swallow it, and exit non-zero.
         print(f"localspec: stopped: context full ({session.engine.n_ctx} tokens)", file=sys.stderr)

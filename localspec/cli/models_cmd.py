@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from localspec import compat, config, doctor, hub, memory, placement, registry
+from localspec import compat, config, demo, doctor, hub, memory, placement, registry
 from localspec.cli import options
 from localspec.errors import LocalspecError
 from localspec.gguf_header import read_header
@@ -33,6 +35,7 @@ YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair 
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
 PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
+
 def _size(n: int | None, approx: bool = False) -> str:
     return "?" if n is None else f"{'~' if approx else ''}{n / GB:.1f} GB"
 
@@ -42,7 +45,7 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
     files = _cached_files(pair)
     if files is not None:
         t, d = read_header(files[0]), read_header(files[1])
-        s = memory.settings_from_preset(preset, n_ctx=pair.n_ctx if not pair.builtin else None)
+        s = memory.settings_from_preset(preset.with_overrides(kv_type=pair.kv_type), n_ctx=pair.n_ctx)
         try:
             est = memory.estimate(t, d, s, devices)
         except LocalspecError as exc:  # the preset names a device this machine does not have
@@ -59,14 +62,7 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
 
 def _cached_files(pair: registry.Pair) -> tuple[Path, Path] | None:
     if pair.builtin:
-        try:
-            from localspec import demo
-
-            target = demo.demo_dir() / demo.TARGET_FILE
-            draft = demo.demo_dir() / demo.DRAFT_FILE
-        except LocalspecError:
-            return None
-        return (target, draft) if target.is_file() and draft.is_file() else None
+        return demo.DEMOS[pair.name].cached()
     assert pair.target is not None and pair.draft is not None
     t, d = hub.cached_path(pair.target), hub.cached_path(pair.draft)
     return (t, d) if t is not None and d is not None else None
@@ -82,35 +78,43 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     current = registry.default_pair_name()
     chosen = config.load_preset(preset or "default")
     devices = memory.probe_devices(placement.rpc_servers(chosen.load), strict=False)
-    table = Table(title="localspec model pairs", title_justify="left")
-    for col in ("", "pair", "target + draft", "size", "downloaded", "fits", "ctx", "k"):
-        table.add_column(col)
+    # Narrow terminals (80 columns) fold the file names, never the pair names: those are what users type.
+    table = Table(title="localspec model pairs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1))
+    table.add_column("pair", no_wrap=True, min_width=max(len(n) for n in pairs) + 2)
+    table.add_column("target + draft", overflow="fold", ratio=1, min_width=12)
+    for col in ("size", "fits", "ctx, k"):
+        table.add_column(col, no_wrap=col != "fits")
     unreadable: list[str] = []
     for pair in pairs.values():
+        built = _cached_files(pair)
         if pair.builtin:
-            models_text, size, downloaded = (
-                "built in: Gemma 3 270M Q4_K_M + Q2_K",
-                "0.3 GB",
-                "[green]built in[/]",
-            )
+            models_text = demo.DEMOS[pair.name].models_text
+            size = _size(sum(p.stat().st_size for p in built)) if built else "-"
+            downloaded = "[green]built in[/]"
         else:
             assert pair.target is not None and pair.draft is not None
             models_text = f"{pair.target.file}\n+ {pair.draft.file}"
             exact = pair.target.size is not None and pair.draft.size is not None
             size = _size(pair.expected_bytes, approx=not exact)
-            downloaded = "[green]yes[/]" if _cached_files(pair) else "no"
-        mark = "*" if pair.name == current else ("+" if pair.recommended else "")
-        ctx, k = ("preset", "preset") if pair.builtin else (str(pair.n_ctx), str(pair.n_draft))
+            downloaded = "[green]downloaded[/]" if built else "[dim]not pulled[/]"
+        name = Text(("* " if pair.name == current else "  ") + pair.name, style="bold" if pair.recommended else "")
+        if pair.recommended:
+            name.append("\n  recommended", style="green")
+        ctx = "preset" if pair.n_ctx is None else f"{pair.n_ctx}" + (f" {pair.kv_type}" if pair.kv_type else "")
+        k = "" if pair.n_draft is None else f"\nk = {pair.n_draft}"
         try:
             fits = _fits(pair, devices, chosen)
         except LocalspecError as exc:  # one corrupt cached file: this row says so, the others still list
-            downloaded, fits = "[red]unreadable[/]", "?"
+            fits = "[red]unreadable[/]"
             unreadable.append(str(exc))
-        table.add_row(mark, pair.name, models_text, size, downloaded, fits, ctx, k)
+        table.add_row(name, models_text, f"{size}\n{downloaded}", fits, ctx + k)
     console.print(table)
     for problem in unreadable:
         console.print(f"[red]✗[/] {escape(problem)}")
-    console.print(f"* default ({current})   + recommended   user pairs: {registry.user_path()}")
+    fallback = "" if registry.default_file().is_file() else f"; chat without a default: {registry.DEMO_CHAT.name}"
+    console.print(f"* default ({current}){fallback}")
+    console.print(f"user pairs: {registry.user_path()}")
     if not devices.gpus:
         console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
     elif len(devices.gpus) > 1:

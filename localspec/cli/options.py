@@ -131,18 +131,22 @@ class RunOptions:
     overlap: str | None = None
     rpc: str | None = None
 
-    def files(self) -> ModelFiles:
+    def files(self, fallback_pair: str | None = None) -> ModelFiles:
+        """The two model files; without model arguments and without a default pair, `fallback_pair` (an offline
+        demo: chat's is the instruct one)."""
         _, draft_model = split_draft_values(self.draft)
-        return resolve_files(self.pair, self.target, draft_model)
+        return resolve_files(self.pair, self.target, draft_model, **({"fallback": fallback_pair} if fallback_pair
+                                                                     else {}))
 
     def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
-        """The preset with every value overlaid: command line first, then what the pair recommends, then the
-        preset. `more` are the command's own preset-key options; a key in several sections (`max_tokens`) means
-        the one in the command's own section."""
+        """The preset with every value overlaid: command line first, then what the pair recommends (its preset,
+        context, draft length, KV type), then the preset. `more` are the command's own preset-key options; a key in
+        several sections (`max_tokens`) means the one in the command's own section."""
         n_draft, _ = split_draft_values(self.draft)
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in config.preset_keys()}
-        return settle_preset(config.load_preset(self.preset or "default"), files, n_draft=n_draft, prefer=command,
-                             flags=FLAGS, **settings, **more)
+        preset = self.preset or (files.preset if files is not None else None) or "default"
+        return settle_preset(config.load_preset(preset), files, n_draft=n_draft, prefer=command, flags=FLAGS,
+                             **settings, **more)
 
 
 _RUN_OPTIONS: dict[str, Any] = {
@@ -172,7 +176,8 @@ def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
     return run_command
 
 
-def resolve_run(run: RunOptions, command: str, **more: Any) -> tuple[ModelFiles, config.Preset]:
+def resolve_run(run: RunOptions, command: str, fallback_pair: str | None = None,
+                **more: Any) -> tuple[ModelFiles, config.Preset]:
     """A command's run options (and its own preset-key options) → its two model files and its preset."""
-    files = run.files()
+    files = run.files(fallback_pair)
     return files, run.settle(files, command, **more)

@@ -12,19 +12,19 @@ import logging
 import signal
 import socket
 import threading
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import uvicorn
 from rich.console import Console
-from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
 from localspec.cli import options
 from localspec.errors import LocalspecError
-from localspec.server.app import SHUTDOWN_GRACE_S, Backend, ServerState, create_app
 from localspec.session import ModelFiles, Session, open_session, preflight
+
+if TYPE_CHECKING:
+    from localspec.server.app import ServerState
 
 ApiKeyOpt = Annotated[
     str | None, typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", show_default=False,
@@ -52,6 +52,11 @@ def serve(
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
     overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
+    # The HTTP stack loads here, not with the CLI: the other commands start no slower for it.
+    from rich.live import Live
+
+    from localspec.server.app import Backend, ServerState, create_app
+
     files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue)
     preflight(files, chosen)  # headers only: a pair that cannot work fails before the port is taken
     settings = chosen.server
@@ -75,9 +80,13 @@ def serve(
         console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
                       "reach this port can use the models[/]")
 
-    server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
     loaded: dict[str, Any] = {}
+
+    def on_exit() -> None:  # a shutdown signal cancels the engine's work at once instead of waiting for it
+        if state.backend is not None:
+            state.backend.worker.shutdown(timeout=0)
+
+    server = _uvicorn_server(app, on_exit)
 
     def load() -> None:
         try:
@@ -91,7 +100,6 @@ def serve(
             state.load_error = str(exc)
             server.should_exit = True
 
-    server.on_exit = lambda: state.backend.worker.shutdown(timeout=0) if state.backend else None
     loader = threading.Thread(target=load, name="localspec-load", daemon=True)
     loader.start()
     try:
@@ -110,18 +118,23 @@ def serve(
         raise loaded["error"]
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus: a shutdown signal cancels the engine's work at once instead of waiting for it."""
+def _uvicorn_server(app: Any, on_exit: Any) -> Any:
+    """uvicorn's server, plus `on_exit` when a shutdown signal arrives (uvicorn itself would wait for in-flight
+    requests to finish)."""
+    import uvicorn
 
-    on_exit: Any = None
+    from localspec.server.app import SHUTDOWN_GRACE_S
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        super().handle_exit(sig, frame)
-        if self.on_exit is not None:
-            self.on_exit()
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            on_exit()
+
+    return Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
 
 
-def _run_quietly(server: uvicorn.Server, sock: socket.socket) -> None:
+def _run_quietly(server: Any, sock: socket.socket) -> None:
     """Run until a signal. uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers
     in place the re-raised Ctrl-C ends nothing more, so the command returns and exits 0."""
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -42,11 +42,18 @@ def summary(report: BenchReport) -> Group:
         lines.append(Text(f"draft-ahead: {report.speculative.ahead_hit_rate:.0%} of the rounds drafted during the "
                           "previous verify were used"))
     check = report.greedy_check
-    if check.identical:
-        lines.append(Text("✓ greedy output of speculative decoding is token-identical to plain decoding",
-                          style="green"))
-    else:
-        lines.append(Text(f"✗ greedy outputs differ: {check.first_mismatch}", style="bold red"))
+    if not check.invariant_holds:
+        bad = sum(p.not_argmax for p in check.prompts)
+        lines.append(Text(f"✗ greedy check: {bad} speculative tokens are not their verify row's argmax",
+                          style="bold red"))
+    elif check.exact:  # CPU: batch and single-token logits are bitwise equal, so the outputs must be too
+        style = "green" if check.passed else "bold red"
+        lines.append(Text(f"{'✓' if check.passed else '✗'} greedy: speculative output is {check.describe()}",
+                          style=style))
+    else:  # GPU: logits depend on the batch shape; the divergence is a measurement, not a failure
+        lines.append(Text("✓ greedy: every speculative token is its verify row's argmax", style="green"))
+        lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
+                          "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
     return Group(*lines)
 
 
