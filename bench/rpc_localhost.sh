@@ -30,8 +30,9 @@ import json, sys
 from pathlib import Path
 for name in ("local", "rpc", "rpc-sequential"):
     r = json.loads((Path(sys.argv[1]) / f"{name}.json").read_text())
-    p, s = r["plain"], r["speculative"]
+    p, s, check = r["plain"], r["speculative"], r["greedy_check"]
+    same = check.get("identical", check.get("diverged") == 0)
     print(f"{name:<15} plain {p['median_tps']:6.1f} tok/s ({p['min_tps']:.1f}-{p['max_tps']:.1f})   "
           f"speculative {s['median_tps']:6.1f} tok/s ({s['min_tps']:.1f}-{s['max_tps']:.1f}), "
-          f"acceptance {s['acceptance_rate']:.0%}, greedy {'identical' if r['greedy_check']['identical'] else 'DIFFERS'}")
+          f"acceptance {s['acceptance_rate']:.0%}, greedy {'identical' if same else 'DIFFERS'}")
 PY
