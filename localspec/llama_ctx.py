@@ -199,17 +199,6 @@ def serve_rpc(endpoint: str, devices: Sequence[BackendDevice], threads: int, cac
     start(endpoint.encode(), str(cache_dir).encode() if cache_dir else None, threads, len(devices), handles)
 
 
-def has_gpu_device() -> bool:
-    """Whether llama.cpp sees a GPU (dedicated or integrated). llama_supports_gpu_offload() is not that: it is
-    also true on a CPU-only build that has the RPC backend (the PyPI build does)."""
-    _init_backend()
-    lib = llama_cpp.llama_cpp._lib  # ggml's registry, reached through libllama's handle (it links libggml)
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    gpu, igpu = 1, 2  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
-    return any(lib.ggml_backend_dev_by_type(kind) for kind in (gpu, igpu))
-
-
 def system_info() -> str:
     """llama.cpp's build and CPU feature summary (for bench reports)."""
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
@@ -399,7 +388,8 @@ class LlamaModel:
         self.kv_type = kv_type
         self.n_gpu_layers = n_gpu_layers
         # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
-        self.on_gpu = n_gpu_layers != 0 and has_gpu_device()
+        # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
+        self.on_gpu = n_gpu_layers != 0 and any(d.kind in ("gpu", "igpu", "rpc") for d in self.devices)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))

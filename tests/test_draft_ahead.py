@@ -22,18 +22,27 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, 40_000, size=12).tolist() for _ in range(n)]
 
 
+class _Cycle:
+    """A draft length that changes every round, the same in every generation."""
+
+    LENGTHS = (5, 3, 4, 4)
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def next(self) -> int:
+        return self.LENGTHS[self.rounds % len(self.LENGTHS)]
+
+    def observe(self, *measured: object) -> None:
+        self.rounds += 1
+
+
 @pytest.fixture
 def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A draft length that changes every round, the same in every run (adaptive drafting's choice depends on
-    measured times, so two runs of it differ anyway): a bet made for one length is thrown when the next round
-    asks for another."""
-    lengths = [5, 3, 4, 4]
-
-    def next_length(self) -> int:
-        self.calls = getattr(self, "calls", -1) + 1
-        return min(lengths[self.calls % len(lengths)], self.k_max)
-
-    monkeypatch.setattr(engine._DraftLength, "next", next_length)
+    """Each generation gets a fresh `_Cycle` as its draft-length chooser (adaptive drafting's choice depends on
+    measured times, so two runs of it differ anyway): a bet made for one length is thrown when the next round asks
+    for another."""
+    monkeypatch.setattr(engine.Engine, "_draft_length", lambda self, drafting, sampling: _Cycle())
 
 
 @pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])

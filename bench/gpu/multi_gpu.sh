@@ -74,7 +74,7 @@ run() {
 { date -u +%FT%TZ; nproc; free -g; df -h "$WORK"
   nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv 2>&1 || true
   nvidia-smi topo -m 2>&1 || true; } > "$RES/env.txt" 2>&1
-(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )) || log "WARNING: fewer than two GPUs visible: the two-GPU rows will fail"
+(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )) || log "WARNING: fewer than two GPUs: the two-GPU rows will fail"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 if [[ ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
@@ -126,10 +126,12 @@ for s in $SCALES; do
             json="$RES/s$s/localspec-$config-t$temp.json"
             [[ -s "$json" ]] && continue
             mkdir -p "$RES/s$s"
+            # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there)
             # shellcheck disable=SC2046,SC2086  # word lists on purpose
-            run "localspec-s$s-$config-t$temp" 90 "${LOCALSPEC[@]}" bench --target "$T" --draft "$D" --temp "$temp" \
-                --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$REPEAT" --warmup "$WARMUP" --seed "$SEED" \
-                --ctx 4096 $(placement "$config") --json "$json.tmp" ${LOCALSPEC_ARGS:-} \
+            run "localspec-s$s-$config-t$temp" 90 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$D" \
+                --temp "$temp" --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$REPEAT" \
+                --warmup "$WARMUP" --seed "$SEED" --ctx 4096 $(placement "$config") --json "$json.tmp" \
+                ${LOCALSPEC_ARGS:-} \
                 > "$RES/s$s/localspec-$config-t$temp.log" 2>&1
             [[ -s "$json.tmp" ]] && mv "$json.tmp" "$json"
         done

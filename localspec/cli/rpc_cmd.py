@@ -2,7 +2,7 @@
 
 It wraps ggml's own RPC server (`ggml_backend_rpc_start_server`), so it speaks exactly the protocol of the
 llama.cpp it was built with: a client with `--rpc HOST:PORT` — localspec, llama-cli, llama-server — sees this
-machine's devices as its own. The server runs in a thread of its own; this one waits for Ctrl-C.
+machine's devices as its own. The server runs in a thread of its own; this one waits for Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt =
     try:
         while server.is_alive():
             server.join(0.5)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C or SIGTERM, which the entry point turns into exceptions: a requested stop
         console.print("rpc-server stopped")
         _exit_now(0)
     raise LocalspecError(f"RPC server {endpoint}: ggml's server stopped (it prints why above)")
