@@ -340,6 +340,7 @@ class Stream:
         self.stats = GenerationStats()
         self.ahead: _Ahead | None = None  # drafted beside the last verify, betting on its outcome
         self.done: DoneEvent | None = None
+        self._done_sent = False
         self.t_start = 0.0
         # The round in flight: its draft length, drafts, the draft's distributions, and what verification kept.
         self.k_round = self.k = 0
@@ -384,7 +385,8 @@ class Stream:
                 # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
                 self._finish(STOP_REQUESTED, "stopped by the caller")
                 break
-        if self.done is not None:
+        if self.done is not None and not self._done_sent:
+            self._done_sent = True
             yield self.done
 
 
