@@ -178,9 +178,11 @@ class Level:
         tokens = sum(r.tokens for r in ok)
         tps = [r.decode_tps for r in ok if r.decode_tps is not None]
         ttft = [r.ttft for r in ok if r.ttft is not None]
-        drafted = [r.timings.get("draft_n") for r in ok if r.timings]
-        accepted = [r.timings.get("draft_n_accepted") for r in ok if r.timings]
-        have_drafts = bool(drafted) and all(isinstance(n, int) for n in drafted + accepted)
+        # llama-server leaves draft_n out of a request that drafted nothing: count it as 0 once any request has it.
+        timings = [r.timings or {} for r in ok]
+        have_drafts = any("draft_n" in t for t in timings)
+        drafted = [int(t.get("draft_n", 0)) for t in timings]
+        accepted = [int(t.get("draft_n_accepted", 0)) for t in timings]
         return {
             "clients": self.clients,
             "requests": len(self.requests),
