@@ -4,6 +4,8 @@ pair, and its one-line failures."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import concurrency  # bench/concurrency.py (conftest puts bench/ on the path)
 import pytest
@@ -58,3 +60,42 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "concurrency.py: error: argument --clients: expected comma-separated " \
                                               "integers, got '1,x'"
+
+
+# -- bench/gpu/concurrency_summary.py (no server) -------------------------------------------------------------
+
+
+def _report(aggregate: dict[int, float], per_request: float = 50.0) -> dict:
+    levels = [{"clients": n, "requests": 2 * n, "errors": 0, "completion_tokens": 512 * n, "aggregate_tps": tps,
+               "per_request_tps_median": per_request, "per_request_tps_min": per_request / 2,
+               "ttft_s_median": 0.1, "acceptance": 0.8} for n, tps in aggregate.items()]
+    settings = {"requests_per_client": 2, "max_tokens": 256, "n_prompts": 16, "prompts": "built-in", "seed": 42,
+                "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+    return {"settings": settings, "token_count": "usage", "levels": levels}
+
+
+def test_summary_finds_the_crossover(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    folder = tmp_path / "s8e-5"
+    folder.mkdir()
+    reports = {
+        "k0-t0": {1: 100.0, 4: 350.0, 8: 600.0, 16: 1000.0},
+        "spec-t0": {1: 180.0, 4: 400.0, 8: 580.0, 16: 900.0},
+        "llama-t0": {1: 170.0, 4: 420.0, 8: 500.0, 16: 800.0},
+        "spec-t0.7": {1: 150.0},  # no k0 at T = 0.7: nothing to compare
+    }
+    for name, agg in reports.items():
+        (folder / f"{name}.json").write_text(json.dumps(_report(agg)))
+    (folder / "k0-t0.json.tmp").write_text("{")  # an unfinished write is not a result
+    out = tmp_path / "summary.json"
+    assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "crossover: speculative falls below k = 0 between 4 and 8 clients; below at 8, 16" in printed
+    assert "localspec spec below llama-server at: 4 clients" in printed
+    assert "| 1 | 100.0 | 180.0 | 170.0 | 50.0 | 50.0 | 50.0 | 1.80 | 1.06 | 80.0% | 80.0% |" in printed
+    assert "crossover: not measured" in printed
+    summary = json.loads(out.read_text())
+    assert summary["8e-5"]["0"]["spec_below_k0"] == [8, 16]
+    assert summary["8e-5"]["0.7"]["compared_with_k0"] == []
