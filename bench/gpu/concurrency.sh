@@ -28,7 +28,7 @@
 #   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
-#   LOCALSPEC_CTX [CTX]       `localspec serve --ctx` (set PARALLEL*CTX if --ctx turns out to be the total)
+#   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
 #   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)  BUDGET_S [570]  RERUN [0]
 #   SIZE [gpu32b] (tiny: a CPU dry run)  VOCAB [carry/ggml-vocab-qwen2.gguf] ('' = synthetic.py's default)
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
