@@ -240,26 +240,31 @@ async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str, body: 
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], stream=True,
             stream_options={"include_usage": True}, **body)
-        async for chunk in stream:
-            now = time.perf_counter() - t0
-            if chunk.usage is not None and chunk.usage.completion_tokens is not None:
-                req.usage_tokens = chunk.usage.completion_tokens
-            timings = (chunk.model_extra or {}).get("timings")
-            if isinstance(timings, dict):
-                req.timings = timings
-            for choice in chunk.choices:
-                if choice.delta is not None and choice.delta.content:
-                    req.text_chunks += 1
-                    if req.first_token is None:
-                        req.first_token = now
-                    req.last_token = now
-                if choice.finish_reason:
-                    req.finish_reason = choice.finish_reason
-        req.end = time.perf_counter() - t0
+        async with stream:  # closes the connection also when the stream fails halfway
+            await _read(stream, req, t0)
+            req.end = time.perf_counter() - t0
         req.tokens = req.usage_tokens if req.usage_tokens is not None else req.text_chunks
     except Exception as exc:  # one failed request must not end the level: it is counted and reported
         req.end = time.perf_counter() - t0
         req.error = _one_line(exc)
+
+
+async def _read(stream: Any, req: Request, t0: float) -> None:
+    async for chunk in stream:
+        now = time.perf_counter() - t0
+        if chunk.usage is not None and chunk.usage.completion_tokens is not None:
+            req.usage_tokens = chunk.usage.completion_tokens
+        timings = (chunk.model_extra or {}).get("timings")
+        if isinstance(timings, dict):
+            req.timings = timings
+        for choice in chunk.choices:
+            if choice.delta is not None and choice.delta.content:
+                req.text_chunks += 1
+                if req.first_token is None:
+                    req.first_token = now
+                req.last_token = now
+            if choice.finish_reason:
+                req.finish_reason = choice.finish_reason
 
 
 async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[str], n_clients: int,
@@ -288,22 +293,29 @@ async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[str], 
     return level
 
 
-async def fetch_models(client: openai.AsyncOpenAI, url: str) -> dict[str, Any]:
+async def fetch_models(client: openai.AsyncOpenAI, url: str) -> tuple[Any, list[str]]:
+    """The server's GET /models answer as it sent it (recorded in the JSON), and the model ids in it."""
     try:
-        page = await client.models.list()
+        raw = await client.models.with_raw_response.list()
+        ids = [m.id for m in raw.parse().data]
+        answer = json.loads(raw.text)
     except openai.APIConnectionError as exc:
         raise BenchError(f"cannot reach {url}: {_one_line(exc)}") from None
     except openai.APIStatusError as exc:
         raise BenchError(f"{url}/models: {_one_line(exc)}") from None
-    return {"object": "list", "data": [m.model_dump() for m in page.data]}
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise BenchError(f"{url}/models: not an OpenAI model list ({type(exc).__name__}: {exc})") from None
+    return answer, ids
 
 
-def print_table(label: str, levels: list[dict[str, Any]], token_note: str | None) -> None:
+def print_table(args: argparse.Namespace, model: str, levels: list[dict[str, Any]], token_note: str | None) -> None:
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    print(f"\n{label or 'server'}: aggregate = all completion tokens / level wall time; per-request = "
-          "(tokens - 1) / (last - first text chunk)")
+    print(f"\n{args.label or 'server'}: model {model} at {args.url}; {args.requests_per_client} streaming chat "
+          f"request(s) per client, max_tokens {args.max_tokens}, temperature {args.temperature}\n"
+          "aggregate = all completion tokens / level wall time; per-request = (tokens - 1) / (last - first text "
+          "chunk); TTFT = send -> first text chunk")
     head = ("clients", "requests", "errors", "tokens", "wall s", "aggregate tok/s", "per-req median", "per-req min",
             "TTFT median s", "acceptance")
     rows = [(str(s["clients"]), str(s["requests"]), str(s["errors"]), str(s["completion_tokens"]),
@@ -322,8 +334,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     url = args.url.rstrip("/")
     client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
     try:
-        models = await fetch_models(client, url)
-        ids = [m.get("id") for m in models["data"]]
+        models, ids = await fetch_models(client, url)
         if args.model is None and not ids:
             raise BenchError(f"{url}/models lists no model: pass --model")
         model = args.model or ids[0]
@@ -343,7 +354,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     if no_usage:
         token_note = (f"note: {no_usage} of {len(ok)} requests had no usage chunk; their tokens are the count of "
                       "chunks with text (an undercount where a chunk holds several tokens)")
-    print_table(args.label, summaries, token_note)
+    print_table(args, model, summaries, token_note)
     errors = [(lv.clients, r.client, r.error) for lv in levels for r in lv.requests if r.error]
     for clients, c, err in errors[:10]:
         print(f"error at {clients} clients, client {c}: {err}")
