@@ -160,7 +160,8 @@ class RpcServerSettings:
 class ServerSettings:
     host: str = field(metadata={"kind": str})  # where `localspec serve` listens
     port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
-    queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait behind the running one
+    queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait for a free slot
+    parallel: int = field(metadata=_rng(1, 64, int))  # slots: requests generated together, each with n_ctx of KV
 
 
 _SECTIONS: dict[str, type] = {

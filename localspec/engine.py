@@ -1,22 +1,27 @@
 """The speculative loop. It yields events and never prints.
 
-One generation: `_prefill` the prompt into both KV caches (reusing whatever prefix they already hold), then rounds
-of `_draft` (up to k tokens, one draft decode each), `_verify` (one batched target decode with logits at every
-drafted position), acceptance (greedy match or rejection sampling), and `_rewind` (the one place KV cells of
-rejected tokens are removed from both caches). k = 0 is plain decoding through the same code, so baselines are
-apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so llama.cpp's
-CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
+One generation: `_prefill` the prompt into its slot's KV cells in both models (reusing whatever prefix they already
+hold), then rounds of `_draft` (up to k tokens, one draft decode each), `_verify` (one batched target decode with
+logits at every drafted position), `_accept` (greedy match or rejection sampling), and `_rewind` (the one place KV
+cells of rejected tokens are removed from both caches). k = 0 is plain decoding through the same code, so
+baselines are apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so
+llama.cpp's CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
 
-Bookkeeping invariant between rounds: `self._tokens` is the committed sequence; the target's KV cache holds all of
-it except the last token (`cur`), which opens the next verify batch; the draft's KV cache holds a prefix of it and
-catches up at the start of its next `_draft` (or, after a kept draft-ahead, the next round's drafts but the last).
+Slots: the models may hold several sequences (`LlamaModel(n_seq=N)`, one KV region each). `start` opens a
+`Stream` in a slot; `step(streams)` runs one round for all of them at once (each draft step one draft decode
+across the streams, one target decode verifying all), and each stream's `events()` yields what its round emitted.
+Every stream keeps its own settings, random streams and stats, and a slot's numbers do not depend on what the
+others hold (on the CPU, bit for bit: tests/test_slots.py), so a request's output is what it would be alone.
+`generate` is the one-stream case of the same code. With several streams, `_LoadPolicy` falls back to k = 0 at
+batch sizes where measured plain batched decoding is faster.
 
 Draft-ahead (`Engine(draft_ahead=True)`, for a draft on a device of its own): while the target verifies a round,
 a worker thread drafts the next one, betting that every draft is accepted and that the target's own next token
 is the draft's argmax there. The bet is kept only when it came true and the next round asks for the same length;
-otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of its own
-that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft scores
-a token alone as it scores it in a batch, which localspec's losslessness already rests on).
+otherwise it is thrown away and the round drafts as usual (as it does when other streams share the round). The
+draft samples from a random stream of its own that a thrown bet rewinds, so the output is the sequential loop's,
+token for token (given that the draft scores a token alone as it scores it in a batch, which localspec's
+losslessness already rests on).
 """
 
 from __future__ import annotations
@@ -256,8 +261,138 @@ class _Ahead:
     seconds: float  # spent in the draft's decodes, beside the verify
 
 
+class _LoadPolicy:
+    """Whether speculating pays at the current batch size (several slots in one round).
+
+    With many slots the target's verify becomes compute-bound and draft tokens cost nearly what they save, so
+    per batch size this measures the aggregate tokens per second of whole rounds with drafts and without (k = 0:
+    plain batched decoding) and uses the faster. It measures speculation for an epoch, then plain decoding, and
+    after that re-measures the loser every REPROBE-th epoch (acceptance drifts with the text). One slot alone
+    always drafts: the single-request loop (and `localspec bench`'s modes) stays what it was.
+    """
+
+    EPOCH = 8
+    REPROBE = 8
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, int] = {}
+        self.rate: dict[tuple[int, bool], float] = {}  # (batch size, plain) -> smoothed tokens per second
+
+    def plain(self, n: int) -> bool:
+        if n < 2:
+            return False
+        epoch = self.rounds.get(n, 0) // self.EPOCH
+        if epoch < 2:
+            return epoch == 1
+        plain_wins = self.rate.get((n, True), 0.0) > self.rate.get((n, False), 0.0)
+        return plain_wins != (epoch % self.REPROBE == 0)
+
+    def observe(self, n: int, plain: bool, tokens: int, seconds: float) -> None:
+        if n < 2 or seconds <= 0.0:
+            return
+        self.rounds[n] = self.rounds.get(n, 0) + 1
+        rate, key = tokens / seconds, (n, plain)
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per batch size seen: the measured tok/s of each mode (for the server's status)."""
+        return {n: {("plain" if plain else "speculative"): round(r, 1) for (m, plain), r in self.rate.items() if m == n}
+                for n in sorted(self.rounds)}
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One sequence of both contexts (llama.cpp sequence id `seq`) and what its KV cells hold.
+
+    Invariant between rounds: `tokens` is the committed sequence; the target's cells hold all of it but the last
+    token (`cur`, which opens the next verify batch); the draft's cells hold a prefix of it."""
+
+    seq: int
+    tokens: list[int] = field(default_factory=list)
+    target_kv: list[int] = field(default_factory=list)
+    draft_kv: list[int] = field(default_factory=list)
+    chooser: tuple[tuple, _DraftLength] | None = None  # adaptive drafting's, kept across generations
+    used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
+    busy: bool = False
+
+
+class Stream:
+    """One generation in progress in a slot: its request, random streams and stats, and the last round's tokens.
+
+    Made by `Engine.start`; `Engine.step` runs a round for several streams at once; `events()` then yields that
+    round's TokenEvents (asking `should_stop` after each) and, when the generation has ended, its DoneEvent.
+    """
+
+    def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
+                 should_stop: Callable[[], bool] | None, trace: bool) -> None:
+        self.slot = slot
+        self.sampling = sampling
+        self.drafting = drafting
+        self.max_tokens = max_tokens
+        self.should_stop = should_stop
+        self.use_draft = engine.draft is not None and drafting.n_draft > 0
+        self.trace = trace and sampling.greedy
+        self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
+        self.draft_rng = np.random.default_rng([sampling.seed, 1])  # the draft's: a stream draft-ahead can rewind
+        self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
+                                            sampling, slot)
+        self.stats = GenerationStats()
+        self.ahead: _Ahead | None = None  # drafted beside the last verify, betting on its outcome
+        self.done: DoneEvent | None = None
+        self._done_sent = False
+        self.t_start = 0.0
+        # The round in flight: its draft length, drafts, the draft's distributions, and what verification kept.
+        self.k_round = self.k = 0
+        self.drafts: list[int] = []
+        self.q: list[Candidates] | None = None
+        self.draft_s = 0.0
+        self.emitted: list[int] = []
+        self.n_accepted = 0
+        self.rows: list[tuple[int, float]] = []
+        self.width = 0  # the verify batch's width: 1 + drafts, or constant within the generation on a GPU
+        self._piece = engine.target.piece
+        self._is_eog = engine.target.is_eog
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None
+
+    def _finish(self, stop: str, message: str) -> None:
+        self.stats.decode_s = time.perf_counter() - self.t_start
+        self.done = DoneEvent(self.stats, stop, message)
+        self.slot.busy = False
+
+    def _stop_requested(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
+
+    def events(self) -> Iterator[Event]:
+        """The last round's tokens, then the DoneEvent if the generation ended (in the round or here)."""
+        emitted, self.emitted = self.emitted, []
+        stats = self.stats
+        for i, token in enumerate(emitted):
+            if self._is_eog(token):
+                self._finish(STOP_EOG, "end of generation")
+                break
+            stats.tokens += 1
+            row_argmax, margin = self.rows[i] if self.rows else (None, None)
+            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < self.n_accepted, row_argmax, margin)
+            if stats.tokens >= self.max_tokens:
+                self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
+                break
+            if self._stop_requested():
+                # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
+                self._finish(STOP_REQUESTED, "stopped by the caller")
+                break
+        if self.done is not None and not self._done_sent:
+            self._done_sent = True
+            yield self.done
+
+
 class Engine:
-    """Speculative decoding over a target and an optional draft `LlamaModel` (same tokenizer)."""
+    """Speculative decoding over a target and an optional draft `LlamaModel` (same tokenizer), for as many
+    concurrent generations as the models have sequences (slots)."""
 
     def __init__(self, target: LlamaModel, draft: LlamaModel | None, *, constant_width: bool | None = None,
                  draft_ahead: bool = False) -> None:
@@ -267,26 +402,25 @@ class Engine:
         # the last round before max_tokens): on CUDA a width change re-captures graphs, which costs more than the
         # padded positions (docs/gpu.md). On a CPU the padded positions are pure extra work, so only on a GPU.
         self.constant_width = target.on_gpu if constant_width is None else constant_width
-        self._chooser: tuple[tuple, _DraftLength] | None = None
         self.draft_ahead = draft_ahead and draft is not None
         self._worker: ThreadPoolExecutor | None = None  # drafts ahead beside the verify (started when first used)
         self._job: Future[_Ahead | None] | None = None  # the last draft-ahead handed to the worker
-        self._target_kv: list[int] = []  # tokens in the target's KV cache, position by position
-        self._draft_kv: list[int] = []
-        self._tokens: list[int] = []
+        n_slots = target.n_seq if draft is None else min(target.n_seq, draft.n_seq)
+        self.slots = [_Slot(seq) for seq in range(n_slots)]
+        self.load = _LoadPolicy()
+        self._starts = 0
         self._draft_unknown = 0 if draft is None else draft.unknown_token
 
     # -- public ---------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget both KV caches (the next prompt is processed in full)."""
+        """Forget every slot's KV cells (the next prompts are processed in full)."""
         self._wait_for_worker()
         self.target.clear()
-        self._target_kv = []
         if self.draft is not None:
             self.draft.clear()
-        self._draft_kv = []
-        self._tokens = []
+        for slot in self.slots:
+            slot.tokens, slot.target_kv, slot.draft_kv, slot.busy = [], [], [], False
 
     def _wait_for_worker(self) -> None:
         """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
@@ -303,16 +437,27 @@ class Engine:
 
     @property
     def cached_tokens(self) -> tuple[int, ...]:
-        """The tokens in the target's KV cache, position by position (chat reports how much it could reuse)."""
-        return tuple(self._target_kv)
+        """The tokens in slot 0's target KV cells, position by position (chat reports how much it could reuse)."""
+        return tuple(self.slots[0].target_kv)
 
     @property
     def n_ctx(self) -> int:
+        """Each slot's context."""
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
+    def free_slot(self, prompt: Sequence[int]) -> int | None:
+        """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
+        conversation goes back to its cache), else the least recently used; None when every slot is busy."""
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+        return max(free, key=lambda s: (_shared_prefix(s.target_kv, prompt), -s.used)).seq
+
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False) -> Iterator[Event]:
-        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped.
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
+                 slot: int = 0) -> Iterator[Event]:
+        """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped: the one-slot
+        case of `start` + `step` + `events`.
 
         `should_stop` is asked before each round and after each token the caller has consumed; True ends the
         generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
@@ -320,268 +465,328 @@ class Engine:
         `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
+        stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot)
+        try:
+            while True:
+                self.step([stream])
+                yield from stream.events()
+                if stream.finished:
+                    return
+        finally:
+            stream.slot.busy = False
+
+    def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
+              should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0) -> Stream:
+        """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
+        hold) and return its Stream, ready for `step`."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         self._wait_for_worker()
-        stats = GenerationStats(prompt_tokens=len(prompt))
-        use_draft = self.draft is not None and drafting.n_draft > 0
-        trace = trace and sampling.greedy
-        rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
-        draft_rng = np.random.default_rng([sampling.seed, 1])  # the draft's samples: a stream draft-ahead can rewind
-        chooser = self._draft_length(drafting if use_draft else dataclasses.replace(drafting, n_draft=0), sampling)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not use_draft,
-                                                    trace=trace))
-        self.target.restart_device_sampler()
+        chosen = self.slots[slot]
+        stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
+        seq = chosen.seq
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not stream.use_draft,
+                                                    trace=stream.trace), seq)
+        self.target.restart_device_sampler(seq)
         if self.draft is not None:
-            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min))
-
+            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min), seq)
+        stream.stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
-        self._prefill(list(prompt), use_draft, stats)
-        stats.prefill_s = time.perf_counter() - t0
+        self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
+        stream.stats.prefill_s = time.perf_counter() - t0
+        self._starts += 1
+        chosen.used, chosen.busy = self._starts, True
+        stream.t_start = time.perf_counter()
+        return stream
 
-        stop, message = STOP_MAX_TOKENS, f"reached max_tokens ({max_tokens})"
-        t_start = time.perf_counter()
-        ahead: _Ahead | None = None
-        while stats.tokens < max_tokens:
-            if should_stop is not None and should_stop():
-                stop, message = STOP_REQUESTED, "stopped by the caller"
-                break
-            room = self.n_ctx - len(self._tokens)  # verify needs cur + k cells after the cached prefix
-            if room < 0:
-                stop, message = STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation"
-                break
-            k_round = chooser.next() if use_draft else 0
-            k = min(k_round, max_tokens - stats.tokens - 1, room)
-            if ahead is not None and ahead.k == k:
-                drafts, q, draft_s = ahead.drafts, ahead.q, 0.0
-                stats.ahead_kept += 1
+    def step(self, streams: Sequence[Stream]) -> None:
+        """One round for every stream that goes on: draft (one draft decode per step across them), verify (one
+        target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
+        t0 = time.perf_counter()
+        live = [s for s in streams if self._begin(s)]
+        if not live:
+            return
+        plain = self.load.plain(len(live)) and any(s.k for s in live)
+        solo = live[0] if len(live) == 1 else None
+        for s in live:
+            if plain:
+                s.k, s.width = 0, 1
+            kept = s.ahead is not None and s is solo and s.ahead.k == s.k
+            if kept:
+                s.drafts, s.q, s.draft_s = s.ahead.drafts, s.ahead.q, 0.0
+                s.stats.ahead_kept += 1
             else:
-                self._throw_ahead(ahead, draft_rng)
-                drafts, q, draft_s = self._draft(k, sampling, drafting, draft_rng) if k > 0 else ([], None, 0.0)
-            width = min(k_round, room) + 1 if self.constant_width else len(drafts) + 1
+                self._throw_ahead(s)
+                s.drafts, s.q, s.draft_s = [], None, 0.0
+            s.ahead = None
+        self._draft([(s, s.k, None) for s in live if s.k > 0 and not s.drafts])
+        if solo is not None:
+            s = solo
             # If every draft is accepted, the next round has this many more tokens behind it.
-            k_next = min(k_round, max_tokens - stats.tokens - len(drafts) - 2, room - len(drafts) - 1)
-            with self._drafting_ahead(drafts, k_next, sampling, drafting, draft_rng) as job:
-                emitted, n_accepted, verify_s, rows = self._verify(drafts, q, sampling, rng, width, trace)
-            ahead = self._settle_ahead(job, n_accepted == len(drafts), emitted[-1], draft_rng, stats)
-            self._rewind(drafts, n_accepted, emitted[-1], keep_draft=ahead is not None)
-            chooser.observe(len(drafts), n_accepted, draft_s, verify_s, width)
-            stats.draft_s += draft_s
+            k_next = min(s.k_round, s.max_tokens - s.stats.tokens - len(s.drafts) - 2,
+                         self.n_ctx - len(s.slot.tokens) - len(s.drafts) - 1)
+            with self._drafting_ahead(s, k_next) as job:
+                verify_s = self._verify(live)
+            s.ahead = self._settle_ahead(s, job, s.n_accepted == len(s.drafts))
+        else:
+            verify_s = self._verify(live)
+        for s in live:
+            self._rewind(s, keep_draft=s.ahead is not None)
+            s.chooser.observe(len(s.drafts), s.n_accepted, s.draft_s, verify_s, s.width)
+            stats = s.stats
+            stats.draft_s += s.draft_s
             stats.verify_s += verify_s
             stats.rounds += 1
-            stats.drafted += len(drafts)
-            stats.accepted += n_accepted
-            stats.draft_lengths.append(len(drafts))
+            stats.drafted += len(s.drafts)
+            stats.accepted += s.n_accepted
+            stats.draft_lengths.append(len(s.drafts))
+        self.load.observe(len(live), plain, sum(len(s.emitted) for s in live), time.perf_counter() - t0)
 
-            finished = False
-            for i, token in enumerate(emitted):
-                if self.target.is_eog(token):
-                    stop, message, finished = STOP_EOG, "end of generation", True
-                    break
-                stats.tokens += 1
-                row_argmax, margin = rows[i] if rows else (None, None)
-                yield TokenEvent(token, decoder.decode(self.target.piece(token)), i < n_accepted, row_argmax, margin)
-                if stats.tokens >= max_tokens:
-                    finished = True
-                    break
-                if should_stop is not None and should_stop():
-                    # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
-                    stop, message, finished = STOP_REQUESTED, "stopped by the caller", True
-                    break
-            if finished:
-                break
-        stats.decode_s = time.perf_counter() - t_start
-        yield DoneEvent(stats, stop, message)
-
-    def _draft_length(self, drafting: Drafting, sampling: Sampling) -> _DraftLength:
-        """A fixed length's chooser is fresh each generation. An adaptive one is kept across generations with the
-        same drafting: what it measured (costs, acceptance) stays valid for the next prompt, and probing again
-        every generation would cost rounds."""
+    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> _DraftLength:
+        """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
+        with the same drafting: what it measured (costs, acceptance) stays valid for the next prompt, and probing
+        again every generation would cost rounds."""
         if not drafting.adaptive:
             return _DraftLength(drafting)
         key = (drafting, sampling.greedy)
-        if self._chooser is None or self._chooser[0] != key:
-            self._chooser = (key, _DraftLength(drafting))
-        return self._chooser[1]
+        if slot.chooser is None or slot.chooser[0] != key:
+            slot.chooser = (key, _DraftLength(drafting))
+        return slot.chooser[1]
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
-    def _prefill(self, prompt: list[int], use_draft: bool, stats: GenerationStats) -> None:
-        """Bring both caches to prompt[:-1], keeping the longest prefix they already share with it."""
+    def _prefill(self, slot: _Slot, prompt: list[int], use_draft: bool, stats: GenerationStats) -> None:
+        """Bring the slot's cells in both models to prompt[:-1], keeping the longest prefix they already hold."""
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         body = prompt[:-1]
-        stats.prompt_tokens_processed = self._sync(self.target, self._target_kv, body)
+        stats.prompt_tokens_processed = self._sync(self.target, slot.seq, slot.target_kv, body)
         if use_draft:
-            self._sync(self.draft, self._draft_kv, body)
-        self._tokens = list(prompt)
+            self._sync(self.draft, slot.seq, slot.draft_kv, body)
+        slot.tokens = list(prompt)
 
     @staticmethod
-    def _sync(model: LlamaModel, kv: list[int], wanted: list[int]) -> int:
-        """Make `kv` (and the model's cache) equal `wanted`; returns how many tokens had to be decoded."""
-        keep = 0
-        for a, b in zip(kv, wanted, strict=False):
-            if a != b:
-                break
-            keep += 1
+    def _sync(model: LlamaModel, seq: int, kv: list[int], wanted: list[int]) -> int:
+        """Make `kv` (and the model's cells of `seq`) equal `wanted`; returns how many tokens had to be decoded."""
+        keep = _shared_prefix(kv, wanted)
         # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may
         # have left cells the bookkeeping never recorded.
         del kv[keep:]
-        model.truncate(keep)
+        model.truncate(keep, seq)
         todo = wanted[keep:]
         if todo:
-            model.decode(todo, keep)
+            model.decode(todo, keep, seq=seq)
             kv.extend(todo)
         return len(todo)
 
-    def _draft(self, k: int, sampling: Sampling, drafting: Drafting, rng: np.random.Generator,
-               sequence: list[int] | None = None) -> tuple[list[int], list[Candidates] | None, float]:
-        """Up to k draft tokens continuing `sequence` (default: the committed tokens), one draft decode each; the
-        draft's distributions when sampling; seconds."""
+    def _begin(self, s: Stream) -> bool:
+        """Whether the stream goes on this round (else it finishes here), and its draft length."""
+        if s.finished:
+            return False
+        assert not s.emitted, "events() of the last round were not taken"
+        if s.stats.tokens >= s.max_tokens:
+            s._finish(STOP_MAX_TOKENS, f"reached max_tokens ({s.max_tokens})")
+            return False
+        if s._stop_requested():
+            s._finish(STOP_REQUESTED, "stopped by the caller")
+            return False
+        room = self.n_ctx - len(s.slot.tokens)  # verify needs cur + k cells after the cached prefix
+        if room < 0:
+            s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")
+            return False
+        s.k_round = s.chooser.next() if s.use_draft else 0
+        s.k = min(s.k_round, s.max_tokens - s.stats.tokens - 1, room)
+        s.width = min(s.k_round, room) + 1 if self.constant_width else s.k + 1
+        return True
+
+    def _draft(self, jobs: Sequence[tuple[Stream, int, list[int] | None]]) -> None:
+        """Up to k draft tokens for each (stream, k, sequence) — continuing `sequence`, by default the committed
+        tokens — one batched draft decode per step across the streams still drafting. Sets each stream's
+        drafts, the draft's distributions when sampling, and the seconds it waited for draft decodes."""
+        if not jobs:
+            return
         draft = self.draft
         assert draft is not None
-        sequence = self._tokens if sequence is None else sequence
-        feed = sequence[len(self._draft_kv) :]  # cur, plus the last draft token after an all-accept round
-        if max(feed) >= draft.n_vocab:
-            # A target-only padding id (vocabularies may differ by up to 128 trailing ids): the draft sees its
-            # unknown token there instead. That can only cost acceptance, never correctness.
-            feed = [t if t < draft.n_vocab else self._draft_unknown for t in feed]
-        drafts: list[int] = []
-        dists: list[Candidates] = []
-        spent = 0.0
-        for step in range(k):
+        todo = []
+        for s, k, sequence in jobs:
+            sequence = s.slot.tokens if sequence is None else sequence
+            feed = sequence[len(s.slot.draft_kv) :]  # cur, plus the last draft token after an all-accept round
+            if max(feed) >= draft.n_vocab:
+                # A target-only padding id (vocabularies may differ by up to 128 trailing ids): the draft sees its
+                # unknown token there instead. That can only cost acceptance, never correctness.
+                feed = [t if t < draft.n_vocab else self._draft_unknown for t in feed]
+            s.drafts, s.q, s.draft_s = [], (None if s.sampling.greedy else []), 0.0
+            todo.append((s, k, sequence, feed))
+        step = 0
+        while todo:
             t = time.perf_counter()
-            scores = draft.decode(feed, len(self._draft_kv))
-            spent += time.perf_counter() - t
-            self._draft_kv.extend(feed)
-            if sampling.greedy:
-                token = int(_argmax(_penalized(scores, self._tokens + drafts, sampling))[0])
-                confident = drafting.p_min == 0.0 or _top_softmax(scores) >= drafting.p_min
-            else:
-                dist = _distributions(scores, sequence + drafts, sampling)
-                token = dist.sample(0, rng)
-                dists.append(dist)
-                confident = drafting.p_min == 0.0 or dist.top_prob(0) >= drafting.p_min
-            if token >= self.target.n_vocab:
-                break  # a draft-only padding id: the target cannot score it
-            drafts.append(token)
-            feed = [token]
-            if not confident and step < k - 1:
-                break  # an unsure draft is usually wrong: verify what we have instead of drafting on
-        return drafts, (None if sampling.greedy else dists), spent
+            scores = draft.decode_many([(s.slot.seq, feed, len(s.slot.draft_kv), False) for s, _, _, feed in todo])
+            spent = time.perf_counter() - t
+            going = []
+            for (s, k, sequence, feed), row in zip(todo, scores, strict=True):
+                s.draft_s += spent
+                s.slot.draft_kv.extend(feed)
+                sampling, p_min = s.sampling, s.drafting.p_min
+                if sampling.greedy:
+                    token = int(_argmax(_penalized(row, sequence + s.drafts, sampling))[0])
+                    confident = p_min == 0.0 or _top_softmax(row) >= p_min
+                else:
+                    dist = _distributions(row, sequence + s.drafts, sampling)
+                    token = dist.sample(0, s.draft_rng)
+                    s.q.append(dist)
+                    confident = p_min == 0.0 or dist.top_prob(0) >= p_min
+                if token >= self.target.n_vocab:
+                    continue  # a draft-only padding id: the target cannot score it
+                s.drafts.append(token)
+                # An unsure draft is usually wrong: verify what we have instead of drafting on.
+                if step < k - 1 and confident:
+                    going.append((s, k, sequence, [token]))
+            todo = going
+            step += 1
 
-    def _verify(self, drafts: list[int], q: list[Candidates] | None, sampling: Sampling, rng: np.random.Generator,
-                width: int, trace: bool) -> tuple[list[int], int, float, list[tuple[int, float]]]:
-        """One target decode of [cur] + drafts, padded to `width` tokens; returns (tokens to emit, accepted count,
-        verify seconds, and with `trace` each real row's (argmax, top-2 margin))."""
-        batch = [self._tokens[-1], *drafts]
-        # Padding only keeps the batch shape: its positions come after every real one (causal attention), their
-        # rows are never read, and _rewind drops their KV cells with the rejected drafts'.
-        batch += [batch[-1]] * (width - len(batch))
+    def _verify(self, streams: Sequence[Stream]) -> float:
+        """One target decode of every stream's [cur] + drafts (each padded to its width), then acceptance per
+        stream: greedy match or rejection sampling, with the stream's own settings and random stream. Sets each
+        stream's tokens to emit, accepted count and (with trace) each real row's (argmax, top-2 margin); returns
+        the decode's seconds."""
+        items = []
+        for s in streams:
+            batch = [s.slot.tokens[-1], *s.drafts]
+            # Padding only keeps the batch shape: its positions come after every real one (causal attention),
+            # their rows are never read, and _rewind drops their KV cells with the rejected drafts'.
+            batch += [batch[-1]] * (s.width - len(batch))
+            items.append((s.slot.seq, batch, len(s.slot.target_kv), True))
         t = time.perf_counter()
-        scores = _first_rows(self.target.decode(batch, len(self._target_kv), all_logits=True), len(drafts) + 1)
+        scores = self.target.decode_many(items)
         spent = time.perf_counter() - t
-        self._target_kv.extend(batch)
+        for s, (_, batch, _, _), rows in zip(streams, items, scores, strict=True):
+            s.slot.target_kv.extend(batch)
+            s.emitted, s.n_accepted, s.rows = self._accept(s, _first_rows(rows, len(s.drafts) + 1))
+        return spent
 
+    @staticmethod
+    def _accept(s: Stream, scores: np.ndarray | TopK | Sampled) -> tuple[list[int], int, list[tuple[int, float]]]:
+        """gpt-fast's accept/reject over one stream's verify rows: (tokens to emit, accepted drafts, trace rows)."""
+        drafts, sampling, history = s.drafts, s.sampling, s.slot.tokens + s.drafts
         if isinstance(scores, Sampled):  # plain decoding at T > 0: the device drew the token
-            return [int(scores.tokens[0])], 0, spent, []
+            return [int(scores.tokens[0])], 0, []
         if sampling.greedy:
-            scored = _penalized(scores, self._tokens + drafts, sampling)
-            rows = _row_argmax_and_margin(scored) if trace else []  # read from the rows, apart from the choice
+            scored = _penalized(scores, history, sampling)
+            rows = _row_argmax_and_margin(scored) if s.trace else []  # read from the rows, apart from the choice
             choice = _argmax(scored)
             n = 0
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
-            return [*drafts[:n], int(choice[n])], n, spent, rows
-
-        p = _distributions(scores, self._tokens + drafts, sampling)
+            return [*drafts[:n], int(choice[n])], n, rows
+        p = _distributions(scores, history, sampling)
         for i, token in enumerate(drafts):
-            ok, out = accept_or_resample(token, p, i, q[i], rng)
+            ok, out = accept_or_resample(token, p, i, s.q[i], s.rng)
             if not ok:
-                return [*drafts[:i], out], i, spent, []
-        return [*drafts, p.sample(len(drafts), rng)], len(drafts), spent, []
+                return [*drafts[:i], out], i, []
+        return [*drafts, p.sample(len(drafts), s.rng)], len(drafts), []
 
-    # -- draft-ahead: the next round's drafts while this round verifies --------------------------------------
+    # -- draft-ahead: the next round's drafts while this round verifies (one stream) -------------------------
 
     @contextlib.contextmanager
-    def _drafting_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
-                        rng: np.random.Generator) -> Iterator[Future[_Ahead | None] | None]:
+    def _drafting_ahead(self, s: Stream, k: int) -> Iterator[Future[_Ahead | None] | None]:
         """Run `_draft_ahead` in the worker thread for as long as the block (the verify) runs. llama.cpp releases
         the GIL inside each decode, so the two models compute at once. Whatever happens in the block, the draft
         model is idle again when it ends."""
-        if not (self.draft_ahead and drafts and k > 0):
+        if not (self.draft_ahead and s.drafts and k > 0):
             yield None
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
-        job = self._job = self._worker.submit(self._draft_ahead, drafts, k, sampling, drafting, rng)
+        job = self._job = self._worker.submit(self._draft_ahead, s, list(s.drafts), k)
         try:
             yield job
         finally:
             with contextlib.suppress(Exception):  # its own error, if any, is raised by _settle_ahead
                 job.result()
 
-    def _draft_ahead(self, drafts: list[int], k: int, sampling: Sampling, drafting: Drafting,
-                     rng: np.random.Generator) -> _Ahead | None:
+    def _draft_ahead(self, s: Stream, drafts: list[int], k: int) -> _Ahead | None:
         """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
-        the draws that follow are the next round's own), then draft the next round behind it."""
+        the draws that follow are the next round's own), then draft the next round behind it. Works on a shadow
+        Stream, so the round being verified keeps its drafts."""
         draft = self.draft
         assert draft is not None
-        state = rng.bit_generator.state
+        slot = s.slot
+        state = s.draft_rng.bit_generator.state
         t = time.perf_counter()
-        sequence = self._tokens + drafts
-        feed = sequence[len(self._draft_kv) :]  # the last draft, which the draft has not seen yet
+        sequence = slot.tokens + drafts
+        feed = sequence[len(slot.draft_kv) :]  # the last draft, which the draft has not seen yet
         if not feed:  # drafting stopped at a draft-only id, after feeding every draft: nothing to guess from
             return None
-        scores = draft.decode(feed, len(self._draft_kv))
-        self._draft_kv.extend(feed)
+        scores = draft.decode(feed, len(slot.draft_kv), seq=slot.seq)
+        slot.draft_kv.extend(feed)
         guess = int(_argmax(scores)[0])
         if guess >= self.target.n_vocab:
             return None
-        ahead, q, _ = self._draft(k, sampling, drafting, rng, sequence=[*sequence, guess])
-        return _Ahead(guess, k, ahead, q, state, time.perf_counter() - t)
+        shadow = _Shadow(s)
+        self._draft([(shadow, k, [*sequence, guess])])  # type: ignore[list-item]
+        return _Ahead(guess, k, shadow.drafts, shadow.q, state, time.perf_counter() - t)
 
-    def _settle_ahead(self, job: Future[_Ahead | None] | None, all_accepted: bool, next_token: int,
-                      rng: np.random.Generator, stats: GenerationStats) -> _Ahead | None:
+    def _settle_ahead(self, s: Stream, job: Future[_Ahead | None] | None, all_accepted: bool) -> _Ahead | None:
         """Keep the drafted-ahead round if its bet came true; otherwise give its random draws back."""
         if job is None:
             return None
         ahead = job.result()
         if ahead is None:
             return None
-        stats.ahead_made += 1
-        stats.ahead_s += ahead.seconds
-        if all_accepted and next_token == ahead.guess:
+        s.stats.ahead_made += 1
+        s.stats.ahead_s += ahead.seconds
+        if all_accepted and s.emitted[-1] == ahead.guess:
             return ahead
-        rng.bit_generator.state = ahead.rng_state  # its KV cells go with the round's rejected ones (_rewind)
+        s.draft_rng.bit_generator.state = ahead.rng_state  # its KV cells go with the round's rejected ones (_rewind)
         return None
 
-    def _throw_ahead(self, ahead: _Ahead | None, rng: np.random.Generator) -> None:
-        """Undo a kept drafted-ahead round that the next round cannot use (it asks for another length): its
-        draws go back to the stream, its KV cells from cur on leave the draft's cache (the next draft feeds cur)."""
+    def _throw_ahead(self, s: Stream) -> None:
+        """Undo a kept drafted-ahead round that the next round cannot use (it asks for another length, or other
+        streams joined): its draws go back to the stream, its KV cells from cur on leave the draft's cache (the
+        next draft feeds cur)."""
+        ahead, slot = s.ahead, s.slot
         if ahead is None:
             return
-        rng.bit_generator.state = ahead.rng_state
-        keep = min(len(self._draft_kv), len(self._tokens) - 1)
-        if len(self._draft_kv) > keep:
-            del self._draft_kv[keep:]
-            self.draft.truncate(keep)
+        s.draft_rng.bit_generator.state = ahead.rng_state
+        keep = min(len(slot.draft_kv), len(slot.tokens) - 1)
+        if len(slot.draft_kv) > keep:
+            del slot.draft_kv[keep:]
+            self.draft.truncate(keep, slot.seq)
 
-    def _rewind(self, drafts: list[int], n_accepted: int, next_token: int, keep_draft: bool = False) -> None:
+    def _rewind(self, s: Stream, keep_draft: bool = False) -> None:
         """Drop the KV cells of rejected tokens from both caches and commit the round's tokens. With `keep_draft`
         the draft's cache keeps the next round's drafts (a kept draft-ahead)."""
-        keep = len(self._tokens) + n_accepted  # committed tokens (cur included) + accepted drafts
+        slot = s.slot
+        keep = len(slot.tokens) + s.n_accepted  # committed tokens (cur included) + accepted drafts
         # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
-        if len(self._target_kv) > keep:
-            del self._target_kv[keep:]
-            self.target.truncate(keep)
-        if len(self._draft_kv) > keep and not keep_draft:
-            del self._draft_kv[keep:]
-            self.draft.truncate(keep)
-        self._tokens.extend(drafts[:n_accepted])
-        self._tokens.append(next_token)
+        if len(slot.target_kv) > keep:
+            del slot.target_kv[keep:]
+            self.target.truncate(keep, slot.seq)
+        if len(slot.draft_kv) > keep and not keep_draft:
+            del slot.draft_kv[keep:]
+            self.draft.truncate(keep, slot.seq)
+        slot.tokens.extend(s.emitted[:-1])
+        slot.tokens.append(s.emitted[-1])
+
+
+class _Shadow:
+    """What `_draft` reads and writes of a Stream, for drafting ahead without touching the round in flight: the
+    slot and the draft's random stream are the stream's own; the drafts and distributions are the shadow's."""
+
+    def __init__(self, s: Stream) -> None:
+        self.slot, self.sampling, self.drafting, self.draft_rng = s.slot, s.sampling, s.drafting, s.draft_rng
+        self.drafts: list[int] = []
+        self.q: list[Candidates] | None = None
+        self.draft_s = 0.0
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _device_mode(model: LlamaModel, sampling: Sampling, p_min: float, *, plain: bool = False,

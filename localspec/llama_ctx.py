@@ -304,8 +304,12 @@ class DeviceDist:
     seed: int
 
 
+DecodeItem = tuple[int, Sequence[int], int, bool]  # (sequence id, tokens, first position, a row for every token)
+
+
 class LlamaModel:
-    """One GGUF model with its context. Sequence 0 only; positions are managed by the caller (the engine)."""
+    """One GGUF model with its context of `n_seq` sequences (slots), each with a KV region of its own of `n_ctx`
+    cells. Positions are managed by the caller (the engine)."""
 
     def __init__(
         self,
@@ -321,6 +325,7 @@ class LlamaModel:
         split_mode: str = "layer",
         tensor_split: Sequence[float] = (),
         main_gpu: int = 0,
+        n_seq: int = 1,
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
@@ -333,7 +338,7 @@ class LlamaModel:
         self.model = None
         self.ctx = None
         self._batch = None
-        self._sampler_chain = None
+        self._chains: dict[int, ctypes.c_void_p] = {}  # the device sampler chain of each sequence that has one
 
         # The last wall before llama.cpp's loader, which aborts the process (GGML_ASSERT) on some out-of-range
         # hyperparameters instead of failing: such a header stops here with one line (cached, so cheap).
@@ -361,7 +366,11 @@ class LlamaModel:
 
         threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx
+        # One KV region per sequence (not a unified cache): a slot's cells sit where they would sit alone, so
+        # what else runs cannot change its numbers, and a slot cannot fill another's context.
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False
+        cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_threads = threads
@@ -382,7 +391,8 @@ class LlamaModel:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
-        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self.ctx)))
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
+        self.n_seq = n_seq
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
         self.n_threads = threads
         self.kv_type = kv_type
@@ -402,6 +412,7 @@ class LlamaModel:
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))[:] = 1
+        self._seq = np.zeros(n_batch, dtype=np.int32)  # what each batch entry's seq_id holds (set only on change)
         for i in range(n_batch):
             self._batch.seq_id[i][0] = 0
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -409,66 +420,119 @@ class LlamaModel:
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
         self.device_top_k = device_top_k
-        self._sampler_mode: str | DeviceDist | None = None
+        self._modes: dict[int, str | DeviceDist] = {}  # each sequence's device sampler (absent: full logits)
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
 
     # -- decoding -------------------------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False) -> np.ndarray | TopK | None:
-        """Append `tokens` at positions start_pos.. to the KV cache and wait for the scores.
+    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
+               seq: int = 0) -> np.ndarray | TopK | Sampled | None:
+        """Append `tokens` at positions start_pos.. to sequence `seq`'s KV cells and wait for the scores.
 
         Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode),
-        or the device sampler's `TopK`: one row per token with `all_logits`, else one row for the last token.
-        Prompt-sized inputs are split into n_batch chunks; only the final chunk produces scores.
+        or what the sequence's device sampler made (`TopK`, `Sampled`): one row per token with `all_logits`,
+        else one row for the last token. Prompt-sized inputs are split into n_batch chunks.
         """
-        n = len(tokens)
-        if n == 0:
-            return None
-        if start_pos + n > self.n_ctx:
-            raise ContextFullError(f"{self.path.name}: {start_pos + n} tokens do not fit the context of {self.n_ctx}")
-        done = 0
-        while done < n:
-            chunk = min(self.n_batch, n - done)
-            last_chunk = done + chunk == n
-            self._tok[:chunk] = tokens[done : done + chunk]
-            self._pos[:chunk] = np.arange(start_pos + done, start_pos + done + chunk)
-            self._out[:chunk] = 1 if (all_logits and last_chunk) else 0
-            if last_chunk:
-                self._out[chunk - 1] = 1
-            self._batch.n_tokens = chunk
+        return self.decode_many([(seq, tokens, start_pos, all_logits)])[0]
+
+    def decode_many(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
+        """Several sequences' tokens in as few `llama_decode` calls as n_batch allows (one, for a round of
+        drafts or verifies across slots); the scores of each item as `decode` returns them."""
+        results: list[np.ndarray | TopK | Sampled | None] = [None] * len(items)
+        wanted: list[tuple[int, int, int, int]] = []  # (item, sequence, first batch index, rows) of this batch
+        views: list[int] = []  # items whose scores are views into llama.cpp's buffer, which the next decode reuses
+        n = 0
+
+        def flush() -> None:
+            nonlocal n
+            if n == 0:
+                return
+            for item in views:
+                results[item] = results[item].copy()
+            views.clear()
+            self._batch.n_tokens = n
             rc = llama_cpp.llama_decode(self.ctx, self._batch)
             if rc != 0:
-                raise DecodeError(
-                    f"{self.path.name}: llama_decode failed with code {rc} at position {start_pos + done}"
-                    + (" (no KV slot: the context is full)" if rc == 1 else "")
-                )
-            done += chunk
-        rows = n - (done - chunk) if all_logits else 1
-        if self._sampler_mode == "greedy":
-            ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in range(chunk - rows, chunk)],
-                           dtype=np.int32)
+                where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
+                raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
+                                  + (" (no KV slot: the context is full)" if rc == 1 else ""))
+            full = None
+            if wanted and all(seq not in self._modes for _, seq, _, _ in wanted):
+                outputs = int(np.count_nonzero(self._out[:n]))
+                full = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
+            row = 0
+            for item, seq, first, rows in wanted:
+                if full is not None:
+                    # Output rows come in batch order; only the last chunk of an item asks for any.
+                    results[item] = full[row : row + rows]
+                    views.append(item)
+                    row += rows
+                else:
+                    results[item] = self._rows(seq, first, rows)
+            wanted.clear()
+            n = 0
+
+        for item, (seq, tokens, start_pos, all_logits) in enumerate(items):
+            count = len(tokens)
+            if count == 0:
+                continue
+            if start_pos + count > self.n_ctx:
+                raise ContextFullError(
+                    f"{self.path.name}: {start_pos + count} tokens do not fit the context of {self.n_ctx}")
+            if all_logits and count > self.n_batch:
+                raise DecodeError(f"{self.path.name}: {count} rows of scores do not fit one batch of {self.n_batch}")
+            if all_logits and n + count > self.n_batch:
+                flush()  # an item's rows come from one decode
+            done = 0
+            while done < count:
+                if n == self.n_batch:
+                    flush()
+                take = min(self.n_batch - n, count - done)
+                self._tok[n : n + take] = tokens[done : done + take]
+                self._pos[n : n + take] = np.arange(start_pos + done, start_pos + done + take)
+                for i in np.flatnonzero(self._seq[n : n + take] != seq):
+                    self._batch.seq_id[n + i][0] = seq
+                self._seq[n : n + take] = seq
+                last = done + take == count
+                self._out[n : n + take] = 1 if (all_logits and last) else 0
+                if last:
+                    self._out[n + take - 1] = 1
+                    rows = take if all_logits else 1
+                    wanted.append((item, seq, n + take - rows, rows))
+                n += take
+                done += take
+        flush()
+        return results
+
+    def _rows(self, seq: int, first: int, rows: int) -> np.ndarray | TopK | Sampled:
+        """Sequence `seq`'s scores at batch entries first.., as its device sampler made them (or full logits)."""
+        mode = self._modes.get(seq)
+        indices = range(first, first + rows)
+        if mode is None:
+            out = np.empty((rows, self.n_vocab), dtype=np.float32)
+            for r, i in enumerate(indices):
+                out[r] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+            return out
+        if mode == "greedy":
+            ids = np.array([[llama_cpp.llama_get_sampled_token_ith(self.ctx, i)] for i in indices], dtype=np.int32)
             return TopK(ids, np.zeros(ids.shape, dtype=np.float32))
-        if isinstance(self._sampler_mode, DeviceDist):
-            tokens = np.array([llama_cpp.llama_get_sampled_token_ith(self.ctx, i) for i in range(chunk - rows, chunk)],
-                              dtype=np.int32)
+        if isinstance(mode, DeviceDist):
+            tokens = np.array([llama_cpp.llama_get_sampled_token_ith(self.ctx, i) for i in indices], dtype=np.int32)
             # The context allows several outputs per sequence, which makes llama.cpp's dist sampler
             # transactional: each decode draws from a copy of its RNG, and only an accepted token advances it.
             # Plain decoding emits every draw, so each is committed here; without this every token would be
             # drawn with the same uniform number.
             for token in tokens.tolist():
-                llama_cpp.llama_sampler_accept(self._sampler_chain, token)
+                llama_cpp.llama_sampler_accept(self._chains[seq], token)
             return Sampled(tokens)
-        if self._sampler_mode == "top_k":
-            return self._device_top_k(chunk, rows)
-        ptr = llama_cpp.llama_get_logits(self.ctx)  # synchronises with the device
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        return self._device_top_k(first, rows)
 
-    def _device_top_k(self, chunk: int, rows: int) -> TopK:
+    def _device_top_k(self, first: int, rows: int) -> TopK:
         k = self.device_top_k
         ids = np.empty((rows, k), dtype=np.int32)
         logits = np.empty((rows, k), dtype=np.float32)
-        for r, i in enumerate(range(chunk - rows, chunk)):
+        for r, i in enumerate(range(first, first + rows)):
             count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
             if count != k:
                 raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
@@ -476,46 +540,49 @@ class LlamaModel:
             logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
         return TopK(ids, logits)
 
-    def use_device_sampler(self, mode: str | DeviceDist | None) -> bool:
-        """Select what llama.cpp computes on the device after each decode: "greedy" (the argmax token of each
-        row), "top_k" (each row's top `device_top_k` candidates), a `DeviceDist` chain (one sampled token per
-        row) or None (full logits to the host). True if on; False when this build cannot run the chain.
+    def use_device_sampler(self, mode: str | DeviceDist | None, seq: int = 0) -> bool:
+        """Select what llama.cpp computes on the device for sequence `seq` after each decode: "greedy" (the argmax
+        token of each row), "top_k" (each row's top `device_top_k` candidates), a `DeviceDist` chain (one sampled
+        token per row) or None (full logits to the host). True if on; False when this build cannot run the chain.
 
         llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
         decode rebuilds its graph: callers switch per generation, not per round).
         """
         if not self.device_top_k:
             mode = None
-        if mode == self._sampler_mode:
+        if mode == self._modes.get(seq):
             return mode is not None
-        if self._sampler_chain is not None:
-            llama_cpp.llama_set_sampler(self.ctx, 0, None)
-            llama_cpp.llama_sampler_free(self._sampler_chain)
-            self._sampler_chain = None
-            self._sampler_mode = None
+        if seq in self._chains:
+            llama_cpp.llama_set_sampler(self.ctx, seq, None)
+            llama_cpp.llama_sampler_free(self._chains.pop(seq))
+            del self._modes[seq]
         if mode is not None:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
             for sampler in _device_samplers(mode, self.device_top_k):
                 llama_cpp.llama_sampler_chain_add(chain, sampler)
-            if not llama_cpp.llama_set_sampler(self.ctx, 0, chain):
+            if not llama_cpp.llama_set_sampler(self.ctx, seq, chain):
                 llama_cpp.llama_sampler_free(chain)
                 return False
-            self._sampler_chain = chain
-            self._sampler_mode = mode
+            self._chains[seq] = chain
+            self._modes[seq] = mode
         return mode is not None
 
-    def restart_device_sampler(self) -> None:
+    def restart_device_sampler(self, seq: int = 0) -> None:
         """Reseed a `DeviceDist` chain, so each generation with the same seed draws the same tokens."""
-        if isinstance(self._sampler_mode, DeviceDist):
-            llama_cpp.llama_sampler_reset(self._sampler_chain)
+        if isinstance(self._modes.get(seq), DeviceDist):
+            llama_cpp.llama_sampler_reset(self._chains[seq])
 
-    def truncate(self, n_keep: int) -> None:
-        """Drop every KV cell at position >= n_keep (the one rewind primitive)."""
-        if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
+    def truncate(self, n_keep: int, seq: int = 0) -> None:
+        """Drop every KV cell of sequence `seq` at position >= n_keep (the one rewind primitive)."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
             raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
 
-    def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self.memory, True)
+    def clear(self, seq: int | None = None) -> None:
+        """Forget every sequence's KV cells, or only those of `seq`."""
+        if seq is None:
+            llama_cpp.llama_memory_clear(self.memory, True)
+        else:
+            self.truncate(0, seq)
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 
@@ -561,8 +628,9 @@ class LlamaModel:
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._sampler_chain is not None and self.ctx:
-            self.use_device_sampler(None)
+        if self.ctx:
+            for seq in list(self._chains):
+                self.use_device_sampler(None, seq)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

@@ -60,6 +60,7 @@ class Settings:
     main_gpu: int = 0
     draft_device: str = "auto"
     rpc: tuple[str, ...] = ()  # the target's RPC servers, HOST:PORT
+    n_seq: int = 1  # slots (`serve --parallel`): each holds a KV region of n_ctx cells in both models
 
     @property
     def window(self) -> int:
@@ -155,7 +156,7 @@ def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layer
         name=header.name,
         n_layer=hp.n_layer,
         weights=header.tensor_bytes,
-        kv=kv_bytes(header, s.n_ctx, s.kv_type),
+        kv=kv_bytes(header, s.n_ctx, s.kv_type) * s.n_seq,
         compute=n_ubatch * (4 * hp.n_vocab + 8 * hp.n_embd),
         output=max(1, n_outputs) * hp.n_vocab * 4,
         gpu_fraction=frac,
@@ -283,11 +284,11 @@ def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
         memory_kind = "VRAM" if short.device.dev.kind == "gpu" else "memory"
         problem = (
             f"needs {short.need / GiB:.1f} GiB of {memory_kind} on {short.device.label} ({short.device.name}) at "
-            f"context {s.n_ctx} ({s.kv_type} KV), {short.device.free / GiB:.1f} GiB free there"
+            f"context {_ctx(s)} ({s.kv_type} KV), {short.device.free / GiB:.1f} GiB free there"
         )
     elif not ram_ok:
         problem = (
-            f"needs {ram / GiB:.1f} GiB of RAM at context {s.n_ctx} ({s.kv_type} KV), "
+            f"needs {ram / GiB:.1f} GiB of RAM at context {_ctx(s)} ({s.kv_type} KV), "
             f"{devices.ram_available / GiB:.1f} GiB available"
         )
     fits = short is None and ram_ok
@@ -298,6 +299,10 @@ def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     if not result.fits:
         result = replace(result, suggestions=tuple(_suggest(target, draft, s, devices, result)))
     return result
+
+
+def _ctx(s: Settings) -> str:
+    return f"{s.n_ctx}" if s.n_seq == 1 else f"{s.n_ctx} × {s.n_seq} slots"
 
 
 def _fits(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> bool:
@@ -362,6 +367,10 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     ctx = _largest_ctx(target, draft, s, devices)
     if ctx is not None:
         out.append(f"--ctx {ctx}")
+    for n_seq in range(s.n_seq - 1, 0, -1):
+        if _fits(target, draft, replace(s, n_seq=n_seq), devices):
+            out.append(f"--parallel {n_seq} (slots; keeps context {s.n_ctx} each)")
+            break
     if devices.gpus:
         n_layer = target.hparams.n_layer
         start = n_layer if s.n_gpu_layers < 0 else min(s.n_gpu_layers, n_layer)
@@ -383,7 +392,8 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     return out
 
 
-def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int | None = None) -> Settings:
+def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int | None = None,
+                         n_seq: int = 1) -> Settings:
     """The preset's load settings (and the pair's recommendations when the preset leaves them)."""
     load = preset.load  # type: ignore[attr-defined]
     draft = preset.draft  # type: ignore[attr-defined]
@@ -399,4 +409,5 @@ def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int 
         main_gpu=load.main_gpu,
         draft_device=load.draft_device,
         rpc=tuple(str(e) for e in load.rpc_endpoints),
+        n_seq=n_seq,
     )

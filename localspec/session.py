@@ -89,12 +89,13 @@ class Preflight:
     estimate: memory.Estimate
 
 
-def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None = None) -> Preflight:
+def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None = None,
+              parallel: int = 1) -> Preflight:
     """Every check that needs no weights, from the GGUF headers alone: run before any model is loaded.
 
     Raises GGUFError for a header llama.cpp would abort on (a hyperparameter out of range, a key of the wrong
     type), IncompatiblePairError for a tokenizer mismatch and LocalspecError (naming what to change) when the
-    pair will not fit the free VRAM/RAM at these settings.
+    pair will not fit the free VRAM/RAM at these settings (with `parallel` slots of n_ctx each).
     """
     target = read_header(files.target)
     draft = read_header(files.draft) if files.draft is not None else None
@@ -104,7 +105,7 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
     verdict = compat.compare(target, draft) if draft is not None else None
     if verdict is not None and not verdict.compatible:
         raise IncompatiblePairError(verdict.reason)
-    settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx)
+    settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx, n_seq=parallel)
     # RPC servers are checked here, before any weight is read: a dead one is a one-line error naming it.
     est = memory.estimate(target, draft, settings, devices or memory.probe_devices(placement.rpc_servers(preset.load)))
     if not est.fits:
@@ -143,21 +144,24 @@ class Session:
         self.close()
 
 
-def open_session(files: ModelFiles, preset: Preset) -> Session:
-    """Check the pair from its headers (no weights read), then load both models and wire up an Engine."""
-    plan = preflight(files, preset).estimate.plan
+def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Session:
+    """Check the pair from its headers (no weights read), then load both models and wire up an Engine with
+    `parallel` slots (each a sequence of n_ctx cells in both models)."""
+    plan = preflight(files, preset, parallel=parallel).estimate.plan
     load = preset.load
     n_ctx = load.n_ctx
     target = LlamaModel(
         files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
-        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, **_placed(plan.target),
+        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, n_seq=parallel,
+        **_placed(plan.target),
     )
     draft = None
     try:
         if files.draft is not None:
             draft = LlamaModel(
                 files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
-                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, **_placed(plan.draft),
+                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, n_seq=parallel,
+                **_placed(plan.draft),
             )
     except BaseException:
         if draft is not None:

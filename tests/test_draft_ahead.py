@@ -42,7 +42,7 @@ def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each generation gets a fresh `_Cycle` as its draft-length chooser (adaptive drafting's choice depends on
     measured times, so two runs of it differ anyway): a bet made for one length is thrown when the next round asks
     for another."""
-    monkeypatch.setattr(engine.Engine, "_draft_length", lambda self, drafting, sampling: _Cycle())
+    monkeypatch.setattr(engine.Engine, "_draft_length", lambda self, *chosen_for: _Cycle())
 
 
 @pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])

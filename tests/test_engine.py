@@ -275,14 +275,13 @@ def test_constant_width_pads_short_drafts_and_stays_exact(tiny_pair):
     with open_pair(*tiny_pair) as s:
         padded = Engine(s.target, s.draft, constant_width=True)
         widths = []
-        real_decode = s.target.decode
+        real_decode_many = s.target.decode_many
 
-        def spy(tokens, start_pos, all_logits=False):
-            if all_logits:
-                widths.append(len(tokens))
-            return real_decode(tokens, start_pos, all_logits)
+        def spy(items):
+            widths.extend(len(tokens) for _, tokens, _, all_logits in items if all_logits)
+            return real_decode_many(items)
 
-        s.target.decode = spy
+        s.target.decode_many = spy
         try:
             for prompt in prompts(3, seed=4):
                 for sampling in (GREEDY.sampling, GREEDY.with_overrides(temperature=0.8, seed=5).sampling):
@@ -295,7 +294,7 @@ def test_constant_width_pads_short_drafts_and_stays_exact(tiny_pair):
                     assert min(done.stats.draft_lengths) < 5  # some drafts really were short
                     padded.reset()
         finally:
-            del s.target.decode
+            del s.target.decode_many
 
 
 def test_trace_reports_each_tokens_row_argmax_and_margin(tiny_pair):
@@ -398,9 +397,11 @@ def test_adaptive_drafting_keeps_what_it_measured_across_generations(tiny_pair):
     """Adaptive drafting's chooser survives to the next prompt (no new probing); a fixed length starts fresh."""
     with open_pair(*tiny_pair) as s:
         adaptive, fixed = drafting(6, adaptive=True), drafting(6)
-        first = s.engine._draft_length(adaptive, GREEDY.sampling)
-        assert s.engine._draft_length(adaptive, GREEDY.sampling) is first
-        assert s.engine._draft_length(drafting(5, adaptive=True), GREEDY.sampling) is not first
-        assert s.engine._draft_length(fixed, GREEDY.sampling) is not s.engine._draft_length(fixed, GREEDY.sampling)
+        slot = s.engine.slots[0]
+        first = s.engine._draft_length(adaptive, GREEDY.sampling, slot)
+        assert s.engine._draft_length(adaptive, GREEDY.sampling, slot) is first
+        assert s.engine._draft_length(drafting(5, adaptive=True), GREEDY.sampling, slot) is not first
+        assert (s.engine._draft_length(fixed, GREEDY.sampling, slot)
+                is not s.engine._draft_length(fixed, GREEDY.sampling, slot))
         run(s.engine, prompts(1)[0], GREEDY.sampling, adaptive, 20)
-        assert s.engine._draft_length(adaptive, GREEDY.sampling).rounds > 0
+        assert s.engine._draft_length(adaptive, GREEDY.sampling, slot).rounds > 0

@@ -88,7 +88,9 @@ warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
 host = _setting("host", "--host", "Address to listen on.")
 port = _setting("port", "--port", "Port to listen on (0 = any free port).")
-queue = _setting("queue", "--queue", "Requests that may wait while one runs; more get HTTP 503.")
+queue = _setting("queue", "--queue", "Requests that may wait for a free slot; more get HTTP 503.")
+parallel = _setting("parallel", "--parallel",
+                    "Slots: requests generated together, batched (each with --ctx tokens of KV cache).")
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:

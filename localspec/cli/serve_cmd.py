@@ -46,6 +46,7 @@ def serve(
     host: options.host = None,
     port: options.port = None,
     queue: options.queue = None,
+    parallel: options.parallel = None,
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
@@ -57,9 +58,9 @@ def serve(
 
     from localspec.server.app import Backend, ServerState, create_app
 
-    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue)
-    preflight(files, chosen)  # headers only: a pair that cannot work fails before the port is taken
+    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue, parallel=parallel)
     settings = chosen.server
+    preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     key = api_key or None
@@ -74,7 +75,8 @@ def serve(
         f"[bold]localspec serve[/] · pair [cyan]{escape(files.name)}[/]: target {escape(files.target.name)}, "
         f"draft {escape(draft_name)}\n"
         f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/] · "
-        f"{'API key required' if key else 'no API key'} · queue {settings.queue} · Ctrl-C stops"
+        f"{'API key required' if key else 'no API key'} · {_plural(settings.parallel, 'slot')} · "
+        f"queue {settings.queue} · Ctrl-C stops"
     )
     if not is_loopback(sock.getsockname()[0]) and key is None:
         console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
@@ -90,7 +92,7 @@ def serve(
 
     def load() -> None:
         try:
-            session = open_session(files, chosen)
+            session = open_session(files, chosen, parallel=settings.parallel)
             loaded["session"] = session
             state.attach(Backend.build(session.engine, session.target, chosen, settings.queue))
             if server.should_exit:  # Ctrl-C while loading
@@ -179,6 +181,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _status(state: ServerState, files: ModelFiles) -> Text:
     """The live line: loading, or requests served/queued and the last request's speed and acceptance."""
     backend = state.backend
@@ -188,7 +194,8 @@ def _status(state: ServerState, files: ModelFiles) -> Text:
         return Text(f"● loading {files.target.name} …", style="yellow")
     worker, stats = backend.worker, backend.worker.stats
     line = Text("● ", style="green" if not stats.busy else "cyan")
-    line.append(f"{'generating' if stats.busy else 'ready'} · served {stats.served} · queued {worker.queued}")
+    busy = f"generating {stats.running}/{worker.slots}" if worker.slots > 1 else "generating"
+    line.append(f"{busy if stats.busy else 'ready'} · served {stats.served} · queued {worker.queued}")
     if stats.cancelled:
         line.append(f" · cancelled {stats.cancelled}")
     if stats.rejected:

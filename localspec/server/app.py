@@ -126,7 +126,8 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status, "message": state.load_error}, status_code=503)
         stats, worker = state.backend.worker.stats, state.backend.worker
-        return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "queued": worker.queued,
+        return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "running": stats.running,
+                             "slots": worker.slots, "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
                              "rejected": stats.rejected})
 

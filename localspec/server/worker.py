@@ -1,10 +1,15 @@
-"""The one engine thread: a bounded FIFO of jobs, run one at a time, each streamed back as it is generated.
+"""The one engine thread: a bounded FIFO of jobs feeding the engine's slots, each job streamed back as it is
+generated.
 
-Interface (kept small so that a batched, multi-slot scheduler can replace it): `submit(job)` queues a Job or
-raises QueueFull; the job's `sink` receives `Delta`s and then exactly one `Finished` or `Failed`, called from the
-worker thread; `cancel(job)` takes a queued job out or stops a running one at the engine's next check (between
-rounds, or after the token being emitted), which keeps the engine's KV bookkeeping consistent; `shutdown()`
-cancels everything. No job ever interrupts another.
+Continuous batching: between rounds, waiting jobs take free slots (a returning conversation the slot that holds its
+prefix); every round then advances all running jobs at once (`Engine.step`: one draft decode per draft step, one
+target decode for every verify), and a job that finishes or is cancelled leaves its slot free for the next round.
+With one slot (`--parallel 1`) this is a FIFO that runs one job at a time.
+
+Interface: `submit(job)` queues a Job or raises QueueFull; the job's `sink` receives `Delta`s and then exactly one
+`Finished` or `Failed`, called from the worker thread; `cancel(job)` takes a queued job out or stops a running one
+at the engine's next check (between rounds, or after the token being emitted), which keeps the engine's KV
+bookkeeping consistent; `shutdown()` cancels everything. A job's output does not depend on the others.
 
 Stop strings are matched here, on the worker thread, so the engine is stopped the moment one completes instead of
 whenever the event loop next looks.
@@ -23,7 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localspec.config import Drafting, Sampling
-from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, Engine, GenerationStats, TokenEvent
+from localspec.engine import (
+    STOP_CONTEXT_FULL,
+    STOP_MAX_TOKENS,
+    DoneEvent,
+    Engine,
+    GenerationStats,
+    Stream,
+    TokenEvent,
+)
 from localspec.errors import LocalspecError
 from localspec.server.stops import StopMatcher
 
@@ -114,20 +127,56 @@ class WorkerStats:
     cancelled: int = 0
     failed: int = 0
     rejected: int = 0  # queue full
-    busy: bool = False
+    running: int = 0  # jobs in slots now
+    busy: bool = False  # any job running
     last: JobResult | None = None
     mean_job_s: float = 0.0  # smoothed wall time of a job, for Retry-After
+
+
+class _Running:
+    """A job in a slot: its engine stream and what it has sent so far (stop strings are matched here)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.matcher = StopMatcher(job.stops)
+        self.starts: list[int] = []  # each token's offset in the generated text
+        self.from_draft: list[bool] = []
+        self.released: list[str] = []
+        self.produced = 0
+        self.stream: Stream | None = None
+        self.t0 = time.perf_counter()
+
+    def should_stop(self) -> bool:
+        return self.job.cancelled or self.matcher.matched is not None
+
+    def take(self, event: TokenEvent) -> None:
+        self.starts.append(self.produced)
+        self.from_draft.append(event.from_draft)
+        self.produced += len(event.text)
+        safe = self.matcher.feed(event.text)
+        if safe:
+            self.released.append(safe)
+            _deliver(self.job, Delta(safe))
+
+    def finish(self, done: DoneEvent) -> Finished:
+        if self.matcher.matched is None:
+            tail = self.matcher.flush()
+            if tail:
+                self.released.append(tail)
+                _deliver(self.job, Delta(tail))
+        return Finished(_result(self.job, "".join(self.released), self.matcher, done, self.starts, self.from_draft))
 
 
 class Worker:
     def __init__(self, engine: Engine, queue_size: int) -> None:
         self.engine = engine
         self.queue_size = queue_size
+        self.slots = len(engine.slots)
         self.stats = WorkerStats()
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._running: Job | None = None
+        self._running: list[_Running] = []
         self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
 
     # -- the interface ----------------------------------------------------------------------------------------
@@ -143,8 +192,8 @@ class Worker:
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down")
-            # `queue_size` jobs may wait behind the running one; when idle, the first pending job is about to run.
-            capacity = self.queue_size + (0 if self._running is not None else 1)
+            # `queue_size` jobs may wait for a slot; those that free slots can take at once are not waiting.
+            capacity = self.queue_size + self.slots - len(self._running)
             if len(self._pending) >= capacity:
                 self.stats.rejected += 1
                 raise QueueFull(f"{len(self._pending)} requests are already waiting")
@@ -160,18 +209,18 @@ class Worker:
                 self.stats.cancelled += 1
 
     def retry_after_s(self) -> int:
-        """A guess at when a queue slot frees up (the running job ends), for the Retry-After header."""
-        return int(min(60, max(1, math.ceil(self.stats.mean_job_s))))
+        """A guess at when a queue place frees up (a running job ends), for the Retry-After header."""
+        return int(min(60, max(1, math.ceil(self.stats.mean_job_s / self.slots))))
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Cancel the running job, fail the queued ones, and end the thread (waits up to `timeout`)."""
+        """Cancel the running jobs, fail the queued ones, and end the thread (waits up to `timeout`)."""
         with self._cond:
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
-            running = self._running
+            running = list(self._running)
             self._cond.notify_all()
-        if running is not None:
-            running._cancelled.set()
+        for r in running:
+            r.job._cancelled.set()
         for job in pending:
             job._cancelled.set()
             _deliver(job, Failed("the server is shutting down", "shutdown"))
@@ -183,81 +232,87 @@ class Worker:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._pending and not self._running and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed and not self._running:
                     return
-                job = self._pending.popleft()
-                if job.cancelled:  # cancelled between the queue and here
-                    self.stats.cancelled += 1
-                    continue
-                self._running = job
-                self.stats.busy = True
-            t0 = time.perf_counter()
-            final: Finished | Failed = Failed("the worker stopped unexpectedly", "internal")
-            try:
-                final = self._execute(job)
-            finally:
-                # Counters first, then the final item: a client that has its reply sees them updated.
-                elapsed = time.perf_counter() - t0
-                self.stats.mean_job_s = elapsed if not self.stats.mean_job_s else (
-                    0.8 * self.stats.mean_job_s + 0.2 * elapsed)
-                if isinstance(final, Failed):
-                    self.stats.failed += 1
-                elif final.result.finish_reason == FINISH_CANCELLED:
-                    self.stats.cancelled += 1
-                else:
-                    self.stats.served += 1
-                    self.stats.last = final.result
-                with self._cond:
-                    self._running = None
-                    self.stats.busy = False
-                _deliver(job, final)
+                joining = self._admit()
+            for r in joining:
+                self._start(r)
+            if self._running:
+                self._round()
 
-    def _execute(self, job: Job) -> Finished | Failed:
-        """Run one job, delivering its text as it is released; returns the final item."""
-        matcher = StopMatcher(job.stops)
-        starts: list[int] = []  # each token's offset in the generated text
-        from_draft: list[bool] = []
-        released: list[str] = []
-        produced = 0
-        done: DoneEvent | None = None
+    def _admit(self) -> list[_Running]:
+        """Waiting jobs into free slots (called holding the lock)."""
+        joining = []
+        while self._pending and len(self._running) < self.slots:
+            job = self._pending.popleft()
+            if job.cancelled:  # cancelled between the queue and here
+                self.stats.cancelled += 1
+                continue
+            r = _Running(job)
+            self._running.append(r)
+            joining.append(r)
+        self.stats.running = len(self._running)
+        self.stats.busy = bool(self._running)
+        return joining
 
-        def should_stop() -> bool:
-            return job.cancelled or matcher.matched is not None
-
-        stream = self.engine.generate(job.prompt, job.sampling, job.drafting, job.max_tokens, should_stop)
+    def _start(self, r: _Running) -> None:
+        """Prefill a joining job into the free slot that suits its prompt best."""
+        job = r.job
+        slot = self.engine.free_slot(job.prompt)
+        assert slot is not None  # _admit lets in no more jobs than there are slots
         try:
-            for event in stream:
-                if isinstance(event, TokenEvent):
-                    starts.append(produced)
-                    from_draft.append(event.from_draft)
-                    produced += len(event.text)
-                    safe = matcher.feed(event.text)
-                    if safe:
-                        released.append(safe)
-                        _deliver(job, Delta(safe))
-                else:
-                    done = event
+            r.stream = self.engine.start(job.prompt, job.sampling, job.drafting, job.max_tokens, r.should_stop,
+                                         slot=slot)
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
-            stream.close()
-            return Failed(str(exc), "invalid_request")
+            self._end(r, Failed(str(exc), "invalid_request"))
         except Exception as exc:
-            stream.close()
-            # A decode that raised may have left KV cells the bookkeeping does not know: start clean.
-            self.engine.reset()
-            if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
-                log.exception("generation failed")
-            else:
-                log.error("generation failed: %s: %s", type(exc).__name__, exc)
-            return Failed(f"generation failed: {type(exc).__name__}", "internal")
-        assert done is not None
-        if matcher.matched is None:
-            tail = matcher.flush()
-            if tail:
-                released.append(tail)
-                _deliver(job, Delta(tail))
-        return Finished(_result(job, "".join(released), matcher, done, starts, from_draft))
+            self._fail_all(exc)
+
+    def _round(self) -> None:
+        """One engine round for every running job, then each job's tokens to its client."""
+        running = [r for r in self._running if r.stream is not None]
+        try:
+            self.engine.step([r.stream for r in running])
+            for r in running:
+                for event in r.stream.events():
+                    if isinstance(event, TokenEvent):
+                        r.take(event)
+                    else:
+                        self._end(r, r.finish(event))
+        except Exception as exc:
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A decode that raised may have left KV cells the bookkeeping does not know: every running job fails
+        and the engine starts clean."""
+        self.engine.reset()
+        if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
+            log.exception("generation failed")
+        else:
+            log.error("generation failed: %s: %s", type(exc).__name__, exc)
+        for r in list(self._running):
+            self._end(r, Failed(f"generation failed: {type(exc).__name__}", "internal"))
+
+    def _end(self, r: _Running, final: Finished | Failed) -> None:
+        """Counters first, then the final item: a client that has its reply sees them updated."""
+        elapsed = time.perf_counter() - r.t0
+        self.stats.mean_job_s = elapsed if not self.stats.mean_job_s else 0.8 * self.stats.mean_job_s + 0.2 * elapsed
+        if isinstance(final, Failed):
+            self.stats.failed += 1
+        elif final.result.finish_reason == FINISH_CANCELLED:
+            self.stats.cancelled += 1
+        else:
+            self.stats.served += 1
+            self.stats.last = final.result
+        if r.stream is not None:
+            r.stream.slot.busy = False
+        with self._cond:
+            self._running.remove(r)
+            self.stats.running = len(self._running)
+            self.stats.busy = bool(self._running)
+        _deliver(r.job, final)
 
 
 def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: list[int],

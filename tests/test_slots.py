@@ -1,0 +1,196 @@
+"""Several generations in one engine (slots): each request's output is what it would be alone, on the CPU bit for
+bit at T = 0, and the target's distribution at T > 0, whatever else runs beside it and whenever it arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from localspec.config import Drafting, load_preset
+from localspec.engine import STOP_MAX_TOKENS, DoneEvent, Engine, Stream, TokenEvent, _LoadPolicy, collect
+from localspec.sampling import candidates
+from localspec.session import ModelFiles, open_session
+
+pytestmark = pytest.mark.slow
+
+GREEDY = load_preset("greedy")
+
+
+def prompts(n: int, seed: int, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=length + i).tolist() for i in range(n)]
+
+
+def open_slots(pair, parallel: int, **load):
+    preset = GREEDY.with_overrides(**load) if load else GREEDY
+    return open_session(ModelFiles(target=pair[0], draft=pair[1], name="test"), preset, parallel=parallel)
+
+
+def run_together(engine: Engine, requests: list[dict], arrivals: list[int]) -> list[list[int]]:
+    """Start request i at round arrivals[i] in the slot the engine picks; step all running streams together
+    until every one has finished. Returns each request's tokens."""
+    out: list[list[int]] = [[] for _ in requests]
+    running: dict[int, Stream] = {}
+    done: set[int] = set()
+    round_no = 0
+    while len(done) < len(requests):
+        for i, request in enumerate(requests):
+            if arrivals[i] == round_no:
+                slot = engine.free_slot(request["prompt"])
+                assert slot is not None
+                running[i] = engine.start(**request, slot=slot)
+        streams = list(running.values())
+        engine.step(streams)
+        for i, stream in list(running.items()):
+            for event in stream.events():
+                if isinstance(event, TokenEvent):
+                    out[i].append(event.token)
+                else:
+                    assert isinstance(event, DoneEvent)
+                    done.add(i)
+                    del running[i]
+        round_no += 1
+        assert round_no < 10_000
+    return out
+
+
+@pytest.mark.parametrize("device_top_k", [0, 64])
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])
+def test_greedy_requests_together_are_token_identical_to_each_alone(request, pair, device_top_k):
+    """Four requests with different prompts, lengths, draft lengths (k = 0 too) and penalties, arriving at
+    different rounds: each gets exactly the tokens it gets alone in a one-slot engine."""
+    files = request.getfixturevalue(pair)
+    penalized = dataclasses.replace(GREEDY.sampling, repeat_penalty=1.3)
+    ps = prompts(4, seed=3)
+    requests = [
+        dict(prompt=ps[0], sampling=GREEDY.sampling, drafting=Drafting(6, 0.0, False), max_tokens=40),
+        dict(prompt=ps[1], sampling=GREEDY.sampling, drafting=Drafting(3, 0.0, False), max_tokens=25),
+        dict(prompt=ps[2], sampling=penalized, drafting=Drafting(5, 0.3, False), max_tokens=33),
+        dict(prompt=ps[3], sampling=GREEDY.sampling, drafting=Drafting(0, 0.0, False), max_tokens=18),
+    ]
+    with open_slots(files, 1, device_top_k=device_top_k) as alone:
+        expected = []
+        for r in requests:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_slots(files, 4, device_top_k=device_top_k) as s:
+        assert len(s.engine.slots) == 4
+        together = run_together(s.engine, requests, arrivals=[0, 0, 3, 7])
+        assert together == expected
+        # Again, in slots that now hold other requests' cells, arriving in another order.
+        together = run_together(s.engine, requests[::-1], arrivals=[0, 2, 2, 5])
+        assert together == expected[::-1]
+        assert all(not slot.busy for slot in s.engine.slots)
+
+
+def test_the_target_distribution_holds_with_requests_running_together(tiny_pair):
+    """At T > 0 each request's first token follows the target's p exactly, drawn while three other requests
+    (other prompts, other settings) share every round."""
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    others = prompts(3, seed=8)
+    with open_slots(tiny_pair, 4) as s:
+        prompt = prompts(1, seed=21)[0]
+        s.target.use_device_sampler(None)  # the reference p comes from the full logits
+        logits = s.target.decode(prompt, 0)
+        p = candidates(logits, preset.sampling)
+        s.engine.reset()
+        n = 1200
+        firsts: Counter[int] = Counter()
+        accepted = 0
+        for seed in range(n):
+            measured = dict(prompt=prompt, sampling=dataclasses.replace(preset.sampling, seed=seed),
+                            drafting=Drafting(1, 0.0, False), max_tokens=2)
+            noise = [dict(prompt=q, sampling=dataclasses.replace(preset.sampling, temperature=0.8, seed=seed + i),
+                          drafting=Drafting(4, 0.0, False), max_tokens=2) for i, q in enumerate(others)]
+            streams = []
+            for r in (measured, *noise):
+                streams.append(s.engine.start(**r, slot=s.engine.free_slot(r["prompt"])))
+            tokens, live = [], list(streams)
+            while live:
+                s.engine.step(live)
+                for stream in list(live):
+                    for event in stream.events():
+                        if stream is streams[0] and isinstance(event, TokenEvent):
+                            tokens.append(event.token)
+                    if stream.finished:
+                        live.remove(stream)
+            firsts[tokens[0]] += 1
+            accepted += streams[0].stats.accepted
+    assert 0 < accepted < n  # both branches (accept and resample) were taken
+    chi2 = 0.0
+    for token, prob in zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True):
+        expected = n * prob
+        chi2 += (firsts.get(token, 0) - expected) ** 2 / expected
+    assert set(firsts) <= set(p.ids[0].tolist())
+    assert chi2 < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
+
+
+def test_a_returning_conversation_goes_back_to_its_slot(tiny_pair):
+    """A prompt that extends what a free slot holds goes to that slot and only its new tokens are processed."""
+    ps = prompts(3, seed=5)
+    with open_slots(tiny_pair, 3) as s:
+        first = {}
+        for i, prompt in enumerate(ps):
+            slot = s.engine.free_slot(prompt)
+            gen = collect(s.engine.generate(prompt, GREEDY.sampling, Drafting(4, 0.0, False), 10, slot=slot))
+            first[i] = (slot, prompt + gen.tokens)
+        assert sorted(slot for slot, _ in first.values()) == [0, 1, 2]  # each took a fresh slot (least recently used)
+        slot, history = first[1]
+        follow_up = history + [123, 456]
+        assert s.engine.free_slot(follow_up) == slot
+        gen = collect(s.engine.generate(follow_up, GREEDY.sampling, Drafting(4, 0.0, False), 5, slot=slot))
+        assert gen.stats.prompt_tokens_processed <= 3  # the two new tokens (and the last reply token)
+
+
+def test_a_stopped_request_frees_its_slot_and_the_others_go_on(tiny_pair):
+    ps = prompts(2, seed=9)
+    stop = {"now": False}
+    with open_slots(tiny_pair, 2) as s:
+        a = s.engine.start(ps[0], GREEDY.sampling, Drafting(4, 0.0, False), 30, lambda: stop["now"], slot=0)
+        b = s.engine.start(ps[1], GREEDY.sampling, Drafting(4, 0.0, False), 30, slot=1)
+        assert s.engine.free_slot(ps[0]) is None
+        s.engine.step([a, b])
+        list(a.events()), list(b.events())
+        stop["now"] = True
+        s.engine.step([a, b])
+        events_a = list(a.events())
+        assert [type(e) for e in b.events()] and not b.finished  # b's round went on
+        assert a.finished and events_a == [a.done] and a.done.stop_reason == "requested"
+        assert s.engine.free_slot(ps[0]) == 0
+        while not b.finished:
+            s.engine.step([b])
+            list(b.events())
+        assert b.done.stop_reason == STOP_MAX_TOKENS and b.stats.tokens == 30
+
+
+def test_load_policy_measures_both_and_keeps_the_faster():
+    policy = _LoadPolicy()
+    assert not policy.plain(1)  # one request alone always drafts
+    choices = []
+    for _ in range(4 * policy.EPOCH):
+        plain = policy.plain(4)
+        choices.append(plain)
+        # Plain batched decoding measures faster at 4 slots here (a compute-bound verify).
+        policy.observe(4, plain, tokens=8 if plain else 10, seconds=0.1 if plain else 0.2)
+    e = policy.EPOCH
+    assert choices[:e] == [False] * e and choices[e : 2 * e] == [True] * e  # speculation measured, then plain
+    assert all(choices[2 * e :])  # then the faster
+    assert policy.summary()[4] == {"plain": 80.0, "speculative": 50.0}
+    # Every REPROBE-th epoch re-measures the one that lost.
+    policy.rounds[4] = policy.REPROBE * policy.EPOCH
+    assert not policy.plain(4)
+
+
+def test_parallel_sizes_each_slot_at_the_context(tiny_pair):
+    with open_slots(tiny_pair, 3, n_ctx=128) as s:
+        assert s.target.n_seq == s.draft.n_seq == 3
+        assert s.engine.n_ctx == 128
+        long = prompts(1, seed=1, length=100)[0]
+        outs = []
+        for slot in range(3):
+            outs.append(collect(s.engine.generate(long, GREEDY.sampling, Drafting(6, 0.0, False), 200, slot=slot)))
+        assert all(o.done.stop_reason == "context_full" for o in outs)
+        assert len({tuple(o.tokens) for o in outs}) == 1  # each slot holds a whole context of its own
