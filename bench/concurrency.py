@@ -190,20 +190,16 @@ class Level:
             "completion_tokens": tokens,
             "wall_s": self.wall_s,
             "aggregate_tps": round(tokens / self.wall_s, 3) if self.wall_s > 0 else None,
-            "per_request_tps_median": _round(statistics.median(tps)) if tps else None,
-            "per_request_tps_min": _round(min(tps)) if tps else None,
-            "per_request_tps_max": _round(max(tps)) if tps else None,
-            "ttft_s_median": _round(statistics.median(ttft), 4) if ttft else None,
-            "ttft_s_max": _round(max(ttft), 4) if ttft else None,
+            "per_request_tps_median": round(statistics.median(tps), 3) if tps else None,
+            "per_request_tps_min": round(min(tps), 3) if tps else None,
+            "per_request_tps_max": round(max(tps), 3) if tps else None,
+            "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
+            "ttft_s_max": round(max(ttft), 4) if ttft else None,
             "tokens_from_usage": sum(r.usage_tokens is not None for r in ok),
             "draft_n": sum(drafted) if have_drafts else None,
             "draft_n_accepted": sum(accepted) if have_drafts else None,
-            "acceptance": (_round(sum(accepted) / sum(drafted), 4) if have_drafts and sum(drafted) else None),
+            "acceptance": (round(sum(accepted) / sum(drafted), 4) if have_drafts and sum(drafted) else None),
         }
-
-
-def _round(x: float, digits: int = 3) -> float:
-    return round(x, digits)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -331,6 +327,11 @@ def print_table(args: argparse.Namespace, model: str, levels: list[dict[str, Any
 
 async def run(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = load_prompts(args.prompts)
+    if args.json_out is not None:  # before the measurement, not after it
+        try:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchError(f"--json {args.json_out}: {exc.strerror or exc}") from None
     url = args.url.rstrip("/")
     client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
     try:
@@ -365,6 +366,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
         record = {
             "label": args.label,
             "argv": argv,
+            "client": {"python": sys.version.split()[0], "openai": openai.__version__},
             "started": started,
             "url": url,
             "model": model,
@@ -374,7 +376,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
                 "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "warmup": args.warmup,
                 "prompts": str(args.prompts) if args.prompts else "built-in", "n_prompts": len(prompts),
-                "request_fields": {k: v for k, v in _body(args).items()},
+                "request_fields": _body(args),
             },
             "token_count": "usage" if not no_usage else f"chunks with text for {no_usage} of {len(ok)} requests",
             "levels": [{**s, "results": [r.to_json() for r in lv.requests]}
@@ -382,7 +384,6 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
             "prompts": prompts,
         }
         try:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.json_out.with_name(args.json_out.name + ".tmp")
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             tmp.replace(args.json_out)  # a JSON that exists is whole (the GPU harness skips what exists)

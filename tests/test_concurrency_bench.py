@@ -4,6 +4,7 @@ pair, and its one-line failures."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +35,11 @@ def test_levels_against_serve(demo_home, tmp_path, capsys):
         assert level["requests"] == level["clients"] and level["errors"] == 0
         assert level["tokens_from_usage"] == level["requests"]
         assert 0 < level["completion_tokens"] <= 6 * level["requests"]
-        assert level["aggregate_tps"] > 0 and level["ttft_s_median"] > 0
+        assert level["aggregate_tps"] == pytest.approx(level["completion_tokens"] / level["wall_s"], abs=1e-3)
+        assert level["ttft_s_median"] > 0
+        per_request = [r["decode_tps"] for r in level["results"]]
+        assert level["per_request_tps_median"] == pytest.approx(statistics.median(per_request), abs=1e-3)
+        assert level["per_request_tps_min"] == pytest.approx(min(per_request), abs=1e-3)
         # the two clients of level 2 send different prompts
         assert len({r["prompt"] for r in level["results"]}) == level["clients"]
         for r in level["results"]:
