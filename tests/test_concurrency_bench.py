@@ -16,11 +16,11 @@ from tests.test_serve import Server
 
 @pytest.mark.slow
 def test_levels_against_serve(demo_home, tmp_path, capsys):
-    server = Server(demo_home, tmp_path, "--threads", "1")
+    server = Server(demo_home, tmp_path, "--threads", "1", "--parallel", "2")  # level 2: both requests batched
     try:
         out = tmp_path / "conc.json"
         rc = concurrency.main(["--url", server.url, "--clients", "1,2", "--requests-per-client", "1",
-                               "--max-tokens", "6", "--json", str(out), "--label", "demo test"])
+                               "--max-tokens", "12", "--json", str(out), "--label", "demo test"])
         printed = capsys.readouterr().out
     finally:
         assert server.stop() == 0
@@ -34,7 +34,7 @@ def test_levels_against_serve(demo_home, tmp_path, capsys):
     for level in data["levels"]:
         assert level["requests"] == level["clients"] and level["errors"] == 0
         assert level["tokens_from_usage"] == level["requests"]
-        assert 0 < level["completion_tokens"] <= 6 * level["requests"]
+        assert 0 < level["completion_tokens"] <= 12 * level["requests"]
         assert level["aggregate_tps"] == pytest.approx(level["completion_tokens"] / level["wall_s"], abs=1e-3)
         assert level["ttft_s_median"] > 0
         per_request = [r["decode_tps"] for r in level["results"]]
@@ -45,6 +45,9 @@ def test_levels_against_serve(demo_home, tmp_path, capsys):
         for r in level["results"]:
             assert r["error"] is None and r["tokens"] == r["usage_tokens"] > 0
             assert r["sent"] <= r["first_token"] <= r["last_token"] <= r["end"] <= level["wall_s"]
+        if level["clients"] == 2:  # two slots: the second request starts before the first one ends
+            first, second = sorted(level["results"], key=lambda r: r["first_token"])
+            assert second["first_token"] < first["end"]
             assert r["timings"]["predicted_n"] == r["tokens"]  # localspec's own count agrees with the usage chunk
     assert "aggregate tok/s" in printed
 
