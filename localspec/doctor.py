@@ -157,8 +157,9 @@ def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[C
     return out
 
 
-def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices) -> tuple[Check, memory.Settings]:
-    s = memory.settings_from_preset(preset, n_ctx=n_ctx)
+def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices,
+                     parallel: int = 1) -> tuple[Check, memory.Settings]:
+    s = memory.settings_from_preset(preset, n_ctx=n_ctx, n_seq=parallel)
     try:
         plan = memory.plan_for(s, dev)
     except LocalspecError as exc:
@@ -179,7 +180,8 @@ def _fit_check(t: GGUFHeader, d: GGUFHeader | None, s: memory.Settings, dev: mem
         return Check(Status.FAIL, "the pair fits", str(exc), "choose a placement this machine has")
     where = est.where() if est.per_device else f"RAM {est.ram_bytes / GiB:.1f} GiB (no GPU: VRAM not checked)"
     if est.fits:
-        return Check(Status.OK, "the pair fits", f"at context {s.n_ctx}, {s.kv_type} KV: {where}")
+        slots = f" × {s.n_seq} slots" if s.n_seq > 1 else ""
+        return Check(Status.OK, "the pair fits", f"at context {s.n_ctx}{slots}, {s.kv_type} KV: {where}")
     return Check(Status.FAIL, "the pair fits", f"{est.problem} ({where})", "try " + " or ".join(est.suggestions))
 
 
@@ -191,8 +193,10 @@ def run_checks(
     n_ctx: int | None = None,
     devices: memory.Devices | None = None,
     missing: str = "",
+    parallel: int = 1,
 ) -> list[Check]:
-    """The checklist in order. `missing` explains why there are no files (e.g. a pair not pulled yet)."""
+    """The checklist in order. `missing` explains why there are no files (e.g. a pair not pulled yet);
+    `parallel`: the fit of `serve`'s slots, each with a KV cache of the context."""
     servers = placement.rpc_servers(preset.load)
     dev = devices or memory.probe_devices(servers, strict=False)
     ctx = n_ctx or preset.load.n_ctx
@@ -206,7 +210,7 @@ def run_checks(
         checks.extend(_pair_checks(t, d))
     checks.extend(_settings_checks(preset, ctx))
     checks.extend(_machine_checks(dev, servers))
-    placed, settings = _placement_check(preset, ctx, dev)
+    placed, settings = _placement_check(preset, ctx, dev, parallel)
     checks.append(placed)
     if t is not None and placed.status != Status.FAIL:
         checks.append(_fit_check(t, d, settings, dev))

@@ -445,6 +445,12 @@ class Engine:
         """Each slot's context."""
         return min(self.target.n_ctx, self.draft.n_ctx) if self.draft is not None else self.target.n_ctx
 
+    @property
+    def batches_slots(self) -> bool:
+        """Whether a round's slots share each decode (else llama.cpp's multi-sequence batches are not exact for
+        this model and they take turns inside the round: `LlamaModel.batches_sequences`)."""
+        return all(m.batches_sequences for m in (self.target, self.draft) if m is not None)
+
     def free_slot(self, prompt: Sequence[int]) -> int | None:
         """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
         conversation goes back to its cache), else the least recently used; None when every slot is busy."""

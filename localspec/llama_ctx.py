@@ -268,6 +268,7 @@ def jinja_chat_renderer(template: str, bos_token: str, eos_token: str, source: s
     return lambda messages, **variables: formatter(messages=messages, **variables).prompt
 
 
+SEQUENCE_BATCH_NOISE = 0.5  # logits: above this, a GPU's multi-sequence batch is wrong, not kernel rounding
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
 
 
@@ -423,6 +424,13 @@ class LlamaModel:
         self._modes: dict[int, str | DeviceDist] = {}  # each sequence's device sampler (absent: full logits)
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
+        self.batches_sequences = True
+        self.sequence_batch_error = 0.0
+        if n_seq > 1:
+            self.sequence_batch_error = self._sequence_batch_error()
+            # On the CPU a sequence must score bit for bit as alone; a GPU's kernels differ with the batch shape
+            # anyway (docs/gpu.md), so there only a structural error (whole logits off) turns batching off.
+            self.batches_sequences = self.sequence_batch_error <= (SEQUENCE_BATCH_NOISE if self.on_gpu else 0.0)
 
     # -- decoding -------------------------------------------------------------------------------------------
 
@@ -438,7 +446,17 @@ class LlamaModel:
 
     def decode_many(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
         """Several sequences' tokens in as few `llama_decode` calls as n_batch allows (one, for a round of
-        drafts or verifies across slots); the scores of each item as `decode` returns them."""
+        drafts or verifies across slots); the scores of each item as `decode` returns them. A model whose
+        multi-sequence batches are not exact here (`batches_sequences`) decodes the items one after another."""
+        if self.batches_sequences or len({item[0] for item in items}) < 2:
+            return self._decode_batched(items)
+        results = [self._decode_batched([item])[0] for item in items]
+        for i, scores in enumerate(results[:-1]):
+            if isinstance(scores, np.ndarray) and scores.base is not None:
+                results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
+        return results
+
+    def _decode_batched(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
         results: list[np.ndarray | TopK | Sampled | None] = [None] * len(items)
         wanted: list[tuple[int, int, int, int]] = []  # (item, sequence, first batch index, rows) of this batch
         views: list[int] = []  # items whose scores are views into llama.cpp's buffer, which the next decode reuses
@@ -504,6 +522,32 @@ class LlamaModel:
                 done += take
         flush()
         return results
+
+    def _sequence_batch_error(self) -> float:
+        """The largest logit difference between two sequences decoded in one batch and each decoded alone.
+
+        llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
+        architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
+        differ by up to 10 logits on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit
+        for bit. Measured once at load on two short made-up sequences; both are cleared again."""
+        modes = dict(self._modes)
+        for seq in modes:
+            self.use_device_sampler(None, seq)
+        rng = np.random.default_rng(0)
+        low = max(self.bos, 0) + 1
+        probes = [rng.integers(low, max(low + 1, min(self.n_vocab, 20_000)), size=n).tolist() for n in (9, 5)]
+        try:
+            alone = []
+            for seq, tokens in enumerate(probes):
+                alone.append(self._decode_batched([(seq, tokens, 0, True)])[0].copy())
+                self.clear(seq)
+            together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])
+            return max(float(np.abs(t - a).max()) for t, a in zip(together, alone, strict=True))
+        finally:
+            for seq in range(len(probes)):
+                self.clear(seq)
+            for seq, mode in modes.items():
+                self.use_device_sampler(mode, seq)
 
     def _rows(self, seq: int, first: int, rows: int) -> np.ndarray | TopK | Sampled:
         """Sequence `seq`'s scores at batch entries first.., as its device sampler made them (or full logits)."""

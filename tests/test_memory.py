@@ -196,3 +196,22 @@ def test_qwen3_32b_fits_a_24_gb_card() -> None:
                    if memory.estimate(t, d, replace(s, n_ctx=c, kv_type=kv_type), CARD_24GB).fits)
 
     assert (largest("q8_0"), largest("f16")) == (11776, 6144)  # also written in models.toml
+
+
+def test_slots_multiply_the_kv_cache_and_fewer_slots_are_suggested() -> None:
+    """`serve --parallel N`: each slot holds a KV cache of the whole context in both models. On a 24 GB card the
+    Qwen3 pair's q8_0 KV holds 11,776 tokens beside the weights: 4 slots of 2,816 fit, 4 of 3,072 do not."""
+    from localspec import registry
+
+    pair = registry.get_pair("qwen3-32b")
+    assert pair.target is not None and pair.draft is not None
+    t = _qwen3_header(pair.target.file, 64, 64, 5120, pair.target.size)
+    d = _qwen3_header(pair.draft.file, 28, 16, 1024, pair.draft.size)
+    one = memory.Settings(n_ctx=3072, n_draft=6, kv_type="q8_0")
+    four = replace(one, n_seq=4)
+    assert (memory.estimate(t, d, four, CARD_24GB).models[0].kv
+            == 4 * memory.estimate(t, d, one, CARD_24GB).models[0].kv)
+    assert memory.estimate(t, d, replace(four, n_ctx=2816), CARD_24GB).fits
+    est = memory.estimate(t, d, four, CARD_24GB)
+    assert not est.fits and "3072 × 4 slots" in est.problem
+    assert "--parallel 3 (slots; keeps context 3072 each)" in est.suggestions

@@ -178,6 +178,9 @@ def test_doctor_on_the_demo_pair(use_demo_home: Path) -> None:
     assert result.exit_code == 0, result.output
     for line in ("same family and tokenizer", "draft ≥ 8-bit", "the pair fits", "GPU offload"):
         assert line in result.output
+    slots = runner.invoke(app, ["doctor", "--parallel", "4"], env={"COLUMNS": "200"})
+    assert slots.exit_code == 0, slots.output
+    assert "× 4 slots" in slots.output  # the fit counts serve's four KV caches
 
 
 def test_models_at_80_columns_shows_every_pair_name_whole_and_qwen3_first(env: FakeHub) -> None:

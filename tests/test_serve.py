@@ -305,3 +305,72 @@ def test_ctrl_c_cancels_in_flight_work_and_exits_0(guarded):
     assert guarded.proc.wait(timeout=120) == 0
     assert time.monotonic() - t0 < 120
     assert "stopped" in guarded.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def slots4(demo_home, tmp_path_factory) -> Iterator[Server]:
+    # SmolLM2 (Llama-style): llama.cpp batches its sequences exactly (Gemma 3's are checked in test_slots.py).
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-slots"), "--parallel", "4", "--pair", "demo-chat")
+    yield s
+    s.stop()
+
+
+def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
+    """`serve --parallel 4`: four `openai` clients at once (staggered, different prompts, lengths and draft
+    lengths) are batched into shared rounds, and each reply is token for token the reply it gets alone."""
+    requests = [
+        dict(prompt="The three primary colours are", max_tokens=40, extra_body={"speculative": {"n_max": 6}}),
+        dict(prompt="Once upon a time, in a small village", max_tokens=32, extra_body={"speculative": {"n_max": 3}}),
+        dict(prompt="def fibonacci(n):", max_tokens=48, extra_body={"speculative": {"n_max": 0}}),
+        dict(prompt="The capital of France is", max_tokens=24, extra_body={}),
+    ]
+    client = slots4.client()
+    model = client.models.list().data[0].id
+
+    def ask(r: dict) -> tuple[str, int]:
+        out = client.completions.create(model=model, temperature=0, **r)
+        return out.choices[0].text, out.usage.completion_tokens
+
+    alone = [ask(r) for r in requests]
+    health = slots4.wait_idle()
+    assert health["slots"] == 4 and health["slots_batched"]
+    together: list[tuple[str, int] | None] = [None] * 4
+    peak = {"running": 0}
+
+    def worker(i: int) -> None:
+        time.sleep(0.3 * i)  # staggered arrivals: later requests join rounds already under way
+        together[i] = ask(requests[i])
+
+    def watch() -> None:
+        while any(t is None for t in together):
+            peak["running"] = max(peak["running"], slots4.health()["running"])
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)] + [threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert together == alone
+    assert peak["running"] >= 2  # they really ran at the same time
+    assert slots4.wait_idle()["failed"] == 0
+
+
+def test_a_departing_client_frees_its_slot_for_the_next(slots4):
+    """Four long streams fill the slots; one client leaves; a fifth request gets its slot while three go on."""
+    before = slots4.wait_idle()
+    client = slots4.client()
+    model = client.models.list().data[0].id
+    streams = [client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=3000, temperature=0.7,
+                                         stream=True) for i in range(4)]
+    for s in streams:
+        next(iter(s))  # each has started: all four slots are busy
+    assert slots4.health()["running"] == 4
+    streams[0].close()
+    quick = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert quick.usage.completion_tokens == 2
+    assert slots4.health()["running"] == 3  # the others are still generating
+    for s in streams[1:]:
+        s.close()
+    after = slots4.wait_idle()
+    assert after["cancelled"] == before["cancelled"] + 4 and after["running"] == 0

@@ -194,3 +194,21 @@ def test_parallel_sizes_each_slot_at_the_context(tiny_pair):
             outs.append(collect(s.engine.generate(long, GREEDY.sampling, Drafting(6, 0.0, False), 200, slot=slot)))
         assert all(o.done.stop_reason == "context_full" for o in outs)
         assert len({tuple(o.tokens) for o in outs}) == 1  # each slot holds a whole context of its own
+
+
+def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_demo_home):
+    """Gemma 3's multi-sequence batches are not the single-sequence graph in llama.cpp (measured at load): its
+    slots decode one after another inside each round, and every request still gets its output alone."""
+    from localspec import demo
+
+    pair = (demo.target_path(), demo.draft_path())
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(k, 0.0, False), max_tokens=24)
+                for p, k in zip(prompts(3, seed=2), (6, 2, 0), strict=True)]
+    with open_slots(pair, 1) as alone:
+        expected = []
+        for r in requests:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_slots(pair, 3) as s:
+        assert s.target.sequence_batch_error > 0.5 and not s.engine.batches_slots
+        assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected

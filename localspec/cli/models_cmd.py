@@ -186,17 +186,18 @@ def check(
 
 
 @options.with_run_options
-def doctor_cmd(run: options.RunOptions) -> None:
-    """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit. Loads no weights."""
+def doctor_cmd(run: options.RunOptions, parallel: options.parallel = None) -> None:
+    """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit (with --parallel: of
+    `serve`'s slots). Loads no weights."""
     missing = ""
     files: ModelFiles | None
     try:
         files = run.files()
     except LocalspecError as exc:  # e.g. a pair not pulled yet: the checklist still runs and says so
         files, missing = None, str(exc)
-    chosen = run.settle(files, "doctor")
+    chosen = run.settle(files, "doctor", parallel=parallel)
     checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
-                               n_ctx=chosen.load.n_ctx, missing=missing)
+                               n_ctx=chosen.load.n_ctx, missing=missing, parallel=chosen.server.parallel)
     console.print(
         f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"

@@ -127,7 +127,8 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
             return JSONResponse({"status": status, "message": state.load_error}, status_code=503)
         stats, worker = state.backend.worker.stats, state.backend.worker
         return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "running": stats.running,
-                             "slots": worker.slots, "queued": worker.queued,
+                             "slots": worker.slots, "slots_batched": worker.engine.batches_slots,
+                             "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
                              "rejected": stats.rejected})
 
