@@ -16,7 +16,8 @@ first text chunk). Per level: aggregate tok/s = all completion tokens / (first s
 min per-request tok/s, median TTFT, errors, and acceptance where the server's `timings` report drafts
 (llama-server's and localspec's final chunk both carry `draft_n` / `draft_n_accepted`).
 
-The JSON (--json) holds every request's figures, the settings, the exact argv and the server's /v1/models answer.
+The JSON (--json) holds every request's figures, the settings, the exact argv, the server's /v1/models answer and
+its /health before and after (localspec's says how many slots and whether they share each decode).
 Exit status: 0, or 1 when the server cannot be reached or any request failed (the JSON is written either way).
 """
 
@@ -28,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -304,6 +306,18 @@ async def fetch_models(client: openai.AsyncOpenAI, url: str) -> tuple[Any, list[
     return answer, ids
 
 
+def server_health(url: str, api_key: str) -> Any:
+    """GET /health beside the API root (llama-server's and localspec's: status, slots, counters), recorded in the
+    JSON as the server described itself; None where there is none."""
+    root = url.removesuffix("/v1")
+    request = urllib.request.Request(f"{root}/health", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
 def print_table(args: argparse.Namespace, model: str, levels: list[dict[str, Any]], token_note: str | None) -> None:
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
@@ -339,12 +353,14 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.model is None and not ids:
             raise BenchError(f"{url}/models lists no model: pass --model")
         model = args.model or ids[0]
+        health_before = await asyncio.to_thread(server_health, url, args.api_key)
         started = datetime.now(UTC).isoformat(timespec="seconds")
         levels: list[Level] = []
         for n in args.clients:
             print(f"level {n}: {n} client(s) x {args.requests_per_client} request(s), max_tokens {args.max_tokens}",
                   file=sys.stderr, flush=True)
             levels.append(await run_level(client, model, prompts, n, args))
+        health_after = await asyncio.to_thread(server_health, url, args.api_key)
     finally:
         await client.close()
 
@@ -371,6 +387,8 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
             "url": url,
             "model": model,
             "models_response": models,
+            "health_before": health_before,
+            "health_after": health_after,
             "settings": {
                 "clients": args.clients, "requests_per_client": args.requests_per_client,
                 "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,

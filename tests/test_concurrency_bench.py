@@ -30,6 +30,8 @@ def test_levels_against_serve(demo_home, tmp_path, capsys):
     assert [m["id"] for m in data["models_response"]["data"]] == ["demo"]
     assert data["argv"][1:3] == ["--url", server.url]
     assert data["token_count"] == "usage"
+    assert data["health_before"]["slots"] == 2 and data["health_before"]["served"] == 0
+    assert data["health_after"]["served"] == 2 + 3  # a warm-up request before each level, then 1 + 2
     assert [lv["clients"] for lv in data["levels"]] == [1, 2]
     for level in data["levels"]:
         assert level["requests"] == level["clients"] and level["errors"] == 0
