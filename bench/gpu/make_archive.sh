@@ -2,10 +2,13 @@
 # Packs what the GPU machine lacks into bench/gpu/carry/ (git-ignored; the device call carries it). Everything comes
 # from PyPI through pip, at the versions pinned here and in pyproject.toml, so any machine with pip makes the same:
 #   llama.cpp.tar.gz       the llama.cpp vendored in the llama-cpp-python sdist (the project's pin), trimmed to what
-#                          CMake needs for llama-bench, llama-speculative-simple and the shared libllama/ggml libraries
+#                          CMake needs for llama-bench, llama-speculative-simple, llama-server (without its web UI)
+#                          and the shared libllama/ggml libraries
 #   py.tar.gz              py/: llama_cpp's Python bindings from the same sdist (no compiled library: run.sh points
 #                          LLAMA_CPP_LIB_PATH at the CUDA build) and the pure-Python packages localspec needs that the
-#                          GPU image lacks or may hold at other versions (wheels for CPython 3.12, x86-64 Linux)
+#                          GPU image lacks or may hold at other versions (wheels for CPython 3.12, x86-64 Linux):
+#                          the CLI's, `localspec serve`'s HTTP stack, and the `openai` client that
+#                          bench/concurrency.py drives the servers with
 #   ggml-vocab-qwen2.gguf  tokenizer metadata for the synthetic 32B pair (Qwen2, 151,936 tokens): the sdist's
 #                          vendor/llama.cpp/models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file)
 #   MANIFEST.txt           sizes, sources and the versions packed
@@ -24,6 +27,11 @@ WHEELS=(
     typer==0.29.2 shellingham==1.5.4 annotated-doc==0.0.7 pydantic==2.14.4 pydantic-core==2.50.5
     typing-inspection==0.4.5 annotated-types==0.8.0 typing-extensions==4.16.0
     rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+    # `localspec serve` (pyproject's server pins, the versions tested here) and the concurrency client (issue #14);
+    # jiter and psutil are compiled (a cp312 and an abi3 wheel).
+    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 click==8.5.1 h11==0.16.0
+    anyio==4.16.0 sniffio==1.3.1 idna==3.20 opentelemetry-api==1.45.2 psutil==7.2.2
+    openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
 )
 
 STAGE="$(mktemp -d)"
@@ -54,7 +62,18 @@ for d in models docs media benches tests tools/ui .github .devops gguf-py conver
     examples/llama.swiftui examples/model-conversion 'build*'; do
     excludes+=(--exclude="llama.cpp/$d")
 done
-tar -C "$SRC/vendor" -czf "$CARRY/llama.cpp.tar.gz" --exclude-vcs --exclude='__pycache__' "${excludes[@]}" llama.cpp
+tar -C "$SRC/vendor" -cf "$STAGE/llama.cpp.tar" --exclude-vcs --exclude='__pycache__' "${excludes[@]}" llama.cpp
+# llama-server's CMake adds tools/ui (the web UI, 8.5 MB of Svelte sources) and embeds whatever assets it finds
+# there; with no assets, no npm build (LLAMA_BUILD_UI defaults to OFF) and no download (run.sh configures
+# LLAMA_USE_PREBUILT_UI=OFF) it builds a server without the UI, which the API does not need. These four files
+# are all that CMake reads of that folder then.
+UI_FILES=(CMakeLists.txt sources.cmake ui.cpp.in ui.h.in)
+for f in "${UI_FILES[@]}"; do
+    [[ -f "$VENDOR/tools/ui/$f" ]] \
+        || { echo "the sdist has no vendor/llama.cpp/tools/ui/$f (llama.cpp moved its UI?)" >&2; exit 1; }
+done
+tar -C "$SRC/vendor" -rf "$STAGE/llama.cpp.tar" "${UI_FILES[@]/#/llama.cpp/tools/ui/}"
+gzip -9 < "$STAGE/llama.cpp.tar" > "$CARRY/llama.cpp.tar.gz"
 
 # -- Python packages -----------------------------------------------------------------------------------------------
 cp -r "$SRC/llama_cpp" "$STAGE/py/"

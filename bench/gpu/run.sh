@@ -4,7 +4,8 @@
 # with bench/gpu/carry/ carried (make_archive.sh). Steps, each timed, logged, skippable and resumable:
 #   1. in the background, write the synthetic 32B target + 2-block draft for every scale (bench/synthetic.py needs
 #      only numpy and gguf, so it starts before llama.cpp exists); meanwhile unpack and build llama.cpp (CUDA sm_90):
-#      llama-bench, llama-speculative-simple and the shared libraries that localspec loads too
+#      llama-bench, llama-speculative-simple, llama-server (for bench/gpu/concurrency.sh) and the shared libraries
+#      that localspec loads too
 #   2. per pair: llama-bench tg128 (target and draft); `localspec bench` at each temperature (the product itself:
 #      warm-up, interleaved plain/speculative runs over its shipped prompt set, medians, greedy check, JSON);
 #      llama.cpp's llama-speculative-simple on the same prompts, LLAMA_REPS times per configuration, with host and
@@ -183,20 +184,28 @@ build() {
         sum_of "$CARRY/llama.cpp.tar.gz" > "$SRC/.stamp"
     fi
     local flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
         -DGGML_CCACHE=OFF)
     if [[ "$CUDA" == 1 ]]; then
         flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
     else  # CPU dry run: a portable AVX2 build (native builds have crashed on AMX machines)
         flags+=(-DGGML_CUDA=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
     fi
-    [[ -f "$BUILD/build.ninja" ]] || cmake -S "$SRC" -B "$BUILD" "${flags[@]}" > "$RES/cmake-configure.log" 2>&1
-    # libllama.so and libggml*.so are dependencies of both tools, so they land in $BIN too.
-    cmake --build "$BUILD" --target llama-bench llama-speculative-simple -j "$JOBS" > "$RES/cmake-build.log" 2>&1
+    # (Re)configure a build dir from before llama-server was built (LLAMA_BUILD_SERVER=OFF in its cache).
+    if [[ ! -f "$BUILD/build.ninja" ]] || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$BUILD/CMakeCache.txt"; then
+        cmake -S "$SRC" -B "$BUILD" "${flags[@]}" > "$RES/cmake-configure.log" 2>&1
+    fi
+    # libllama.so and libggml*.so are dependencies of the tools, so they land in $BIN too. `-k 0`: a failing
+    # llama-server (only concurrency.sh needs it) does not stop the other two from building.
+    cmake --build "$BUILD" --target llama-bench llama-speculative-simple llama-server -j "$JOBS" -- -k 0 \
+        > "$RES/cmake-build.log" 2>&1
 }
 export -f build sum_of
 export SRC BUILD CARRY CUDA JOBS RES
-build_current() { have_bins && [[ "$(cat "$SRC/.stamp" 2>/dev/null)" == "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]; }
+build_current() {
+    have_bins && [[ -x "$BIN/llama-server" ]] \
+        && [[ "$(cat "$SRC/.stamp" 2>/dev/null)" == "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]
+}
 if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current; }; then
     log "build: reusing $BIN"
 elif ! step build 200 build; then

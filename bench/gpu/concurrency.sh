@@ -1,0 +1,220 @@
+#!/usr/bin/env bash
+# Many clients at once (issue #14): `localspec serve --parallel N` plain batched (k = 0) and speculative, against
+# llama.cpp's `llama-server -np N` with the same draft model and draft length, all driven by the same client
+# (bench/concurrency.py: streaming openai clients, the same prompts and request bodies) at 1, 4, 8, 16 concurrent
+# clients. Device call on one GPU (kind nvidia-h200), carry ["bench/gpu/carry"] (make_archive.sh), from the repo
+# root:
+#     bash bench/gpu/concurrency.sh
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES=""
+#    so it only builds; it builds llama-server too), then the synthetic 32B pairs (bench/synthetic.py, the files
+#    run.sh writes).
+# 2. Per scale and per configuration of CONFIGS, one server is started, waited for (/health = 200), measured at
+#    every temperature of TEMPS (the temperature is a request field, so one server serves both) and stopped:
+#      k0     localspec serve --draft DRAFT --draft 0 --parallel P   plain batched decoding (the draft is loaded
+#                                                                     but not used: the same memory as spec)
+#      spec   localspec serve --draft DRAFT --draft K --parallel P   speculative, draft length K (the engine may
+#                                                                     choose shorter rounds under load)
+#      llama  llama-server -md DRAFT --spec-type draft-simple --spec-draft-n-max K --spec-draft-n-min 0
+#             --spec-draft-p-min 0 -np P -c P*CTX -fa on -ngl 99 -ngld 99
+#    The client sends the same body to all three: temperature, max_tokens, seed 42, and top_k 40, top_p 0.9,
+#    min_p 0 (localspec's preset `default`; llama-server's own defaults differ: top_p 0.95, min_p 0.05).
+# 3. bench/gpu/concurrency_summary.py: aggregate and per-request tok/s per concurrency, the ratios, the crossover
+#    where speculative falls below k = 0 (summary.md, summary.json).
+# Every result is kept in $WORK/concurrency; one that exists is not measured again, so a call that runs out of
+# budget leaves the rest to the next call on the same (warm) machine.
+# Environment (defaults in brackets):
+#   OUT [bench/gpu/work/out]  CARRY [bench/gpu/carry]  WORK [bench/gpu/work]
+#   SCALES ["8e-5 1.2e-4"]    synthetic block scales: the two acceptance levels of docs/performance.md
+#   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
+#   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
+#   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
+#   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
+#   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)  BUDGET_S [570]  RERUN [0]
+#   SIZE [gpu32b] (tiny: a CPU dry run)  VOCAB [carry/ggml-vocab-qwen2.gguf] ('' = synthetic.py's default)
+#   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
+set -uo pipefail
+
+T0=$(date +%s)
+REPO="$(pwd)"
+HERE="$REPO/bench/gpu"
+CARRY="${CARRY:-$HERE/carry}"
+WORK="${WORK:-$HERE/work}"
+OUT="${OUT:-$WORK/out}"
+SCALES="${SCALES:-8e-5 1.2e-4}"
+TEMPS="${TEMPS:-0 0.7}"
+CONFIGS="${CONFIGS:-k0 spec llama}"
+CLIENTS="${CLIENTS:-1,4,8,16}"
+PARALLEL="${PARALLEL:-16}"
+REQUESTS="${REQUESTS:-2}"
+N_PREDICT="${N_PREDICT:-256}"
+DRAFT_MAX="${DRAFT_MAX:-6}"
+CTX="${CTX:-2048}"
+LOCALSPEC_CTX="${LOCALSPEC_CTX:-$CTX}"
+PORT="${PORT:-18080}"
+LOAD_S="${LOAD_S:-240}"
+BUDGET_S="${BUDGET_S:-570}"
+SEED=42
+SIZE="${SIZE:-gpu32b}"
+VOCAB="${VOCAB-$CARRY/ggml-vocab-qwen2.gguf}"
+BIN="$WORK/build/bin"
+MODELS="$WORK/models"
+RES="$WORK/concurrency"
+[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
+mkdir -p "$OUT" "$MODELS" "$RES"
+OUT="$(cd "$OUT" && pwd)"
+
+exec 3>&1
+log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+finish() {
+    stop_server
+    python3 "$HERE/concurrency_summary.py" "$RES" --json "$RES/summary.json" 2>&1 | tee "$RES/summary.md"
+    cp "$RES/summary.md" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
+    tar -C "$RES" -czf "$OUT/concurrency-results.tar.gz" .
+    log "done in $(( $(date +%s) - T0 ))s"
+}
+# run NAME NEED_S CMD...: CMD if NEED_S seconds remain (capped at what remains); its rc.
+run() {
+    local name="$1" need="$2"; shift 2
+    local remain; remain=$(left)
+    if (( remain < need )); then log "SKIP $name: ${remain}s left, needs ~${need}s"; return 99; fi
+    log "START $name"
+    local t; t=$(date +%s)
+    timeout --kill-after=10 "$remain" "$@"; local rc=$?
+    log "END $name rc=$rc $(( $(date +%s) - t ))s"
+    return $rc
+}
+
+# -- the server under test: one at a time, always stopped (also when the budget or the call ends) ----------------
+SERVER_PID=""
+start_server() {  # start_server LOG CMD...: in the background, in a process group of its own
+    local logf="$1"; shift
+    setsid "$@" > "$logf" 2>&1 < /dev/null &
+    SERVER_PID=$!
+}
+stop_server() {
+    [[ -n "$SERVER_PID" ]] || return 0
+    # SIGINT: both servers then cancel their requests, free the models and exit (localspec in ~1 s)
+    kill -INT "$SERVER_PID" 2>/dev/null
+
+    for _ in $(seq 1 60); do
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+        log "server $SERVER_PID still running after 60 s: killing its process group"
+        kill -KILL -- "-$SERVER_PID" 2>/dev/null
+    fi
+    wait "$SERVER_PID" 2>/dev/null
+    SERVER_PID=""
+}
+trap 'stop_server' EXIT
+trap 'log "terminated"; exit 143' TERM INT
+health_ok() {  # 0 when GET URL answers 200 (both servers: 503 while loading)
+    python3 - "$1" <<'EOF'
+import sys
+import urllib.request
+
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
+        sys.exit(0 if r.status == 200 else 1)
+except Exception:
+    sys.exit(1)
+EOF
+}
+wait_ready() {  # wait_ready LOG: until /health is 200, the server exits, LOAD_S passes or the budget ends
+    local logf="$1" t; t=$(date +%s)
+    while (( $(date +%s) - t < LOAD_S && $(left) > 5 )); do
+        kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited while loading: $(tail -3 "$logf")"; return 1; }
+        health_ok "http://127.0.0.1:$PORT/health" && { log "ready in $(( $(date +%s) - t ))s"; return 0; }
+        sleep 1
+    done
+    log "server not ready after $(( $(date +%s) - t ))s: $(tail -3 "$logf")"
+    return 1
+}
+
+{ date -u +%FT%TZ; nproc; free -g; df -h "$WORK"
+  nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv 2>&1 || true
+} > "$RES/env.txt" 2>&1
+
+# -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
+if [[ ! -x "$BIN/llama-server" || ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
+    run prepare 330 env SCALES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
+        bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
+fi
+[[ -e "$BIN/libllama.so" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }
+[[ -x "$BIN/llama-server" ]] || log "no llama-server in $BIN (see $WORK/results/cmake-build.log): its rows stay empty"
+export PYTHONPATH="$WORK/pyenv/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# COLUMNS: rich wraps serve's help and status lines at 80 columns when not on a terminal
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLUMNS=200
+export LLAMA_CPP_LIB_PATH="$BIN" LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for s in $SCALES; do
+    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    [[ -f "$T" && -f "$D" ]] && continue
+    vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
+    run "write-s$s" 60 python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
+        --prefix "$SIZE-s$s-" "${vocab_arg[@]}" > "$RES/write-s$s.log" 2>&1
+done
+
+LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
+{ "${LOCALSPEC[@]}" serve --help; "$BIN/llama-server" --version; } > "$RES/versions.txt" 2>&1
+PARALLEL_OPT=(--parallel "$PARALLEL")
+if ! grep -q -- "--parallel" "$RES/versions.txt"; then
+    # Only to exercise the harness before the flag exists: such a run measures one request at a time.
+    log "WARNING: this localspec serve has no --parallel (see versions.txt): k0 and spec serve one at a time"
+    PARALLEL_OPT=()
+fi
+python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$RES/run.log"
+
+# -- 2. measure ----------------------------------------------------------------------------------------------------
+SERVER_CMD=()
+server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that configuration's server command line
+    local config="$1" T="$2" D="$3" extra=()
+    case "$config" in
+        k0|spec)
+            local k=0; [[ "$config" == spec ]] && k="$DRAFT_MAX"
+            read -r -a extra <<< "${LOCALSPEC_ARGS:-}"
+            SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" "${PARALLEL_OPT[@]}"
+                --queue $(( 4 * PARALLEL )) --ctx "$LOCALSPEC_CTX" --host 127.0.0.1 --port "$PORT" --seed "$SEED"
+                "${extra[@]}") ;;
+        llama)
+            read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
+            SERVER_CMD=("$BIN/llama-server" -m "$T" -md "$D" --spec-type draft-simple
+                --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 -np "$PARALLEL"
+                -c $(( PARALLEL * CTX )) -fa on -ngl 99 -ngld 99 --host 127.0.0.1 --port "$PORT" --seed "$SEED"
+                "${extra[@]}") ;;
+        *) return 1 ;;
+    esac
+}
+# Configurations rotate within each scale, so a slow spell of the machine does not hit one of them only.
+for s in $SCALES; do
+    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    [[ -f "$T" && -f "$D" ]] || { log "no pair for scale $s"; continue; }
+    mkdir -p "$RES/s$s"
+    for config in $CONFIGS; do
+        todo=()
+        for temp in $TEMPS; do [[ -s "$RES/s$s/$config-t$temp.json" ]] || todo+=("$temp"); done
+        (( ${#todo[@]} )) || continue
+        [[ "$config" == llama && ! -x "$BIN/llama-server" ]] && continue
+        need=$(( 60 + 90 * ${#todo[@]} ))  # loading 18 GB from the page cache, then one client run per temperature
+        if (( $(left) < need )); then log "SKIP s$s-$config: $(left)s left, needs ~${need}s"; continue; fi
+        server_cmd "$config" "$T" "$D" || { log "unknown configuration $config"; continue; }
+        slog="$RES/s$s/$config.server.log"
+        log "START server s$s-$config: ${SERVER_CMD[*]}"
+        printf '%q ' "${SERVER_CMD[@]}" > "$RES/s$s/$config.cmd"
+        start_server "$slog" "${SERVER_CMD[@]}"
+        if ! wait_ready "$slog"; then stop_server; continue; fi
+        for temp in "${todo[@]}"; do
+            json="$RES/s$s/$config-t$temp.json"
+            read -r -a extra <<< "${CLIENT_ARGS:-}"
+            run "client-s$s-$config-t$temp" 60 python3 "$REPO/bench/concurrency.py" \
+                --url "http://127.0.0.1:$PORT/v1" --clients "$CLIENTS" --requests-per-client "$REQUESTS" \
+                --max-tokens "$N_PREDICT" --temperature "$temp" --top-k 40 --top-p 0.9 --min-p 0 --seed "$SEED" \
+                --label "$config s$s T=$temp" --json "$json" "${extra[@]}" > "$RES/s$s/$config-t$temp.log" 2>&1
+            tail -8 "$RES/s$s/$config-t$temp.log" | tee -a "$RES/run.log"
+        done
+        stop_server
+        log "END server s$s-$config"
+    done
+done
+finish

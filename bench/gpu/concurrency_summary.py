@@ -1,0 +1,159 @@
+"""Summarise bench/gpu/concurrency.sh's results (issue #14): Markdown tables (stdout) and JSON (--json).
+
+    python3 bench/gpu/concurrency_summary.py RESULTS_DIR [--json summary.json]
+
+RESULTS_DIR holds s<scale>/<config>-t<temp>.json, each written by bench/concurrency.py against one server:
+k0 (`localspec serve`, plain batched decoding), spec (`localspec serve`, speculative) and llama (`llama-server -np N`
+with the same draft model and draft length). Per scale and temperature, one table: aggregate tok/s (all completion
+tokens / the level's wall time) and median per-request tok/s at each concurrency, speculative's ratio to k = 0 and to
+llama-server, acceptance; then the crossover: the concurrency levels where localspec's speculative aggregate falls
+below its own k = 0 (issue #14's target: none), and where it falls below llama-server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("k0", "spec", "llama")
+NAMES = {"k0": "localspec k=0", "spec": "localspec spec", "llama": "llama-server"}
+_RESULT = re.compile(r"^(?P<config>k0|spec|llama)-t(?P<temp>[\d.]+)\.json$")
+
+
+def load(folder: Path) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """scale -> temperature -> config -> the client's JSON."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for scale_dir in sorted(folder.glob("s*")):
+        if not scale_dir.is_dir():
+            continue
+        for path in sorted(scale_dir.glob("*.json")):
+            m = _RESULT.match(path.name)
+            if not m:
+                continue
+            try:
+                report = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                print(f"skipping {path}: {exc}", file=sys.stderr)
+                continue
+            out.setdefault(scale_dir.name[1:], {}).setdefault(m["temp"], {})[m["config"]] = report
+    return out
+
+
+def _levels(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    return {lv["clients"]: lv for lv in report["levels"]} if report else {}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One scale and temperature: per concurrency level, each configuration's figures and speculative's ratios."""
+    levels = {c: _levels(reports.get(c)) for c in CONFIGS}
+    clients = sorted({n for by in levels.values() for n in by})
+    rows = []
+    for n in clients:
+        row: dict[str, Any] = {"clients": n}
+        for c in CONFIGS:
+            lv = levels[c].get(n)
+            row[c] = None if lv is None else {
+                "aggregate_tps": lv["aggregate_tps"], "per_request_tps_median": lv["per_request_tps_median"],
+                "per_request_tps_min": lv["per_request_tps_min"], "ttft_s_median": lv["ttft_s_median"],
+                "acceptance": lv["acceptance"], "errors": lv["errors"], "requests": lv["requests"]}
+        agg = {c: (row[c] or {}).get("aggregate_tps") for c in CONFIGS}
+        row["spec_over_k0"] = _ratio(agg["spec"], agg["k0"])
+        row["spec_over_llama"] = _ratio(agg["spec"], agg["llama"])
+        rows.append(row)
+    both = [r for r in rows if r["spec_over_k0"] is not None]
+    below_k0 = [r["clients"] for r in both if r["spec_over_k0"] < 1]
+    vs_llama = [r for r in rows if r["spec_over_llama"] is not None]
+    below_llama = [r["clients"] for r in vs_llama if r["spec_over_llama"] < 1]
+    return {"rows": rows, "compared_with_k0": [r["clients"] for r in both], "spec_below_k0": below_k0,
+            "compared_with_llama": [r["clients"] for r in vs_llama], "spec_below_llama": below_llama}
+
+
+def crossover_text(cmp: dict[str, Any]) -> str:
+    measured, below = cmp["compared_with_k0"], cmp["spec_below_k0"]
+    if not measured:
+        return "crossover: not measured (k = 0 and speculative need results at the same concurrency)"
+    if not below:
+        return f"crossover: none: speculative ≥ k = 0 at every measured concurrency ({_list(measured)})"
+    first = below[0]
+    before = [n for n in measured if n < first]
+    where = f"between {before[-1]} and {first} clients" if before else f"already at {first} (the lowest measured)"
+    text = f"crossover: speculative falls below k = 0 {where}; below at {_list(below)}"
+    again = [n for n in measured if n > first and n not in below]
+    return text + (f" (above again at {_list(again)})" if again else "")
+
+
+def _list(ns: list[int]) -> str:
+    return ", ".join(str(n) for n in ns)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def table(cmp: dict[str, Any]) -> list[str]:
+    head = ("clients", "aggregate tok/s: k=0", "spec", "llama-server", "per-request tok/s: k=0", "spec",
+            "llama-server", "spec ÷ k=0", "spec ÷ llama-server", "acceptance: spec", "llama-server")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for r in cmp["rows"]:
+        cells = [str(r["clients"])]
+        cells += [_fmt((r[c] or {}).get("aggregate_tps"), ".1f") for c in CONFIGS]
+        cells += [_fmt((r[c] or {}).get("per_request_tps_median"), ".1f") for c in CONFIGS]
+        cells += [_fmt(r["spec_over_k0"], ".2f"), _fmt(r["spec_over_llama"], ".2f")]
+        cells += [_fmt((r[c] or {}).get("acceptance"), ".1%") for c in ("spec", "llama")]
+        lines.append("| " + " | ".join(cells) + " |")
+        for c in CONFIGS:
+            if r[c] and r[c]["errors"]:
+                notes.append(f"{NAMES[c]} at {r['clients']} clients: {r[c]['errors']} of {r[c]['requests']} "
+                             "requests failed (see its JSON)")
+    return lines + [f"- {n}" for n in notes]
+
+
+def settings_line(data: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
+    for temps in data.values():
+        for reports in temps.values():
+            for report in reports.values():
+                s = report["settings"]
+                return (f"{s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
+                        f"{s['n_prompts']} prompts ({s['prompts']}), seed {s['seed']}, top_k {s['top_k']}, "
+                        f"top_p {s['top_p']}, min_p {s['min_p']}; tokens counted from: {report['token_count']}")
+    return "no results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("--json", type=Path, dest="json_out")
+    args = p.parse_args(argv)
+    if not args.results.is_dir():
+        print(f"concurrency_summary.py: error: {args.results} is not a folder", file=sys.stderr)
+        return 1
+    data = load(args.results)
+    print("# Concurrent clients (bench/gpu/concurrency.sh)\n")
+    print(settings_line(data))
+    summary: dict[str, Any] = {}
+    for scale in sorted(data, key=float):
+        for temp in sorted(data[scale], key=float):
+            cmp = compare(data[scale][temp])
+            summary.setdefault(scale, {})[temp] = cmp
+            print(f"\n## scale {scale}, T = {temp}\n")
+            print("\n".join(table(cmp)))
+            print(f"\n{crossover_text(cmp)}")
+            if cmp["compared_with_llama"]:
+                below = cmp["spec_below_llama"]
+                print("localspec spec below llama-server at: " + (_list(below) if below else "none") + " clients")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

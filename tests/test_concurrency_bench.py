@@ -1,0 +1,111 @@
+"""bench/concurrency.py, the client of issue #14's concurrency table: against a live `localspec serve` on the demo
+pair, and its one-line failures."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import concurrency  # bench/concurrency.py (conftest puts bench/ on the path)
+import pytest
+
+from tests.test_serve import Server
+
+
+@pytest.mark.slow
+def test_levels_against_serve(demo_home, tmp_path, capsys):
+    server = Server(demo_home, tmp_path, "--threads", "1", "--parallel", "2")  # level 2: both requests batched
+    try:
+        out = tmp_path / "conc.json"
+        rc = concurrency.main(["--url", server.url, "--clients", "1,2", "--requests-per-client", "1",
+                               "--max-tokens", "12", "--json", str(out), "--label", "demo test"])
+        printed = capsys.readouterr().out
+    finally:
+        assert server.stop() == 0
+    assert rc == 0, printed
+    data = json.loads(out.read_text())
+    assert data["label"] == "demo test" and data["model"] == "demo"
+    assert [m["id"] for m in data["models_response"]["data"]] == ["demo"]
+    assert data["argv"][1:3] == ["--url", server.url]
+    assert data["token_count"] == "usage"
+    assert data["health_before"]["slots"] == 2 and data["health_before"]["served"] == 0
+    assert data["health_after"]["served"] == 2 + 3  # a warm-up request before each level, then 1 + 2
+    assert [lv["clients"] for lv in data["levels"]] == [1, 2]
+    for level in data["levels"]:
+        assert level["requests"] == level["clients"] and level["errors"] == 0
+        assert level["tokens_from_usage"] == level["requests"]
+        assert 0 < level["completion_tokens"] <= 12 * level["requests"]
+        assert level["aggregate_tps"] == pytest.approx(level["completion_tokens"] / level["wall_s"], abs=1e-3)
+        assert level["ttft_s_median"] > 0
+        per_request = [r["decode_tps"] for r in level["results"]]
+        assert level["per_request_tps_median"] == pytest.approx(statistics.median(per_request), abs=1e-3)
+        assert level["per_request_tps_min"] == pytest.approx(min(per_request), abs=1e-3)
+        # the two clients of level 2 send different prompts
+        assert len({r["prompt"] for r in level["results"]}) == level["clients"]
+        for r in level["results"]:
+            assert r["error"] is None and r["tokens"] == r["usage_tokens"] > 0
+            assert r["sent"] <= r["first_token"] <= r["last_token"] <= r["end"] <= level["wall_s"]
+        if level["clients"] == 2:  # two slots: the second request starts before the first one ends
+            first, second = sorted(level["results"], key=lambda r: r["first_token"])
+            assert second["first_token"] < first["end"]
+            assert r["timings"]["predicted_n"] == r["tokens"]  # localspec's own count agrees with the usage chunk
+    assert "aggregate tok/s" in printed
+
+
+def test_unreachable_server_is_one_line(capsys):
+    assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--clients", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("concurrency.py: error: cannot reach http://127.0.0.1:1/v1") and "\n" not in err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--prompts", str(empty)]) == 1
+    assert capsys.readouterr().err.strip() == f"concurrency.py: error: --prompts {empty}: no prompts (one per line)"
+    with pytest.raises(SystemExit) as exit_info:
+        concurrency.main(["--clients", "1,x"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "concurrency.py: error: argument --clients: expected comma-separated " \
+                                              "integers, got '1,x'"
+
+
+# -- bench/gpu/concurrency_summary.py (no server) -------------------------------------------------------------
+
+
+def _report(aggregate: dict[int, float], per_request: float = 50.0) -> dict:
+    levels = [{"clients": n, "requests": 2 * n, "errors": 0, "completion_tokens": 512 * n, "aggregate_tps": tps,
+               "per_request_tps_median": per_request, "per_request_tps_min": per_request / 2,
+               "ttft_s_median": 0.1, "acceptance": 0.8} for n, tps in aggregate.items()]
+    settings = {"requests_per_client": 2, "max_tokens": 256, "n_prompts": 16, "prompts": "built-in", "seed": 42,
+                "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+    return {"settings": settings, "token_count": "usage", "levels": levels}
+
+
+def test_summary_finds_the_crossover(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    folder = tmp_path / "s8e-5"
+    folder.mkdir()
+    reports = {
+        "k0-t0": {1: 100.0, 4: 350.0, 8: 600.0, 16: 1000.0},
+        "spec-t0": {1: 180.0, 4: 400.0, 8: 580.0, 16: 900.0},
+        "llama-t0": {1: 170.0, 4: 420.0, 8: 500.0, 16: 800.0},
+        "spec-t0.7": {1: 150.0},  # no k0 at T = 0.7: nothing to compare
+    }
+    for name, agg in reports.items():
+        (folder / f"{name}.json").write_text(json.dumps(_report(agg)))
+    (folder / "k0-t0.json.tmp").write_text("{")  # an unfinished write is not a result
+    out = tmp_path / "summary.json"
+    assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "crossover: speculative falls below k = 0 between 4 and 8 clients; below at 8, 16" in printed
+    assert "localspec spec below llama-server at: 4 clients" in printed
+    assert "| 1 | 100.0 | 180.0 | 170.0 | 50.0 | 50.0 | 50.0 | 1.80 | 1.06 | 80.0% | 80.0% |" in printed
+    assert "crossover: not measured" in printed
+    summary = json.loads(out.read_text())
+    assert summary["8e-5"]["0"]["spec_below_k0"] == [8, 16]
+    assert summary["8e-5"]["0.7"]["compared_with_k0"] == []
