@@ -296,7 +296,7 @@ class _LoadPolicy:
         self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """Per batch size seen: the measured tok/s of each mode (for the server's status)."""
+        """Per batch size seen: the measured tok/s of each mode (the server's /health shows it)."""
         return {n: {("plain" if plain else "speculative"): round(r, 1) for (m, plain), r in self.rate.items() if m == n}
                 for n in sorted(self.rounds)}
 

@@ -128,6 +128,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         stats, worker = state.backend.worker.stats, state.backend.worker
         return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "running": stats.running,
                              "slots": worker.slots, "slots_batched": worker.engine.batches_slots,
+                             "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
                              "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
                              "rejected": stats.rejected})
