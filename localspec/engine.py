@@ -512,20 +512,23 @@ class Engine:
         live = [s for s in streams if self._begin(s)]
         if not live:
             return
-        plain = self.load.plain(len(live)) and any(s.k for s in live)
+        drafting = any(s.k for s in live)  # (a round where nobody drafts tells the load policy nothing)
+        plain = drafting and self.load.plain(len(live))
         solo = live[0] if len(live) == 1 else None
+        to_draft = []
         for s in live:
             if plain:
                 s.k, s.width = 0, 1
-            kept = s.ahead is not None and s is solo and s.ahead.k == s.k
-            if kept:
+            if s.ahead is not None and s is solo and s.ahead.k == s.k:  # the bet made beside the last verify
                 s.drafts, s.q, s.draft_s = s.ahead.drafts, s.ahead.q, 0.0
                 s.stats.ahead_kept += 1
             else:
                 self._throw_ahead(s)
                 s.drafts, s.q, s.draft_s = [], None, 0.0
+                if s.k > 0:
+                    to_draft.append((s, s.k, None))
             s.ahead = None
-        self._draft([(s, s.k, None) for s in live if s.k > 0 and not s.drafts])
+        self._draft(to_draft)
         if solo is not None:
             s = solo
             # If every draft is accepted, the next round has this many more tokens behind it.
@@ -546,7 +549,8 @@ class Engine:
             stats.drafted += len(s.drafts)
             stats.accepted += s.n_accepted
             stats.draft_lengths.append(len(s.drafts))
-        self.load.observe(len(live), plain, sum(len(s.emitted) for s in live), time.perf_counter() - t0)
+        if drafting:
+            self.load.observe(len(live), plain, sum(len(s.emitted) for s in live), time.perf_counter() - t0)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> _DraftLength:
         """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
