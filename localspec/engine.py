@@ -341,6 +341,7 @@ class Stream:
         self.ahead: _Ahead | None = None  # drafted beside the last verify, betting on its outcome
         self.done: DoneEvent | None = None
         self._done_sent = False
+        self.prefill: list[tuple[LlamaModel, list[int], list[int]]] = []  # prompt tokens not yet in the caches
         self.t_start = 0.0
         # The round in flight: its draft length, drafts, the draft's distributions, and what verification kept.
         self.k_round = self.k = 0
@@ -482,9 +483,12 @@ class Engine:
             stream.slot.busy = False
 
     def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-              should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0) -> Stream:
+              should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
+              prefill_in_rounds: bool = False) -> Stream:
         """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
-        hold) and return its Stream, ready for `step`."""
+        hold) and return its Stream, ready for `step`. With `prefill_in_rounds` the prompt is decoded one batch
+        per model per round instead (`step` does it), so the streams already running keep going meanwhile; the
+        batches are the ones a whole prefill makes, so the numbers are the same."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         self._wait_for_worker()
@@ -497,9 +501,9 @@ class Engine:
         if self.draft is not None:
             self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min), seq)
         stream.stats.prompt_tokens = len(prompt)
-        t0 = time.perf_counter()
-        self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
-        stream.stats.prefill_s = time.perf_counter() - t0
+        stream.prefill = self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
+        if not prefill_in_rounds:
+            self._prefill_some(stream, whole=True)
         self._starts += 1
         chosen.used, chosen.busy = self._starts, True
         stream.t_start = time.perf_counter()
@@ -565,29 +569,41 @@ class Engine:
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
-    def _prefill(self, slot: _Slot, prompt: list[int], use_draft: bool, stats: GenerationStats) -> None:
-        """Bring the slot's cells in both models to prompt[:-1], keeping the longest prefix they already hold."""
+    def _prefill(self, slot: _Slot, prompt: list[int], use_draft: bool,
+                 stats: GenerationStats) -> list[tuple[LlamaModel, list[int], list[int]]]:
+        """Cut the slot's cells in both models back to the longest prefix of prompt[:-1] they hold; returns, per
+        model, (model, its cells' tokens, the tokens still to decode) for `_prefill_some`."""
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         body = prompt[:-1]
-        stats.prompt_tokens_processed = self._sync(self.target, slot.seq, slot.target_kv, body)
+        models = [(self.target, slot.target_kv)]
         if use_draft:
-            self._sync(self.draft, slot.seq, slot.draft_kv, body)
+            models.append((self.draft, slot.draft_kv))
+        todo = []
+        for model, kv in models:
+            keep = _shared_prefix(kv, body)
+            # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may
+            # have left cells the bookkeeping never recorded.
+            del kv[keep:]
+            model.truncate(keep, slot.seq)
+            todo.append((model, kv, body[keep:]))
+        stats.prompt_tokens_processed = len(todo[0][2])
         slot.tokens = list(prompt)
+        return [t for t in todo if t[2]]
 
-    @staticmethod
-    def _sync(model: LlamaModel, seq: int, kv: list[int], wanted: list[int]) -> int:
-        """Make `kv` (and the model's cells of `seq`) equal `wanted`; returns how many tokens had to be decoded."""
-        keep = _shared_prefix(kv, wanted)
-        # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may
-        # have left cells the bookkeeping never recorded.
-        del kv[keep:]
-        model.truncate(keep, seq)
-        todo = wanted[keep:]
-        if todo:
-            model.decode(todo, keep, seq=seq)
-            kv.extend(todo)
-        return len(todo)
+    def _prefill_some(self, s: Stream, whole: bool = False) -> bool:
+        """Decode the stream's prompt into both models: all of it, or one batch of each; True when it is in."""
+        t0 = time.perf_counter()
+        for model, kv, todo in s.prefill:
+            take = todo if whole else todo[: model.n_batch]
+            model.decode(take, len(kv), seq=s.slot.seq)
+            kv.extend(take)
+            del todo[: len(take)]
+        s.prefill = [t for t in s.prefill if t[2]]
+        now = time.perf_counter()
+        s.stats.prefill_s += now - t0
+        s.t_start = now
+        return not s.prefill
 
     def _begin(self, s: Stream) -> bool:
         """Whether the stream goes on this round (else it finishes here), and its draft length."""
@@ -600,6 +616,8 @@ class Engine:
         if s._stop_requested():
             s._finish(STOP_REQUESTED, "stopped by the caller")
             return False
+        if s.prefill and not self._prefill_some(s):
+            return False  # more of its prompt next round; the round that decodes the last batch is its first
         room = self.n_ctx - len(s.slot.tokens)  # verify needs cur + k cells after the cached prefix
         if room < 0:
             s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")

@@ -212,3 +212,36 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
     with open_slots(pair, 3) as s:
         assert s.target.sequence_batch_error > 0.5 and not s.engine.batches_slots
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
+
+
+def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(tiny_pair):
+    """With `prefill_in_rounds` a joining request's prompt is decoded one n_batch a round: the running request
+    emits tokens in the meantime, and both outputs are still what each gets alone."""
+    short, long = prompts(1, seed=4)[0], prompts(1, seed=6, length=700)[0]
+    requests = [dict(prompt=short, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=40),
+                dict(prompt=long, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=20)]
+    with open_slots(tiny_pair, 1, n_ctx=1024, n_batch=256) as alone:
+        expected = []
+        for r in requests:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_slots(tiny_pair, 2, n_ctx=1024, n_batch=256) as s:
+        first = s.engine.start(**requests[0], slot=0)
+        s.engine.step([first])
+        got = [[e.token for e in first.events() if isinstance(e, TokenEvent)], []]
+        second = s.engine.start(**requests[1], slot=1, prefill_in_rounds=True)
+        assert second.stats.prompt_tokens_processed == len(long) - 1 and second.prefill
+        rounds_prefilling = 0
+        while not (first.finished and second.finished):
+            prefilling = bool(second.prefill)
+            live = [x for x in (first, second) if not x.finished]
+            s.engine.step(live)
+            for i, stream in enumerate((first, second)):
+                if stream in live:
+                    tokens = [e.token for e in stream.events() if isinstance(e, TokenEvent)]
+                    got[i] += tokens
+                    if prefilling and i == 0 and tokens:
+                        rounds_prefilling += 1
+        assert got == expected
+        assert rounds_prefilling >= 2  # 699 prompt tokens in batches of 256: two rounds before it joins
+        assert second.stats.prefill_s > 0 and second.stats.decode_s > 0

@@ -258,13 +258,14 @@ class Worker:
         return joining
 
     def _start(self, r: _Running) -> None:
-        """Prefill a joining job into the free slot that suits its prompt best."""
+        """Start a joining job in the free slot that suits its prompt best."""
         job = r.job
         slot = self.engine.free_slot(job.prompt)
         assert slot is not None  # _admit lets in no more jobs than there are slots
         try:
+            # The prompt goes in one batch a round: the requests already running do not stall behind it.
             r.stream = self.engine.start(job.prompt, job.sampling, job.drafting, job.max_tokens, r.should_stop,
-                                         slot=slot)
+                                         slot=slot, prefill_in_rounds=True)
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
             self._end(r, Failed(str(exc), "invalid_request"))
         except Exception as exc:
