@@ -26,14 +26,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localspec import __version__
 from localspec.config import Preset, load_preset
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, Engine, Event, GenerationStats, TokenEvent
+from localspec.engine import (
+    STOP_CONTEXT_FULL,
+    DoneEvent,
+    Engine,
+    Event,
+    GenerationStats,
+    TokenEvent,
+    shared_prefix,
+)
 from localspec.errors import ContextFullError, LocalspecError
 from localspec.fsutil import atomic_write
 from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
@@ -342,7 +350,7 @@ class ChatSession:
         sampling, drafting = self.preset.sampling, self.preset.draft
         limit = self.reply_limit
         cached = self.engine.cached_tokens
-        common = _common_prefix(cached, prompt[:-1])
+        common = shared_prefix(cached, prompt[:-1])
         opens_thinking = starts_in_thinking(self.prompt_text(messages))
         tokens: list[int] = []
         from_draft = 0
@@ -485,12 +493,3 @@ class ChatSession:
 
 def context_full(record: TurnRecord) -> bool:
     return record.stop_reason == STOP_CONTEXT_FULL
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

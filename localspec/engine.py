@@ -12,8 +12,9 @@ Slots: the models may hold several sequences (`LlamaModel(n_seq=N)`, one KV regi
 across the streams, one target decode verifying all), and each stream's `events()` yields what its round emitted.
 Every stream keeps its own settings, random streams and stats, and a slot's numbers do not depend on what the
 others hold (on the CPU, bit for bit: tests/test_slots.py), so a request's output is what it would be alone.
-`generate` is the one-stream case of the same code. With several streams, `_LoadPolicy` falls back to k = 0 at
-batch sizes where measured plain batched decoding is faster.
+`generate` is the one-stream case of the same code. The server starts streams with `prefill_in_rounds`: their
+prompts go in one batch per round, beside the others' rounds. With several streams, `_LoadPolicy` falls back to
+k = 0 at batch sizes where measured plain batched decoding is faster.
 
 Draft-ahead (`Engine(draft_ahead=True)`, for a draft on a device of its own): while the target verifies a round,
 a worker thread drafts the next one, betting that every draft is accepted and that the target's own next token
@@ -458,7 +459,7 @@ class Engine:
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        return max(free, key=lambda s: (_shared_prefix(s.target_kv, prompt), -s.used)).seq
+        return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
@@ -581,7 +582,7 @@ class Engine:
             models.append((self.draft, slot.draft_kv))
         todo = []
         for model, kv in models:
-            keep = _shared_prefix(kv, body)
+            keep = shared_prefix(kv, body)
             # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may
             # have left cells the bookkeeping never recorded.
             del kv[keep:]
@@ -808,7 +809,8 @@ class _Shadow:
         self.draft_s = 0.0
 
 
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -50,25 +50,13 @@ RES="$WORK/multi"
 mkdir -p "$OUT" "$MODELS" "$RES/prompts"
 OUT="$(cd "$OUT" && pwd)"
 
-exec 3>&1
-log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# shellcheck source=bench/gpu/harness.sh
+source "$HERE/harness.sh"  # log, left, run
 finish() {
     python3 "$HERE/multi_summary.py" "$RES" --json "$RES/summary.json" 2>&1 | tee "$RES/summary.md"
     cp "$RES/summary.md" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
     tar -C "$RES" -czf "$OUT/multi-results.tar.gz" .
     log "done in $(( $(date +%s) - T0 ))s"
-}
-# run NAME NEED_S CMD...: CMD if NEED_S seconds remain (capped at what remains); its rc.
-run() {
-    local name="$1" need="$2"; shift 2
-    local remain; remain=$(left)
-    if (( remain < need )); then log "SKIP $name: ${remain}s left, needs ~${need}s"; return 99; fi
-    log "START $name"
-    local t; t=$(date +%s)
-    timeout --kill-after=10 "$remain" "$@"; local rc=$?
-    log "END $name rc=$rc $(( $(date +%s) - t ))s"
-    return $rc
 }
 
 { date -u +%FT%TZ; nproc; free -g; df -h "$WORK"

@@ -72,9 +72,8 @@ OUT="$(cd "$OUT" && pwd)"
 STEPS="$RES/steps.tsv"
 touch "$STEPS"
 
-exec 3>&1  # log lines go to the call's stdout even from inside a step whose output is redirected to a file
-log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# shellcheck source=bench/gpu/harness.sh
+source "$HERE/harness.sh"  # log, left, run
 # step NAME NEED_S CMD...: run CMD if NEED_S seconds remain, capped at what remains; record rc and time.
 # CMD may be a shell function defined here (exported and run through bash -c, since timeout needs a program).
 step() {
@@ -86,7 +85,7 @@ step() {
         return 99
     fi
     log "START $name (${remain}s left)"
-    local t=$(date +%s) rc=0
+    local t rc=0; t=$(date +%s)
     if declare -F "$1" > /dev/null; then
         timeout --kill-after=10 "$remain" bash -c '"$@"' _ "$@" || rc=$?
     else
