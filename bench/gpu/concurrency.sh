@@ -146,12 +146,6 @@ done
 
 LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
 { "${LOCALSPEC[@]}" serve --help; "$BIN/llama-server" --version; } > "$RES/versions.txt" 2>&1
-PARALLEL_OPT=(--parallel "$PARALLEL")
-if ! grep -q -- "--parallel" "$RES/versions.txt"; then
-    # Only to exercise the harness before the flag exists: such a run measures one request at a time.
-    log "WARNING: this localspec serve has no --parallel (see versions.txt): k0 and spec serve one at a time"
-    PARALLEL_OPT=()
-fi
 python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$RES/run.log"
 
 # -- 2. measure ----------------------------------------------------------------------------------------------------
@@ -162,7 +156,7 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
         k0|spec)
             local k=0; [[ "$config" == spec ]] && k="$DRAFT_MAX"
             read -r -a extra <<< "${LOCALSPEC_ARGS:-}"
-            SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" "${PARALLEL_OPT[@]}"
+            SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" --parallel "$PARALLEL"
                 --queue $(( 4 * PARALLEL )) --ctx "$LOCALSPEC_CTX" --host 127.0.0.1 --port "$PORT" --seed "$SEED"
                 "${extra[@]}") ;;
         llama)
