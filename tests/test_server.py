@@ -22,7 +22,7 @@ from localspec.config import load_preset
 from localspec.server.app import Backend, ServerState, create_app
 from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse
 from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, QueueFull, Worker
-from localspec.session import open_session
+from localspec.session import ModelFiles, open_session
 from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
 GREEDY = load_preset("greedy").with_overrides(n_ctx=512)
@@ -400,3 +400,23 @@ def test_listening_address_checks():
             listen("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+@pytest.mark.slow
+def test_status_line_counts_slots_and_says_when_they_take_turns(demo_home, tiny_pair):
+    """The live line of `serve --parallel N`: running/slots while generating, and a note when llama.cpp's
+    multi-sequence batches are not exact for the model (Gemma 3, the demo) so its slots decode in turns."""
+    from localspec.cli.serve_cmd import _status
+
+    for files, turns in ((demo_files(demo_home), True),
+                         (ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="tiny"), False)):
+        with open_session(files, GREEDY, parallel=2) as s:
+            state = ServerState(model_id="demo")
+            state.attach(Backend.build(s.engine, s.target, GREEDY, queue=1))
+            try:
+                line = _status(state, files).plain
+                assert line.startswith("● ready") and ("slots take turns" in line) == turns, line
+                state.backend.worker.stats.busy, state.backend.worker.stats.running = True, 1
+                assert "generating 1/2" in _status(state, files).plain
+            finally:
+                state.backend.worker.shutdown()

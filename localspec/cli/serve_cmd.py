@@ -196,6 +196,8 @@ def _status(state: ServerState, files: ModelFiles) -> Text:
     line = Text("● ", style="green" if not stats.busy else "cyan")
     busy = f"generating {stats.running}/{worker.slots}" if worker.slots > 1 else "generating"
     line.append(f"{busy if stats.busy else 'ready'} · served {stats.served} · queued {worker.queued}")
+    if worker.slots > 1 and not worker.engine.batches_slots:
+        line.append(" · slots take turns (llama.cpp's batches of several sequences are not exact for this model)")
     if stats.cancelled:
         line.append(f" · cancelled {stats.cancelled}")
     if stats.rejected:
