@@ -625,7 +625,7 @@ class Engine:
             return False
         s.k_round = s.chooser.next() if s.use_draft else 0
         s.k = min(s.k_round, s.max_tokens - s.stats.tokens - 1, room)
-        s.width = min(s.k_round, room) + 1 if self.constant_width else s.k + 1
+        s.width = min(s.k_round, room) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
         return True
 
     def _draft(self, jobs: Sequence[tuple[Stream, int, list[int] | None]]) -> None:
@@ -680,6 +680,7 @@ class Engine:
         the decode's seconds."""
         items = []
         for s in streams:
+            s.width = max(s.width, len(s.drafts) + 1)
             batch = [s.slot.tokens[-1], *s.drafts]
             # Padding only keeps the batch shape: its positions come after every real one (causal attention),
             # their rows are never read, and _rewind drops their KV cells with the rejected drafts'.

@@ -283,7 +283,10 @@ def test_constant_width_pads_short_drafts_and_stays_exact(tiny_pair):
             for prompt in prompts(3, seed=4):
                 for sampling in (GREEDY.sampling, GREEDY.with_overrides(temperature=0.8, seed=5).sampling):
                     s.engine.reset()
-                    ref, _, _ = run(s.engine, prompt, sampling, drafting(5, p_min=0.4), 23)
+                    widths.clear()
+                    ref, _, done_ref = run(s.engine, prompt, sampling, drafting(5, p_min=0.4), 23)
+                    # Without constant width a verify is exactly as wide as its drafts (no wasted positions).
+                    assert widths == [d + 1 for d in done_ref.stats.draft_lengths]
                     widths.clear()
                     out, _, done = run(padded, prompt, sampling, drafting(5, p_min=0.4), 23)
                     assert out == ref
