@@ -656,11 +656,13 @@ class Engine:
                 s.draft_s += spent
                 s.slot.draft_kv.extend(feed)
                 sampling, p_min = s.sampling, s.drafting.p_min
+                # Only a penalty reads the history (copying a long one every draft step costs).
+                history = sequence + s.drafts if sampling.penalized else sequence
                 if sampling.greedy:
-                    token = int(_argmax(_penalized(row, sequence + s.drafts, sampling))[0])
+                    token = int(_argmax(_penalized(row, history, sampling))[0])
                     confident = p_min == 0.0 or _top_softmax(row) >= p_min
                 else:
-                    dist = _distributions(row, sequence + s.drafts, sampling)
+                    dist = _distributions(row, history, sampling)
                     token = dist.sample(0, s.draft_rng)
                     s.q.append(dist)
                     confident = p_min == 0.0 or dist.top_prob(0) >= p_min
@@ -697,7 +699,8 @@ class Engine:
     @staticmethod
     def _accept(s: Stream, scores: np.ndarray | TopK | Sampled) -> tuple[list[int], int, list[tuple[int, float]]]:
         """gpt-fast's accept/reject over one stream's verify rows: (tokens to emit, accepted drafts, trace rows)."""
-        drafts, sampling, history = s.drafts, s.sampling, s.slot.tokens + s.drafts
+        drafts, sampling = s.drafts, s.sampling
+        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens  # (only a penalty reads it)
         if isinstance(scores, Sampled):  # plain decoding at T > 0: the device drew the token
             return [int(scores.tokens[0])], 0, []
         if sampling.greedy:

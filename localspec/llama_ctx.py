@@ -460,37 +460,7 @@ class LlamaModel:
         results: list[np.ndarray | TopK | Sampled | None] = [None] * len(items)
         wanted: list[tuple[int, int, int, int]] = []  # (item, sequence, first batch index, rows) of this batch
         views: list[int] = []  # items whose scores are views into llama.cpp's buffer, which the next decode reuses
-        n = 0
-
-        def flush() -> None:
-            nonlocal n
-            if n == 0:
-                return
-            for item in views:
-                results[item] = results[item].copy()
-            views.clear()
-            self._batch.n_tokens = n
-            rc = llama_cpp.llama_decode(self.ctx, self._batch)
-            if rc != 0:
-                where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
-                raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
-                                  + (" (no KV slot: the context is full)" if rc == 1 else ""))
-            full = None
-            if wanted and all(seq not in self._modes for _, seq, _, _ in wanted):
-                outputs = int(np.count_nonzero(self._out[:n]))
-                full = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
-            row = 0
-            for item, seq, first, rows in wanted:
-                if full is not None:
-                    # Output rows come in batch order; only the last chunk of an item asks for any.
-                    results[item] = full[row : row + rows]
-                    views.append(item)
-                    row += rows
-                else:
-                    results[item] = self._rows(seq, first, rows)
-            wanted.clear()
-            n = 0
-
+        n = outputs = 0
         for item, (seq, tokens, start_pos, all_logits) in enumerate(items):
             count = len(tokens)
             if count == 0:
@@ -500,28 +470,59 @@ class LlamaModel:
                     f"{self.path.name}: {start_pos + count} tokens do not fit the context of {self.n_ctx}")
             if all_logits and count > self.n_batch:
                 raise DecodeError(f"{self.path.name}: {count} rows of scores do not fit one batch of {self.n_batch}")
-            if all_logits and n + count > self.n_batch:
-                flush()  # an item's rows come from one decode
+            if all_logits and n + count > self.n_batch:  # an item's rows come from one decode
+                n = outputs = self._flush(n, outputs, wanted, views, results)
             done = 0
             while done < count:
                 if n == self.n_batch:
-                    flush()
+                    n = outputs = self._flush(n, outputs, wanted, views, results)
                 take = min(self.n_batch - n, count - done)
                 self._tok[n : n + take] = tokens[done : done + take]
                 self._pos[n : n + take] = np.arange(start_pos + done, start_pos + done + take)
-                for i in np.flatnonzero(self._seq[n : n + take] != seq):
-                    self._batch.seq_id[n + i][0] = seq
-                self._seq[n : n + take] = seq
+                if self.n_seq > 1:  # (with one sequence every entry's seq_id is 0 for good)
+                    for i in np.flatnonzero(self._seq[n : n + take] != seq):
+                        self._batch.seq_id[n + i][0] = seq
+                    self._seq[n : n + take] = seq
                 last = done + take == count
                 self._out[n : n + take] = 1 if (all_logits and last) else 0
                 if last:
                     self._out[n + take - 1] = 1
                     rows = take if all_logits else 1
                     wanted.append((item, seq, n + take - rows, rows))
+                    outputs += rows
                 n += take
                 done += take
-        flush()
+        self._flush(n, outputs, wanted, views, results)
         return results
+
+    def _flush(self, n: int, outputs: int, wanted: list[tuple[int, int, int, int]], views: list[int],
+               results: list[np.ndarray | TopK | Sampled | None]) -> int:
+        """Decode the batch's first n entries and put each finished item's scores in `results`; returns 0 (the
+        batch is empty again). Scores that are views of the last decode's logits are copied first."""
+        if n == 0:
+            return 0
+        for item in views:
+            results[item] = results[item].copy()
+        views.clear()
+        self._batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
+            raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
+                              + (" (no KV slot: the context is full)" if rc == 1 else ""))
+        if wanted and (not self._modes or not any(seq in self._modes for _, seq, _, _ in wanted)):
+            # Full logits for all: one buffer, its rows in batch order (only an item's last chunk asks for any).
+            full = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
+            row = 0
+            for item, _, _, rows in wanted:
+                results[item] = full[row : row + rows]
+                views.append(item)
+                row += rows
+        else:
+            for item, seq, first, rows in wanted:
+                results[item] = self._rows(seq, first, rows)
+        wanted.clear()
+        return 0
 
     def _sequence_batch_error(self) -> float:
         """The largest logit difference between two sequences decoded in one batch and each decoded alone.
