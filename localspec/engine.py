@@ -13,8 +13,8 @@ across the streams, one target decode verifying all), and each stream's `events(
 Every stream keeps its own settings, random streams and stats, and a slot's numbers do not depend on what the
 others hold (on the CPU, bit for bit: tests/test_slots.py), so a request's output is what it would be alone.
 `generate` is the one-stream case of the same code. The server starts streams with `prefill_in_rounds`: their
-prompts go in one batch per round, beside the others' rounds. With several streams, `_LoadPolicy` falls back to
-k = 0 at batch sizes where measured plain batched decoding is faster.
+prompts go in one batch per round, beside the others' rounds. With several streams, `_LoadPolicy` shortens the drafts
+(down to k = 0, plain batched decoding) at batch sizes where that measures faster.
 
 Draft-ahead (`Engine(draft_ahead=True)`, for a draft on a device of its own): while the target verifies a round,
 a worker thread drafts the next one, betting that every draft is accepted and that the target's own next token
@@ -263,42 +263,49 @@ class _Ahead:
 
 
 class _LoadPolicy:
-    """Whether speculating pays at the current batch size (several slots in one round).
+    """How much of its draft length each stream drafts at the current batch size (several slots in one round).
 
-    With many slots the target's verify becomes compute-bound and draft tokens cost nearly what they save, so
-    per batch size this measures the aggregate tokens per second of whole rounds with drafts and without (k = 0:
-    plain batched decoding) and uses the faster. It measures speculation for an epoch, then plain decoding, and
-    after that re-measures the loser every REPROBE-th epoch (acceptance drifts with the text). One slot alone
-    always drafts: the single-request loop (and `localspec bench`'s modes) stays what it was.
+    With many slots the target's verify grows towards compute-bound and draft tokens cost nearly what they save.
+    So per batch size this measures the aggregate tokens per second of whole rounds at each share of the streams'
+    own draft lengths in SHARES (all of it, none: plain batched decoding, half), an epoch each, then uses the
+    fastest and re-measures the others in turn every REPROBE-th epoch (acceptance drifts with the text). One slot
+    alone always drafts all of it: the single-request loop (and `localspec bench`'s modes) stays what it was, and
+    a seed reproduces its output.
     """
 
     EPOCH = 8
     REPROBE = 8
+    SHARES = (1.0, 0.0, 0.5)
 
     def __init__(self) -> None:
         self.rounds: dict[int, int] = {}
-        self.rate: dict[tuple[int, bool], float] = {}  # (batch size, plain) -> smoothed tokens per second
+        self.rate: dict[tuple[int, float], float] = {}  # (batch size, share) -> smoothed tokens per second
 
-    def plain(self, n: int) -> bool:
+    def share(self, n: int) -> float:
+        """The share of each stream's draft length to draft this round, with n streams in it."""
         if n < 2:
-            return False
+            return 1.0
         epoch = self.rounds.get(n, 0) // self.EPOCH
-        if epoch < 2:
-            return epoch == 1
-        plain_wins = self.rate.get((n, True), 0.0) > self.rate.get((n, False), 0.0)
-        return plain_wins != (epoch % self.REPROBE == 0)
+        if epoch < len(self.SHARES):
+            return self.SHARES[epoch]
+        best = max(self.SHARES, key=lambda f: self.rate.get((n, f), 0.0))
+        if epoch % self.REPROBE:
+            return best
+        others = [f for f in self.SHARES if f != best]
+        return others[(epoch // self.REPROBE) % len(others)]
 
-    def observe(self, n: int, plain: bool, tokens: int, seconds: float) -> None:
+    def observe(self, n: int, share: float, tokens: int, seconds: float) -> None:
         if n < 2 or seconds <= 0.0:
             return
         self.rounds[n] = self.rounds.get(n, 0) + 1
-        rate, key = tokens / seconds, (n, plain)
+        rate, key = tokens / seconds, (n, share)
         old = self.rate.get(key)
         self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """Per batch size seen: the measured tok/s of each mode (the server's /health shows it)."""
-        return {n: {("plain" if plain else "speculative"): round(r, 1) for (m, plain), r in self.rate.items() if m == n}
+        """Per batch size seen: the measured tok/s at each share of the draft length ("k×1", "k×0.5", "k×0": plain),
+        for the server's /health."""
+        return {n: {f"k×{f:g}": round(r, 1) for (m, f), r in sorted(self.rate.items()) if m == n}
                 for n in sorted(self.rounds)}
 
 
@@ -518,12 +525,13 @@ class Engine:
         if not live:
             return
         drafting = any(s.k for s in live)  # (a round where nobody drafts tells the load policy nothing)
-        plain = drafting and self.load.plain(len(live))
+        share = self.load.share(len(live)) if drafting else 1.0
         solo = live[0] if len(live) == 1 else None
         to_draft = []
         for s in live:
-            if plain:
-                s.k, s.width = 0, 1
+            if share < 1.0:
+                s.k = round(s.k * share)
+                s.width = s.k + 1 if self.constant_width else 0
             if s.ahead is not None and s is solo and s.ahead.k == s.k:  # the bet made beside the last verify
                 s.drafts, s.q, s.draft_s = s.ahead.drafts, s.ahead.q, 0.0
                 s.stats.ahead_kept += 1
@@ -555,7 +563,7 @@ class Engine:
             stats.accepted += s.n_accepted
             stats.draft_lengths.append(len(s.drafts))
         if drafting:
-            self.load.observe(len(live), plain, sum(len(s.emitted) for s in live), time.perf_counter() - t0)
+            self.load.observe(len(live), share, sum(len(s.emitted) for s in live), time.perf_counter() - t0)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> _DraftLength:
         """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations

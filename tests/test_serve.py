@@ -375,4 +375,4 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
     after = slots4.wait_idle()
     assert after["cancelled"] == before["cancelled"] + 4 and after["running"] == 0
     # What the engine measured of whole rounds with several requests in them, per batch size.
-    assert after["rounds_tok_s"]["4"]["speculative"] > 0
+    assert after["rounds_tok_s"]["4"]["k×1"] > 0

@@ -163,22 +163,53 @@ def test_a_stopped_request_frees_its_slot_and_the_others_go_on(tiny_pair):
         assert b.done.stop_reason == STOP_MAX_TOKENS and b.stats.tokens == 30
 
 
-def test_load_policy_measures_both_and_keeps_the_faster():
+def test_load_policy_measures_each_share_and_keeps_the_fastest():
     policy = _LoadPolicy()
-    assert not policy.plain(1)  # one request alone always drafts
-    choices = []
-    for _ in range(4 * policy.EPOCH):
-        plain = policy.plain(4)
-        choices.append(plain)
-        # Plain batched decoding measures faster at 4 slots here (a compute-bound verify).
-        policy.observe(4, plain, tokens=8 if plain else 10, seconds=0.1 if plain else 0.2)
-    e = policy.EPOCH
-    assert choices[:e] == [False] * e and choices[e : 2 * e] == [True] * e  # speculation measured, then plain
-    assert all(choices[2 * e :])  # then the faster
-    assert policy.summary()[4] == {"plain": 80.0, "speculative": 50.0}
-    # Every REPROBE-th epoch re-measures the one that lost.
-    policy.rounds[4] = policy.REPROBE * policy.EPOCH
-    assert not policy.plain(4)
+    assert policy.share(1) == 1.0  # one request alone always drafts all of its length
+    speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}  # tok/s: plain batched decoding is fastest at 4 slots here
+    e, chosen = policy.EPOCH, []
+    for _ in range(6 * e):
+        share = policy.share(4)
+        chosen.append(share)
+        policy.observe(4, share, tokens=int(speed[share]), seconds=1.0)
+    assert chosen[:3 * e] == [1.0] * e + [0.0] * e + [0.5] * e  # each measured for an epoch, in turn
+    assert set(chosen[3 * e :]) == {0.0}  # then the fastest
+    assert policy.summary()[4] == {"k×0": 80.0, "k×0.5": 65.0, "k×1": 50.0}
+    assert policy.share(2) == 1.0  # another batch size is measured on its own
+    # Every REPROBE-th epoch re-measures one of the others, in turn.
+    policy.rounds[4] = policy.REPROBE * e
+    first = policy.share(4)
+    policy.rounds[4] = 2 * policy.REPROBE * e
+    assert {first, policy.share(4)} == {1.0, 0.5}
+
+
+def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(tiny_pair):
+    """Driven through the engine: at 2 streams the policy's epochs draft all, none and half of k, and the
+    greedy output of each request is still its output alone."""
+    ps = prompts(2, seed=12)
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(6, 0.0, False), max_tokens=90)
+                for p in ps]
+    with open_slots(tiny_pair, 1) as alone:
+        expected = []
+        for r in requests:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_slots(tiny_pair, 2) as s:
+        streams = [s.engine.start(**r, slot=i) for i, r in enumerate(requests)]
+        got: list[list[int]] = [[], []]
+        lengths: list[set[int]] = []
+        while not all(x.finished for x in streams):
+            live = [x for x in streams if not x.finished]
+            s.engine.step(live)
+            lengths.append({len(x.drafts) for x in live})
+            for i, x in enumerate(streams):
+                if x in live:
+                    got[i] += [e.token for e in x.events() if isinstance(e, TokenEvent)]
+        assert got == expected
+        e = s.engine.load.EPOCH
+        assert lengths[e : 2 * e] == [{0}] * e  # the plain epoch
+        assert all(max(n) <= 3 for n in lengths[2 * e : 3 * e])  # half of k = 6
+        assert set(s.engine.load.summary()[2]) == {"k×1", "k×0", "k×0.5"}
 
 
 def test_parallel_sizes_each_slot_at_the_context(tiny_pair):
