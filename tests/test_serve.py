@@ -361,7 +361,8 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
     before = slots4.wait_idle()
     client = slots4.client()
     model = client.models.list().data[0].id
-    streams = [client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=3000, temperature=0.7,
+    # Greedy, so none of them can end early by chance (an end-of-turn token would free a slot too soon).
+    streams = [client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=3000, temperature=0,
                                          stream=True) for i in range(4)]
     for s in streams:
         next(iter(s))  # each has started: all four slots are busy
