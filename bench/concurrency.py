@@ -37,6 +37,9 @@ from typing import Any, NoReturn
 
 import openai
 
+from localspec.errors import WriteError
+from localspec.fsutil import atomic_write
+
 # Varied on purpose (explanation, code, lists, arithmetic, prose, translation, dialogue): prompts that draft well
 # and prompts that do not, of different lengths, so a level's figures are not one kind of text.
 PROMPTS: tuple[str, ...] = (
@@ -401,12 +404,10 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
                        for s, lv in zip(summaries, levels, strict=True)],
             "prompts": prompts,
         }
-        try:
-            tmp = args.json_out.with_name(args.json_out.name + ".tmp")
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
-            tmp.replace(args.json_out)  # a JSON that exists is whole (the GPU harness skips what exists)
-        except OSError as exc:
-            raise BenchError(f"--json {args.json_out}: {exc.strerror or exc}") from None
+        try:  # atomic: a JSON that exists is whole (the GPU harness skips what exists)
+            atomic_write(args.json_out, json.dumps(record, indent=1) + "\n", what="--json")
+        except WriteError as exc:
+            raise BenchError(str(exc)) from None
     return 1 if errors else 0
 
 
