@@ -338,7 +338,7 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
     peak = {"running": 0}
 
     def worker(i: int) -> None:
-        time.sleep(0.3 * i)  # staggered arrivals: later requests join rounds already under way
+        time.sleep(0.1 * i)  # staggered arrivals: later requests join rounds already under way
         together[i] = ask(requests[i])
 
     def watch() -> None:
