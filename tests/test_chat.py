@@ -27,6 +27,7 @@ from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
 from localspec.llama_ctx import LlamaModel
 from localspec.session import ModelFiles, open_session
+from tests.helpers_chat import reply
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -134,16 +135,6 @@ def _chat(session, **kwargs) -> ChatSession:
     return ChatSession(session.engine, session.target, session.preset, **kwargs)
 
 
-def _reply(chat: ChatSession, text: str) -> tuple[list[int], DoneEvent | None]:
-    tokens, done = [], None
-    for event in chat.send(text):
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token)
-        elif isinstance(event, DoneEvent):
-            done = event
-    return tokens, done
-
-
 @pytest.mark.slow
 def test_demo_model_uses_the_gemma_builtin_and_one_bos(demo_session) -> None:
     chat = _chat(demo_session, system="Be brief.")
@@ -180,10 +171,10 @@ def test_model_without_template_or_builtin_is_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_second_turn_reuses_the_cached_conversation(demo_session) -> None:
     chat = _chat(demo_session, system="You are a helpful assistant.", max_tokens=24)
-    _reply(chat, USER_TURNS[0])
+    reply(chat, USER_TURNS[0])
     first = chat.turns[0]
     assert first.prompt_tokens_processed == first.prompt_tokens - 1  # a fresh cache reads everything
-    _, done = _reply(chat, USER_TURNS[1])
+    _, done = reply(chat, USER_TURNS[1])
     second = chat.turns[1]
     assert done is not None and second.prompt_tokens_processed == done.stats.prompt_tokens_processed
     # Only the end of the reply and the new message are new; the full re-read would be prompt_tokens - 1.
@@ -200,22 +191,22 @@ def test_second_turn_reuses_the_cached_conversation(demo_session) -> None:
 def test_reply_equals_a_fresh_session_with_the_same_history(demo_session) -> None:
     """Prefix reuse is lossless: turn 2 from the warm cache is token-identical to turn 2 from a cold one."""
     chat = _chat(demo_session, max_tokens=16)
-    _reply(chat, USER_TURNS[0])
-    warm, _ = _reply(chat, USER_TURNS[1])
+    reply(chat, USER_TURNS[0])
+    warm, _ = reply(chat, USER_TURNS[1])
     cold_chat = _chat(demo_session, max_tokens=16)
     cold_chat.messages = chat.messages[:2]
-    cold, _ = _reply(cold_chat, USER_TURNS[1])
+    cold, _ = reply(cold_chat, USER_TURNS[1])
     assert warm == cold and cold_chat.turns[0].prompt_tokens_processed == cold_chat.turns[0].prompt_tokens - 1
 
 
 @pytest.mark.slow
 def test_reset_empties_history_and_cache(demo_session) -> None:
     chat = _chat(demo_session, system="Be brief.", max_tokens=8)
-    _reply(chat, USER_TURNS[0])
+    reply(chat, USER_TURNS[0])
     chat.reset()
     assert chat.messages == [{"role": "system", "content": "Be brief."}] and chat.turns == []
     assert chat.totals()["turns"] == 0
-    _reply(chat, USER_TURNS[0])
+    reply(chat, USER_TURNS[0])
     turn = chat.turns[0]
     assert turn.prompt_tokens_processed == turn.prompt_tokens - 1  # nothing left in the cache to reuse
 
@@ -236,11 +227,11 @@ def test_stopping_mid_reply_keeps_the_session_consistent(demo_session) -> None:
     assert turn.reply == demo_session.target.detokenize(seen).strip()
     assert chat.messages[-1] == {"role": "assistant", "content": turn.reply}
     # The next turn works from the warm cache and matches a cold run of the same history exactly.
-    warm, done = _reply(chat, "Go on.")
+    warm, done = reply(chat, "Go on.")
     assert done is not None and warm
     cold_chat = _chat(demo_session, max_tokens=64)
     cold_chat.messages = list(chat.messages[:2])
-    cold, _ = _reply(cold_chat, "Go on.")
+    cold, _ = reply(cold_chat, "Go on.")
     assert warm == cold
 
 
@@ -261,7 +252,7 @@ def test_stopping_after_one_token_or_before_the_start(demo_session) -> None:
 def test_settings_commands(demo_session) -> None:
     chat = _chat(demo_session, max_tokens=8)
     chat.set_draft(0)
-    _reply(chat, "Hi")
+    reply(chat, "Hi")
     assert chat.turns[-1].n_draft == 0 and chat.turns[-1].stats.drafted == 0
     chat.set_draft(3)
     chat.set_temperature(0.5)
@@ -287,15 +278,15 @@ def test_draft_needs_a_draft_model(demo_home: Path) -> None:
         with pytest.raises(LocalspecError, match="/draft 2: no draft model is loaded"):
             chat.set_draft(2)
         chat.set_draft(0)
-        _reply(chat, "Hi")
+        reply(chat, "Hi")
         assert chat.turns[0].n_draft == 0
 
 
 @pytest.mark.slow
 def test_save_writes_transcript_and_stats_atomically(demo_session, tmp_path: Path) -> None:
     chat = _chat(demo_session, system="Be brief.", max_tokens=6, info={"pair": "demo"})
-    _reply(chat, USER_TURNS[0])
-    _reply(chat, USER_TURNS[1])
+    reply(chat, USER_TURNS[0])
+    reply(chat, USER_TURNS[1])
     path = chat.save(tmp_path / "chat.json")
     data = json.loads(path.read_text())
     assert [t["user"] for t in data["turns"]] == USER_TURNS
@@ -318,13 +309,13 @@ def test_context_full_says_so_and_keeps_the_session(tiny_session) -> None:
     with pytest.raises(ContextFullError, match=rf"context holds {chat.n_ctx}: /reset starts over"):
         list(chat.send(long))
     assert chat.turns == [] and chat.messages == []  # the refused message is not kept
-    _, done = _reply(chat, "hello")  # no max_tokens: the reply runs into the end of the context
+    _, done = reply(chat, "hello")  # no max_tokens: the reply runs into the end of the context
     assert done is not None and done.stop_reason == STOP_CONTEXT_FULL
     assert chat.turns[0].stop_reason == STOP_CONTEXT_FULL
     with pytest.raises(ContextFullError, match="/reset"):
         list(chat.send("more"))
     chat.reset()
-    _, done = _reply(chat, "hello again")
+    _, done = reply(chat, "hello again")
     assert done is not None
 
 

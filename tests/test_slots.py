@@ -30,6 +30,16 @@ def open_slots(pair, parallel: int, **load):
     return open_session(ModelFiles(target=pair[0], draft=pair[1], name="test"), preset, parallel=parallel)
 
 
+def outputs_alone(pair, requests: list[dict], **load) -> list[list[int]]:
+    """Each request's tokens generated alone, from empty caches, in a one-slot engine: the reference."""
+    with open_slots(pair, 1, **load) as alone:
+        expected = []
+        for r in requests:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    return expected
+
+
 def run_together(engine: Engine, requests: list[dict], arrivals: list[int]) -> list[list[int]]:
     """Start request i at round arrivals[i] in the slot the engine picks; step all running streams together
     until every one has finished. Returns each request's tokens."""
@@ -72,11 +82,7 @@ def test_greedy_requests_together_are_token_identical_to_each_alone(request, pai
         dict(prompt=ps[2], sampling=penalized, drafting=Drafting(5, 0.3, False), max_tokens=33),
         dict(prompt=ps[3], sampling=GREEDY.sampling, drafting=Drafting(0, 0.0, False), max_tokens=18),
     ]
-    with open_slots(files, 1, device_top_k=device_top_k) as alone:
-        expected = []
-        for r in requests:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+    expected = outputs_alone(files, requests, device_top_k=device_top_k)
     with open_slots(files, 4, device_top_k=device_top_k) as s:
         assert len(s.engine.slots) == 4
         together = run_together(s.engine, requests, arrivals=[0, 0, 3, 7])
@@ -189,11 +195,7 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
     ps = prompts(2, seed=12)
     requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(6, 0.0, False), max_tokens=90)
                 for p in ps]
-    with open_slots(tiny_pair, 1) as alone:
-        expected = []
-        for r in requests:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+    expected = outputs_alone(tiny_pair, requests)
     with open_slots(tiny_pair, 2) as s:
         streams = [s.engine.start(**r, slot=i) for i, r in enumerate(requests)]
         got: list[list[int]] = [[], []]
@@ -232,11 +234,7 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
     pair = (demo.target_path(), demo.draft_path())
     requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(k, 0.0, False), max_tokens=24)
                 for p, k in zip(prompts(3, seed=2), (6, 2, 0), strict=True)]
-    with open_slots(pair, 1) as alone:
-        expected = []
-        for r in requests:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+    expected = outputs_alone(pair, requests)
     with open_slots(pair, 3) as s:
         assert s.target.sequence_batch_error > 0.5 and not s.engine.batches_slots
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
@@ -248,11 +246,7 @@ def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(t
     short, long = prompts(1, seed=4)[0], prompts(1, seed=6, length=700)[0]
     requests = [dict(prompt=short, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=40),
                 dict(prompt=long, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=20)]
-    with open_slots(tiny_pair, 1, n_ctx=1024, n_batch=256) as alone:
-        expected = []
-        for r in requests:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+    expected = outputs_alone(tiny_pair, requests, n_ctx=1024, n_batch=256)
     with open_slots(tiny_pair, 2, n_ctx=1024, n_batch=256) as s:
         first = s.engine.start(**requests[0], slot=0)
         s.engine.step([first])

@@ -26,9 +26,10 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.config import load_preset
-from localspec.engine import STOP_MAX_TOKENS, DoneEvent, TokenEvent
+from localspec.engine import STOP_MAX_TOKENS
 from localspec.errors import LocalspecError
 from localspec.session import ModelFiles, open_session
+from tests.helpers_chat import reply
 
 # Written for these tests in the manner of Qwen3's template: earlier assistant turns lose their thinking (a closed
 # block is cut, an unclosed one, from a reply stopped mid-thought, is dropped), and `enable_thinking = false`
@@ -125,28 +126,18 @@ def thinking_session(thinking_pair: tuple[Path, Path]):
         yield session
 
 
-def _reply(chat: ChatSession, text: str) -> tuple[list[int], DoneEvent | None]:
-    tokens, done = [], None
-    for event in chat.send(text):
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token)
-        elif isinstance(event, DoneEvent):
-            done = event
-    return tokens, done
-
-
 def test_rewritten_history_is_reread_from_the_common_prefix_and_stays_lossless(thinking_session) -> None:
     chat = ChatSession(thinking_session.engine, thinking_session.target, thinking_session.preset, max_tokens=12)
     assert chat.template.source.endswith("tokenizer.chat_template") and chat.thinking is True
     assert chat.splitter().thinking  # this template opens the thinking block itself
-    _reply(chat, "hello there")
+    reply(chat, "hello there")
     first = chat.turns[0]
     assert first.reread == 0 and first.prompt_tokens_processed == first.prompt_tokens - 1
     assert first.thinking and not first.answer  # 12 tokens, never closed: all of it was thinking
     assert chat.messages[-1]["content"].startswith("<think>\n")  # history keeps the block the template opened
     cached_before = len(thinking_session.engine.cached_tokens)
 
-    warm, done = _reply(chat, "and now?")
+    warm, done = reply(chat, "and now?")
     second = chat.turns[1]
     assert done is not None and done.stop_reason == STOP_MAX_TOKENS
     # The template dropped turn 1's thinking, so its positions were decoded again: counted as re-read.
@@ -158,7 +149,7 @@ def test_rewritten_history_is_reread_from_the_common_prefix_and_stays_lossless(t
     cold_chat = ChatSession(thinking_session.engine, thinking_session.target, thinking_session.preset,
                             max_tokens=12)
     cold_chat.messages = list(chat.messages[:2])
-    cold, _ = _reply(cold_chat, "and now?")
+    cold, _ = reply(cold_chat, "and now?")
     assert warm == cold  # reusing a prefix of a rewritten history gives the tokens a cold start gives
 
 
@@ -185,11 +176,11 @@ def test_the_reply_limit_comes_from_the_preset_and_is_recorded(thinking_session)
     preset = thinking_session.preset.with_overrides(prefer="chat", max_tokens=5)
     chat = ChatSession(thinking_session.engine, thinking_session.target, preset)
     assert chat.reply_limit == 5
-    _, done = _reply(chat, "hello")
+    _, done = reply(chat, "hello")
     assert done is not None and done.stop_reason == STOP_MAX_TOKENS
     assert chat.turns[0].tokens == 5 and chat.turns[0].max_tokens == 5
     chat.max_tokens = 3  # --max-tokens wins over the preset
-    _reply(chat, "again")
+    reply(chat, "again")
     assert chat.turns[1].tokens == 3 and chat.transcript()["settings"]["max_tokens"] == 3
 
 

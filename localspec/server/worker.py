@@ -307,8 +307,6 @@ class Worker:
         else:
             self.stats.served += 1
             self.stats.last = final.result
-        if r.stream is not None:
-            r.stream.slot.busy = False
         with self._cond:
             self._running.remove(r)
             self.stats.running = len(self._running)

@@ -1,0 +1,17 @@
+"""Driving a ChatSession turn in the chat tests."""
+
+from __future__ import annotations
+
+from localspec.chat import ChatSession
+from localspec.engine import DoneEvent, TokenEvent
+
+
+def reply(chat: ChatSession, text: str) -> tuple[list[int], DoneEvent | None]:
+    """Send `text` and collect the reply's token ids and its DoneEvent."""
+    tokens, done = [], None
+    for event in chat.send(text):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token)
+        elif isinstance(event, DoneEvent):
+            done = event
+    return tokens, done
