@@ -16,9 +16,9 @@ first text chunk). Per level: aggregate tok/s = all completion tokens / (first s
 min per-request tok/s, median TTFT, errors, and acceptance where the server's `timings` report drafts
 (llama-server's and localspec's final chunk both carry `draft_n` / `draft_n_accepted`).
 
-The JSON (--json) holds every request's figures, the settings, the exact argv, the server's /v1/models answer and
-its /health before and after (localspec's says how many slots and whether they share each decode).
-Exit status: 0, or 1 when the server cannot be reached or any request failed (the JSON is written either way).
+The JSON (--json) holds every request's figures and reply text, the settings, the exact argv, the server's /v1/models
+answer and its /health before and after (localspec's says how many slots and whether they share each decode). Exit
+status: 0, or 1 when the server cannot be reached or any request failed (the JSON is written either way).
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ class Request:
     tokens: int = 0
     usage_tokens: int | None = None  # from the usage chunk; None = the server sent none
     text_chunks: int = 0
+    text: str = ""  # the reply: the same seed's replies at different concurrencies can then be compared
     finish_reason: str | None = None
     timings: dict[str, Any] | None = None  # the server's own `timings`, when it sends them
     error: str | None = None
@@ -261,6 +262,7 @@ async def _read(stream: Any, req: Request, t0: float) -> None:
         for choice in chunk.choices:
             if choice.delta is not None and choice.delta.content:
                 req.text_chunks += 1
+                req.text += choice.delta.content
                 if req.first_token is None:
                     req.first_token = now
                 req.last_token = now

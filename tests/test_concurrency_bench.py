@@ -46,11 +46,15 @@ def test_levels_against_serve(demo_home, tmp_path, capsys):
         assert len({r["prompt"] for r in level["results"]}) == level["clients"]
         for r in level["results"]:
             assert r["error"] is None and r["tokens"] == r["usage_tokens"] > 0
+            assert r["text"] and len(r["text"]) >= r["text_chunks"]  # the reply, every chunk's text in order
             assert r["sent"] <= r["first_token"] <= r["last_token"] <= r["end"] <= level["wall_s"]
         if level["clients"] == 2:  # two slots: the second request starts before the first one ends
             first, second = sorted(level["results"], key=lambda r: r["first_token"])
             assert second["first_token"] < first["end"]
             assert r["timings"]["predicted_n"] == r["tokens"]  # localspec's own count agrees with the usage chunk
+    # T = 0 on the CPU: prompt 0's reply is the same alone (level 1) and beside another request (level 2)
+    alone, beside = ([r["text"] for r in level["results"] if r["prompt"] == 0] for level in data["levels"])
+    assert alone == beside and alone[0]
     assert "aggregate tok/s" in printed
 
 

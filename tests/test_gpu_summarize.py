@@ -77,3 +77,44 @@ def test_summarize_compares_both_loops_from_a_results_folder(tmp_path):
     assert fid["llama_cpp_host"]["prompts"]["p"]["first_divergence"] == 1
     assert fid["llama_cpp_backend"]["diverged"] == 0
     assert "greedy (T = 0) divergence" in summarize.tables(result)
+
+
+# -- bench/gpu/multi_summary.py (two GPUs) ------------------------------------------------------------------
+
+
+def _bench_report(plain: float, spec: float, divergence: list[tuple[str, int]], holds: bool = True,
+                  ahead_hit_rate: float | None = None) -> dict:
+    prompts = [{"name": name, "first_divergence": dict(divergence).get(name)} for name in ("code", "prose", "qa")]
+    return {"plain": {"median_tps": plain},
+            "speculative": {"median_tps": spec, "acceptance_rate": 0.85, "ahead_hit_rate": ahead_hit_rate},
+            "greedy_check": {"invariant_holds": holds, "passed": holds, "prompts": prompts},
+            "environment": {"placement": {"target": "GPU 0"}}}
+
+
+def test_multi_summary_compares_placements_and_marks_greedy_against_one_gpu(tmp_path, capsys):
+    import multi_summary
+
+    for scale, ahead_divergence in (("8e-5", [("qa", 209)]), ("1.2e-4", [("qa", 150)])):
+        folder = tmp_path / f"s{scale}"
+        (folder / "llama").mkdir(parents=True)
+        reports = {"one-gpu": _bench_report(98.0, 250.0, [("qa", 209)]),
+                   "no-ahead": _bench_report(98.0, 251.0, [("qa", 209)]),
+                   "ahead": _bench_report(99.0, 300.0, ahead_divergence, ahead_hit_rate=0.75)}
+        if scale == "8e-5":
+            reports["split"] = _bench_report(96.0, 240.0, [("qa", 209)])
+        for config, report in reports.items():
+            (folder / f"localspec-{config}-t0.json").write_text(json.dumps(report))
+        for devd, seconds in (("CUDA0", 1.25), ("CUDA1", 1.0)):
+            for prompt in ("code", "prose", "qa"):
+                (folder / "llama" / f"t0-{devd}-r1-{prompt}.log").write_text(LOG.replace("1.250", f"{seconds:.3f}"))
+    out = tmp_path / "summary.json"
+    assert multi_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| 8e-5") or line.startswith("| 1.2e-4")]
+    # llama.cpp: 3 × 257 tokens over 3 × 1.25 s (one GPU) and 3 × 1.0 s (draft on GPU 1); the best is 257 tok/s
+    assert rows[0] == "| 8e-5 | 0 | 205.6 | 257.0 | 98.0 | 250.0 | 251.0 | 300.0 (75%) ✓ | 1.17× |"
+    # the same placement left plain decoding somewhere else than one GPU did: not the same computation
+    assert rows[1].startswith("| 1.2e-4 | 0 |") and "300.0 (75%) ✗" in rows[1]
+    assert "| 8e-5 | 0 | 96.0 | 240.0 | 2.50× |" in lines
+    summary = json.loads(out.read_text())
+    assert summary[0]["ahead"]["greedy"] == {"holds": True, "divergence": [["qa", 209]]}

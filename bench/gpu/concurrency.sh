@@ -30,6 +30,7 @@
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
 #   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
 #   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)  BUDGET_S [570]  RERUN [0]
+#   CLIENT_S [90]             seconds one client run (every level at one T) is given room for in the budget
 #   SIZE [gpu32b] (tiny: a CPU dry run)  VOCAB [carry/ggml-vocab-qwen2.gguf] ('' = synthetic.py's default)
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
 set -uo pipefail
@@ -53,6 +54,7 @@ LOCALSPEC_CTX="${LOCALSPEC_CTX:-$CTX}"
 PORT="${PORT:-18080}"
 LOAD_S="${LOAD_S:-240}"
 BUDGET_S="${BUDGET_S:-570}"
+CLIENT_S="${CLIENT_S:-90}"
 SEED=42
 SIZE="${SIZE:-gpu32b}"
 VOCAB="${VOCAB-$CARRY/ggml-vocab-qwen2.gguf}"
@@ -178,7 +180,7 @@ for s in $SCALES; do
         for temp in $TEMPS; do [[ -s "$RES/s$s/$config-t$temp.json" ]] || todo+=("$temp"); done
         (( ${#todo[@]} )) || continue
         [[ "$config" == llama && ! -x "$BIN/llama-server" ]] && continue
-        need=$(( 60 + 90 * ${#todo[@]} ))  # loading 18 GB from the page cache, then one client run per temperature
+        need=$(( 60 + CLIENT_S * ${#todo[@]} ))  # loading 18 GB from the page cache, then a client run per temperature
         if (( $(left) < need )); then log "SKIP s$s-$config: $(left)s left, needs ~${need}s"; continue; fi
         server_cmd "$config" "$T" "$D" || { log "unknown configuration $config"; continue; }
         slog="$RES/s$s/$config.server.log"
