@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -82,24 +83,19 @@ def _clients(text: str) -> list[int]:
     return levels
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {value}")
+        return value
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,15 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible base URL (ends in /v1)")
     p.add_argument("--model", help="model id to send (default: the first id of GET /v1/models)")
     p.add_argument("--clients", type=_clients, default=[1, 4, 8, 16], help="concurrency levels, e.g. 1,4,8,16")
-    p.add_argument("--requests-per-client", type=_positive, default=2, help="requests each client sends in turn")
-    p.add_argument("--max-tokens", type=_positive, default=256, help="max_tokens of every request")
+    p.add_argument("--requests-per-client", type=_at_least(1), default=2, help="requests each client sends in turn")
+    p.add_argument("--max-tokens", type=_at_least(1), default=256, help="max_tokens of every request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, help="top_k (not sent unless given; both servers read it)")
     p.add_argument("--top-p", type=float, help="top_p (not sent unless given)")
     p.add_argument("--min-p", type=float, help="min_p (not sent unless given; both servers read it)")
     p.add_argument("--seed", type=int, default=42, help="seed of every request (-1: not sent, the server draws)")
     p.add_argument("--prompts", type=Path, help="a file with one prompt per line (default: 16 built-in prompts)")
-    p.add_argument("--warmup", type=_count, default=1, help="unmeasured requests before each level (default 1)")
+    p.add_argument("--warmup", type=_at_least(0), default=1, help="unmeasured requests before each level (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take")
     p.add_argument("--json", type=Path, dest="json_out", help="write the results here")
     p.add_argument("--label", default="", help="what is measured, e.g. 'localspec k=6' (goes into the JSON)")

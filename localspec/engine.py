@@ -799,15 +799,14 @@ class Engine:
         the draft's cache keeps the next round's drafts (a kept draft-ahead)."""
         slot = s.slot
         keep = len(slot.tokens) + s.n_accepted  # committed tokens (cur included) + accepted drafts
-        # Bookkeeping first: if a truncate is interrupted, the next _sync truncates to what the lists claim.
+        # Bookkeeping first: if a truncate is interrupted, the next _prefill truncates to what the lists claim.
         if len(slot.target_kv) > keep:
             del slot.target_kv[keep:]
             self.target.truncate(keep, slot.seq)
         if len(slot.draft_kv) > keep and not keep_draft:
             del slot.draft_kv[keep:]
             self.draft.truncate(keep, slot.seq)
-        slot.tokens.extend(s.emitted[:-1])
-        slot.tokens.append(s.emitted[-1])
+        slot.tokens.extend(s.emitted)
 
 
 class _Shadow:

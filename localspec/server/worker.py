@@ -253,9 +253,13 @@ class Worker:
             r = _Running(job)
             self._running.append(r)
             joining.append(r)
+        self._count_running()
+        return joining
+
+    def _count_running(self) -> None:
+        """The stats' view of the running jobs (called holding the lock)."""
         self.stats.running = len(self._running)
         self.stats.busy = bool(self._running)
-        return joining
 
     def _start(self, r: _Running) -> None:
         """Start a joining job in the free slot that suits its prompt best."""
@@ -309,8 +313,7 @@ class Worker:
             self.stats.last = final.result
         with self._cond:
             self._running.remove(r)
-            self.stats.running = len(self._running)
-            self.stats.busy = bool(self._running)
+            self._count_running()
         _deliver(r.job, final)
 
 
