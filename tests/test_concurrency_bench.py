@@ -69,6 +69,12 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     empty.write_text("\n  \n")
     assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--prompts", str(empty)]) == 1
     assert capsys.readouterr().err.strip() == f"concurrency.py: error: --prompts {empty}: no prompts (one per line)"
+    for flag, value, minimum in (("--requests-per-client", "0", 1), ("--warmup", "-1", 0)):
+        with pytest.raises(SystemExit) as exit_info:
+            concurrency.main([flag, value])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip() == f"concurrency.py: error: argument {flag}: expected at least " \
+                                                  f"{minimum}, got {value}"
     with pytest.raises(SystemExit) as exit_info:
         concurrency.main(["--clients", "1,x"])
     assert exit_info.value.code == 2
