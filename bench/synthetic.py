@@ -505,7 +505,7 @@ class CardSpec:
     target: Shape
     draft: Shape
     noise: float  # draft embedding noise, relative to the shared code (the agreement knob; 0 = same map)
-    block_noise: float = 0.01  # each model's noise blocks perturb the residual by about this share (coherent sum)
+    block_noise: float = 0.003  # each model's noise blocks perturb the residual by about this share (coherent sum)
     target_mix: TargetMix = "q4_k_m"
     draft_type: DraftType = "q8_0"
     logit_std: float = 16.0  # std of the shared logits over the vocabulary (the old pair's sharpness)
@@ -853,8 +853,8 @@ QWEN3_32B = Shape(n_embd=5120, n_head=64, n_head_kv=8, head_dim=128, n_ff=25600,
 QWEN3_0_6B = Shape(n_embd=1024, n_head=16, n_head_kv=8, head_dim=128, n_ff=3072, n_blocks=28)
 # Greedy agreement by `noise` (docs/gpu.md, measured on the CPU with the scaled-down spec and the Qwen2
 # vocabulary; width-independent by construction): the two GPU levels.
-CARD_NOISE_85 = 0.2
-CARD_NOISE_70 = 0.35
+CARD_NOISE_85 = 0.035
+CARD_NOISE_70 = 0.085
 CARD_32B = CardSpec(target=QWEN3_32B, draft=QWEN3_0_6B, noise=CARD_NOISE_85)
 # Scaled down for the CPU: the same construction and quant mix, widths /4 (target) and /8 (draft), 8 and 4 blocks
 # (8 blocks make use_more_bits pick layers 0, 3, 6, 7).
@@ -955,16 +955,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
     p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
     p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
+    p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
+                   help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
+    p.add_argument("--prompts", type=int, default=8, help="--measure/--curve: random prompts")
+    p.add_argument("--tokens", type=int, default=64, help="--measure/--curve: greedy tokens per prompt")
     a = p.parse_args(argv)
     target = a.out / f"{a.prefix}target.gguf"
     draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
     log = functools.partial(print, file=sys.stderr)
+    measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
     if a.size in CARD_PRESETS:
         card = CARD_PRESETS[a.size]
         card = replace(card, **{k: v for k, v in {"noise": a.noise, "block_noise": a.block_noise,
                                                   "seed": a.seed, "target_mix": a.mix}.items() if v is not None})
         if a.target_blocks is not None:
             card = replace(card, target=replace(card.target, n_blocks=a.target_blocks))
+        if a.curve:
+            write_card_model(target, card, "target", a.vocab, log=log)
+            for noise in a.curve:
+                path = a.out / f"{a.prefix}n{noise:g}-draft.gguf"
+                write_card_model(path, replace(card, noise=noise), "draft", a.vocab, log=log)
+                print(f"noise {noise:g}: {measure(target, path)}", flush=True)
+            return 0
         for role, path in (("target", target), ("draft", draft)):
             if a.only in (None, role):
                 write_card_model(path, card, role, a.vocab, log=log)  # type: ignore[arg-type]
@@ -983,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
         print(target)
         print(draft)
     if a.measure:
-        print(measure_agreement(target, draft))
+        print(measure(target, draft))
     return 0
 
 

@@ -254,3 +254,25 @@ def test_card_agreement_levels(tmp_path) -> None:
     assert rates[0.0] >= 0.97, rates
     assert 0.78 <= rates[CARD_NOISE_85] <= 0.92, rates
     assert 0.60 <= rates[CARD_NOISE_70] <= 0.80, rates
+
+
+def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> None:
+    """run.sh writes the card's target once and a draft per level; kernels.sh one target per weight type."""
+    from synthetic import main
+
+    assert main(["--size", "card-tiny", "--only", "draft", "--noise", "0.05", "--out", str(tmp_path),
+                 "--prefix", "c-", "--draft-prefix", "c-n0.05-"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["c-n0.05-draft.gguf"]
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c-n0.05-draft.gguf")
+    for mix, ggml_type in (("q4_0", "Q4_0"), ("q6_k", "Q6_K")):
+        assert main(["--size", "card-tiny", "--only", "target", "--mix", mix, "--target-blocks", "2",
+                     "--out", str(tmp_path), "--prefix", f"k-{mix}-"]) == 0
+        types = _types(tmp_path / f"k-{mix}-target.gguf")
+        assert {t for n, t in types.items() if not n.endswith("norm.weight")} == {ggml_type}
+        assert sum(n.endswith("ffn_down.weight") for n in types) == 2
+    # Every mix holds the same values (the Q4_0 bytes too: ggml's nibble order).
+    q4_0, q6_k = (gguf.GGUFReader(tmp_path / f"k-{mix}-target.gguf") for mix in ("q4_0", "q6_k"))
+    for a, b in zip(q4_0.tensors, q6_k.tensors, strict=True):
+        if a.name.startswith("blk."):
+            assert np.array_equal(gguf.quants.dequantize(a.data, a.tensor_type),
+                                  gguf.quants.dequantize(b.data, b.tensor_type)), a.name
