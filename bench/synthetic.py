@@ -11,8 +11,15 @@ One code path writes both sizes: tiny F32/F16 pairs for tests (exact, quick on a
 pair for the GPU (docs/performance.md). The F32/F16 tensors hold exactly the values the Q4_0 encoding would
 dequantise to, so a tiny Q4_0 pair and a tiny F32 pair of the same spec are the same model up to arithmetic.
 
+The card's pair (issue #21, docs/gpu.md) has the real shapes and quant types instead: a Qwen3-32B-shaped target in
+llama.cpp's Q4_K_M mix and a Qwen3-0.6B-shaped tied Q8_0 draft, agreeing through a shared token -> next-token map;
+`--noise` (the draft's embedding noise) sets the agreement.
+
     python bench/synthetic.py --size tiny --scale 0.01 --out DIR --measure
     python bench/synthetic.py --size gpu32b --scale 8e-5 --out DIR --vocab ggml-vocab-qwen2.gguf
+    python bench/synthetic.py --size card32b --only target --out DIR --prefix card32b- --vocab ggml-vocab-qwen2.gguf
+    python bench/synthetic.py --size card32b --only draft --noise 0.035 --out DIR --draft-prefix card32b-n0.035- ...
+    python bench/synthetic.py --size card-tiny --out DIR --curve 0,0.035,0.085 --vocab ggml-vocab-qwen2.gguf
 """
 
 from __future__ import annotations

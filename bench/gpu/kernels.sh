@@ -65,10 +65,18 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 # -- 2. the models -------------------------------------------------------------------------------------------------
 vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
+free_gb() { df -Pk "$MODELS" | awk 'NR==2 {print int($4 / 1048576)}'; }
+need_gb() {  # need_gb MIX: the 32B-shaped file's size (GB per block, embedding + output), rounded up, plus 2
+    [[ "$CARD_SIZE" == card32b ]] || { echo 1; return; }
+    case "$1" in q6_k) per=0.400 emb=1.28 ;; *) per=0.274 emb=0.88 ;; esac
+    awk -v b="$KERNEL_BLOCKS" -v p="$per" -v e="$emb" 'BEGIN {print int(b * p + e + 3)}'
+}
 KMODELS=()
 for mix in $MIXES; do
     f="$MODELS/kern-$mix-b$KERNEL_BLOCKS-target.gguf"
-    if [[ ! -f "$f" ]]; then
+    if [[ ! -f "$f" ]] && (( $(free_gb) < $(need_gb "$mix") )); then
+        log "SKIP the $mix model: $(free_gb) GB free, needs ~$(need_gb "$mix")"
+    elif [[ ! -f "$f" ]]; then
         run "write-kern-$mix" 60 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" --only target --mix "$mix" \
             --target-blocks "$KERNEL_BLOCKS" --out "$MODELS" --prefix "kern-$mix-b$KERNEL_BLOCKS-" "${vocab_arg[@]}" \
             > "$KRES/write-$mix.log" 2>&1
