@@ -861,7 +861,7 @@ QWEN3_0_6B = Shape(n_embd=1024, n_head=16, n_head_kv=8, head_dim=128, n_ff=3072,
 # Greedy agreement by `noise` (docs/gpu.md, measured on the CPU with the scaled-down spec and the Qwen2
 # vocabulary; width-independent by construction): the two GPU levels.
 CARD_NOISE_85 = 0.013
-CARD_NOISE_70 = 0.026
+CARD_NOISE_70 = 0.03
 CARD_32B = CardSpec(target=QWEN3_32B, draft=QWEN3_0_6B, noise=CARD_NOISE_85)
 # Scaled down for the CPU: the same construction and quant mix, widths /4 (target) and /8 (draft), 8 and 4 blocks
 # (8 blocks make use_more_bits pick layers 0, 3, 6, 7).
