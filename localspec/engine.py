@@ -503,11 +503,15 @@ class Engine:
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
         seq = chosen.seq
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not stream.use_draft,
+        # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
+        # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
+        plain = not stream.use_draft and self.target.n_seq == 1
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=plain,
                                                     trace=stream.trace), seq)
         self.target.restart_device_sampler(seq)
-        if self.draft is not None:
-            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min), seq)
+        if self.draft is not None:  # (with several slots, a stream that does not draft leaves the draft no chain)
+            draft_mode = _device_mode(self.draft, sampling, p_min=drafting.p_min)
+            self.draft.use_device_sampler(draft_mode if stream.use_draft or self.draft.n_seq == 1 else None, seq)
         stream.stats.prompt_tokens = len(prompt)
         stream.prefill = self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
         if not prefill_in_rounds:
@@ -521,6 +525,11 @@ class Engine:
         """One round for every stream that goes on: draft (one draft decode per step across them), verify (one
         target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
         t0 = time.perf_counter()
+        for slot in self.slots if len(self.slots) > 1 else ():  # a free slot's chains would run in every decode
+            if not slot.busy:  # (llama_ctx._covering_calls)
+                for model in (self.target, self.draft):
+                    if model is not None:
+                        model.use_device_sampler(None, slot.seq)
         live = [s for s in streams if self._begin(s)]
         if not live:
             return
