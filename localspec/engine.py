@@ -460,13 +460,27 @@ class Engine:
         this model and they take turns inside the round: `LlamaModel.batches_sequences`)."""
         return all(m.batches_sequences for m in (self.target, self.draft) if m is not None)
 
+    # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
+    # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
+    # (llama_ctx._covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # over a reply than re-reading a short prefix once.
+    LONG_PREFIX = 256
+
     def free_slot(self, prompt: Sequence[int]) -> int | None:
-        """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
-        conversation goes back to its cache), else the least recently used; None when every slot is busy."""
+        """The free slot for `prompt`: the one whose cells share a long prefix with it (a returning conversation
+        goes back to its cache), else the one that keeps the busy slots' ids closest together, then the longest
+        shared prefix, then the least recently used; None when every slot is busy."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq
+        busy = [s.seq for s in self.slots if s.busy]
+
+        def key(s: _Slot) -> tuple[int, int, int, int]:
+            reuse = shared_prefix(s.target_kv, prompt)
+            span = max(busy + [s.seq]) - min(busy + [s.seq])
+            return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
+
+        return max(free, key=key).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False,

@@ -71,3 +71,24 @@ def test_sixteen_sampled_requests_in_scrambled_slots_are_token_identical_to_each
         slots = rng.permutation(16).tolist()
         arrivals = rng.integers(0, 12, size=16).tolist()
         assert run_in_slots(s.engine, requests, slots, arrivals) == expected
+
+
+def test_a_new_request_fills_the_gap_a_finished_one_left(tiny_pair):
+    """Slots stay packed (each decode spans the busy slots' ids and pads the free ones between): a new prompt takes
+    the free slot between busy ones rather than the least recently used one; a long cached prefix still wins."""
+    greedy = load_preset("greedy").sampling
+    ps = prompts(4, seed=41)
+    with open_slots(tiny_pair, 4) as s:
+        e = s.engine
+        streams = [e.start(p, greedy, Drafting(2, 0.0, False), 40 if i != 1 else 2, slot=e.free_slot(p))
+                   for i, p in enumerate(ps[:3])]
+        assert [x.slot.seq for x in streams] == [0, 1, 2]
+        while not streams[1].finished:
+            e.step([x for x in streams if not x.finished])
+            for x in streams:
+                list(x.events())
+        assert e.free_slot(ps[3]) == 1  # not 3, the least recently used: 1 keeps the busy ids together
+        long_history = streams[1].slot.tokens
+        assert e.free_slot(long_history + [5]) == 1
+        e.slots[3].target_kv = list(range(300))  # a free slot away from the busy ones holds a long conversation...
+        assert e.free_slot(list(range(300)) + [7]) == 3  # ...wins over packing when it is long enough
