@@ -17,9 +17,11 @@ Llama, 64-token vocabulary) into a temporary folder. It then:
    whole history, full logits) and takes the top k of that row's logits on the host.
 
 With the order 0,1 llama.cpp makes one ubatch and every row is right. With 1,0 its `split_equal` (non-unified
-KV: sequences of one ubatch must have consecutive ascending ids) makes two ubatches, and rows come back wrong:
-ids and logits consistent with each other (another row's top k), so nothing downstream notices. Exit status 1
-when any row is wrong, 0 when all are right.
+KV: sequences of one ubatch must have consecutive ascending ids) makes two ubatches, and a row comes back wrong:
+ids and logits consistent with each other (another row's top k), so nothing downstream notices. The same
+happens with `--separate` (two decodes, seq 1's then seq 0's): what matters is two graphs of the same size in a
+row with different chains active (docs/upstream.md has the mechanism). Exit status 1 when any row is wrong, 0
+when all are right.
 """
 
 from __future__ import annotations
@@ -134,8 +136,10 @@ def decode_entries(ctx: ctypes.c_void_p, entries: list[tuple[int, int, int, bool
 
 
 def run(model_path: Path, order: list[int], rows: int, top_k: int = 8, gpu_layers: int = 0,
-        prompt_len: int = 5, n_batch: int = 64) -> list[Row]:
-    """Every row of one multi-sequence decode (sequences in `order`), checked against the reference."""
+        prompt_len: int = 5, n_batch: int = 64, separate: bool = False, replan: bool = False) -> list[Row]:
+    """Every row of one multi-sequence decode (sequences in `order`), checked against the reference. With
+    `separate`, each sequence's rows go in a decode of their own instead, one after another in `order`; with
+    `replan` too, llama.cpp is made to reserve its graphs again between those decodes."""
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = gpu_layers
@@ -157,17 +161,22 @@ def run(model_path: Path, order: list[int], rows: int, top_k: int = 8, gpu_layer
         for seq in order:  # the prompts: one decode per sequence
             tokens = history[seq][:prompt_len]
             decode_entries(ctx, [(t, p, seq, p == prompt_len - 1) for p, t in enumerate(tokens)])
-        entries, where = [], []
-        for seq in order:  # the batch under test: `rows` tokens of each sequence, every one an output
-            for r in range(rows):
-                where.append((seq, r, len(entries)))
-                entries.append((history[seq][prompt_len + r], prompt_len + r, seq, True))
-        decode_entries(ctx, entries)
         got = {}
-        for seq, r, i in where:
-            count = llama_cpp.llama_get_sampled_candidates_count_ith(ctx, i)
-            ids = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(ctx, i), shape=(count,))
-            got[seq, r] = sorted(ids.tolist())
+        where = []
+        for b, batch in enumerate([order] if not separate else [[seq] for seq in order]):
+            if replan and b:  # a neutral call after which llama.cpp reserves (plans) its graphs again
+                llama_cpp.llama_set_adapter_cvec(ctx, None, 0, llama_cpp.llama_model_n_embd(model), -1, -1)
+            entries, read = [], []
+            for seq in batch:  # the batch under test: `rows` tokens of each sequence, every one an output
+                for r in range(rows):
+                    read.append((seq, r, len(entries)))
+                    entries.append((history[seq][prompt_len + r], prompt_len + r, seq, True))
+            decode_entries(ctx, entries)
+            for seq, r, i in read:
+                count = llama_cpp.llama_get_sampled_candidates_count_ith(ctx, i)
+                ids = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(ctx, i), shape=(count,))
+                got[seq, r] = sorted(ids.tolist())
+            where += read
     finally:
         for seq in range(len(chains)):
             llama_cpp.llama_set_sampler(ctx, seq, None)
@@ -212,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8, help="k of the backend top-k sampler (default 8)")
     p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload (default 0: CPU)")
     p.add_argument("--model", type=Path, help="use this GGUF instead of writing the tiny one")
+    p.add_argument("--separate", action="store_true",
+                   help="one llama_decode per sequence, in --order, instead of one for all (fails the same way)")
+    p.add_argument("--replan", action="store_true",
+                   help="with --separate: make llama.cpp reserve its graphs again between the decodes (all right)")
     a = p.parse_args(argv)
     llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model or write_tiny_model(Path(tmp) / "tiny.gguf")
-        rows = run(path, a.order, a.rows, a.top_k, a.gpu_layers)
+        rows = run(path, a.order, a.rows, a.top_k, a.gpu_layers, separate=a.separate, replan=a.replan)
     print(f"llama-cpp-python {llama_cpp.__version__}; order {a.order}, {a.rows} row(s) per sequence, "
-          f"top-k {a.top_k}")
+          f"top-k {a.top_k}, {'one decode per sequence' if a.separate else 'one decode'}"
+          f"{', graphs reserved again between them' if a.separate and a.replan else ''}")
     for row in rows:
         verdict = "right" if row.right else f"WRONG: got {row.got}, expected {row.expected}"
         print(f"seq {row.seq} row {row.index} (batch index {row.batch_index}): {verdict}")
