@@ -33,7 +33,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import llama_cpp  # noqa: I001  -- before numpy (a CUDA build of llama.cpp can crash the other way round)
 import numpy as np
 
@@ -48,6 +47,8 @@ N_BLOCKS = 2
 def write_tiny_model(path: Path, seed: int = 0, bos: int = 1) -> Path:
     """A random-weight Llama GGUF small enough to load in milliseconds: F32, N_VOCAB tokens ("gpt2" BPE, no
     merges needed for raw token ids). `bos` picks the BOS id (the last id, N_VOCAB - 1, is a GPT-2-style vocab)."""
+    import gguf  # (imports numpy: only here, after llama_cpp)
+
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(N_BLOCKS)
