@@ -696,15 +696,20 @@ class LlamaModel:
         A graph where some chain runs on a stand-in row (or a sampling chain with intermediate results) leaves
         ggml a memory plan with freed sampler nodes; a next graph of the same size but another layout would
         reuse that plan and could overwrite its own outputs. Then llama.cpp is made to plan afresh before the
-        next graph of another layout (a neutral control-vector call that makes it reserve its graphs again)."""
-        if self.n_seq > 1 and self._dirty_plan is not None and chains != self._dirty_plan:
+        next graph of another layout (a neutral control-vector call that makes it reserve its graphs again).
+        One row alone is safe when every chain is the same kind (the same nodes, so both graphs' sampler nodes
+        line up): the only node computed after that row's result is its own consumer, which ggml places before
+        it frees the result."""
+        dist = any(isinstance(mode, DeviceDist) for mode in self._modes.values())
+        same_kind = len({mode if isinstance(mode, str) else "dist" for mode in self._modes.values()}) == 1
+        if (self.n_seq > 1 and self._dirty_plan is not None and chains != self._dirty_plan
+                and (sum(chains) > 1 or dist or not same_kind)):
             llama_cpp.llama_set_adapter_cvec(self.ctx, None, 0, self._n_embd, -1, -1)
             self.replans += 1
         self._batch.n_tokens = n
         self.decodes += 1
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
-        dirty = 0 in chains or any(isinstance(mode, DeviceDist) for mode in self._modes.values())
-        self._dirty_plan = chains if dirty else None
+        self._dirty_plan = chains if 0 in chains or dist else None
         if rc != 0:
             where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
             raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"

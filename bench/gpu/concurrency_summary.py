@@ -120,8 +120,8 @@ def acceptance_by_request(temps: dict[str, dict[str, dict[str, Any]]]) -> dict[s
                 if not acc:
                     continue
                 low = min(acc)
-                below = (sum(a < median - spread for a in acc) if median is not None and spread is not None
-                         else None)
+                below = (sum(a < median - spread - 1e-9 for a in acc)  # (the T = 0 spread's own request: not below)
+                         if median is not None and spread is not None else None)
                 rows.append({"clients": n, "requests": len(acc), "min": low, "median": statistics.median(acc),
                              "max": max(acc), "min_below_solo": None if median is None else median - low,
                              "below_by_more_than_spread": below, "each": acc})
