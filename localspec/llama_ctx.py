@@ -85,6 +85,13 @@ def supports_gpu_offload() -> bool:
 
 _DEV_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 _SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+# Flash attention: llama.cpp decides (auto, the default everywhere in localspec), or forced on or off (the verify
+# kernel experiment, bench/gpu/verify_widths.py).
+FLASH_ATTN = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 _ggml_lib: ctypes.CDLL | None = None
 _rpc_servers: dict[str, list[int]] = {}  # endpoint -> its ggml device handles, registered once per process
 
@@ -412,6 +419,7 @@ class LlamaModel:
         tensor_split: Sequence[float] = (),
         main_gpu: int = 0,
         n_seq: int = 1,
+        flash_attn: str = "auto",
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
@@ -421,6 +429,8 @@ class LlamaModel:
             raise ModelLoadError(f"{self.path}: model file not found")
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if flash_attn not in FLASH_ATTN:
+            raise ModelLoadError(f"flash attention {flash_attn!r}: choose one of {', '.join(FLASH_ATTN)}")
         self.model = None
         self.ctx = None
         self._batch = None
@@ -467,6 +477,7 @@ class LlamaModel:
         cparams.n_threads_batch = threads
         cparams.type_k = KV_TYPES[kv_type]
         cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
