@@ -359,6 +359,31 @@ def test_control_tokens_in_content_are_text_unless_allowed(chat, demo_home, tmp_
         allowing.stop()
 
 
+def test_messages_without_control_text_tokenize_as_before_and_cancelling_stops_the_build(demo_home):
+    """In process, on both demo models: ordinary conversations give exactly the tokens of the rendered text
+    (the template's own handling of content is untouched); a hostile one differs only in the hostile message;
+    a build whose client left stops before tokenizing."""
+    from localspec.chat import BuildCancelled, ChatTemplate, encode_chat, encode_messages
+    from localspec.demo import smollm2_source_path
+    from localspec.llama_ctx import LlamaModel
+    from tests.helpers_serve import demo_files
+
+    conversation = [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Hi <b>there</b>"},
+                    {"role": "assistant", "content": "Hello!\n"}, {"role": "user", "content": "2 < 3 > 1 [x]"}]
+    for path in (smollm2_source_path(), demo_files(demo_home).target):
+        with LlamaModel(path, n_ctx=64, n_gpu_layers=0, n_threads=1) as model:
+            template = ChatTemplate.for_model(model)
+            expected = encode_chat(model, template.render(conversation))
+            assert encode_messages(model, template, conversation) == expected, path.name
+            control = max(model.control_texts, key=len)
+            hostile = [*conversation[:-1], {"role": "user", "content": f"a{control}b"}]
+            tokens = encode_messages(model, template, hostile)
+            special = encode_messages(model, template, hostile, control_tokens=True)
+            assert tokens != special and len(tokens) > len(special), (path.name, control)
+            with pytest.raises(BuildCancelled):
+                encode_messages(model, template, hostile, cancelled=lambda: True)
+
+
 # -- text that is not text -----------------------------------------------------------------------------------
 
 

@@ -88,7 +88,8 @@ def serve(
     )
     if not is_loopback(sock.getsockname()[0]) and key is None:
         console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
-                      "reach this port can use the models[/]")
+                      "reach this port can use the models (requests naming another Host than loopback or "
+                      "--allowed-hosts get 403)[/]")
 
     loaded: dict[str, Any] = {}
 
@@ -152,7 +153,8 @@ def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
 
     from localspec.server.app import SHUTDOWN_GRACE_S
     from localspec.server.guard import (
-        ACCEPT_BACKLOG,
+        ACCEPT_BATCH,
+        LISTEN_BACKLOG,
         guarded_protocol,
         max_connections,
         quiet_accept_errors,
@@ -167,10 +169,12 @@ def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
         async def startup(self, sockets: Any = None) -> None:
             quiet_accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
+            for sock in sockets or ():  # uvicorn set the kernel's queue to ACCEPT_BATCH too: see guard.py
+                sock.listen(LISTEN_BACKLOG)
 
     protocol = guarded_protocol(read_timeout, max_connections(raise_open_files_limit()))
     return Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                 http=protocol, backlog=ACCEPT_BACKLOG,
+                                 http=protocol, backlog=ACCEPT_BATCH,
                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
 
 
@@ -192,7 +196,7 @@ def model_id(files: ModelFiles) -> str:
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; a busy port or an unknown host is a one-line error."""
-    from localspec.server.guard import ACCEPT_BACKLOG
+    from localspec.server.guard import LISTEN_BACKLOG
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -203,7 +207,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(ACCEPT_BACKLOG)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         raise LocalspecError(f"cannot listen on {host}:{port}: {exc.strerror} (try another --port)") from None

@@ -40,10 +40,14 @@ MIN_BODY_BYTES = 1 << 20  # room for any ordinary request, whatever the context
 UNBOUNDED_BODY_BYTES = 16 << 20  # where a tokenizer can fold long runs into one token (no byte bound per token)
 JSON_ESCAPE = 6  # the most bytes JSON needs for one byte of text (a control character as \u0001)
 PER_TOKEN_OVERHEAD = 64  # JSON per message (role, braces) when every message is one token
-# asyncio accepts up to `backlog` connections in one go before any protocol sees one (uvicorn's default is 2048,
-# which overshoots any cap): uvicorn gets this backlog, and the cap keeps twice as many files in reserve.
-ACCEPT_BACKLOG = 128
-FD_RESERVE = 2 * ACCEPT_BACKLOG
+# asyncio accepts up to uvicorn's `backlog` connections per loop turn, and they reach a protocol (which counts and
+# sheds them) only two or three turns later, while a closed connection's file is released a turn after closing:
+# uvicorn's default of 2048 per turn overshoots any cap (measured: "Too many open files" with 512 to spare at
+# 128 per turn). So asyncio takes 32 per turn, the cap keeps room for eight turns, and the kernel's queue of
+# waiting connections is set larger again after uvicorn starts, so bursts wait there instead of being dropped.
+ACCEPT_BATCH = 32
+LISTEN_BACKLOG = 1024
+FD_RESERVE = 8 * ACCEPT_BATCH
 MAX_SOFT_NOFILE = 1 << 16
 
 Scope = MutableMapping[str, Any]
@@ -261,7 +265,7 @@ def raise_open_files_limit() -> int:
 
 def max_connections(open_files: int) -> int:
     """Connections kept open at most: the open-files limit less what the process needs besides."""
-    return max(16, open_files - FD_RESERVE)
+    return max(64, open_files - FD_RESERVE)
 
 
 def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
@@ -269,8 +273,10 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
     docstring for why each is needed beyond what uvicorn and h11 offer)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    # Connections waiting for a request head, longest first (a dict keeps insertion order): shedding is O(1).
+    waiting: dict[Any, None] = {}
+
     class GuardedH11Protocol(H11Protocol):
-        idle_since = 0.0
         half_closed = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
@@ -279,23 +285,36 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
             if len(self.connections) > connection_cap:
                 self._shed_one()
 
-        def _awaiting_head(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
+        def connection_lost(self, exc: Exception | None) -> None:
+            waiting.pop(self, None)
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                waiting.pop(self, None)  # a request is running: not idle
 
         def _await_head(self) -> None:
             """Arm the deadline for the next request's headers (its cycle is not there yet)."""
-            self.idle_since = self.loop.time()
+            waiting.pop(self, None)
+            waiting[self] = None
             self.loop.call_later(read_timeout, self._head_deadline, self.cycle)
 
         def _head_deadline(self, cycle: Any) -> None:
-            if self.cycle is cycle and self._awaiting_head() and not self.transport.is_closing():
+            idle = self.cycle is None or self.cycle.response_complete
+            if self.cycle is cycle and idle and not self.transport.is_closing():
                 self.transport.close()  # no complete request head in time: slowloris, or a silent socket
 
         def _shed_one(self) -> None:
-            """Full: close the connection that has waited longest for a request (this one, if none else)."""
-            idle = [p for p in self.connections if isinstance(p, GuardedH11Protocol) and p._awaiting_head()]
-            oldest = min(idle, key=lambda p: p.idle_since, default=self)
-            oldest.transport.close()
+            """Full: close the connection that has waited longest for a request (this one, if none else). A
+            closed one stays in uvicorn's set until the loop's next turn: skip those."""
+            while waiting:
+                oldest = next(iter(waiting))
+                del waiting[oldest]
+                if not oldest.transport.is_closing():
+                    oldest.transport.close()
+                    return
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             self._await_head()
