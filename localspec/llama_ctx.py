@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from types import FrameType
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
+from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError, TooManyTokens
 from localspec.gguf_header import read_header
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
@@ -835,16 +836,39 @@ class LlamaModel:
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """`limit`: raise TooManyTokens (with the count) for a text of more tokens, without building their list:
+        llama.cpp reports the count it needs when the buffer is short."""
         data = text.encode("utf-8")
-        capacity = len(data) + 16
+        capacity = len(data) + 16 if limit is None else min(len(data) + 16, limit)
         buf = (llama_cpp.llama_token * capacity)()
         n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0 and limit is not None and -n > limit:
+            raise TooManyTokens(f"the text has {-n} tokens, more than {limit}", -n)
         if n < 0:
             capacity = -n
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int | None:
+        """The most bytes of text one token stands for (control tokens' names included), or None when the
+        tokenizer normalizes text first (WPM, UGM: runs of spaces fold), so that no such bound exists."""
+        if llama_cpp.llama_vocab_type(self.vocab) not in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
+                                                          llama_cpp.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        # A character is at least one token of at most 4 bytes, even where no token covers it (byte fallback).
+        return max(4, max(len(self.piece(t, special=True)) for t in range(self.n_vocab)))
+
+    @functools.cached_property
+    def control_texts(self) -> frozenset[str]:
+        """The texts that tokenizing with parse_special turns into control (or unknown) tokens: `<|im_end|>`."""
+        mask = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {self.token_text(t) for t in range(self.n_vocab)
+                 if llama_cpp.llama_vocab_get_attr(self.vocab, t) & mask}
+        return frozenset(t for t in texts if t)
 
     def piece(self, token: int, special: bool = False) -> bytes:
         n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)

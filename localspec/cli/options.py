@@ -89,6 +89,10 @@ max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
 host = _setting("host", "--host", "Address to listen on.")
 port = _setting("port", "--port", "Port to listen on (0 = any free port).")
 queue = _setting("queue", "--queue", "Requests that may wait for a free slot; more get HTTP 503.")
+allowed_hosts = _setting("allowed_hosts", "--allowed-hosts",
+                         "Host names answered without --api-key besides the bound address and loopback ('*' = any).")
+control_tokens = _setting("control_tokens", "--control-tokens/--no-control-tokens",
+                          "Let chat message content carry the model's control tokens (<|im_end|>, ...).")
 parallel = _setting("parallel", "--parallel",
                     "Slots: requests generated together, batched (each with --ctx tokens of KV cache).")
 
