@@ -37,14 +37,14 @@ def run_cli(home: Path, *args: str, stdin: str | None = None) -> subprocess.Comp
 def greedy_reference(path: Path, prompt_tokens: list[int], n: int) -> list[int]:
     """Plain greedy decoding of one model, token by token, without the engine."""
     with LlamaModel(path, n_ctx=512) as model:
-        logits = model.decode(prompt_tokens, 0)
+        logits = model.decode(prompt_tokens, 0).logits
         out: list[int] = []
         while len(out) < n:
             token = int(np.argmax(logits[0]))
             if model.is_eog(token):
                 break
             out.append(token)
-            logits = model.decode([token], len(prompt_tokens) + len(out) - 1)
+            logits = model.decode([token], len(prompt_tokens) + len(out) - 1).logits
         return out
 
 
