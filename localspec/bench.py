@@ -93,15 +93,15 @@ def shipped_prompts(name: str = "shipped") -> list[BenchPrompt]:
     return [BenchPrompt(prompt, text=text) for prompt, text in PROMPT_SETS[name]]
 
 
-def load_prompts(path: Path) -> list[BenchPrompt]:
+def load_prompts(path: str | Path) -> list[BenchPrompt]:
     """`--prompts FILE`: one prompt per line, or JSONL with `prompt` (text) or `messages` (a conversation); or a
     shipped set's name (`PROMPT_SETS`: a file of that name is `./NAME`).
 
     A file is JSONL when its name ends in `.jsonl` or its first non-blank line starts with `{`. Blank lines are
     skipped; an error names the file and the line.
     """
-    if str(path) in PROMPT_SETS:
-        return shipped_prompts(str(path))
+    if isinstance(path, str) and path in PROMPT_SETS:  # (a str: Path("./lookup") would read as "lookup")
+        return shipped_prompts(path)
     lines = read_text(Path(path)).splitlines()  # a missing, unreadable, special or non-UTF-8 file: one line
     numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     if not numbered:

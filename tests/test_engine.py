@@ -188,6 +188,39 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
     assert chi_square(firsts, p_first) < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "chain"])
+def test_lookup_and_chained_sampling_preserve_the_target_distribution(tiny_pair, drafter):
+    """Prompt lookup proposes a point mass: the first emitted token must still follow p exactly. The prompt ends
+    with an n-gram seen before, followed there by p's likeliest token, so lookup drafts a token that p often
+    accepts and sometimes rejects."""
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    with open_pair(*tiny_pair, device_top_k=64) as s:
+        head = prompts(1, seed=31, length=6)[0]
+        likely = head[0]
+        for _ in range(4):  # settle on the token p likes after a prompt that ends as it did before that token
+            prompt = [*head, likely, *head]
+            s.engine.reset()
+            s.target.use_device_sampler(None)
+            p = candidates(s.target.decode(prompt, 0).logits, preset.sampling)
+            likely = int(p.ids[0][0])
+        prompt = [*head, likely, *head]
+        s.engine.reset()
+        p = candidates(s.target.decode(prompt, 0).logits, preset.sampling)
+        s.engine.reset()
+        n = 1500
+        firsts = Counter()
+        accepted = drafted = 0
+        for seed in range(n):
+            sampling = dataclasses.replace(preset.sampling, seed=seed)
+            tokens, _, done = run(s.engine, prompt, sampling,
+                                  dataclasses.replace(drafting(1), drafter=drafter, lookup_min=3), 2)
+            firsts[tokens[0]] += 1
+            accepted, drafted = accepted + done.stats.accepted, drafted + done.stats.drafted
+    assert drafted >= n and 0 < accepted < drafted  # lookup drafted; both branches (accept, resample) taken
+    p_first = dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+    assert chi_square(firsts, p_first) < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
+
+
 def test_stops_exactly_at_max_tokens(tiny_pair):
     with open_pair(*tiny_pair) as s:
         prompt = prompts(1)[0]

@@ -46,10 +46,10 @@ JsonOpt = Annotated[
     Path | None, typer.Option("--json", help="Also write the report as JSON to this path.", readable=False)
 ]
 PromptsOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'; or a "
-                 "shipped set: lookup (code edit, summary, JSON reformat: replies that repeat the prompt).",
-                 show_default=False, readable=False),
+                 "shipped set: lookup (code edit, summary, JSON reformat: replies that repeat the prompt; a file of that "
+                 "name: ./lookup).", show_default=False),
 ]
 RawFlag = Annotated[
     bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")
