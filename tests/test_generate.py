@@ -75,7 +75,7 @@ def test_lookup_and_chained_drafting_equal_plain_decoding(demo_home: Path, targe
     from localspec.bench import LOOKUP_PROMPTS
 
     prompt = dict(LOOKUP_PROMPTS)["code-edit"]
-    common = ("generate", prompt, "--temp", "0", "--max-tokens", "64", "--json", "--threads", "1")
+    common = ("generate", prompt, "--chat", "--temp", "0", "--max-tokens", "64", "--json", "--threads", "1")
     runs = {name: run_cli(demo_home, *common, *extra) for name, extra in (
         ("plain", ("--draft", "0")), ("lookup", ("--drafter", "lookup")), ("chain", ("--drafter", "chain")),
         ("single", ("--draft", "none")))}

@@ -20,11 +20,11 @@ from localspec.bench import (
     SweepReport,
     WarmupStep,
     load_prompts,
-    shipped_prompts,
     placement,
     prompt_mode,
     run_bench,
     run_sweep,
+    shipped_prompts,
 )
 from localspec.cli import options
 from localspec.errors import LocalspecError, WriteError
@@ -48,8 +48,8 @@ JsonOpt = Annotated[
 PromptsOpt = Annotated[
     str | None,
     typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'; or a "
-                 "shipped set: lookup (code edit, summary, JSON reformat: replies that repeat the prompt; a file of that "
-                 "name: ./lookup).", show_default=False),
+                 "shipped set: lookup (code edit, summary, JSON reformat: replies that repeat the prompt; a file "
+                 "of that name: ./lookup).", show_default=False),
 ]
 RawFlag = Annotated[
     bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")

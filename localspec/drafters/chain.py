@@ -35,10 +35,10 @@ class ChainDrafter:
         self.model.accept(req, proposal, accepted)
 
     def reset(self) -> None:
-        self.model.reset()
+        pass  # its parts are the registry's too, and reset there
 
     def close(self) -> None:
-        pass  # the model drafter is the registry's too, and closed there
+        pass  # likewise
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:
