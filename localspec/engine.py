@@ -217,13 +217,27 @@ class Engine:
         this model and they take turns inside the round: `LlamaModel.batches_sequences`)."""
         return all(m.batches_sequences for m in self.models)
 
+    # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
+    # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
+    # (llama_ctx._covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # over a reply than re-reading a short prefix once.
+    LONG_PREFIX = 256
+
     def free_slot(self, prompt: Sequence[int]) -> int | None:
-        """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
-        conversation goes back to its cache), else the least recently used; None when every slot is busy."""
+        """The free slot for `prompt`: the one whose cells share a long prefix with it (a returning conversation
+        goes back to its cache), else the one that keeps the busy slots' ids closest together, then the longest
+        shared prefix, then the least recently used; None when every slot is busy."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq
+        busy = [s.seq for s in self.slots if s.busy]
+
+        def key(s: _Slot) -> tuple[int, int, int, int]:
+            reuse = shared_prefix(s.target_kv, prompt)
+            span = max(busy + [s.seq]) - min(busy + [s.seq])
+            return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
+
+        return max(free, key=key).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
@@ -261,9 +275,18 @@ class Engine:
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
         seq = chosen.seq
-        self.target.use_device_sampler(device_mode(self.target, sampling, p_min=0.0, plain=not stream.use_draft,
+        # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
+        # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
+        plain = not stream.use_draft and self.target.n_seq == 1
+        self.target.use_device_sampler(device_mode(self.target, sampling, p_min=0.0, plain=plain,
                                                    trace=stream.trace), seq)
         self.target.restart_device_sampler(seq)
+        # With several slots, a model this stream does not decode keeps no chain for it (its drafter's models set
+        # their own in `begin`).
+        drafting_models = {id(m) for m in stream.drafter.models} if stream.drafter is not None else set()
+        for model in self.models[1:]:
+            if model.n_seq > 1 and id(model) not in drafting_models:
+                model.use_device_sampler(None, seq)
         stream.stats.prompt_tokens = len(prompt)
         stream.prefill = self._prefill(stream, list(prompt))
         if not prefill_in_rounds:
@@ -277,6 +300,10 @@ class Engine:
         """One round for every stream that goes on: plan, draft (each drafter for its streams together), verify
         (one target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
         t0 = time.perf_counter()
+        for slot in self.slots if len(self.slots) > 1 else ():  # a free slot's chains would run in every decode
+            if not slot.busy:  # (llama_ctx._covering_calls)
+                for model in self.models:
+                    model.use_device_sampler(None, slot.seq)
         live = [s for s in streams if self._begin(s)]
         if not live:
             return
