@@ -512,7 +512,7 @@ class CardSpec:
     target: Shape
     draft: Shape
     noise: float  # draft embedding noise, relative to the shared code (the agreement knob; 0 = same map)
-    block_noise: float = 0.003  # each model's noise blocks perturb the residual by about this share (coherent sum)
+    block_noise: float = 0.001  # each model's noise blocks perturb the residual by about this share (coherent sum)
     target_mix: TargetMix = "q4_k_m"
     draft_type: DraftType = "q8_0"
     logit_std: float = 16.0  # std of the shared logits over the vocabulary (the old pair's sharpness)
@@ -860,8 +860,8 @@ QWEN3_32B = Shape(n_embd=5120, n_head=64, n_head_kv=8, head_dim=128, n_ff=25600,
 QWEN3_0_6B = Shape(n_embd=1024, n_head=16, n_head_kv=8, head_dim=128, n_ff=3072, n_blocks=28)
 # Greedy agreement by `noise` (docs/gpu.md, measured on the CPU with the scaled-down spec and the Qwen2
 # vocabulary; width-independent by construction): the two GPU levels.
-CARD_NOISE_85 = 0.035
-CARD_NOISE_70 = 0.085
+CARD_NOISE_85 = 0.013
+CARD_NOISE_70 = 0.03
 CARD_32B = CardSpec(target=QWEN3_32B, draft=QWEN3_0_6B, noise=CARD_NOISE_85)
 # Scaled down for the CPU: the same construction and quant mix, widths /4 (target) and /8 (draft), 8 and 4 blocks
 # (8 blocks make use_more_bits pick layers 0, 3, 6, 7).

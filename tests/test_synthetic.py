@@ -245,15 +245,18 @@ def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
 
 @pytest.mark.slow
 def test_card_agreement_levels(tmp_path) -> None:
-    """The two levels of the GPU pair land in their bands on the scaled-down spec; no noise, no disagreement."""
+    """The two levels of the GPU pair land in their bands on the scaled-down spec (per-position greedy agreement;
+    the bench's accepted/drafted at k = 6 is lower: ~85% and ~70% need ~95.5% and ~90%); no noise, ~no
+    disagreement."""
     rates = {}
     for noise in (0.0, CARD_NOISE_85, CARD_NOISE_70):
         r = measure_agreement(*_card(tmp_path, replace(CARD_TINY, noise=noise), f"n{noise:g}"), n_prompts=6)
         assert r["distinct"] > 0.5, r  # greedy text is not a short cycle
         rates[noise] = r["greedy"]
     assert rates[0.0] >= 0.97, rates
-    assert 0.78 <= rates[CARD_NOISE_85] <= 0.92, rates
-    assert 0.60 <= rates[CARD_NOISE_70] <= 0.80, rates
+    assert 0.92 <= rates[CARD_NOISE_85] <= 0.99, rates
+    assert 0.84 <= rates[CARD_NOISE_70] <= 0.95, rates
+    assert rates[0.0] > rates[CARD_NOISE_85] > rates[CARD_NOISE_70], rates
 
 
 def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> None:

@@ -21,7 +21,7 @@
 #   OUT [bench/gpu/work/out]     what comes back (summary, logs, results.tar.gz)
 #   CARRY [bench/gpu/carry]      make_archive.sh's output
 #   WORK [bench/gpu/work]        source, build, models, results (git-ignored)
-#   CARD_NOISES ["0.035 0.085"]  the card pair's draft noise: ~85% and ~70% greedy acceptance (docs/gpu.md);
+#   CARD_NOISES ["0.013 0.03"]   the card pair's draft noise: ~85% and ~70% acceptance at k = 6 (docs/gpu.md);
 #                                pairs card-n<NOISE>, measured first
 #   CARD_SIZE [card32b]          the card pair's preset (card-tiny: CPU dry run)
 #   SCALES ["8e-5"]              the old stand-in's block scales (pairs s<SCALE>; "" = none): the comparison row
@@ -48,7 +48,7 @@ CARRY="${CARRY:-$HERE/carry}"
 WORK="${WORK:-$HERE/work}"
 OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES-8e-5}"
-CARD_NOISES="${CARD_NOISES-0.035 0.085}"
+CARD_NOISES="${CARD_NOISES-0.013 0.03}"
 CARD_SIZE="${CARD_SIZE:-card32b}"
 TEMPS="${TEMPS:-0 0.7}"
 N_PREDICT="${N_PREDICT:-256}"
