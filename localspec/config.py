@@ -60,6 +60,16 @@ def _address(text: str) -> object:
     return text.strip()
 
 
+def _host_names(text: str) -> object:
+    """`lan-box,192.168.1.20`: Host names (no port) a browser may use besides the bound address and loopback; `*` =
+    any ("" = none more)."""
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    for name in names:
+        if any(c.isspace() or c in "/@" for c in name) or name.count(":") == 1:
+            raise ValueError(f"{name!r} is not a host name (give names or addresses without a port)")
+    return names
+
+
 def _draft_device(text: str) -> object:
     text = text.strip()
     if text == "auto" or text.isdigit():
@@ -95,11 +105,22 @@ class Sampling:
         return active and self.repeat_last_n > 0
 
 
+DRAFTERS = ("model", "lookup", "chain")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
+
+
 @dataclass(frozen=True)
 class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # tune the draft length from recent acceptance
+    # Who drafts (localspec.drafters' registry): the draft model, prompt lookup, or lookup then the model.
+    drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
+    lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
+    lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first
+
+    def __post_init__(self) -> None:
+        if self.lookup_min > self.lookup_max:
+            raise ConfigError(f"draft.lookup_min = {self.lookup_min} is above draft.lookup_max = {self.lookup_max}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +183,10 @@ class ServerSettings:
     port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
     queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait for a free slot
     parallel: int = field(metadata=_rng(1, 64, int))  # slots: requests generated together, each with n_ctx of KV
+    allowed_hosts: str = field(metadata=_text(_host_names, "NAME[,NAME...] or *"))  # Host names allowed without a key
+    control_tokens: bool = field(metadata={"kind": bool})  # chat content may carry control tokens (<|im_end|>)
+    max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
+    read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
 
 
 _SECTIONS: dict[str, type] = {

@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -24,8 +25,9 @@ from types import FrameType
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
+from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError, TooManyTokens
 from localspec.gguf_header import read_header
+from localspec.scores import DeviceDist, Scores
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
@@ -85,6 +87,13 @@ def supports_gpu_offload() -> bool:
 
 _DEV_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 _SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+# Flash attention: llama.cpp decides (auto, the default everywhere in localspec), or forced on or off (the verify
+# kernel experiment, bench/gpu/verify_widths.py).
+FLASH_ATTN = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 _ggml_lib: ctypes.CDLL | None = None
 _rpc_servers: dict[str, list[int]] = {}  # endpoint -> its ggml device handles, registered once per process
 
@@ -284,9 +293,6 @@ class TopK:
     ids: np.ndarray  # (rows, k) int32; k = 1 with the device's greedy sampler
     logits: np.ndarray  # (rows, k) float32 (zeros with the greedy sampler: only the argmax is known)
 
-    def argmax(self) -> np.ndarray:
-        return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
-
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
@@ -295,19 +301,13 @@ class Sampled:
     tokens: np.ndarray  # (rows,) int32
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceDist:
-    """Plain decoding's whole sampling pipeline as one device chain: top-k → top-p → min-p → temperature → a draw.
-
-    llama.cpp's order and rules (top-p and min-p on the softmax at temperature 1), the same pipeline as
-    `localspec.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
-    """
-
-    top_k: int  # 0 = off
-    top_p: float  # 1 = off
-    min_p: float  # 0 = off
-    temperature: float  # > 0
-    seed: int
+def _as_scores(raw: np.ndarray | TopK | Sampled | None) -> Scores | None:
+    """What the decode made, as the one type callers see."""
+    if raw is None or isinstance(raw, np.ndarray):
+        return None if raw is None else Scores(raw)
+    if isinstance(raw, TopK):
+        return Scores(raw.logits, ids=raw.ids)
+    return Scores(None, drawn=raw.tokens)
 
 
 DecodeItem = tuple[int, Sequence[int], int, bool]  # (sequence id, tokens, first position, a row for every token)
@@ -412,6 +412,7 @@ class LlamaModel:
         tensor_split: Sequence[float] = (),
         main_gpu: int = 0,
         n_seq: int = 1,
+        flash_attn: str = "auto",
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
@@ -421,6 +422,8 @@ class LlamaModel:
             raise ModelLoadError(f"{self.path}: model file not found")
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if flash_attn not in FLASH_ATTN:
+            raise ModelLoadError(f"flash attention {flash_attn!r}: choose one of {', '.join(FLASH_ATTN)}")
         self.model = None
         self.ctx = None
         self._batch = None
@@ -467,6 +470,7 @@ class LlamaModel:
         cparams.n_threads_batch = threads
         cparams.type_k = KV_TYPES[kv_type]
         cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
@@ -529,28 +533,28 @@ class LlamaModel:
     # -- decoding -------------------------------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
-               seq: int = 0) -> np.ndarray | TopK | Sampled | None:
+               seq: int = 0) -> Scores | None:
         """Append `tokens` at positions start_pos.. to sequence `seq`'s KV cells and wait for the scores.
 
-        Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode),
-        or what the sequence's device sampler made (`TopK`, `Sampled`): one row per token with `all_logits`,
-        else one row for the last token. Prompt-sized inputs are split into n_batch chunks.
+        Returns the `Scores` the sequence's device sampler made (full logits are a (rows, n_vocab) float32 view
+        into llama.cpp's buffer, valid until the next decode): one row per token with `all_logits`, else one row
+        for the last token; None for no tokens. Prompt-sized inputs are split into n_batch chunks.
         """
-        return self._decode_batched([(seq, tokens, start_pos, all_logits)])[0]
+        return _as_scores(self._decode_batched([(seq, tokens, start_pos, all_logits)])[0])
 
-    def decode_many(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
+    def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
         them. With device sampler chains on several sequences, each call covers every sequence that has one
         (`_covering_calls`); otherwise the items go in ascending sequence order, one ubatch a call
         (`decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
         the items one after another."""
         if self.batches_sequences or len({item[0] for item in items}) < 2:
-            return self._decode_batched(items, cover=True)
+            return [_as_scores(r) for r in self._decode_batched(items, cover=True)]
         results = [self._decode_batched([item])[0] for item in items]
         for i, scores in enumerate(results[:-1]):
             if isinstance(scores, np.ndarray) and scores.base is not None:
                 results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
-        return results
+        return [_as_scores(r) for r in results]
 
     def _decode_batched(self, items: Sequence[DecodeItem],
                         cover: bool = False) -> list[np.ndarray | TopK | Sampled | None]:
@@ -824,16 +828,39 @@ class LlamaModel:
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """`limit`: raise TooManyTokens (with the count) for a text of more tokens, without building their list:
+        llama.cpp reports the count it needs when the buffer is short."""
         data = text.encode("utf-8")
-        capacity = len(data) + 16
+        capacity = len(data) + 16 if limit is None else min(len(data) + 16, limit)
         buf = (llama_cpp.llama_token * capacity)()
         n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0 and limit is not None and -n > limit:
+            raise TooManyTokens(f"the text has {-n} tokens, more than {limit}", -n)
         if n < 0:
             capacity = -n
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int | None:
+        """The most bytes of text one token stands for (control tokens' names included), or None when the
+        tokenizer normalizes text first (WPM, UGM: runs of spaces fold), so that no such bound exists."""
+        if llama_cpp.llama_vocab_type(self.vocab) not in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
+                                                          llama_cpp.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        # A character is at least one token of at most 4 bytes, even where no token covers it (byte fallback).
+        return max(4, max(len(self.piece(t, special=True)) for t in range(self.n_vocab)))
+
+    @functools.cached_property
+    def control_texts(self) -> frozenset[str]:
+        """The texts that tokenizing with parse_special turns into control (or unknown) tokens: `<|im_end|>`."""
+        mask = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {self.token_text(t) for t in range(self.n_vocab)
+                 if llama_cpp.llama_vocab_get_attr(self.vocab, t) & mask}
+        return frozenset(t for t in texts if t)
 
     def piece(self, token: int, special: bool = False) -> bytes:
         n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)

@@ -168,6 +168,24 @@ def test_completion_schema_names_the_field(body, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("draft-simple", {"drafter": "model"}),
+    ("ngram-simple", {"drafter": "lookup"}),
+    ("ngram-simple,draft-simple", {"drafter": "chain"}),
+    ("none", {"n_draft": 0}),
+])
+def test_speculative_type_is_llama_servers_name_for_a_drafter(kind, overrides):
+    req = parse(ChatRequest, {**CHAT, "speculative": {"type": kind, "n_max": 4}})
+    assert {k: v for k, v in req.preset_overrides().items() if k in ("drafter", "n_draft")} == {"n_draft": 4,
+                                                                                             **overrides}
+
+
+def test_an_unknown_speculative_type_names_the_field():
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative": {"type": "medusa"}})
+    assert info.value.param == "speculative.type" and "ngram-simple" in info.value.message
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted():
     """What front-ends send by default must not be refused."""
     req = parse(ChatRequest, {**CHAT, "n": 1, "logprobs": False, "tools": [], "tool_choice": "none",
@@ -189,13 +207,13 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 def client_for(backend: Backend, **state: object) -> TestClient:
     s = ServerState(model_id="demo", **state)
     s.attach(backend)
-    return TestClient(create_app(s), raise_server_exceptions=True)
+    return TestClient(create_app(s), base_url="http://localhost", raise_server_exceptions=True)
 
 
 @pytest.mark.slow
 def test_health_reports_loading_then_ok(backend):
     s = ServerState(model_id="demo")
-    with TestClient(create_app(s)) as client:
+    with TestClient(create_app(s), base_url="http://localhost") as client:
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
@@ -361,7 +379,8 @@ def test_disconnected_non_streaming_client_cancels_its_job(backend):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b"",
                  "root_path": "", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
                  "http_version": "1.1", "asgi": {"version": "3.0"}}
         await asyncio.wait_for(app(scope, receive, send), timeout=300)

@@ -11,6 +11,7 @@ only ever stopped between rounds (where its cache bookkeeping is consistent), ne
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -207,7 +208,9 @@ class ChatView:
 
     def _settings_text(self) -> str:
         p = self.chat.preset
-        draft = f"draft length {p.draft.n_draft}" if self.chat.engine.draft is not None else "no draft model"
+        drafter = "" if p.draft.drafter == "model" else f" ({p.draft.drafter})"
+        draft = (f"draft length {p.draft.n_draft}{drafter}" if p.draft.drafter in self.chat.engine.drafters
+                 else "no draft model")
         thinking = "" if self.chat.thinking is None else f", thinking {'on' if self.chat.thinking else 'off'}"
         return (f"preset {p.name}: temperature {p.sampling.temperature}, {draft}, "
                 f"reply limit {self.chat.reply_limit}{thinking}")
@@ -264,7 +267,7 @@ def chat(
                                    max_tokens=max_tokens, drop_oldest=drop_oldest,
                                    info=_model_info(files, session), thinking=not no_think)
         view = ChatView(console, session_chat)
-        draft_name = files.draft.name if files.draft else "none (plain decoding)"
+        draft_name = files.draft.name if files.draft else "none"
         console.print(
             f"[bold]localspec chat[/] · pair [cyan]{escape(files.name)}[/]: "
             f"target {escape(files.target.name)}, draft {escape(draft_name)} · "
@@ -289,7 +292,7 @@ def generate(
     json_out: JsonFlag = False,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
-    text = _read_stdin() if prompt == "-" else prompt
+    text = _read_stdin() if prompt == "-" else _argument_text(prompt)
     if not text.strip():
         raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
     if no_think and not chat_template:
@@ -334,7 +337,8 @@ def generate(
                       "stop_reason": done.stop_reason, "max_tokens": limit,
                       "stats": done.stats.as_dict(), "model": _model_info(files, session),
                       "preset": chosen.name,
-                      "n_draft": chosen.draft.n_draft if files.draft else 0,
+                      "n_draft": chosen.draft.n_draft if chosen.draft.drafter in session.engine.drafters else 0,
+                      "drafter": chosen.draft.drafter,
                       "temperature": chosen.sampling.temperature, "chat": chat_template}
             sys.stdout.write(json.dumps(result, indent=2) + "\n")
         elif sys.stdout.isatty():
@@ -363,10 +367,17 @@ def _read_stdin() -> str:
         raise UsageError(not_utf8("stdin", exc)) from None
 
 
+def _argument_text(arg: str) -> str:
+    """The prompt argument, strictly UTF-8 as stdin is: Python keeps undecodable argv bytes as lone surrogates,
+    which the tokenizer cannot encode."""
+    try:
+        return os.fsencode(arg).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(not_utf8("the prompt argument", exc)) from None
+
+
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at devnull so the interpreter's final flush does not complain."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
 

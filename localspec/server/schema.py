@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -21,7 +22,12 @@ from localspec.config import key_metadata
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOKENS_LIMIT = 2**31 - 1
-FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min"}  # preset key → request field
+FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
+                "drafter": "speculative.type"}  # preset key → request field
+# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
+# it means here: a drafter, or "none" (no drafting).
+SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
+                     "ngram-simple,draft-simple": "chain"}
 
 
 class RequestError(Exception):
@@ -45,10 +51,12 @@ class _Strict(BaseModel):
 
 
 class Speculative(_Strict):
-    """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting)."""
+    """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting), `type` who drafts
+    (`SPECULATIVE_TYPES`)."""
 
     n_max: int | None = Field(None, **_limits("n_draft"))
     p_min: float | None = Field(None, **_limits("p_min"))
+    type: Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"] | None = None
 
 
 class StreamOptions(_Strict):
@@ -142,6 +150,10 @@ class _Generation(_Strict):
         if self.speculative is not None:
             out["n_draft"] = self.speculative.n_max
             out["p_min"] = self.speculative.p_min
+            if self.speculative.type == "none":
+                out["n_draft"] = 0
+            elif self.speculative.type is not None:
+                out["drafter"] = SPECULATIVE_TYPES[self.speculative.type]
         return out
 
     @property
@@ -238,9 +250,35 @@ def parse_body(body: bytes) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(body, parse_constant=no_constants)
+        data = json.loads(body, parse_constant=no_constants)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    _refuse_surrogates(data)
+    return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(data: Any) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"): valid JSON, not text (it cannot be encoded to UTF-8 for
+    the tokenizer). A 400 naming the first field that holds one."""
+    todo: list[tuple[Any, tuple[int | str, ...]]] = [(data, ())]
+    while todo:
+        value, loc = todo.pop()
+        if isinstance(value, str):
+            found = None if value.isascii() else _SURROGATE.search(value)
+            if found:
+                param = _param(loc)
+                raise RequestError(f"{param or 'the request body'}: holds a lone surrogate ({found.group()!a}), "
+                                   "which is not text: send UTF-8 text", param=param or None, code="invalid_value")
+        elif isinstance(value, dict):
+            # A key is named by its escaped form: the error itself must be valid UTF-8.
+            named = [(key.encode("utf-8", "backslashreplace").decode(), key, item) for key, item in value.items()]
+            todo.extend((item, (*loc, name)) for name, _, item in reversed(named))
+            todo.extend((key, (*loc, name)) for name, key, _ in named)
+        elif isinstance(value, list):
+            todo.extend((item, (*loc, i)) for i, item in reversed(list(enumerate(value))))
 
 
 def parse(cls: type[_Generation], data: Any) -> Any:
