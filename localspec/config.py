@@ -162,6 +162,7 @@ class ServerSettings:
     port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
     queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait for a free slot
     parallel: int = field(metadata=_rng(1, 64, int))  # slots: requests generated together, each with n_ctx of KV
+    metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
 
 
 _SECTIONS: dict[str, type] = {

@@ -31,7 +31,7 @@ import codecs
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -460,10 +460,11 @@ class Engine:
         this model and they take turns inside the round: `LlamaModel.batches_sequences`)."""
         return all(m.batches_sequences for m in (self.target, self.draft) if m is not None)
 
-    def free_slot(self, prompt: Sequence[int]) -> int | None:
+    def free_slot(self, prompt: Sequence[int], exclude: Collection[int] = ()) -> int | None:
         """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
-        conversation goes back to its cache), else the least recently used; None when every slot is busy."""
-        free = [s for s in self.slots if not s.busy]
+        conversation goes back to its cache), else the least recently used; None when every slot is busy (or in
+        `exclude`: promised to another job)."""
+        free = [s for s in self.slots if not s.busy and s.seq not in exclude]
         if not free:
             return None
         return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq

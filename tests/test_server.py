@@ -132,7 +132,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({**CHAT, "n": 2}, "n", "only n = 1"),
+    ({**CHAT, "n": 65}, "n", "less than or equal to 64"),
+    ({**CHAT, "n": 2, "n_cmpl": 3}, "n", "disagree"),
+    ({**CHAT, "mirostat": 2}, "mirostat", "Mirostat sampling is not supported"),
+    ({**CHAT, "speculative.p_min": 1.5}, "speculative.p_min", "less than or equal to 1"),
     ({**CHAT, "logprobs": True}, "logprobs", "not supported"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
@@ -157,7 +160,7 @@ def test_chat_schema_names_the_field(body, param, needle):
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "seed": -2}, "seed"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

@@ -34,6 +34,11 @@ CorsOpt = Annotated[
     list[str] | None, typer.Option("--cors-origin", show_default=False,
                                    help="Allow browser requests from this origin ('*' = any). Repeatable.")
 ]
+MetricsOpt = Annotated[
+    bool | None, typer.Option("--metrics/--no-metrics", show_default=False,
+                              help="Serve /metrics (Prometheus text, llama-server's names; preset key "
+                                   "server.metrics).")
+]
 ServeMaxTokensOpt = Annotated[
     int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply (default: the turn's end or a "
                                                          "full context).")
@@ -50,6 +55,7 @@ def serve(
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
+    metrics: MetricsOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
     overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
@@ -58,13 +64,15 @@ def serve(
 
     from localspec.server.app import Backend, ServerState, create_app
 
-    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue, parallel=parallel)
+    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue, parallel=parallel,
+                                        metrics=metrics)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     key = api_key or None
-    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed)
+    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed,
+                        metrics=settings.metrics)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
