@@ -38,6 +38,7 @@ from localspec.config import Preset, key_metadata
 from localspec.engine import Engine, GenerationStats
 from localspec.errors import ConfigError, LocalspecError
 from localspec.llama_ctx import LlamaModel
+from localspec.server.fim import fim_prompt
 from localspec.server.schema import (
     FIELD_OF_KEY,
     ChatRequest,
@@ -183,7 +184,8 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         _authorize(state, request)
         req = parse(CompletionRequest, parse_body(await _read_body(request)))
         backend = state.ready()
-        prompt = await _prompt(backend, functools.partial(completion_tokens, backend.model, req.prompt))
+        prompt = await _prompt(backend, functools.partial(completion_tokens, backend.model, req.prompt,
+                                                          suffix=req.suffix))
         return await _run(state, backend, request, req, prompt, chat=False)
 
     for prefix in ("/v1", ""):
@@ -198,8 +200,15 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 # -- request handling ----------------------------------------------------------------------------------------
 
 
-def completion_tokens(model: LlamaModel, source: str | list[int], param: str = "prompt") -> list[int]:
-    """A completion prompt's tokens: its ids (checked), or its text with BOS."""
+def completion_tokens(model: LlamaModel, source: str | list[int], param: str = "prompt",
+                      suffix: str | None = None) -> list[int]:
+    """A completion prompt's tokens: its ids (checked), or its text with BOS. With `suffix` (fill-in-the-middle on
+    /v1/completions, as llama-cpp-python and Ollama have it) the prompt is the code before the gap."""
+    if suffix:
+        if not isinstance(source, str):
+            raise RequestError("suffix: fill-in-the-middle needs a text prompt (the code before the gap)",
+                               param="suffix", code="invalid_value")
+        return fim_prompt(model, source, suffix, param="suffix")
     if isinstance(source, list):
         n_vocab = model.n_vocab
         bad = next((t for t in source if not 0 <= t < n_vocab), None)

@@ -33,11 +33,11 @@ from localspec.server.app import (
     _run,
     completion_tokens,
 )
+from localspec.server.fim import fim_prompt
 from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, _explain, _Strict, parse, parse_body
 from localspec.server.worker import FINISH_LENGTH, JobResult, SlotView, timings
 
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # sampling.py's fixed order, in llama's names
-SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between input_extra chunks when the model has no FIM_SEP token
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
@@ -82,36 +82,6 @@ def _validate(cls: type[BaseModel], data: Any) -> Any:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise _explain(exc, cls) from None
-
-
-# -- fill-in-the-middle --------------------------------------------------------------------------------------
-
-
-def fim_tokens(model: LlamaModel, prefix: str, suffix: str, middle: str = "",
-               extra: list[ExtraChunk] | tuple[()] = ()) -> list[int]:
-    """The infill prompt in llama-server's documented layout (prefix-suffix-middle, the repo-level pattern when
-    the vocabulary has FIM_REP/FIM_SEP):
-    `[BOS] [extra] <FIM_PRE>prefix<FIM_SUF>suffix<FIM_MID>middle`. Nothing is cut to fit: a prompt that does
-    not fit the context is refused like any other."""
-    fim = model.fim_tokens()
-    missing = [name for name in ("pre", "suf", "mid") if fim[name] is None]
-    if missing:
-        raise ApiError(400, f"fill-in-the-middle needs the model's FIM tokens and {model.path.name} has no "
-                            f"{', '.join('FIM_' + m.upper() for m in missing)}", code="no_fim_tokens")
-
-    def text(s: str) -> list[int]:  # the code as text: `<FIM_PRE>` written in it is not a token
-        return model.tokenize(s, add_special=False, parse_special=False)
-
-    out = [model.bos] if model.add_bos and model.bos >= 0 else []
-    if extra and fim["rep"] is not None:
-        out += [fim["rep"], *text("myproject\n")]
-    for chunk in extra:
-        out += [fim["sep"], *text(chunk.filename + "\n")] if fim["sep"] is not None else text(SNIPPET_SEPARATOR)
-        out += text(chunk.text)
-    if extra and fim["sep"] is not None:
-        out += [fim["sep"], *text("filename\n")]
-    out += [fim["pre"], *text(prefix), fim["suf"], *text(suffix), fim["mid"]]
-    return out + model.tokenize(middle, add_special=False, parse_special=True)
 
 
 # -- llama-server's shapes -----------------------------------------------------------------------------------
@@ -236,7 +206,8 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
     async def completion(request: Request) -> Any:
         req = parse(CompletionRequest, await body_of(request))
         backend = state.ready()
-        prompt = await _prompt(backend, functools.partial(_completion_prompt, backend.model, req))
+        prompt = await _prompt(backend, functools.partial(completion_tokens, backend.model, req.prompt,
+                                                          suffix=req.suffix))
         return await _run(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
@@ -246,8 +217,8 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
             raise RequestError("suffix: /infill takes the code after the gap as input_suffix", param="suffix",
                                code="invalid_value")
         backend = state.ready()
-        build = functools.partial(fim_tokens, backend.model, req.input_prefix, req.input_suffix, req.prompt,
-                                  req.input_extra)
+        build = functools.partial(fim_prompt, backend.model, req.input_prefix, req.input_suffix, req.prompt,
+                                  [(chunk.filename, chunk.text) for chunk in req.input_extra])
         prompt = await _prompt(backend, build)
         return await _run(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
@@ -257,17 +228,6 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         app.add_api_route(path, _guarded(handler), methods=["POST"])
     for path, handler in (("/props", props), ("/slots", slots), ("/metrics", metrics)):
         app.add_api_route(path, _guarded(handler), methods=["GET"])
-
-
-def _completion_prompt(model: LlamaModel, req: CompletionRequest) -> list[int]:
-    """A completion's tokens; with `suffix` (llama-cpp-python's and Ollama's fill-in-the-middle on
-    /v1/completions) the prompt is the code before the gap and `suffix` the code after it."""
-    if req.suffix:
-        if not isinstance(req.prompt, str):
-            raise RequestError("suffix: fill-in-the-middle needs a text prompt (the code before the gap)",
-                               param="suffix", code="invalid_value")
-        return fim_tokens(model, req.prompt, req.suffix)
-    return completion_tokens(model, req.prompt)
 
 
 async def _render(backend: Backend, req: ChatRequest) -> str:
