@@ -187,6 +187,7 @@ class ServerSettings:
     control_tokens: bool = field(metadata={"kind": bool})  # chat content may carry control tokens (<|im_end|>)
     max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
     read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
+    metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
 
 
 _SECTIONS: dict[str, type] = {

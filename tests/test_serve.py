@@ -236,7 +236,7 @@ def test_a_client_that_disconnects_frees_the_engine(server):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),
     ({"logprobs": True}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

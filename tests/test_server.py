@@ -132,7 +132,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({**CHAT, "n": 2}, "n", "only n = 1"),
+    ({**CHAT, "n": 65}, "n", "less than or equal to 64"),
+    ({**CHAT, "n": 2, "n_cmpl": 3}, "n", "disagree"),
+    ({**CHAT, "mirostat": 2}, "mirostat", "Mirostat sampling is not supported"),
+    ({**CHAT, "speculative.p_min": 1.5}, "speculative.p_min", "less than or equal to 1"),
     ({**CHAT, "logprobs": True}, "logprobs", "not supported"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
@@ -157,7 +160,7 @@ def test_chat_schema_names_the_field(body, param, needle):
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "seed": -2}, "seed"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -178,6 +181,20 @@ def test_speculative_type_is_llama_servers_name_for_a_drafter(kind, overrides):
     req = parse(ChatRequest, {**CHAT, "speculative": {"type": kind, "n_max": 4}})
     assert {k: v for k, v in req.preset_overrides().items() if k in ("drafter", "n_draft")} == {"n_draft": 4,
                                                                                              **overrides}
+
+
+def test_flat_speculative_type_is_llama_servers_spelling_and_must_agree_with_the_nested_one():
+    assert parse(ChatRequest, {**CHAT, "speculative.type": "ngram-simple"}).preset_overrides()["drafter"] == "lookup"
+    assert parse(ChatRequest, {**CHAT, "speculative.type": "none",
+                               "speculative.n_max": 4}).preset_overrides()["n_draft"] == 0
+    same = parse(ChatRequest, {**CHAT, "speculative.type": "draft-simple", "speculative": {"type": "draft-simple"}})
+    assert same.preset_overrides()["drafter"] == "model"
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative.type": "none", "speculative": {"type": "draft-simple"}})
+    assert info.value.param == "speculative.type" and "disagree" in info.value.message
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative.type": "medusa"})
+    assert info.value.param == "speculative.type"
 
 
 def test_an_unknown_speculative_type_names_the_field():
@@ -308,7 +325,8 @@ def check_response(r) -> None:
     assert r.status_code in (200, 400), r.text  # never a 500, never a 503 (one client at a time)
     if r.status_code == 400:
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        numbers = {"n_prompt_tokens", "n_ctx"} if error["type"] == "exceed_context_size_error" else set()
+        assert set(error) == {"message", "type", "param", "code"} | numbers and error["message"]
         assert "Traceback" not in error["message"]
         return
     if r.headers["content-type"].startswith("text/event-stream"):

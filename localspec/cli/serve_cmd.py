@@ -34,6 +34,11 @@ CorsOpt = Annotated[
     list[str] | None, typer.Option("--cors-origin", show_default=False,
                                    help="Allow browser requests from this origin ('*' = any). Repeatable.")
 ]
+MetricsOpt = Annotated[
+    bool | None, typer.Option("--metrics/--no-metrics", show_default=False,
+                              help="Serve /metrics (Prometheus text, llama-server's names; preset key "
+                                   "server.metrics).")
+]
 ServeMaxTokensOpt = Annotated[
     int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply (default: the turn's end or a "
                                                          "full context).")
@@ -52,6 +57,7 @@ def serve(
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
+    metrics: MetricsOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
     overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
@@ -63,7 +69,8 @@ def serve(
 
     key = _api_key(api_key)
     files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue, parallel=parallel,
-                                        allowed_hosts=allowed_hosts, control_tokens=control_tokens)
+                                        allowed_hosts=allowed_hosts, control_tokens=control_tokens,
+                                        metrics=metrics)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
@@ -72,7 +79,7 @@ def serve(
                           allowed_hosts=(settings.host.lower(), *_names(settings.allowed_hosts)),
                           read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed,
-                        control_tokens=settings.control_tokens, guard=guard)
+                        control_tokens=settings.control_tokens, guard=guard, metrics=settings.metrics)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
