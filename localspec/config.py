@@ -60,6 +60,14 @@ def _address(text: str) -> object:
     return text.strip()
 
 
+def _model_names(text: str) -> object:
+    """`gpt-4o,my-model`: names the server also answers to; each without spaces or commas ("" = none)."""
+    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+    if any(not n or any(c.isspace() for c in n) for n in names):
+        raise ValueError("expected comma-separated model names without spaces, e.g. gpt-4o,my-model")
+    return names
+
+
 def _draft_device(text: str) -> object:
     text = text.strip()
     if text == "auto" or text.isdigit():
@@ -125,7 +133,7 @@ class LoadSettings:
     n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))  # -1 = all
     draft_n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))
     kv_type: str = field(metadata={"kind": str, "choices": ("f16", "q8_0", "q4_0")})
-    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = auto: free physical cores (machine.thread_choice)
     n_batch: int = field(metadata=_rng(8, 8192, int))
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
     # Placement (llama.cpp's model params): how the target spreads over devices, and where the draft goes.
@@ -152,7 +160,7 @@ class RpcServerSettings:
 
     host: str = field(metadata=_text(_address, "an address to listen on, e.g. 127.0.0.1"))
     port: int = field(metadata=_rng(1, 65535, int))
-    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = auto (machine.thread_choice)
     cache: bool = field(metadata={"kind": bool})  # keep large tensors on disk there, so a reload sends less
 
 
@@ -162,6 +170,12 @@ class ServerSettings:
     port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
     queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait for a free slot
     parallel: int = field(metadata=_rng(1, 64, int))  # slots: requests generated together, each with n_ctx of KV
+    # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
+    model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
+
+    @property
+    def model_alias_names(self) -> tuple[str, ...]:
+        return _model_names(self.model_aliases)  # type: ignore[return-value]
 
 
 _SECTIONS: dict[str, type] = {

@@ -6,7 +6,26 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunResult, SweepReport
+from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
+
+# The table's short headers, said in full once (they must stay short to fit 80 columns).
+LEGEND = ("accept: drafted tokens the target accepted · mean acc: accepted draft tokens per round (each round "
+          "adds one token of the target's own) · host: share of decode time outside llama.cpp (sampling, "
+          "bookkeeping)")
+
+
+def progress_line(progress: RunProgress, done: int, total: int) -> Text:
+    """The run under way: which one, its tokens so far and their rate, so a slow machine never looks hung."""
+    return Text(f"run {done + 1}/{total} ({progress.mode}): {progress.tokens}/{progress.total} tokens · "
+                f"{progress.tok_s:.1f} tok/s so far", style="dim")
+
+
+def live_view(runs: list[RunResult], repeat: int, title: str, progress: RunProgress | None = None) -> Group:
+    """The live table, with the legend under it and the run under way below that."""
+    parts: list[Table | Text] = [live_table(runs, repeat, title), Text(LEGEND, style="dim")]
+    if progress is not None:
+        parts.append(progress_line(progress, len(runs), 2 * repeat))
+    return Group(*parts)
 
 
 def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
@@ -38,6 +57,8 @@ def summary(report: BenchReport) -> Group:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
+    lines.extend(Text(line) for line in report.advice)
+    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
     if report.speculative.ahead_hit_rate is not None:
         lines.append(Text(f"draft-ahead: {report.speculative.ahead_hit_rate:.0%} of the rounds drafted during the "
                           "previous verify were used"))
