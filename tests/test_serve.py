@@ -158,7 +158,7 @@ def test_greedy_completion_equals_generate(server, demo_home):
 
 
 def test_greedy_chat_equals_generate_and_streams_draft_stats(server, demo_home):
-    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N))
+    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N), "--pair", "demo")
     client = server.client()
     messages = [{"role": "user", "content": PROMPT}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=N, temperature=0)
