@@ -9,9 +9,8 @@ from rich.text import Text
 from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
 
 # The table's short headers, said in full once (they must stay short to fit 80 columns).
-LEGEND = ("accept: drafted tokens the target accepted · mean acc: accepted draft tokens per round (each round "
-          "adds one token of the target's own) · host: share of decode time outside llama.cpp (sampling, "
-          "bookkeeping)")
+LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "
+          "of the target's own) · host: time outside llama.cpp")
 
 
 def progress_line(progress: RunProgress, done: int, total: int) -> Text:
@@ -57,8 +56,6 @@ def summary(report: BenchReport) -> Group:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
-    lines.extend(Text(line) for line in report.advice)
-    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
     if report.speculative.ahead_hit_rate is not None:
         lines.append(Text(f"draft-ahead: {report.speculative.ahead_hit_rate:.0%} of the rounds drafted during the "
                           "previous verify were used"))
@@ -75,6 +72,8 @@ def summary(report: BenchReport) -> Group:
         lines.append(Text("✓ greedy: every speculative token is its verify row's argmax", style="green"))
         lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
                           "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
+    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
+    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
     return Group(*lines)
 
 
