@@ -153,7 +153,7 @@ def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[C
     else:
         why = "; ".join(dev.notes) or "no GPU found"
         out.append(Check(Status.INFO, "GPU", f"none usable ({why}); models run on the CPU",
-                         "install the NVIDIA driver and nvidia-ml-py for VRAM checks"))
+                         "with an NVIDIA GPU: install its driver and nvidia-ml-py for VRAM checks"))
     for endpoint in rpc_servers:
         error = next((e for e in dev.rpc_errors if f"RPC server {endpoint}:" in e), None)
         if error is not None:
