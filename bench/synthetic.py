@@ -11,8 +11,15 @@ One code path writes both sizes: tiny F32/F16 pairs for tests (exact, quick on a
 pair for the GPU (docs/performance.md). The F32/F16 tensors hold exactly the values the Q4_0 encoding would
 dequantise to, so a tiny Q4_0 pair and a tiny F32 pair of the same spec are the same model up to arithmetic.
 
+The card's pair (issue #21, docs/gpu.md) has the real shapes and quant types instead: a Qwen3-32B-shaped target in
+llama.cpp's Q4_K_M mix and a Qwen3-0.6B-shaped tied Q8_0 draft, agreeing through a shared token -> next-token map;
+`--noise` (the draft's embedding noise) sets the agreement.
+
     python bench/synthetic.py --size tiny --scale 0.01 --out DIR --measure
     python bench/synthetic.py --size gpu32b --scale 8e-5 --out DIR --vocab ggml-vocab-qwen2.gguf
+    python bench/synthetic.py --size card32b --only target --out DIR --prefix card32b- --vocab ggml-vocab-qwen2.gguf
+    python bench/synthetic.py --size card32b --only draft --noise 0.035 --out DIR --draft-prefix card32b-n0.035- ...
+    python bench/synthetic.py --size card-tiny --out DIR --curve 0,0.035,0.085 --vocab ggml-vocab-qwen2.gguf
 """
 
 from __future__ import annotations
@@ -54,6 +61,18 @@ _FILE_TYPE = {
 
 
 @dataclass(frozen=True)
+class Shape:
+    """One model's shape (qwen3 architecture)."""
+
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_blocks: int
+
+
+@dataclass(frozen=True)
 class PairSpec:
     """Shape and recipe of a synthetic pair; `scale` is the Q4_0 `d` of every block matrix (the knob)."""
 
@@ -77,6 +96,9 @@ class PairSpec:
     reuse_extra_blocks: bool = False
     rope_freq_base: float = 1_000_000.0
     rms_eps: float = 1e-6
+
+    def shape(self, n_blocks: int) -> Shape:
+        return Shape(self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_ff, n_blocks)
 
     def validate(self) -> None:
         if not 0 < self.shared_blocks <= min(self.target_blocks, self.draft_blocks):
@@ -284,23 +306,34 @@ def _plan(spec: PairSpec, n_vocab: int, n_blocks: int, stream: int) -> list[_Ten
     return out
 
 
-def _add_kv(w: gguf.GGUFWriter, spec: PairSpec, n_blocks: int, name: str, vocab_kv: list[_KV]) -> None:
-    a = spec.arch
+def _add_kv(
+    w: gguf.GGUFWriter,
+    sh: Shape,
+    *,
+    arch: str,
+    file_type: int,
+    ctx: int,
+    rope_freq_base: float,
+    rms_eps: float,
+    name: str,
+    vocab_kv: list[_KV],
+) -> None:
+    a = arch
     w.add_name(name)
-    w.add_file_type(int(_FILE_TYPE[spec.wtype]))
+    w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_uint32(f"{a}.context_length", spec.ctx)
-    w.add_uint32(f"{a}.embedding_length", spec.n_embd)
-    w.add_uint32(f"{a}.block_count", n_blocks)
-    w.add_uint32(f"{a}.feed_forward_length", spec.n_ff)
-    w.add_uint32(f"{a}.attention.head_count", spec.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", spec.n_head_kv)
+    w.add_uint32(f"{a}.context_length", ctx)
+    w.add_uint32(f"{a}.embedding_length", sh.n_embd)
+    w.add_uint32(f"{a}.block_count", sh.n_blocks)
+    w.add_uint32(f"{a}.feed_forward_length", sh.n_ff)
+    w.add_uint32(f"{a}.attention.head_count", sh.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", sh.n_head_kv)
     # Needed when head_dim != n_embd / n_head (the 32B shape: 64 x 128 = 8192 != 5120).
-    w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
-    w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", spec.rope_freq_base)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_eps)
+    w.add_uint32(f"{a}.attention.key_length", sh.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", sh.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", sh.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", rope_freq_base)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", rms_eps)
     for kv in vocab_kv:
         w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
 
@@ -323,7 +356,8 @@ class _Model:
         self.plan = _plan(spec, n_vocab, n_blocks, stream)
         self.path = path  # written as `tmp`, which fsutil.atomic_path renames to `path` once it is complete
         self.writer = gguf.GGUFWriter(tmp, spec.arch)
-        _add_kv(self.writer, spec, n_blocks, label, vocab_kv)
+        _add_kv(self.writer, spec.shape(n_blocks), arch=spec.arch, file_type=int(_FILE_TYPE[spec.wtype]), ctx=spec.ctx,
+                rope_freq_base=spec.rope_freq_base, rms_eps=spec.rms_eps, name=label, vocab_kv=vocab_kv)
         for t in self.plan:
             if t.key is None:
                 self.writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes(spec.wtype))
@@ -422,6 +456,424 @@ def _write_tensors(spec: PairSpec, target: _Model, draft: _Model) -> None:
             cache.clear()
 
 
+# -- the card's pair: a Qwen3-32B-shaped Q4_K_M target, a Qwen3-0.6B-shaped Q8_0 draft ------------------------
+#
+# Target and draft have different widths, so they cannot share blocks. What they share is a token -> next-token
+# map that both compute exactly (docs/gpu.md has the derivation):
+#   * a code u_t in {-7..7}^r for every token (r = draft width - 1; control tokens get 0, so they never win),
+#     plus a constant coordinate c = r holding 7. The target's token_embd and output hold exactly these values
+#     (zero-padded to its width); the draft's token_embd (tied: it is also the draft's output) holds them too,
+#     times 16, plus integer noise of standard deviation `noise` x the code's, the agreement knob;
+#   * block 0's FFN, in both models, reads the constant coordinate through ffn_gate (SiLU far in its linear
+#     range) and writes G * M x-hat through ffn_up/ffn_down, M a random signed permutation of the code's
+#     coordinates: the next-token logits are u_v . M u_t (an asymmetric map; tied embeddings alone would map a
+#     token to itself), with the residual's own u_t a 1/32 share;
+#   * every other matrix is random noise in {-7..7} x a small scale (context dependence; `block_noise`).
+# Every value is an integer times one fp16 scale per tensor, so the K-quant blocks are written directly with
+# fixed scales (no quantizer): Q4_K holds (q - 8) s, Q6_K (q - 32) s, Q8_0 q s. An F32 file of the same spec is
+# the same model (the tests' reference for llama.cpp's own quantizer).
+
+QK_K = 256  # weights per K-quant super-block (ggml-common.h)
+CardQType = Literal["q4_k", "q6_k", "q8_0", "q4_0", "f32"]
+# q4_k_m: llama.cpp's Q4_K_M mix (the card's target). q4_k, q6_k, q4_0: every matrix in that type (the verify
+# kernel experiment, bench/gpu/kernels.sh). f32: the same model unquantized (the tests' reference).
+TargetMix = Literal["q4_k_m", "q4_k", "q6_k", "q4_0", "f32"]
+_MIX_FILE_TYPE = {
+    "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "f32": gguf.LlamaFileType.ALL_F32,
+}
+DraftType = Literal["q8_0", "f32"]
+_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q8_0": 34, "q4_0": 18}  # block_q4_K, _q6_K, _q8_0, _q4_0
+_BLOCK_WEIGHTS = {"q4_k": QK_K, "q6_k": QK_K, "q8_0": 32, "q4_0": 32}
+_GGML_TYPE = {
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q6_k": gguf.GGMLQuantizationType.Q6_K,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "f32": gguf.GGMLQuantizationType.F32,
+}
+# Q4_K scales[12] for sub-block scale 1 and min 8 in all eight sub-blocks (get_scale_min_k4's 6-bit packing),
+# so that with d = dmin = s a weight is (q - 8) * s.
+_Q4_K_SCALES = np.array([1, 1, 1, 1, 8, 8, 8, 8, 0x81, 0x81, 0x81, 0x81], dtype=np.uint8)
+_CODE_MAX = 7  # code and noise-weight integers lie in -7..7
+_DRAFT_CODE_MULT = 16  # the draft's embedding holds 16 u + noise: the noise has fine integer steps
+_GAIN_RATIO = 32.0  # block 0's FFN output over the residual's own code (the self-term's 1/32 share)
+_CODE_VAR = sum(v * v for v in range(-_CODE_MAX, _CODE_MAX + 1)) / (2 * _CODE_MAX + 1)  # E[u^2] = 18.67
+_EMBD_SCALE = 1 / 16  # s_e: the code's fp16 scale in the target (the draft's is s_e / 16)
+
+
+@dataclass(frozen=True)
+class CardSpec:
+    """The card's pair: target and draft shapes, quant types, and the agreement knob `noise`."""
+
+    target: Shape
+    draft: Shape
+    noise: float  # draft embedding noise, relative to the shared code (the agreement knob; 0 = same map)
+    block_noise: float = 0.003  # each model's noise blocks perturb the residual by about this share (coherent sum)
+    target_mix: TargetMix = "q4_k_m"
+    draft_type: DraftType = "q8_0"
+    logit_std: float = 16.0  # std of the shared logits over the vocabulary (the old pair's sharpness)
+    seed: int = 1234
+    ctx: int = 4096
+    reuse_blocks: bool = True  # noise blocks reuse one random tensor per role and type (speed needs only shape)
+    rope_freq_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def code_dim(self) -> int:
+        return self.draft.n_embd - 1
+
+    def validate(self) -> None:
+        t, d = self.target, self.draft
+        if t.n_embd < d.n_embd:
+            raise ValueError("the target must be at least as wide as the draft")
+        for who, sh in (("target", t), ("draft", d)):
+            if sh.n_head % sh.n_head_kv or sh.n_blocks < 1:
+                raise ValueError(f"{who}: n_head must be a multiple of n_head_kv, n_blocks >= 1")
+            if sh.n_ff < self.code_dim:
+                raise ValueError(f"{who}: n_ff {sh.n_ff} < code dimension {self.code_dim} (block 0's FFN maps it)")
+        k_t = 1 if self.target_mix == "f32" else _BLOCK_WEIGHTS[_MIX_BASE[self.target_mix]]
+        for name, dim in (("n_embd", t.n_embd), ("n_head*head_dim", t.n_head * t.head_dim), ("n_ff", t.n_ff)):
+            if dim % k_t:
+                raise ValueError(f"target {name} = {dim} must be a multiple of {k_t} (K-quant rows)")
+        k_d = 32 if self.draft_type == "q8_0" else 1
+        for name, dim in (("n_embd", d.n_embd), ("n_head*head_dim", d.n_head * d.head_dim), ("n_ff", d.n_ff)):
+            if dim % k_d:
+                raise ValueError(f"draft {name} = {dim} must be a multiple of {k_d} (Q8_0 rows)")
+        if not (0 <= self.noise <= 2 and 0 <= self.block_noise < 1 and self.logit_std > 0):
+            raise ValueError(f"bad spec: noise {self.noise}, block_noise {self.block_noise}")
+
+
+_MIX_BASE: dict[str, CardQType] = {"q4_k_m": "q4_k", "q4_k": "q4_k", "q6_k": "q6_k", "q4_0": "q4_0", "f32": "f32"}
+
+
+def _more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the layers that Q4_K_M gives Q6_K for attn_v and ffn_down."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, n_blocks: int) -> CardQType:
+    """The tensor type llama.cpp's quantizer gives `name` under LLAMA_FTYPE_MOSTLY_Q4_K_M (llama_tensor_get_type,
+    src/llama-quant.cpp; a dense, untied model that is not a 70B): output.weight Q6_K, attn_v and ffn_down Q6_K
+    in the use_more_bits layers, every other matrix Q4_K, norms F32. tests/test_synthetic.py checks it against
+    the quantizer itself."""
+    if name.endswith("norm.weight"):
+        return "f32"
+    if name == "output.weight":
+        return "q6_k"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")):
+        return "q6_k" if _more_bits(int(name.split(".")[1]), n_blocks) else "q4_k"
+    return "q4_k"
+
+
+def _encode_ints(ints: np.ndarray, scale: float, qtype: CardQType) -> np.ndarray:
+    """Rows of integers (int8, shape (rows, cols)) times one fp16 scale, as the bytes (or F32 values) of `qtype`.
+
+    Exact by construction: Q8_0 d = s, q = v; Q4_0 d = s, q = v + 8 (v in -8..7); Q4_K d = dmin = s, every
+    sub-block scale 1 and min 8, q = v + 8 (v in -8..7); Q6_K d = s, every scale 1, q = v + 32 (v in -32..31).
+    Layouts: ggml-common.h and dequantize_row_q4_0 / _q4_K / _q6_K in ggml-quants.c. Hand-written because
+    gguf's quants module writes none of the K-quants, and a quantizer would not keep these exact values.
+    """
+    s16 = np.float16(scale)
+    rows, cols = ints.shape
+    if qtype == "f32":
+        return ints.astype(np.float32) * np.float32(s16)
+    nb = cols // _BLOCK_WEIGHTS[qtype]
+    out = np.empty((rows, nb, _BLOCK_BYTES[qtype]), dtype=np.uint8)
+    d_bytes = np.frombuffer(s16.tobytes(), dtype=np.uint8)
+    if qtype == "q8_0":
+        out[:, :, :2] = d_bytes
+        out[:, :, 2:] = ints.reshape(rows, nb, 32).view(np.uint8)
+    elif qtype == "q4_0":  # byte j holds weight j (low nibble) and weight j + 16 (high)
+        out[:, :, :2] = d_bytes
+        q = (ints.reshape(rows, nb, 2, 16) + 8).astype(np.uint8)
+        out[:, :, 2:] = q[:, :, 0] | (q[:, :, 1] << 4)
+    elif qtype == "q4_k":
+        out[:, :, 0:2] = d_bytes  # d
+        out[:, :, 2:4] = d_bytes  # dmin
+        out[:, :, 4:16] = _Q4_K_SCALES
+        q = (ints.reshape(rows, nb, 4, 2, 32) + 8).astype(np.uint8)  # 4 chunks of 64: low nibbles, then high
+        out[:, :, 16:].reshape(rows, nb, 4, 32)[:] = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+    else:  # q6_k: ql[128], qh[64], scales[16], d
+        q = (ints.reshape(rows, nb, 2, 4, 32) + 32).astype(np.uint8)  # two halves of 128, four quarters of 32
+        ql = out[:, :, 0:128].reshape(rows, nb, 2, 2, 32)
+        ql[:, :, :, 0] = (q[:, :, :, 0] & 0xF) | ((q[:, :, :, 2] & 0xF) << 4)
+        ql[:, :, :, 1] = (q[:, :, :, 1] & 0xF) | ((q[:, :, :, 3] & 0xF) << 4)
+        hi = q >> 4  # the top two bits of each quarter, four quarters to a byte
+        out[:, :, 128:192].reshape(rows, nb, 2, 32)[:] = (
+            hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+        )
+        out[:, :, 192:208] = 1
+        out[:, :, 208:210] = d_bytes
+    return out.reshape(rows, nb * _BLOCK_BYTES[qtype])
+
+
+def _encode_parallel(ints: np.ndarray, scale: float, qtype: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+    """_encode_ints in row chunks on the thread pool (numpy releases the GIL): bounded temporaries, all cores."""
+    rows, cols = ints.shape
+    step = max(1, _CHUNK_BYTES // cols)
+    width = cols if qtype == "f32" else cols // _BLOCK_WEIGHTS[qtype] * _BLOCK_BYTES[qtype]
+    out = np.empty((rows, width), dtype=np.float32 if qtype == "f32" else np.uint8)
+
+    def fill(start: int) -> None:
+        out[start : start + step] = _encode_ints(ints[start : start + step], scale, qtype)
+
+    list(pool.map(fill, range(0, rows, step)))
+    return out
+
+
+def _nbytes(shape: tuple[int, ...], qtype: CardQType) -> int:
+    n = int(np.prod(shape))
+    return n * 4 if qtype == "f32" else n // _BLOCK_WEIGHTS[qtype] * _BLOCK_BYTES[qtype]
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
+
+
+_ROW_CHUNK = 16384  # vocabulary rows per RNG chunk: a code never depends on the thread count
+
+
+def _code_rows(spec: CardSpec, start: int, stop: int, special: np.ndarray) -> np.ndarray:
+    """The shared code u (rows start..stop, r columns, int8 in -7..7), control tokens zeroed."""
+    rng = _rng(spec.seed, 200, start // _ROW_CHUNK)
+    u = rng.integers(-_CODE_MAX, _CODE_MAX + 1, size=(stop - start, spec.code_dim), dtype=np.int8)
+    u[special[start:stop]] = 0
+    return u
+
+
+def _embedding_ints(spec: CardSpec, n_vocab: int, special: np.ndarray, width: int, draft: bool,
+                    pool: ThreadPoolExecutor) -> np.ndarray:
+    """token_embd (and the target's output) as integers: [code, 7, zeros] (target), [16 code + noise, 112] (draft)."""
+    out = np.zeros((n_vocab, width), dtype=np.int8)
+    r = spec.code_dim
+    sigma = _DRAFT_CODE_MULT * np.sqrt(_CODE_VAR) * spec.noise
+
+    def fill(start: int) -> None:
+        stop = min(start + _ROW_CHUNK, n_vocab)
+        u = _code_rows(spec, start, stop, special)
+        if not draft:
+            out[start:stop, :r] = u
+            out[start:stop, r] = _CODE_MAX
+            return
+        v = u.astype(np.int16) * _DRAFT_CODE_MULT
+        if sigma > 0:
+            noise = np.rint(_rng(spec.seed, 201, start // _ROW_CHUNK).normal(0.0, sigma, size=u.shape))
+            noise[special[start:stop]] = 0
+            v += noise.astype(np.int16)
+        out[start:stop, :r] = np.clip(v, -127, 127)
+        out[start:stop, r] = _CODE_MAX * _DRAFT_CODE_MULT
+
+    list(pool.map(fill, range(0, n_vocab, _ROW_CHUNK)))
+    return out
+
+
+
+def _ffn0_ints(spec: CardSpec, sh: Shape) -> dict[str, np.ndarray]:
+    """Block 0's FFN as integers: gate reads the constant coordinate (7 in rows 0..r-1), up copies the code
+    (1 on the diagonal), down writes +-1 at (perm(i), i): a signed permutation of the code's coordinates."""
+    r = spec.code_dim
+    rng = _rng(spec.seed, 202)
+    perm, signs = rng.permutation(r), rng.choice(np.array([-1, 1], dtype=np.int8), size=r)
+    gate = np.zeros((sh.n_ff, sh.n_embd), dtype=np.int8)
+    gate[:r, r] = _CODE_MAX
+    up = np.zeros((sh.n_ff, sh.n_embd), dtype=np.int8)
+    up[np.arange(r), np.arange(r)] = 1
+    down = np.zeros((sh.n_embd, sh.n_ff), dtype=np.int8)
+    down[perm, np.arange(r)] = signs
+    return {"ffn_gate": gate, "ffn_up": up, "ffn_down": down}
+
+
+@dataclass(frozen=True)
+class _CardScales:
+    """The fp16 scales and norm weights that make both models compute the same logits (docs/gpu.md)."""
+
+    down: float  # ffn_down scale of block 0: its output is _GAIN_RATIO x the residual's code
+    block: float  # noise-matrix scale
+    ffn_norm0: float  # block 0's ffn_norm weight: the target's wider RMS would shrink x-hat by sqrt(n_D / n_T)
+    out_norm: float  # output_norm weight on the code's coordinates (0 on the constant one)
+
+
+def _card_scales(spec: CardSpec, sh: Shape) -> _CardScales:
+    n_d, r = spec.draft.n_embd, spec.code_dim
+    rms_x = np.sqrt((r * _CODE_VAR + _CODE_MAX**2) / n_d)  # the residual's RMS over the draft's width, in s_e
+    gate = _CODE_MAX * _CODE_MAX / rms_x  # gate pre-activation: 7 x (7 / rms): ~11, SiLU's linear range
+    silu = gate / (1 + np.exp(-gate))
+    x_code = np.sqrt(_CODE_VAR) * _EMBD_SCALE  # the residual's code coordinates' RMS
+    down = _GAIN_RATIO * x_code / silu  # block 0 adds G M x-hat, G = 32 x the code's own size
+    h = _GAIN_RATIO * x_code  # RMS of the residual's code coordinates after block 0
+    q_dim = sh.n_head * sh.head_dim
+    # A noise block's attention path adds about s^2 E[u^2] sqrt(n_embd q_dim) a coordinate; n_blocks of them
+    # (coherent when blocks reuse weights) are `block_noise` of h.
+    block = np.sqrt(spec.block_noise * h / (sh.n_blocks * _CODE_VAR * np.sqrt(sh.n_embd * q_dim)))
+    wide = np.sqrt(n_d / sh.n_embd)
+    # Logits u_v . h-hat s_e gamma: h-hat's code coordinates have RMS ~1 / wide; gamma makes their std logit_std.
+    out_norm = spec.logit_std * wide / (_EMBD_SCALE * np.sqrt(_CODE_VAR * r))
+    return _CardScales(down=float(down), block=float(block), ffn_norm0=float(wide), out_norm=float(out_norm))
+
+
+_NOISE_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+Role = Literal["target", "draft"]
+
+
+def card_tensor_plan(spec: CardSpec, n_vocab: int, role: Role) -> list[tuple[str, tuple[int, ...], CardQType]]:
+    """(name, numpy shape, type) of every tensor of one model, in file order: the qwen3 loader's tensors
+    (src/models/qwen3.cpp), the draft without output.weight (tied, as Qwen3-0.6B)."""
+    sh = spec.target if role == "target" else spec.draft
+    if role == "target":
+        def qtype(name: str) -> CardQType:
+            if spec.target_mix == "q4_k_m":
+                return q4_k_m_type(name, sh.n_blocks)
+            return "f32" if name.endswith("norm.weight") else _MIX_BASE[spec.target_mix]
+    else:
+        def qtype(name: str) -> CardQType:
+            return "f32" if name.endswith("norm.weight") or spec.draft_type == "f32" else "q8_0"
+    q_dim, kv_dim = sh.n_head * sh.head_dim, sh.n_head_kv * sh.head_dim
+    shapes = {
+        "attn_q": (q_dim, sh.n_embd), "attn_k": (kv_dim, sh.n_embd), "attn_v": (kv_dim, sh.n_embd),
+        "attn_output": (sh.n_embd, q_dim), "ffn_gate": (sh.n_ff, sh.n_embd), "ffn_up": (sh.n_ff, sh.n_embd),
+        "ffn_down": (sh.n_embd, sh.n_ff),
+    }
+    names: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, sh.n_embd)),
+                                                 ("output_norm.weight", (sh.n_embd,))]
+    if role == "target":
+        names.append(("output.weight", (n_vocab, sh.n_embd)))
+    for b in range(sh.n_blocks):
+        names.append((f"blk.{b}.attn_norm.weight", (sh.n_embd,)))
+        for r in _NOISE_ROLES:
+            names.append((f"blk.{b}.{r}.weight", shapes[r]))
+            if r == "attn_v":
+                names += [(f"blk.{b}.attn_{qk}_norm.weight", (sh.head_dim,)) for qk in ("q", "k")]
+            if r == "attn_output":
+                names.append((f"blk.{b}.ffn_norm.weight", (sh.n_embd,)))
+    return [(n, s, qtype(n)) for n, s in names]
+
+
+def _special_tokens(vocab_kv: list[_KV], n_vocab: int) -> np.ndarray:
+    """Tokens that are not NORMAL or BYTE (control, user-defined, unused): their code is 0, so no greedy or
+    sampled step ever ends the text early on an end-of-generation token."""
+    for kv in vocab_kv:
+        if kv.key == "tokenizer.ggml.token_type":
+            types = np.asarray(kv.value)
+            return ~np.isin(types, (int(gguf.TokenType.NORMAL), int(gguf.TokenType.BYTE)))
+    return np.zeros(n_vocab, dtype=bool)
+
+
+def write_card_model(
+    path: Path,
+    spec: CardSpec,
+    role: Role,
+    vocab_source: Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Write the card pair's target or draft GGUF (atomically). The two are written independently (each
+    regenerates the shared code from the seed), so one target serves drafts of every `noise`."""
+    spec.validate()
+    t0 = time.perf_counter()
+    vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
+    special = _special_tokens(vocab_kv, n_vocab)
+    sh = spec.target if role == "target" else spec.draft
+    sc = _card_scales(spec, sh)
+    plan = card_tensor_plan(spec, n_vocab, role)
+    is_draft = role == "draft"
+    emb_scale = _EMBD_SCALE / _DRAFT_CODE_MULT if is_draft else _EMBD_SCALE
+    if is_draft:
+        ftype = gguf.LlamaFileType.MOSTLY_Q8_0 if spec.draft_type == "q8_0" else gguf.LlamaFileType.ALL_F32
+    else:
+        ftype = _MIX_FILE_TYPE[spec.target_mix]
+    tag = (f"noise {spec.noise:g} " if is_draft else "") + f"block_noise {spec.block_noise:g} seed {spec.seed}"
+    with atomic_path(path, f"synthetic {role}", parents=True) as tmp, \
+            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        w = gguf.GGUFWriter(tmp, "qwen3")
+        _add_kv(w, sh, arch="qwen3", file_type=int(ftype), ctx=spec.ctx, rope_freq_base=spec.rope_freq_base,
+                rms_eps=spec.rms_eps, name=f"localspec synthetic card {role} ({tag})", vocab_kv=vocab_kv)
+        for name, shape, qt in plan:
+            # Element shape, not byte shape: gguf converts only shapes given with dtype uint8.
+            w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qt), raw_dtype=_GGML_TYPE[qt])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        cache: dict[tuple[str, CardQType], np.ndarray] = {}
+        embedding: np.ndarray | None = None
+        ffn0 = _ffn0_ints(spec, sh)
+        for name, shape, qt in plan:
+            if name.endswith("norm.weight"):
+                w.write_tensor_data(_card_norm(name, shape, spec, sc))
+                continue
+            if name in ("token_embd.weight", "output.weight"):
+                if embedding is None:  # the target's output holds exactly its token_embd's values
+                    embedding = _embedding_ints(spec, n_vocab, special, sh.n_embd, is_draft, pool)
+                w.write_tensor_data(_encode_parallel(embedding, emb_scale, qt, pool))
+                continue
+            block, tensor_role = int(name.split(".")[1]), name.split(".")[2]
+            if block == 0 and tensor_role in ffn0:
+                scale = {"ffn_gate": 1.0, "ffn_up": 1.0, "ffn_down": sc.down}[tensor_role]
+                w.write_tensor_data(_encode_parallel(ffn0[tensor_role], scale, qt, pool))
+                continue
+            key = (tensor_role, qt)
+            data = cache.get(key) if spec.reuse_blocks else None
+            if data is None:
+                ints = _noise_ints(spec.seed, (_NOISE_ROLES.index(tensor_role), 0 if spec.reuse_blocks else block,
+                                              1 if is_draft else 0), shape, pool)
+                data = _encode_parallel(ints, sc.block, qt, pool)
+                if spec.reuse_blocks:
+                    cache[key] = data
+            w.write_tensor_data(data)
+        w.close()
+    if log:
+        log(f"wrote {path} ({Path(path).stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+
+
+def _card_norm(name: str, shape: tuple[int, ...], spec: CardSpec, sc: _CardScales) -> np.ndarray:
+    if name == "output_norm.weight":
+        g = np.full(shape, sc.out_norm, dtype=np.float32)
+        g[spec.code_dim] = 0.0  # the constant coordinate adds the same to every logit: leave it out
+        return g
+    if name == "blk.0.ffn_norm.weight":
+        return np.full(shape, sc.ffn_norm0, dtype=np.float32)
+    return np.ones(shape, dtype=np.float32)
+
+
+def _noise_ints(seed: int, key: tuple[int, ...], shape: tuple[int, ...], pool: ThreadPoolExecutor) -> np.ndarray:
+    """Uniform integers in -7..7 (zero mean), generated in fixed row chunks on a thread pool."""
+    rows, cols = shape
+    out = np.empty(shape, dtype=np.int8)
+    step = max(1, _CHUNK_BYTES // cols)
+
+    def fill(i_start: tuple[int, int]) -> None:
+        i, start = i_start
+        stop = min(start + step, rows)
+        out[start:stop] = _rng(seed, 300, *key, i).integers(-_CODE_MAX, _CODE_MAX + 1, size=(stop - start, cols),
+                                                            dtype=np.int8)
+
+    list(pool.map(fill, enumerate(range(0, rows, step))))
+    return out
+
+
+# Qwen3-32B and Qwen3-0.6B shapes.
+QWEN3_32B = Shape(n_embd=5120, n_head=64, n_head_kv=8, head_dim=128, n_ff=25600, n_blocks=64)
+QWEN3_0_6B = Shape(n_embd=1024, n_head=16, n_head_kv=8, head_dim=128, n_ff=3072, n_blocks=28)
+# Greedy agreement by `noise` (docs/gpu.md, measured on the CPU with the scaled-down spec and the Qwen2
+# vocabulary; width-independent by construction): the two GPU levels.
+CARD_NOISE_85 = 0.035
+CARD_NOISE_70 = 0.085
+CARD_32B = CardSpec(target=QWEN3_32B, draft=QWEN3_0_6B, noise=CARD_NOISE_85)
+# Scaled down for the CPU: the same construction and quant mix, widths /4 (target) and /8 (draft), 8 and 4 blocks
+# (8 blocks make use_more_bits pick layers 0, 3, 6, 7).
+CARD_TINY = CardSpec(
+    target=Shape(n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=1024, n_blocks=8),
+    draft=Shape(n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_blocks=4),
+    noise=CARD_NOISE_85,
+    ctx=2048,
+)
+CARD_PRESETS: dict[str, CardSpec] = {"card32b": CARD_32B, "card-tiny": CARD_TINY}
+
+
 # -- measuring agreement -------------------------------------------------------------------------------------
 
 
@@ -494,8 +946,13 @@ def measure_agreement(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/synthetic.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--scale", type=float, help="block weight scale (the agreement knob)")
+    p.add_argument("--size", choices=sorted(PRESETS) + sorted(CARD_PRESETS), default="tiny")
+    p.add_argument("--scale", type=float, help="block weight scale (the old pair's agreement knob)")
+    p.add_argument("--noise", type=float, help="card pairs: draft embedding noise (the agreement knob)")
+    p.add_argument("--block-noise", type=float, help="card pairs: the noise blocks' share of the residual")
+    p.add_argument("--mix", choices=sorted(_MIX_FILE_TYPE), help="card pairs: the target's quant mix")
+    p.add_argument("--only", choices=["target", "draft"], help="card pairs: write one model (one target serves "
+                   "drafts of every --noise)")
     p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
     p.add_argument("--vocab", type=Path, help="GGUF to copy tokenizer metadata from (default: SmolLM2)")
     p.add_argument("--wtype", choices=["f32", "f16", "q4_0"])
@@ -503,23 +960,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--target-blocks", type=int)
     p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
-    p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; tiny pairs only)")
+    p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
+    p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
+    p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
+                   help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
+    p.add_argument("--prompts", type=int, default=8, help="--measure/--curve: random prompts")
+    p.add_argument("--tokens", type=int, default=64, help="--measure/--curve: greedy tokens per prompt")
     a = p.parse_args(argv)
-    spec = PRESETS[a.size]
-    overrides = {
-        "scale": a.scale,
-        "wtype": a.wtype,
-        "arch": a.arch,
-        "seed": a.seed,
-        "target_blocks": a.target_blocks,
-    }
-    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-    target, draft = a.out / f"{a.prefix}target.gguf", a.out / f"{a.prefix}draft.gguf"
-    write_pair(target, draft, spec, a.vocab, log=lambda m: print(m, file=sys.stderr))
-    print(target)
-    print(draft)
+    target = a.out / f"{a.prefix}target.gguf"
+    draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
+    log = functools.partial(print, file=sys.stderr)
+    measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
+    if a.size in CARD_PRESETS:
+        card = CARD_PRESETS[a.size]
+        card = replace(card, **{k: v for k, v in {"noise": a.noise, "block_noise": a.block_noise,
+                                                  "seed": a.seed, "target_mix": a.mix}.items() if v is not None})
+        if a.target_blocks is not None:
+            card = replace(card, target=replace(card.target, n_blocks=a.target_blocks))
+        if a.curve:
+            write_card_model(target, card, "target", a.vocab, log=log)
+            for noise in a.curve:
+                path = a.out / f"{a.prefix}n{noise:g}-draft.gguf"
+                write_card_model(path, replace(card, noise=noise), "draft", a.vocab, log=log)
+                print(f"noise {noise:g}: {measure(target, path)}", flush=True)
+            return 0
+        for role, path in (("target", target), ("draft", draft)):
+            if a.only in (None, role):
+                write_card_model(path, card, role, a.vocab, log=log)  # type: ignore[arg-type]
+                print(path)
+    else:
+        spec = PRESETS[a.size]
+        overrides = {
+            "scale": a.scale,
+            "wtype": a.wtype,
+            "arch": a.arch,
+            "seed": a.seed,
+            "target_blocks": a.target_blocks,
+        }
+        spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+        write_pair(target, draft, spec, a.vocab, log=log)
+        print(target)
+        print(draft)
     if a.measure:
-        print(measure_agreement(target, draft))
+        print(measure(target, draft))
     return 0
 
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,7 @@ from localspec.engine import (
     TokenEvent,
     shared_prefix,
 )
-from localspec.errors import ContextFullError, LocalspecError
+from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
 from localspec.fsutil import atomic_write
 from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
@@ -113,16 +115,96 @@ def _token_text(model: LlamaModel, token: int) -> str:
     return model.token_text(token) if token >= 0 else ""
 
 
-def encode_chat(model: LlamaModel, text: str) -> list[int]:
-    """Tokenize rendered chat text: its special tokens (`<start_of_turn>`, ...) are real tokens.
+def encode_chat(model: LlamaModel, text: str, limit: int | None = None) -> list[int]:
+    """Tokenize rendered chat text: its special tokens (`<start_of_turn>`, ...) are real tokens. `limit`: raise
+    TooManyTokens past that many (see LlamaModel.tokenize)."""
+    return _with_bos(model, model.tokenize(text, add_special=False, parse_special=True, limit=limit))
 
-    Templates differ on whether they write the BOS themselves, so add it only when the model wants one and the
-    text did not bring it (a doubled BOS measurably hurts replies).
-    """
-    tokens = model.tokenize(text, add_special=False, parse_special=True)
+
+def _with_bos(model: LlamaModel, tokens: list[int]) -> list[int]:
+    """Templates differ on whether they write the BOS themselves, so add it only when the model wants one and the
+    text did not bring it (a doubled BOS measurably hurts replies)."""
     if model.add_bos and model.bos >= 0 and (not tokens or tokens[0] != model.bos):
         tokens.insert(0, model.bos)
     return tokens
+
+
+class BuildCancelled(Exception):
+    """The caller gave up on the prompt being built (the client left)."""
+
+
+# Private-use characters: a placeholder no template writes and no message keeps (a message holding one is itself
+# replaced by a placeholder).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
+class _ControlFinder:
+    """Whether a text holds a control token's text (`<|im_end|>`): one dict lookup per candidate length at each
+    character a control text can start with, not one scan per control token (Gemma has thousands)."""
+
+    def __init__(self, texts: frozenset[str]) -> None:
+        self.texts = texts | {_MARK_OPEN, _MARK_CLOSE}
+        self.lengths = sorted({len(t) for t in self.texts})
+        self.starts = re.compile("[" + "".join(re.escape(c) for c in sorted({t[0] for t in self.texts})) + "]")
+
+    def found_in(self, text: str) -> bool:
+        for match in self.starts.finditer(text):
+            i = match.start()
+            if any(text[i : i + n] in self.texts for n in self.lengths):
+                return True
+        return False
+
+
+_finders: weakref.WeakKeyDictionary[LlamaModel, _ControlFinder] = weakref.WeakKeyDictionary()
+
+
+def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Message], *,
+                    control_tokens: bool = False, limit: int | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> list[int]:
+    """Render a conversation and tokenize it for a model that serves others' text (the server).
+
+    The template's own control tokens (`<|im_start|>`) become special tokens. Unless `control_tokens`, no text in
+    a message does: a message whose content holds a control token's text is rendered as a placeholder and its
+    content tokenized alone, as plain text, so relayed text cannot forge a turn (llama.cpp's server parses them).
+    Other messages go through the template untouched (it may trim or split them as it likes). `limit` as in
+    `encode_chat`; `cancelled` is asked between pieces (BuildCancelled).
+    """
+    if control_tokens:
+        return encode_chat(model, template.render(messages), limit)
+    finder = _finders.get(model)
+    if finder is None:
+        finder = _finders[model] = _ControlFinder(model.control_texts)
+    hidden: list[str] = []
+
+    def hide(content: str) -> str:
+        if not finder.found_in(content):
+            return content
+        hidden.append(content)
+        return f"{_MARK_OPEN}{len(hidden) - 1}{_MARK_CLOSE}"
+
+    text = template.render([{**m, "content": hide(m.get("content", ""))} for m in messages])
+    tokens: list[int] = []
+
+    def add(piece: str, special: bool) -> None:
+        if cancelled is not None and cancelled():
+            raise BuildCancelled
+        if not piece:
+            return
+        room = None if limit is None else limit - len(tokens)
+        try:
+            tokens.extend(model.tokenize(piece, add_special=False, parse_special=special, limit=room))
+        except TooManyTokens as exc:
+            raise TooManyTokens(f"the prompt has at least {len(tokens) + exc.tokens} tokens",
+                                len(tokens) + exc.tokens, exact=False) from None
+
+    at = 0
+    for mark in _MARK.finditer(text):
+        add(text[at : mark.start()], True)
+        add(hidden[int(mark.group(1))], False)
+        at = mark.end()
+    add(text[at:], True)
+    return _with_bos(model, tokens)
 
 
 # -- thinking ------------------------------------------------------------------------------------------------

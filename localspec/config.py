@@ -60,6 +60,16 @@ def _address(text: str) -> object:
     return text.strip()
 
 
+def _host_names(text: str) -> object:
+    """`lan-box,192.168.1.20`: Host names (no port) a browser may use besides the bound address and loopback; `*` =
+    any ("" = none more)."""
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    for name in names:
+        if any(c.isspace() or c in "/@" for c in name) or name.count(":") == 1:
+            raise ValueError(f"{name!r} is not a host name (give names or addresses without a port)")
+    return names
+
+
 def _model_names(text: str) -> object:
     """`gpt-4o,my-model`: names the server also answers to; each without spaces or commas ("" = none)."""
     names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
@@ -170,6 +180,10 @@ class ServerSettings:
     port: int = field(metadata=_rng(0, 65535, int))  # 0 = any free port
     queue: int = field(metadata=_rng(0, 10_000, int))  # requests that may wait for a free slot
     parallel: int = field(metadata=_rng(1, 64, int))  # slots: requests generated together, each with n_ctx of KV
+    allowed_hosts: str = field(metadata=_text(_host_names, "NAME[,NAME...] or *"))  # Host names allowed without a key
+    control_tokens: bool = field(metadata={"kind": bool})  # chat content may carry control tokens (<|im_end|>)
+    max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
+    read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
     # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
     model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
 

@@ -460,13 +460,27 @@ class Engine:
         this model and they take turns inside the round: `LlamaModel.batches_sequences`)."""
         return all(m.batches_sequences for m in (self.target, self.draft) if m is not None)
 
+    # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
+    # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
+    # (llama_ctx._covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # over a reply than re-reading a short prefix once.
+    LONG_PREFIX = 256
+
     def free_slot(self, prompt: Sequence[int]) -> int | None:
-        """The free slot for `prompt`: the one whose cells share the longest prefix with it (a returning
-        conversation goes back to its cache), else the least recently used; None when every slot is busy."""
+        """The free slot for `prompt`: the one whose cells share a long prefix with it (a returning conversation
+        goes back to its cache), else the one that keeps the busy slots' ids closest together, then the longest
+        shared prefix, then the least recently used; None when every slot is busy."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq
+        busy = [s.seq for s in self.slots if s.busy]
+
+        def key(s: _Slot) -> tuple[int, int, int, int]:
+            reuse = shared_prefix(s.target_kv, prompt)
+            span = max(busy + [s.seq]) - min(busy + [s.seq])
+            return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
+
+        return max(free, key=key).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
@@ -503,11 +517,15 @@ class Engine:
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
         seq = chosen.seq
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not stream.use_draft,
+        # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
+        # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
+        plain = not stream.use_draft and self.target.n_seq == 1
+        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=plain,
                                                     trace=stream.trace), seq)
         self.target.restart_device_sampler(seq)
-        if self.draft is not None:
-            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min), seq)
+        if self.draft is not None:  # (with several slots, a stream that does not draft leaves the draft no chain)
+            draft_mode = _device_mode(self.draft, sampling, p_min=drafting.p_min)
+            self.draft.use_device_sampler(draft_mode if stream.use_draft or self.draft.n_seq == 1 else None, seq)
         stream.stats.prompt_tokens = len(prompt)
         stream.prefill = self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
         if not prefill_in_rounds:
@@ -521,6 +539,11 @@ class Engine:
         """One round for every stream that goes on: draft (one draft decode per step across them), verify (one
         target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
         t0 = time.perf_counter()
+        for slot in self.slots if len(self.slots) > 1 else ():  # a free slot's chains would run in every decode
+            if not slot.busy:  # (llama_ctx._covering_calls)
+                for model in (self.target, self.draft):
+                    if model is not None:
+                        model.use_device_sampler(None, slot.seq)
         live = [s for s in streams if self._begin(s)]
         if not live:
             return

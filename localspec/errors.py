@@ -50,3 +50,13 @@ class IncompatiblePairError(LocalspecError):
 
 class ContextFullError(LocalspecError):
     """The prompt alone does not fit the context window."""
+
+
+class TooManyTokens(LocalspecError):
+    """A text has more tokens than the caller allowed: found out without keeping them. `tokens` is the count, or
+    (not `exact`) the count so far when the rest was not tokenized."""
+
+    def __init__(self, message: str, tokens: int, exact: bool = True) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.exact = exact

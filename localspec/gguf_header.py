@@ -40,6 +40,10 @@ MAX_KEYS = 1 << 16  # real files carry 20-60 keys; each kept key costs ~100 byte
 MAX_TENSORS = 1 << 16  # real files hold a few hundred to ~3k tensor infos (~250 bytes each in memory)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 3  # arrays of arrays: gguf allows them, no model uses them; deeper is a RecursionError bomb
+# Items walked one at a time cost time, not memory: bounded per header so a hostile one fails fast. Real files walk
+# their vocabulary and merges (~1M strings for the largest); nested arrays none (262k of them take ~1 s).
+MAX_WALKED_STRINGS = 1 << 22
+MAX_NESTED_ARRAYS = 1 << 18
 # The only string arrays anything compares; every other one is skipped while reading, so a header of millions
 # of short strings costs no memory (a Python str is ~50 bytes beyond its text).
 KEPT_STRING_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
@@ -433,6 +437,15 @@ class _Cursor:
         self.file_size = file_size
         self.limit = limit
         self.pos = 0
+        self.walked = {"strings": 0, "nested arrays": 0}
+
+    def walk(self, what: str, n: int, key: str) -> None:
+        """Charge `n` items read one by one to the header's budget before reading them."""
+        self.walked[what] += n
+        most = MAX_WALKED_STRINGS if what == "strings" else MAX_NESTED_ARRAYS
+        if self.walked[what] > most:
+            raise GGUFError(f"{self.path}: metadata {key!r}: the header holds more than {most} {what} "
+                            "(corrupt file?)")
 
     def room(self, n: int) -> None:
         if n < 0 or self.pos + n > self.limit:
@@ -500,6 +513,7 @@ def _array(cur: _Cursor, key: str, depth: int) -> Any:
     if count > MAX_ARRAY_LEN:
         raise GGUFError(f"{cur.path}: metadata {key!r} claims {count} items (corrupt file?)")
     if item_type == GGUFValueType.STRING:
+        cur.walk("strings", count, key)
         if depth == 1 and key in KEPT_STRING_ARRAYS:
             return _string_array(cur, key, count)
         for _ in range(count):
@@ -513,6 +527,7 @@ def _array(cur: _Cursor, key: str, depth: int) -> Any:
         cur.skip(count * dtype.itemsize)
         return SkippedArray(dtype.name, count)
     if item_type == GGUFValueType.ARRAY:
+        cur.walk("nested arrays", count, key)
         for _ in range(count):
             _array(cur, key, depth + 1)
         return SkippedArray("array", count)

@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from types import FrameType
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError
+from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError, TooManyTokens
 from localspec.gguf_header import read_header
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
@@ -61,13 +62,18 @@ def interrupt_handler(signum: int, frame: FrameType | None) -> None:
 
 
 def _init_backend() -> None:
-    """Once per process: start llama.cpp and route its log through our callback."""
+    """Once per process, before anything else is asked of llama.cpp: route its log through our callback, start
+    it, and open ggml's device registry (libggml next to libllama, every device enumerated). Every entry point
+    (models, devices, the quantizer) comes through here, so a model is never loaded before the registry is up:
+    on the H200 image `LlamaModel(path)` as a process's first call crashed inside llama_model_load_from_file
+    while the same load after a device query worked (docs/gpu.md)."""
     global _backend_ready
     if _backend_ready:
         return
     llama_cpp.llama_log_set(_log_to_stderr_when_debugging, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     _backend_ready = True
+    backend_devices()
 
 
 def supports_gpu_offload() -> bool:
@@ -80,6 +86,13 @@ def supports_gpu_offload() -> bool:
 
 _DEV_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 _SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+# Flash attention: llama.cpp decides (auto, the default everywhere in localspec), or forced on or off (the verify
+# kernel experiment, bench/gpu/verify_widths.py).
+FLASH_ATTN = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 _ggml_lib: ctypes.CDLL | None = None
 _rpc_servers: dict[str, list[int]] = {}  # endpoint -> its ggml device handles, registered once per process
 
@@ -103,8 +116,8 @@ class BackendDevice:
 def _ggml() -> ctypes.CDLL:
     """libggml with the prototypes this module calls (llama-cpp-python binds libllama only)."""
     global _ggml_lib
+    _init_backend()  # (which comes back here once, to enumerate the devices)
     if _ggml_lib is None:
-        _init_backend()
         from llama_cpp._ctypes_extensions import load_shared_library
 
         # The libggml next to the libllama actually loaded: LLAMA_CPP_LIB_PATH may point at another build (the GPU
@@ -307,6 +320,86 @@ class DeviceDist:
 
 
 DecodeItem = tuple[int, Sequence[int], int, bool]  # (sequence id, tokens, first position, a row for every token)
+Chunk = tuple[int, int, int]  # (item, its first token in this decode, tokens)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One sequence's consecutive entries of a llama_decode call, and which of its rows an item wants."""
+
+    seq: int
+    pos: int  # position of the first token
+    tokens: list[int]
+    outputs: list[bool]
+    item: int = -1  # the item whose rows these are (-1: padding only)
+    rows_at: int = 0  # where in the run the item's rows start
+    rows: int = 0
+
+
+def ubatch_split(layout: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[Chunk]]:
+    """The ubatches llama.cpp makes of one `llama_decode` whose batch holds, in this order, `count` tokens of each
+    (sequence, count) of `layout` (distinct sequences), in a context with one KV stream per sequence
+    (`kv_unified = false`): `llama_batch_allocr::split_equal(n_ubatch, sequential = true)` in src/llama-batch.cpp
+    of llama-cpp-python 0.3.36's llama.cpp. A ubatch takes, starting from the first sequence with tokens left,
+    the sequences whose ids follow each other (id + 1) in batch order, and the same number of tokens from each
+    (the fewest any has left, at most n_ubatch in all). Each ubatch: (layout index, first token, tokens) per
+    sequence in it, in batch order."""
+    left = [count for _, count in layout]
+    done = [0] * len(layout)
+    ubatches = []
+    while True:
+        chosen: list[int] = []
+        for i, (seq, _) in enumerate(layout):
+            if left[i] and (not chosen or seq == layout[chosen[-1]][0] + 1):
+                chosen.append(i)
+        if not chosen:
+            return ubatches
+        take = max(1, min(min(left[i] for i in chosen), n_ubatch // len(chosen)))
+        ubatches.append([(i, done[i], take) for i in chosen])
+        for i in chosen:
+            left[i] -= take
+            done[i] += take
+
+
+def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) -> list[list[Chunk]]:
+    """How `LlamaModel` decodes items of (sequence, token count): a list of `llama_decode` calls, each a list of
+    (item, first token, tokens). Every call is exactly one llama.cpp ubatch, so no decode depends on how
+    llama.cpp splits a batch and maps rows back: with backend sampler chains on several sequences, rows of a
+    decode split into several ubatches come back holding other rows' candidates (docs/upstream.md). With one KV
+    stream per sequence (`streams`) the items go in ascending sequence order, which makes the fewest ubatches
+    (`ubatch_split`); in a context of one sequence they go in order, n_batch tokens a call."""
+    live = [i for i, (_, count) in enumerate(layout) if count > 0]
+    if not streams:
+        calls: list[list[Chunk]] = [[]]
+        room = n_batch
+        for i in live:
+            done, count = 0, layout[i][1]
+            while done < count:
+                if room == 0:
+                    calls.append([])
+                    room = n_batch
+                take = min(room, count - done)
+                calls[-1].append((i, done, take))
+                done += take
+                room -= take
+        return calls if calls[0] else []
+    if len({layout[i][0] for i in live}) != len(live):
+        raise ValueError("decode_plan: one item per sequence")
+    live.sort(key=lambda i: layout[i][0])
+    return [[(live[j], first, take) for j, first, take in ubatch]
+            for ubatch in ubatch_split([layout[i] for i in live], n_batch)]
+
+
+def _joined(pieces: list[np.ndarray | TopK | Sampled]) -> np.ndarray | TopK | Sampled | None:
+    """One item's scores from the decodes its rows came from, in row order."""
+    if len(pieces) < 2:
+        return pieces[0] if pieces else None
+    first = pieces[0]
+    if isinstance(first, TopK):
+        return TopK(np.concatenate([p.ids for p in pieces]), np.concatenate([p.logits for p in pieces]))
+    if isinstance(first, Sampled):
+        return Sampled(np.concatenate([p.tokens for p in pieces]))
+    return np.concatenate(pieces)
 
 
 class LlamaModel:
@@ -328,6 +421,7 @@ class LlamaModel:
         tensor_split: Sequence[float] = (),
         main_gpu: int = 0,
         n_seq: int = 1,
+        flash_attn: str = "auto",
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
@@ -337,6 +431,8 @@ class LlamaModel:
             raise ModelLoadError(f"{self.path}: model file not found")
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if flash_attn not in FLASH_ATTN:
+            raise ModelLoadError(f"flash attention {flash_attn!r}: choose one of {', '.join(FLASH_ATTN)}")
         self.model = None
         self.ctx = None
         self._batch = None
@@ -373,12 +469,17 @@ class LlamaModel:
         cparams.n_seq_max = n_seq
         cparams.kv_unified = False
         cparams.n_ctx = n_ctx * n_seq
+        if n_seq > 1:
+            # A multiple of n_seq: llama.cpp's worst-case graph then gives every sequence's chain an output row,
+            # so the memory plan it leaves behind frees no sampler output (see _covering_calls).
+            n_batch = -(-n_batch // n_seq) * n_seq
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.type_k = KV_TYPES[kv_type]
         cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
@@ -418,6 +519,11 @@ class LlamaModel:
         for i in range(n_batch):
             self._batch.seq_id[i][0] = 0
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.decodes = 0  # llama_decode calls so far, each one ubatch
+        self.replans = 0  # of them, those llama.cpp was made to plan afresh before (`_decode`)
+        self._dirty_plan: tuple[int, ...] | None = None  # the last graph's layout, if its plan had freed sampler nodes
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self._cells_per_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))
 
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
@@ -443,87 +549,184 @@ class LlamaModel:
         or what the sequence's device sampler made (`TopK`, `Sampled`): one row per token with `all_logits`,
         else one row for the last token. Prompt-sized inputs are split into n_batch chunks.
         """
-        return self.decode_many([(seq, tokens, start_pos, all_logits)])[0]
+        return self._decode_batched([(seq, tokens, start_pos, all_logits)])[0]
 
     def decode_many(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
-        """Several sequences' tokens in as few `llama_decode` calls as n_batch allows (one, for a round of
-        drafts or verifies across slots); the scores of each item as `decode` returns them. A model whose
-        multi-sequence batches are not exact here (`batches_sequences`) decodes the items one after another."""
+        """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
+        them. With device sampler chains on several sequences, each call covers every sequence that has one
+        (`_covering_calls`); otherwise the items go in ascending sequence order, one ubatch a call
+        (`decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
+        the items one after another."""
         if self.batches_sequences or len({item[0] for item in items}) < 2:
-            return self._decode_batched(items)
+            return self._decode_batched(items, cover=True)
         results = [self._decode_batched([item])[0] for item in items]
         for i, scores in enumerate(results[:-1]):
             if isinstance(scores, np.ndarray) and scores.base is not None:
                 results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
         return results
 
-    def _decode_batched(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
-        results: list[np.ndarray | TopK | Sampled | None] = [None] * len(items)
-        wanted: list[tuple[int, int, int, int]] = []  # (item, sequence, first batch index, rows) of this batch
-        views: list[int] = []  # items whose scores are views into llama.cpp's buffer, which the next decode reuses
-        n = outputs = 0
-        for item, (seq, tokens, start_pos, all_logits) in enumerate(items):
-            count = len(tokens)
-            if count == 0:
-                continue
-            if start_pos + count > self.n_ctx:
+    def _decode_batched(self, items: Sequence[DecodeItem],
+                        cover: bool = False) -> list[np.ndarray | TopK | Sampled | None]:
+        for _, tokens, start_pos, all_logits in items:
+            if start_pos + len(tokens) > self.n_ctx:
                 raise ContextFullError(
-                    f"{self.path.name}: {start_pos + count} tokens do not fit the context of {self.n_ctx}")
-            if all_logits and count > self.n_batch:
-                raise DecodeError(f"{self.path.name}: {count} rows of scores do not fit one batch of {self.n_batch}")
-            if all_logits and n + count > self.n_batch:  # an item's rows come from one decode
-                n = outputs = self._flush(n, outputs, wanted, views, results)
-            done = 0
-            while done < count:
-                if n == self.n_batch:
-                    n = outputs = self._flush(n, outputs, wanted, views, results)
-                take = min(self.n_batch - n, count - done)
-                self._tok[n : n + take] = tokens[done : done + take]
-                self._pos[n : n + take] = np.arange(start_pos + done, start_pos + done + take)
-                if self.n_seq > 1:  # (with one sequence every entry's seq_id is 0 for good)
-                    for i in np.flatnonzero(self._seq[n : n + take] != seq):
-                        self._batch.seq_id[n + i][0] = seq
-                    self._seq[n : n + take] = seq
-                last = done + take == count
-                self._out[n : n + take] = 1 if (all_logits and last) else 0
-                if last:
-                    self._out[n + take - 1] = 1
-                    rows = take if all_logits else 1
-                    wanted.append((item, seq, n + take - rows, rows))
-                    outputs += rows
-                n += take
-                done += take
-        self._flush(n, outputs, wanted, views, results)
-        return results
+                    f"{self.path.name}: {start_pos + len(tokens)} tokens do not fit the context of {self.n_ctx}")
+            if all_logits and len(tokens) > self.n_batch:
+                raise DecodeError(
+                    f"{self.path.name}: {len(tokens)} rows of scores do not fit one batch of {self.n_batch}")
+        covering = self._covering_calls(items) if cover and self.n_seq > 1 and self._modes else None
+        calls, trims = covering or (self._plain_calls(items), [])
+        pieces: list[list[np.ndarray | TopK | Sampled]] = [[] for _ in items]
+        views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses
+        try:
+            for runs in calls:
+                for item, piece in views:
+                    pieces[item][piece] = pieces[item][piece].copy()
+                views.clear()
+                wanted: list[tuple[int, int, int, int]] = []  # (item, sequence, first batch index, rows)
+                n = 0
+                outputs: dict[int, int] = {}  # output rows per sequence
+                for run in runs:
+                    take = len(run.tokens)
+                    self._tok[n : n + take] = run.tokens
+                    self._pos[n : n + take] = np.arange(run.pos, run.pos + take)
+                    if self.n_seq > 1:  # (with one sequence every entry's seq_id is 0 for good)
+                        for i in np.flatnonzero(self._seq[n : n + take] != run.seq):
+                            self._batch.seq_id[n + i][0] = run.seq
+                        self._seq[n : n + take] = run.seq
+                    self._out[n : n + take] = run.outputs
+                    outputs[run.seq] = sum(run.outputs)
+                    if run.rows:
+                        wanted.append((run.item, run.seq, n + run.rows_at, run.rows))
+                    n += take
+                self._decode(n, tuple(outputs.get(seq, 0) for seq in sorted(self._modes)))
+                rows_only = covering is None and (not self._modes or not any(w[1] in self._modes for w in wanted))
+                if wanted and rows_only:
+                    # Full logits for all: one buffer, its rows in batch order (each output row is one wanted row).
+                    full = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx),
+                                                 shape=(sum(w[3] for w in wanted), self.n_vocab))
+                    row = 0
+                    for item, _, _, rows in wanted:
+                        views.append((item, len(pieces[item])))
+                        pieces[item].append(full[row : row + rows])
+                        row += rows
+                else:
+                    for item, seq, first, rows in wanted:
+                        pieces[item].append(self._rows(seq, first, rows))
+        finally:
+            for seq, keep in trims:  # the stand-in tokens leave the caches again, like rejected drafts
+                llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)
+        return [_joined(p) for p in pieces]
 
-    def _flush(self, n: int, outputs: int, wanted: list[tuple[int, int, int, int]], views: list[int],
-               results: list[np.ndarray | TopK | Sampled | None]) -> int:
-        """Decode the batch's first n entries and put each finished item's scores in `results`; returns 0 (the
-        batch is empty again). Scores that are views of the last decode's logits are copied first."""
-        if n == 0:
-            return 0
-        for item in views:
-            results[item] = results[item].copy()
-        views.clear()
+    def _plain_calls(self, items: Sequence[DecodeItem]) -> list[list[_Run]]:
+        """`decode_plan`'s calls: each item's tokens, an output on every one of them with `all_logits`, else on
+        its last."""
+        calls = []
+        for chunks in decode_plan([(seq, len(tokens)) for seq, tokens, _, _ in items], self.n_batch,
+                                  self.n_seq > 1):
+            runs = []
+            for item, first, take in chunks:
+                seq, tokens, start_pos, all_logits = items[item]
+                last = first + take == len(tokens)
+                outputs = [all_logits] * take
+                rows = take if all_logits else int(last)
+                if last:
+                    outputs[-1] = True
+                runs.append(_Run(seq, start_pos + first, list(tokens[first : first + take]), outputs, item,
+                                 take - rows, rows))
+            calls.append(runs)
+        return calls
+
+    def _covering_calls(self, items: Sequence[DecodeItem]) -> tuple[list[list[_Run]], list[tuple[int, int]]] | None:
+        """Calls in which every sequence with a device sampler chain has an output row, each call one ubatch.
+
+        Why: llama.cpp computes every attached chain in every decode graph, on a row of its own for the sequences
+        in the ubatch and on a stand-in row, whose results nobody reads, for the others. ggml then reuses the
+        previous graph's memory plan for a new graph of the same size, and when the two graphs differ in which
+        chains are active, an output of the new one can sit where the old plan let a later node write: rows
+        come back holding other rows' candidates (docs/upstream.md). With every chain active in every graph,
+        no chain's output is ever freed, so no plan can put a node over one.
+
+        So each call holds the same number of tokens of every sequence from the lowest to the highest one that
+        has a chain or an item (consecutive ids, equal lengths: one ubatch): an item's own tokens, then copies
+        of its last token; a sequence without an item gets stand-in tokens after its last cell. The padding is
+        computed like rejected drafts (positions after every real one, so no real row sees it) and removed
+        from the caches after the decode. Returns (calls, [(sequence, first position to remove)]), or None when
+        the padding does not fit (more sequences than n_batch, or a sequence at the end of its context)."""
+        live = {seq: i for i, (seq, tokens, _, _) in enumerate(items) if len(tokens)}
+        if not live:
+            return [], []
+        if len(live) != sum(1 for _, tokens, _, _ in items if len(tokens)):
+            raise ValueError("decode_many: one item per sequence")
+        seqs = set(live) | set(self._modes)
+        lo, hi = min(seqs), max(seqs)
+        span = hi - lo + 1
+        length = max(len(items[i][1]) for i in live.values())
+        per_call = self.n_batch // span
+        if per_call == 0:
+            return None
+        starts = {}
+        for seq in range(lo, hi + 1):
+            if seq in live:
+                start = items[live[seq]][2]
+            else:  # after its last cell
+                start = int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1
+            if start + length > self._cells_per_seq:
+                return None
+            starts[seq] = start
+        calls = []
+        for t0 in range(0, length, per_call):
+            take = min(per_call, length - t0)
+            runs = []
+            for seq in range(lo, hi + 1):
+                if seq in live:
+                    item = live[seq]
+                    _, tokens, _, all_logits = items[item]
+                    real = list(tokens[t0 : t0 + take])
+                    outputs = [all_logits] * len(real) + [False] * (take - len(real))
+                    rows_at, rows = 0, (len(real) if all_logits else 0)
+                    if not all_logits and t0 <= len(tokens) - 1 < t0 + take:
+                        rows_at, rows = len(tokens) - 1 - t0, 1
+                        outputs[rows_at] = True
+                    padded = real + [tokens[-1]] * (take - len(real))
+                else:
+                    item, rows_at, rows = -1, 0, 0
+                    outputs = [False] * take
+                    padded = [self.unknown_token] * take
+                if seq in self._modes and not any(outputs):
+                    outputs[-1] = True  # a row nobody reads: keeps this sequence's chain active in the graph
+                runs.append(_Run(seq, starts[seq] + t0, padded, outputs, item, rows_at, rows))
+            calls.append(runs)
+        trims = [(seq, starts[seq] + (len(items[live[seq]][1]) if seq in live else 0))
+                 for seq in range(lo, hi + 1)
+                 if (len(items[live[seq]][1]) if seq in live else 0) < length]
+        return calls, trims
+
+    def _decode(self, n: int, chains: tuple[int, ...]) -> None:
+        """llama_decode of the batch's first n entries; `chains` is the output rows of each sequence that has a
+        device sampler chain, in sequence order (0: the chain runs on a stand-in row).
+
+        A graph where some chain runs on a stand-in row (or a sampling chain with intermediate results) leaves
+        ggml a memory plan with freed sampler nodes; a next graph of the same size but another layout would
+        reuse that plan and could overwrite its own outputs. Then llama.cpp is made to plan afresh before the
+        next graph of another layout (a neutral control-vector call that makes it reserve its graphs again).
+        One row alone is safe when every chain is the same kind (the same nodes, so both graphs' sampler nodes
+        line up): the only node computed after that row's result is its own consumer, which ggml places before
+        it frees the result."""
+        dist = any(isinstance(mode, DeviceDist) for mode in self._modes.values())
+        same_kind = len({mode if isinstance(mode, str) else "dist" for mode in self._modes.values()}) == 1
+        if (self.n_seq > 1 and self._dirty_plan is not None and chains != self._dirty_plan
+                and (sum(chains) > 1 or dist or not same_kind)):
+            llama_cpp.llama_set_adapter_cvec(self.ctx, None, 0, self._n_embd, -1, -1)
+            self.replans += 1
         self._batch.n_tokens = n
+        self.decodes += 1
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        self._dirty_plan = chains if 0 in chains or dist else None
         if rc != 0:
             where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
             raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
-        if wanted and (not self._modes or not any(seq in self._modes for _, seq, _, _ in wanted)):
-            # Full logits for all: one buffer, its rows in batch order (only an item's last chunk asks for any).
-            full = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
-            row = 0
-            for item, _, _, rows in wanted:
-                results[item] = full[row : row + rows]
-                views.append(item)
-                row += rows
-        else:
-            for item, seq, first, rows in wanted:
-                results[item] = self._rows(seq, first, rows)
-        wanted.clear()
-        return 0
 
     def _sequence_batch_error(self) -> float:
         """The largest logit difference between two sequences decoded in one batch and each decoded alone.
@@ -536,8 +739,9 @@ class LlamaModel:
         for seq in modes:
             self.use_device_sampler(None, seq)
         rng = np.random.default_rng(0)
-        low = max(self.bos, 0) + 1
-        probes = [rng.integers(low, max(low + 1, min(self.n_vocab, 20_000)), size=n).tolist() for n in (9, 5)]
+        # Made-up text: any ids but the special ones at either end (BOS is the last id of GPT-2-style vocabularies).
+        ids = np.setdiff1d(np.arange(min(self.n_vocab, 20_000)), [self.bos, self.eos])
+        probes = [rng.choice(ids, size=n).tolist() for n in (9, 5)]
         try:
             alone = []
             for seq, tokens in enumerate(probes):
@@ -598,6 +802,7 @@ class LlamaModel:
             mode = None
         if mode == self._modes.get(seq):
             return mode is not None
+        self._dirty_plan = None  # llama.cpp plans afresh after any change of chains (it reserves its graphs again)
         if seq in self._chains:
             llama_cpp.llama_set_sampler(self.ctx, seq, None)
             llama_cpp.llama_sampler_free(self._chains.pop(seq))
@@ -632,16 +837,39 @@ class LlamaModel:
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """`limit`: raise TooManyTokens (with the count) for a text of more tokens, without building their list:
+        llama.cpp reports the count it needs when the buffer is short."""
         data = text.encode("utf-8")
-        capacity = len(data) + 16
+        capacity = len(data) + 16 if limit is None else min(len(data) + 16, limit)
         buf = (llama_cpp.llama_token * capacity)()
         n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0 and limit is not None and -n > limit:
+            raise TooManyTokens(f"the text has {-n} tokens, more than {limit}", -n)
         if n < 0:
             capacity = -n
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int | None:
+        """The most bytes of text one token stands for (control tokens' names included), or None when the
+        tokenizer normalizes text first (WPM, UGM: runs of spaces fold), so that no such bound exists."""
+        if llama_cpp.llama_vocab_type(self.vocab) not in (llama_cpp.LLAMA_VOCAB_TYPE_SPM,
+                                                          llama_cpp.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        # A character is at least one token of at most 4 bytes, even where no token covers it (byte fallback).
+        return max(4, max(len(self.piece(t, special=True)) for t in range(self.n_vocab)))
+
+    @functools.cached_property
+    def control_texts(self) -> frozenset[str]:
+        """The texts that tokenizing with parse_special turns into control (or unknown) tokens: `<|im_end|>`."""
+        mask = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {self.token_text(t) for t in range(self.n_vocab)
+                 if llama_cpp.llama_vocab_get_attr(self.vocab, t) & mask}
+        return frozenset(t for t in texts if t)
 
     def piece(self, token: int, special: bool = False) -> bytes:
         n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)

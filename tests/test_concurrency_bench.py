@@ -119,3 +119,35 @@ def test_summary_finds_the_crossover(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["8e-5"]["0"]["spec_below_k0"] == [8, 16]
     assert summary["8e-5"]["0.7"]["compared_with_k0"] == []
+
+
+def _with_requests(report: dict, acceptances: dict[int, list[float]]) -> dict:
+    """`report` whose levels carry requests with these acceptances (draft_n 100 each)."""
+    for level in report["levels"]:
+        level["results"] = [{"error": None, "text": "x",
+                             "timings": {"draft_n": 100, "draft_n_accepted": round(100 * a)}}
+                            for a in acceptances[level["clients"]]]
+    return report
+
+
+def test_summary_puts_each_requests_acceptance_against_the_solo_median(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    folder = tmp_path / "s8e-5"
+    folder.mkdir()
+    agg = {1: 100.0, 4: 300.0}
+    # T = 0: solo median 0.85, the furthest below it 0.78 (a 7-point spread from the prompts alone)
+    zero = _with_requests(_report(agg), {1: [0.9, 0.8], 4: [0.85, 0.78, 0.9, 0.82]})
+    # T = 0.7: solo median 0.85; at 4 clients one request collapses to 0.30, one sits at 0.81 (within the spread)
+    hot = _with_requests(_report(agg), {1: [0.9, 0.8], 4: [0.85, 0.3, 0.81, 0.9]})
+    (folder / "spec-t0.json").write_text(json.dumps(zero))
+    (folder / "spec-t0.7.json").write_text(json.dumps(hot))
+    out = tmp_path / "summary.json"
+    assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "localspec spec, T = 0.7: solo median 85.0%, T = 0 spread 7.0%" in printed
+    assert "| 4 | 4 | 30.0% | 83.0% | 90.0% | 55.0% | 1 |" in printed
+    found = json.loads(out.read_text())["8e-5"]["0.7"]["acceptance_by_request"]["spec"]
+    assert [r["below_by_more_than_spread"] for r in found["levels"]] == [0, 1]
+    assert found["levels"][1]["each"] == [0.85, 0.3, 0.81, 0.9]

@@ -72,7 +72,7 @@ def test_model_aliases_reach_the_preset_and_bad_ones_name_the_flag(captured: dic
 
 def test_an_unknown_model_is_a_404_that_lists_what_is_served() -> None:
     state = ServerState(model_id="demo-chat", aliases=("gpt-4o",))  # not loaded: the model check comes first
-    with TestClient(create_app(state)) as client:
+    with TestClient(create_app(state), base_url="http://localhost") as client:
         for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                             ("/v1/completions", {"prompt": "hi"})):
             r = client.post(route, json={"model": "gpt-4", **body})

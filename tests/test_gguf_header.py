@@ -152,6 +152,28 @@ def test_a_thousand_nested_arrays_are_refused_not_a_recursion_error(tmp_path: Pa
     assert read_header(ok).get("x") == SkippedArray("array", 1)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("item", ["nested arrays", "strings"])
+def test_a_header_of_millions_of_empty_items_is_refused_in_well_under_a_second(tmp_path: Path, item: str) -> None:
+    """Issue #22: 16M empty nested arrays (or 16M empty strings) fill a legal 200 MB header, written byte by byte
+    and sparse here: each costs a Python call, so `localspec check` spent 122 s of CPU before saying
+    "incompatible". The header's item budget refuses it before walking one."""
+    count = 1 << 24
+    inner = G.ARRAY if item == "nested arrays" else G.STRING
+    head = G.pack([G.kv("general.architecture", G.STRING, "llama"),
+                   G.kv("x", G.ARRAY, struct.pack("<IQ", inner, count))])
+    path = tmp_path / "hostile.gguf"
+    with path.open("wb") as out:
+        out.write(head)  # the rest is zeros: an empty UINT8 array is 12 zero bytes, an empty string 8
+        out.truncate(len(head) + count * (12 if inner == G.ARRAY else 8))
+    import time
+
+    t0 = time.process_time()
+    with pytest.raises(GGUFError, match=f"'x': the header holds more than \\d+ {item}"):
+        read_header(path)
+    assert time.process_time() - t0 < 5  # CPU time, not wall: the walk took minutes
+
+
 @pytest.mark.parametrize(
     ("key", "record", "wanted"),
     [

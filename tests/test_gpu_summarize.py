@@ -79,6 +79,56 @@ def test_summarize_compares_both_loops_from_a_results_folder(tmp_path):
     assert "greedy (T = 0) divergence" in summarize.tables(result)
 
 
+def _pair_folder(root: Path, name: str, spec_tps: float, acceptance: float) -> None:
+    pair = root / name
+    (pair / "llama").mkdir(parents=True)
+    check = {"exact": True, "invariant_holds": True, "prompts": []}
+    doc = {"plain": {"median_tps": 100.0}, "speculative": {"median_tps": spec_tps, "acceptance_rate": acceptance,
+                                                           "host_fraction": 0.01},
+           "speedup": spec_tps / 100.0, "greedy_check": check, "runs": []}
+    (pair / "localspec-t0.json").write_text(json.dumps(doc))
+    (pair / "llama" / "t0-host-r1-p.log").write_text(LOG)
+
+
+def test_side_by_side_puts_the_card_pair_next_to_the_old_stand_in(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.txt").write_text("Hi\n")
+    _pair_folder(tmp_path, "card-n0.2", 180.0, 0.85)
+    _pair_folder(tmp_path, "s8e-5", 250.0, 0.86)
+    text = summarize.tables(summarize.summarize(tmp_path))
+    side = text.split("side by side")[1]
+    header = side.splitlines()[1]
+    assert header.index("card-n0.2") < header.index("s8e-5")
+    spec_row = next(line for line in side.splitlines() if line.lstrip().startswith("localspec spec tok/s"))
+    assert "180.0" in spec_row and "250.0" in spec_row
+    ratio_row = next(line for line in side.splitlines() if line.lstrip().startswith("localspec / llama.cpp"))
+    assert f"{180.0 / 205.6:.2f}x" in ratio_row and f"{250.0 / 205.6:.2f}x" in ratio_row
+    # One pair alone: no side-by-side table.
+    alone = tmp_path / "alone"
+    (alone / "prompts").mkdir(parents=True)
+    _pair_folder(alone, "card-n0.2", 180.0, 0.85)
+    assert "side by side" not in summarize.tables(summarize.summarize(alone))
+
+
+def test_kernel_runs_give_ms_per_width_and_per_extra_token(tmp_path, capsys):
+    kern = tmp_path / "kernels"
+    kern.mkdir()
+    for variant, fa, step in (("default", "on", 1.8), ("graph-opt", "off", 1.0)):
+        doc = {"label": variant, "flash_attn": fa, "env": {},
+               "timings_ms": {"constant": {str(w): 10.0 + step * (w - 1) for w in range(1, 9)}, "patterns": {}}}
+        (kern / f"q4_k-{variant}-fa{fa}.json").write_text(json.dumps(doc))
+    (kern / "q4_k-broken-faon.json").write_text("{not json")  # an unfinished run: left out
+    (tmp_path / "prompts").mkdir()
+    rows = summarize.kernel_runs(kern)
+    assert [(r["variant"], r["flash_attn"]) for r in rows] == [("default", "on"), ("graph-opt", "off")]
+    assert rows[0]["ms_per_extra_token"] == pytest.approx(1.8)
+    assert rows[0]["ms"][8] == pytest.approx(10.0 + 1.8 * 7)
+    assert summarize.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "graph-opt" in x)
+    assert "17.00" in line and line.rstrip().endswith("1.00")
+
+
 # -- bench/gpu/multi_summary.py (two GPUs) ------------------------------------------------------------------
 
 

@@ -189,13 +189,13 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 def client_for(backend: Backend, **state: object) -> TestClient:
     s = ServerState(model_id="demo", **state)
     s.attach(backend)
-    return TestClient(create_app(s), raise_server_exceptions=True)
+    return TestClient(create_app(s), base_url="http://localhost", raise_server_exceptions=True)
 
 
 @pytest.mark.slow
 def test_health_reports_loading_then_ok(backend):
     s = ServerState(model_id="demo")
-    with TestClient(create_app(s)) as client:
+    with TestClient(create_app(s), base_url="http://localhost") as client:
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
@@ -364,7 +364,8 @@ def test_disconnected_non_streaming_client_cancels_its_job(backend):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b"",
                  "root_path": "", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
                  "http_version": "1.1", "asgi": {"version": "3.0"}}
         await asyncio.wait_for(app(scope, receive, send), timeout=300)

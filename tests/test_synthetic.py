@@ -121,3 +121,158 @@ def test_an_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(KeyboardInterrupt):
         write_pair(tmp_path / "t.gguf", tmp_path / "d.gguf", TINY)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the card's pair: Qwen3-32B-shaped Q4_K_M target, Qwen3-0.6B-shaped Q8_0 draft ----------------------------------
+
+from synthetic import (  # noqa: E402
+    CARD_32B,
+    CARD_NOISE_70,
+    CARD_NOISE_85,
+    CARD_TINY,
+    CardSpec,
+    card_tensor_plan,
+    write_card_model,
+)
+
+
+def _card(root: Path, spec: CardSpec, name: str) -> tuple[Path, Path]:
+    target, draft = root / f"{name}-target.gguf", root / f"{name}-draft.gguf"
+    write_card_model(target, spec, "target")
+    write_card_model(draft, spec, "draft")
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def card_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _card(tmp_path_factory.mktemp("card"), CARD_TINY, "q")
+
+
+@pytest.fixture(scope="module")
+def card_pair_f32(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _card(tmp_path_factory.mktemp("card32"), replace(CARD_TINY, target_mix="f32", draft_type="f32"), "f")
+
+
+def _types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def test_card_full_size_is_the_real_files_size() -> None:
+    """At full size the plan is Qwen3-32B Q4_K_M's and Qwen3-0.6B Q8_0's: the real Q4_K_M file is
+    19,762,149,024 B, tokenizer metadata included (~6 MB); 65 Q6_K tensors (output, 32 attn_v, 32 ffn_down)."""
+    target = card_tensor_plan(CARD_32B, 151_936, "target")
+    draft = card_tensor_plan(CARD_32B, 151_936, "draft")
+    size = sum(synthetic_nbytes(shape, q) for _, shape, q in target)
+    assert 19_762_149_024 - 8_000_000 < size < 19_762_149_024
+    assert sum(q == "q6_k" for _, _, q in target) == 65
+    assert len(target) == 3 + 64 * 11 and len(draft) == 2 + 28 * 11  # the draft is tied: no output.weight
+    assert {q for n, _, q in draft if not n.endswith("norm.weight")} == {"q8_0"}
+    assert 630_000_000 < sum(synthetic_nbytes(shape, q) for _, shape, q in draft) < 640_000_000
+
+
+def synthetic_nbytes(shape: tuple[int, ...], qtype: str) -> int:
+    import synthetic
+
+    return synthetic._nbytes(shape, qtype)  # type: ignore[arg-type]
+
+
+def test_card_quantized_files_hold_exactly_the_f32_model(card_pair, card_pair_f32) -> None:
+    """K-quant and Q8_0 blocks written directly dequantize (gguf's reference code) to the F32 twin's values."""
+    for quant, f32 in zip(card_pair, card_pair_f32, strict=True):
+        ref = {t.name: t for t in gguf.GGUFReader(f32).tensors}
+        checked = set()
+        for t in gguf.GGUFReader(quant).tensors:
+            if t.name.startswith(("blk.1.", "blk.2.")):
+                continue  # the same noise tensors as blk.3 (one random tensor per role and type)
+            rows = np.asarray(t.data)[:2048]  # the embeddings: enough rows for every code value
+            deq = gguf.quants.dequantize(rows, t.tensor_type)
+            want = np.asarray(ref[t.name].data)[: len(deq)]
+            assert np.array_equal(deq.reshape(want.shape), want), t.name
+            checked.add(t.tensor_type.name)
+        assert checked >= ({"Q4_K", "Q6_K", "F32"} if "target" in quant.name else {"Q8_0", "F32"})
+
+
+def test_card_target_is_shared_by_every_level_and_drafts_differ_only_in_the_embedding(tmp_path, card_pair) -> None:
+    target, draft = card_pair
+    other_target, other_draft = _card(tmp_path, replace(CARD_TINY, noise=CARD_NOISE_70), "other")
+    assert other_target.read_bytes() == target.read_bytes()  # the target ignores the draft's noise
+    a, b = _tensors(draft), _tensors(other_draft)
+    assert [n for n in a if not np.array_equal(a[n], b[n])] == ["token_embd.weight"]
+
+
+def test_card_spec_validation() -> None:
+    with pytest.raises(ValueError, match="at least as wide"):
+        replace(CARD_TINY, draft=replace(CARD_TINY.draft, n_embd=1024)).validate()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        replace(CARD_TINY, target=replace(CARD_TINY.target, n_ff=1000)).validate()
+    with pytest.raises(ValueError, match="code dimension"):
+        replace(CARD_TINY, draft=replace(CARD_TINY.draft, n_ff=64)).validate()
+
+
+@pytest.mark.slow
+def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32) -> None:
+    """The direct writer's tensor names and types equal what llama.cpp's own quantizer makes of the F32 twin:
+    Q4_K_M for the target, Q8_0 for the tied draft (llama_tensor_get_type, src/llama-quant.cpp)."""
+    from localspec.llama_ctx import quantize
+
+    for ours, f32, ftype in zip(card_pair, card_pair_f32, ("Q4_K_M", "Q8_0"), strict=True):
+        theirs = tmp_path / f"{ftype}.gguf"
+        quantize(f32, theirs, ftype)
+        assert _types(ours) == _types(theirs), ftype
+        file_type = [gguf.GGUFReader(p).fields["general.file_type"].contents() for p in (ours, theirs)]
+        assert file_type[0] == file_type[1], ftype
+
+
+@pytest.mark.slow
+def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
+    """The qwen3 loader takes both files (it refuses a missing or an extra tensor) and the text is not
+    degenerate; forcing flash attention off or on changes nothing the argmax sees."""
+    from localspec.llama_ctx import LlamaModel, ModelLoadError
+
+    text = "The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday."
+    for path in card_pair:
+        argmax = []
+        for fa in ("off", "on"):
+            with LlamaModel(path, n_ctx=512, n_threads=1, flash_attn=fa) as m:
+                logits = m.decode(m.tokenize(text), 0, all_logits=True)
+                assert logits is not None and np.isfinite(logits).all()
+                argmax.append(logits.argmax(axis=1))
+        assert np.array_equal(*argmax)
+        assert len(set(argmax[0].tolist())) > len(argmax[0]) // 2
+    with pytest.raises(ModelLoadError, match="flash attention 'yes'"):
+        LlamaModel(card_pair[0], n_ctx=512, n_threads=1, flash_attn="yes")
+
+
+@pytest.mark.slow
+def test_card_agreement_levels(tmp_path) -> None:
+    """The two levels of the GPU pair land in their bands on the scaled-down spec; no noise, no disagreement."""
+    rates = {}
+    for noise in (0.0, CARD_NOISE_85, CARD_NOISE_70):
+        r = measure_agreement(*_card(tmp_path, replace(CARD_TINY, noise=noise), f"n{noise:g}"), n_prompts=6)
+        assert r["distinct"] > 0.5, r  # greedy text is not a short cycle
+        rates[noise] = r["greedy"]
+    assert rates[0.0] >= 0.97, rates
+    assert 0.78 <= rates[CARD_NOISE_85] <= 0.92, rates
+    assert 0.60 <= rates[CARD_NOISE_70] <= 0.80, rates
+
+
+def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> None:
+    """run.sh writes the card's target once and a draft per level; kernels.sh one target per weight type."""
+    from synthetic import main
+
+    assert main(["--size", "card-tiny", "--only", "draft", "--noise", "0.05", "--out", str(tmp_path),
+                 "--prefix", "c-", "--draft-prefix", "c-n0.05-"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["c-n0.05-draft.gguf"]
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c-n0.05-draft.gguf")
+    for mix, ggml_type in (("q4_0", "Q4_0"), ("q6_k", "Q6_K")):
+        assert main(["--size", "card-tiny", "--only", "target", "--mix", mix, "--target-blocks", "2",
+                     "--out", str(tmp_path), "--prefix", f"k-{mix}-"]) == 0
+        types = _types(tmp_path / f"k-{mix}-target.gguf")
+        assert {t for n, t in types.items() if not n.endswith("norm.weight")} == {ggml_type}
+        assert sum(n.endswith("ffn_down.weight") for n in types) == 2
+    # Every mix holds the same values (the Q4_0 bytes too: ggml's nibble order).
+    q4_0, q6_k = (gguf.GGUFReader(tmp_path / f"k-{mix}-target.gguf") for mix in ("q4_0", "q6_k"))
+    for a, b in zip(q4_0.tensors, q6_k.tensors, strict=True):
+        if a.name.startswith("blk."):
+            assert np.array_equal(gguf.quants.dequantize(a.data, a.tensor_type),
+                                  gguf.quants.dequantize(b.data, b.tensor_type)), a.name

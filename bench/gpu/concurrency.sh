@@ -5,7 +5,7 @@
 # clients. Device call on one GPU (kind nvidia-h200), carry ["bench/gpu/carry"] (make_archive.sh), from the repo
 # root:
 #     bash bench/gpu/concurrency.sh
-# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES=""
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES="" CARD_NOISES=""
 #    so it only builds; it builds llama-server too), then the synthetic 32B pairs (bench/synthetic.py, the files
 #    run.sh writes).
 # 2. Per scale and per configuration of CONFIGS, one server is started, waited for (/health = 200), measured at
@@ -129,7 +129,7 @@ wait_ready() {  # wait_ready LOG: until /health is 200, the server exits, LOAD_S
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 if [[ ! -x "$BIN/llama-server" || ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
-    run prepare 330 env SCALES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
+    run prepare 330 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
         bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
 fi
 [[ -e "$BIN/libllama.so" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }

@@ -7,7 +7,11 @@ k0 (`localspec serve`, plain batched decoding), spec (`localspec serve`, specula
 with the same draft model and draft length). Per scale and temperature, one table: aggregate tok/s (all completion
 tokens / the level's wall time) and median per-request tok/s at each concurrency, speculative's ratio to k = 0 and to
 llama-server, acceptance; then the crossover: the concurrency levels where localspec's speculative aggregate falls
-below its own k = 0 (issue #14's target: none), and where it falls below llama-server's.
+below its own k = 0 (issue #14's target: none), and where it falls below llama-server's. Then, per configuration
+that drafts (spec, llama), every request's own acceptance (its `timings`: draft_n_accepted / draft_n) against the
+pair's solo median (the median request at 1 client, same configuration and T): per level the lowest request, how
+far it falls below, and how many fall below by more than the T = 0 spread (at T = 0, the furthest any request
+falls below its own solo median: what prompts alone account for). Issue #18's target: at T > 0, none.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +79,67 @@ def compare(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     below_llama = [r["clients"] for r in vs_llama if r["spec_over_llama"] < 1]
     return {"rows": rows, "compared_with_k0": [r["clients"] for r in both], "spec_below_k0": below_k0,
             "compared_with_llama": [r["clients"] for r in vs_llama], "spec_below_llama": below_llama}
+
+
+DRAFTING = ("spec", "llama")
+
+
+def request_acceptance(level: dict[str, Any]) -> list[float]:
+    """Each request's acceptance at one level, from its own `timings` (requests that drafted nothing left out)."""
+    out = []
+    for r in level.get("results", []):
+        t = r.get("timings") or {}
+        if r.get("error") is None and t.get("draft_n"):
+            out.append(int(t.get("draft_n_accepted", 0)) / int(t["draft_n"]))
+    return out
+
+
+def acceptance_by_request(temps: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One scale, per drafting configuration and temperature: every level's request acceptances against the solo
+    median, and how many fall below it by more than the T = 0 spread."""
+    out: dict[str, Any] = {}
+    for config in DRAFTING:
+        spread = None
+        zero = temps.get("0", {}).get(config)
+        if zero:
+            levels = _levels(zero)
+            solo = request_acceptance(levels.get(1, {}))
+            if solo:
+                every = [a for lv in levels.values() for a in request_acceptance(lv)]
+                spread = max(0.0, statistics.median(solo) - min(every))
+        for temp in sorted(temps, key=float):
+            report = temps[temp].get(config)
+            if not report:
+                continue
+            levels = _levels(report)
+            solo = request_acceptance(levels.get(1, {}))
+            median = statistics.median(solo) if solo else None
+            rows = []
+            for n, lv in sorted(levels.items()):
+                acc = request_acceptance(lv)
+                if not acc:
+                    continue
+                low = min(acc)
+                below = (sum(a < median - spread - 1e-9 for a in acc)  # (the T = 0 spread's own request: not below)
+                         if median is not None and spread is not None else None)
+                rows.append({"clients": n, "requests": len(acc), "min": low, "median": statistics.median(acc),
+                             "max": max(acc), "min_below_solo": None if median is None else median - low,
+                             "below_by_more_than_spread": below, "each": acc})
+            out.setdefault(config, {})[temp] = {"solo_median": median, "t0_spread": spread, "levels": rows}
+    return out
+
+
+def acceptance_table(config: str, temp: str, found: dict[str, Any]) -> list[str]:
+    head = ("clients", "requests", "lowest", "median", "highest", "lowest below solo median",
+            "below by more than the T=0 spread")
+    lines = [f"{NAMES[config]}, T = {temp}: solo median {_fmt(found['solo_median'], '.1%')}, T = 0 spread "
+             f"{_fmt(found['t0_spread'], '.1%')}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in found["levels"]:
+        below = r["below_by_more_than_spread"]
+        lines.append(f"| {r['clients']} | {r['requests']} | {r['min']:.1%} | {r['median']:.1%} | {r['max']:.1%} | "
+                     f"{_fmt(r['min_below_solo'], '.1%')} | {'–' if below is None else below} |")
+    return lines
 
 
 def crossover_text(cmp: dict[str, Any]) -> str:
@@ -150,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             if cmp["compared_with_llama"]:
                 below = cmp["spec_below_llama"]
                 print("localspec spec below llama-server at: " + (_list(below) if below else "none") + " clients")
+        by_request = acceptance_by_request(data[scale])
+        if by_request:
+            print(f"\n## scale {scale}: each request's acceptance against the solo median\n")
+        for config, temps in by_request.items():
+            for temp, found in temps.items():
+                summary.setdefault(scale, {}).setdefault(temp, {}).setdefault("acceptance_by_request", {})[
+                    config] = found
+                print("\n".join(acceptance_table(config, temp, found)) + "\n")
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
     return 0

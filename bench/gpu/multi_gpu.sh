@@ -3,7 +3,7 @@
 # one GPU and llama.cpp's speculative-simple; and the 48 GB case (the target split over both GPUs). Device call on a
 # machine with two GPUs (kind nvidia-h200-x2), carry ["bench/gpu/carry"] (make_archive.sh), from the repo root:
 #     bash bench/gpu/multi_gpu.sh
-# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES=""
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES="" CARD_NOISES=""
 #    so it only builds), then the synthetic 32B pairs (bench/synthetic.py, the same files run.sh writes).
 # 2. Per scale and temperature, `localspec bench` (warm-up, REPEAT interleaved plain/speculative runs over its three
 #    prompts, medians, greedy check, JSON) in each placement of CONFIGS:
@@ -66,7 +66,7 @@ finish() {
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 if [[ ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
-    run prepare 300 env SCALES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
+    run prepare 300 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
         bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
 fi
 [[ -x "$BIN/llama-speculative-simple" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }

@@ -2,16 +2,18 @@
 # GPU benchmark, end to end (issue #11; facts and reference numbers in docs/gpu.md). Run from the repo root:
 #     bash bench/gpu/run.sh
 # with bench/gpu/carry/ carried (make_archive.sh). Steps, each timed, logged, skippable and resumable:
-#   1. in the background, write the synthetic 32B target + 2-block draft for every scale (bench/synthetic.py needs
-#      only numpy and gguf, so it starts before llama.cpp exists); meanwhile unpack and build llama.cpp (CUDA sm_90):
+#   1. in the background, write the synthetic pairs (bench/synthetic.py needs only numpy and gguf, so it starts
+#      before llama.cpp exists): the card's pair (a Qwen3-32B-shaped Q4_K_M target, written once, and a
+#      Qwen3-0.6B-shaped Q8_0 draft per acceptance level) and the old stand-in (Q4_0 32B target + 2-block draft of
+#      its own width, per scale); meanwhile unpack and build llama.cpp (CUDA sm_90):
 #      llama-bench, llama-speculative-simple, llama-server (for bench/gpu/concurrency.sh) and the shared libraries
 #      that localspec loads too
 #   2. per pair: llama-bench tg128 (target and draft); `localspec bench` at each temperature (the product itself:
 #      warm-up, interleaved plain/speculative runs over its shipped prompt set, medians, greedy check, JSON);
 #      llama.cpp's llama-speculative-simple on the same prompts, LLAMA_REPS times per configuration, with host and
 #      with backend (--backend-sampling) sampling, the repetitions interleaved
-#   3. bench/gpu/verify_widths.py on the first synthetic target (verify cost per width, CUDA graph warmth) and on
-#      the real pair's target, if any (batch vs single-token logits)
+#   3. bench/gpu/verify_widths.py on the first target of each family (verify cost per width, CUDA graph warmth) and
+#      on the real pair's target, if any (batch vs single-token logits)
 #   4. bench/gpu/summarize.py: medians, ratios, the greedy-fidelity comparison; summary.txt and summary.json
 # Results live in $WORK/results (kept on a warm machine) and are copied to $OUT at the end: a call that runs out of
 # budget leaves the rest to the next call on the same machine, which skips every step whose output exists.
@@ -19,19 +21,22 @@
 #   OUT [bench/gpu/work/out]     what comes back (summary, logs, results.tar.gz)
 #   CARRY [bench/gpu/carry]      make_archive.sh's output
 #   WORK [bench/gpu/work]        source, build, models, results (git-ignored)
-#   SCALES ["8e-5 1.2e-4"]       synthetic block scales: two acceptance levels (docs/gpu.md)
+#   CARD_NOISES ["0.035 0.085"]  the card pair's draft noise: ~85% and ~70% greedy acceptance (docs/gpu.md);
+#                                pairs card-n<NOISE>, measured first
+#   CARD_SIZE [card32b]          the card pair's preset (card-tiny: CPU dry run)
+#   SCALES ["8e-5"]              the old stand-in's block scales (pairs s<SCALE>; "" = none): the comparison row
 #   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  REPEAT [5] (localspec bench --repeat)  WARMUP [10]
 #   LLAMA_REPS [5]               llama-speculative-simple runs per configuration (each run = every prompt once)
 #   LLAMA_SAMPLING ["host backend"]  llama.cpp's sampling: on the host, and with --backend-sampling
 #   BENCH_REPS [3]               llama-bench repetitions
 #   REAL_PAIR                    "NAME:TARGET.gguf:DRAFT.gguf", a real pair for the greedy-fidelity check
 #                                (greedy only, REAL_REPEAT [1] localspec runs, one llama.cpp run per sampling mode)
-#   SIZE [gpu32b]                synthetic preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
+#   SIZE [gpu32b]                the old stand-in's preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
 #   CARRIED_PY [1]               0 = this machine's Python packages, not the carried ones (CPU dry run)
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
 #   RERUN [0]                    1 = forget earlier results (else finished steps are skipped)
-#   KEEP_MODELS [0]              keep each scale's 17 GB target after its runs (else deleted when disk is short)
+#   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
 #   BUDGET_S [570]               wall-clock budget: steps that would not fit are skipped and say so
 #   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
@@ -42,7 +47,9 @@ HERE="$REPO/bench/gpu"
 CARRY="${CARRY:-$HERE/carry}"
 WORK="${WORK:-$HERE/work}"
 OUT="${OUT:-$WORK/out}"
-SCALES="${SCALES:-8e-5 1.2e-4}"
+SCALES="${SCALES-8e-5}"
+CARD_NOISES="${CARD_NOISES-0.035 0.085}"
+CARD_SIZE="${CARD_SIZE:-card32b}"
 TEMPS="${TEMPS:-0 0.7}"
 N_PREDICT="${N_PREDICT:-256}"
 DRAFT_MAX="${DRAFT_MAX:-6}"
@@ -59,7 +66,8 @@ CUDA="${CUDA:-1}"
 JOBS="${JOBS:-$(nproc)}"
 BUDGET_S="${BUDGET_S:-570}"
 KEEP_MODELS="${KEEP_MODELS:-0}"
-if [[ "$SIZE" == gpu32b ]]; then VOCAB="${VOCAB:-$CARRY/ggml-vocab-qwen2.gguf}"; else VOCAB="${VOCAB:-}"; fi
+if [[ "$SIZE" == gpu32b || "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-$CARRY/ggml-vocab-qwen2.gguf}"
+else VOCAB="${VOCAB:-}"; fi
 SRC="$WORK/llama.cpp"
 BUILD="$WORK/build"
 BIN="$BUILD/bin"
@@ -111,7 +119,7 @@ finish() {  # everything that comes back: the summary, the logs, all results in 
     cmake --version | head -1; python3 --version
     cat "$CARRY/MANIFEST.txt" 2>/dev/null
 } > "$RES/env.txt" 2>&1
-log "env: $(python3 --version 2>&1), $(nproc) cores, budget ${BUDGET_S}s, scales: $SCALES"
+log "env: $(python3 --version 2>&1), $(nproc) cores, budget ${BUDGET_S}s, card noises: $CARD_NOISES, scales: $SCALES"
 
 # -- Python: the carried packages (llama_cpp bindings, gguf, typer, ...) first on the path ------------------------
 # Stamps hold the archive's checksum, not its mtime: each call copies the carry afresh (new mtimes), and a warm
@@ -132,45 +140,79 @@ log "python packages: $(python3 -c 'import gguf, numpy, rich, typer; from import
 print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), sep=", ")' 2>&1 | tail -1)"
 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
-# Files are named by preset and scale; the writer renames a finished file into place, so one that exists is whole.
+# One writer per file set: "card-target" (the card's target, shared by its levels), "card-n<NOISE>" (a draft),
+# "s<SCALE>" (an old-stand-in pair). The writer renames a finished file into place, so one that exists is whole.
+card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }
+card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
 target_of() { echo "$MODELS/$SIZE-s$1-target.gguf"; }
 draft_of() { echo "$MODELS/$SIZE-s$1-draft.gguf"; }
-declare -A WRITER_PID=()
-start_writer() {  # start_writer SCALE: background write unless the pair exists
-    local s="$1"
-    if [[ -f "$(target_of "$s")" && -f "$(draft_of "$s")" ]]; then
-        log "models for scale $s exist: reusing"; return 0
-    fi
-    [[ "${SKIP_WRITE:-0}" == 1 ]] && { log "SKIP_WRITE=1 but no models for scale $s"; return 1; }
-    local vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
-    log "writing $SIZE pair at scale $s (background)"
-    ( t=$(date +%s)
-      nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
-          --prefix "$SIZE-s$s-" "${vocab_arg[@]}" > "$RES/write-s$s.log" 2>&1
-      rc=$?; printf 'write-s%s\t%s\t%s\tbackground\n' "$s" "$rc" "$(( $(date +%s) - t ))" >> "$STEPS"; exit $rc
-    ) &
-    WRITER_PID[$s]=$!
+writer_files() {  # writer_files ID: the files the writer makes
+    case "$1" in
+        card-target) card_target ;;
+        card-n*) card_draft "${1#card-n}" ;;
+        s*) target_of "${1#s}"; draft_of "${1#s}" ;;
+    esac
 }
-wait_writer() {
-    local s="$1" pid="${WRITER_PID[$1]:-}"
-    [[ -z "$pid" ]] && return 0
-    log "waiting for the scale $s writer"
-    wait "$pid"; local rc=$?
-    unset "WRITER_PID[$s]"
-    (( rc == 0 )) || log "writer for scale $s failed (rc $rc): $(tail -3 "$RES/write-s$s.log")"
-    return $rc
+writer_gb() {  # the disk a writer needs, with margin
+    case "$1" in
+        card-target) [[ "$CARD_SIZE" == card32b ]] && echo 21 || echo 1 ;;
+        card-n*) echo 1 ;;
+        s*) [[ "$SIZE" == gpu32b ]] && echo 20 || echo 1 ;;
+    esac
+}
+declare -A WRITER_PID=()
+start_writer() {  # start_writer ID: background write unless its files exist
+    local id="$1" f missing=0
+    for f in $(writer_files "$id"); do [[ -f "$f" ]] || missing=1; done
+    if (( ! missing )); then log "models of $id exist: reusing"; return 0; fi
+    [[ -n "${WRITER_PID[$id]:-}" ]] && return 0
+    [[ "${SKIP_WRITE:-0}" == 1 ]] && { log "SKIP_WRITE=1 but no models for $id"; return 1; }
+    local args=() vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
+    case "$id" in
+        card-target) args=(--size "$CARD_SIZE" --only target --prefix "$CARD_SIZE-") ;;
+        card-n*) args=(--size "$CARD_SIZE" --only draft --noise "${id#card-n}" --prefix "$CARD_SIZE-"
+                       --draft-prefix "$CARD_SIZE-n${id#card-n}-") ;;
+        s*) args=(--size "$SIZE" --scale "${id#s}" --prefix "$SIZE-s${id#s}-") ;;
+    esac
+    log "writing $id (background)"
+    ( t=$(date +%s)
+      nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" "${args[@]}" --out "$MODELS" "${vocab_arg[@]}" \
+          > "$RES/write-$id.log" 2>&1
+      rc=$?; printf 'write-%s\t%s\t%s\tbackground\n' "$id" "$rc" "$(( $(date +%s) - t ))" >> "$STEPS"; exit $rc
+    ) &
+    WRITER_PID[$id]=$!
+}
+wait_writers() {  # every pending writer finishes before any measurement: a 20 GB write would skew them
+    local id rc
+    for id in "${!WRITER_PID[@]}"; do
+        log "waiting for the $id writer"
+        wait "${WRITER_PID[$id]}"; rc=$?
+        unset "WRITER_PID[$id]"
+        (( rc == 0 )) || log "writer $id failed (rc $rc): $(tail -3 "$RES/write-$id.log")"
+    done
 }
 free_gb() { df -Pk "$MODELS" | awk 'NR==2 {print int($4 / 1048576)}'; }
-need_gb() { [[ "$SIZE" == gpu32b ]] && echo 20 || echo 1; }  # one pair, with margin
 
-# Write every scale up front when the disk holds them all (the page cache keeps them warm: 128 GiB RAM there);
-# otherwise write the first now and each next one after the previous target is deleted.
+# The pairs, in measuring order: "NAME TARGET DRAFT WRITERS...". The card pair first (the new numbers), then the
+# old stand-in (the comparison row).
+read -r -a CARD_LIST <<< "$CARD_NOISES"
 read -r -a SCALE_LIST <<< "$SCALES"
-n_scales=${#SCALE_LIST[@]}
-if (( $(free_gb) > n_scales * $(need_gb) + 8 )); then PREWRITE_ALL=1; else PREWRITE_ALL=0; fi
-for s in "${SCALE_LIST[@]}"; do
-    start_writer "$s"
-    (( PREWRITE_ALL )) || break
+PAIRS=()
+for n in "${CARD_LIST[@]}"; do PAIRS+=("card-n$n $(card_target) $(card_draft "$n") card-target card-n$n"); done
+for s in "${SCALE_LIST[@]}"; do PAIRS+=("s$s $(target_of "$s") $(draft_of "$s") s$s"); done
+# Writers start up front while the disk holds them (the page cache keeps the files warm: 128 GiB RAM there);
+# the others start when their pair comes up, after the finished pairs' targets make room.
+planned=0
+for p in "${PAIRS[@]}"; do
+    read -r -a f <<< "$p"
+    for id in "${f[@]:3}"; do
+        [[ -n "${WRITER_PID[$id]:-}" ]] && continue
+        exists=1; for x in $(writer_files "$id"); do [[ -f "$x" ]] || exists=0; done
+        (( exists )) && continue
+        (( $(free_gb) > planned + $(writer_gb "$id") + 8 )) || continue 2
+        planned=$(( planned + $(writer_gb "$id") ))
+        start_writer "$id"
+    done
 done
 
 # -- build ---------------------------------------------------------------------------------------------------------
@@ -310,22 +352,26 @@ if [[ -n "$REAL_PAIR" ]]; then
     fi
 fi
 
-# -- per scale -----------------------------------------------------------------------------------------------------
-for i in "${!SCALE_LIST[@]}"; do
-    s="${SCALE_LIST[$i]}"
-    [[ -n "${WRITER_PID[$s]:-}" ]] || start_writer "$s"
-    # Every pending writer finishes before any measurement: a 17 GB write in the background would skew them.
-    for w in "${!WRITER_PID[@]}"; do wait_writer "$w"; done
-    T="$(target_of "$s")"; DR="$(draft_of "$s")"
-    [[ -f "$T" && -f "$DR" ]] || { log "no models for scale $s"; continue; }
-    measure_pair "s$s" "$T" "$DR" "$TEMPS" "$REPEAT"
-    (( i == 0 )) && widths "s$s" "$T"
-    llama_pair "s$s" "$T" "$DR" "$TEMPS" "$LLAMA_REPS"
+# -- per synthetic pair -----------------------------------------------------------------------------------------
+declare -A WIDTHS_DONE=()
+for i in "${!PAIRS[@]}"; do
+    read -r -a f <<< "${PAIRS[$i]}"
+    name="${f[0]}" T="${f[1]}" DR="${f[2]}"
+    for id in "${f[@]:3}"; do start_writer "$id"; done
+    wait_writers
+    [[ -f "$T" && -f "$DR" ]] || { log "no models for $name"; continue; }
+    measure_pair "$name" "$T" "$DR" "$TEMPS" "$REPEAT"
+    # The verify-width table once per target file: the card's Q4_K_M and the old Q4_0.
+    [[ -z "${WIDTHS_DONE[$T]:-}" ]] && { WIDTHS_DONE[$T]=1; widths "$name" "$T"; }
+    llama_pair "$name" "$T" "$DR" "$TEMPS" "$LLAMA_REPS"
 
-    # Make room for the next scale's target unless it is already written or the disk holds both.
-    if (( i + 1 < n_scales )) && [[ "$KEEP_MODELS" != 1 && -z "${WRITER_PID[${SCALE_LIST[$((i + 1))]}]:-}" ]] \
-        && (( $(free_gb) < $(need_gb) + 4 )); then
-        log "deleting $T to make room"; rm -f "$T"
+    # Make room for the next pair's target unless it is written, the disk holds it, or a later pair needs this one.
+    if (( i + 1 < ${#PAIRS[@]} )) && [[ "$KEEP_MODELS" != 1 ]]; then
+        read -r -a nxt <<< "${PAIRS[$((i + 1))]}"
+        if [[ "${nxt[1]}" != "$T" && ! -f "${nxt[1]}" ]] && (( $(free_gb) < 24 )); then
+            later=0; for q in "${PAIRS[@]:$((i + 1))}"; do [[ "$q" == *" $T "* ]] && later=1; done
+            (( later )) || { log "deleting $T to make room"; rm -f "$T"; }
+        fi
     fi
 done
 wait  # any writer still running

@@ -5,8 +5,9 @@ on the GPU image as is, and here on a copy of the results.
 
     python3 bench/gpu/summarize.py RESULTS_DIR        # writes RESULTS_DIR/summary.json, prints the tables
 
-RESULTS_DIR holds one folder per pair (s8e-5, s1.2e-4, smollm2, ...) with llama-bench.json, localspec-t<T>.json,
-llama/t<T>-<host|backend>-r<rep>-<prompt>.{out,log} and verify-widths.json, and prompts/<prompt>.txt.
+RESULTS_DIR holds one folder per pair (card-n0.2, s8e-5, smollm2, ...) with llama-bench.json, localspec-t<T>.json,
+llama/t<T>-<host|backend>-r<rep>-<prompt>.{out,log} and verify-widths.json, and prompts/<prompt>.txt; kernels/
+holds bench/gpu/kernels.sh's verify_widths.py runs (<type>-<variant>-fa<on|off>.json).
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def summarize(res: Path) -> dict[str, Any]:
     steps = res / "steps.tsv"
     if steps.is_file():
         result["steps"] = [line.split("\t") for line in steps.read_text().splitlines() if line]
-    for pair_dir in sorted(p for p in res.iterdir() if p.is_dir() and p.name != "prompts"):
+    kern = kernel_runs(res / "kernels")
+    if kern:
+        result["kernels"] = kern
+    for pair_dir in sorted(p for p in res.iterdir() if p.is_dir() and p.name not in ("prompts", "kernels")):
         pair: dict[str, Any] = {"temps": {}}
         bench = pair_dir / "llama-bench.json"
         pair["llama_bench"] = parse_llama_bench(bench.read_text()) if bench.is_file() else {}
@@ -193,6 +197,22 @@ def summarize(res: Path) -> dict[str, Any]:
                 pair["fidelity"] = fidelity(pair_dir, doc["greedy_check"], prompt_texts)
         result["pairs"][pair_dir.name] = pair
     return result
+
+
+def kernel_runs(folder: Path) -> list[dict[str, Any]]:
+    """bench/gpu/kernels.sh's runs: per weight type, variant and flash attention mode, verify ms by width."""
+    rows = []
+    for js in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        doc = _load(js)
+        if not doc or "timings_ms" not in doc:
+            continue
+        mix = js.stem.split("-")[0]
+        ms = {int(w): v for w, v in doc["timings_ms"]["constant"].items()}
+        widths = sorted(ms)
+        slope = (ms[widths[-1]] - ms[widths[0]]) / (widths[-1] - widths[0]) if len(widths) > 1 else None
+        rows.append({"type": mix, "variant": doc.get("label", "?"), "flash_attn": doc.get("flash_attn", "?"),
+                     "env": doc.get("env", {}), "ms": ms, "ms_per_extra_token": slope})
+    return rows
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -227,6 +247,10 @@ def tables(result: dict[str, Any]) -> str:
     out.append("tok/s, medians; llama.cpp: median [min-max] (acceptance, complete runs); ls/llama.cpp = localspec "
                "speculative / the faster llama.cpp column; host = localspec's share of a round outside llama_decode")
 
+    side = side_by_side(result)
+    if side:
+        out += ["", "side by side (the card's pair: card-n<noise>; the old stand-in: s<scale>)", side]
+
     prof = [("pair", "T", "round ms", "draft ms", "verify ms", "host ms", "tokens/round", "draft len")]
     for name, pair in result["pairs"].items():
         for temp, r in pair["temps"].items():
@@ -257,13 +281,63 @@ def tables(result: dict[str, Any]) -> str:
         t = w["timings_ms"]
         out += ["", f"{name}: verify ms by width: " + "  ".join(f"w{k} {v:.2f}" for k, v in t["constant"].items())]
         for pat, v in t["patterns"].items():
-            out.append(f"  {pat:>26}: {v['mean_ms']:.2f} ms a call (warm graphs: {v['warm_ms']:.2f})")
+            out.append(f"  {pat:>26}: {v['mean_ms']:.2f} ms a call (warm graphs: {_f(v.get('warm_ms'), '{:.2f}')})")
         for k, e in (w.get("logits") or {}).get("by_width", {}).items():
             cpu = (f", |single-cpu| {e['max_abs_diff_single_vs_cpu']:.3f}, |batch-cpu| "
                    f"{e['max_abs_diff_batch_vs_cpu']:.3f}") if "max_abs_diff_batch_vs_cpu" in e else ""
             out.append(f"  logits w{k}: max |batch - single| {e['max_abs_diff']:.4f}, argmax flips "
                        f"{e['argmax_flips']}{cpu}")
     return "\n".join(out)
+
+
+def side_by_side(result: dict[str, Any]) -> str:
+    """One column per pair, one row per measure and temperature: the new pair next to the old stand-in."""
+    pairs = [(n, p) for n, p in result["pairs"].items() if p["temps"]]
+    if len(pairs) < 2:
+        return ""
+    temps = sorted({t for _, p in pairs for t in p["temps"]}, key=float)
+
+    def get(p: dict[str, Any], t: str, what: str) -> str:
+        r = p["temps"].get(t)
+        if r is None:
+            return "—"
+        best = max((c["median"] for c in (r["llama_cpp_host"], r["llama_cpp_backend"]) if c and c.get("median")),
+                   default=None)
+        prof = r.get("profile") or {}
+        values = {
+            "acceptance": _f(r["localspec_spec"]["acceptance_rate"], "{:.1%}"),
+            "localspec spec tok/s": _f(r["localspec_spec"]["median_tps"]),
+            "localspec plain tok/s": _f(r["localspec_plain"]["median_tps"]),
+            "llama.cpp best tok/s": _f(best),
+            "localspec / llama.cpp": _f(r["ratio_vs_llama_cpp"], "{:.2f}x"),
+            "spec / plain": _f(r["speedup_vs_plain"], "{:.2f}x"),
+            "plain / llama-bench": _f(r["ratio_plain_vs_llama_bench"], "{:.3f}"),
+            "round ms": _f(prof.get("round_ms"), "{:.2f}"),
+            "draft ms": _f(prof.get("draft_ms"), "{:.2f}"),
+            "verify ms": _f(prof.get("verify_ms"), "{:.2f}"),
+            "host ms": _f(prof.get("host_ms"), "{:.2f}"),
+        }
+        return values[what]
+
+    rows = [("measure", "T", *[n for n, _ in pairs])]
+    for role in ("target", "draft"):
+        rows.append((f"llama-bench tg {role}", "", *[_f((p["llama_bench"].get(role) or {}).get("tok_s"))
+                                                      for _, p in pairs]))
+    for what in ("acceptance", "localspec spec tok/s", "localspec plain tok/s", "llama.cpp best tok/s",
+                 "localspec / llama.cpp", "spec / plain", "plain / llama-bench", "round ms", "draft ms",
+                 "verify ms", "host ms"):
+        for t in temps:
+            rows.append((what, t, *[get(p, t, what) for _, p in pairs]))
+    return _table(rows)
+
+
+def kernel_table(rows: list[dict[str, Any]]) -> str:
+    widths = sorted({w for r in rows for w in r["ms"]})
+    table = [("type", "variant", "FA", *[f"w{w}" for w in widths], "ms/extra token")]
+    for r in sorted(rows, key=lambda r: (r["type"], r["variant"] != "default", r["variant"], r["flash_attn"])):
+        table.append((r["type"], r["variant"], r["flash_attn"], *[_f(r["ms"].get(w), "{:.2f}") for w in widths],
+                      _f(r["ms_per_extra_token"], "{:.2f}")))
+    return _table(table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     result = summarize(a.results)
     (a.results / "summary.json").write_text(json.dumps(result, indent=2))
     print(tables(result))
+    if result.get("kernels"):
+        print("\nverify kernels (bench/gpu/kernels.sh): ms per verify batch by width, device greedy sampler, "
+              "200-token context")
+        print(kernel_table(result["kernels"]))
     for step in result.get("steps", []):
         if len(step) > 1 and step[1] not in ("0", "skipped"):
             print(f"step {step[0]} failed (rc {step[1]}): see its log under {a.results}", file=sys.stderr)

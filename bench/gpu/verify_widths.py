@@ -3,12 +3,18 @@ logits are from single-token decoding's. Measured through localspec's own LlamaM
 
     python3 bench/gpu/verify_widths.py --model TARGET.gguf --json out.json            # timings
     python3 bench/gpu/verify_widths.py --model SMALL.gguf --json out.json --logits    # + logits, GPU and CPU
+    GGML_CUDA_GRAPH_OPT=1 python3 bench/gpu/verify_widths.py --model T.gguf --json k.json --widths 1-8 \
+        --flash-attn off --no-patterns --label graph-opt                                # one kernel configuration
 
 Timings: the target decodes a batch of w tokens after a 200-token context (device greedy sampler, as the engine's
 greedy verify), the KV cells are dropped again, and the next call follows; the median of `--calls` calls per
 pattern after warm-up calls. Patterns: each constant width; widths alternating as a varying draft length makes
 them (7,7,5,5 and 7,5); widths drawn at random from 3..7 (drafts stopped early below p_min) against the same
 rounds padded to 7; and one change every 16 calls (adaptive drafting's epochs).
+
+The verify kernel experiment (bench/gpu/kernels.sh) runs it once per configuration, in a process of its own: the
+ggml-cuda settings are environment variables read once per process (recorded in the JSON with `--label`), flash
+attention is `--flash-attn`; `--no-patterns` keeps only the constant widths.
 """
 
 # llama_cpp before numpy: on the GPU image the other order segfaults when a model loads (docs/gpu.md).
@@ -16,6 +22,7 @@ import llama_cpp  # noqa: F401, I001
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -54,15 +61,17 @@ def time_pattern(model: LlamaModel, ctx: list[int], widths: list[int], warmup: i
     return out[warmup:]
 
 
-def timings(model: LlamaModel, calls: int) -> dict:
+def timings(model: LlamaModel, calls: int, widths: list[int], patterns_too: bool = True) -> dict:
     ctx = context_tokens(model)
     model.use_device_sampler("greedy")
     model.clear()
     model.decode(ctx, 0)
     warm = 6
     res: dict = {"constant": {}, "patterns": {}}
-    for w in range(1, 10):
+    for w in widths:
         res["constant"][w] = 1000 * statistics.median(time_pattern(model, ctx, [w] * (calls + warm), warm))
+    if not patterns_too:
+        return res
     rng = np.random.default_rng(0)
     random_w = rng.integers(3, 8, size=calls + warm).tolist()
     patterns = {
@@ -79,7 +88,9 @@ def timings(model: LlamaModel, calls: int) -> dict:
                                  "mean_width": statistics.fmean(ws[warm:])}
     # What the widths would cost with a warm graph each: the constant-width medians, weighted as the pattern is.
     for name, ws in patterns.items():
-        res["patterns"][name]["warm_ms"] = statistics.fmean(res["constant"][w] for w in ws[warm:])
+        warm_ms = [res["constant"].get(w) for w in ws[warm:]]
+        if None not in warm_ms:
+            res["patterns"][name]["warm_ms"] = statistics.fmean(warm_ms)
     return res
 
 
@@ -125,6 +136,21 @@ def logits_vs_single(model: LlamaModel, cpu: LlamaModel | None, max_width: int) 
     return {"by_width": rows, "repeat_single_bitwise_equal": bool(np.array_equal(a, b))}
 
 
+def width_range(text: str) -> list[int]:
+    """"1-8" or "1,2,4,7": widths of at least 1."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            widths = list(range(lo, hi + 1))
+        else:
+            widths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: widths are like 1-8 or 1,2,4") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: widths are at least 1")
+    return widths
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -133,11 +159,17 @@ def main() -> int:
     ap.add_argument("--logits", action="store_true", help="also compare batch and single-token logits (and CPU)")
     ap.add_argument("--max-width", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: physical cores; 1 on a busy CPU)")
+    ap.add_argument("--widths", type=width_range, default=list(range(1, 10)), help="constant widths, e.g. 1-8")
+    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--no-patterns", action="store_true", help="constant widths only (the kernel experiment)")
+    ap.add_argument("--label", default="default", help="the configuration's name, kept in the JSON")
     a = ap.parse_args()
-    result: dict = {"model": str(a.model)}
-    with LlamaModel(a.model, n_ctx=1024, n_gpu_layers=-1, device_top_k=64, n_threads=a.threads) as model:
+    result: dict = {"model": str(a.model), "label": a.label, "flash_attn": a.flash_attn,
+                    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GGML_")}}
+    with LlamaModel(a.model, n_ctx=1024, n_gpu_layers=-1, device_top_k=64, n_threads=a.threads,
+                    flash_attn=a.flash_attn) as model:
         result["on_gpu"] = model.on_gpu
-        result["timings_ms"] = timings(model, a.calls)
+        result["timings_ms"] = timings(model, a.calls, a.widths, not a.no_patterns)
         if a.logits:
             cpu = LlamaModel(a.model, n_ctx=1024, n_gpu_layers=0, n_threads=a.threads) if model.on_gpu else None
             try:
@@ -149,8 +181,8 @@ def main() -> int:
     t = result["timings_ms"]
     print("verify ms by width:", "  ".join(f"w{w} {ms:.2f}" for w, ms in t["constant"].items()))
     for name, p in t["patterns"].items():
-        print(f"{name:>26}: {p['mean_ms']:.2f} ms a call (mean width {p['mean_width']:.2f}; warm graphs would "
-              f"give {p['warm_ms']:.2f})")
+        warm = f"; warm graphs would give {p['warm_ms']:.2f}" if "warm_ms" in p else ""
+        print(f"{name:>26}: {p['mean_ms']:.2f} ms a call (mean width {p['mean_width']:.2f}{warm})")
     if "logits" in result:
         for w, e in result["logits"]["by_width"].items():
             print(f"w{w}: max |batch - single| {e['max_abs_diff']:.4f}, argmax flips {e['argmax_flips']}, "

@@ -11,6 +11,7 @@ only ever stopped between rounds (where its cache bookkeeping is consistent), ne
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -301,7 +302,7 @@ def generate(
     json_out: JsonFlag = False,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
-    text = _read_stdin() if prompt == "-" else prompt
+    text = _read_stdin() if prompt == "-" else _argument_text(prompt)
     if not text.strip():
         raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
     if no_think and not chat_template:
@@ -378,10 +379,17 @@ def _read_stdin() -> str:
         raise UsageError(not_utf8("stdin", exc)) from None
 
 
+def _argument_text(arg: str) -> str:
+    """The prompt argument, strictly UTF-8 as stdin is: Python keeps undecodable argv bytes as lone surrogates,
+    which the tokenizer cannot encode."""
+    try:
+        return os.fsencode(arg).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(not_utf8("the prompt argument", exc)) from None
+
+
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at devnull so the interpreter's final flush does not complain."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
 

@@ -79,8 +79,9 @@ def _setting(key: str, flag: str, text: str, section: str | None = None, panel: 
     meta = config.key_metadata(key, section)
     FLAGS[key] = flag
     kind = meta["kind"]
+    switch = {"metavar": ""} if kind is bool else {}  # an on/off switch takes no value: show none
     return Annotated[kind | None, typer.Option(flag, help=text + range_text(meta) + preset_default(key, section),
-                                               rich_help_panel=panel, show_default=False)]
+                                               rich_help_panel=panel, show_default=False, **switch)]
 
 
 setting = _setting  # for a command module's own preset-key options (rpc-server's host, port, threads)
@@ -144,6 +145,10 @@ chat_max_tokens = _setting("max_tokens", "--max-tokens", "Reply limit in tokens,
 host = _setting("host", "--host", "Address to listen on.", section="server")
 port = _setting("port", "--port", "Port to listen on (0 = any free port).", section="server")
 queue = _setting("queue", "--queue", "Requests that may wait for a free slot; more get HTTP 503.")
+allowed_hosts = _setting("allowed_hosts", "--allowed-hosts",
+                         "Host names answered without --api-key besides the bound address and loopback ('*' = any).")
+control_tokens = _setting("control_tokens", "--control-tokens/--no-control-tokens",
+                          "Let chat message content carry the model's control tokens (<|im_end|>, ...).")
 parallel = _setting("parallel", "--parallel",
                     "Slots: requests generated together, batched (each with --ctx tokens of KV cache).")
 

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from localspec import registry
 from localspec.cli import options
-from localspec.errors import LocalspecError
+from localspec.errors import LocalspecError, UsageError
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ def serve(
     port: options.port = None,
     queue: options.queue = None,
     parallel: options.parallel = None,
+    allowed_hosts: options.allowed_hosts = None,
+    control_tokens: options.control_tokens = None,
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
     model_alias: ModelAliasOpt = None,
@@ -71,18 +73,23 @@ def serve(
     from rich.live import Live
 
     from localspec.server.app import Backend, ServerState, create_app
+    from localspec.server.guard import GuardSettings
 
+    key = _api_key(api_key)
     # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
     files, chosen = options.resolve_run(run, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
-                                        queue=queue, parallel=parallel,
+                                        queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
+                                        control_tokens=control_tokens,
                                         model_aliases=",".join(model_alias) if model_alias else None)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
-    key = api_key or None
+    guard = GuardSettings(bound_host=sock.getsockname()[0], max_requests=settings.max_requests,
+                          allowed_hosts=(settings.host.lower(), *_names(settings.allowed_hosts)),
+                          read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
-                        max_tokens=max_tokens, seed=run.seed)
+                        max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
@@ -99,7 +106,8 @@ def serve(
     )
     if not is_loopback(sock.getsockname()[0]) and key is None:
         console.print(f"[yellow]warning: listening on {escape(settings.host)} without --api-key: anyone who can "
-                      "reach this port can use the models[/]")
+                      "reach this port can use the models (requests naming another Host than loopback or "
+                      "--allowed-hosts get 403)[/]")
 
     loaded: dict[str, Any] = {}
 
@@ -107,7 +115,7 @@ def serve(
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=0)
 
-    server = _uvicorn_server(app, on_exit)
+    server = _uvicorn_server(app, on_exit, settings.read_timeout)
 
     def load() -> None:
         try:
@@ -139,19 +147,52 @@ def serve(
         raise loaded["error"]
 
 
-def _uvicorn_server(app: Any, on_exit: Any) -> Any:
-    """uvicorn's server, plus `on_exit` when a shutdown signal arrives (uvicorn itself would wait for in-flight
-    requests to finish)."""
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in text.split(",") if n.strip())
+
+
+def _api_key(given: str | None) -> str | None:
+    """An empty key (an unset variable in a service file) must not mean "no authentication"."""
+    import os
+
+    from_env = os.environ.get("LOCALSPEC_API_KEY")
+    if (given is not None and not given.strip()) or (given is None and from_env is not None and not from_env.strip()):
+        where = "--api-key" if given is not None and from_env != given else "LOCALSPEC_API_KEY"
+        raise UsageError(f"{where} is empty: give a key, or leave it out to serve without one")
+    return given
+
+
+def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
+    """uvicorn's server with the guarded connection handling (localspec.server.guard), plus `on_exit` when a
+    shutdown signal arrives (uvicorn itself would wait for in-flight requests to finish)."""
+    import asyncio
+
     import uvicorn
 
     from localspec.server.app import SHUTDOWN_GRACE_S
+    from localspec.server.guard import (
+        ACCEPT_BATCH,
+        LISTEN_BACKLOG,
+        guarded_protocol,
+        max_connections,
+        quiet_accept_errors,
+        raise_open_files_limit,
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             on_exit()
 
+        async def startup(self, sockets: Any = None) -> None:
+            quiet_accept_errors(asyncio.get_running_loop())
+            await super().startup(sockets)
+            for sock in sockets or ():  # uvicorn set the kernel's queue to ACCEPT_BATCH too: see guard.py
+                sock.listen(LISTEN_BACKLOG)
+
+    protocol = guarded_protocol(read_timeout, max_connections(raise_open_files_limit()))
     return Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                 http=protocol, backlog=ACCEPT_BATCH,
                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
 
 
@@ -173,6 +214,8 @@ def model_id(files: ModelFiles) -> str:
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; a busy port or an unknown host is a one-line error."""
+    from localspec.server.guard import LISTEN_BACKLOG
+
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -182,7 +225,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         raise LocalspecError(f"cannot listen on {host}:{port}: {exc.strerror} (try another --port)") from None

@@ -32,11 +32,12 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localspec import __version__
-from localspec.chat import ChatTemplate, encode_chat
+from localspec.chat import BuildCancelled, ChatTemplate, encode_messages
 from localspec.config import Preset
 from localspec.engine import Engine
-from localspec.errors import ConfigError, LocalspecError
+from localspec.errors import ConfigError, LocalspecError, TooManyTokens
 from localspec.llama_ctx import LlamaModel
+from localspec.server.guard import MIN_BODY_BYTES, Guard, GuardSettings, PromptLimits, error_body
 from localspec.server.schema import (
     FIELD_OF_KEY,
     ChatRequest,
@@ -64,10 +65,6 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 @dataclass
 class Backend:
     """A loaded pair, ready to serve: the worker owns the engine; the target's tokenizer makes prompts."""
@@ -78,6 +75,7 @@ class Backend:
     template: ChatTemplate | None
     template_error: str | None  # why chat is unavailable (no template), told to each chat request
     n_ctx: int
+    limits: PromptLimits
 
     @classmethod
     def build(cls, engine: Engine, model: LlamaModel, preset: Preset, queue: int) -> Backend:
@@ -88,7 +86,7 @@ class Backend:
         worker = Worker(engine, queue)
         worker.start()
         return cls(worker=worker, model=model, preset=preset, template=template, template_error=problem,
-                   n_ctx=engine.n_ctx)
+                   n_ctx=engine.n_ctx, limits=PromptLimits(engine.n_ctx, model.max_piece_bytes))
 
 
 @dataclass
@@ -100,6 +98,8 @@ class ServerState:
     api_key: str | None = None
     max_tokens: int | None = None  # the server's cap per reply (None: until the end of the turn/context)
     seed: int | None = None  # for requests that give none (None: a random one each)
+    control_tokens: bool = False  # chat content may carry control tokens (off: tokenized as text)
+    guard: GuardSettings = field(default_factory=GuardSettings)
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -126,6 +126,9 @@ class ServerState:
             raise ApiError(503, reason, kind="server_error", code="model_loading", headers={"Retry-After": "1"})
         return self.backend
 
+    def body_limit(self) -> int:
+        return self.backend.limits.body_bytes if self.backend is not None else MIN_BODY_BYTES
+
 
 def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="localspec", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -133,6 +136,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(Guard, state=state)  # outermost: before CORS and every route
     _install_error_handlers(app)
 
     async def health() -> JSONResponse:
@@ -162,12 +166,14 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
                            code="no_chat_template")
         messages = [m.as_template_message() for m in req.messages]
+        backend.limits.check_messages([m["content"] for m in messages])  # before the template renders them all
 
-        def build() -> list[int]:
+        def build(cancelled: Callable[[], bool]) -> list[int]:
             assert backend.template is not None
-            return encode_chat(backend.model, backend.template.render(messages))
+            return encode_messages(backend.model, backend.template, messages, control_tokens=state.control_tokens,
+                                   limit=backend.n_ctx, cancelled=cancelled)
 
-        prompt = await _prompt(backend, build)
+        prompt = await _prompt(backend, build, request)
         return await _run(state, backend, request, req, prompt, chat=True)
 
     async def completions(request: Request) -> Any:
@@ -176,8 +182,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         state.check_model(req.model)
         backend = state.ready()
         source = req.prompt
+        if isinstance(source, str):
+            backend.limits.check_text(source, "prompt")  # before tokenizing it
 
-        def build() -> list[int]:
+        def build(cancelled: Callable[[], bool]) -> list[int]:
             if isinstance(source, list):
                 n_vocab = backend.model.n_vocab
                 bad = next((t for t in source if not 0 <= t < n_vocab), None)
@@ -187,9 +195,9 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                 return list(source)
             # Special tokens in the text are parsed, as llama.cpp's server does: front-ends that apply a chat
             # template themselves (SillyTavern's text completion) send `<start_of_turn>` and expect a token.
-            return backend.model.tokenize(source, add_special=True, parse_special=True)
+            return backend.model.tokenize(source, add_special=True, parse_special=True, limit=backend.n_ctx)
 
-        prompt = await _prompt(backend, build)
+        prompt = await _prompt(backend, build, request)
         return await _run(state, backend, request, req, prompt, chat=False)
 
     for prefix in ("/v1", ""):
@@ -252,12 +260,29 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _prompt(backend: Backend, build: Any) -> list[int]:
-    """Template rendering and tokenization off the event loop (a long prompt takes a while), then the checks."""
+async def _prompt(backend: Backend, build: Callable[[Callable[[], bool]], list[int]], request: Request) -> list[int]:
+    """Template rendering and tokenization off the event loop (a long prompt takes a while), then the checks.
+    `build` asks its argument between steps whether the client has left, and stops if so."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
     try:
-        prompt = await anyio.to_thread.run_sync(build)
+        prompt = await anyio.to_thread.run_sync(build, gone.is_set)
+    except BuildCancelled:
+        raise ApiError(499, "the client disconnected", code="client_closed_request") from None
+    except TooManyTokens as exc:
+        raise ApiError(400, f"the prompt has {'' if exc.exact else 'at least '}{exc.tokens} tokens "
+                            f"and the context holds {backend.n_ctx}: prompt and reply must fit",
+                       code="context_length_exceeded") from None
     except LocalspecError as exc:  # e.g. a chat template that refuses this conversation
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+    finally:
+        watcher.cancel()
     if not prompt:
         raise ApiError(400, "the prompt is empty (this model adds no BOS token)", param="prompt", code="invalid_value")
     if len(prompt) >= backend.n_ctx:

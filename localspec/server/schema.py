@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -238,9 +239,35 @@ def parse_body(body: bytes) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(body, parse_constant=no_constants)
+        data = json.loads(body, parse_constant=no_constants)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    _refuse_surrogates(data)
+    return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(data: Any) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"): valid JSON, not text (it cannot be encoded to UTF-8 for
+    the tokenizer). A 400 naming the first field that holds one."""
+    todo: list[tuple[Any, tuple[int | str, ...]]] = [(data, ())]
+    while todo:
+        value, loc = todo.pop()
+        if isinstance(value, str):
+            found = None if value.isascii() else _SURROGATE.search(value)
+            if found:
+                param = _param(loc)
+                raise RequestError(f"{param or 'the request body'}: holds a lone surrogate ({found.group()!a}), "
+                                   "which is not text: send UTF-8 text", param=param or None, code="invalid_value")
+        elif isinstance(value, dict):
+            # A key is named by its escaped form: the error itself must be valid UTF-8.
+            named = [(key.encode("utf-8", "backslashreplace").decode(), key, item) for key, item in value.items()]
+            todo.extend((item, (*loc, name)) for name, _, item in reversed(named))
+            todo.extend((key, (*loc, name)) for name, key, _ in named)
+        elif isinstance(value, list):
+            todo.extend((item, (*loc, i)) for i, item in reversed(list(enumerate(value))))
 
 
 def parse(cls: type[_Generation], data: Any) -> Any:

@@ -1,0 +1,113 @@
+"""Rounds per second and llama.cpp ubatches per round with N busy slots (issue #18), through the engine.
+
+    python bench/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
+        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--json OUT]
+
+Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
+permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
+listed in that order, then times `--rounds` engine rounds (`Engine.step` over all of them, the load policy held at
+full drafts, so every round drafts k and verifies k + 1). With `--count-ubatches` it runs the same rounds again
+with llama.cpp's batch debugging on (`LLAMA_BATCH_DEBUG=1`, read when a context is made) and counts the ubatches
+llama.cpp made per round from its own log ("added ubatch"), target and draft apart: the ground truth for any
+version of localspec, which is how the figures before and after the fix of issue #18 were taken. That pass is
+not timed (the debug log costs time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
+import numpy as np
+
+from localspec.config import Drafting, load_preset
+from localspec.engine import Engine, _LoadPolicy
+from localspec.fsutil import atomic_write
+from localspec.session import ModelFiles, open_session
+
+_counts = {"ubatches": 0}
+
+
+def _count(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if b"added ubatch" in text:
+        _counts["ubatches"] += 1
+
+
+_COUNTING = llama_cpp.llama_log_callback(_count)  # kept alive: llama.cpp holds the pointer
+
+
+def measure(args: argparse.Namespace, count: bool) -> dict:
+    if count:
+        os.environ["LLAMA_BATCH_DEBUG"] = "1"
+    preset = load_preset("default").with_overrides(
+        temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx)
+    files = ModelFiles(target=args.target, draft=args.draft, name="slot_rounds")
+    _LoadPolicy.SHARES = (1.0,)  # every round drafts its full length: the same rounds before and after
+    with open_session(files, preset, parallel=args.slots) as session:
+        if count:
+            llama_cpp.llama_log_set(_COUNTING, ctypes.c_void_p(0))
+        engine: Engine = session.engine
+        slots = list(range(args.slots))
+        if args.order == "scrambled":
+            slots = np.random.default_rng(7).permutation(args.slots).tolist()
+        rng = np.random.default_rng(3)
+        streams = []
+        for i, slot in enumerate(slots):
+            prompt = rng.integers(100, min(session.target.n_vocab, 40_000), size=12 + i).tolist()
+            sampling = dataclasses.replace(preset.sampling, seed=100 + i)
+            streams.append(engine.start(prompt, sampling, Drafting(args.k, 0.0, False), 10**6, slot=slot))
+        for _ in range(args.warmup):
+            engine.step(streams)
+            for s in streams:
+                list(s.events())
+        per_round, seconds = [], []
+        for _ in range(args.rounds):
+            before = _counts["ubatches"]
+            t = time.perf_counter()
+            engine.step(streams)
+            seconds.append(time.perf_counter() - t)
+            for s in streams:
+                list(s.events())
+            per_round.append(_counts["ubatches"] - before)
+        tokens = sum(s.stats.tokens for s in streams)
+        return {"rounds": args.rounds, "round_s_median": statistics.median(seconds),
+                "rounds_per_s": args.rounds / sum(seconds), "tokens": tokens,
+                "ubatches_per_round": statistics.mean(per_round) if count else None,
+                "acceptance": sum(s.stats.accepted for s in streams) / max(1, sum(s.stats.drafted for s in streams))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slot_rounds.py", description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--draft", type=Path, required=True)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--order", choices=("scrambled", "ascending"), default="scrambled")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--k", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=1024, help="context per slot")
+    p.add_argument("--count-ubatches", action="store_true", help="also count llama.cpp's ubatches per round")
+    p.add_argument("--json", type=Path, dest="json_out")
+    args = p.parse_args(argv)
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "timed": measure(args, count=False)}
+    if args.count_ubatches:
+        result["counted"] = measure(args, count=True)
+    print(json.dumps(result, indent=1))
+    if args.json_out:
+        atomic_write(args.json_out, json.dumps(result, indent=1) + "\n", what="--json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""What stands between the network and the routes: limits a web page, a LAN neighbour or one big request cannot
+get past. Every route gets them, including routes added later, because they are ASGI middleware and a uvicorn
+protocol, not per-route code.
+
+- `Guard` (ASGI middleware): without an API key, a `Host` header must name the bound address or a loopback name
+  (a web page that rebinds its DNS name to 127.0.0.1 sends its own name; `[server] allowed_hosts` adds more); a
+  POST must say `Content-Type: application/json` (a cross-site "simple request" cannot, without a CORS preflight);
+  at most `max_requests` requests are handled at once (more: 503 at once; /health is exempt, it is what a
+  monitor asks when everything else is busy); a body is read whole here within `read_timeout`, refused as soon as
+  it passes what any prompt the context can hold needs (`PromptLimits.body_bytes`), then replayed to the route.
+- `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
+  uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
+  few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
+  when full (uvicorn's `limit_concurrency` counts idle connections too and answers plain-text 503s, so 1,000 idle
+  sockets would make /health a 503), and an answer for half-closed requests (uvicorn closes on EOF, before
+  replying).
+- `raise_open_files_limit`, `quiet_accept_errors`: the soft open-files limit raised to the hard one at start, and
+  asyncio's per-event "out of system resource" traceback for a failed accept() logged once instead.
+- `PromptLimits`: the bounds a prompt must pass before it is rendered or tokenized in full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import resource
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS, RequestError
+
+log = logging.getLogger("localspec.server")
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+UNGUARDED_PATHS = ("/health", "/v1/health")  # answered even when max_requests are running
+MIN_BODY_BYTES = 1 << 20  # room for any ordinary request, whatever the context
+UNBOUNDED_BODY_BYTES = 16 << 20  # where a tokenizer can fold long runs into one token (no byte bound per token)
+JSON_ESCAPE = 6  # the most bytes JSON needs for one byte of text (a control character as \u0001)
+PER_TOKEN_OVERHEAD = 64  # JSON per message (role, braces) when every message is one token
+# asyncio accepts up to uvicorn's `backlog` connections per loop turn, and they reach a protocol (which counts and
+# sheds them) only two or three turns later, while a closed connection's file is released a turn after closing:
+# uvicorn's default of 2048 per turn overshoots any cap (measured: "Too many open files" with 512 to spare at
+# 128 per turn). So asyncio takes 32 per turn, the cap keeps room for eight turns, and the kernel's queue of
+# waiting connections is set larger again after uvicorn starts, so bursts wait there instead of being dropped.
+ACCEPT_BATCH = 32
+LISTEN_BACKLOG = 1024
+FD_RESERVE = 8 * ACCEPT_BATCH
+MAX_SOFT_NOFILE = 1 << 16
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, the one every error of this server has."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- prompt bounds ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt of at most `n_ctx` tokens can be. `max_piece_bytes`: the longest text any one token stands
+    for (None when the tokenizer normalizes text, e.g. folds runs of spaces, so bytes do not bound tokens)."""
+
+    n_ctx: int
+    max_piece_bytes: int | None
+
+    @property
+    def text_chars(self) -> int | None:
+        """A text with more characters than this has more than n_ctx tokens (each token covers at most
+        max_piece_bytes bytes, and a character is at least one byte), so it is refused before tokenizing."""
+        return None if self.max_piece_bytes is None else self.n_ctx * self.max_piece_bytes
+
+    @property
+    def body_bytes(self) -> int:
+        """The largest request body worth reading: a full context of the longest tokens, JSON-escaped, one
+        message per token, plus every stop string."""
+        if self.text_chars is None:
+            return UNBOUNDED_BODY_BYTES
+        stops = MAX_STOPS * MAX_STOP_CHARS * JSON_ESCAPE
+        return max(MIN_BODY_BYTES, JSON_ESCAPE * self.text_chars + PER_TOKEN_OVERHEAD * self.n_ctx + stops)
+
+    def check_text(self, text: str, param: str) -> None:
+        if self.text_chars is not None and len(text) > self.text_chars:
+            raise RequestError(
+                f"{param}: {len(text)} characters are more than {self.n_ctx} tokens (no token of this model stands "
+                f"for more than {self.max_piece_bytes} bytes) and the context holds {self.n_ctx}: prompt and reply "
+                "must fit", param=param, code="context_length_exceeded")
+
+    def check_messages(self, contents: list[str]) -> None:
+        """Before the chat template runs: a message takes at least one token, and the text bound holds for all
+        messages together."""
+        if len(contents) >= self.n_ctx:
+            raise RequestError(f"messages: {len(contents)} messages cannot fit a context of {self.n_ctx} tokens",
+                               param="messages", code="context_length_exceeded")
+        self.check_text("".join(contents) if self.text_chars is not None else "", "messages")
+
+
+# -- the middleware -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    bound_host: str = "127.0.0.1"  # the address the socket listens on
+    allowed_hosts: tuple[str, ...] = ()  # more Host names answered without a key ("*" = any)
+    max_requests: int = 64
+    read_timeout: float = 20.0
+
+
+class GuardedState(Protocol):
+    """What the guard reads from the server's state (localspec.server.app.ServerState)."""
+
+    api_key: str | None
+    guard: GuardSettings
+
+    def body_limit(self) -> int: ...
+
+
+class Guard:
+    """Pure ASGI middleware (not BaseHTTPMiddleware: that would buffer streaming responses)."""
+
+    def __init__(self, app: ASGIApp, state: GuardedState) -> None:
+        self.app = app
+        self.state = state
+        self.running = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await _respond(send, *refusal)
+            return
+        counted = scope["path"] not in UNGUARDED_PATHS
+        if counted and self.running >= self.state.guard.max_requests:
+            await _respond(send, 503, error_body(
+                f"the server is handling {self.running} requests, its limit ([server] max_requests); retry later",
+                "server_error", code="too_many_requests"), {"Retry-After": "1"})
+            return
+        self.running += counted
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await self._read_body(headers, receive, send)
+                if body is None:
+                    return
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= counted
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
+        if self.state.api_key is None and "host" in headers and not self._host_allowed(headers["host"]):
+            allowed = ", ".join(self._allowed_names())
+            return 403, error_body(
+                f"Host {headers['host'][:100]!r} is not this server's address: without an API key only {allowed} "
+                "are answered (a web page can point its own name at this machine); allow more with --allowed-hosts "
+                "or [server] allowed_hosts, or set --api-key", "invalid_request_error", param="Host",
+                code="host_not_allowed")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json" and not kind.endswith("+json"):
+                return 415, error_body(
+                    f"Content-Type must be application/json (got {kind[:60]!r}): a browser sends other types "
+                    "cross-site without asking", "invalid_request_error", param="Content-Type",
+                    code="unsupported_media_type")
+        return None
+
+    def _allowed_names(self) -> list[str]:
+        settings = self.state.guard
+        names = [*LOOPBACK_NAMES, settings.bound_host.lower(), *settings.allowed_hosts]
+        return list(dict.fromkeys(n for n in names if n not in ("0.0.0.0", "::", "")))
+
+    def _host_allowed(self, host: str) -> bool:
+        names = self._allowed_names()
+        if "*" in names:
+            return True
+        host = host.strip().lower()
+        if host.startswith("["):  # [::1]:8080
+            name = host[1 : host.find("]")] if "]" in host else host
+        else:
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return name.rstrip(".") in names
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive, send: Send) -> bytes | None:
+        """The whole body within the limit and the read timeout, or None once an error is sent (or the client
+        left)."""
+        limit = self.state.body_limit()
+        too_large = error_body(
+            f"the request body is larger than {limit} bytes, more than any prompt this server's context can hold "
+            "needs", "invalid_request_error", code="request_too_large")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await _respond(send, 413, too_large, {"Connection": "close"})
+            return None
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.state.guard.read_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        await _respond(send, 413, too_large, {"Connection": "close"})
+                        return None
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            await _respond(send, 408, error_body(
+                f"the request body did not arrive within {self.state.guard.read_timeout:g} s ([server] "
+                "read_timeout)", "invalid_request_error", code="request_timeout"), {"Connection": "close"})
+            return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, then the client's own messages (a disconnect, when it leaves)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _respond(send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+# -- connections ----------------------------------------------------------------------------------------------
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft open-files limit to the hard one (desktops often start with 1024: a thousand idle sockets
+    would then starve everything else); returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = MAX_SOFT_NOFILE if hard == resource.RLIM_INFINITY else min(hard, MAX_SOFT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # a container may refuse: the connection cap below follows whatever limit holds
+    return soft
+
+
+def max_connections(open_files: int) -> int:
+    """Connections kept open at most: the open-files limit less what the process needs besides."""
+    return max(64, open_files - FD_RESERVE)
+
+
+def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a header deadline, a connection cap and half-close support (see the module
+    docstring for why each is needed beyond what uvicorn and h11 offer)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    # Connections waiting for a request head, longest first (a dict keeps insertion order): shedding is O(1).
+    waiting: dict[Any, None] = {}
+
+    class GuardedH11Protocol(H11Protocol):
+        half_closed = False
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._await_head()
+            if len(self.connections) > connection_cap:
+                self._shed_one()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            waiting.pop(self, None)
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                waiting.pop(self, None)  # a request is running: not idle
+
+        def _await_head(self) -> None:
+            """Arm the deadline for the next request's headers (its cycle is not there yet)."""
+            waiting.pop(self, None)
+            waiting[self] = None
+            self.loop.call_later(read_timeout, self._head_deadline, self.cycle)
+
+        def _head_deadline(self, cycle: Any) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if self.cycle is cycle and idle and not self.transport.is_closing():
+                self.transport.close()  # no complete request head in time: slowloris, or a silent socket
+
+        def _shed_one(self) -> None:
+            """Full: close the connection that has waited longest for a request (this one, if none else). A
+            closed one stays in uvicorn's set until the loop's next turn: skip those."""
+            while waiting:
+                oldest = next(iter(waiting))
+                del waiting[oldest]
+                if not oldest.transport.is_closing():
+                    oldest.transport.close()
+                    return
+            self.transport.close()
+
+        def on_response_complete(self) -> None:
+            self._await_head()
+            if self.half_closed:  # the client said it sends nothing more: no next request will come
+                self.server_state.total_requests += 1
+                self.transport.close()
+                return
+            super().on_response_complete()
+
+        def eof_received(self) -> bool | None:  # type: ignore[override]
+            """A client that shuts down its sending side after a request (`nc -N`, some proxies) still waits
+            for the answer: keep the socket open until it is sent."""
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.half_closed = True
+                return True
+            return None
+
+    return GuardedH11Protocol
+
+
+_ACCEPT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio reports each accept() that fails for lack of file descriptors with a traceback (and retries a
+    second later); say it once, in one line, until accepting works again."""
+    told = False
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        nonlocal told
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _ACCEPT_ERRNOS and "accept" in context.get("message", ""):
+            if not told:
+                told = True
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                log.warning("cannot accept connections: %s (open-files limit %d); new clients wait until some "
+                            "close (this is said once)", exc.strerror, soft)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)

@@ -1,0 +1,58 @@
+"""Loading models through llama_ctx: the load-time sequence probe on any vocabulary, and a model as a process's
+very first llama.cpp call."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers_vocab import N_TOKENS, base_vocab, write_vocab
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bos_last_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny pair whose vocabulary ends with its BOS (= EOS) token, as GPT-2-style vocabularies do."""
+    from gguf import TokenType
+    from synthetic import TINY, write_pair
+
+    folder = tmp_path_factory.mktemp("bos-last")
+    vocab = base_vocab()
+    last = N_TOKENS - 1
+    tokens = list(vocab["tokens"])
+    tokens[last] = "<|endoftext|>"
+    types = list(vocab["types"])
+    types[last] = TokenType.CONTROL
+    source = write_vocab(folder / "vocab.gguf", tokens=tokens, types=types, bos=last, eos=last)
+    target, draft = folder / "target.gguf", folder / "draft.gguf"
+    write_pair(target, draft, dataclasses.replace(TINY, wtype="q4_0"), vocab_source=source)
+    return target, draft
+
+
+def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
+    from localspec.llama_ctx import LlamaModel
+
+    with LlamaModel(bos_last_pair[0], n_ctx=64, n_seq=2, n_threads=1, devices=[]) as model:
+        assert model.bos == model.n_vocab - 1
+        assert model.sequence_batch_error == 0.0 and model.batches_sequences
+
+
+def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):
+    """`LlamaModel(path)` before any device query: the backend and ggml's device registry are up before llama.cpp
+    loads anything (on the H200 image this order crashed inside llama_model_load_from_file)."""
+    code = ("import sys; from localspec import llama_ctx; m = llama_ctx.LlamaModel(sys.argv[1], n_ctx=64, "
+            "n_threads=1, devices=[]); assert llama_ctx._ggml_lib is not None, 'no device registry'; "
+            "print(m.n_vocab)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, str(bos_last_pair[0])], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(N_TOKENS)
