@@ -28,9 +28,10 @@ from pathlib import Path
 import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
 import numpy as np
 
-from localspec.config import Drafting, load_preset
-from localspec.engine import Engine, _LoadPolicy
+from localspec.config import load_preset
+from localspec.engine import Engine
 from localspec.fsutil import atomic_write
+from localspec.policies import LoadPolicy as _LoadPolicy
 from localspec.session import ModelFiles, open_session
 
 _counts = {"ubatches": 0}
@@ -63,7 +64,8 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
         for i, slot in enumerate(slots):
             prompt = rng.integers(100, min(session.target.n_vocab, 40_000), size=12 + i).tolist()
             sampling = dataclasses.replace(preset.sampling, seed=100 + i)
-            streams.append(engine.start(prompt, sampling, Drafting(args.k, 0.0, False), 10**6, slot=slot))
+            drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False)
+            streams.append(engine.start(prompt, sampling, drafting, 10**6, slot=slot))
         for _ in range(args.warmup):
             engine.step(streams)
             for s in streams:

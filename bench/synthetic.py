@@ -914,8 +914,9 @@ def measure_agreement(
         for prompt in _iter_prompts(n_prompts, tgt.n_vocab, prompt_len, seed=7):
             tgt.clear()
             dft.clear()
-            logits = tgt.decode(prompt, 0, all_logits=True)
-            assert logits is not None
+            scores = tgt.decode(prompt, 0, all_logits=True)
+            assert scores is not None
+            logits = scores.logits
             t_ctx = logits.argmax(axis=1)
             seq = list(prompt)
             nxt = int(t_ctx[-1])
@@ -923,12 +924,12 @@ def measure_agreement(
                 seq.append(nxt)
                 out = tgt.decode([nxt], len(seq) - 1)
                 assert out is not None
-                nxt = int(out[0].argmax())
+                nxt = int(out.argmax()[0])
             seq.append(nxt)
             target_next = np.asarray(seq[prompt_len:])  # target's greedy choice after each position >= len-1
-            d_logits = dft.decode(seq[:-1], 0, all_logits=True)
-            assert d_logits is not None
-            d_arg = d_logits.argmax(axis=1)
+            d_scores = dft.decode(seq[:-1], 0, all_logits=True)
+            assert d_scores is not None
+            d_arg = d_scores.argmax()
             ctx_agree += int((d_arg[: prompt_len - 1] == t_ctx[:-1]).sum())
             ctx_total += prompt_len - 1
             agree += int((d_arg[prompt_len - 1 :] == target_next).sum())

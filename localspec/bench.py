@@ -38,6 +38,42 @@ PROMPTS: tuple[tuple[str, str], ...] = (
     ("prose", "Write a short story about a lighthouse keeper who finds a message in a bottle.\n"),
     ("qa", "Question: Why is the sky blue? Explain it simply, step by step.\nAnswer:"),
 )
+# Where prompt lookup matters: replies that repeat their prompt (`--prompts lookup`).
+_FUNCTION = '''def summarize_orders(orders, tax_rate):
+    """Total, count and mean of the paid orders, with tax."""
+    total = 0.0
+    count = 0
+    for order in orders:
+        if order["status"] != "paid":
+            continue
+        amount = order["amount"] * (1.0 + tax_rate)
+        total += amount
+        count += 1
+    mean = total / count if count else 0.0
+    return {"total": round(total, 2), "count": count, "mean": round(mean, 2)}
+'''
+_DOCUMENT = (
+    "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. The lanes, which opened in "
+    "March, run for two miles from the train station to the river park. Since they opened, the number of people "
+    "cycling to work has doubled, according to counts taken by the transport office every Monday morning. Shop "
+    "owners on Main Street were worried that fewer parking spaces would mean fewer customers, but sales in the "
+    "street rose by four percent over the same months. The council voted to extend the lanes by one mile to the "
+    "university next year, at a cost of two hundred thousand dollars, paid from the transport budget."
+)
+_RECORDS = (
+    '[{"id": 1, "name": "Alice", "email": "alice@example.com", "role": "admin", "active": true}, '
+    '{"id": 2, "name": "Bob", "email": "bob@example.com", "role": "editor", "active": false}, '
+    '{"id": 3, "name": "Carol", "email": "carol@example.com", "role": "viewer", "active": true}]'
+)
+LOOKUP_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("code-edit", "Rename the variable `total` to `paid_total` in this Python function and return the whole "
+                  f"function, otherwise unchanged:\n\n```python\n{_FUNCTION}```\n"),
+    ("summarise", f"Document:\n{_DOCUMENT}\n\nSummarise the document in three sentences, reusing its own "
+                  "words where you can.\n"),
+    ("json", f"Reformat this JSON with two-space indentation, one key per line, keys in the same order:\n"
+             f"{_RECORDS}\n"),
+)
+PROMPT_SETS = {"shipped": PROMPTS, "lookup": LOOKUP_PROMPTS}  # `--prompts NAME`
 WARMUP_TOKENS = 16
 PROGRESS_EVERY_S = 0.5  # how often a run reports its tokens so far: a slow machine must never look hung
 SWEEP_NEXT = "`localspec bench --sweep 2,4,6,8`"
@@ -58,16 +94,19 @@ class BenchPrompt:
     messages: tuple[dict[str, str], ...] | None = None
 
 
-def shipped_prompts() -> list[BenchPrompt]:
-    return [BenchPrompt(name, text=text) for name, text in PROMPTS]
+def shipped_prompts(name: str = "shipped") -> list[BenchPrompt]:
+    return [BenchPrompt(prompt, text=text) for prompt, text in PROMPT_SETS[name]]
 
 
-def load_prompts(path: Path) -> list[BenchPrompt]:
-    """`--prompts FILE`: one prompt per line, or JSONL with `prompt` (text) or `messages` (a conversation).
+def load_prompts(path: str | Path) -> list[BenchPrompt]:
+    """`--prompts FILE`: one prompt per line, or JSONL with `prompt` (text) or `messages` (a conversation); or a
+    shipped set's name (`PROMPT_SETS`: a file of that name is `./NAME`).
 
     A file is JSONL when its name ends in `.jsonl` or its first non-blank line starts with `{`. Blank lines are
     skipped; an error names the file and the line.
     """
+    if isinstance(path, str) and path in PROMPT_SETS:  # (a str: Path("./lookup") would read as "lookup")
+        return shipped_prompts(path)
     lines = read_text(Path(path)).splitlines()  # a missing, unreadable, special or non-UTF-8 file: one line
     numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
@@ -390,8 +429,9 @@ def _text_with_ends(session: Session, tokens: list[int]) -> tuple[str, list[int]
 def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | None = None,
               raw: bool = False) -> Iterator[BenchEvent]:
     """Warm up, then `preset.bench.repeat` plain and speculative runs, interleaved; then the greedy check."""
-    if session.draft is None:
-        raise UsageError("bench compares plain with speculative decoding: it needs a draft model")
+    if preset.draft.drafter not in session.engine.drafters:
+        raise UsageError("bench compares plain with speculative decoding: it needs a draft model "
+                         "(or --drafter lookup)")
     settings = preset.bench
     kind = prompt_mode(session, raw)
     prompts = tokenize_prompts(session, prompts, raw)
@@ -499,7 +539,9 @@ def threads_line(session: Session) -> str:
 def placement(session: Session) -> dict[str, Any]:
     """Where each model runs and whether the draft drafts ahead: bench's header line and its JSON."""
     plan = session.plan
-    return {"target": plan.target.describe() if plan else None, "draft": plan.draft.describe() if plan else None,
+    return {"target": plan.target.describe() if plan else None,
+            "draft": plan.draft.describe() if plan and session.draft else None,
+            "drafter": session.preset.draft.drafter,
             "target_devices": [d.name for d in session.target.devices],
             "draft_devices": [d.name for d in session.draft.devices] if session.draft else [],
             "draft_ahead": session.engine.draft_ahead}
@@ -546,8 +588,8 @@ SweepEvent = WarmupStep | RunProgress | RunDone | SweepReport
 def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: list[BenchPrompt] | None = None,
               raw: bool = False) -> Iterator[SweepEvent]:
     """Median tok/s per draft length (plus plain decoding as the baseline), the k values interleaved per repeat."""
-    if session.draft is None:
-        raise UsageError("a draft-length sweep needs a draft model")
+    if preset.draft.drafter not in session.engine.drafters:
+        raise UsageError("a draft-length sweep needs a draft model (or --drafter lookup)")
     settings = preset.bench
     prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):

@@ -466,7 +466,7 @@ class ChatSession:
             user=text, reply=reply, stop_reason=done.stop_reason if done else STOP_INTERRUPTED,
             tokens=len(tokens), from_draft=from_draft, prompt_tokens=len(prompt),
             prompt_tokens_processed=processed,
-            n_draft=drafting.n_draft if self.engine.draft is not None else 0,
+            n_draft=drafting.n_draft if drafting.drafter in self.engine.drafters else 0,
             temperature=sampling.temperature, dropped_turns=dropped,
             stats=done.stats if done else None,
             reread=min(processed, len(cached) - common) if processed is not None else 0,
@@ -512,9 +512,10 @@ class ChatSession:
         self.preset = dataclasses.replace(chosen, load=self.preset.load)
 
     def set_draft(self, n_draft: int) -> None:
-        if n_draft > 0 and self.engine.draft is None:
+        if n_draft > 0 and self.preset.draft.drafter not in self.engine.drafters:
             raise LocalspecError(
-                f"/draft {n_draft}: no draft model is loaded (start chat with a pair or --draft PATH)"
+                f"/draft {n_draft}: no draft model is loaded (start chat with a pair or --draft PATH, or "
+                "--drafter lookup)"
             )
         self.preset = self.preset.with_overrides(n_draft=n_draft)
 

@@ -113,11 +113,22 @@ class Sampling:
         return active and self.repeat_last_n > 0
 
 
+DRAFTERS = ("model", "lookup", "chain")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
+
+
 @dataclass(frozen=True)
 class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # tune the draft length from recent acceptance
+    # Who drafts (localspec.drafters' registry): the draft model, prompt lookup, or lookup then the model.
+    drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
+    lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
+    lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first
+
+    def __post_init__(self) -> None:
+        if self.lookup_min > self.lookup_max:
+            raise ConfigError(f"draft.lookup_min = {self.lookup_min} is above draft.lookup_max = {self.lookup_max}")
 
 
 @dataclass(frozen=True)

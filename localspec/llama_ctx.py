@@ -27,6 +27,7 @@ import numpy as np
 
 from localspec.errors import ContextFullError, DecodeError, LocalspecError, ModelLoadError, TooManyTokens
 from localspec.gguf_header import read_header
+from localspec.scores import DeviceDist, Scores
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
@@ -293,9 +294,6 @@ class TopK:
     ids: np.ndarray  # (rows, k) int32; k = 1 with the device's greedy sampler
     logits: np.ndarray  # (rows, k) float32 (zeros with the greedy sampler: only the argmax is known)
 
-    def argmax(self) -> np.ndarray:
-        return self.ids[np.arange(len(self.ids)), np.argmax(self.logits, axis=1)]
-
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
@@ -304,19 +302,13 @@ class Sampled:
     tokens: np.ndarray  # (rows,) int32
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceDist:
-    """Plain decoding's whole sampling pipeline as one device chain: top-k → top-p → min-p → temperature → a draw.
-
-    llama.cpp's order and rules (top-p and min-p on the softmax at temperature 1), the same pipeline as
-    `localspec.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
-    """
-
-    top_k: int  # 0 = off
-    top_p: float  # 1 = off
-    min_p: float  # 0 = off
-    temperature: float  # > 0
-    seed: int
+def _as_scores(raw: np.ndarray | TopK | Sampled | None) -> Scores | None:
+    """What the decode made, as the one type callers see."""
+    if raw is None or isinstance(raw, np.ndarray):
+        return None if raw is None else Scores(raw)
+    if isinstance(raw, TopK):
+        return Scores(raw.logits, ids=raw.ids)
+    return Scores(None, drawn=raw.tokens)
 
 
 DecodeItem = tuple[int, Sequence[int], int, bool]  # (sequence id, tokens, first position, a row for every token)
@@ -542,28 +534,28 @@ class LlamaModel:
     # -- decoding -------------------------------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
-               seq: int = 0) -> np.ndarray | TopK | Sampled | None:
+               seq: int = 0) -> Scores | None:
         """Append `tokens` at positions start_pos.. to sequence `seq`'s KV cells and wait for the scores.
 
-        Returns logits as a (rows, n_vocab) float32 view into llama.cpp's buffer (valid until the next decode),
-        or what the sequence's device sampler made (`TopK`, `Sampled`): one row per token with `all_logits`,
-        else one row for the last token. Prompt-sized inputs are split into n_batch chunks.
+        Returns the `Scores` the sequence's device sampler made (full logits are a (rows, n_vocab) float32 view
+        into llama.cpp's buffer, valid until the next decode): one row per token with `all_logits`, else one row
+        for the last token; None for no tokens. Prompt-sized inputs are split into n_batch chunks.
         """
-        return self._decode_batched([(seq, tokens, start_pos, all_logits)])[0]
+        return _as_scores(self._decode_batched([(seq, tokens, start_pos, all_logits)])[0])
 
-    def decode_many(self, items: Sequence[DecodeItem]) -> list[np.ndarray | TopK | Sampled | None]:
+    def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
         them. With device sampler chains on several sequences, each call covers every sequence that has one
         (`_covering_calls`); otherwise the items go in ascending sequence order, one ubatch a call
         (`decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
         the items one after another."""
         if self.batches_sequences or len({item[0] for item in items}) < 2:
-            return self._decode_batched(items, cover=True)
+            return [_as_scores(r) for r in self._decode_batched(items, cover=True)]
         results = [self._decode_batched([item])[0] for item in items]
         for i, scores in enumerate(results[:-1]):
             if isinstance(scores, np.ndarray) and scores.base is not None:
                 results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
-        return results
+        return [_as_scores(r) for r in results]
 
     def _decode_batched(self, items: Sequence[DecodeItem],
                         cover: bool = False) -> list[np.ndarray | TopK | Sampled | None]:

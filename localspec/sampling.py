@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from localspec.config import Sampling
+from localspec.scores import Scores
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,12 @@ class Candidates:
 
     def top_prob(self, row: int) -> float:
         return float(self.probs[row].max())
+
+
+def point_mass(token: int) -> Candidates:
+    """The proposal distribution of a deterministic drafter (lookup): all of q on `token`. Rejection sampling
+    against it accepts with probability p(token) and otherwise draws from p without `token`: exactly p."""
+    return Candidates(ids=np.array([[token]], dtype=np.int64), probs=np.ones((1, 1)))
 
 
 def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -139,3 +146,27 @@ def accept_or_resample(token: int, p: Candidates, row: int, q: Candidates,
     if q_x > 0.0 and rng.random() * q_x < p_x:
         return True, token
     return False, _draw(*residual_distribution(p.ids[row], p.probs[row], q.ids[0], q.probs[0]), rng)
+
+
+def penalized(scores: Scores, history: list[int], cfg: Sampling) -> Scores:
+    """Every row with the penalties applied; row i sees the history plus the rows before it. Penalties are asked
+    for full rows (the loop's device modes), so device candidates pass through unchanged."""
+    if not scores.full or not cfg.penalized:
+        return scores
+    base = len(history) - len(scores) + 1  # row i follows history[:base + i]
+    assert scores.logits is not None
+    return scores.with_logits(np.stack([apply_penalties(row, history[: base + i], cfg)
+                                        for i, row in enumerate(scores.logits)]))
+
+
+def greedy_tokens(scores: Scores, history: list[int], cfg: Sampling) -> np.ndarray:
+    """Each row's token at temperature 0 (after the penalties)."""
+    return penalized(scores, history, cfg).argmax()
+
+
+def distributions(scores: Scores, history: list[int], cfg: Sampling) -> Candidates:
+    """The sampling pipeline for every row, from full logits or the device's candidates."""
+    if scores.ids is not None:  # only chosen when no penalty applies
+        assert scores.logits is not None
+        return candidates_from_top_k(scores.ids, scores.logits, cfg)
+    return candidates(penalized(scores, history, cfg).logits, cfg)  # type: ignore[arg-type]

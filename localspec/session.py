@@ -74,10 +74,12 @@ def _check_model_file(path: Path) -> None:
 
 def settle_preset(preset: Preset, files: ModelFiles | None, *, prefer: str | None = None,
                   flags: dict[str, str] | None = None, **overrides: object) -> Preset:
-    """Command-line values win, then what the pair recommends (context, draft length, KV type), then the
-    preset."""
+    """Command-line values win, then what the pair recommends (context, draft length, KV type; without a draft
+    model, prompt lookup as the drafter), then the preset."""
     if files is not None:
-        for key, recommended in (("n_ctx", files.n_ctx), ("n_draft", files.n_draft), ("kv_type", files.kv_type)):
+        lookup = "lookup" if files.draft is None else None
+        for key, recommended in (("n_ctx", files.n_ctx), ("n_draft", files.n_draft), ("kv_type", files.kv_type),
+                                 ("drafter", lookup)):
             if overrides.get(key) is None:
                 overrides[key] = recommended
     return preset.with_overrides(prefer=prefer, flags=flags, **overrides)

@@ -19,6 +19,16 @@ def _file(tmp_path: Path, text: str, name: str = "prompts.txt") -> Path:
     return path
 
 
+def test_the_lookup_set_is_a_name_and_a_file_of_that_name_is_dot_slash(tmp_path: Path, monkeypatch) -> None:
+    shipped = load_prompts("lookup")
+    assert [p.name for p in shipped] == ["code-edit", "summarise", "json"]
+    assert "def summarize_orders" in (shipped[0].text or "")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lookup").write_text("mine\n")
+    assert [p.text for p in load_prompts("./lookup")] == ["mine"]
+    assert [p.text for p in load_prompts(Path("lookup"))] == ["mine"]
+
+
 def test_one_prompt_per_line_skips_blank_lines(tmp_path: Path) -> None:
     prompts = load_prompts(_file(tmp_path, "Explain DNS.\n\n  \nWrite a haiku about rust.\n"))
     assert prompts == [BenchPrompt("line 1", text="Explain DNS."),

@@ -134,6 +134,23 @@ def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
     assert settle_preset(load_preset(), plain_files).load.n_ctx == load_preset().load.n_ctx
 
 
+def test_without_a_draft_model_the_drafter_is_lookup_unless_given(tmp_path):
+    from localspec.session import ModelFiles, settle_preset
+
+    solo = ModelFiles(target=tmp_path / "t.gguf", draft=None, name="custom")
+    assert settle_preset(load_preset(), solo).draft.drafter == "lookup"
+    assert settle_preset(load_preset(), solo, drafter="model").draft.drafter == "model"  # then: plain decoding
+    paired = ModelFiles(target=solo.target, draft=tmp_path / "d.gguf", name="custom")
+    assert settle_preset(load_preset(), paired).draft.drafter == "model"
+
+
+def test_lookup_sizes_are_checked_together():
+    with pytest.raises(ConfigError, match="draft.lookup_min = 9 is above draft.lookup_max = 8"):
+        load_preset().with_overrides(lookup_min=9)
+    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of model, lookup, chain"):
+        load_preset().with_overrides(drafter="medusa", flags={"drafter": "--drafter"})
+
+
 def test_tests_never_see_the_developers_own_home() -> None:
     """conftest points LOCALSPEC_HOME at an empty folder per test: a developer's greedy.toml cannot leak in."""
     from localspec import paths

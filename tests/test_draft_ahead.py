@@ -4,11 +4,13 @@ does. Two real contexts on the CPU; on a machine with two GPUs the same code ove
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from localspec import engine
-from localspec.config import Drafting, load_preset
+from localspec.config import load_preset
 from localspec.engine import collect
 from localspec.session import ModelFiles, open_session
 
@@ -61,7 +63,7 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: st
     if lengths == "changing":
         request.getfixturevalue("changing_length")
     preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=11)
-    drafting = Drafting(n_draft=5, p_min=p_min, adaptive=False)
+    drafting = dataclasses.replace(GREEDY.draft, n_draft=5, p_min=p_min, adaptive=False)
     kept = made = 0
     with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
         assert not s.engine.draft_ahead  # auto: both models on the CPU share one device

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
+from localspec.drafters.base import device_mode
 from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, IncompatiblePairError, UsageError
 from localspec.llama_ctx import LlamaModel
 from localspec.sampling import candidates
+from localspec.scores import DeviceDist
 from localspec.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
 
@@ -22,7 +24,7 @@ GREEDY = load_preset("greedy")
 
 
 def drafting(k: int, adaptive: bool = False, p_min: float = 0.0) -> Drafting:
-    return Drafting(n_draft=k, p_min=p_min, adaptive=adaptive)
+    return dataclasses.replace(GREEDY.draft, n_draft=k, p_min=p_min, adaptive=adaptive)
 
 
 def run(engine, prompt, sampling, draft: Drafting, max_tokens: int):
@@ -58,9 +60,9 @@ def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
             n = len(prompt)
             model.decode(prompt[:-1], 0)
             follow = [prompt[-1], 11, 12, 13, 14, 15]
-            single = [model.decode([tok], n - 1 + i, all_logits=True)[0].copy() for i, tok in enumerate(follow)]
+            single = [model.decode([tok], n - 1 + i, all_logits=True).logits[0].copy() for i, tok in enumerate(follow)]
             model.truncate(n - 1)
-            batch = model.decode(follow, n - 1, all_logits=True)
+            batch = model.decode(follow, n - 1, all_logits=True).logits
             assert np.array_equal(np.stack(single), batch), path.name
 
 
@@ -127,13 +129,13 @@ def test_greedy_with_penalties_is_lossless_and_applies_them(use_demo_home):
         s.engine.reset()
         s.target.use_device_sampler(None)
         reference: list[int] = []
-        logits = s.target.decode(prompt, 0)
+        logits = s.target.decode(prompt, 0).logits
         while len(reference) < n:
             token = int(np.argmax(apply_penalties(logits[0], prompt + reference, penalised)))
             if s.target.is_eog(token):
                 break
             reference.append(token)
-            logits = s.target.decode([token], len(prompt) + len(reference) - 1)
+            logits = s.target.decode([token], len(prompt) + len(reference) - 1).logits
         s.engine.reset()
     assert spec == plain == reference
     assert done.stats.accepted > 0
@@ -170,7 +172,7 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
         prompt = prompts(1, seed=21)[0]
         s.engine.reset()
         s.target.use_device_sampler(None)  # the reference p comes from the full logits
-        logits = s.target.decode(prompt, 0)
+        logits = s.target.decode(prompt, 0).logits
         p = candidates(logits, preset.sampling)
         s.engine.reset()
         n = 1500
@@ -182,6 +184,39 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_pair, device_
             firsts[tokens[0]] += 1
             accepted += done.stats.accepted
     assert 0 < accepted < n  # both branches (accept and resample) were taken
+    p_first = dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+    assert chi_square(firsts, p_first) < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "chain"])
+def test_lookup_and_chained_sampling_preserve_the_target_distribution(tiny_pair, drafter):
+    """Prompt lookup proposes a point mass: the first emitted token must still follow p exactly. The prompt ends
+    with an n-gram seen before, followed there by p's likeliest token, so lookup drafts a token that p often
+    accepts and sometimes rejects."""
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    with open_pair(*tiny_pair, device_top_k=64) as s:
+        head = prompts(1, seed=31, length=6)[0]
+        likely = head[0]
+        for _ in range(4):  # settle on the token p likes after a prompt that ends as it did before that token
+            prompt = [*head, likely, *head]
+            s.engine.reset()
+            s.target.use_device_sampler(None)
+            p = candidates(s.target.decode(prompt, 0).logits, preset.sampling)
+            likely = int(p.ids[0][0])
+        prompt = [*head, likely, *head]
+        s.engine.reset()
+        p = candidates(s.target.decode(prompt, 0).logits, preset.sampling)
+        s.engine.reset()
+        n = 1500
+        firsts = Counter()
+        accepted = drafted = 0
+        for seed in range(n):
+            sampling = dataclasses.replace(preset.sampling, seed=seed)
+            tokens, _, done = run(s.engine, prompt, sampling,
+                                  dataclasses.replace(drafting(1), drafter=drafter, lookup_min=3), 2)
+            firsts[tokens[0]] += 1
+            accepted, drafted = accepted + done.stats.accepted, drafted + done.stats.drafted
+    assert drafted >= n and 0 < accepted < drafted  # lookup drafted; both branches (accept, resample) taken
     p_first = dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
     assert chi_square(firsts, p_first) < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
 
@@ -304,7 +339,7 @@ def test_trace_reports_each_tokens_row_argmax_and_margin(tiny_pair):
         plain, _, _ = run(s.engine, prompt, GREEDY.sampling, drafting(0), 30)
         s.engine.reset()
         s.target.use_device_sampler(None)
-        full = s.target.decode(prompt + plain[:-1], 0, all_logits=True)[len(prompt) - 1 :].copy()
+        full = s.target.decode(prompt + plain[:-1], 0, all_logits=True).logits[len(prompt) - 1 :].copy()
         s.engine.reset()
         for k in (0, 4):
             events = []
@@ -324,17 +359,15 @@ def test_plain_sampling_on_the_device_follows_the_target_distribution(smollm2_pa
     """k = 0 at T > 0 draws on the device (DeviceDist). Each token's randomized PIT value under the host
     pipeline's distribution p (from full logits of the same sequence) must be uniform: a wrong pipeline, or one
     uniform number reused for every draw, fails this."""
-    from localspec.llama_ctx import Sampled
-
     preset = GREEDY.with_overrides(temperature=0.9, top_k=40, top_p=0.95, seed=13)
     with open_pair(smollm2_path, None) as s:
         prompt = s.target.tokenize("Once upon a time, in a small village by the sea,")
-        assert isinstance(_device_scores(s, prompt, preset), Sampled)
+        assert _device_scores(s, prompt, preset).drawn is not None
         s.engine.reset()
         tokens, _, _ = run(s.engine, prompt, preset.sampling, drafting(0), 400)
         s.engine.reset()
         s.target.use_device_sampler(None)
-        logits = s.target.decode(prompt + tokens[:-1], 0, all_logits=True)[len(prompt) - 1 :]
+        logits = s.target.decode(prompt + tokens[:-1], 0, all_logits=True).logits[len(prompt) - 1 :]
         p = candidates(np.array(logits), preset.sampling)
     rng = np.random.default_rng(0)
     pit = []
@@ -351,17 +384,13 @@ def test_plain_sampling_on_the_device_follows_the_target_distribution(smollm2_pa
 
 
 def _device_scores(s, prompt, preset):
-    from localspec.engine import _device_mode
-
     s.engine.reset()
-    s.target.use_device_sampler(_device_mode(s.target, preset.sampling, 0.0, plain=True))
+    s.target.use_device_sampler(device_mode(s.target, preset.sampling, 0.0, plain=True))
     return s.target.decode(prompt, 0)
 
 
 def test_device_sampler_modes(tiny_pair):
     """Greedy asks the device for the argmax only; a covered top-k pipeline for candidates; else full logits."""
-    from localspec.engine import _device_mode
-    from localspec.llama_ctx import DeviceDist, TopK
 
     with open_pair(*tiny_pair, device_top_k=64) as s:
         t = s.target
@@ -369,26 +398,26 @@ def test_device_sampler_modes(tiny_pair):
         # exact greedy and no padded verify batches.
         assert not t.on_gpu and not s.engine.constant_width
         base = GREEDY.sampling
-        assert _device_mode(t, base, p_min=0.0) == "greedy"
-        assert _device_mode(t, base, p_min=0.5) == "top_k"  # p_min needs probabilities
+        assert device_mode(t, base, p_min=0.0) == "greedy"
+        assert device_mode(t, base, p_min=0.5) == "top_k"  # p_min needs probabilities
         hot = dataclasses.replace(base, temperature=0.7, top_k=40)
-        assert _device_mode(t, hot, 0.0) == "top_k"
-        assert _device_mode(t, dataclasses.replace(hot, top_k=100), 0.0) is None  # more than the device keeps
-        assert _device_mode(t, dataclasses.replace(hot, top_k=0), 0.0) is None
-        assert _device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0) is None
-        assert _device_mode(t, base, 0.0, trace=True) == "top_k"  # the trace needs the runner-up's logit
-        plain = _device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True)
+        assert device_mode(t, hot, 0.0) == "top_k"
+        assert device_mode(t, dataclasses.replace(hot, top_k=100), 0.0) is None  # more than the device keeps
+        assert device_mode(t, dataclasses.replace(hot, top_k=0), 0.0) is None
+        assert device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0) is None
+        assert device_mode(t, base, 0.0, trace=True) == "top_k"  # the trace needs the runner-up's logit
+        plain = device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True)
         assert plain == DeviceDist(top_k=0, top_p=base.top_p, min_p=base.min_p, temperature=0.7, seed=base.seed)
-        assert _device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0, plain=True) is None
+        assert device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0, plain=True) is None
 
         prompt = prompts(1)[0]
         t.use_device_sampler(None)
-        full = t.decode(prompt, 0, all_logits=True).copy()
+        full = t.decode(prompt, 0, all_logits=True).logits.copy()
         for mode, width in (("greedy", 1), ("top_k", 64)):
             t.clear()
             assert t.use_device_sampler(mode)
             scores = t.decode(prompt, 0, all_logits=True)
-            assert isinstance(scores, TopK) and scores.ids.shape == (len(prompt), width)
+            assert scores.ids is not None and scores.ids.shape == (len(prompt), width)
             assert scores.argmax().tolist() == full.argmax(axis=1).tolist()
         assert set(scores.ids[-1].tolist()) == set(np.argsort(-full[-1])[:64].tolist())
 

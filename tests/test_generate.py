@@ -37,14 +37,14 @@ def run_cli(home: Path, *args: str, stdin: str | None = None) -> subprocess.Comp
 def greedy_reference(path: Path, prompt_tokens: list[int], n: int) -> list[int]:
     """Plain greedy decoding of one model, token by token, without the engine."""
     with LlamaModel(path, n_ctx=512) as model:
-        logits = model.decode(prompt_tokens, 0)
+        logits = model.decode(prompt_tokens, 0).logits
         out: list[int] = []
         while len(out) < n:
             token = int(np.argmax(logits[0]))
             if model.is_eog(token):
                 break
             out.append(token)
-            logits = model.decode([token], len(prompt_tokens) + len(out) - 1)
+            logits = model.decode([token], len(prompt_tokens) + len(out) - 1).logits
         return out
 
 
@@ -66,6 +66,29 @@ def test_greedy_speculative_output_equals_plain_decoding(demo_home: Path, target
     assert reference.strip()
     # stdout holds the completion and nothing else (no newline added: stdout is a pipe here)
     assert spec.stdout == plain.stdout == alone.stdout == reference
+
+
+@pytest.mark.slow
+def test_lookup_and_chained_drafting_equal_plain_decoding(demo_home: Path, target_path: Path) -> None:
+    """A reply that repeats its prompt (the bench's code edit): prompt lookup drafts much of it, alone or chained
+    with the draft model, and the text is plain decoding's, token for token; a single GGUF (--draft none) too."""
+    from localspec.bench import LOOKUP_PROMPTS
+
+    prompt = dict(LOOKUP_PROMPTS)["code-edit"]
+    common = ("generate", prompt, "--chat", "--temp", "0", "--max-tokens", "64", "--json", "--threads", "1")
+    runs = {name: run_cli(demo_home, *common, *extra) for name, extra in (
+        ("plain", ("--draft", "0")), ("lookup", ("--drafter", "lookup")), ("chain", ("--drafter", "chain")),
+        ("single", ("--draft", "none")))}
+    out = {}
+    for name, result in runs.items():
+        assert result.returncode == 0, (name, result.stderr)
+        out[name] = json.loads(result.stdout)
+    assert out["plain"]["text"].strip()
+    assert {name: o["text"] for name, o in out.items()} == {name: out["plain"]["text"] for name in out}
+    assert (out["single"]["drafter"], out["single"]["model"]["draft"]) == ("lookup", None)
+    for name in ("lookup", "chain", "single"):
+        assert out[name]["stats"]["accepted"] > 0, name
+    assert out["plain"]["stats"]["drafted"] == 0
 
 
 @pytest.mark.slow
@@ -138,6 +161,17 @@ def test_options_reach_the_session(command: list[str], captured: dict, tmp_path:
     # chat's --max-tokens goes to the ChatSession (it overrides [chat] max_tokens there, and /preset keeps it)
 
 
+def test_draft_none_loads_the_pairs_target_alone_and_drafts_by_lookup(captured: dict, use_demo_home: Path) -> None:
+    result = CliRunner().invoke(app, ["generate", "hi", "--pair", "demo", "--draft", "none", "--draft", "4"])
+    assert isinstance(result.exception, Opened), result.output
+    files, preset = captured["files"], captured["preset"]
+    assert files.target.name == demo.TARGET_FILE and files.draft is None
+    assert (preset.draft.drafter, preset.draft.n_draft) == ("lookup", 4)
+    result = CliRunner().invoke(app, ["generate", "hi", "--pair", "demo", "--drafter", "chain"])
+    assert isinstance(result.exception, Opened) and captured["preset"].draft.drafter == "chain"
+    assert captured["files"].draft is not None
+
+
 def test_chat_without_arguments_uses_the_instruct_demo(captured: dict, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
     result = CliRunner().invoke(app, ["chat"])
@@ -175,6 +209,8 @@ def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:
         (["chat", "--target", "missing.gguf"], "missing.gguf: model file not found"),
         (["generate", "hi", "--preset", "nope"], "unknown preset 'nope'"),
         (["chat", "--kv-type", "q5"], "--kv-type = 'q5': choose one of f16, q8_0, q4_0"),
+        (["chat", "--drafter", "medusa"], "--drafter = 'medusa': choose one of model, lookup, chain"),
+        (["chat", "--lookup-min", "0"], "--lookup-min = 0: allowed range is 1..64"),
     ],
 )
 def test_bad_options_name_the_culprit(args: list[str], message: str, captured: dict) -> None:

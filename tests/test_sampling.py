@@ -141,7 +141,8 @@ def test_frequency_and_presence_penalties_follow_llama_cpp():
 
 def test_penalties_reach_both_distributions_through_the_engine_pipeline():
     """p and q go through the same function: a penalised token loses mass in both."""
-    from localspec.engine import _distributions
+    from localspec.sampling import distributions
+    from localspec.scores import Scores
 
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 1, size=(2, 50)).astype(np.float32)
@@ -149,7 +150,7 @@ def test_penalties_reach_both_distributions_through_the_engine_pipeline():
     plain = cfg(temperature=1.0, top_k=0, top_p=1.0)
     penalised = cfg(temperature=1.0, top_k=0, top_p=1.0, frequency_penalty=2.0, presence_penalty=2.0)
     for rows in (logits[:1], logits):  # one draft row (q) and a verify batch (p)
-        before = _distributions(rows, [3, 7, 7], plain)
-        after = _distributions(rows, [3, 7, 7], penalised)
+        before = distributions(Scores(rows), [3, 7, 7], plain)
+        after = distributions(Scores(rows), [3, 7, 7], penalised)
         for r in range(len(rows)):
             assert after.prob_of(r, 7) < before.prob_of(r, 7) / 10

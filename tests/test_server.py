@@ -168,6 +168,24 @@ def test_completion_schema_names_the_field(body, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("draft-simple", {"drafter": "model"}),
+    ("ngram-simple", {"drafter": "lookup"}),
+    ("ngram-simple,draft-simple", {"drafter": "chain"}),
+    ("none", {"n_draft": 0}),
+])
+def test_speculative_type_is_llama_servers_name_for_a_drafter(kind, overrides):
+    req = parse(ChatRequest, {**CHAT, "speculative": {"type": kind, "n_max": 4}})
+    assert {k: v for k, v in req.preset_overrides().items() if k in ("drafter", "n_draft")} == {"n_draft": 4,
+                                                                                             **overrides}
+
+
+def test_an_unknown_speculative_type_names_the_field():
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative": {"type": "medusa"}})
+    assert info.value.param == "speculative.type" and "ngram-simple" in info.value.message
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted():
     """What front-ends send by default must not be refused."""
     req = parse(ChatRequest, {**CHAT, "n": 1, "logprobs": False, "tools": [], "tool_choice": "none",

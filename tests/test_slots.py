@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
-from localspec.engine import STOP_MAX_TOKENS, DoneEvent, Engine, Stream, TokenEvent, _LoadPolicy, collect
+from localspec.engine import STOP_MAX_TOKENS, DoneEvent, Engine, Stream, TokenEvent, collect
+from localspec.policies import LoadPolicy
 from localspec.sampling import candidates
 from localspec.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
@@ -18,6 +19,10 @@ from tests.helpers_stats import chi_square
 pytestmark = pytest.mark.slow
 
 GREEDY = load_preset("greedy")
+
+
+def drafting(n_draft: int, p_min: float, adaptive: bool) -> Drafting:
+    return dataclasses.replace(GREEDY.draft, n_draft=n_draft, p_min=p_min, adaptive=adaptive)
 
 
 def prompts(n: int, seed: int, length: int = 12) -> list[list[int]]:
@@ -77,10 +82,10 @@ def test_greedy_requests_together_are_token_identical_to_each_alone(request, pai
     penalized = dataclasses.replace(GREEDY.sampling, repeat_penalty=1.3)
     ps = prompts(4, seed=3)
     requests = [
-        dict(prompt=ps[0], sampling=GREEDY.sampling, drafting=Drafting(6, 0.0, False), max_tokens=40),
-        dict(prompt=ps[1], sampling=GREEDY.sampling, drafting=Drafting(3, 0.0, False), max_tokens=25),
-        dict(prompt=ps[2], sampling=penalized, drafting=Drafting(5, 0.3, False), max_tokens=33),
-        dict(prompt=ps[3], sampling=GREEDY.sampling, drafting=Drafting(0, 0.0, False), max_tokens=18),
+        dict(prompt=ps[0], sampling=GREEDY.sampling, drafting=drafting(6, 0.0, False), max_tokens=40),
+        dict(prompt=ps[1], sampling=GREEDY.sampling, drafting=drafting(3, 0.0, False), max_tokens=25),
+        dict(prompt=ps[2], sampling=penalized, drafting=drafting(5, 0.3, False), max_tokens=33),
+        dict(prompt=ps[3], sampling=GREEDY.sampling, drafting=drafting(0, 0.0, False), max_tokens=18),
     ]
     expected = outputs_alone(files, requests, device_top_k=device_top_k)
     with open_slots(files, 4, device_top_k=device_top_k) as s:
@@ -101,7 +106,7 @@ def test_the_target_distribution_holds_with_requests_running_together(tiny_pair)
     with open_slots(tiny_pair, 4) as s:
         prompt = prompts(1, seed=21)[0]
         s.target.use_device_sampler(None)  # the reference p comes from the full logits
-        logits = s.target.decode(prompt, 0)
+        logits = s.target.decode(prompt, 0).logits
         p = candidates(logits, preset.sampling)
         s.engine.reset()
         n = 1200
@@ -109,9 +114,9 @@ def test_the_target_distribution_holds_with_requests_running_together(tiny_pair)
         accepted = 0
         for seed in range(n):
             measured = dict(prompt=prompt, sampling=dataclasses.replace(preset.sampling, seed=seed),
-                            drafting=Drafting(1, 0.0, False), max_tokens=2)
+                            drafting=drafting(1, 0.0, False), max_tokens=2)
             noise = [dict(prompt=q, sampling=dataclasses.replace(preset.sampling, temperature=0.8, seed=seed + i),
-                          drafting=Drafting(4, 0.0, False), max_tokens=2) for i, q in enumerate(others)]
+                          drafting=drafting(4, 0.0, False), max_tokens=2) for i, q in enumerate(others)]
             streams = []
             for r in (measured, *noise):
                 streams.append(s.engine.start(**r, slot=s.engine.free_slot(r["prompt"])))
@@ -138,13 +143,13 @@ def test_a_returning_conversation_goes_back_to_its_slot(tiny_pair):
         first = {}
         for i, prompt in enumerate(ps):
             slot = s.engine.free_slot(prompt)
-            gen = collect(s.engine.generate(prompt, GREEDY.sampling, Drafting(4, 0.0, False), 10, slot=slot))
+            gen = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(4, 0.0, False), 10, slot=slot))
             first[i] = (slot, prompt + gen.tokens)
         assert sorted(slot for slot, _ in first.values()) == [0, 1, 2]  # each took a fresh slot (least recently used)
         slot, history = first[1]
         follow_up = history + [123, 456]
         assert s.engine.free_slot(follow_up) == slot
-        gen = collect(s.engine.generate(follow_up, GREEDY.sampling, Drafting(4, 0.0, False), 5, slot=slot))
+        gen = collect(s.engine.generate(follow_up, GREEDY.sampling, drafting(4, 0.0, False), 5, slot=slot))
         assert gen.stats.prompt_tokens_processed <= 3  # the two new tokens (and the last reply token)
 
 
@@ -152,8 +157,8 @@ def test_a_stopped_request_frees_its_slot_and_the_others_go_on(tiny_pair):
     ps = prompts(2, seed=9)
     stop = {"now": False}
     with open_slots(tiny_pair, 2) as s:
-        a = s.engine.start(ps[0], GREEDY.sampling, Drafting(4, 0.0, False), 30, lambda: stop["now"], slot=0)
-        b = s.engine.start(ps[1], GREEDY.sampling, Drafting(4, 0.0, False), 30, slot=1)
+        a = s.engine.start(ps[0], GREEDY.sampling, drafting(4, 0.0, False), 30, lambda: stop["now"], slot=0)
+        b = s.engine.start(ps[1], GREEDY.sampling, drafting(4, 0.0, False), 30, slot=1)
         assert s.engine.free_slot(ps[0]) is None
         s.engine.step([a, b])
         list(a.events()), list(b.events())
@@ -170,7 +175,7 @@ def test_a_stopped_request_frees_its_slot_and_the_others_go_on(tiny_pair):
 
 
 def test_load_policy_measures_each_share_and_keeps_the_fastest():
-    policy = _LoadPolicy()
+    policy = LoadPolicy()
     assert policy.share(1) == 1.0  # one request alone always drafts all of its length
     speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}  # tok/s: plain batched decoding is fastest at 4 slots here
     e, chosen = policy.EPOCH, []
@@ -193,7 +198,7 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
     """Driven through the engine: at 2 streams the policy's epochs draft all, none and half of k, and the
     greedy output of each request is still its output alone."""
     ps = prompts(2, seed=12)
-    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(6, 0.0, False), max_tokens=90)
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(6, 0.0, False), max_tokens=90)
                 for p in ps]
     expected = outputs_alone(tiny_pair, requests)
     with open_slots(tiny_pair, 2) as s:
@@ -203,7 +208,7 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
         while not all(x.finished for x in streams):
             live = [x for x in streams if not x.finished]
             s.engine.step(live)
-            lengths.append({len(x.drafts) for x in live})
+            lengths.append({x.stats.draft_lengths[-1] for x in live})
             for i, x in enumerate(streams):
                 if x in live:
                     got[i] += [e.token for e in x.events() if isinstance(e, TokenEvent)]
@@ -221,7 +226,7 @@ def test_parallel_sizes_each_slot_at_the_context(tiny_pair):
         long = prompts(1, seed=1, length=100)[0]
         outs = []
         for slot in range(3):
-            outs.append(collect(s.engine.generate(long, GREEDY.sampling, Drafting(6, 0.0, False), 200, slot=slot)))
+            outs.append(collect(s.engine.generate(long, GREEDY.sampling, drafting(6, 0.0, False), 200, slot=slot)))
         assert all(o.done.stop_reason == "context_full" for o in outs)
         assert len({tuple(o.tokens) for o in outs}) == 1  # each slot holds a whole context of its own
 
@@ -232,7 +237,7 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
     from localspec import demo
 
     pair = (demo.target_path(), demo.draft_path())
-    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=Drafting(k, 0.0, False), max_tokens=24)
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, 0.0, False), max_tokens=24)
                 for p, k in zip(prompts(3, seed=2), (6, 2, 0), strict=True)]
     expected = outputs_alone(pair, requests)
     with open_slots(pair, 3) as s:
@@ -244,8 +249,8 @@ def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(t
     """With `prefill_in_rounds` a joining request's prompt is decoded one n_batch a round: the running request
     emits tokens in the meantime, and both outputs are still what each gets alone."""
     short, long = prompts(1, seed=4)[0], prompts(1, seed=6, length=700)[0]
-    requests = [dict(prompt=short, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=40),
-                dict(prompt=long, sampling=GREEDY.sampling, drafting=Drafting(4, 0.0, False), max_tokens=20)]
+    requests = [dict(prompt=short, sampling=GREEDY.sampling, drafting=drafting(4, 0.0, False), max_tokens=40),
+                dict(prompt=long, sampling=GREEDY.sampling, drafting=drafting(4, 0.0, False), max_tokens=20)]
     expected = outputs_alone(tiny_pair, requests, n_ctx=1024, n_batch=256)
     with open_slots(tiny_pair, 2, n_ctx=1024, n_batch=256) as s:
         first = s.engine.start(**requests[0], slot=0)

@@ -9,9 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from localspec.config import Drafting, load_preset
-from localspec.engine import DoneEvent, TokenEvent, _LoadPolicy
-from tests.test_slots import open_slots, prompts
+from localspec.config import load_preset
+from localspec.engine import DoneEvent, TokenEvent
+from localspec.policies import LoadPolicy as _LoadPolicy
+from tests.test_slots import drafting, open_slots, prompts
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def sampled_requests(n: int) -> list[dict]:
     for i, prompt in enumerate(prompts(n, seed=31)):
         k = (6, 4, 0, 6, 2, 6, 5, 0)[i % 8]  # k = 0: plain decoding, its token drawn by a device chain
         out.append(dict(prompt=prompt, sampling=dataclasses.replace(SAMPLED, seed=1000 + i),
-                        drafting=Drafting(k, 0.0, False), max_tokens=12 + 2 * (i % 4)))
+                        drafting=drafting(k, 0.0, False), max_tokens=12 + 2 * (i % 4)))
     return out
 
 
@@ -80,7 +81,7 @@ def test_a_new_request_fills_the_gap_a_finished_one_left(tiny_pair):
     ps = prompts(4, seed=41)
     with open_slots(tiny_pair, 4) as s:
         e = s.engine
-        streams = [e.start(p, greedy, Drafting(2, 0.0, False), 40 if i != 1 else 2, slot=e.free_slot(p))
+        streams = [e.start(p, greedy, drafting(2, 0.0, False), 40 if i != 1 else 2, slot=e.free_slot(p))
                    for i, p in enumerate(ps[:3])]
         assert [x.slot.seq for x in streams] == [0, 1, 2]
         while not streams[1].finished:

@@ -82,7 +82,7 @@ def test_loads_in_llama_cpp_and_is_not_degenerate(f32_pair: tuple[Path, Path]) -
     for path in f32_pair:
         with LlamaModel(path, n_ctx=512, n_threads=1) as m:
             tokens = m.tokenize("The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday.")
-            logits = m.decode(tokens, 0, all_logits=True)
+            logits = m.decode(tokens, 0, all_logits=True).logits
             assert logits is not None and logits.shape == (len(tokens), 49152)
             assert np.isfinite(logits).all()
             # Not degenerate: the argmax follows the context (the input tokens are all distinct here).
@@ -234,7 +234,7 @@ def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
         argmax = []
         for fa in ("off", "on"):
             with LlamaModel(path, n_ctx=512, n_threads=1, flash_attn=fa) as m:
-                logits = m.decode(m.tokenize(text), 0, all_logits=True)
+                logits = m.decode(m.tokenize(text), 0, all_logits=True).logits
                 assert logits is not None and np.isfinite(logits).all()
                 argmax.append(logits.argmax(axis=1))
         assert np.array_equal(*argmax)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from localspec import llama_ctx
-from localspec.llama_ctx import LlamaModel, TopK
+from localspec.llama_ctx import LlamaModel
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ class Reference:
 
     def rows(self, history: list[int], start: int, n: int) -> np.ndarray:
         self.model.clear()
-        logits = self.model.decode(history[: start + n], 0, all_logits=True)
+        logits = self.model.decode(history[: start + n], 0, all_logits=True).logits
         return logits[start : start + n].copy()
 
 
@@ -41,8 +41,8 @@ def check_rows(scores, expected: np.ndarray, mode: str | None, what: str) -> Non
     for r, ref in enumerate(expected):
         where = f"{what} row {r}"
         if mode is None:
-            assert not isinstance(scores, TopK), where
-            np.testing.assert_allclose(scores[r], ref, rtol=0, atol=1e-3, err_msg=where)
+            assert scores.full, where
+            np.testing.assert_allclose(scores.logits[r], ref, rtol=0, atol=1e-3, err_msg=where)
         elif mode == "greedy":
             assert int(scores.ids[r, 0]) == int(np.argmax(ref)), where
         else:
@@ -54,7 +54,8 @@ def check_rows(scores, expected: np.ndarray, mode: str | None, what: str) -> Non
 
 
 def _copied(scores):
-    return scores.copy() if isinstance(scores, np.ndarray) else scores  # a view the next decode would overwrite
+    # full logits are a view the next decode would overwrite
+    return scores.with_logits(scores.logits.copy()) if scores.full else scores
 
 
 MODES = {"top_k": ["top_k"] * 6, "mixed": ["top_k", "greedy", None, "top_k", "greedy", "top_k"]}

@@ -105,12 +105,12 @@ def logits_vs_single(model: LlamaModel, cpu: LlamaModel | None, max_width: int) 
         cur, single = ctx[-1], []
         seq = [cur]
         for i in range(w):
-            row = model.decode([seq[-1]], len(ctx) - 1 + i, all_logits=True)[0].copy()
+            row = model.decode([seq[-1]], len(ctx) - 1 + i, all_logits=True).logits[0].copy()
             single.append(row)
             seq.append(int(np.argmax(row)))
         feed = seq[:w]  # what a verify batch holds when the draft agrees: cur + the target's own greedy tokens
         model.truncate(len(ctx) - 1)
-        batch = model.decode(feed, len(ctx) - 1, all_logits=True).copy()
+        batch = model.decode(feed, len(ctx) - 1, all_logits=True).logits.copy()
         single_a = np.stack(single)
         top2 = np.sort(single_a, axis=1)[:, -2:]
         entry = {
@@ -123,16 +123,16 @@ def logits_vs_single(model: LlamaModel, cpu: LlamaModel | None, max_width: int) 
             cpu.clear()
             for start in range(0, len(ctx) - 1, 16):
                 cpu.decode(ctx[start : min(start + 16, len(ctx) - 1)], start)
-            ref = cpu.decode(feed, len(ctx) - 1, all_logits=True).copy()
+            ref = cpu.decode(feed, len(ctx) - 1, all_logits=True).logits.copy()
             entry["max_abs_diff_single_vs_cpu"] = float(np.abs(single_a - ref).max())
             entry["max_abs_diff_batch_vs_cpu"] = float(np.abs(batch - ref).max())
         rows[w] = entry
     # Repeated single-token decodes of the same position: bitwise equal?
     model.clear()
     model.decode(ctx[:-1], 0)
-    a = model.decode([ctx[-1]], len(ctx) - 1, all_logits=True)[0].copy()
+    a = model.decode([ctx[-1]], len(ctx) - 1, all_logits=True).logits[0].copy()
     model.truncate(len(ctx) - 1)
-    b = model.decode([ctx[-1]], len(ctx) - 1, all_logits=True)[0].copy()
+    b = model.decode([ctx[-1]], len(ctx) - 1, all_logits=True).logits[0].copy()
     return {"by_width": rows, "repeat_single_bitwise_equal": bool(np.array_equal(a, b))}
 
 

@@ -25,6 +25,7 @@ from localspec.bench import (
     prompt_mode,
     run_bench,
     run_sweep,
+    shipped_prompts,
     threads_line,
 )
 from localspec.cli import options
@@ -47,9 +48,10 @@ JsonOpt = Annotated[
     Path | None, typer.Option("--json", help="Also write the report as JSON to this path.", readable=False)
 ]
 PromptsOpt = Annotated[
-    Path | None,
-    typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'.",
-                 show_default=False, readable=False),
+    str | None,
+    typer.Option("--prompts", help="Your own prompts: one per line, or JSONL with 'prompt' or 'messages'; or a "
+                 "shipped set: lookup (code edit, summary, JSON reformat: replies that repeat the prompt; a file "
+                 "of that name: ./lookup).", show_default=False),
 ]
 RawFlag = Annotated[
     bool, typer.Option("--raw/--no-raw", metavar="",
@@ -80,15 +82,16 @@ def bench(
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
-    if files.draft is None:
-        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair)")
+    if files.draft is None and chosen.draft.drafter != "lookup":
+        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup")
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
 
     console = Console()
     s = chosen.sampling
     console.print(
-        f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, draft {files.draft.name}\n"
+        f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, "
+        f"draft {files.draft.name if files.draft else 'none'} (drafter {chosen.draft.drafter})\n"
         f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, seed {s.seed}; "
         f"draft length {chosen.draft.n_draft}{' (adaptive)' if chosen.draft.adaptive else ''}; "
         f"{chosen.bench.max_tokens} tokens per prompt"
@@ -155,7 +158,9 @@ def _parse_sweep(text: str) -> list[int]:
 
 def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
     count = len(prompt_set) if prompt_set is not None else 3
-    where = "your prompts" if prompt_set is not None else "the shipped prompts (code, prose, Q&A)"
+    where = (("the lookup prompts (code edit, summary, JSON)" if [p.name for p in prompt_set] ==
+              [p.name for p in shipped_prompts("lookup")] else "your prompts")
+             if prompt_set is not None else "the shipped prompts (code, prose, Q&A)")
     console.print(f"{count} prompt(s): {where}, as {prompt_mode(session, raw)}")
 
 

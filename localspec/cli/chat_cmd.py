@@ -219,7 +219,9 @@ class ChatView:
 
     def _settings_text(self) -> str:
         p = self.chat.preset
-        draft = f"draft length {p.draft.n_draft}" if self.chat.engine.draft is not None else "no draft model"
+        drafter = "" if p.draft.drafter == "model" else f" ({p.draft.drafter})"
+        draft = (f"draft length {p.draft.n_draft}{drafter}" if p.draft.drafter in self.chat.engine.drafters
+                 else "no draft model")
         thinking = "" if self.chat.thinking is None else f", thinking {'on' if self.chat.thinking else 'off'}"
         return (f"preset {p.name}: temperature {p.sampling.temperature}, {draft}, "
                 f"reply limit {self.chat.reply_limit}{thinking}")
@@ -277,7 +279,7 @@ def chat(
                                    max_tokens=max_tokens, drop_oldest=drop_oldest,
                                    info=_model_info(files, session), thinking=not no_think)
         view = ChatView(console, session_chat)
-        draft_name = files.draft.name if files.draft else "none (plain decoding)"
+        draft_name = files.draft.name if files.draft else "none"
         console.print(
             f"[bold]localspec chat[/] · pair [cyan]{escape(files.name)}[/]: "
             f"target {escape(files.target.name)}, draft {escape(draft_name)} · "
@@ -350,7 +352,8 @@ def generate(
                       "stop_reason": done.stop_reason, "max_tokens": limit,
                       "stats": done.stats.as_dict(), "model": _model_info(files, session),
                       "preset": chosen.name,
-                      "n_draft": chosen.draft.n_draft if files.draft else 0,
+                      "n_draft": chosen.draft.n_draft if chosen.draft.drafter in session.engine.drafters else 0,
+                      "drafter": chosen.draft.drafter,
                       "temperature": chosen.sampling.temperature, "chat": chat_template}
             sys.stdout.write(json.dumps(result, indent=2) + "\n")
         elif sys.stdout.isatty():

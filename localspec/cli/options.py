@@ -103,8 +103,9 @@ DraftOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--draft",
-        metavar="K|PATH",
-        help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF. Repeatable."
+        metavar="K|PATH|none",
+        help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF; none loads no draft "
+             "model (a pair's target alone: --drafter lookup drafts from the context). Repeatable."
              + preset_default("n_draft"),
         show_default=False,
         rich_help_panel=DRAFTING,
@@ -137,6 +138,13 @@ overlap = _setting("overlap", "--overlap",
                    "Draft the next round while the target verifies (auto = when the draft has its own device).",
                    panel=DRAFTING)
 rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
+drafter = _setting("drafter", "--drafter",
+                   "Who drafts: the draft model, prompt lookup (the context's own n-grams), or lookup then the model "
+                   "(lookup when there is no draft model).", panel=DRAFTING)
+lookup_min = _setting("lookup_min", "--lookup-min", "Prompt lookup: the shortest n-gram that counts as a match.",
+                      panel=DRAFTING)
+lookup_max = _setting("lookup_max", "--lookup-max", "Prompt lookup: the longest n-gram it tries first.",
+                      panel=DRAFTING)
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate per prompt and run.", section="bench")
@@ -153,12 +161,18 @@ parallel = _setting("parallel", "--parallel",
                     "Slots: requests generated together, batched (each with --ctx tokens of KV cache).")
 
 
+NO_DRAFT_MODEL = Path("none")  # `--draft none`: no draft model, even where the pair names one
+
+
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
-    """`--draft 4` is a length, `--draft small.gguf` a model; each may be given once."""
+    """`--draft 4` is a length, `--draft small.gguf` a model, `--draft none` no model (`NO_DRAFT_MODEL`); each may
+    be given once."""
     length: int | None = None
     model: Path | None = None
     for value in values or []:
-        if value.strip().lstrip("-").isdigit():
+        if value.strip() == "none" and model is None:
+            model = NO_DRAFT_MODEL
+        elif value.strip().lstrip("-").isdigit():
             if length is not None:
                 raise LocalspecError(f"--draft {value}: the draft length was already given ({length})")
             length = int(value)
@@ -192,13 +206,18 @@ class RunOptions:
     draft_device: str | None = None
     overlap: str | None = None
     rpc: str | None = None
+    drafter: str | None = None
+    lookup_min: int | None = None
+    lookup_max: int | None = None
 
     def files(self, fallback_pair: str | None = None) -> ModelFiles:
         """The two model files; without model arguments and without a default pair, `fallback_pair` (an offline
         demo: chat's is the instruct one)."""
         _, draft_model = split_draft_values(self.draft)
-        return resolve_files(self.pair, self.target, draft_model, **({"fallback": fallback_pair} if fallback_pair
-                                                                     else {}))
+        fallback = {"fallback": fallback_pair} if fallback_pair else {}
+        if draft_model == NO_DRAFT_MODEL:
+            return dataclasses.replace(resolve_files(self.pair, self.target, None, **fallback), draft=None)
+        return resolve_files(self.pair, self.target, draft_model, **fallback)
 
     def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
         """The preset with every value overlaid: command line first, then what the pair recommends (its preset,
@@ -215,7 +234,8 @@ _RUN_OPTIONS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
     "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
-    "main_gpu": main_gpu, "draft_device": draft_device, "overlap": overlap, "rpc": rpc,
+    "main_gpu": main_gpu, "draft_device": draft_device, "overlap": overlap, "rpc": rpc, "drafter": drafter,
+    "lookup_min": lookup_min, "lookup_max": lookup_max,
 }
 
 

@@ -22,7 +22,12 @@ from localspec.config import key_metadata
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOKENS_LIMIT = 2**31 - 1
-FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min"}  # preset key → request field
+FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
+                "drafter": "speculative.type"}  # preset key → request field
+# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
+# it means here: a drafter, or "none" (no drafting).
+SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
+                     "ngram-simple,draft-simple": "chain"}
 
 
 class RequestError(Exception):
@@ -46,10 +51,12 @@ class _Strict(BaseModel):
 
 
 class Speculative(_Strict):
-    """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting)."""
+    """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting), `type` who drafts
+    (`SPECULATIVE_TYPES`)."""
 
     n_max: int | None = Field(None, **_limits("n_draft"))
     p_min: float | None = Field(None, **_limits("p_min"))
+    type: Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"] | None = None
 
 
 class StreamOptions(_Strict):
@@ -143,6 +150,10 @@ class _Generation(_Strict):
         if self.speculative is not None:
             out["n_draft"] = self.speculative.n_max
             out["p_min"] = self.speculative.p_min
+            if self.speculative.type == "none":
+                out["n_draft"] = 0
+            elif self.speculative.type is not None:
+                out["drafter"] = SPECULATIVE_TYPES[self.speculative.type]
         return out
 
     @property

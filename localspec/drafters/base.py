@@ -1,0 +1,118 @@
+"""The drafter seam: what the loop asks of whoever proposes draft tokens, and what it gets back.
+
+A round is begin → draft → verify → accept → rewind. The loop owns the target, the verify and the acceptance; a
+drafter owns everything about proposing: its models, their KV cells, its random stream, any work it overlaps with
+the verify. Values cross the seam, not shared mutable state: the loop hands a drafter `(DraftRequest, k)` jobs and
+gets `Proposal`s back (tokens and the distribution q each was drawn from), then tells it how many were accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from localspec.config import Drafting, Sampling
+from localspec.events import GenerationStats
+from localspec.sampling import Candidates
+from localspec.scores import DeviceDist, ScoringModel
+
+PromptWork = tuple[ScoringModel, list[int], list[int]]  # (model, the tokens its cells hold, tokens still to decode)
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """A drafter's answer for one request: up to k tokens, each with the distribution it was drawn from."""
+
+    tokens: list[int]
+    # Per token, q (one row) at T > 0; None at temperature 0. A deterministic drafter gives a point mass
+    # (`sampling.point_mass`): rejection sampling then accepts with p(x) and resamples from p, exact either way.
+    q: list[Candidates] | None = None
+    seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
+
+
+NO_PROPOSAL = Proposal([])
+
+
+@dataclass(eq=False)
+class DraftRequest:
+    """What a drafter knows of one generation: its sequence (slot), settings, committed tokens and stats."""
+
+    seq: int
+    tokens: list[int]  # the committed sequence, prompt + output (the loop's list: drafters read it, never write)
+    sampling: Sampling
+    drafting: Drafting
+    stats: GenerationStats  # drafters add what only they know (draft-ahead's counts)
+
+
+class Drafter(Protocol):
+    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` with a line in
+    `REGISTRY`; the loop never knows which one runs."""
+
+    models: tuple[ScoringModel, ...]  # the models it decodes with: slots and context are sized by them too
+
+    def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
+        """A generation starts in `req.seq` with `prompt`: forget the last one's state there and return the
+        prompt tokens its models still need (the loop decodes them beside the target's, in the same rounds)."""
+        ...
+
+    def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
+        """Up to k tokens for each request (k may be 0), continuing its committed tokens: one proposal per job."""
+        ...
+
+    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
+        """Work to do while the target verifies `proposal` (the block is the verify). The loop asks only for a
+        request alone in its round, and only when the drafter's models have a device of their own (draft-ahead:
+        bet on the verdict and draft the next `k_next` tokens)."""
+        ...
+
+    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        """The verdict: `accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's
+        committed tokens. Learn from it and rewind whatever state went past them."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every sequence's state (the models' KV cells included)."""
+        ...
+
+    def close(self) -> None:
+        """Stop any worker; the drafter is not used again."""
+        ...
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int) -> PromptWork:
+    """Cut a sequence's cells back to the longest prefix of `body` they hold; what is left to decode."""
+    keep = shared_prefix(kv, body)
+    # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may have left
+    # cells the bookkeeping never recorded.
+    del kv[keep:]
+    model.truncate(keep, seq)
+    return model, kv, body[keep:]
+
+
+def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain: bool = False,
+                trace: bool = False) -> str | DeviceDist | None:
+    """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
+    full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
+    at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows."""
+    if sampling.penalized:
+        return None
+    if sampling.greedy:
+        return "top_k" if p_min > 0.0 or trace else "greedy"
+    if plain:
+        return DeviceDist(sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed)
+    if 0 < sampling.top_k <= model.device_top_k:
+        return "top_k"
+    return None

@@ -1,0 +1,50 @@
+"""Chained drafting: prompt lookup first; the draft model where lookup finds nothing, or to extend a match
+shorter than k. Per round and per request, so a reply drafts by lookup while it quotes and by the model between."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
+from localspec.drafters.lookup import LookupDrafter
+from localspec.drafters.model import ModelDrafter
+from localspec.scores import ScoringModel
+
+
+class ChainDrafter:
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.models = model.models
+
+    def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
+        return self.model.begin(req, prompt)
+
+    def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
+        found = self.lookup.draft(jobs)
+        # The model continues each lookup draft (from the committed tokens where lookup found nothing).
+        rest = self.model.draft([(req, k - len(p.tokens)) for (req, k), p in zip(jobs, found, strict=True)],
+                                after=[p.tokens for p in found])
+        return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds)
+                for a, b in zip(found, rest, strict=True)]
+
+    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # draft-ahead bets on the model's own drafts: not here
+
+    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        self.model.accept(req, proposal, accepted)
+
+    def reset(self) -> None:
+        pass  # its parts are the registry's too, and reset there
+
+    def close(self) -> None:
+        pass  # likewise
+
+
+def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:
+    """Without a draft model the chain is lookup alone."""
+    lookup, model = built["lookup"], built.get("model")
+    if model is None:
+        return lookup
+    assert isinstance(lookup, LookupDrafter) and isinstance(model, ModelDrafter)
+    return ChainDrafter(lookup, model)

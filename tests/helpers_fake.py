@@ -1,0 +1,126 @@
+"""A scripted stand-in for `llama_ctx.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
+
+The model is a second-order Markov chain: the logits after a position depend on the last two tokens only, from a
+seeded table, so the exact distribution of any continuation is known in closed form (`FakeModel.next_probs`) and a
+sequence scores the same in any batch. Its KV cells are bookkeeping it checks: a decode must start exactly where
+the sequence's cells end, so a missed rewind fails at once. A draft for it is the same table plus noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from localspec.config import Sampling
+from localspec.sampling import candidates
+from localspec.scores import DeviceDist, Scores
+
+
+class FakeModel:
+    def __init__(self, vocab: int = 8, *, seed: int = 0, scale: float = 2.5, noise: float = 0.0,
+                 noise_seed: int = 1, n_ctx: int = 512, n_seq: int = 1, device_top_k: int = 0,
+                 eog: int | None = None) -> None:
+        table = np.random.default_rng(seed).normal(0.0, scale, size=(vocab, vocab, vocab))
+        if noise:
+            table = table + np.random.default_rng(noise_seed).normal(0.0, noise, size=table.shape)
+        self.table = table.astype(np.float32)
+        self.n_vocab = vocab
+        self.n_ctx = n_ctx
+        self.n_seq = n_seq
+        self.n_batch = 64
+        self.on_gpu = False
+        self.batches_sequences = True
+        self.device_top_k = device_top_k
+        self.unknown_token = 0
+        self.eog = eog
+        self.cells: dict[int, list[int]] = {}
+        self.decodes = 0
+        self._modes: dict[int, Any] = {}
+        self._draws: dict[int, np.random.Generator] = {}
+
+    # -- what the loop calls ------------------------------------------------------------------------------------
+
+    def logits_after(self, context: Sequence[int]) -> np.ndarray:
+        a = context[-2] if len(context) > 1 else 0
+        return self.table[a, context[-1]]
+
+    def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False, seq: int = 0) -> Scores | None:
+        return self.decode_many([(seq, tokens, start_pos, all_logits)])[0]
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        self.decodes += 1
+        out: list[Scores | None] = []
+        for seq, tokens, start, all_logits in items:
+            cells = self.cells.setdefault(seq, [])
+            assert start == len(cells), f"sequence {seq}: decode at {start}, but its cells end at {len(cells)}"
+            assert all(0 <= t < self.n_vocab for t in tokens), tokens
+            cells.extend(tokens)
+            assert len(cells) <= self.n_ctx
+            if not tokens:
+                out.append(None)
+                continue
+            first = len(cells) - (len(tokens) if all_logits else 1)
+            rows = np.stack([self.logits_after(cells[: i + 1]) for i in range(first, len(cells))])
+            out.append(self._as_mode(rows, seq))
+        return out
+
+    def truncate(self, n_keep: int, seq: int = 0) -> None:
+        del self.cells.setdefault(seq, [])[n_keep:]
+
+    def clear(self, seq: int | None = None) -> None:
+        if seq is None:
+            self.cells.clear()
+        else:
+            self.cells.pop(seq, None)
+
+    def use_device_sampler(self, mode: Any, seq: int = 0) -> bool:
+        if not self.device_top_k:
+            mode = None
+        if mode is None:
+            self._modes.pop(seq, None)
+        else:
+            self._modes[seq] = mode
+        return mode is not None
+
+    def restart_device_sampler(self, seq: int = 0) -> None:
+        mode = self._modes.get(seq)
+        if isinstance(mode, DeviceDist):
+            self._draws[seq] = np.random.default_rng(mode.seed)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return f"<{token}>".encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == self.eog
+
+    # -- references ------------------------------------------------------------------------------------------
+
+    def next_probs(self, context: Sequence[int], sampling: Sampling) -> dict[int, float]:
+        """The exact distribution of the next token under `sampling`'s pipeline (no penalties)."""
+        dist = candidates(self.logits_after(context)[None, :].astype(np.float32), sampling)
+        return dict(zip(dist.ids[0].tolist(), dist.probs[0].tolist(), strict=True))
+
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """Plain greedy decoding straight from the table: a reference that shares no code with the loop."""
+        context = list(prompt)
+        for _ in range(n):
+            context.append(int(np.argmax(self.logits_after(context))))
+        return context[len(prompt):]
+
+    def _as_mode(self, rows: np.ndarray, seq: int) -> Scores:
+        mode = self._modes.get(seq)
+        if mode is None:
+            return Scores(rows)
+        if mode == "greedy":
+            return Scores(np.zeros((len(rows), 1), np.float32), ids=np.argmax(rows, axis=1)[:, None])
+        if mode == "top_k":
+            k = min(self.device_top_k, self.n_vocab)
+            ids = np.argsort(-rows, axis=1, kind="stable")[:, :k]
+            return Scores(np.take_along_axis(rows, ids, axis=1), ids=ids)
+        assert isinstance(mode, DeviceDist)
+        cfg = Sampling(mode.temperature, mode.top_k, mode.top_p, mode.min_p, 1.0, 0, 0.0, 0.0, mode.seed)
+        dist = candidates(rows, cfg)
+        rng = self._draws.setdefault(seq, np.random.default_rng(mode.seed))
+        return Scores(None, drawn=np.array([dist.sample(r, rng) for r in range(len(rows))]))

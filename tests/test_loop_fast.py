@@ -1,0 +1,178 @@
+"""The loop's fast lane: a scripted target and draft (tests/helpers_fake.py) drive the real engine and the real
+drafters in milliseconds, no llama.cpp. Greedy output equals plain decoding computed straight from the fake's table;
+at T > 0 the emitted tokens follow the target's exact distribution (chi-square), with a draft model's q and with
+prompt lookup's point mass; a missed rewind fails inside the fake (a decode must start where the cells end)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+from helpers_fake import FakeModel
+from helpers_stats import chi_square
+
+from localspec import drafters
+from localspec.config import DRAFTERS, load_preset
+from localspec.drafters.lookup import continuation
+from localspec.engine import Engine, TokenEvent, collect
+from localspec.sampling import accept_or_resample, candidates, point_mass
+
+GREEDY = load_preset("greedy")
+HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
+CHI2_99_9 = {15: 37.7}  # chi-square 99.9th percentile by degrees of freedom
+
+
+def drafting(n: int = 6, drafter: str = "model", **more: object):
+    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, **more)
+
+
+def pair(**draft: object) -> tuple[FakeModel, FakeModel]:
+    return FakeModel(seed=3), FakeModel(seed=3, noise=draft.pop("noise", 1.0), **draft)  # type: ignore[arg-type]
+
+
+def repetitive(seed: int, n: int = 24) -> list[int]:
+    """A prompt that states a phrase twice: prompt lookup has something to match."""
+    phrase = np.random.default_rng(seed).integers(0, 8, size=n // 2).tolist()
+    return phrase + phrase
+
+
+def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
+    assert tuple(drafters.REGISTRY) == tuple(sorted(DRAFTERS, key=list(drafters.REGISTRY).index))
+    assert set(drafters.REGISTRY) == set(DRAFTERS)
+    target, draft = pair()
+    assert set(drafters.build(target, draft)) == set(DRAFTERS)
+    assert set(drafters.build(target, None)) == {"lookup", "chain"}  # the chain is lookup alone there
+
+
+def test_lookup_takes_the_longest_match_and_the_latest_on_a_tie() -> None:
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]
+    assert continuation(tokens, 1, 4, 3) == [9, 5, 2]  # "1 2 3" at 0..2 beats "2 3" at 5..6
+    assert continuation(tokens, 1, 2, 3) == [7, 8, 1]  # at most 2 long: "2 3" ties, the latest wins
+    assert continuation(tokens, 4, 6, 3) == []  # nothing 4 long
+    assert continuation(tokens, 1, 4, 0) == []
+    assert continuation([4, 4, 4], 1, 3, 5) == [4] * 5  # a run repeats
+    assert continuation([1, 2, 3, 1, 2, 3, 1], 1, 3, 5) == [2, 3, 1, 2, 3]  # so does a period past the end
+    assert continuation([5], 1, 3, 2) == []
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "chain"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_output_is_plain_greedy_for_every_drafter(drafter: str, k: int) -> None:
+    for seed in range(4):
+        target, draft = pair()
+        engine = Engine(target, draft)
+        prompt = repetitive(seed)
+        gen = collect(engine.generate(prompt, GREEDY.sampling, drafting(k, drafter), 40))
+        assert gen.tokens == target.greedy(prompt, 40)
+        assert gen.stats.drafted > 0 or drafter == "lookup"
+        # Rewound exactly: the target holds the committed tokens but the last, the draft a prefix of them.
+        committed = engine.slots[0].tokens
+        assert target.cells[0] == committed[:-1]
+        assert committed[: len(draft.cells.get(0, []))] == draft.cells.get(0, [])
+
+
+def test_lookup_drafts_a_repeated_reply_and_needs_no_draft_model() -> None:
+    target = FakeModel(seed=3)
+    prompt = repetitive(1, 16)
+    reference = target.greedy(prompt, 60)
+    engine = Engine(target, None)  # one model: "lookup" and "chain" both draft by lookup, "model" is plain
+    lookup = collect(engine.generate(prompt, GREEDY.sampling, drafting(6, "lookup", lookup_min=2), 60))
+    plain_decodes = target.decodes
+    assert lookup.tokens == reference
+    # A greedy Markov chain over 8 tokens soon cycles: lookup then drafts it whole.
+    assert lookup.stats.accepted > 30 and lookup.stats.rounds < 30
+    model = collect(engine.generate(prompt, GREEDY.sampling, drafting(6, "model"), 60))
+    assert model.tokens == reference and model.stats.drafted == 0
+    assert target.decodes - plain_decodes > lookup.stats.rounds + 20
+
+
+def test_chain_falls_back_to_the_model_where_lookup_finds_nothing() -> None:
+    target, draft = pair(noise=0.3)
+    engine = Engine(target, draft)
+    prompt = list(range(8))  # no repeated n-gram: every round's first drafts come from the model
+    gen = collect(engine.generate(prompt, GREEDY.sampling, drafting(4, "chain", lookup_min=3), 12))
+    assert gen.tokens == target.greedy(prompt, 12)
+    assert gen.stats.drafted > 0 and draft.decodes > 0
+
+
+def _first_two(engine: Engine, prompt: list[int], drafting_, seeds: range) -> tuple[Counter, int, int]:
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in seeds:
+        sampling = dataclasses.replace(HOT, seed=seed)
+        gen = collect(engine.generate(prompt, sampling, drafting_, 2))
+        counts[tuple(gen.tokens)] += 1
+        drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+    return counts, drafted, accepted
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "model", "chain"])
+def test_sampled_pairs_follow_the_targets_distribution(drafter: str) -> None:
+    """Two tokens after a prompt whose lookup match predicts them (point-mass q) or a noisy draft's q: the joint
+    frequency of (first, second) over many seeds fits p(first) p(second | first) of the target alone."""
+    target, draft = FakeModel(4, seed=5), FakeModel(4, seed=5, noise=1.5)
+    engine = Engine(target, draft)
+    likely = int(np.argmax(target.logits_after([1, 2])))
+    prompt = [0, 1, 2, likely, 0, 1, 2]  # lookup proposes the target's likeliest token after "1 2", then 0
+    counts, drafted, accepted = _first_two(engine, prompt, drafting(2, drafter, lookup_min=2), range(3000))
+    first = target.next_probs(prompt, HOT)
+    joint = {(a, b): pa * pb for a, pa in first.items() for b, pb in target.next_probs([*prompt, a], HOT).items()}
+    assert chi_square(counts, joint) < CHI2_99_9[15]
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # drafts were both accepted and rejected
+
+
+def test_rejection_against_a_point_mass_is_exact() -> None:
+    """accept_or_resample with q = a point mass on x: accepted with p(x), else a draw from p without x, so the
+    emitted token follows p exactly."""
+    logits = np.array([[1.0, 0.2, -0.5, 0.7, 2.0, -1.0, 0.0, 0.3]], dtype=np.float32)
+    p = candidates(logits, HOT)
+    probs = dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+    rng = np.random.default_rng(0)
+    for x in (4, 5):  # the likeliest token and an unlikely one
+        counts = Counter(accept_or_resample(x, p, 0, point_mass(x), rng)[1] for _ in range(20_000))
+        assert chi_square(counts, probs) < 26.1  # 7 degrees of freedom, 99.9th percentile
+
+
+def test_draft_ahead_is_token_identical_to_the_sequential_loop() -> None:
+    for sampling in (GREEDY.sampling, HOT):
+        outs = []
+        for ahead in (False, True):
+            target, draft = pair(noise=0.5)
+            engine = Engine(target, draft, draft_ahead=ahead)
+            gen = collect(engine.generate(list(range(8)), sampling, drafting(4), 50))
+            engine.close()
+            outs.append((gen.tokens, gen.stats.accepted, gen.stats.ahead_made > 0))
+        assert outs[0][:2] == outs[1][:2] and outs[1][2]
+
+
+def test_streams_with_different_drafters_share_a_round_and_match_their_output_alone() -> None:
+    requests = [(repetitive(s), drafting(5, d)) for s, d in ((1, "model"), (2, "lookup"), (3, "chain"), (4, "model"))]
+    alone = []
+    for prompt, d in requests:
+        target, draft = pair()
+        alone.append(collect(Engine(target, draft).generate(prompt, GREEDY.sampling, d, 30)).tokens)
+    target, draft = FakeModel(seed=3, n_seq=4), FakeModel(seed=3, noise=1.0, n_seq=4)
+    engine = Engine(target, draft)
+    streams = [engine.start(p, GREEDY.sampling, d, 30, slot=i) for i, (p, d) in enumerate(requests)]
+    got: list[list[int]] = [[] for _ in streams]
+    while not all(s.finished for s in streams):
+        live = [s for s in streams if not s.finished]
+        engine.step(live)
+        for i, s in enumerate(streams):
+            if s in live:
+                got[i] += [e.token for e in s.events() if isinstance(e, TokenEvent)]
+    assert got == alone
+
+
+def test_device_sampler_shapes_give_the_same_greedy_output() -> None:
+    """The one scores type: full logits, the device's argmax, its top candidates (trace) all drive one loop."""
+    prompt = repetitive(5)
+    for top_k, trace in ((0, False), (4, False), (4, True)):
+        target = FakeModel(seed=3, device_top_k=top_k)
+        draft = FakeModel(seed=3, noise=1.0, device_top_k=top_k)
+        gen = collect(Engine(target, draft).generate(prompt, GREEDY.sampling, drafting(4, "chain"), 30, trace=trace))
+        assert gen.tokens == target.greedy(prompt, 30)
+        assert [t for t, _ in gen.trace] == (gen.tokens if trace else [])
