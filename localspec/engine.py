@@ -320,7 +320,9 @@ class Engine:
             stats.drafted += len(proposal.tokens)
             stats.accepted += verdict.accepted
             stats.draft_lengths.append(len(proposal.tokens))
-        if any(p.k for p in plans):  # (a round where nobody drafts tells the load policy nothing)
+        # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
+        # epoch and counts.
+        if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
