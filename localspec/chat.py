@@ -64,6 +64,7 @@ class ChatTemplate:
     source: str
     _render: Callable[..., str] = field(repr=False)
     thinking_switch: bool = False  # the template reads `enable_thinking` (Qwen3): /think and /nothink work
+    reads_tools: bool = False  # the template renders a `tools` variable (Qwen2.5/Qwen3): the server passes them
 
     def render(self, messages: list[Message], **variables: Any) -> str:
         """The prompt text; `variables` reach a Jinja template as extra names (`enable_thinking=False`)."""
@@ -79,7 +80,7 @@ class ChatTemplate:
         """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx). Extra
         variables reach the template (`enable_thinking`)."""
         return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source),
-                   thinking_switch="enable_thinking" in template)
+                   thinking_switch="enable_thinking" in template, reads_tools="tools" in template)
 
     @classmethod
     def builtin(cls, name: str) -> ChatTemplate:

@@ -38,14 +38,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localspec.config import Drafting, Sampling
+from localspec.constraints import masked_row
 from localspec.errors import ContextFullError, UsageError
-from localspec.llama_ctx import DeviceDist, LlamaModel, Sampled, TopK
+from localspec.llama_ctx import DeviceDist, Grammar, LlamaModel, Sampled, TopK
 from localspec.sampling import (
     Candidates,
     accept_or_resample,
     apply_penalties,
     candidates,
     candidates_from_top_k,
+    token_logprobs,
 )
 
 
@@ -58,6 +60,10 @@ class TokenEvent:
     # from the row itself, apart from the acceptance logic) and that row's top-1 minus top-2 logit.
     row_argmax: int | None = None
     margin: float | None = None
+    # With start(logprobs=N): the token's log-probability under the target's full distribution at temperature 1,
+    # and the N most likely tokens with theirs (OpenAI's logprobs; sampling.token_logprobs).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -333,8 +339,16 @@ class Stream:
     """
 
     def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None, trace: bool) -> None:
+                 should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
+                 constrain_draft: bool = True, logprobs: int | None = None) -> None:
         self.slot = slot
+        # The grammar's state after the committed tokens (advanced only by emitted ones), and during drafting the
+        # state after the drafts so far (a clone). constrain_draft=False masks the verify rows only (to measure).
+        self.grammar = grammar
+        self.constrain_draft = constrain_draft
+        self.draft_grammar: Grammar | None = None
+        self.logprobs = logprobs  # None: off; N: the emitted token's logprob and the N best alternatives
+        self.token_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         self.sampling = sampling
         self.drafting = drafting
         self.max_tokens = max_tokens
@@ -372,6 +386,8 @@ class Stream:
         self.stats.decode_s = time.perf_counter() - self.t_start
         self.done = DoneEvent(self.stats, stop, message)
         self.slot.busy = False
+        if self.grammar is not None:
+            self.grammar.close()
 
     def _stop_requested(self) -> bool:
         return self.should_stop is not None and self.should_stop()
@@ -386,7 +402,9 @@ class Stream:
                 break
             stats.tokens += 1
             row_argmax, margin = self.rows[i] if self.rows else (None, None)
-            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < self.n_accepted, row_argmax, margin)
+            logprob, top = self.token_logprobs[i] if self.token_logprobs else (None, None)
+            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < self.n_accepted, row_argmax, margin,
+                             logprob, top)
             if stats.tokens >= self.max_tokens:
                 self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
                 break
@@ -469,8 +487,9 @@ class Engine:
         return max(free, key=lambda s: (shared_prefix(s.target_kv, prompt), -s.used)).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
-                 slot: int = 0) -> Iterator[Event]:
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
+                 grammar: Grammar | None = None, constrain_draft: bool = True,
+                 logprobs: int | None = None) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped: the one-slot
         case of `start` + `step` + `events`.
 
@@ -480,7 +499,8 @@ class Engine:
         `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
-        stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot)
+        stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot,
+                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs)
         try:
             while True:
                 self.step([stream])
@@ -492,22 +512,30 @@ class Engine:
 
     def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
               should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
-              prefill_in_rounds: bool = False) -> Stream:
+              prefill_in_rounds: bool = False, grammar: Grammar | None = None, constrain_draft: bool = True,
+              logprobs: int | None = None) -> Stream:
         """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
         hold) and return its Stream, ready for `step`. With `prefill_in_rounds` the prompt is decoded one batch
         per model per round instead (`step` does it), so the streams already running keep going meanwhile; the
-        batches are the ones a whole prefill makes, so the numbers are the same."""
+        batches are the ones a whole prefill makes, so the numbers are the same.
+
+        `grammar` (the stream owns it from here: closed when it ends) holds the output to a constraint; `logprobs`
+        asks for each token's logprob and that many alternatives. Both need the full logits of their rows, so
+        that stream's device sampler is off (the draft's too for a grammar)."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         self._wait_for_worker()
         chosen = self.slots[slot]
-        stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
+        stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
+                        logprobs)
         seq = chosen.seq
-        self.target.use_device_sampler(_device_mode(self.target, sampling, p_min=0.0, plain=not stream.use_draft,
-                                                    trace=stream.trace), seq)
+        full_rows = grammar is not None or logprobs is not None
+        self.target.use_device_sampler(None if full_rows else _device_mode(
+            self.target, sampling, p_min=0.0, plain=not stream.use_draft, trace=stream.trace), seq)
         self.target.restart_device_sampler(seq)
         if self.draft is not None:
-            self.draft.use_device_sampler(_device_mode(self.draft, sampling, p_min=drafting.p_min), seq)
+            self.draft.use_device_sampler(None if grammar is not None and constrain_draft else _device_mode(
+                self.draft, sampling, p_min=drafting.p_min), seq)
         stream.stats.prompt_tokens = len(prompt)
         stream.prefill = self._prefill(chosen, list(prompt), stream.use_draft, stream.stats)
         if not prefill_in_rounds:
@@ -653,6 +681,8 @@ class Engine:
                 # unknown token there instead. That can only cost acceptance, never correctness.
                 feed = [t if t < draft.n_vocab else self._draft_unknown for t in feed]
             s.drafts, s.q, s.draft_s = [], (None if s.sampling.greedy else []), 0.0
+            if s.grammar is not None and s.constrain_draft:
+                s.draft_grammar = s.grammar.clone()
             todo.append((s, k, sequence, feed))
         step = 0
         while todo:
@@ -666,6 +696,9 @@ class Engine:
                 sampling, p_min = s.sampling, s.drafting.p_min
                 # Only a penalty reads the history (copying a long one every draft step costs).
                 history = sequence + s.drafts if sampling.penalized else sequence
+                if s.draft_grammar is not None:  # the draft proposes only what the grammar allows after the drafts
+                    row = _masked(_penalized(row, history, sampling), s.draft_grammar, sampling)
+                    history = []  # (its penalties are in the masked row)
                 if sampling.greedy:
                     token = int(_argmax(_penalized(row, history, sampling))[0])
                     confident = p_min == 0.0 or _top_softmax(row) >= p_min
@@ -677,6 +710,8 @@ class Engine:
                 if token >= self.target.n_vocab:
                     continue  # a draft-only padding id: the target cannot score it
                 s.drafts.append(token)
+                if s.draft_grammar is not None and not self.target.is_eog(token):
+                    s.draft_grammar.accept(token)
                 # An unsure draft is usually wrong: verify what we have instead of drafting on.
                 if step < k - 1 and confident:
                     going.append((s, k, sequence, [token]))
@@ -701,7 +736,14 @@ class Engine:
         spent = time.perf_counter() - t
         for s, (_, batch, _, _), rows in zip(streams, items, scores, strict=True):
             s.slot.target_kv.extend(batch)
-            s.emitted, s.n_accepted, s.rows = self._accept(s, _first_rows(rows, len(s.drafts) + 1))
+            rows = _first_rows(rows, len(s.drafts) + 1)
+            if s.grammar is None:
+                s.emitted, s.n_accepted, s.rows = self._accept(s, rows)
+            else:
+                s.emitted, s.n_accepted, s.rows = self._accept_constrained(s, rows)
+            if s.logprobs is not None:
+                assert isinstance(rows, np.ndarray)  # logprobs turn the device sampler off (start)
+                s.token_logprobs = [token_logprobs(rows[i], t, s.logprobs) for i, t in enumerate(s.emitted)]
         return spent
 
     @staticmethod
@@ -726,6 +768,36 @@ class Engine:
                 return [*drafts[:i], out], i, []
         return [*drafts, p.sample(len(drafts), s.rng)], len(drafts), []
 
+    def _accept_constrained(self, s: Stream, scores: np.ndarray | TopK | Sampled,
+                            ) -> tuple[list[int], int, list[tuple[int, float]]]:
+        """`_accept` on masked rows: row i is masked with the grammar state after the drafts before it (a clone
+        of the real state, advanced by each accepted draft), so p is the constrained target's at every position.
+        The real state then advances by the emitted tokens. Full rows only (start turns the device sampler off)."""
+        assert isinstance(scores, np.ndarray) and s.grammar is not None
+        drafts, sampling = s.drafts, s.sampling
+        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens
+        scored = _penalized(scores, history, sampling)
+        state = s.grammar.clone()
+        emitted: list[int] = []
+        for i in range(len(drafts) + 1):
+            row = _masked(scored[i], state, sampling)
+            if sampling.greedy:
+                token = int(np.argmax(row[0]))
+                ok = i < len(drafts) and drafts[i] == token
+            elif i < len(drafts):
+                ok, token = accept_or_resample(drafts[i], candidates(row, sampling), 0, s.q[i], s.rng)
+            else:
+                ok, token = False, candidates(row, sampling).sample(0, s.rng)
+            emitted.append(token)
+            if not self.target.is_eog(token):
+                state.accept(token)
+            if not ok:
+                break
+        s.grammar.close()
+        s.grammar = state
+        s.draft_grammar = None
+        return emitted, len(emitted) - 1, []
+
     # -- draft-ahead: the next round's drafts while this round verifies (one stream) -------------------------
 
     @contextlib.contextmanager
@@ -733,7 +805,7 @@ class Engine:
         """Run `_draft_ahead` in the worker thread for as long as the block (the verify) runs. llama.cpp releases
         the GIL inside each decode, so the two models compute at once. Whatever happens in the block, the draft
         model is idle again when it ends."""
-        if not (self.draft_ahead and s.drafts and k > 0):
+        if not (self.draft_ahead and s.drafts and k > 0 and s.grammar is None):
             yield None
             return
         if self._worker is None:
@@ -818,6 +890,8 @@ class _Shadow:
         self.drafts: list[int] = []
         self.q: list[Candidates] | None = None
         self.draft_s = 0.0
+        self.grammar: Grammar | None = None  # draft-ahead is off for constrained streams
+        self.draft_grammar: Grammar | None = None
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -889,6 +963,13 @@ def _penalized(scores: np.ndarray | TopK, history: list[int], sampling: Sampling
         return scores
     base = len(history) - len(scores) + 1  # row i follows history[:base + i]
     return np.stack([apply_penalties(row, history[: base + i], sampling) for i, row in enumerate(scores)])
+
+
+def _masked(row: np.ndarray, grammar: Grammar, sampling: Sampling) -> np.ndarray:
+    """One full row (penalties applied) with what the grammar forbids at -inf, as a (1, vocab) row; checked as far
+    as the pipeline needs: greedy keeps one token, top-k top_k of them, top_k = 0 every one."""
+    need = 1 if sampling.greedy else (sampling.top_k if sampling.top_k > 0 else 0)
+    return masked_row(row.reshape(-1), grammar, need)[None, :]
 
 
 def _distributions(scores: np.ndarray | TopK, history: list[int], sampling: Sampling) -> Candidates:

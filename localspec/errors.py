@@ -50,3 +50,8 @@ class IncompatiblePairError(LocalspecError):
 
 class ContextFullError(LocalspecError):
     """The prompt alone does not fit the context window."""
+
+
+class GrammarError(UsageError):
+    """A grammar or JSON schema that cannot constrain generation (does not parse, cannot be converted), or a
+    token it forbids; the message names the source (file, request field)."""
