@@ -84,6 +84,43 @@ def test_logprobs_fields():
         completion_logprobs(6)
 
 
+@pytest.mark.parametrize(("tools", "choice", "parallel", "param"), [
+    ("f", None, None, "tools"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "a", "parms": {}}}], None, None, "tools[0].function"),
+    ([{"type": "function", "function": {"name": "a"}}], {"type": "function", "function": {"name": "b"}}, None,
+     "tool_choice"),
+    ([{"type": "function", "function": {"name": "a"}}], "sometimes", None, "tool_choice"),
+    ([{"type": "function", "function": {"name": "a"}}], None, "yes", "parallel_tool_calls"),
+    (None, "required", None, "tool_choice"),
+])
+def test_bad_tool_fields_name_the_field(tools, choice, parallel, param):
+    from localspec.server.tools import ToolError, parse_tools
+
+    with pytest.raises(ToolError) as info:
+        parse_tools(tools, choice, parallel)
+    assert info.value.param == param
+
+
+def test_tool_calls_are_split_from_the_text_however_it_arrives():
+    from localspec.server.tools import ToolScanner, split_reply
+
+    reply = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    content, calls = split_reply(reply)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1}),
+                                                                                                ("g", {})]
+    for size in (1, 3, 7):
+        scanner, sent = ToolScanner(), ""
+        for i in range(0, len(reply), size):
+            sent += scanner.feed(reply[i : i + size])
+        sent += scanner.flush()
+        assert sent.strip() == content and [c["function"] for c in scanner.calls] == [c["function"] for c in calls]
+    assert split_reply("a <tool_call> not json </tool_call> <tool") == ("a <tool_call> not json </tool_call> <tool",
+                                                                          [])
+
+
 # -- the grammar over a real vocabulary --------------------------------------------------------------------
 
 

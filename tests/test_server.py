@@ -134,7 +134,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize(("body", "param", "needle"), [
     ({**CHAT, "n": 2}, "n", "only n = 1"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions", "function calling"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
     ({**CHAT, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({**CHAT, "temprature": 0.5}, "temprature", "did you mean 'temperature'"),
     ({**CHAT, "temperature": "0.5"}, "temperature", "valid number"),
