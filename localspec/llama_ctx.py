@@ -811,7 +811,7 @@ class Grammar:
             if self.trigger in self._seen:
                 self.awaiting, self._seen = False, b""
             else:  # only a marker's worth of tail can still become one
-                self._seen = self._seen[len(self._seen) - len(self.trigger) + 1 :]
+                self._seen = self._seen[max(0, len(self._seen) - len(self.trigger) + 1) :]
         llama_cpp.llama_sampler_accept(self._sampler, token)
 
     def close(self) -> None:

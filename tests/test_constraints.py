@@ -144,6 +144,29 @@ def test_grammar_mask_clone_and_accept(tiny_pair):
 
 
 @pytest.mark.slow
+def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pair):
+    """Free text until `<tool_call>`; a token that would complete the marker with text the grammar forbids after
+    it (`>"`) is illegal, since llama.cpp would abort replaying it; after the marker only the call may follow."""
+    from localspec.server.tools import parse_tools
+
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}], "auto", True)
+    with LlamaModel(tiny_pair[0], n_ctx=64) as model:
+        g = tools.constraint().grammar(model)
+        one = {text: model.tokenize(text, add_special=False) for text in ('>"', ">", "{", "hello", " Sure")}
+        assert all(len(ids) == 1 for ids in one.values())
+        ids = {text: ids[0] for text, ids in one.items()}
+        for t in model.tokenize(" Sure, <tool_call", add_special=False):
+            assert g.legal(np.array([t]))[0]
+            g.accept(t)
+        assert g.awaiting
+        assert g.legal(np.array([ids[">"], ids['>"'], ids["hello"]])).tolist() == [True, False, True]
+        g.accept(ids[">"])
+        assert not g.awaiting
+        assert g.legal(np.array([ids["{"], ids["hello"], ids[" Sure"]])).tolist() == [True, False, False]
+
+
+@pytest.mark.slow
 def test_lazy_mask_equals_the_full_mask(tiny_pair):
     """Checking a row's best tokens first keeps exactly the top tokens a full mask would keep."""
     with LlamaModel(tiny_pair[0], n_ctx=64) as model:
