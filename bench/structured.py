@@ -1,7 +1,8 @@
 """Constrained decoding and logprobs: what they cost, and what masking the draft buys (issue #20).
 
     python bench/structured.py mask [--vocab GGUF] [--rows N]
-    python bench/structured.py speed [--pair demo-chat] [--runs N] [--max-tokens N] [--threads N] [--json OUT]
+    python bench/structured.py speed [--pair demo-chat | --target GGUF --draft GGUF] [--runs N] [--max-tokens N]
+                                     [--threads N] [--json OUT]
 
 `mask`: llama.cpp's grammar sampler (`llama_ctx.Grammar`) on a tiny model written with the vocabulary of --vocab
 (default: llama.cpp's ggml-vocab-qwen2.gguf, 151,936 tokens, from the pinned llama-cpp-python sdist) — the time to
@@ -93,7 +94,7 @@ def mask(args: argparse.Namespace) -> dict:
 
 def speed(args: argparse.Namespace) -> dict:
     preset = load_preset("greedy").with_overrides(threads=args.threads, n_ctx=1024)
-    files = resolve_files(args.pair, None, None)
+    files = resolve_files(None if args.target else args.pair, args.target, args.draft)
     constraint = Constraint.json_schema(SCHEMA, "bench")
     modes = {  # name -> (draft length, constrained, draft masked, logprobs)
         "unconstrained": (args.k, False, False, None),
@@ -124,12 +125,13 @@ def speed(args: argparse.Namespace) -> dict:
                        "tok_s_total": tokens / sum(st.decode_s for st in stats),
                        "acceptance": sum(st.accepted for st in stats) / max(1, sum(st.drafted for st in stats)),
                        "tokens": tokens}
-    print(f"pair {args.pair}, greedy, k = {args.k}, {args.runs} runs x {len(PROMPTS)} prompts, "
+    print(f"pair {files.name}, greedy, k = {args.k}, {args.runs} runs x {len(PROMPTS)} prompts, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.2f}")
     print(f"{'mode':<30} {'tok/s (total)':>14} {'acceptance':>11} {'tokens':>7}")
     for name, row in table.items():
         print(f"{name:<30} {row['tok_s_total']:>14.1f} {row['acceptance']:>11.1%} {row['tokens']:>7}")
-    return {"pair": args.pair, "k": args.k, "runs": args.runs, "threads": args.threads,
+    return {"pair": files.name, "target": str(files.target), "draft": str(files.draft), "k": args.k,
+            "runs": args.runs, "threads": args.threads,
             "loadavg": os.getloadavg(), "table": table}
 
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--rows", type=int, default=20)
     sp = sub.add_parser("speed")
     sp.add_argument("--pair", default="demo-chat")
+    sp.add_argument("--target", type=Path)
+    sp.add_argument("--draft", type=Path)
     sp.add_argument("--runs", type=int, default=3)
     sp.add_argument("--k", type=int, default=6)
     sp.add_argument("--max-tokens", type=int, default=96)

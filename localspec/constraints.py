@@ -74,19 +74,26 @@ def masked_row(row: np.ndarray, grammar: Grammar, need: int) -> np.ndarray:
     keeps at most `need` tokens (1 for greedy, top_k; 0 = no top-k: every token is checked).
 
     Only the row's best tokens are checked until `need` legal ones are found: any legal token outside them ranks
-    below all of them, so top-`need` of the masked row is the same. Tokens left unchecked are -inf too."""
+    below all of them, so top-`need` of the masked row is the same. Each widening checks only the tokens it adds.
+    Tokens left unchecked are -inf too."""
     vocab = len(row)
     look = min(vocab, max(FIRST_LOOK, 4 * need)) if need else vocab
+    checked = np.zeros(vocab, dtype=bool)
+    legal_ids: list[np.ndarray] = []
+    found = 0
     while True:
         ids = np.arange(vocab) if look >= vocab else np.argpartition(row, vocab - look)[vocab - look :]
-        legal = grammar.legal(ids)
-        found = int(legal.sum())
+        ids = ids[~checked[ids]]
+        checked[ids] = True
+        keep = ids[grammar.legal(ids)]
+        legal_ids.append(keep)
+        found += len(keep)
         if look >= vocab or found >= need:
             break
         look = min(vocab, look * 8)
     if found == 0:
         raise GrammarError(f"{grammar.source}: the grammar allows no token here (a grammar that cannot end?)")
     out = np.full(vocab, -np.inf, dtype=np.float32)
-    keep = ids[legal]
+    keep = np.concatenate(legal_ids)
     out[keep] = row[keep]
     return out

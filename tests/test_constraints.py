@@ -22,7 +22,7 @@ from localspec.server.structured import chat_logprobs, completion_logprobs, requ
 from localspec.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
 
-GREEDY = load_preset("greedy")
+GREEDY = load_preset("greedy").with_overrides(threads=1)  # one thread: a busy box stalls llama.cpp's spinning pool
 LETTERS = 'root ::= [a-z]+ "."'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -126,7 +126,7 @@ def test_tool_calls_are_split_from_the_text_however_it_arrives():
 
 @pytest.mark.slow
 def test_grammar_mask_clone_and_accept(tiny_pair):
-    with LlamaModel(tiny_pair[0], n_ctx=64) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
         brace, word = model.tokenize("{", add_special=False), model.tokenize("hello", add_special=False)
         assert len(brace) == 1 and len(word) == 1
         g = Constraint.json_object("test").grammar(model)
@@ -151,7 +151,7 @@ def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pa
 
     tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}}}}], "auto", True)
-    with LlamaModel(tiny_pair[0], n_ctx=64) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
         g = tools.constraint().grammar(model)
         one = {text: model.tokenize(text, add_special=False) for text in ('>"', ">", "{", "hello", " Sure")}
         assert all(len(ids) == 1 for ids in one.values())
@@ -169,7 +169,7 @@ def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pa
 @pytest.mark.slow
 def test_lazy_mask_equals_the_full_mask(tiny_pair):
     """Checking a row's best tokens first keeps exactly the top tokens a full mask would keep."""
-    with LlamaModel(tiny_pair[0], n_ctx=64) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
         g = Grammar(model, LETTERS, "letters")
         rng = np.random.default_rng(3)
         full_ids = np.arange(model.n_vocab)
@@ -246,7 +246,7 @@ def test_logprobs_match_single_token_decoding(tiny_pair, temperature):
     with open_pair(*tiny_pair, preset) as s:
         tokens, events, done = run(s.engine, prompt, preset.sampling, 4, 30, logprobs=3)
     assert done.stats.accepted > 0 and any(not e.from_draft for e in events)
-    with LlamaModel(tiny_pair[0], n_ctx=256) as reference:
+    with LlamaModel(tiny_pair[0], n_ctx=256, n_threads=1) as reference:
         reference.decode(prompt[:-1], 0)
         sequence = list(prompt)
         for i, event in enumerate(events):
