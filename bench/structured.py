@@ -76,19 +76,24 @@ def mask(args: argparse.Namespace) -> dict:
                 g.accept(t)
         rng = np.random.default_rng(0)
         rows = [rng.normal(size=model.n_vocab).astype(np.float32) * 3 for _ in range(args.rows)]
-        out: dict = {"vocab": str(vocab), "n_vocab": model.n_vocab, "rows": args.rows * len(states)}
-        for label, fn in (("full row", lambda r, s: s.legal(ids)),
-                          ("greedy (need 1)", lambda r, s: masked_row(r, s, 1)),
-                          ("top_k 40", lambda r, s: masked_row(r, s, 40))):
+        legal = [s.legal(ids) for s in states]
+        # A model that follows the format ranks the legal tokens first: the same rows with them lifted by 12.
+        following = [[np.where(mask, r + 12, r) for r in rows] for mask in legal]
+        out: dict = {"vocab": str(vocab), "n_vocab": model.n_vocab, "rows": args.rows * len(states),
+                     "load": os.getloadavg()[0]}
+        for label, fn, lifted in (("full row", lambda r, s: s.legal(ids), False),
+                                  ("greedy, random rows", lambda r, s: masked_row(r, s, 1), False),
+                                  ("top_k 40, random rows", lambda r, s: masked_row(r, s, 40), False),
+                                  ("greedy, rows following the format", lambda r, s: masked_row(r, s, 1), True),
+                                  ("top_k 40, rows following the format", lambda r, s: masked_row(r, s, 40), True)):
             t0 = time.perf_counter()
-            for s in states:
-                for r in rows:
+            for i, s in enumerate(states):
+                for r in following[i] if lifted else rows:
                     fn(r, s)
             out[label] = (time.perf_counter() - t0) / (len(rows) * len(states)) * 1000
-        legal = [int(s.legal(ids).sum()) for s in states]
-        out["legal tokens per position"] = legal
+        out["legal tokens per position"] = [int(mask.sum()) for mask in legal]
     for key, value in out.items():
-        print(f"{key:>26}: {value:.3f} ms" if isinstance(value, float) else f"{key:>26}: {value}")
+        print(f"{key:>36}: {value:.3f} ms" if isinstance(value, float) and key != "load" else f"{key:>36}: {value}")
     return out
 
 

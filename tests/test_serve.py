@@ -385,12 +385,20 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
 
 # -- structured output and logprobs (demo-chat: an instruct model) --------------------------------------------
 
+
+@pytest.fixture(scope="module")
+def chat_server(demo_home, tmp_path_factory) -> Iterator[Server]:
+    """The instruct demo, one llama.cpp thread (a busy test box stalls a spinning pool)."""
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-chat"), "--pair", "demo-chat", "--threads", "1")
+    yield s
+    s.stop()
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def test_json_schema_replies_parse_and_follow_the_schema(slots4):
-    client = slots4.client()
+def test_json_schema_replies_parse_and_follow_the_schema(chat_server):
+    client = chat_server.client()
     model = client.models.list().data[0].id
     ask = dict(model=model, messages=[{"role": "user", "content": "Describe a fictional person as JSON."}],
                max_tokens=120, temperature=0,
@@ -409,11 +417,12 @@ def test_json_schema_replies_parse_and_follow_the_schema(slots4):
     assert digits.choices[0].text.isdigit()
 
 
-def test_logprobs_come_with_every_token_streamed_or_not(slots4):
-    client = slots4.client()
+def test_logprobs_come_with_every_token_streamed_or_not(chat_server):
+    client = chat_server.client()
     model = client.models.list().data[0].id
+    # No repeat penalty (smollm2-chat's preset has one): greedy then picks the raw argmax, which logprobs describe.
     ask = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24,
-               temperature=0, logprobs=True, top_logprobs=2)
+               temperature=0, logprobs=True, top_logprobs=2, extra_body={"repeat_penalty": 1.0})
     whole = client.chat.completions.create(**ask)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
@@ -424,7 +433,8 @@ def test_logprobs_come_with_every_token_streamed_or_not(slots4):
     streamed = [t for chunk in client.chat.completions.create(**ask, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
     assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
-    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
+    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1,
+                                     extra_body={"repeat_penalty": 1.0})
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
     assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
@@ -436,15 +446,17 @@ WEATHER = [{"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}]
 
 
-def test_tool_calls_parse_streamed_or_not_and_results_go_back(slots4):
+def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
     """SmolLM2's template knows no tools: they are described in a system message, and the grammar makes the
     forced call parse; the result goes back as a `role: tool` message and the model answers in text."""
-    client = slots4.client()
+    client = chat_server.client()
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        ask = dict(model=model, messages=messages, tools=WEATHER, tool_choice=choice, max_tokens=80, temperature=0)
+        ask = dict(model=model, messages=messages, tools=WEATHER, tool_choice=choice, max_tokens=80, temperature=0,
+                   parallel_tool_calls=False)
         whole = client.chat.completions.create(**ask)
+        assert len(whole.choices[0].message.tool_calls) == 1  # one call: parallel_tool_calls is off
         call = whole.choices[0].message.tool_calls[0]
         assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         assert set(json.loads(call.function.arguments)) == {"city"}
