@@ -16,7 +16,7 @@ import ctypes
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -723,6 +723,24 @@ def json_schema_gbnf(schema: dict, source: str) -> str:
         raise GrammarError(f"{source}: this JSON schema cannot be turned into a grammar: {exc}") from None
 
 
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """What C code writes to file descriptor 2 inside the block, as the list's one string (after the block)."""
+    import tempfile
+
+    said: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 2)
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            said.append(sink.read(4096).decode("utf-8", errors="replace"))
+
+
 class Grammar:
     """A GBNF grammar's state over one model's vocabulary (llama.cpp's grammar sampler): which tokens may come
     next (`legal`), and `accept` to advance by one token. `clone` copies the state, so a draft run can be masked
@@ -743,18 +761,23 @@ class Grammar:
         self.awaiting = bool(trigger)
         self._seen = b""  # while awaiting: the emitted text (bytes, as llama.cpp's trigger buffer holds it)
         self._sampler = None
-        if trigger:
-            if not trigger or not all(c.isalnum() or c in "<>_/:-" for c in trigger):
-                raise GrammarError(f"{source}: a trigger is letters, digits and <>_/:- only (got {trigger!r})")
-            pattern = f"^[\\s\\S]*?({trigger})[\\s\\S]*$".encode()  # from the first match on
-            patterns = (ctypes.c_char_p * 1)(pattern)
-            sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                model.vocab, gbnf.encode(), b"root", patterns, 1, None, 0)
-        else:
-            sampler = llama_cpp.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root")
+        if trigger and not all(c.isalnum() or c in "<>_/:-" for c in trigger):
+            raise GrammarError(f"{source}: a trigger is letters, digits and <>_/:- only (got {trigger!r})")
+        # llama.cpp's GBNF parser prints its complaint to stderr itself (fprintf): caught here, it becomes part
+        # of the one-line error instead of a second message around it.
+        with _stderr_captured() as said:
+            if trigger:
+                pattern = f"^[\\s\\S]*?({trigger})[\\s\\S]*$".encode()  # from the first match on
+                patterns = (ctypes.c_char_p * 1)(pattern)
+                sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                    model.vocab, gbnf.encode(), b"root", patterns, 1, None, 0)
+            else:
+                sampler = llama_cpp.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root")
         if not sampler:
-            raise GrammarError(f"{source}: the grammar does not parse (GBNF with a `root` rule; "
-                               "LOCALSPEC_DEBUG=1 shows llama.cpp's reason)")
+            reason = said[0].strip().splitlines()[0] if said and said[0].strip() else "no `root` rule?"
+            reason = reason.split("error parsing grammar: ", 1)[-1].strip()
+            reason += " the end" if reason.endswith(" at") else ""  # llama.cpp quotes the rest of the text there
+            raise GrammarError(f"{source}: the grammar does not parse: {reason}")
         self._sampler = sampler
 
     def clone(self) -> Grammar:

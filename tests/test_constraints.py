@@ -308,3 +308,30 @@ def test_a_tool_call_trigger_inside_an_accepted_draft_run(smollm2_path):
                 break
         assert completes is not None and events[completes].from_draft and events[completes + 1].from_draft
         assert done.stats.acceptance_rate > 0.9
+
+
+@pytest.mark.slow
+def test_generate_holds_to_a_json_schema_file_and_names_a_bad_one(demo_home, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    def generate(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "LOCALSPEC_HOME": str(demo_home)}
+        env.pop("LOCALSPEC_DEBUG", None)
+        return subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "generate",
+                               *args], capture_output=True, text=True, env=env, timeout=600)
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMA))
+    done = generate("Describe a person as JSON.", "--pair", "demo-chat", "--chat", "--temp", "0", "--threads", "1",
+                    "--max-tokens", "120", "--json-schema", str(schema))
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) == {"name", "age"}
+    grammar = tmp_path / "bad.gbnf"
+    grammar.write_text("root ::= (")
+    bad = generate("x", "--pair", "demo-chat", "--grammar", str(grammar))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"localspec: error: {grammar}: the grammar does not parse: expecting ')' at the end"]
+    both = generate("x", "--json-schema", str(schema), "--grammar", str(grammar))
+    assert both.returncode == 2 and "give one of them" in both.stderr
