@@ -245,6 +245,8 @@ def test_a_client_that_disconnects_frees_the_engine(server):
      "tool_choice"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"extra_body": {"grammar": "root ::= nope"}}, "grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.com/s"}}}]},
+     "tools"),
 ])
 def test_unsupported_fields_are_a_400_naming_them(server, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

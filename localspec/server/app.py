@@ -293,16 +293,16 @@ async def _run(state: ServerState, backend: Backend, request: Request, req: Chat
     preset, max_tokens = _job_settings(state, backend, req)
     logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
     constraint = request_constraint(req.response_format, req.grammar)
-    if tools is not None:
-        if constraint is not None:
-            raise RequestError("tools with response_format or grammar: give one of them", param="tools",
-                               code="invalid_value")
-        constraint = tools.constraint()
+    if tools is not None and constraint is not None:
+        raise RequestError("tools with response_format or grammar: give one of them", param="tools",
+                           code="invalid_value")
     try:
+        if tools is not None:
+            constraint = tools.constraint()  # a parameters schema the converter cannot read fails here
         grammar = constraint.grammar(backend.model) if constraint is not None else None
     except LocalspecError as exc:  # GBNF that does not parse
-        raise RequestError(str(exc), param="grammar" if req.grammar is not None else "response_format",
-                           code="invalid_value") from None
+        param = "tools" if tools is not None else "grammar" if req.grammar is not None else "response_format"
+        raise RequestError(str(exc), param=param, code="invalid_value") from None
     loop = asyncio.get_running_loop()
     items: asyncio.Queue[Item] = asyncio.Queue()
 
