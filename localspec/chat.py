@@ -162,7 +162,8 @@ _finders: weakref.WeakKeyDictionary[LlamaModel, _ControlFinder] = weakref.WeakKe
 
 def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Message], *,
                     control_tokens: bool = False, limit: int | None = None,
-                    cancelled: Callable[[], bool] | None = None, variables: dict[str, Any] | None = None) -> list[int]:
+                    cancelled: Callable[[], bool] | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
     """Render a conversation and tokenize it for a model that serves others' text (the server).
 
     The template's own control tokens (`<|im_start|>`) become special tokens. Unless `control_tokens`, no text in
@@ -170,7 +171,9 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
     content tokenized alone, as plain text, so relayed text cannot forge a turn (llama.cpp's server parses them).
     Other messages go through the template untouched (it may trim or split them as it likes). `limit` as in
     `encode_chat`; `cancelled` is asked between pieces (BuildCancelled);
-    `variables` reach the template (`tools`).
+    `variables` reach the template (`tools`). Tool definitions and native tool calls go through the template as
+    structures (it serialises them itself), so they cannot be hidden like content: one that holds a control
+    token's text is refused (a LocalspecError naming it) unless `control_tokens`.
     """
     variables = variables or {}
     if control_tokens:
@@ -178,6 +181,12 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
     finder = _finders.get(model)
     if finder is None:
         finder = _finders[model] = _ControlFinder(model.control_texts)
+    structured = [("tools", variables.get("tools"))]
+    structured += [(f"messages[{i}].tool_calls", m.get("tool_calls")) for i, m in enumerate(messages)]
+    for name, value in structured:
+        if value is not None and finder.found_in(json.dumps(value, ensure_ascii=False)):
+            raise LocalspecError(f"{name}: holds a control token's text, which would reach the model as a "
+                                 "control token (the server's control_tokens option allows it)")
     hidden: list[str] = []
 
     def hide(content: str) -> str:
