@@ -226,9 +226,10 @@ def system_info() -> str:
 
 
 def default_threads() -> int:
-    from localspec.machine import physical_cores
+    """Threads when none are given: the physical cores other programs leave free (machine.thread_choice)."""
+    from localspec.machine import thread_choice
 
-    return physical_cores()
+    return thread_choice().threads
 
 
 def quantize(source: Path, dest: Path, ftype_name: str) -> None:

@@ -94,7 +94,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
-    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--cors-origin", "http://ui.example")
+    # The base demo, named (serve's default is the instruct demo): its greedy output is checked against plain
+    # decoding below, and its slots take turns (tests of the batched ones use demo-chat).
+    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--pair", "demo", "--cors-origin", "http://ui.example")
     yield s
     s.stop()
 
@@ -102,7 +104,7 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def guarded(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key and room for one waiting request."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--api-key", KEY, "--queue", "1")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--pair", "demo", "--api-key", KEY, "--queue", "1")
     yield s
     s.stop()
 
@@ -157,7 +159,7 @@ def test_greedy_completion_equals_generate(server, demo_home):
 
 
 def test_greedy_chat_equals_generate_and_streams_draft_stats(server, demo_home):
-    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N))
+    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N), "--pair", "demo")
     client = server.client()
     messages = [{"role": "user", "content": PROMPT}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=N, temperature=0)

@@ -22,7 +22,7 @@ PROMPTS = [f"Write one sentence about the number {i} and a colour." for i in ran
 @pytest.fixture(scope="module")
 def slots16(demo_home, tmp_path_factory) -> Iterator[Server]:
     s = Server(demo_home, tmp_path_factory.mktemp("serve-16"), "--parallel", str(N), "--pair", "demo-chat",
-               "--ctx", "512", "--threads", "1", "--queue", str(N))
+               "--ctx", "256", "--threads", "1", "--queue", str(N))
     yield s
     s.stop()
 
@@ -33,7 +33,7 @@ def test_sixteen_sampled_requests_at_once_keep_their_solo_acceptance(slots16):
 
     def ask(i: int) -> dict:
         out = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=48, temperature=0.7,
+            model=model, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=32, temperature=0.7,
             top_p=0.9, seed=100 + i, extra_body={"top_k": 40})
         timings = out.model_extra["timings"]
         return {"drafted": timings["draft_n"], "accepted": timings["draft_n_accepted"]}

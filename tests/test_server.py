@@ -239,7 +239,7 @@ ANY_MESSAGE = st.fixed_dictionaries(
 )
 # field → (values the server must accept, values near or past the edges; any JSON value is tried as well)
 FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
-    "model": (st.text(max_size=10), JSON_VALUES),
+    "model": (st.just("demo"), st.text(max_size=10) | JSON_VALUES),  # another name: 404 model_not_found
     "stream": (st.booleans(), st.integers(0, 1)),
     "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
                        st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=2)),
@@ -303,7 +303,10 @@ FUZZ_EXAMPLES = int(os.environ.get("LOCALSPEC_FUZZ_EXAMPLES", "150"))  # more fo
 
 def check_response(r) -> None:
     FUZZ_COUNTS[r.status_code] += 1
-    assert r.status_code in (200, 400), r.text  # never a 500, never a 503 (one client at a time)
+    assert r.status_code in (200, 400, 404), r.text  # never a 500, never a 503 (one client at a time)
+    if r.status_code == 404:  # a model this server does not serve, and nothing else
+        assert r.json()["error"]["code"] == "model_not_found", r.text
+        return
     if r.status_code == 400:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]

@@ -45,9 +45,10 @@ def outputs_alone(pair, requests: list[dict], **load) -> list[list[int]]:
     return expected
 
 
-def run_together(engine: Engine, requests: list[dict], arrivals: list[int]) -> list[list[int]]:
-    """Start request i at round arrivals[i] in the slot the engine picks; step all running streams together
-    until every one has finished. Returns each request's tokens."""
+def run_together(engine: Engine, requests: list[dict], arrivals: list[int],
+                 slots: list[int] | None = None) -> list[list[int]]:
+    """Start request i at round arrivals[i] in the slot the engine picks (or slots[i]); step all running streams
+    together until every one has finished. Returns each request's tokens."""
     out: list[list[int]] = [[] for _ in requests]
     running: dict[int, Stream] = {}
     done: set[int] = set()
@@ -55,7 +56,7 @@ def run_together(engine: Engine, requests: list[dict], arrivals: list[int]) -> l
     while len(done) < len(requests):
         for i, request in enumerate(requests):
             if arrivals[i] == round_no:
-                slot = engine.free_slot(request["prompt"])
+                slot = engine.free_slot(request["prompt"]) if slots is None else slots[i]
                 assert slot is not None
                 running[i] = engine.start(**request, slot=slot)
         streams = list(running.values())

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.engine import DoneEvent, TokenEvent
 from localspec.policies import LoadPolicy as _LoadPolicy
-from tests.test_slots import drafting, open_slots, prompts
+from tests.test_slots import drafting, open_slots, prompts, run_together
 
 pytestmark = pytest.mark.slow
 
@@ -28,31 +27,6 @@ def sampled_requests(n: int) -> list[dict]:
     return out
 
 
-def run_in_slots(engine, requests: list[dict], slots: list[int], arrivals: list[int]) -> list[list[int]]:
-    """Request i starts in slot slots[i] at round arrivals[i]; the streams step together, listed in the order
-    they started, until all have finished."""
-    out: list[list[int]] = [[] for _ in requests]
-    running: dict[int, object] = {}
-    done: set[int] = set()
-    round_no = 0
-    while len(done) < len(requests):
-        for i in np.argsort(arrivals, kind="stable").tolist():
-            if arrivals[i] == round_no:
-                running[i] = engine.start(**requests[i], slot=slots[i])
-        engine.step(list(running.values()))
-        for i, stream in list(running.items()):
-            for event in stream.events():
-                if isinstance(event, TokenEvent):
-                    out[i].append(event.token)
-                else:
-                    assert isinstance(event, DoneEvent)
-                    done.add(i)
-                    del running[i]
-        round_no += 1
-        assert round_no < 5_000
-    return out
-
-
 def test_sixteen_sampled_requests_in_scrambled_slots_are_token_identical_to_each_alone(tiny_pair, monkeypatch):
     # The load policy shortens drafts by batch size, which changes what a seed draws: held at full drafts here.
     monkeypatch.setattr(_LoadPolicy, "SHARES", (1.0,))
@@ -63,15 +37,15 @@ def test_sixteen_sampled_requests_in_scrambled_slots_are_token_identical_to_each
         expected = []
         for r in requests:  # each alone in the same engine (with several slots, plain decoding draws on the host)
             s.engine.reset()
-            expected.append(run_in_slots(s.engine, [r], [0], [0])[0])
+            expected.append(run_together(s.engine, [r], [0], slots=[0])[0])
         s.engine.reset()
         slots = rng.permutation(16).tolist()
-        assert run_in_slots(s.engine, requests, slots, [0] * 16) == expected
+        assert run_together(s.engine, requests, [0] * 16, slots=slots) == expected
         # Again in other slots (now holding other requests' cells), arriving over several rounds, so requests
         # join and leave while others run and the busy slots have gaps.
         slots = rng.permutation(16).tolist()
         arrivals = rng.integers(0, 12, size=16).tolist()
-        assert run_in_slots(s.engine, requests, slots, arrivals) == expected
+        assert run_together(s.engine, requests, arrivals, slots=slots) == expected
 
 
 def test_a_new_request_fills_the_gap_a_finished_one_left(tiny_pair):

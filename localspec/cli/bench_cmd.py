@@ -17,6 +17,7 @@ from localspec.bench import (
     BenchReport,
     CheckStarted,
     RunDone,
+    RunProgress,
     SweepReport,
     WarmupStep,
     load_prompts,
@@ -25,12 +26,13 @@ from localspec.bench import (
     run_bench,
     run_sweep,
     shipped_prompts,
+    threads_line,
 )
 from localspec.cli import options
 from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
 from localspec.session import open_session
-from localspec.ui.bench_view import live_table, summary, sweep_table
+from localspec.ui.bench_view import live_view, summary, sweep_table
 
 SweepOpt = Annotated[
     str | None,
@@ -52,7 +54,8 @@ PromptsOpt = Annotated[
                  "of that name: ./lookup).", show_default=False),
 ]
 RawFlag = Annotated[
-    bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")
+    bool, typer.Option("--raw/--no-raw", metavar="",
+                       help="Plain completion: do not send the prompts through the chat template.")
 ]
 
 
@@ -119,14 +122,17 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
         with progress:
             task = progress.add_task("warm-up", total=chosen.bench.warmup)
             event = next(events)
-            while isinstance(event, WarmupStep):
-                progress.update(task, completed=event.done)
+            while isinstance(event, WarmupStep | RunProgress):
+                if isinstance(event, WarmupStep):
+                    progress.update(task, completed=event.done)
                 event = next(events)
-        with Live(live_table(runs, chosen.bench.repeat, title), console=console, refresh_per_second=4) as live:
+        with Live(live_view(runs, chosen.bench.repeat, title), console=console, refresh_per_second=4) as live:
             while not isinstance(event, BenchReport):
                 if isinstance(event, RunDone):
                     runs.append(event.result)
-                    live.update(live_table(runs, chosen.bench.repeat, title))
+                    live.update(live_view(runs, chosen.bench.repeat, title))
+                elif isinstance(event, RunProgress):
+                    live.update(live_view(runs, chosen.bench.repeat, title, event))
                 elif isinstance(event, CheckStarted):
                     live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
                 event = next(events)
@@ -137,6 +143,7 @@ def _print_placement(console: Console, session) -> None:
     where = placement(session)
     console.print(f"placement: target {where['target']}, draft {where['draft']}; draft-ahead "
                   f"{'on' if where['draft_ahead'] else 'off'}")
+    console.print(f"threads: {threads_line(session)}")
 
 
 def _parse_sweep(text: str) -> list[int]:
@@ -171,6 +178,10 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
                 if isinstance(event, SweepReport):
                     report = event
                     break
+                if isinstance(event, RunProgress):  # a run under way: its rate so far, no step forward
+                    progress.update(task, description=f"{event.mode}: {event.tokens}/{event.total} tokens, "
+                                    f"{event.tok_s:.1f} tok/s")
+                    continue
                 label = "warming up" if isinstance(event, WarmupStep) else f"run {event.done}/{event.total}"
                 progress.update(task, advance=1, description=label)
     console.print(sweep_table(report))

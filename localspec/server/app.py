@@ -110,6 +110,7 @@ class ServerState:
     """What the routes read: fixed settings, and the backend once loaded."""
 
     model_id: str
+    aliases: tuple[str, ...] = ()  # other names requests may give as `model` (--model-alias)
     api_key: str | None = None
     max_tokens: int | None = None  # the server's cap per reply (None: until the end of the turn/context)
     seed: int | None = None  # for requests that give none (None: a random one each)
@@ -121,6 +122,19 @@ class ServerState:
 
     def attach(self, backend: Backend) -> None:
         self.backend = backend
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        return (self.model_id, *self.aliases)
+
+    def check_model(self, name: str | None) -> None:
+        """A request naming another model gets a 404, as OpenAI answers one: silently answering `gpt-4` with the
+        demo would hide a front-end pointed at the wrong server."""
+        if name is None or name in self.served:
+            return
+        raise ApiError(404, f"model {name!r} is not served here; this server serves "
+                            f"{', '.join(repr(n) for n in self.served)} (a front-end that insists on its own name: "
+                            f"localspec serve --model-alias {name})", param="model", code="model_not_found")
 
     def ready(self) -> Backend:
         if self.backend is None:
@@ -156,11 +170,13 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     async def models(request: Request) -> JSONResponse:
         _authorize(state, request)
         return JSONResponse({"object": "list", "data": [
-            {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "localspec"}]})
+            {"id": name, "object": "model", "created": state.created, "owned_by": "localspec"}
+            for name in state.served]})
 
     async def chat_completions(request: Request) -> Any:
         _authorize(state, request)
         req = parse(ChatRequest, parse_body(await _read_body(request)))
+        state.check_model(req.model)
         backend = state.ready()
         if backend.template is None:
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
@@ -184,6 +200,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     async def completions(request: Request) -> Any:
         _authorize(state, request)
         req = parse(CompletionRequest, parse_body(await _read_body(request)))
+        state.check_model(req.model)
         backend = state.ready()
         source = req.prompt
         if isinstance(source, str):

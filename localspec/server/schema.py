@@ -91,7 +91,7 @@ _COMPLETION_UNSUPPORTED = {
 class _Generation(_Strict):
     """Fields shared by both endpoints. Sampling fields overlay the server's preset; absent = the preset's."""
 
-    model: str | None = None  # one model per server: any name is served by it
+    model: str | None = None  # the served id or an alias (app.py answers any other with 404 model_not_found)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)

@@ -6,7 +6,25 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunResult, SweepReport
+from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
+
+# The table's short headers, said in full once (they must stay short to fit 80 columns).
+LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "
+          "of the target's own) · host: time outside llama.cpp")
+
+
+def progress_line(progress: RunProgress, done: int, total: int) -> Text:
+    """The run under way: which one, its tokens so far and their rate, so a slow machine never looks hung."""
+    return Text(f"run {done + 1}/{total} ({progress.mode}): {progress.tokens}/{progress.total} tokens · "
+                f"{progress.tok_s:.1f} tok/s so far", style="dim")
+
+
+def live_view(runs: list[RunResult], repeat: int, title: str, progress: RunProgress | None = None) -> Group:
+    """The live table, with the legend under it and the run under way below that."""
+    parts: list[Table | Text] = [live_table(runs, repeat, title), Text(LEGEND, style="dim")]
+    if progress is not None:
+        parts.append(progress_line(progress, len(runs), 2 * repeat))
+    return Group(*parts)
 
 
 def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
@@ -54,6 +72,8 @@ def summary(report: BenchReport) -> Group:
         lines.append(Text("✓ greedy: every speculative token is its verify row's argmax", style="green"))
         lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
                           "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
+    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
+    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
     return Group(*lines)
 
 
