@@ -144,6 +144,34 @@ def test_grammar_mask_clone_and_accept(tiny_pair):
 
 
 @pytest.mark.slow
+def test_lookup_proposals_stop_at_the_first_token_the_grammar_refuses(tiny_pair):
+    """Through the seam: the lookup drafter keeps a proposal up to the first refused token and leaves the request's
+    grammar copy after the kept ones (where a chained draft model continues)."""
+    from localspec.drafters.base import DraftRequest
+    from localspec.drafters.lookup import LookupDrafter
+    from localspec.events import GenerationStats
+
+    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
+        (brace,), (word,) = model.tokenize("{", add_special=False), model.tokenize("hello", add_special=False)
+        quote = model.tokenize('"', add_special=False)[0]
+        # The context ends in `x {`, which occurred before followed by `"hello"{`: lookup proposes those four.
+        x = model.tokenize(" x", add_special=False)[0]
+        context = [x, brace, quote, word, quote, brace, x, brace]
+        g = Constraint.json_object("test").grammar(model)
+        lookup = dataclasses.replace(drafting(4, "lookup"), lookup_min=2)
+        req = DraftRequest(0, context, GREEDY.sampling, lookup, GenerationStats(), g)
+        unmasked = dataclasses.replace(req, grammar=None)
+        assert LookupDrafter().propose(unmasked, 4).tokens == [quote, word, quote, brace]
+        g.accept(brace)  # the copy as the loop hands it over: after the committed `{`
+        assert LookupDrafter().propose(req, 4).tokens == [quote, word, quote]  # `{"hello"{` is not JSON
+        reference = Constraint.json_object("test").grammar(model)
+        for t in (brace, quote, word, quote):
+            reference.accept(t)
+        probe = np.arange(model.n_vocab)
+        assert np.array_equal(g.legal(probe), reference.legal(probe))  # the copy advanced by the kept three
+
+
+@pytest.mark.slow
 def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pair):
     """Free text until `<tool_call>`; a token that would complete the marker with text the grammar forbids after
     it (`>"`) is illegal, since llama.cpp would abort replaying it; after the marker only the call may follow."""
