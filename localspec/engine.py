@@ -125,7 +125,7 @@ class Stream:
                                             sampling, slot)
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
-                                grammar.clone() if grammar is not None and constrain_draft else None)
+                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
