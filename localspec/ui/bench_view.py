@@ -52,7 +52,23 @@ def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
     return table
 
 
-def summary(report: BenchReport) -> Group:
+def summary(report: BenchReport, lookup: BenchReport | None = None) -> Group:
+    """The verdict, the greedy check and what to run next; with the built-in demo's prompt-lookup part (`lookup`),
+    its speedup and check too, and its line first in the advice."""
+    lines = _outcome(report)
+    if lookup is not None:
+        lines.append(Text(f"prompt lookup (no draft model) on replies that repeat their prompt: "
+                          f"{lookup.speedup:.2f}x plain decoding", style="bold green" if lookup.speedup >= 1
+                          else "bold yellow"))
+        lines.extend(line for line in _outcome(lookup)[2:])  # its checks; the headline is the line above
+        lines.append(Text(f"{'there' if lookup.speedup >= 1 else 'even there'}, speculation "
+                          f"{'wins' if lookup.speedup >= 1 else 'does not win'} on this machine: drafting by "
+                          "lookup costs ~nothing; try it with `localspec chat --drafter lookup` on a code edit"))
+    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
+    return Group(*lines)
+
+
+def _outcome(report: BenchReport) -> list[Text]:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
@@ -73,8 +89,7 @@ def summary(report: BenchReport) -> Group:
         lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
                           "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
     lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
-    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
-    return Group(*lines)
+    return lines
 
 
 def sweep_table(report: SweepReport) -> Table:
