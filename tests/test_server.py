@@ -133,16 +133,14 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
     ({**CHAT, "n": 2}, "n", "only n = 1"),
-    ({**CHAT, "logprobs": True}, "logprobs", "not supported"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions", "function calling"),
     ({**CHAT, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({**CHAT, "temprature": 0.5}, "temprature", "did you mean 'temperature'"),
     ({**CHAT, "temperature": "0.5"}, "temperature", "valid number"),
     ({**CHAT, "temperature": 6}, "temperature", "less than or equal to 5"),  # the preset's own range
     ({**CHAT, "speculative": {"n_max": 33}}, "speculative.n_max", "less than or equal to 32"),
     ({**CHAT, "stop": ["ok", ""]}, "stop", "must not be empty"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "got 'tool'"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "got 'function'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content", "only text parts"),
     ({"messages": []}, "messages", "at least 1"),

@@ -38,6 +38,7 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.cli import options
+from localspec.constraints import Constraint
 from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import DecodeError, LocalspecError, UsageError
 from localspec.fsutil import not_utf8
@@ -57,6 +58,11 @@ NoThinkFlag = Annotated[
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
 ChatFlag = Annotated[bool, typer.Option("--chat", metavar="", help="Wrap the prompt in the model's chat template.")]
 JsonFlag = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object: text, stop reason, stats.")]
+JsonSchemaFile = Annotated[Path | None, typer.Option(
+    "--json-schema", metavar="FILE", help="Hold the output to this JSON schema (a JSON file).", show_default=False)]
+GrammarFile = Annotated[Path | None, typer.Option(
+    "--grammar", metavar="FILE", help="Hold the output to this GBNF grammar (llama.cpp's format, a `root` rule).",
+    show_default=False)]
 
 
 def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:
@@ -302,8 +308,11 @@ def generate(
     chat_template: ChatFlag = False,
     no_think: NoThinkFlag = False,
     json_out: JsonFlag = False,
+    json_schema: JsonSchemaFile = None,
+    grammar_file: GrammarFile = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
+    constraint = Constraint.from_files(json_schema, grammar_file)  # a bad file fails before any model loads
     text = _read_stdin() if prompt == "-" else _argument_text(prompt)
     if not text.strip():
         raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
@@ -331,7 +340,8 @@ def generate(
         out: list[int] = []
         done: DoneEvent | None = None
         try:
-            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit)
+            grammar = constraint.grammar(model) if constraint is not None else None
+            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit, grammar=grammar)
             for event in events:
                 if isinstance(event, TokenEvent):
                     out.append(event.token)

@@ -19,7 +19,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,22 @@ from localspec.server.schema import (
     RequestError,
     parse,
     parse_body,
+)
+from localspec.server.structured import (
+    TokenLogprob,
+    chat_logprobs,
+    chat_shape,
+    completion_logprobs,
+    completion_shape,
+    request_constraint,
+)
+from localspec.server.tools import (
+    ToolError,
+    ToolRequest,
+    ToolScanner,
+    messages_for_template,
+    parse_tools,
+    split_reply,
 )
 from localspec.server.worker import FINISH_CANCELLED, Delta, Failed, Finished, Item, Job, JobResult, QueueFull, Worker
 
@@ -165,16 +181,21 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         if backend.template is None:
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
                            code="no_chat_template")
-        messages = [m.as_template_message() for m in req.messages]
+        try:
+            tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolError as exc:
+            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+        messages, variables = messages_for_template([m.as_template_message() for m in req.messages], tools,
+                                                    backend.template.reads_tools)
         backend.limits.check_messages([m["content"] for m in messages])  # before the template renders them all
 
         def build(cancelled: Callable[[], bool]) -> list[int]:
             assert backend.template is not None
             return encode_messages(backend.model, backend.template, messages, control_tokens=state.control_tokens,
-                                   limit=backend.n_ctx, cancelled=cancelled)
+                                   limit=backend.n_ctx, cancelled=cancelled, variables=variables)
 
         prompt = await _prompt(backend, build, request)
-        return await _run(state, backend, request, req, prompt, chat=True)
+        return await _run(state, backend, request, req, prompt, chat=True, tools=tools)
 
     async def completions(request: Request) -> Any:
         _authorize(state, request)
@@ -310,8 +331,20 @@ def _job_settings(state: ServerState, backend: Backend,
 
 
 async def _run(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
-               prompt: list[int], *, chat: bool) -> Any:
+               prompt: list[int], *, chat: bool, tools: ToolRequest | None = None) -> Any:
     preset, max_tokens = _job_settings(state, backend, req)
+    logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
+    constraint = request_constraint(req.response_format, req.grammar)
+    if tools is not None and constraint is not None:
+        raise RequestError("tools with response_format or grammar: give one of them", param="tools",
+                           code="invalid_value")
+    try:
+        if tools is not None:
+            constraint = tools.constraint()  # a parameters schema the converter cannot read fails here
+        grammar = constraint.grammar(backend.model) if constraint is not None else None
+    except LocalspecError as exc:  # GBNF that does not parse
+        param = "tools" if tools is not None else "grammar" if req.grammar is not None else "response_format"
+        raise RequestError(str(exc), param=param, code="invalid_value") from None
     loop = asyncio.get_running_loop()
     items: asyncio.Queue[Item] = asyncio.Queue()
 
@@ -319,14 +352,14 @@ async def _run(state: ServerState, backend: Backend, request: Request, req: Chat
         loop.call_soon_threadsafe(items.put_nowait, item)
 
     job = Job(prompt=prompt, sampling=preset.sampling, drafting=preset.draft, max_tokens=max_tokens,
-              stops=req.stop, sink=sink)
+              stops=req.stop, sink=sink, grammar=grammar, logprobs=logprobs)
     worker = backend.worker
     try:
         worker.submit(job)
     except QueueFull as exc:
         raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(worker.retry_after_s())}) from None
-    reply = _Reply(state.model_id, chat)
+    reply = _Reply(state.model_id, chat, logprobs is not None, tools is not None)
     if req.stream:
         # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
         # it get there before sse-starlette would cut the connection mid-response.
@@ -373,7 +406,8 @@ async def _stream(reply: _Reply, items: asyncio.Queue[Item], worker: Worker, job
         while True:
             item = await items.get()
             if isinstance(item, Delta):
-                yield reply.chunk({"content": item.text} if reply.chat else item.text)
+                for chunk in reply.delta_chunks(item):
+                    yield chunk
                 continue
             if isinstance(item, Failed):
                 yield _json(_failure(item).body)
@@ -381,6 +415,8 @@ async def _stream(reply: _Reply, items: asyncio.Queue[Item], worker: Worker, job
                 yield _json(error_body("the request was cancelled: the server is shutting down", "server_error",
                                        code="shutdown"))
             else:
+                for chunk in reply.delta_chunks(Delta(""), final=True):
+                    yield chunk
                 yield reply.final_chunk(item.result)
                 if include_usage:
                     yield reply.usage_chunk(item.result)
@@ -413,9 +449,12 @@ def _json(data: dict[str, Any]) -> str:
 class _Reply:
     """OpenAI's shapes for one reply: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, model_id: str, chat: bool) -> None:
+    def __init__(self, model_id: str, chat: bool, logprobs: bool = False, tools: bool = False) -> None:
         self.model_id = model_id
         self.chat = chat
+        self.logprobs = logprobs
+        self.tools = ToolScanner() if tools else None  # streaming: <tool_call> blocks → delta.tool_calls
+        self.sent_chars = 0  # completions' text_offset
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.fingerprint = f"localspec-{__version__}"
@@ -425,26 +464,51 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
                 "system_fingerprint": self.fingerprint}
 
-    def _choice(self, payload: dict[str, Any] | str, finish: str | None, whole: bool = False) -> dict[str, Any]:
+    def _choice(self, payload: dict[str, Any] | str, finish: str | None, whole: bool = False,
+                logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        shaped = None
+        if self.logprobs and logprobs is not None:
+            shaped = chat_shape(list(logprobs)) if self.chat else completion_shape(list(logprobs), self.sent_chars)
         if self.chat:
             key = "message" if whole else "delta"
-            return {"index": 0, key: payload, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": payload, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, key: payload, "logprobs": shaped, "finish_reason": finish}
+        self.sent_chars += len(payload) if isinstance(payload, str) else 0
+        return {"index": 0, "text": payload, "logprobs": shaped, "finish_reason": finish}
 
-    def chunk(self, payload: dict[str, Any] | str) -> str:
-        return _json({**self._head(True), "choices": [self._choice(payload, None)]})
+    def chunk(self, payload: dict[str, Any] | str, logprobs: Sequence[TokenLogprob] = ()) -> str:
+        return _json({**self._head(True), "choices": [self._choice(payload, None, logprobs=logprobs)]})
+
+    def delta_chunks(self, delta: Delta, final: bool = False) -> list[str]:
+        """The chunks for one Delta of text: its content (and logprobs), and with tools each call completed."""
+        if not self.chat:
+            return [self.chunk(delta.text, delta.logprobs)] if delta.text or delta.logprobs or not final else []
+        if self.tools is None:
+            return [] if final else [self.chunk({"content": delta.text}, delta.logprobs)]
+        before = len(self.tools.calls)
+        text = self.tools.feed(delta.text) + (self.tools.flush() if final else "")
+        out = [self.chunk({"content": text}, delta.logprobs)] if text or delta.logprobs else []
+        for i, call in enumerate(self.tools.calls[before:], start=before):
+            out.append(self.chunk({"tool_calls": [{"index": i, **call}]}))
+        return out
 
     def final_chunk(self, result: JobResult) -> str:
         empty: dict[str, Any] | str = {} if self.chat else ""
-        return _json({**self._head(True), "choices": [self._choice(empty, result.finish_reason)],
-                      "timings": result.timings()})
+        finish = "tool_calls" if self.tools is not None and self.tools.calls else result.finish_reason
+        return _json({**self._head(True), "choices": [self._choice(empty, finish)], "timings": result.timings()})
 
     def usage_chunk(self, result: JobResult) -> str:
         return _json({**self._head(True), "choices": [], "usage": _usage(result)})
 
     def whole(self, result: JobResult) -> dict[str, Any]:
         payload: dict[str, Any] | str = {"role": "assistant", "content": result.text} if self.chat else result.text
-        return {**self._head(False), "choices": [self._choice(payload, result.finish_reason, whole=True)],
+        finish = result.finish_reason
+        if self.tools is not None:
+            content, calls = split_reply(result.text)
+            if calls:
+                payload = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls"
+        choice = self._choice(payload, finish, whole=True, logprobs=result.logprobs)
+        return {**self._head(False), "choices": [choice],
                 "usage": _usage(result), "timings": result.timings()}
 
 

@@ -1,10 +1,11 @@
 """The request bodies of /v1/chat/completions and /v1/completions, and what is refused.
 
 Strict on purpose: an unknown field is a 400 naming it (a typo such as `temprature` must not fall back to the
-preset silently), and so is a known OpenAI field whose feature localspec does not have (`n > 1`, `logprobs`,
-`tools`, `response_format` JSON/grammar, ...), unless its value asks for nothing (`n: 1`, `logprobs: false`,
-`tools: []`), which front-ends send by default. Types are strict (`"0.5"` is not a temperature) and every range
-comes from the preset's own metadata in `localspec.config`, so the server accepts exactly what a preset may hold.
+preset silently), and so is a known OpenAI field whose feature localspec does not have (`n > 1`, `functions`,
+`logit_bias`, ...), unless its value asks for nothing (`n: 1`, `functions: []`), which front-ends send by default.
+Tools, `response_format`, `grammar` and logprobs are checked where they are used (server/tools.py,
+server/structured.py). Types are strict (`"0.5"` is not a temperature) and every range comes from the preset's
+own metadata in `localspec.config`, so the server accepts exactly what a preset may hold.
 """
 
 from __future__ import annotations
@@ -74,21 +75,13 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (_neutral(None, False), "logprobs are not supported"),
-    "top_logprobs": (_neutral(None, 0), "logprobs are not supported"),
-    "tools": (_neutral(None, []), "tool calling is not supported"),
-    "tool_choice": (_neutral(None, "none", "auto"), "tool calling is not supported"),
-    "parallel_tool_calls": (_neutral(None, True, False), "tool calling is not supported"),
     "functions": (_neutral(None, []), "function calling is not supported"),
     "function_call": (_neutral(None, "none", "auto"), "function calling is not supported"),
-    "response_format": (_neutral(None, {"type": "text"}),
-                        "only {\"type\": \"text\"} is supported (no JSON mode, schemas or grammars)"),
     "modalities": (_neutral(None, ["text"]), "only text output is supported"),
     "audio": (_neutral(None), "audio output is not supported"),
 }
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (_neutral(None), "logprobs are not supported"),
     "best_of": (_neutral(None, 1), "only best_of = 1 is supported"),
     "echo": (_neutral(None, False), "echo is not supported"),
     "suffix": (_neutral(None, ""), "suffix (fill-in-the-middle) is not supported"),
@@ -122,6 +115,9 @@ class _Generation(_Strict):
     # `parse`, which names them with a reason.
     n: Any = None
     logit_bias: Any = None
+    # Structured output (checked by server/structured.py, which names the field): OpenAI's and llama-server's.
+    response_format: Any = None
+    grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -162,7 +158,7 @@ class _Generation(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str = ""
     name: str | None = None
     refusal: Any = None
@@ -189,17 +185,19 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:  # checked by server/tools.py when the conversation is rendered
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
 _MESSAGE_UNSUPPORTED = {
-    "tool_calls": (_neutral(None, []), "tool calling is not supported"),
-    "tool_call_id": (_neutral(None), "tool calling is not supported"),
     "function_call": (_neutral(None), "function calling is not supported"),
     "refusal": (_neutral(None), "refusals cannot be replayed to the model"),
 }
@@ -215,7 +213,6 @@ class ChatRequest(_Generation):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
 
