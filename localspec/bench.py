@@ -18,16 +18,16 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from localspec import __version__
+from localspec import __version__, machine
 from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import Preset
-from localspec.engine import GenerationStats, collect
+from localspec.engine import DoneEvent, GenerationStats, collect
 from localspec.errors import UsageError
 from localspec.fsutil import read_text
 from localspec.session import Session
@@ -75,6 +75,11 @@ LOOKUP_PROMPTS: tuple[tuple[str, str], ...] = (
 )
 PROMPT_SETS = {"shipped": PROMPTS, "lookup": LOOKUP_PROMPTS}  # `--prompts NAME`
 WARMUP_TOKENS = 16
+PROGRESS_EVERY_S = 0.5  # how often a run reports its tokens so far: a slow machine must never look hung
+SWEEP_NEXT = "`localspec bench --sweep 2,4,6,8`"
+GPU_NEXT = "`localspec pull qwen3-32b && localspec bench --pair qwen3-32b`"
+# A run's tok/s spread (fastest over slowest) beyond which something else was competing for the cores.
+NOISY_SPREAD = 1.5
 PLAIN, SPEC = "plain", "speculative"
 RAW, TEMPLATE = "raw completion", "chat template"
 MAX_PROMPTS = 10_000
@@ -277,6 +282,7 @@ class BenchReport:
     environment: dict[str, Any]
     prompts: list[str] = field(default_factory=list)
     prompt_mode: str = RAW
+    warnings: list[str] = field(default_factory=list)  # what makes these numbers doubtful (contention)
 
     @property
     def speedup(self) -> float:
@@ -288,6 +294,26 @@ class BenchReport:
             return f"speculative decoding is {self.speedup:.2f}x plain decoding on this pair and machine"
         return (f"speculative decoding is SLOWER than plain decoding on this pair and machine ({self.speedup:.2f}x): "
                 "the draft does not save enough target work here")
+
+    @property
+    def advice(self) -> list[str]:
+        """What the verdict means here and what to run next: one or two lines, then the command."""
+        on_cpu = self.greedy_check.exact  # the CPU backend: batch and single-token logits are bitwise equal
+        if self.speedup >= 1.0:
+            return [f"next: {SWEEP_NEXT} finds the best draft length here; `localspec chat` uses it"]
+        if on_cpu:
+            return [
+                "expected on a CPU: a small target costs about as much per token as its draft, and verifying "
+                f"{self.n_draft + 1} tokens in one batch costs several single-token steps, so a model draft "
+                "rarely pays here.",
+                "on a GPU a 32B int4 target is read once per verify batch: localspec measured 2.1-2.6x plain "
+                "decoding on an H200 (docs/performance.md); an RTX 3090/4090 should gain too (a prediction, "
+                "not measured).",
+                f"next: with an NVIDIA GPU, the README's GPU quick start ({GPU_NEXT}); on this CPU, "
+                f"{SWEEP_NEXT} tries shorter drafts",
+            ]
+        return ["on a GPU this usually means few drafts are accepted (see accept) or a draft too large for its "
+                f"target; next: {SWEEP_NEXT}, or a smaller draft of the same family"]
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -302,6 +328,8 @@ class BenchReport:
             "speculative": dataclasses.asdict(self.speculative),
             "speedup": self.speedup,
             "verdict": self.verdict,
+            "advice": self.advice,
+            "warnings": self.warnings,
             "greedy_check": self.greedy_check.as_dict(),
             "runs": [r.as_dict() for r in self.runs],
         }
@@ -325,18 +353,40 @@ class CheckStarted:
     prompts: int
 
 
-BenchEvent = WarmupStep | RunDone | CheckStarted | BenchReport
+@dataclass(frozen=True)
+class RunProgress:
+    """A measured run under way: tokens so far and their rate (wall time, prompt processing included)."""
+
+    mode: str
+    index: int
+    tokens: int
+    total: int  # at most this many: every prompt's max_tokens
+    tok_s: float
+
+
+BenchEvent = WarmupStep | RunProgress | RunDone | CheckStarted | BenchReport
 
 
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
-             max_tokens: int) -> RunResult:
+             max_tokens: int) -> Generator[RunProgress, None, RunResult]:
+    """One run over the prompt set; yields its progress every PROGRESS_EVERY_S and returns its result."""
     drafting = preset.draft if mode == SPEC else dataclasses.replace(preset.draft, n_draft=0)
     outputs: dict[str, list[int]] = {}
     stats: list[GenerationStats] = []
+    start = last = time.perf_counter()
+    total = len(prompts) * max_tokens
     for name, prompt in prompts:
-        generation = collect(session.engine.generate(prompt, preset.sampling, drafting, max_tokens))
-        outputs[name] = generation.tokens
-        stats.append(generation.stats)
+        tokens = outputs[name] = []
+        for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens):
+            if isinstance(event, DoneEvent):
+                stats.append(event.stats)
+                break
+            tokens.append(event.token)
+            now = time.perf_counter()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                done = sum(len(t) for t in outputs.values())
+                yield RunProgress(mode, index, done, total, done / (now - start))
     prefill = [s.prefill_tps for s in stats if s.prompt_tokens_processed]
     return RunResult(mode=mode, index=index, stats=GenerationStats.total(stats),
                      prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs)
@@ -385,17 +435,18 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
     settings = preset.bench
     kind = prompt_mode(session, raw)
     prompts = tokenize_prompts(session, prompts, raw)
+    load_before = machine.load_average()
     for i in range(settings.warmup):
         mode = SPEC if i % 2 else PLAIN
         name, prompt = prompts[i % len(prompts)]
-        _one_run(session, [(name, prompt)], preset, mode, -1, WARMUP_TOKENS)
+        yield from _one_run(session, [(name, prompt)], preset, mode, -1, WARMUP_TOKENS)
         yield WarmupStep(i + 1, settings.warmup)
 
     runs: list[RunResult] = []
     total = 2 * settings.repeat
     for i in range(settings.repeat):
         for mode in (PLAIN, SPEC) if i % 2 == 0 else (SPEC, PLAIN):
-            result = _one_run(session, prompts, preset, mode, i, settings.max_tokens)
+            result = yield from _one_run(session, prompts, preset, mode, i, settings.max_tokens)
             runs.append(result)
             yield RunDone(result, len(runs), total)
 
@@ -403,6 +454,8 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
     spec_runs = [r for r in runs if r.mode == SPEC]
     # Apart from the timed runs, at any temperature: the check's trace asks the device for candidates, not only
     # the argmax, and sampled outputs differ run to run by design.
+    warnings = contention(session.target.n_threads, machine.physical_cores(), load_before, machine.load_average(),
+                          [r.stats.decode_tps for r in plain_runs])
     yield CheckStarted(len(prompts))
     check = greedy_check(session, prompts, preset, settings.max_tokens)
 
@@ -410,13 +463,37 @@ def run_bench(session: Session, preset: Preset, prompts: list[BenchPrompt] | Non
         preset=preset, n_draft=preset.draft.n_draft, max_tokens=settings.max_tokens,
         plain=ModeSummary.of(PLAIN, plain_runs), speculative=ModeSummary.of(SPEC, spec_runs),
         greedy_check=check, runs=runs, environment=environment(session),
-        prompts=[name for name, _ in prompts], prompt_mode=kind,
+        prompts=[name for name, _ in prompts], prompt_mode=kind, warnings=warnings,
     )
+
+
+def contention(threads: int, cores: int, load_before: float | None, load_after: float | None,
+               plain_tps: list[float]) -> list[str]:
+    """Signs that other programs competed for the cores during the runs, each with what to do about it.
+
+    The load average after the runs counts this process's own threads; what is left over was someone else's.
+    Plain decoding does the same work every run, so a wide spread between its runs means the machine was not
+    ours alone either.
+    """
+    warnings = []
+    if load_after is not None:
+        others = max(0.0, load_after - threads)
+        if threads + round(others) > cores:
+            rose = f" (from {load_before:.1f})" if load_before is not None and others > load_before + 0.5 else ""
+            fewer = max(1, cores - round(others))
+            hint = f", or with --threads {fewer}" if fewer < threads else ""
+            warnings.append(
+                f"the load average was {load_after:.1f}{rose} on {cores} physical cores with {threads} "
+                f"thread{'s' * (threads != 1)} of ours: other programs competed for the cores, so these numbers "
+                f"are low and noisy; rerun on a quieter machine{hint}")
+    if len(plain_tps) >= 2 and min(plain_tps) > 0 and max(plain_tps) / min(plain_tps) > NOISY_SPREAD:
+        warnings.append(f"plain decoding ran between {min(plain_tps):.1f} and {max(plain_tps):.1f} tok/s from run to "
+                        "run: something else was using the CPU; the medians are less certain than usual")
+    return warnings
 
 
 def environment(session: Session) -> dict[str, Any]:
     """Versions, hardware and model files, for the JSON report (so numbers can be compared honestly)."""
-    from localspec import machine
     from localspec.llama_ctx import supports_gpu_offload, system_info
 
     def version(dist: str) -> str | None:
@@ -443,12 +520,20 @@ def environment(session: Session) -> dict[str, Any]:
         "cpu": machine.cpu_name(),
         "cpu_cores_physical": machine.physical_cores(),
         "cpu_threads": session.target.n_threads,
+        "cpu_threads_chosen": threads_line(session),
         "ram_bytes": machine.ram_total(),
         "pair": session.files.name,
         "target": model(session.target),
         "draft": model(session.draft),
         "placement": placement(session),
     }
+
+
+def threads_line(session: Session) -> str:
+    """How many CPU threads the models use and why: bench's header line and its JSON."""
+    if session.threads is not None:
+        return f"{session.threads.describe()} (--threads N sets it)"
+    return f"{session.target.n_threads} (set by --threads or the preset's load.threads)"
 
 
 def placement(session: Session) -> dict[str, Any]:
@@ -497,7 +582,7 @@ class SweepReport:
         }
 
 
-SweepEvent = WarmupStep | RunDone | SweepReport
+SweepEvent = WarmupStep | RunProgress | RunDone | SweepReport
 
 
 def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: list[BenchPrompt] | None = None,
@@ -508,7 +593,8 @@ def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: lis
     settings = preset.bench
     prompts = tokenize_prompts(session, prompts, raw)
     for i in range(settings.warmup):
-        _one_run(session, [prompts[i % len(prompts)]], preset, SPEC if i % 2 else PLAIN, -1, WARMUP_TOKENS)
+        yield from _one_run(session, [prompts[i % len(prompts)]], preset, SPEC if i % 2 else PLAIN, -1,
+                            WARMUP_TOKENS)
         yield WarmupStep(i + 1, settings.warmup)
     ks = [0, *sorted(set(lengths) - {0})]
     by_k: dict[int, list[RunResult]] = {k: [] for k in ks}
@@ -517,7 +603,7 @@ def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: lis
     for i in range(settings.repeat):
         for k in ks if i % 2 == 0 else reversed(ks):
             tuned = dataclasses.replace(preset, draft=dataclasses.replace(preset.draft, n_draft=k))
-            result = _one_run(session, prompts, tuned, SPEC if k else PLAIN, i, settings.max_tokens)
+            result = yield from _one_run(session, prompts, tuned, SPEC if k else PLAIN, i, settings.max_tokens)
             by_k[k].append(result)
             done += 1
             yield RunDone(result, done, total)

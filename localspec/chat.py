@@ -66,6 +66,7 @@ class ChatTemplate:
     source: str
     _render: Callable[..., str] = field(repr=False)
     thinking_switch: bool = False  # the template reads `enable_thinking` (Qwen3): /think and /nothink work
+    reads_tools: bool = False  # the template renders a `tools` variable (Qwen2.5/Qwen3): the server passes them
 
     def render(self, messages: list[Message], **variables: Any) -> str:
         """The prompt text; `variables` reach a Jinja template as extra names (`enable_thinking=False`)."""
@@ -81,7 +82,7 @@ class ChatTemplate:
         """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx). Extra
         variables reach the template (`enable_thinking`)."""
         return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source),
-                   thinking_switch="enable_thinking" in template)
+                   thinking_switch="enable_thinking" in template, reads_tools="tools" in template)
 
     @classmethod
     def builtin(cls, name: str) -> ChatTemplate:
@@ -161,20 +162,31 @@ _finders: weakref.WeakKeyDictionary[LlamaModel, _ControlFinder] = weakref.WeakKe
 
 def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Message], *,
                     control_tokens: bool = False, limit: int | None = None,
-                    cancelled: Callable[[], bool] | None = None) -> list[int]:
+                    cancelled: Callable[[], bool] | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
     """Render a conversation and tokenize it for a model that serves others' text (the server).
 
     The template's own control tokens (`<|im_start|>`) become special tokens. Unless `control_tokens`, no text in
     a message does: a message whose content holds a control token's text is rendered as a placeholder and its
     content tokenized alone, as plain text, so relayed text cannot forge a turn (llama.cpp's server parses them).
     Other messages go through the template untouched (it may trim or split them as it likes). `limit` as in
-    `encode_chat`; `cancelled` is asked between pieces (BuildCancelled).
+    `encode_chat`; `cancelled` is asked between pieces (BuildCancelled);
+    `variables` reach the template (`tools`). Tool definitions and native tool calls go through the template as
+    structures (it serialises them itself), so they cannot be hidden like content: one that holds a control
+    token's text is refused (a LocalspecError naming it) unless `control_tokens`.
     """
+    variables = variables or {}
     if control_tokens:
-        return encode_chat(model, template.render(messages), limit)
+        return encode_chat(model, template.render(messages, **variables), limit)
     finder = _finders.get(model)
     if finder is None:
         finder = _finders[model] = _ControlFinder(model.control_texts)
+    structured = [("tools", variables.get("tools"))]
+    structured += [(f"messages[{i}].tool_calls", m.get("tool_calls")) for i, m in enumerate(messages)]
+    for name, value in structured:
+        if value is not None and finder.found_in(json.dumps(value, ensure_ascii=False)):
+            raise LocalspecError(f"{name}: holds a control token's text, which would reach the model as a "
+                                 "control token (the server's control_tokens option allows it)")
     hidden: list[str] = []
 
     def hide(content: str) -> str:
@@ -183,7 +195,7 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
         hidden.append(content)
         return f"{_MARK_OPEN}{len(hidden) - 1}{_MARK_CLOSE}"
 
-    text = template.render([{**m, "content": hide(m.get("content", ""))} for m in messages])
+    text = template.render([{**m, "content": hide(m.get("content", ""))} for m in messages], **variables)
     tokens: list[int] = []
 
     def add(piece: str, special: bool) -> None:

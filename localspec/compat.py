@@ -37,11 +37,24 @@ class Finding:
     why: str  # why this breaks speculation, or why it only warns
 
 
+QUANT_FIELDS = frozenset({"draft quantization", "draft size", "target quantization"})  # quant_advice's findings
+
+
 @dataclass(frozen=True)
 class Verdict:
     target: str
     draft: str
     findings: tuple[Finding, ...]
+
+    @property
+    def token_findings(self) -> tuple[Finding, ...]:
+        """What the tokenizer comparison found (quantization advice left out)."""
+        return tuple(f for f in self.findings if f.field not in QUANT_FIELDS)
+
+    @property
+    def tokens_match(self) -> bool:
+        """Every id means the same token in both, with nothing that even lowers acceptance."""
+        return all(f.level <= Status.INFO for f in self.token_findings)
 
     @property
     def level(self) -> Status:

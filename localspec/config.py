@@ -70,6 +70,14 @@ def _host_names(text: str) -> object:
     return names
 
 
+def _model_names(text: str) -> object:
+    """`gpt-4o,my-model`: names the server also answers to; each without spaces or commas ("" = none)."""
+    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+    if any(not n or any(c.isspace() for c in n) for n in names):
+        raise ValueError("expected comma-separated model names without spaces, e.g. gpt-4o,my-model")
+    return names
+
+
 def _draft_device(text: str) -> object:
     text = text.strip()
     if text == "auto" or text.isdigit():
@@ -146,7 +154,7 @@ class LoadSettings:
     n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))  # -1 = all
     draft_n_gpu_layers: int = field(metadata=_rng(-1, 1000, int))
     kv_type: str = field(metadata={"kind": str, "choices": ("f16", "q8_0", "q4_0")})
-    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = auto: free physical cores (machine.thread_choice)
     n_batch: int = field(metadata=_rng(8, 8192, int))
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
     # Placement (llama.cpp's model params): how the target spreads over devices, and where the draft goes.
@@ -173,7 +181,7 @@ class RpcServerSettings:
 
     host: str = field(metadata=_text(_address, "an address to listen on, e.g. 127.0.0.1"))
     port: int = field(metadata=_rng(1, 65535, int))
-    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = physical cores
+    threads: int = field(metadata=_rng(0, 1024, int))  # 0 = auto (machine.thread_choice)
     cache: bool = field(metadata={"kind": bool})  # keep large tensors on disk there, so a reload sends less
 
 
@@ -188,6 +196,12 @@ class ServerSettings:
     max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
     read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
     metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
+    # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
+    model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
+
+    @property
+    def model_alias_names(self) -> tuple[str, ...]:
+        return _model_names(self.model_aliases)  # type: ignore[return-value]
 
 
 _SECTIONS: dict[str, type] = {

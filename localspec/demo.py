@@ -41,14 +41,16 @@ class DemoPair:
     draft_ftype: str  # llama.cpp's LLAMA_FTYPE_MOSTLY_<this> for the draft
     models_text: str  # how `localspec models` names the two files
     source: Callable[[Path], Path]  # builds or finds the target GGUF; gets the folder to build into
+    # Where the target lies once it exists (None: not there), without building it or importing a package.
+    existing: Callable[[Path], Path | None]
 
     def directory(self) -> Path:
         return paths.cache_dir() / self.folder
 
     def cached(self) -> tuple[Path, Path] | None:
         """Both files, if already built (no building, no package import)."""
-        target, draft = self.directory() / self.target_file, self.directory() / self.draft_file
-        return (target, draft) if target.is_file() and draft.is_file() else None
+        target, draft = self.existing(self.directory()), self.directory() / self.draft_file
+        return (target, draft) if target is not None and target.is_file() and draft.is_file() else None
 
     def target_path(self) -> Path:
         return self.source(self.directory())
@@ -106,6 +108,7 @@ GEMMA = DemoPair(
     draft_ftype="Q2_K",
     models_text="built in: Gemma 3 270M Q4_K_M\n+ its Q2_K",
     source=_assemble_gemma,
+    existing=lambda folder: folder / "gemma-3-270m-q4_k_m.gguf",
 )
 
 
@@ -130,6 +133,13 @@ def _link_smollm2(folder: Path) -> Path:
     return smollm2_source_path()
 
 
+def _installed_smollm2(folder: Path) -> Path | None:
+    try:
+        return smollm2_source_path()
+    except LocalspecError:  # the package is not installed: the pair is not there yet
+        return None
+
+
 SMOLLM2 = DemoPair(
     name="demo-chat",
     description="offline chat demo (instruct): SmolLM2-135M-Instruct Q4_1 + its own Q8_0 requantization",
@@ -148,6 +158,7 @@ SMOLLM2 = DemoPair(
     draft_ftype="Q8_0",
     models_text="built in: SmolLM2-135M-Instruct\nQ4_1 + its Q8_0",
     source=_link_smollm2,
+    existing=_installed_smollm2,
 )
 
 DEMOS = {d.name: d for d in (GEMMA, SMOLLM2)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, memory, placement
+from localspec import compat, machine, memory, placement
 from localspec.config import Preset
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader, read_header
@@ -41,7 +41,13 @@ def _headers(target: Path | None, draft: Path | None) -> tuple[GGUFHeader | None
     return t, d, ""
 
 
-def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
+DEMO_BY_DESIGN = ("the offline demo's draft is its own target requantized, by design: it shows the whole pipeline "
+                  "with no download, not a speed-up")
+
+
+def _pair_checks(t: GGUFHeader, d: GGUFHeader | None, demo: bool = False) -> list[Check]:
+    """`demo`: the built-in pair, whose draft is its target requantized on purpose; the size and bit-width
+    advice cannot apply to it, so it is said as information, not as a warning with a fix nobody can take."""
     if d is None:
         return [
             Check(
@@ -49,9 +55,7 @@ def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
             )
         ]
     v = compat.compare(t, d)
-    token_findings = [
-        f for f in v.findings if f.field not in {"draft quantization", "draft size", "target quantization"}
-    ]
+    token_findings = v.token_findings
     worst = max((f.level for f in token_findings), default=Status.OK)
     first = next((f for f in token_findings if f.level == worst), None)
     family = f"{t.arch} / {d.arch}"
@@ -69,21 +73,23 @@ def _pair_checks(t: GGUFHeader, d: GGUFHeader | None) -> list[Check]:
     else:
         out = [Check(Status.OK, "same family and tokenizer", f"{family}: every id means the same token")]
     dq = next((f for f in v.findings if f.field == "draft quantization"), None)
-    out.append(
-        Check(Status.WARN, "draft ≥ 8-bit", dq.message, "use the draft's Q8_0 file")
-        if dq
-        else Check(Status.OK, "draft ≥ 8-bit", f"draft is {d.file_type}")
-    )
+    if dq and demo:
+        out.append(Check(Status.INFO, "draft ≥ 8-bit", f"{dq.message}; {DEMO_BY_DESIGN}"))
+    elif dq:
+        out.append(Check(Status.WARN, "draft ≥ 8-bit", dq.message, "use the draft's Q8_0 file"))
+    else:
+        out.append(Check(Status.OK, "draft ≥ 8-bit", f"draft is {d.file_type}"))
     for field, name in (
         ("draft size", "draft ≤ ~10% of target"),
         ("target quantization", "target int4-class"),
     ):
         f = next((x for x in v.findings if x.field == field), None)
-        out.append(
-            Check(Status.WARN, name, f.message, f.why)
-            if f
-            else Check(Status.OK, name, f"target {t.file_type}, draft {d.file_type}")
-        )
+        if f and demo:
+            out.append(Check(Status.INFO, name, f"{f.message}; {DEMO_BY_DESIGN}"))
+        elif f:
+            out.append(Check(Status.WARN, name, f.message, f.why))
+        else:
+            out.append(Check(Status.OK, name, f"target {t.file_type}, draft {d.file_type}"))
     return out
 
 
@@ -131,9 +137,12 @@ def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[C
     if dev.gpu_offload:
         out.append(Check(Status.OK, "llama-cpp-python GPU offload",
                          f"built with GPU offload: llama.cpp sees {len(dev.gpus)} GPU{'s' * (len(dev.gpus) > 1)}"))
-    else:
+    elif dev.unused_gpus:
         out.append(Check(Status.WARN, "llama-cpp-python GPU offload", "CPU-only build (llama.cpp has no GPU device)",
                          GPU_BUILD_FIX))
+    else:  # no NVIDIA GPU found either: a CPU build is the right one here, and the fix is for another machine
+        out.append(Check(Status.INFO, "llama-cpp-python GPU offload", "CPU-only build, and no NVIDIA GPU found",
+                         "on a machine with an NVIDIA GPU, " + GPU_BUILD_FIX))
     if dev.gpus:
         listed = "; ".join(f"{g.label}: {g.name}, {g.free / GiB:.1f} GiB free of {g.total / GiB:.1f} GiB"
                            for g in dev.gpus)
@@ -144,7 +153,7 @@ def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[C
     else:
         why = "; ".join(dev.notes) or "no GPU found"
         out.append(Check(Status.INFO, "GPU", f"none usable ({why}); models run on the CPU",
-                         "install the NVIDIA driver and nvidia-ml-py for VRAM checks"))
+                         "with an NVIDIA GPU: install its driver and nvidia-ml-py for VRAM checks"))
     for endpoint in rpc_servers:
         error = next((e for e in dev.rpc_errors if f"RPC server {endpoint}:" in e), None)
         if error is not None:
@@ -155,6 +164,20 @@ def _machine_checks(dev: memory.Devices, rpc_servers: tuple[str, ...]) -> list[C
             f"{d.name}: {d.free / GiB:.1f} GiB free of {d.total / GiB:.1f} GiB" for d in devs)))
     out.append(Check(Status.INFO, "RAM", f"{dev.ram_available / GiB:.1f} GiB available"))
     return out
+
+
+def threads_check(threads: int, choice: machine.ThreadChoice) -> Check:
+    """The CPU threads llama.cpp gets: chosen from the free cores (`threads` 0), or set, and whether a set
+    count asks for more cores than other programs leave free (llama.cpp's threads then wait on each other)."""
+    name = "CPU threads"
+    if threads == 0:
+        return Check(Status.OK, name, f"auto: {choice.describe()}")
+    free = choice.threads
+    if threads > free:
+        return Check(Status.WARN, name, f"{threads} set, but {choice.describe()}: llama.cpp's threads wait for "
+                     "each other at every step when a core is taken, and decoding can slow down many times",
+                     f"--threads {free}, or threads = 0 (auto) under [load]")
+    return Check(Status.OK, name, f"{threads} set; {choice.describe()}")
 
 
 def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices,
@@ -194,9 +217,12 @@ def run_checks(
     devices: memory.Devices | None = None,
     missing: str = "",
     parallel: int = 1,
+    demo: bool = False,
+    threads: machine.ThreadChoice | None = None,
 ) -> list[Check]:
     """The checklist in order. `missing` explains why there are no files (e.g. a pair not pulled yet);
-    `parallel`: the fit of `serve`'s slots, each with a KV cache of the context."""
+    `parallel`: the fit of `serve`'s slots, each with a KV cache of the context; `demo`: the files are a
+    built-in demo pair; `threads`: the free cores (default: measured now)."""
     servers = placement.rpc_servers(preset.load)
     dev = devices or memory.probe_devices(servers, strict=False)
     ctx = n_ctx or preset.load.n_ctx
@@ -207,9 +233,10 @@ def run_checks(
         fix = "" if "localspec pull" in error else "give --target/--draft paths to valid GGUF files"
         checks.append(Check(Status.FAIL, "model files", error, fix))
     else:
-        checks.extend(_pair_checks(t, d))
+        checks.extend(_pair_checks(t, d, demo))
     checks.extend(_settings_checks(preset, ctx))
     checks.extend(_machine_checks(dev, servers))
+    checks.append(threads_check(preset.load.threads, threads or machine.thread_choice()))
     placed, settings = _placement_check(preset, ctx, dev, parallel)
     checks.append(placed)
     if t is not None and placed.status != Status.FAIL:

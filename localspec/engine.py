@@ -35,6 +35,7 @@ import numpy as np
 
 from localspec import drafters
 from localspec.config import Drafting, Sampling
+from localspec.constraints import masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, UsageError
@@ -48,8 +49,9 @@ from localspec.events import Generation as Generation
 from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
+from localspec.llama_ctx import Grammar
 from localspec.policies import DraftLength, LoadPolicy
-from localspec.sampling import accept_or_resample, distributions, penalized
+from localspec.sampling import accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
 # (The events' names are re-exported above: callers have imported them from here since the first release.)
@@ -72,6 +74,8 @@ class _Verdict:
     accepted: int
     rows: list[tuple[int, float]]  # with trace: each emitted token's row (argmax, top-2 margin)
     width: int  # the verify batch's width
+    # with logprobs: each emitted token's logprob and the best alternatives (sampling.token_logprobs)
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
 
 _NOTHING = _Verdict([], 0, [], 0)
@@ -101,8 +105,14 @@ class Stream:
     """
 
     def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None, trace: bool) -> None:
+                 should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
+                 constrain_draft: bool = True, logprobs: int | None = None) -> None:
         self.slot = slot
+        # The grammar's state after the committed tokens (advanced only by emitted ones); each round the drafter
+        # gets a copy in its request. constrain_draft=False masks the verify rows only (to measure the difference).
+        self.grammar = grammar
+        self.constrain_draft = constrain_draft
+        self.logprobs = logprobs  # None: off; N: each emitted token's logprob and the N best alternatives
         self.sampling = sampling
         self.drafting = drafting
         self.max_tokens = max_tokens
@@ -114,7 +124,8 @@ class Stream:
         self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
                                             sampling, slot)
         self.stats = GenerationStats()
-        self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats)
+        self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
+                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
@@ -136,6 +147,9 @@ class Stream:
         self.stats.decode_s = time.perf_counter() - self.t_start
         self.done = DoneEvent(self.stats, stop, message)
         self.slot.busy = False
+        for grammar in (self.grammar, self.req.grammar):
+            if grammar is not None:
+                grammar.close()
 
     def _stop_requested(self) -> bool:
         return self.should_stop is not None and self.should_stop()
@@ -150,8 +164,9 @@ class Stream:
                 break
             stats.tokens += 1
             row_argmax, margin = verdict.rows[i] if verdict.rows else (None, None)
+            logprob, top = verdict.logprobs[i] if verdict.logprobs else (None, None)
             yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < verdict.accepted, row_argmax,
-                             margin)
+                             margin, logprob, top)
             if stats.tokens >= self.max_tokens:
                 self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
                 break
@@ -241,8 +256,9 @@ class Engine:
         return max(free, key=key).seq
 
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False,
-                 slot: int = 0) -> Iterator[Event]:
+                 should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
+                 grammar: Grammar | None = None, constrain_draft: bool = True,
+                 logprobs: int | None = None) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped: the one-slot
         case of `start` + `step` + `events`.
 
@@ -252,7 +268,8 @@ class Engine:
         `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
-        stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot)
+        stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot,
+                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs)
         try:
             while True:
                 self.step([stream])
@@ -264,23 +281,31 @@ class Engine:
 
     def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
               should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
-              prefill_in_rounds: bool = False) -> Stream:
+              prefill_in_rounds: bool = False, grammar: Grammar | None = None, constrain_draft: bool = True,
+              logprobs: int | None = None) -> Stream:
         """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
         hold) and return its Stream, ready for `step`. With `prefill_in_rounds` the prompt is decoded one batch
         per model per round instead (`step` does it), so the streams already running keep going meanwhile; the
-        batches are the ones a whole prefill makes, so the numbers are the same."""
+        batches are the ones a whole prefill makes, so the numbers are the same.
+
+        `grammar` (the stream owns it from here: closed when it ends) holds the output to a constraint; `logprobs`
+        asks for each token's logprob and that many alternatives. Both need the full logits of their rows, so
+        the target's device sampler is off for that stream (and the drafter's models' too for a grammar: they
+        see `req.grammar`)."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         chosen = self.slots[slot]
-        stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace)
+        stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
+                        logprobs)
         seq = chosen.seq
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1
-        self.target.use_device_sampler(device_mode(self.target, sampling, p_min=0.0, plain=plain,
-                                                   trace=stream.trace), seq)
+        full_rows = grammar is not None or logprobs is not None
+        self.target.use_device_sampler(None if full_rows else device_mode(self.target, sampling, p_min=0.0,
+                                                                          plain=plain, trace=stream.trace), seq)
         self.target.restart_device_sampler(seq)
         # With several slots, a model this stream does not decode keeps no chain for it (its drafter's models set
         # their own in `begin`).
@@ -321,7 +346,9 @@ class Engine:
             stats.drafted += len(proposal.tokens)
             stats.accepted += verdict.accepted
             stats.draft_lengths.append(len(proposal.tokens))
-        if any(p.k for p in plans):  # (a round where nobody drafts tells the load policy nothing)
+        # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
+        # epoch and counts.
+        if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
@@ -406,6 +433,11 @@ class Engine:
         for i, s in enumerate(live):
             if s.drafter is not None:
                 groups.setdefault(id(s.drafter), []).append(i)
+        for s in live:
+            if s.req.grammar is not None:  # the drafter's copy: the state after the committed tokens
+                s.req.grammar.close()
+                assert s.grammar is not None
+                s.req.grammar = s.grammar.clone()
         for members in groups.values():
             drafter = live[members[0]].drafter
             assert drafter is not None
@@ -429,7 +461,8 @@ class Engine:
             items.append((s.slot.seq, batch, len(s.slot.target_kv), True))
             widths.append(width)
         beside: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.draft_ahead and len(live) == 1 and live[0].drafter is not None:
+        # (Not for a constrained stream: a bet drafted beside the verify would need the grammar after it.)
+        if self.draft_ahead and len(live) == 1 and live[0].drafter is not None and live[0].grammar is None:
             s, proposal = live[0], proposals[0]
             # If every draft is accepted, the next round has this many more tokens behind it.
             k_next = self._length(s, plans[0].k_round, ahead=len(proposal.tokens) + 1)
@@ -442,7 +475,16 @@ class Engine:
         for s, (_, batch, _, _), rows, proposal, width in zip(live, items, scores, proposals, widths, strict=True):
             assert rows is not None
             s.slot.target_kv.extend(batch)
-            verdicts.append(self._accept(s, proposal, rows.head(len(proposal.tokens) + 1), width))
+            rows = rows.head(len(proposal.tokens) + 1)
+            if s.grammar is None:
+                verdict = self._accept(s, proposal, rows, width)
+            else:
+                verdict = self._accept_constrained(s, proposal, rows, width)
+            if s.logprobs is not None:
+                assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
+                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
+                                                                 for i, t in enumerate(verdict.emitted)])
+            verdicts.append(verdict)
         return verdicts, spent
 
     @staticmethod
@@ -467,6 +509,40 @@ class Engine:
             if not ok:
                 return _Verdict([*drafts[:i], out], i, [], width)
         return _Verdict([*drafts, p.sample(len(drafts), s.rng)], len(drafts), [], width)
+
+    def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int) -> _Verdict:
+        """`_accept` on masked rows: row i is masked with the grammar state after the drafts before it (a copy of
+        the real state, advanced by each accepted draft), so p is the constrained target's at every position. The
+        copy then replaces the real state. Full rows only (start turns the device sampler off)."""
+        assert s.grammar is not None
+        drafts, sampling = proposal.tokens, s.sampling
+        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens
+        scored = penalized(scores, history, sampling)
+        state = s.grammar.clone()
+        emitted: list[int] = []
+        try:
+            for i in range(len(drafts) + 1):
+                row = masked_scores(scored, i, state, sampling)
+                if sampling.greedy:
+                    token = int(row.argmax()[0])
+                    ok = i < len(drafts) and drafts[i] == token
+                elif i < len(drafts):
+                    assert proposal.q is not None, "a drafter sampling at T > 0 must say what it drew from"
+                    ok, token = accept_or_resample(drafts[i], distributions(row, [], sampling), 0, proposal.q[i],
+                                                   s.rng)
+                else:
+                    ok, token = False, distributions(row, [], sampling).sample(0, s.rng)
+                emitted.append(token)
+                if not self.target.is_eog(token):
+                    state.accept(token)
+                if not ok:
+                    break
+        except BaseException:
+            state.close()
+            raise
+        s.grammar.close()
+        s.grammar = state
+        return _Verdict(emitted, len(emitted) - 1, [], width)
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the

@@ -60,3 +60,8 @@ class TooManyTokens(LocalspecError):
         super().__init__(message)
         self.tokens = tokens
         self.exact = exact
+
+
+class GrammarError(UsageError):
+    """A grammar or JSON schema that cannot constrain generation (does not parse, cannot be converted), or a
+    token it forbids; the message names the source (file, request field)."""

@@ -16,6 +16,10 @@ class TokenEvent:
     # from the row itself, apart from the acceptance logic) and that row's top-1 minus top-2 logit.
     row_argmax: int | None = None
     margin: float | None = None
+    # With start(logprobs=N): the token's log-probability under the target's full distribution at temperature 1,
+    # and the N most likely tokens with theirs (OpenAI's logprobs; sampling.token_logprobs).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass

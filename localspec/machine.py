@@ -7,6 +7,7 @@ what could not be read is said in `notes` instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 from dataclasses import dataclass
@@ -37,6 +38,71 @@ def physical_cores() -> int:
     import psutil
 
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """How many CPU threads llama.cpp gets when the preset says 0 (auto), and why."""
+
+    threads: int
+    cores: int  # physical cores
+    load: float | None  # the 1-minute load average (None: not available on this system)
+    busy_now: float | None = None  # cores' worth of CPU in use over the last fraction of a second (None: unknown)
+
+    @property
+    def busy(self) -> int:
+        """Cores that other programs keep busy: the larger of the two measures, rounded."""
+        measures = [m for m in (self.load, self.busy_now) if m is not None]
+        return min(self.cores, round(max(0.0, *measures))) if measures else 0
+
+    def describe(self) -> str:
+        seen = [f"load average {self.load:.1f}" if self.load is not None else "load average unknown"]
+        if self.busy_now is not None:
+            seen.append(f"{self.busy_now:.1f} cores in use just now")
+        why = ", ".join(seen)
+        if self.threads < self.cores:
+            return f"{self.threads} of {self.cores} physical cores: {why}, so about {self.busy} are busy elsewhere"
+        return f"{self.threads} of {self.cores} physical cores ({why})"
+
+
+def choose_threads(cores: int, load: float | None, busy_now: float | None = None) -> ThreadChoice:
+    """Threads for the cores other programs leave free: physical cores minus what is busy, at least 1.
+
+    llama.cpp's threads meet at a barrier after every operation and spin there; when another program holds
+    one of the cores, every barrier waits for the thread that was descheduled, and a 2-core box with a busy
+    core decoded at 0.1 tok/s with 2 threads against 6.2 with 1 (issue #23). One thread too few costs at most
+    that core's share; one too many costs far more, so the busier of two measures counts: the 1-minute load
+    average (steady load) and the CPU in use just now (a program that started a moment ago, which the average
+    has not caught up with yet).
+    """
+    choice = ThreadChoice(threads=0, cores=max(1, cores), load=load, busy_now=busy_now)
+    return dataclasses.replace(choice, threads=max(1, choice.cores - choice.busy))
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: runnable and running processes, which is what competes for the cores."""
+    import psutil
+
+    try:
+        return float(psutil.getloadavg()[0])
+    except (OSError, AttributeError):  # psutil emulates it on Windows; some sandboxes refuse /proc/loadavg
+        return None
+
+
+def cores_in_use(cores: int, interval: float = 0.2) -> float | None:
+    """How many cores' worth of CPU the machine used over the next `interval` seconds (this process waits)."""
+    import psutil
+
+    try:
+        return psutil.cpu_percent(interval=interval) / 100.0 * cores
+    except (OSError, RuntimeError):
+        return None
+
+
+def thread_choice() -> ThreadChoice:
+    """The automatic thread count for this machine now (what `threads = 0` means)."""
+    cores = physical_cores()
+    return choose_threads(cores, load_average(), cores_in_use(cores))
 
 
 def ram_total() -> int:

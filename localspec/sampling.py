@@ -170,3 +170,18 @@ def distributions(scores: Scores, history: list[int], cfg: Sampling) -> Candidat
         assert scores.logits is not None
         return candidates_from_top_k(scores.ids, scores.logits, cfg)
     return candidates(penalized(scores, history, cfg).logits, cfg)  # type: ignore[arg-type]
+
+
+def token_logprobs(row: np.ndarray, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """OpenAI's logprobs of one emitted token: its log-probability under the model's full distribution at
+    temperature 1 (the raw logits: before penalties, the sampling pipeline or a grammar), and the `n_top` most
+    likely tokens with theirs, best first. Computed in float64 over every logit of the row."""
+    logits = row.astype(np.float64)
+    top = float(logits.max())
+    log_z = top + float(np.log(np.exp(logits - top).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if n_top:
+        idx = np.argpartition(logits, len(logits) - n_top)[len(logits) - n_top :]
+        idx = idx[np.lexsort((idx, -logits[idx]))]  # best first; ties by lower id
+        best = tuple((int(i), float(logits[i] - log_z)) for i in idx)
+    return float(logits[token] - log_z), best

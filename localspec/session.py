@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, llama_ctx, memory, placement, registry
+from localspec import compat, demo, hub, llama_ctx, machine, memory, placement, registry
 from localspec.config import Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, UsageError
@@ -132,6 +132,7 @@ class Session:
     draft: LlamaModel | None
     engine: Engine
     plan: placement.Plan | None = None
+    threads: machine.ThreadChoice | None = None  # how the thread count was chosen (None: the preset named it)
 
     def close(self) -> None:
         self.engine.close()
@@ -152,9 +153,12 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
     plan = preflight(files, preset, parallel=parallel).estimate.plan
     load = preset.load
     n_ctx = load.n_ctx
+    # Chosen once, so both models get the same count and bench and doctor can say why.
+    choice = machine.thread_choice() if load.threads == 0 else None
+    threads = choice.threads if choice is not None else load.threads
     target = LlamaModel(
         files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
-        kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, n_seq=parallel,
+        kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
         **_placed(plan.target),
     )
     draft = None
@@ -162,7 +166,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
         if files.draft is not None:
             draft = LlamaModel(
                 files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
-                kv_type=load.kv_type, n_threads=load.threads, device_top_k=load.device_top_k, n_seq=parallel,
+                kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
                 **_placed(plan.draft),
             )
     except BaseException:
@@ -171,4 +175,5 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
         target.close()
         raise
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan))
-    return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan)
+    return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
+                   threads=choice)

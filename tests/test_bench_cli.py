@@ -51,6 +51,15 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     assert env["draft"]["path"].endswith("gemma-3-270m-q2_k-draft.gguf")
     # The verdict tells the truth either way.
     assert ("SLOWER" in report["verdict"]) == (report["speedup"] < 1)
+    # The built-in demo's second part: prompt lookup (no draft model), greedy, on the lookup prompt set.
+    lookup = report["lookup_demo"]
+    assert lookup["preset"]["draft"]["drafter"] == "lookup" and lookup["preset"]["sampling"]["temperature"] == 0.0
+    assert [p["name"] for p in lookup["greedy_check"]["prompts"]] == ["code-edit", "summarise", "json"]
+    assert lookup["greedy_check"]["passed"] and lookup["greedy_check"]["exact"]
+    assert lookup["speculative"]["runs"] == 2 and lookup["speedup"] > 0
+    said = " ".join(result.output.split())
+    assert f"prompt lookup (no draft model) on replies that repeat their prompt: {lookup['speedup']:.2f}x" in said
+    assert said.index("prompt lookup (no draft model)") < said.index("next:")  # the advice comes last
 
 
 @pytest.mark.slow

@@ -42,9 +42,12 @@ def turn(child, text: str) -> tuple[str, re.Match[str]]:
     return reply, stats
 
 
-def turn_with_notes(child, text: str) -> tuple[str, re.Match[str], str]:
-    """`turn`, plus what was printed after the stats line (a cut reply, a full context)."""
+def turn_with_notes(child, text: str, spinner: bool = False) -> tuple[str, re.Match[str], str]:
+    """`turn`, plus what was printed after the stats line (a cut reply, a full context). `spinner`: expect the
+    line that shows while the prompt is read, before the reply's label."""
     child.sendline(text)
+    if spinner:
+        child.expect("waiting for the first token")
     child.expect("model›")
     child.expect(STATS)
     reply, stats = child.before, child.match
@@ -176,7 +179,7 @@ def test_chat_with_no_arguments_talks_offline(tmp_path: Path) -> None:
     home = tmp_path / "fresh-home"
     child = spawn(home)
     try:
-        reply, s1, notes = turn_with_notes(child, "What is two plus two?")
+        reply, s1, notes = turn_with_notes(child, "What is two plus two?", spinner=True)
         assert "reply cut at the limit" not in notes  # it ended its turn by itself
         text = re.sub(r"\x1b\[[0-9;]*m", "", reply)  # without colour codes
         # A 135M model is no mathematician; what matters is that it answers the question and ends its turn.

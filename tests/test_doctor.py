@@ -25,6 +25,7 @@ NAMES = [
     "llama-cpp-python GPU offload",
     "GPU",
     "RAM",
+    "CPU threads",
     "placement",
     "the pair fits",
 ]

@@ -104,7 +104,8 @@ def test_stdin_json_and_chat(demo_home: Path, target_path: Path) -> None:
     assert data["stats"]["prompt_tokens"] == len(plain_prompt) and data["stats"]["tokens"] == 8
     assert data["n_draft"] == 6 and data["temperature"] == 0.0 and data["model"]["pair"] == "demo"
 
-    chat = run_cli(demo_home, "generate", PROMPT, "--chat", "--json", "--temp", "0", "--max-tokens", "4")
+    chat = run_cli(demo_home, "generate", PROMPT, "--chat", "--json", "--temp", "0", "--max-tokens", "4", "--pair",
+                   "demo")  # named: --chat alone talks to the instruct demo
     assert chat.returncode == 0, chat.stderr
     chat_data = json.loads(chat.stdout)
     assert chat_data["chat"] is True and chat_data["stats"]["prompt_tokens"] == len(chat_prompt)

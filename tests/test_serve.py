@@ -6,6 +6,7 @@ Every wait is bounded in time; every loop in count.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -93,7 +94,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
-    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--cors-origin", "http://ui.example")
+    # The base demo, named (serve's default is the instruct demo): its greedy output is checked against plain
+    # decoding below, and its slots take turns (tests of the batched ones use demo-chat).
+    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--pair", "demo", "--cors-origin", "http://ui.example")
     yield s
     s.stop()
 
@@ -101,7 +104,7 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def guarded(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key and room for one waiting request."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--api-key", KEY, "--queue", "1")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--pair", "demo", "--api-key", KEY, "--queue", "1")
     yield s
     s.stop()
 
@@ -156,7 +159,7 @@ def test_greedy_completion_equals_generate(server, demo_home):
 
 
 def test_greedy_chat_equals_generate_and_streams_draft_stats(server, demo_home):
-    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N))
+    want = run_cli(demo_home, "generate", PROMPT, "--chat", "--temp", "0", "--max-tokens", str(N), "--pair", "demo")
     client = server.client()
     messages = [{"role": "user", "content": PROMPT}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=N, temperature=0)
@@ -237,10 +240,15 @@ def test_a_client_that_disconnects_frees_the_engine(server):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 65}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"extra_body": {"grammar": "root ::= \"a\""}}, "grammar"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"extra_body": {"grammar": "root ::= nope"}}, "grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.com/s"}}}]},
+     "tools"),
 ])
 def test_unsupported_fields_are_a_400_naming_them(server, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -377,3 +385,101 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
     assert after["cancelled"] == before["cancelled"] + 4 and after["running"] == 0
     # What the engine measured of whole rounds with several requests in them, per batch size.
     assert after["rounds_tok_s"]["4"]["k×1"] > 0
+
+
+# -- structured output and logprobs (demo-chat: an instruct model) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_server(demo_home, tmp_path_factory) -> Iterator[Server]:
+    """The instruct demo, one llama.cpp thread (a busy test box stalls a spinning pool)."""
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-chat"), "--pair", "demo-chat", "--threads", "1")
+    yield s
+    s.stop()
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_json_schema_replies_parse_and_follow_the_schema(chat_server):
+    client = chat_server.client()
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "Describe a fictional person as JSON."}],
+               max_tokens=120, temperature=0,
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                       "strict": True}})
+    whole = client.chat.completions.create(**ask)
+    person = json.loads(whole.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and len(person["name"]) <= 12
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = stream_text(client.chat.completions.create(**ask, stream=True))
+    assert streamed == whole.choices[0].message.content
+    anything = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    digits = client.completions.create(model=model, prompt="Count: one two three", max_tokens=8, temperature=0.7,
+                                       extra_body={"grammar": 'root ::= [0-9]+'})
+    assert digits.choices[0].text.isdigit()
+
+
+def test_logprobs_come_with_every_token_streamed_or_not(chat_server):
+    client = chat_server.client()
+    model = client.models.list().data[0].id
+    # No repeat penalty (smollm2-chat's preset has one): greedy then picks the raw argmax, which logprobs describe.
+    ask = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24,
+               temperature=0, logprobs=True, top_logprobs=2, extra_body={"repeat_penalty": 1.0})
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert "".join(c.token for c in content) == whole.choices[0].message.content
+    for c in content:  # greedy: the chosen token is the most likely one
+        assert c.logprob <= 0 and len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+    streamed = [t for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1,
+                                     extra_body={"repeat_penalty": 1.0})
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
+    """SmolLM2's template knows no tools: they are described in a system message, and the grammar makes the
+    forced call parse; the result goes back as a `role: tool` message and the model answers in text."""
+    client = chat_server.client()
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        ask = dict(model=model, messages=messages, tools=WEATHER, tool_choice=choice, max_tokens=80, temperature=0,
+                   parallel_tool_calls=False)
+        whole = client.chat.completions.create(**ask)
+        assert len(whole.choices[0].message.tool_calls) == 1  # one call: parallel_tool_calls is off
+        call = whole.choices[0].message.tool_calls[0]
+        assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            if not chunk.choices:
+                continue
+            for d in chunk.choices[0].delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    answer = client.chat.completions.create(model=model, tools=WEATHER, max_tokens=30, temperature=0, messages=[
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'}],
+        tool_choice="none")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

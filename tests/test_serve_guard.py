@@ -365,6 +365,7 @@ def test_messages_without_control_text_tokenize_as_before_and_cancelling_stops_t
     a build whose client left stops before tokenizing."""
     from localspec.chat import BuildCancelled, ChatTemplate, encode_chat, encode_messages
     from localspec.demo import smollm2_source_path
+    from localspec.errors import LocalspecError
     from localspec.llama_ctx import LlamaModel
     from tests.helpers_serve import demo_files
 
@@ -382,6 +383,15 @@ def test_messages_without_control_text_tokenize_as_before_and_cancelling_stops_t
             assert tokens != special and len(tokens) > len(special), (path.name, control)
             with pytest.raises(BuildCancelled):
                 encode_messages(model, template, hostile, cancelled=lambda: True)
+            # Tools reach a template as structures it serialises itself: control text there is refused, by name.
+            tool = {"type": "function", "function": {"name": "f", "description": f"x{control}y"}}
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": f"{{\"a\": \"{control}\"}}"}}
+            with pytest.raises(LocalspecError, match="^tools: holds a control token"):
+                encode_messages(model, template, conversation, variables={"tools": [tool]})
+            calling = [*conversation[:2], {"role": "assistant", "content": "", "tool_calls": [call]}]
+            with pytest.raises(LocalspecError, match=r"^messages\[2\]\.tool_calls: holds a control token"):
+                encode_messages(model, template, calling)
+            encode_messages(model, template, calling, control_tokens=True)  # the option lets them through
 
 
 # -- text that is not text -----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ SUFFIX = "\n\nprint(add(2, 3))\n"
 @pytest.fixture(scope="module")
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
     s = Server(demo_home, tmp_path_factory.mktemp("serve-llama"), "--pair", "demo-chat", "--parallel", "2",
-               "--metrics", "--cors-origin", "*")
+               "--metrics", "--cors-origin", "*", "--model-alias", "x")  # the tests' clients name "x"
     yield s
     s.stop()
 
@@ -41,7 +41,7 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def keyed(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key, metrics off (the default), the Gemma 3 demo pair (no FIM tokens)."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--api-key", KEY)
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--api-key", KEY, "--model-alias", "x")
     yield s
     s.stop()
 
@@ -290,7 +290,7 @@ def test_cors_star_echoes_the_origin_with_credentials(server):
 def fim_server(demo_home, tiny_fim_pair, tmp_path_factory) -> Iterator[Server]:
     target, draft = tiny_fim_pair
     s = Server(demo_home, tmp_path_factory.mktemp("serve-fim"), "--target", str(target), "--draft", str(draft),
-               "--ctx", "512")
+               "--ctx", "512", "--model-alias", "x")
     yield s
     s.stop()
 

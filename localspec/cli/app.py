@@ -42,7 +42,8 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Show the version and exit.")
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, metavar="",
+                           help="Show the version and exit.")
     ] = False,
 ) -> None:
     """Lossless speculative decoding on llama.cpp. Set LOCALSPEC_DEBUG=1 for tracebacks and llama.cpp logs."""

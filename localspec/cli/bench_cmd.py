@@ -17,6 +17,7 @@ from localspec.bench import (
     BenchReport,
     CheckStarted,
     RunDone,
+    RunProgress,
     SweepReport,
     WarmupStep,
     load_prompts,
@@ -25,12 +26,14 @@ from localspec.bench import (
     run_bench,
     run_sweep,
     shipped_prompts,
+    threads_line,
 )
 from localspec.cli import options
 from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
+from localspec.registry import DEMO
 from localspec.session import open_session
-from localspec.ui.bench_view import live_table, summary, sweep_table
+from localspec.ui.bench_view import live_view, summary, sweep_table
 
 SweepOpt = Annotated[
     str | None,
@@ -52,7 +55,8 @@ PromptsOpt = Annotated[
                  "of that name: ./lookup).", show_default=False),
 ]
 RawFlag = Annotated[
-    bool, typer.Option("--raw", help="Plain completion: do not send the prompts through the chat template.")
+    bool, typer.Option("--raw/--no-raw", metavar="",
+                       help="Plain completion: do not send the prompts through the chat template.")
 ]
 
 
@@ -96,47 +100,76 @@ def bench(
     if lengths is not None:
         _sweep(console, files, chosen, lengths, json_path, save_preset, prompt_set, raw)
         return
-    report = _run(console, files, chosen, prompt_set, raw)
+    lookup = _lookup_demo(files, chosen, prompt_set)
+    report, lookup_report = _run(console, files, chosen, prompt_set, raw, lookup)
     console.line()  # a live display that is not on a terminal ends without a newline
-    console.print(summary(report))
+    console.print(summary(report, lookup_report))
     if json_path is not None:
-        _write_json(json_path, report)
+        _write_json(json_path, report, lookup_report)
         console.print(f"report written to {json_path}")
-    if not report.greedy_check.passed:
+    if not report.greedy_check.passed or (lookup_report is not None and not lookup_report.greedy_check.passed):
         raise typer.Exit(1)
 
 
-def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None,
-         raw: bool) -> BenchReport:
+def _lookup_demo(files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None) -> config.Preset | None:
+    """The built-in demo also shows where speculation wins on a CPU: prompt lookup (no draft model, drafting costs
+    ~nothing) on replies that repeat their prompt, greedy (a code edit is not sampled). The models are warm by then,
+    so two warm-up runs do."""
+    if files.name != DEMO.name or prompt_set is not None or chosen.draft.drafter != "model":
+        return None
+    return chosen.with_overrides(drafter="lookup", temperature=0.0, warmup=min(2, chosen.bench.warmup))
+
+
+def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,
+         lookup: config.Preset | None = None) -> tuple[BenchReport, BenchReport | None]:
+    """The bench on one session; with `lookup`, then the same bench with that preset on the lookup prompt set."""
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
         _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
-        events = run_bench(session, chosen, prompt_set, raw)
-        runs = []
-        progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
-                            transient=True)
-        with progress:
-            task = progress.add_task("warm-up", total=chosen.bench.warmup)
-            event = next(events)
-            while isinstance(event, WarmupStep):
+        report = _measure(console, session, chosen, prompt_set, raw, title)
+        if lookup is None:
+            return report, None
+        console.line()
+        console.print("[bold]and prompt lookup[/] (drafter lookup: no draft model), greedy, on replies that repeat "
+                      "their prompt:")
+        lookup_prompts = shipped_prompts("lookup")
+        _say_prompts(console, session, lookup_prompts, raw)
+        return report, _measure(console, session, lookup, lookup_prompts, raw,
+                                "decode tok/s, plain vs prompt lookup (prompt processing excluded)")
+
+
+def _measure(console: Console, session, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,
+             title: str) -> BenchReport:
+    events = run_bench(session, chosen, prompt_set, raw)
+    runs = []
+    progress = Progress(TextColumn("warming up"), BarColumn(), MofNCompleteColumn(), console=console,
+                        transient=True)
+    with progress:
+        task = progress.add_task("warm-up", total=chosen.bench.warmup)
+        event = next(events)
+        while isinstance(event, WarmupStep | RunProgress):
+            if isinstance(event, WarmupStep):
                 progress.update(task, completed=event.done)
-                event = next(events)
-        with Live(live_table(runs, chosen.bench.repeat, title), console=console, refresh_per_second=4) as live:
-            while not isinstance(event, BenchReport):
-                if isinstance(event, RunDone):
-                    runs.append(event.result)
-                    live.update(live_table(runs, chosen.bench.repeat, title))
-                elif isinstance(event, CheckStarted):
-                    live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
-                event = next(events)
-        return event
+            event = next(events)
+    with Live(live_view(runs, chosen.bench.repeat, title), console=console, refresh_per_second=4) as live:
+        while not isinstance(event, BenchReport):
+            if isinstance(event, RunDone):
+                runs.append(event.result)
+                live.update(live_view(runs, chosen.bench.repeat, title))
+            elif isinstance(event, RunProgress):
+                live.update(live_view(runs, chosen.bench.repeat, title, event))
+            elif isinstance(event, CheckStarted):
+                live.console.print(f"checking greedy fidelity on {event.prompts} prompts…")
+            event = next(events)
+    return event
 
 
 def _print_placement(console: Console, session) -> None:
     where = placement(session)
     console.print(f"placement: target {where['target']}, draft {where['draft']}; draft-ahead "
                   f"{'on' if where['draft_ahead'] else 'off'}")
+    console.print(f"threads: {threads_line(session)}")
 
 
 def _parse_sweep(text: str) -> list[int]:
@@ -171,6 +204,10 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
                 if isinstance(event, SweepReport):
                     report = event
                     break
+                if isinstance(event, RunProgress):  # a run under way: its rate so far, no step forward
+                    progress.update(task, description=f"{event.mode}: {event.tokens}/{event.total} tokens, "
+                                    f"{event.tok_s:.1f} tok/s")
+                    continue
                 label = "warming up" if isinstance(event, WarmupStep) else f"run {event.done}/{event.total}"
                 progress.update(task, advance=1, description=label)
     console.print(sweep_table(report))
@@ -191,8 +228,11 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
         console.print(f"saved draft length {best.n_draft} to preset {save_preset!r} ({path})")
 
 
-def _write_json(path: Path, report: BenchReport | SweepReport) -> None:
-    text = json.dumps(report.as_json(), indent=2) + "\n"
+def _write_json(path: Path, report: BenchReport | SweepReport, lookup: BenchReport | None = None) -> None:
+    data = report.as_json()
+    if lookup is not None:
+        data["lookup_demo"] = lookup.as_json()  # the built-in demo's second part: prompt lookup, same keys
+    text = json.dumps(data, indent=2) + "\n"
     try:
         atomic_write(path, text, what="bench report")
     except WriteError as exc:

@@ -38,6 +38,7 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.cli import options
+from localspec.constraints import Constraint
 from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import DecodeError, LocalspecError, UsageError
 from localspec.fsutil import not_utf8
@@ -49,17 +50,19 @@ THINK_STYLE = "dim italic"  # a thinking model's thinking, shown before (and apa
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt for the conversation.")]
 DropOldestOpt = Annotated[
-    bool, typer.Option("--drop-oldest", help="When the context is full, drop the oldest turns (not stop).")
-]
-ChatMaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", help="Reply limit in tokens (the preset's chat.max_tokens).", min=1)
+    bool, typer.Option("--drop-oldest", metavar="", help="When the context is full, drop the oldest turns (not stop).")
 ]
 NoThinkFlag = Annotated[
-    bool, typer.Option("--no-think", help="A thinking model (Qwen3) answers without thinking first.")
+    bool, typer.Option("--no-think", metavar="", help="A thinking model (Qwen3) answers without thinking first.")
 ]
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
-ChatFlag = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object: text, stop reason, stats.")]
+ChatFlag = Annotated[bool, typer.Option("--chat", metavar="", help="Wrap the prompt in the model's chat template.")]
+JsonFlag = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object: text, stop reason, stats.")]
+JsonSchemaFile = Annotated[Path | None, typer.Option(
+    "--json-schema", metavar="FILE", help="Hold the output to this JSON schema (a JSON file).", show_default=False)]
+GrammarFile = Annotated[Path | None, typer.Option(
+    "--grammar", metavar="FILE", help="Hold the output to this GBNF grammar (llama.cpp's format, a `root` rule).",
+    show_default=False)]
 
 
 def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:
@@ -153,14 +156,25 @@ class ChatView:
 
     def reply(self, text: str) -> None:
         console = self.console
-        console.print("[bold magenta]model›[/] ", end="")
         splitter = self.chat.splitter()
         stream: Iterator[Any] = self.chat.send(text)
         done: DoneEvent | None = None
         shown = _Shown()
+        # Reading a long prompt on a slow or busy CPU takes seconds: a spinner says it is working, and makes way
+        # for the reply's label at the first event (a pipe gets the label at once, without the spinner).
+        waiting = console.status("[dim]reading the prompt, waiting for the first token…[/]") \
+            if console.is_terminal else None
+        if waiting is not None:
+            waiting.start()
+        else:
+            console.print("[bold magenta]model›[/] ", end="")
         with _StopOnInterrupt() as stop:
             try:
                 for event in stream:
+                    if waiting is not None:
+                        waiting.stop()
+                        waiting = None
+                        console.print("[bold magenta]model›[/] ", end="")
                     if isinstance(event, TokenEvent):
                         style = DRAFT_STYLE if (self.color and event.from_draft) else ""
                         for thinking, piece in splitter.feed(event.text):
@@ -173,9 +187,12 @@ class ChatView:
                     if stop.hit:
                         break
             except LocalspecError:
-                console.print()  # the error goes on its own line, not after the label
+                if waiting is None:
+                    console.print()  # the error goes on its own line, not after the label
                 raise
             finally:
+                if waiting is not None:  # no event came (an error, or Ctrl-C before the first token)
+                    waiting.stop()
                 stream.close()  # records the (partial) turn in the session
                 for thinking, piece in splitter.flush():
                     self._show(piece, thinking, "", shown)
@@ -253,13 +270,14 @@ class _Shown:
 def chat(
     run: options.RunOptions,
     system: SystemOpt = None,
-    max_tokens: ChatMaxTokensOpt = None,
+    max_tokens: options.chat_max_tokens = None,
     drop_oldest: DropOldestOpt = False,
     no_think: NoThinkFlag = False,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
     # --max-tokens goes to the session, not the preset: /preset switches keep the user's limit.
     files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name)
+    chosen.with_overrides(prefer="chat", flags=options.FLAGS, max_tokens=max_tokens)  # its range, checked now
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
         template = ChatTemplate.for_model(session.target)
@@ -286,18 +304,24 @@ def chat(
 def generate(
     run: options.RunOptions,
     prompt: PromptArg,
-    max_tokens: options.max_tokens = None,
+    max_tokens: options.generate_max_tokens = None,
     chat_template: ChatFlag = False,
     no_think: NoThinkFlag = False,
     json_out: JsonFlag = False,
+    json_schema: JsonSchemaFile = None,
+    grammar_file: GrammarFile = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
+    constraint = Constraint.from_files(json_schema, grammar_file)  # a bad file fails before any model loads
     text = _read_stdin() if prompt == "-" else _argument_text(prompt)
     if not text.strip():
         raise UsageError("the prompt is empty" + (" (stdin gave nothing)" if prompt == "-" else ""))
     if no_think and not chat_template:
         raise UsageError("--no-think switches the chat template's thinking off: use it with --chat")
-    files, chosen = options.resolve_run(run, "generate", max_tokens=max_tokens)
+    # A chat-templated prompt wants the instruct demo (a base model continues the text instead of answering);
+    # plain completion keeps the base demo, which continues text well.
+    fallback = registry.DEMO_CHAT.name if chat_template else None
+    files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens)
     limit = chosen.generate.max_tokens
     with open_session(files, chosen) as session:
         model = session.target
@@ -316,7 +340,8 @@ def generate(
         out: list[int] = []
         done: DoneEvent | None = None
         try:
-            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit)
+            grammar = constraint.grammar(model) if constraint is not None else None
+            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit, grammar=grammar)
             for event in events:
                 if isinstance(event, TokenEvent):
                     out.append(event.token)

@@ -31,7 +31,8 @@ SpecOpt = Annotated[
     str | None,
     typer.Option(help="A file on the hub as REPO:FILE (instead of a pair name).", show_default=False),
 ]
-YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Make the pulled pair the default without asking.")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", metavar="",
+                                      help="Make the pulled pair the default without asking.")]
 PairArg = Annotated[str | None, typer.Argument(help="A pair from `localspec models`.", show_default=False)]
 PathArg = Annotated[Path | None, typer.Argument(help="A GGUF file.", show_default=False, readable=False)]
 
@@ -50,14 +51,28 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
             est = memory.estimate(t, d, s, devices)
         except LocalspecError as exc:  # the preset names a device this machine does not have
             return f"[red]?[/] ({escape(str(exc))})"
-        return "[green]yes[/]" if est.fits else f"[red]no[/] ({escape(est.suggestions[0])})"
+        if not est.fits:
+            return f"[red]no[/] ({escape(est.suggestions[0])})"
+        on_cpu = not (devices.gpus or devices.rpc) and not pair.builtin
+        return "[yellow]RAM only[/]" if on_cpu else "[green]yes[/]"
     need = pair.expected_bytes
     if need is None:
         return "?"
     # Weights alone (KV comes on top) against every GPU (and RPC server) together: a quick answer before anything
-    # is downloaded.
-    room = sum(g.free for g in devices.gpus + devices.rpc) if devices.gpus or devices.rpc else devices.ram_available
-    return "[green]likely[/]" if need < room * 0.9 else "[red]no[/]"
+    # is downloaded. Without a GPU the answer is about RAM, and says so: such a pair loads, but it was chosen for
+    # a GPU, and "likely" would promise more than loading.
+    if devices.gpus or devices.rpc:
+        room = sum(g.free for g in devices.gpus + devices.rpc)
+        return "[green]likely[/]" if need < room * 0.9 else "[red]no[/]"
+    return "[yellow]RAM only[/]" if need < devices.ram_available * 0.9 else "[red]no[/] (RAM)"
+
+
+def _models_text(pair: registry.Pair) -> str:
+    """The pair's two files, one a line."""
+    if pair.builtin:
+        return demo.DEMOS[pair.name].models_text
+    assert pair.target is not None and pair.draft is not None
+    return f"{pair.target.file}\n+ {pair.draft.file}"
 
 
 def _cached_files(pair: registry.Pair) -> tuple[Path, Path] | None:
@@ -78,29 +93,30 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     current = registry.default_pair_name()
     chosen = config.load_preset(preset or "default")
     devices = memory.probe_devices(placement.rpc_servers(chosen.load), strict=False)
-    # Narrow terminals (80 columns) fold the file names, never the pair names: those are what users type.
+    # Each pair's files go under its name, not in a column of their own: beside the other columns the longest
+    # file name (38 characters) leaves no room in 80 columns, and rich would cut it mid-word.
+    texts = {p.name: _models_text(p) for p in pairs.values()}
+    widest = max(len(line) for text in texts.values() for line in text.splitlines())
     table = Table(title="localspec model pairs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  padding=(0, 1))
-    table.add_column("pair", no_wrap=True, min_width=max(len(n) for n in pairs) + 2)
-    table.add_column("target + draft", overflow="fold", ratio=1, min_width=12)
+                  padding=(0, 1), leading=1)
+    table.add_column("pair: target + draft", overflow="fold", min_width=min(widest + 2, 44))
     for col in ("size", "fits", "ctx, k"):
         table.add_column(col, no_wrap=col != "fits")
     unreadable: list[str] = []
     for pair in pairs.values():
         built = _cached_files(pair)
         if pair.builtin:
-            models_text = demo.DEMOS[pair.name].models_text
             size = _size(sum(p.stat().st_size for p in built)) if built else "-"
             downloaded = "[green]built in[/]"
         else:
-            assert pair.target is not None and pair.draft is not None
-            models_text = f"{pair.target.file}\n+ {pair.draft.file}"
-            exact = pair.target.size is not None and pair.draft.size is not None
+            exact = pair.target is not None and pair.target.size is not None and pair.draft is not None \
+                and pair.draft.size is not None
             size = _size(pair.expected_bytes, approx=not exact)
             downloaded = "[green]downloaded[/]" if built else "[dim]not pulled[/]"
-        name = Text(("* " if pair.name == current else "  ") + pair.name, style="bold" if pair.recommended else "")
+        name = Text(("* " if pair.name == current else "  ") + pair.name, style="bold")
         if pair.recommended:
-            name.append("\n  recommended", style="green")
+            name.append("  recommended", style="green")
+        name.append("\n" + "\n".join(f"  {line}" for line in texts[pair.name].splitlines()), style="dim")
         ctx = "preset" if pair.n_ctx is None else f"{pair.n_ctx}" + (f" {pair.kv_type}" if pair.kv_type else "")
         k = "" if pair.n_draft is None else f"\nk = {pair.n_draft}"
         try:
@@ -108,7 +124,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
         except LocalspecError as exc:  # one corrupt cached file: this row says so, the others still list
             fits = "[red]unreadable[/]"
             unreadable.append(str(exc))
-        table.add_row(name, models_text, f"{size}\n{downloaded}", fits, ctx + k)
+        table.add_row(name, f"{size}\n{downloaded}", fits, ctx + k)
     console.print(table)
     for problem in unreadable:
         console.print(f"[red]✗[/] {escape(problem)}")
@@ -116,7 +132,8 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
     console.print(f"* default ({current}){fallback}")
     console.print(f"user pairs: {registry.user_path()}")
     if not devices.gpus:
-        console.print("[dim]no usable GPU found: 'fits' is judged against available RAM[/]")
+        console.print("[dim]no usable GPU found: 'fits' is judged against available RAM ('RAM only': the pair "
+                      "loads on the CPU, but all except the demos are made for a GPU)[/]")
     elif len(devices.gpus) > 1:
         console.print(f"[dim]'fits' counts all {len(devices.gpus)} GPUs together (the target split by layer)[/]")
 
@@ -173,8 +190,12 @@ def check(
     files = resolve_files(pair, target_path, draft_path)
     if files.draft is None:
         raise LocalspecError(f"pair {files.name} has no draft model to check")
-    verdict = compat.compare(read_header(files.target), read_header(files.draft))
+    target, draft = read_header(files.target), read_header(files.draft)
+    verdict = compat.compare(target, draft)
     console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
+    if verdict.tokens_match:
+        console.print(f"{MARK[Status.OK]} same tokenizer ({escape(target.arch)} / {escape(draft.arch)}): every token "
+                      "id means the same text in both models")
     for f in verdict.findings:
         console.print(f"{MARK[f.level]} {escape(f.message)}\n    [dim]{escape(f.why)}[/]")
     color = {"compatible": "green", "compatible with warnings": "yellow", "incompatible": "red"}[
@@ -187,8 +208,9 @@ def check(
 
 @options.with_run_options
 def doctor_cmd(run: options.RunOptions, parallel: options.parallel = None) -> None:
-    """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, fit (with --parallel: of
-    `serve`'s slots). Loads no weights."""
+    """The pre-tuning checklist: tokenizer, quantization, settings, GPU build, VRAM, threads, fit; no weights read.
+
+    With --parallel N it checks that N of `serve`'s slots fit."""
     missing = ""
     files: ModelFiles | None
     try:
@@ -197,7 +219,8 @@ def doctor_cmd(run: options.RunOptions, parallel: options.parallel = None) -> No
         files, missing = None, str(exc)
     chosen = run.settle(files, "doctor", parallel=parallel)
     checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
-                               n_ctx=chosen.load.n_ctx, missing=missing, parallel=chosen.server.parallel)
+                               n_ctx=chosen.load.n_ctx, missing=missing, parallel=chosen.server.parallel,
+                               demo=files is not None and files.name in registry.BUILTIN)
     console.print(
         f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"

@@ -27,31 +27,77 @@ from localspec.session import ModelFiles, resolve_files, settle_preset
 
 FLAGS: dict[str, str] = {}  # preset key → the flag users type, for error messages
 
+# --help groups the shared options in panels, after the command's own options (typer's default panel).
+MODELS = "Models"
+SAMPLING = "Sampling"
+DRAFTING = "Drafting"
+LOADING = "Loading"
+PLACEMENT = "Placement / GPUs"
+RPC = "RPC (other machines' devices)"
 
-def _setting(key: str, flag: str, text: str, section: str | None = None) -> Any:
-    """The option for one preset key: its type and the allowed values in --help, from config's metadata."""
-    meta = config.key_metadata(key, section)
+
+@functools.cache
+def _shipped_preset() -> config.Preset:
+    """The shipped default preset, for the defaults --help shows (the user's own presets cannot break --help)."""
+    return config.load_preset(str(config.shipped_preset_dir() / "default.toml"))
+
+
+def preset_default(key: str, section: str | None = None) -> str:
+    """A key's default as --help shows it, from the shipped preset ("" when there is nothing to show).
+
+    Options default to None (the preset fills them in), so typer has no default of its own to show; the text is
+    written into the help, escaped for rich markup, in the style typer uses for the defaults it knows."""
+    try:
+        value = getattr(getattr(_shipped_preset(), config.section_of(key, section)), key)
+    except config.ConfigError:  # a broken installation: --help still works, without defaults
+        return ""
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    return default_text(value) if value != "" else ""
+
+
+def default_text(value: object) -> str:
+    """' [default: VALUE]' for an option's help, as typer writes its own defaults (rich markup escaped)."""
+    return f" [dim]\\[default: {value}][/dim]"
+
+
+def range_text(meta: dict[str, Any]) -> str:
+    """The allowed values, in the one style every option's help uses."""
     if "choices" in meta:
-        text += f" One of: {', '.join(meta['choices'])}."
-    elif "form" in meta:
-        text += f" Format: {meta['form']}."
-    elif "range" in meta:
+        return f" One of: {', '.join(meta['choices'])}."
+    if "form" in meta:
+        return f" Format: {meta['form']}."
+    if "range" in meta:
         lo, hi = meta["range"]
-        text += f" Allowed: {lo}..{hi}."
+        return f" Allowed: {lo}..{hi}."
+    return ""
+
+
+def _setting(key: str, flag: str, text: str, section: str | None = None, panel: str | None = None) -> Any:
+    """The option for one preset key: its type, allowed values and default in --help, from config's metadata and
+    the shipped preset."""
+    meta = config.key_metadata(key, section)
     FLAGS[key] = flag
     kind = meta["kind"]
-    return Annotated[kind | None, typer.Option(flag, help=text, show_default=False)]
+    switch = {"metavar": ""} if kind is bool else {}  # an on/off switch takes no value: show none
+    return Annotated[kind | None, typer.Option(flag, help=text + range_text(meta) + preset_default(key, section),
+                                               rich_help_panel=panel, show_default=False, **switch)]
+
+
+setting = _setting  # for a command module's own preset-key options (rpc-server's host, port, threads)
 
 
 # -- models ------------------------------------------------------------------------------------------------------
 
 PairOpt = Annotated[
-    str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False)
+    str | None, typer.Option("--pair", help="A named model pair (see `localspec models`).", show_default=False,
+                             rich_help_panel=MODELS)
 ]
 # readable=False: click's own check would answer an unreadable file with a usage box; localspec says it in one line.
 TargetOpt = Annotated[
     Path | None,
-    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False),
+    typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False,
+                 rich_help_panel=MODELS),
 ]
 DraftOpt = Annotated[
     list[str] | None,
@@ -59,41 +105,53 @@ DraftOpt = Annotated[
         "--draft",
         metavar="K|PATH|none",
         help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF; none loads no draft "
-             "model (a pair's target alone: --drafter lookup drafts from the context). Repeatable.",
+             "model (a pair's target alone: --drafter lookup drafts from the context). Repeatable."
+             + preset_default("n_draft"),
         show_default=False,
+        rich_help_panel=DRAFTING,
     ),
 ]
 PresetOpt = Annotated[
-    str | None, typer.Option("--preset", help="Preset name or .toml path (default: default).", show_default=False)
+    str | None, typer.Option("--preset", help="Preset name or .toml path." + default_text("default"),
+                             show_default=False, rich_help_panel=MODELS)
 ]
 
 # -- preset keys -------------------------------------------------------------------------------------------------
 
-temperature = _setting("temperature", "--temp", "Sampling temperature (0 = greedy).")
-seed = _setting("seed", "--seed", "Sampling seed.")
-n_ctx = _setting("n_ctx", "--ctx", "Context size in tokens for both models.")
-n_gpu_layers = _setting("n_gpu_layers", "--ngl", "Target layers to offload to the GPU (-1 = all).")
-draft_n_gpu_layers = _setting("draft_n_gpu_layers", "--draft-ngl", "Draft layers to offload to the GPU (-1 = all).")
-kv_type = _setting("kv_type", "--kv-type", "KV cache type for both models.")
-threads = _setting("threads", "--threads", "CPU threads (0 = physical cores).")
-split_mode = _setting("split_mode", "--split-mode", "How the target spreads over several GPUs.")
+temperature = _setting("temperature", "--temp", "Sampling temperature (0 = greedy).", panel=SAMPLING)
+seed = _setting("seed", "--seed", "Sampling seed.", panel=SAMPLING)
+n_ctx = _setting("n_ctx", "--ctx", "Context size in tokens for both models.", panel=LOADING)
+n_gpu_layers = _setting("n_gpu_layers", "--ngl", "Target layers to offload to the GPU (-1 = all).", panel=PLACEMENT)
+draft_n_gpu_layers = _setting("draft_n_gpu_layers", "--draft-ngl", "Draft layers to offload to the GPU (-1 = all).",
+                              panel=PLACEMENT)
+kv_type = _setting("kv_type", "--kv-type", "KV cache type for both models.", panel=LOADING)
+threads = _setting("threads", "--threads", "CPU threads (0 = auto: the physical cores other programs leave free).",
+                   panel=LOADING)
+split_mode = _setting("split_mode", "--split-mode", "How the target spreads over several GPUs.", panel=PLACEMENT)
 tensor_split = _setting("tensor_split", "--tensor-split",
-                        "The target's share per device: RPC servers first, then GPUs ('' = by free memory).")
-main_gpu = _setting("main_gpu", "--main-gpu", "The GPU of the whole target with --split-mode none.")
-draft_device = _setting("draft_device", "--draft-device", "Where the draft runs (auto = the target's main GPU).")
+                        "The target's share per device: RPC servers first, then GPUs ('' = by free memory).",
+                        panel=PLACEMENT)
+main_gpu = _setting("main_gpu", "--main-gpu", "The GPU of the whole target with --split-mode none.", panel=PLACEMENT)
+draft_device = _setting("draft_device", "--draft-device", "Where the draft runs (auto = the target's main GPU).",
+                        panel=PLACEMENT)
 overlap = _setting("overlap", "--overlap",
-                   "Draft the next round while the target verifies (auto = when the draft has its own device).")
-rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.")
+                   "Draft the next round while the target verifies (auto = when the draft has its own device).",
+                   panel=DRAFTING)
+rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
 drafter = _setting("drafter", "--drafter",
                    "Who drafts: the draft model, prompt lookup (the context's own n-grams), or lookup then the model "
-                   "(default: model; lookup without a draft model).")
-lookup_min = _setting("lookup_min", "--lookup-min", "Prompt lookup: the shortest n-gram that counts as a match.")
-lookup_max = _setting("lookup_max", "--lookup-max", "Prompt lookup: the longest n-gram it tries first.")
+                   "(lookup when there is no draft model).", panel=DRAFTING)
+lookup_min = _setting("lookup_min", "--lookup-min", "Prompt lookup: the shortest n-gram that counts as a match.",
+                      panel=DRAFTING)
+lookup_max = _setting("lookup_max", "--lookup-max", "Prompt lookup: the longest n-gram it tries first.",
+                      panel=DRAFTING)
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
-max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate.")
-host = _setting("host", "--host", "Address to listen on.")
-port = _setting("port", "--port", "Port to listen on (0 = any free port).")
+max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate per prompt and run.", section="bench")
+generate_max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate at most.", section="generate")
+chat_max_tokens = _setting("max_tokens", "--max-tokens", "Reply limit in tokens, per turn.", section="chat")
+host = _setting("host", "--host", "Address to listen on.", section="server")
+port = _setting("port", "--port", "Port to listen on (0 = any free port).", section="server")
 queue = _setting("queue", "--queue", "Requests that may wait for a free slot; more get HTTP 503.")
 allowed_hosts = _setting("allowed_hosts", "--allowed-hosts",
                          "Host names answered without --api-key besides the bound address and loopback ('*' = any).")

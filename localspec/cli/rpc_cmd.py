@@ -20,15 +20,15 @@ from localspec import config, paths, rpc
 from localspec.cli import options
 from localspec.errors import LocalspecError
 
-HostOpt = Annotated[str | None, typer.Option("--host", help="Address to listen on (default: the preset's "
-                                             "rpc_server.host, 127.0.0.1). RPC has no authentication.",
-                                             show_default=False)]
-PortOpt = Annotated[int | None, typer.Option("--port", help="Port (default: the preset's rpc_server.port).",
-                                             show_default=False)]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads when serving the CPU "
-                                                "(0 = physical cores).", show_default=False)]
+HostOpt = options.setting("host", "--host", "Where to listen (RPC has no authentication: a trusted network only).",
+                          section="rpc_server")
+PortOpt = options.setting("port", "--port", "Port to listen on.", section="rpc_server")
+ThreadsOpt = options.setting("threads", "--threads", "CPU threads when serving the CPU (0 = auto: the free "
+                             "physical cores).", section="rpc_server")
 CacheOpt = Annotated[bool | None, typer.Option("--cache/--no-cache", help="Keep large tensors on disk here, so "
-                                               "loading the same model again sends less.", show_default=False)]
+                                               "loading the same model again sends less."
+                                               + options.preset_default("cache", "rpc_server"),
+                                               show_default=False, metavar="")]
 
 
 def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt = None, cache: CacheOpt = None,

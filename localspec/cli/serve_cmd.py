@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from localspec import registry
 from localspec.cli import options
 from localspec.errors import LocalspecError, UsageError
 from localspec.session import ModelFiles, Session, open_session, preflight
@@ -26,12 +27,13 @@ from localspec.session import ModelFiles, Session, open_session, preflight
 if TYPE_CHECKING:
     from localspec.server.app import ServerState
 
+MAX_TOKENS_RANGE = (1, 1_000_000)  # as every preset's max_tokens
 ApiKeyOpt = Annotated[
-    str | None, typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", show_default=False,
+    str | None, typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", show_default=False, metavar="KEY",
                              help="Require this key (Bearer or X-Api-Key); /health stays open.")
 ]
 CorsOpt = Annotated[
-    list[str] | None, typer.Option("--cors-origin", show_default=False,
+    list[str] | None, typer.Option("--cors-origin", show_default=False, metavar="URL",
                                    help="Allow browser requests from this origin ('*' = any). Repeatable.")
 ]
 MetricsOpt = Annotated[
@@ -39,9 +41,16 @@ MetricsOpt = Annotated[
                               help="Serve /metrics (Prometheus text, llama-server's names; preset key "
                                    "server.metrics).")
 ]
+ModelAliasOpt = Annotated[
+    list[str] | None, typer.Option("--model-alias", metavar="NAME", show_default=False,
+                                   help="Also answer requests that name this model (for a front-end that insists "
+                                        "on its own name); other names get 404. Repeatable.")
+]
+options.FLAGS["model_aliases"] = "--model-alias"  # a bad name's error names the flag users typed
 ServeMaxTokensOpt = Annotated[
-    int | None, typer.Option("--max-tokens", min=1, help="Cap on tokens per reply (default: the turn's end or a "
-                                                         "full context).")
+    int | None, typer.Option("--max-tokens", show_default=False,
+                             help="Cap on tokens per reply." + options.range_text({"range": MAX_TOKENS_RANGE})
+                                  + options.default_text("none, until the turn ends or the context is full"))
 ]
 
 
@@ -56,11 +65,16 @@ def serve(
     control_tokens: options.control_tokens = None,
     api_key: ApiKeyOpt = None,
     cors_origin: CorsOpt = None,
+    model_alias: ModelAliasOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
     metrics: MetricsOpt = None,
 ) -> None:
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions). Requests
-    overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+
+    Requests overlay the preset's sampling; each draws a random seed unless it (or --seed) gives one."""
+    if max_tokens is not None and not MAX_TOKENS_RANGE[0] <= max_tokens <= MAX_TOKENS_RANGE[1]:
+        raise LocalspecError(f"--max-tokens = {max_tokens}: allowed range is {MAX_TOKENS_RANGE[0]}.."
+                             f"{MAX_TOKENS_RANGE[1]}")
     # The HTTP stack loads here, not with the CLI: the other commands start no slower for it.
     from rich.live import Live
 
@@ -68,8 +82,11 @@ def serve(
     from localspec.server.guard import GuardSettings
 
     key = _api_key(api_key)
-    files, chosen = options.resolve_run(run, "server", host=host, port=port, queue=queue, parallel=parallel,
-                                        allowed_hosts=allowed_hosts, control_tokens=control_tokens,
+    # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
+    files, chosen = options.resolve_run(run, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
+                                        queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
+                                        control_tokens=control_tokens,
+                                        model_aliases=",".join(model_alias) if model_alias else None,
                                         metrics=metrics)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
@@ -78,8 +95,9 @@ def serve(
     guard = GuardSettings(bound_host=sock.getsockname()[0], max_requests=settings.max_requests,
                           allowed_hosts=(settings.host.lower(), *_names(settings.allowed_hosts)),
                           read_timeout=settings.read_timeout)
-    state = ServerState(model_id=model_id(files), api_key=key, max_tokens=max_tokens, seed=run.seed,
-                        control_tokens=settings.control_tokens, guard=guard, metrics=settings.metrics)
+    state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
+                        max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
+                        metrics=settings.metrics)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
@@ -89,7 +107,8 @@ def serve(
     console.print(
         f"[bold]localspec serve[/] · pair [cyan]{escape(files.name)}[/]: target {escape(files.target.name)}, "
         f"draft {escape(draft_name)}\n"
-        f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/] · "
+        f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/]"
+        f"{escape(' (also ' + ', '.join(state.aliases) + ')') if state.aliases else ''} · "
         f"{'API key required' if key else 'no API key'} · {_plural(settings.parallel, 'slot')} · "
         f"queue {settings.queue} · Ctrl-C stops"
     )

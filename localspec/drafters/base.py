@@ -15,6 +15,7 @@ from typing import Protocol
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
+from localspec.llama_ctx import Grammar
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
 
@@ -44,6 +45,10 @@ class DraftRequest:
     sampling: Sampling
     drafting: Drafting
     stats: GenerationStats  # drafters add what only they know (draft-ahead's counts)
+    # A constrained request's grammar state after the committed tokens, a copy the loop makes each round: a
+    # drafter proposes only what it allows and advances it by each token it proposes (end-of-generation aside).
+    # Its models then need full rows (no device sampler). None: unconstrained, or the draft is not masked.
+    grammar: Grammar | None = None
 
 
 class Drafter(Protocol):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
+from localspec.llama_ctx import Grammar
 from localspec.sampling import point_mass
 from localspec.scores import ScoringModel
 
@@ -44,6 +45,20 @@ def continuation(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[
     return context[best + 1 + np.arange(k) % period].tolist()
 
 
+def _allowed_prefix(tokens: list[int], grammar: Grammar) -> list[int]:
+    """The tokens up to the first one the grammar refuses (or through an end-of-generation token), advancing the
+    grammar copy by each one kept (a chained draft model continues from there)."""
+    kept: list[int] = []
+    for token in tokens:
+        if not grammar.legal(np.array([token]))[0]:
+            break
+        kept.append(token)
+        if grammar.model.is_eog(token):
+            break  # nothing after the end is ever emitted
+        grammar.accept(token)
+    return kept
+
+
 class LookupDrafter:
     models: tuple[ScoringModel, ...] = ()
 
@@ -56,6 +71,8 @@ class LookupDrafter:
     def propose(self, req: DraftRequest, k: int) -> Proposal:
         drafting = req.drafting
         tokens = continuation(req.tokens, drafting.lookup_min, drafting.lookup_max, k)
+        if req.grammar is not None:
+            tokens = _allowed_prefix(tokens, req.grammar)
         return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens])
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:

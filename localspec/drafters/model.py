@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localspec.constraints import masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
-from localspec.sampling import Candidates, distributions, greedy_tokens
+from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import ScoringModel
 
 
@@ -68,7 +69,9 @@ class ModelDrafter:
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._wait()
         seq = req.seq
-        self.model.use_device_sampler(device_mode(self.model, req.sampling, p_min=req.drafting.p_min), seq)
+        # A grammar masks full rows: no device sampler then.
+        self.model.use_device_sampler(None if req.grammar is not None else device_mode(
+            self.model, req.sampling, p_min=req.drafting.p_min), seq)
         self._rng[seq] = np.random.default_rng([req.sampling.seed, 1])
         self._kept.pop(seq, None)
         return [prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)]
@@ -168,6 +171,10 @@ class ModelDrafter:
                 sampling, p_min = job.req.sampling, job.req.drafting.p_min
                 # Only a penalty reads the history (copying a long one every draft step costs).
                 history = job.sequence + job.tokens if sampling.penalized else job.sequence
+                grammar = job.req.grammar
+                if grammar is not None:  # propose only what the grammar allows after the drafts so far
+                    row = masked_scores(penalized(row, history, sampling), 0, grammar, sampling)
+                    history = []  # (its penalties are in the masked row)
                 if sampling.greedy:
                     token = int(greedy_tokens(row, history, sampling)[0])
                     confident = p_min == 0.0 or row.top_prob(0) >= p_min
@@ -180,6 +187,8 @@ class ModelDrafter:
                 if token >= self._target_vocab:
                     continue  # a draft-only padding id: the target cannot score it
                 job.tokens.append(token)
+                if grammar is not None and not self.model.is_eog(token):
+                    grammar.accept(token)
                 # An unsure draft is usually wrong: verify what we have instead of drafting on.
                 if step < job.k - 1 and confident:
                     going.append((job, [token]))

@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,22 @@ from localspec.server.schema import (
     RequestError,
     parse,
     parse_body,
+)
+from localspec.server.structured import (
+    TokenLogprob,
+    chat_logprobs,
+    chat_shape,
+    completion_logprobs,
+    completion_shape,
+    request_constraint,
+)
+from localspec.server.tools import (
+    ToolError,
+    ToolRequest,
+    ToolScanner,
+    messages_for_template,
+    parse_tools,
+    split_reply,
 )
 from localspec.server.worker import (
     FINISH_CANCELLED,
@@ -108,6 +124,7 @@ class ServerState:
     """What the routes read: fixed settings, and the backend once loaded."""
 
     model_id: str
+    aliases: tuple[str, ...] = ()  # other names requests may give as `model` (--model-alias)
     api_key: str | None = None
     max_tokens: int | None = None  # the server's cap per reply (None: until the end of the turn/context)
     seed: int | None = None  # for requests that give none (None: a random one each)
@@ -120,6 +137,19 @@ class ServerState:
 
     def attach(self, backend: Backend) -> None:
         self.backend = backend
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        return (self.model_id, *self.aliases)
+
+    def check_model(self, name: str | None) -> None:
+        """A request naming another model gets a 404, as OpenAI answers one: silently answering `gpt-4` with the
+        demo would hide a front-end pointed at the wrong server."""
+        if name is None or name in self.served:
+            return
+        raise ApiError(404, f"model {name!r} is not served here; this server serves "
+                            f"{', '.join(repr(n) for n in self.served)} (a front-end that insists on its own name: "
+                            f"localspec serve --model-alias {name})", param="model", code="model_not_found")
 
     def ready(self) -> Backend:
         if self.backend is None:
@@ -164,29 +194,37 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     async def models(request: Request) -> JSONResponse:
         _authorize(state, request)
         return JSONResponse({"object": "list", "data": [
-            {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "localspec"}]})
+            {"id": name, "object": "model", "created": state.created, "owned_by": "localspec"}
+            for name in state.served]})
 
     async def chat_completions(request: Request) -> Any:
         _authorize(state, request)
         req = parse(ChatRequest, parse_body(await _read_body(request)))
+        state.check_model(req.model)
         backend = state.ready()
         if backend.template is None:
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
                            code="no_chat_template")
-        messages = [m.as_template_message() for m in req.messages]
+        try:
+            tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolError as exc:
+            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+        messages, variables = messages_for_template([m.as_template_message() for m in req.messages], tools,
+                                                    backend.template.reads_tools)
         backend.limits.check_messages([m["content"] for m in messages])  # before the template renders them all
 
         def build(cancelled: Callable[[], bool]) -> list[int]:
             assert backend.template is not None
             return encode_messages(backend.model, backend.template, messages, control_tokens=state.control_tokens,
-                                   limit=backend.n_ctx, cancelled=cancelled)
+                                   limit=backend.n_ctx, cancelled=cancelled, variables=variables)
 
         prompt = await _prompt(backend, build, request)
-        return await _run(state, backend, request, req, prompt, chat=True)
+        return await _run(state, backend, request, req, prompt, chat=True, tools=tools)
 
     async def completions(request: Request) -> Any:
         _authorize(state, request)
         req = parse(CompletionRequest, parse_body(await _read_body(request)))
+        state.check_model(req.model)
         backend = state.ready()
         prompt = await completion_prompt(backend, req, request)
         return await _run(state, backend, request, req, prompt, chat=False)
@@ -339,11 +377,29 @@ def _job_settings(state: ServerState, backend: Backend,
 
 
 async def _run(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
-               prompt: list[int], *, chat: bool, reply: _Reply | None = None) -> Any:
+               prompt: list[int], *, chat: bool, tools: ToolRequest | None = None, reply: _Reply | None = None) -> Any:
     """Queue the request's jobs (one per choice, `n`); stream the reply as SSE or return it as one JSON body
     (`reply`: the shape, OpenAI's by default). Choice i samples with seed + i; the choices run in as many slots
     as are free, and otherwise one after the other (each reusing the prompt the one before left cached)."""
     preset, max_tokens = _job_settings(state, backend, req)
+    logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
+    constraint = request_constraint(req.response_format, req.grammar)
+    if tools is not None and constraint is not None:
+        raise RequestError("tools with response_format or grammar: give one of them", param="tools",
+                           code="invalid_value")
+    if req.choices > 1 and (tools is not None or logprobs is not None):
+        # A reply's tool-call scanner and logprob offsets are one choice's: not kept per choice (yet).
+        raise RequestError("n > 1 with tools or logprobs is not supported: one choice per request there",
+                           param="n", code="unsupported_parameter")
+    try:
+        if tools is not None:
+            constraint = tools.constraint()  # a parameters schema the converter cannot read fails here
+        # One grammar per choice: a job's engine stream owns (and advances) its own.
+        grammars = [constraint.grammar(backend.model) if constraint is not None else None
+                    for _ in range(req.choices)]
+    except LocalspecError as exc:  # GBNF that does not parse
+        param = "tools" if tools is not None else "grammar" if req.grammar is not None else "response_format"
+        raise RequestError(str(exc), param=param, code="invalid_value") from None
     worker = backend.worker
     if req.slot is not None and req.slot >= worker.slots:
         raise ApiError(400, f"id_slot: slot {req.slot} does not exist (this server has {worker.slots}: "
@@ -365,13 +421,14 @@ async def _run(state: ServerState, backend: Backend, request: Request, req: Chat
     jobs = [Job(prompt=prompt, sampling=dataclasses.replace(preset.sampling,
                                                             seed=(preset.sampling.seed + i) % seed_limit),
                 drafting=preset.draft, max_tokens=max_tokens, stops=req.stop, sink=sink_of(i), slot=req.slot,
-                timings_per_token=bool(req.timings_per_token)) for i in range(n)]
+                timings_per_token=bool(req.timings_per_token), grammar=grammars[i], logprobs=logprobs)
+            for i in range(n)]
     try:
         worker.submit_all(jobs)
     except QueueFull as exc:
         raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(worker.retry_after_s())}) from None
-    reply = reply or _Reply(state.model_id, chat)
+    reply = reply or _Reply(state.model_id, chat, logprobs is not None, tools is not None)
     reply.settle(preset, max_tokens)
     if req.stream:
         # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
@@ -427,7 +484,8 @@ async def _stream(reply: _Reply, items: asyncio.Queue[tuple[int, Item]], worker:
         while len(results) < len(jobs) and not failed:
             index, item = await items.get()
             if isinstance(item, Delta):
-                yield reply.chunk({"content": item.text} if reply.chat else item.text, item.timings, index)
+                for chunk in reply.delta_chunks(item, index=index):
+                    yield chunk
             elif isinstance(item, Failed):
                 yield _json(_failure(item).body)
                 failed = True
@@ -437,6 +495,8 @@ async def _stream(reply: _Reply, items: asyncio.Queue[tuple[int, Item]], worker:
                 failed = True
             else:
                 results[index] = item.result
+                for chunk in reply.delta_chunks(Delta(""), final=True, index=index):
+                    yield chunk
                 yield reply.final_chunk(item.result, index)
         if include_usage and reply.usage_chunks and not failed:
             yield reply.usage_chunk([results[i] for i in range(len(jobs))])
@@ -473,9 +533,12 @@ class _Reply:
     done_marker = True  # the stream ends with `data: [DONE]`
     usage_chunks = True  # stream_options.include_usage adds a usage chunk
 
-    def __init__(self, model_id: str, chat: bool) -> None:
+    def __init__(self, model_id: str, chat: bool, logprobs: bool = False, tools: bool = False) -> None:
         self.model_id = model_id
         self.chat = chat
+        self.logprobs = logprobs
+        self.tools = ToolScanner() if tools else None  # streaming: <tool_call> blocks → delta.tool_calls
+        self.sent_chars = 0  # completions' text_offset
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.fingerprint = f"localspec-{__version__}"
@@ -486,22 +549,46 @@ class _Reply:
                 "system_fingerprint": self.fingerprint}
 
     def _choice(self, payload: dict[str, Any] | str, finish: str | None, whole: bool = False,
-                index: int = 0) -> dict[str, Any]:
+                index: int = 0, logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        shaped = None
+        if self.logprobs and logprobs is not None:
+            shaped = chat_shape(list(logprobs)) if self.chat else completion_shape(list(logprobs), self.sent_chars)
         if self.chat:
             key = "message" if whole else "delta"
-            return {"index": index, key: payload, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "text": payload, "logprobs": None, "finish_reason": finish}
+            return {"index": index, key: payload, "logprobs": shaped, "finish_reason": finish}
+        self.sent_chars += len(payload) if isinstance(payload, str) else 0
+        return {"index": index, "text": payload, "logprobs": shaped, "finish_reason": finish}
 
     def settle(self, preset: Preset, max_tokens: int) -> None:
         """The job's settings, once known (llama-server's shape reports them)."""
 
-    def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0) -> str:
+    def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0,
+              logprobs: Sequence[TokenLogprob] = ()) -> str:
         extra = {"timings": timings} if timings is not None else {}
-        return _json({**self._head(True), "choices": [self._choice(payload, None, index=index)], **extra})
+        return _json({**self._head(True), "choices": [self._choice(payload, None, index=index, logprobs=logprobs)],
+                      **extra})
+
+    def delta_chunks(self, delta: Delta, final: bool = False, index: int = 0) -> list[str]:
+        """The chunks for one Delta of text: its content (and logprobs, timings), and with tools each call
+        completed."""
+        if not self.chat:
+            if delta.text or delta.logprobs or not final:
+                return [self.chunk(delta.text, delta.timings, index, logprobs=delta.logprobs)]
+            return []
+        if self.tools is None:
+            return [] if final else [self.chunk({"content": delta.text}, delta.timings, index, logprobs=delta.logprobs)]
+        before = len(self.tools.calls)
+        text = self.tools.feed(delta.text) + (self.tools.flush() if final else "")
+        out = [self.chunk({"content": text}, delta.timings, index, logprobs=delta.logprobs)] \
+            if text or delta.logprobs else []
+        for i, call in enumerate(self.tools.calls[before:], start=before):
+            out.append(self.chunk({"tool_calls": [{"index": i, **call}]}, index=index))
+        return out
 
     def final_chunk(self, result: JobResult, index: int = 0) -> str:
         empty: dict[str, Any] | str = {} if self.chat else ""
-        return _json({**self._head(True), "choices": [self._choice(empty, result.finish_reason, index=index)],
+        finish = "tool_calls" if self.tools is not None and self.tools.calls else result.finish_reason
+        return _json({**self._head(True), "choices": [self._choice(empty, finish, index=index)],
                       "timings": result.timings()})
 
     def usage_chunk(self, results: list[JobResult]) -> str:
@@ -511,9 +598,15 @@ class _Reply:
     def whole(self, results: list[JobResult]) -> Any:
         choices = []
         for index, result in enumerate(results):
-            text = result.text
-            payload: dict[str, Any] | str = {"role": "assistant", "content": text} if self.chat else text
-            choices.append(self._choice(payload, result.finish_reason, whole=True, index=index))
+            payload: dict[str, Any] | str = ({"role": "assistant", "content": result.text} if self.chat
+                                             else result.text)
+            finish = result.finish_reason
+            if self.tools is not None:
+                content, calls = split_reply(result.text)
+                if calls:
+                    payload = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = "tool_calls"
+            choices.append(self._choice(payload, finish, whole=True, index=index, logprobs=result.logprobs))
         return {**self._head(False), "choices": choices, "usage": _usage(results), "timings": _timings(results)}
 
 

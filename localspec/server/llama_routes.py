@@ -9,7 +9,7 @@ one is a 400 naming it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -146,7 +146,8 @@ class NativeReply(_Reply):
     def settle(self, preset: Preset, max_tokens: int) -> None:
         self.settings = generation_params(preset.sampling, preset.draft, max_tokens, preset.sampling.seed)
 
-    def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0) -> str:
+    def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0,
+              logprobs: Sequence[Any] = ()) -> str:  # no logprobs: refused on these routes (_native_request)
         out: dict[str, Any] = {"index": index, "content": payload, "tokens": [], "stop": False}
         if timings is not None:
             out["timings"] = timings
@@ -223,14 +224,14 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(_prometheus(backend), media_type="text/plain; version=0.0.4")
 
     async def completion(request: Request) -> Any:
-        req = parse(CompletionRequest, await body_of(request))
+        req = _native_request(state, parse(CompletionRequest, await body_of(request)))
         backend = state.ready()
         prompt = await completion_prompt(backend, req, request)
         return await _run(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     async def infill(request: Request) -> Any:
-        req = parse(InfillRequest, await body_of(request))
+        req = _native_request(state, parse(InfillRequest, await body_of(request)))
         if req.suffix:
             raise RequestError("suffix: /infill takes the code after the gap as input_suffix", param="suffix",
                                code="invalid_value")
@@ -252,6 +253,16 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         app.add_api_route(path, _guarded(handler), methods=["POST"])
     for path, handler in (("/props", props), ("/slots", slots), ("/metrics", metrics)):
         app.add_api_route(path, _guarded(handler), methods=["GET"])
+
+
+def _native_request(state: ServerState, req: CompletionRequest) -> CompletionRequest:
+    """/completion and /infill: the served model's name only (as the OpenAI routes), and no OpenAI logprobs (the
+    native reply has no place for them; llama-server's n_probs is refused by name)."""
+    state.check_model(req.model)
+    if req.logprobs not in (None, 0, False):
+        raise RequestError("logprobs: llama-server's /completion shape has no OpenAI logprobs; use /v1/completions",
+                           param="logprobs", code="unsupported_parameter")
+    return req
 
 
 async def _render(backend: Backend, req: ChatRequest) -> str:

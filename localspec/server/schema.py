@@ -2,11 +2,12 @@
 
 Strict on purpose: an unknown field is a 400 naming it (a typo such as `temprature` must not fall back to the
 preset silently), and so is a known OpenAI or llama-server field whose feature localspec does not have
-(`logprobs`, `tools`, `response_format` JSON/grammar, `mirostat`, ...), unless its value asks for nothing
-(`logprobs: false`, `tools: []`, `mirostat: 0`), which front-ends send by default. llama-server's native fields
-that mean something here (`n_predict`, `id_slot`, `speculative.n_max`, ...) are accepted beside OpenAI's. Types
-are strict (`"0.5"` is not a temperature) and every range comes from the preset's own metadata in
-`localspec.config`, so the server accepts exactly what a preset may hold.
+(`logit_bias`, `functions`, `mirostat`, ...), unless its value asks for nothing (`functions: []`, `mirostat: 0`),
+which front-ends send by default. llama-server's native fields that mean something here (`n_predict`, `id_slot`,
+`speculative.n_max`, ...) are accepted beside OpenAI's. Tools, `response_format`, `grammar` and logprobs are
+checked where they are used (server/tools.py, server/structured.py). Types are strict (`"0.5"` is not a
+temperature) and every range comes from the preset's own metadata in `localspec.config`, so the server accepts
+exactly what a preset may hold.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 # llama-server's native fields (tools/server/README.md, `/completion`) whose feature localspec does not have:
 # accepted when they ask for nothing (llama.cpp front-ends send them all, at their defaults), else refused by name.
-_NO_LOGPROBS = "token probabilities are not supported (localspec returns no logprobs)"
+_NO_LOGPROBS = "llama-server's token probabilities are not supported here (OpenAI's logprobs are)"
 _NO_SHIFT = "there is no context shift here: a reply ends when the context is full"
 _LLAMA_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n_probs": (_neutral(None, 0), _NO_LOGPROBS),
@@ -102,7 +103,6 @@ _LLAMA_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "adaptive_target": (lambda v: v is None or (type(v) in (int, float) and v < 0),
                         "adaptive sampling is not supported"),
     "min_keep": (_neutral(None, 0), "min_keep is not supported"),
-    "grammar": (_neutral(None, ""), "grammars are not supported"),
     "json_schema": (_neutral(None), "JSON schemas are not supported"),
     "samplers": (_neutral(None), "the sampler order is fixed: penalties, top_k, top_p, min_p, temperature"),
     "t_max_predict_ms": (_neutral(None, 0), "time limits are not supported"),
@@ -125,21 +125,13 @@ _COMMON_UNSUPPORTED.update(_LLAMA_UNSUPPORTED)
 
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (_neutral(None, False), "logprobs are not supported"),
-    "top_logprobs": (_neutral(None, 0), "logprobs are not supported"),
-    "tools": (_neutral(None, []), "tool calling is not supported"),
-    "tool_choice": (_neutral(None, "none", "auto"), "tool calling is not supported"),
-    "parallel_tool_calls": (_neutral(None, True, False), "tool calling is not supported"),
     "functions": (_neutral(None, []), "function calling is not supported"),
     "function_call": (_neutral(None, "none", "auto"), "function calling is not supported"),
-    "response_format": (_neutral(None, {"type": "text"}),
-                        "only {\"type\": \"text\"} is supported (no JSON mode, schemas or grammars)"),
     "modalities": (_neutral(None, ["text"]), "only text output is supported"),
     "audio": (_neutral(None), "audio output is not supported"),
 }
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (_neutral(None), "logprobs are not supported"),
     "best_of": (_neutral(None, 1), "only best_of = 1 is supported"),
     "echo": (_neutral(None, False), "echo is not supported"),
 }
@@ -148,7 +140,7 @@ _COMPLETION_UNSUPPORTED = {
 class _Generation(_Strict):
     """Fields shared by both endpoints. Sampling fields overlay the server's preset; absent = the preset's."""
 
-    model: str | None = None  # one model per server: any name is served by it
+    model: str | None = None  # the served id or an alias (app.py answers any other with 404 model_not_found)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -182,6 +174,9 @@ class _Generation(_Strict):
     # Known OpenAI fields this server refuses unless neutral: declared so `extra="forbid"` leaves them to
     # `parse`, which names them with a reason.
     logit_bias: Any = None
+    # Structured output (checked by server/structured.py, which names the field): OpenAI's and llama-server's.
+    response_format: Any = None
+    grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -261,7 +256,7 @@ class _Generation(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str = ""
     name: str | None = None
     refusal: Any = None
@@ -288,17 +283,19 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:  # checked by server/tools.py when the conversation is rendered
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
 _MESSAGE_UNSUPPORTED = {
-    "tool_calls": (_neutral(None, []), "tool calling is not supported"),
-    "tool_call_id": (_neutral(None), "tool calling is not supported"),
     "function_call": (_neutral(None), "function calling is not supported"),
     "refusal": (_neutral(None), "refusals cannot be replayed to the model"),
 }
@@ -314,7 +311,6 @@ class ChatRequest(_Generation):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
 

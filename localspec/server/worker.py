@@ -39,7 +39,9 @@ from localspec.engine import (
     TokenEvent,
 )
 from localspec.errors import LocalspecError
+from localspec.llama_ctx import Grammar
 from localspec.server.stops import StopMatcher
+from localspec.server.structured import TokenLogprob
 
 log = logging.getLogger("localspec.server")
 
@@ -55,6 +57,7 @@ class QueueFull(Exception):
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str  # safe to send: nothing at or past a stop string
+    logprobs: tuple[TokenLogprob, ...] = ()  # with logprobs on: the tokens whose text starts in what is sent so far
     timings: dict[str, float | int] | None = None  # the job's so far, when it asked (`timings_per_token`)
 
 
@@ -68,6 +71,7 @@ class JobResult:
     stop_string: str | None
     stats: GenerationStats
     engine_tokens: int  # tokens the engine generated (>= stats.tokens: a stop string ends inside a token)
+    logprobs: list[TokenLogprob] | None = None  # one per returned token, with logprobs on
     slot: int = -1  # the slot it ran in
 
     @property
@@ -124,6 +128,8 @@ class Job:
     max_tokens: int
     stops: tuple[str, ...]
     sink: Callable[[Item], None]  # called on the worker thread (or the cancelling thread for a queued job)
+    grammar: Grammar | None = None  # the request's constraint (the engine stream owns it once started)
+    logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
     slot: int | None = None  # the slot it must run in (llama-server's `id_slot`); None: the best free one
     timings_per_token: bool = False  # each Delta carries the timings so far
     task_id: int = -1  # numbered by `submit` (llama-server's `id_task`)
@@ -173,6 +179,9 @@ class _Running:
         self.starts: list[int] = []  # each token's offset in the generated text
         self.from_draft: list[bool] = []
         self.released: list[str] = []
+        self.released_chars = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.logprobs_sent = 0
         self.produced = 0
         self.stream: Stream | None = None
         self.t0 = time.perf_counter()
@@ -180,14 +189,15 @@ class _Running:
     def should_stop(self) -> bool:
         return self.job.cancelled or self.matcher.matched is not None
 
-    def take(self, event: TokenEvent) -> None:
+    def take(self, event: TokenEvent, piece: Callable[[int], bytes]) -> None:
         self.starts.append(self.produced)
         self.from_draft.append(event.from_draft)
         self.produced += len(event.text)
+        if event.logprob is not None:
+            self.logprobs.append(_logprob_entry(event, piece))
         safe = self.matcher.feed(event.text)
         if safe:
-            self.released.append(safe)
-            _deliver(self.job, Delta(safe, self._timings_so_far()))
+            self._release(safe)
 
     def _timings_so_far(self) -> dict[str, float | int] | None:
         if not self.job.timings_per_token or self.stream is None:
@@ -195,14 +205,25 @@ class _Running:
         elapsed = time.perf_counter() - self.stream.t_start
         return timings(dataclasses.replace(self.stream.stats, decode_s=elapsed, draft_lengths=[]))
 
+    def _release(self, text: str, everything: bool = False) -> None:
+        """Send text, with the logprobs of the tokens whose text starts in what has been sent (all: at the end)."""
+        self.released.append(text)
+        self.released_chars += len(text)
+        n = len(self.logprobs) if everything else sum(1 for s in self.starts if s < self.released_chars)
+        n = min(n, len(self.logprobs))
+        entries, self.logprobs_sent = tuple(self.logprobs[self.logprobs_sent : n]), max(n, self.logprobs_sent)
+        _deliver(self.job, Delta(text, entries, self._timings_so_far()))
+
     def finish(self, done: DoneEvent) -> Finished:
         if self.matcher.matched is None:
             tail = self.matcher.flush()
-            if tail:
-                self.released.append(tail)
-                _deliver(self.job, Delta(tail))
-        return Finished(_result(self.job, "".join(self.released), self.matcher, done, self.starts, self.from_draft,
-                                self.slot))
+            if tail or self.logprobs_sent < len(self.logprobs):
+                self._release(tail, everything=True)
+        result = _result(self.job, "".join(self.released), self.matcher, done, self.starts, self.from_draft,
+                         self.slot)
+        if self.job.logprobs is not None:
+            result = dataclasses.replace(result, logprobs=self.logprobs[: result.stats.tokens])
+        return Finished(result)
 
 
 class Worker:
@@ -336,7 +357,8 @@ class Worker:
         try:
             # The prompt goes in one batch a round: the requests already running do not stall behind it.
             r.stream = self.engine.start(job.prompt, job.sampling, job.drafting, job.max_tokens, r.should_stop,
-                                         slot=slot, prefill_in_rounds=True)
+                                         slot=slot, prefill_in_rounds=True, grammar=job.grammar,
+                                         logprobs=job.logprobs)
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
             self._end(r, Failed(str(exc), "invalid_request"))
         except Exception as exc:
@@ -350,7 +372,7 @@ class Worker:
             for r in running:
                 for event in r.stream.events():
                     if isinstance(event, TokenEvent):
-                        r.take(event)
+                        r.take(event, self.engine.target.piece)
                     else:
                         self._end(r, r.finish(event))
         except Exception as exc:
@@ -414,6 +436,16 @@ def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: 
                                 draft_lengths=done.stats.draft_lengths[:rounds])
     return JobResult(text=text, finish_reason=finish, stop_string=matcher.matched, stats=stats,
                      engine_tokens=done.stats.tokens, slot=slot)
+
+
+def _logprob_entry(event: TokenEvent, piece: Callable[[int], bytes]) -> TokenLogprob:
+    def text(token: int) -> tuple[str, bytes]:
+        raw = piece(token)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    assert event.logprob is not None
+    top = tuple((*text(t), lp) for t, lp in event.top_logprobs or ())
+    return TokenLogprob(*text(event.token), event.logprob, top)
 
 
 def _deliver(job: Job, item: Item) -> None:

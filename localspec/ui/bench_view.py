@@ -6,7 +6,25 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunResult, SweepReport
+from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
+
+# The table's short headers, said in full once (they must stay short to fit 80 columns).
+LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "
+          "of the target's own) · host: time outside llama.cpp")
+
+
+def progress_line(progress: RunProgress, done: int, total: int) -> Text:
+    """The run under way: which one, its tokens so far and their rate, so a slow machine never looks hung."""
+    return Text(f"run {done + 1}/{total} ({progress.mode}): {progress.tokens}/{progress.total} tokens · "
+                f"{progress.tok_s:.1f} tok/s so far", style="dim")
+
+
+def live_view(runs: list[RunResult], repeat: int, title: str, progress: RunProgress | None = None) -> Group:
+    """The live table, with the legend under it and the run under way below that."""
+    parts: list[Table | Text] = [live_table(runs, repeat, title), Text(LEGEND, style="dim")]
+    if progress is not None:
+        parts.append(progress_line(progress, len(runs), 2 * repeat))
+    return Group(*parts)
 
 
 def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
@@ -34,7 +52,23 @@ def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
     return table
 
 
-def summary(report: BenchReport) -> Group:
+def summary(report: BenchReport, lookup: BenchReport | None = None) -> Group:
+    """The verdict, the greedy check and what to run next; with the built-in demo's prompt-lookup part (`lookup`),
+    its speedup and check too, and its line first in the advice."""
+    lines = _outcome(report)
+    if lookup is not None:
+        lines.append(Text(f"prompt lookup (no draft model) on replies that repeat their prompt: "
+                          f"{lookup.speedup:.2f}x plain decoding", style="bold green" if lookup.speedup >= 1
+                          else "bold yellow"))
+        lines.extend(line for line in _outcome(lookup)[2:])  # its checks; the headline is the line above
+        lines.append(Text(f"{'there' if lookup.speedup >= 1 else 'even there'}, speculation "
+                          f"{'wins' if lookup.speedup >= 1 else 'does not win'} on this machine: drafting by "
+                          "lookup costs ~nothing; try it with `localspec chat --drafter lookup` on a code edit"))
+    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
+    return Group(*lines)
+
+
+def _outcome(report: BenchReport) -> list[Text]:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
@@ -54,7 +88,8 @@ def summary(report: BenchReport) -> Group:
         lines.append(Text("✓ greedy: every speculative token is its verify row's argmax", style="green"))
         lines.append(Text(f"  on this GPU, speculative output is {check.describe()} (batch and single-token "
                           "logits differ here; see docs/gpu.md)", style="green" if not check.diverged else "yellow"))
-    return Group(*lines)
+    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in report.warnings)
+    return lines
 
 
 def sweep_table(report: SweepReport) -> Table:
