@@ -317,6 +317,7 @@ def _add_kv(
     rms_eps: float,
     name: str,
     vocab_kv: list[_KV],
+    fim_tokens: tuple[int, int, int] | None = None,
 ) -> None:
     a = arch
     w.add_name(name)
@@ -336,6 +337,9 @@ def _add_kv(
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", rms_eps)
     for kv in vocab_kv:
         w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+    if fim_tokens is not None:  # fill-in-the-middle markers, as llama.cpp reads them (its vocab's fim_pre/suf/mid)
+        for part, token in zip(("pre", "suf", "mid"), fim_tokens, strict=True):
+            w.add_uint32(f"tokenizer.ggml.fim_{part}_token_id", token)
 
 
 class _Model:
@@ -351,13 +355,15 @@ class _Model:
         n_vocab: int,
         vocab_kv: list[_KV],
         label: str,
+        fim_tokens: tuple[int, int, int] | None = None,
     ) -> None:
         self.spec = spec
         self.plan = _plan(spec, n_vocab, n_blocks, stream)
         self.path = path  # written as `tmp`, which fsutil.atomic_path renames to `path` once it is complete
         self.writer = gguf.GGUFWriter(tmp, spec.arch)
         _add_kv(self.writer, spec.shape(n_blocks), arch=spec.arch, file_type=int(_FILE_TYPE[spec.wtype]), ctx=spec.ctx,
-                rope_freq_base=spec.rope_freq_base, rms_eps=spec.rms_eps, name=label, vocab_kv=vocab_kv)
+                rope_freq_base=spec.rope_freq_base, rms_eps=spec.rms_eps, name=label, vocab_kv=vocab_kv,
+                fim_tokens=fim_tokens)
         for t in self.plan:
             if t.key is None:
                 self.writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes(spec.wtype))
@@ -389,9 +395,11 @@ def write_pair(
     spec: PairSpec,
     vocab_source: Path | None = None,
     log: Callable[[str], None] | None = None,
+    fim_tokens: tuple[int, int, int] | None = None,
 ) -> None:
     """Write a target and a draft GGUF for `spec`, tokenizer metadata copied from `vocab_source`
-    (default: the SmolLM2 GGUF). Shared tensors are generated once and written to both files."""
+    (default: the SmolLM2 GGUF). Shared tensors are generated once and written to both files. `fim_tokens`:
+    the ids both files name as fill-in-the-middle prefix, suffix and middle markers."""
     spec.validate()
     t0 = time.perf_counter()
     vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
@@ -407,6 +415,7 @@ def write_pair(
             n_vocab,
             vocab_kv,
             f"localspec synthetic target ({tag})",
+            fim_tokens,
         )
         draft = _Model(
             Path(draft_path),
@@ -417,6 +426,7 @@ def write_pair(
             n_vocab,
             vocab_kv,
             f"localspec synthetic draft ({tag})",
+            fim_tokens,
         )
         _write_tensors(spec, target, draft)
     if log:

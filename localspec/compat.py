@@ -231,8 +231,50 @@ def compare(target: GGUFHeader, draft: GGUFHeader) -> Verdict:
         findings.append(Finding(Status.WARN, "chat template", f"chat templates differ{missing}",
                                 "the target's template formats the prompt; a draft tuned on another format agrees "
                                 "less often"))
+    findings.extend(_compare_fim(target, draft))
     findings.extend(quant_advice(target, draft))
     return Verdict(target=target.name, draft=draft.name, findings=tuple(findings))
+
+
+# The token texts llama.cpp's vocabulary loader takes for FIM tokens when the GGUF names none (llama-vocab.cpp).
+_FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+            "<|code_middle|>", "<|middle|>"),
+}
+
+
+def fim_ids(header: GGUFHeader) -> dict[str, int | None]:
+    """The fill-in-the-middle token ids llama.cpp will use: the GGUF's own keys, else the first token whose text
+    it recognizes."""
+    found: dict[str, int | None] = {
+        part: header.get(f"tokenizer.ggml.fim_{part}_token_id") for part in _FIM_TEXTS}
+    wanted = {text: part for part, texts in _FIM_TEXTS.items() if found[part] is None for text in texts}
+    if wanted and header.tokens:
+        for i, text in enumerate(header.tokens):
+            part = wanted.get(text)
+            if part is not None and found[part] is None:
+                found[part] = i
+    return found
+
+
+def _compare_fim(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:
+    """Fill-in-the-middle (/infill, `suffix`) needs the target's FIM tokens; the draft should know them too."""
+    t = fim_ids(target)
+    if None in t.values():
+        return []  # the server answers FIM requests with a 400 naming the missing tokens
+    d = fim_ids(draft)
+    ids = ", ".join(f"{part} {t[part]}" for part in t)
+    if d == t:
+        return [Finding(Status.INFO, "FIM tokens", f"fill-in-the-middle: both models have the FIM tokens ({ids})",
+                        "the server's /infill and `suffix` prompts keep speculating")]
+    return [Finding(Status.WARN, "FIM tokens", f"fill-in-the-middle: the target's FIM tokens ({ids}) are "
+                    f"not the draft's ({', '.join(f'{p} {d[p]}' for p in d)})",
+                    "FIM prompts still run, losslessly, but a draft that does not read them as FIM markers "
+                    "agrees less often")]
 
 
 def quant_advice(target: GGUFHeader, draft: GGUFHeader) -> list[Finding]:

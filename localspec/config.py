@@ -195,6 +195,7 @@ class ServerSettings:
     control_tokens: bool = field(metadata={"kind": bool})  # chat content may carry control tokens (<|im_end|>)
     max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
     read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
+    metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
     # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
     model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
 

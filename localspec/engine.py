@@ -28,7 +28,7 @@ import codecs
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,14 +238,15 @@ class Engine:
     # over a reply than re-reading a short prefix once.
     LONG_PREFIX = 256
 
-    def free_slot(self, prompt: Sequence[int]) -> int | None:
+    def free_slot(self, prompt: Sequence[int], exclude: Collection[int] = ()) -> int | None:
         """The free slot for `prompt`: the one whose cells share a long prefix with it (a returning conversation
         goes back to its cache), else the one that keeps the busy slots' ids closest together, then the longest
-        shared prefix, then the least recently used; None when every slot is busy."""
-        free = [s for s in self.slots if not s.busy]
+        shared prefix, then the least recently used; None when every slot is busy (or in `exclude`: promised to
+        another job)."""
+        free = [s for s in self.slots if not s.busy and s.seq not in exclude]
         if not free:
             return None
-        busy = [s.seq for s in self.slots if s.busy]
+        busy = [s.seq for s in self.slots if s.busy or s.seq in exclude]  # the promised ones are about to be
 
         def key(s: _Slot) -> tuple[int, int, int, int]:
             reuse = shared_prefix(s.target_kv, prompt)

@@ -174,6 +174,9 @@ KEY_TYPES: dict[str, str] = {
     "tokenizer.ggml.eos_token_id": "int",
     "tokenizer.ggml.eot_token_id": "int",
     "tokenizer.ggml.padding_token_id": "int",
+    "tokenizer.ggml.fim_pre_token_id": "int",
+    "tokenizer.ggml.fim_suf_token_id": "int",
+    "tokenizer.ggml.fim_mid_token_id": "int",
     "tokenizer.ggml.add_bos_token": "bool",
     "tokenizer.ggml.add_eos_token": "bool",
 }

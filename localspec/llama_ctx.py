@@ -878,9 +878,18 @@ class LlamaModel:
             return buf.raw[:n]
         return self._piece_buf.raw[:n]
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """`special`: control tokens as their text (`<|im_start|>`), as llama-server's /detokenize shows them."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return "".join(decoder.decode(self.piece(t)) for t in tokens) + decoder.decode(b"", final=True)
+        return "".join(decoder.decode(self.piece(t, special)) for t in tokens) + decoder.decode(b"", final=True)
+
+    def fim_tokens(self) -> dict[str, int | None]:
+        """The vocabulary's fill-in-the-middle tokens (llama.cpp finds them by name or GGUF key): pre, suf, mid,
+        and the repo-level pattern's rep and sep; None where the model has none."""
+        found = {"pre": llama_cpp.llama_vocab_fim_pre(self.vocab), "suf": llama_cpp.llama_vocab_fim_suf(self.vocab),
+                 "mid": llama_cpp.llama_vocab_fim_mid(self.vocab), "rep": llama_cpp.llama_vocab_fim_rep(self.vocab),
+                 "sep": llama_cpp.llama_vocab_fim_sep(self.vocab)}
+        return {name: int(t) if 0 <= t < self.n_vocab else None for name, t in found.items()}
 
     def token_text(self, token: int) -> str:
         return llama_cpp.llama_vocab_get_text(self.vocab, token).decode("utf-8", errors="replace")

@@ -64,7 +64,7 @@ def smollm2_path() -> Path:
     return smollm2_vocab_path()
 
 
-def _write_tiny(tmp_path_factory, spec) -> tuple[Path, Path]:
+def _write_tiny(tmp_path_factory, spec, **kw) -> tuple[Path, Path]:
     import dataclasses
 
     from synthetic import write_pair
@@ -73,7 +73,7 @@ def _write_tiny(tmp_path_factory, spec) -> tuple[Path, Path]:
     target, draft = folder / "target.gguf", folder / "draft.gguf"
     # Q4_0, like real int4 targets: quantized dot products are exact integers, so llama.cpp's CPU kernels
     # score a position identically in a batch and alone (F32 weights differ in the last bits there).
-    write_pair(target, draft, dataclasses.replace(spec, wtype="q4_0"))
+    write_pair(target, draft, dataclasses.replace(spec, wtype="q4_0"), **kw)
     return target, draft
 
 
@@ -91,6 +91,16 @@ def tiny_pair_high(tmp_path_factory) -> tuple[Path, Path]:
     from synthetic import TINY_HIGH
 
     return _write_tiny(tmp_path_factory, TINY_HIGH)
+
+
+@pytest.fixture(scope="session")
+def tiny_fim_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny pair with fill-in-the-middle tokens (`tests.helpers_serve.FIM_TOKENS`) named in both files."""
+    from synthetic import TINY
+
+    from tests.helpers_serve import FIM_TOKENS
+
+    return _write_tiny(tmp_path_factory, TINY, fim_tokens=FIM_TOKENS)
 
 
 # -- file systems that refuse writes (tests of every writer) -------------------------------------------------

@@ -10,6 +10,9 @@ from localspec.engine import DoneEvent, Engine, TokenEvent
 from localspec.session import ModelFiles
 
 PROMPT = "The three primary colours are"
+# SmolLM2's `<gh_stars>`, `<issue_start>`, `<issue_comment>`: control tokens the tiny pair names as its FIM
+# prefix, suffix and middle markers (SmolLM2 itself has none).
+FIM_TOKENS = (7, 8, 9)
 
 
 def demo_files(home: Path) -> ModelFiles:

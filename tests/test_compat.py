@@ -118,3 +118,34 @@ def test_target_not_int4_and_big_draft_warn(tmp_path: Path) -> None:
     d = write_vocab(tmp_path / "d.gguf", tensors=[("blk.0.w", (256, 16), Q.Q8_0)])
     v = check_files(t, d)
     assert set(_fields(v, Status.WARN)) == {"target quantization", "draft size"}
+
+
+def _fim_vocab(names: tuple[str, str, str]) -> list[str]:
+    tokens = base_vocab()["tokens"]
+    return [*tokens[:3], *names, *tokens[6:]]
+
+
+def test_fim_tokens_shared_by_both_models_are_said_so(tiny_fim_pair) -> None:
+    from tests.helpers_serve import FIM_TOKENS
+
+    v = check_files(*tiny_fim_pair)
+    fim = [f for f in v.findings if f.field == "FIM tokens"]
+    pre, suf, mid = FIM_TOKENS
+    assert len(fim) == 1 and fim[0].level == Status.INFO
+    assert f"pre {pre}, suf {suf}, mid {mid}" in fim[0].message
+
+
+def test_fim_tokens_numbered_differently_in_the_draft_warn(tmp_path: Path) -> None:
+    names = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    target = write_vocab(tmp_path / "target.gguf", tokens=_fim_vocab(names))
+    draft = write_vocab(tmp_path / "draft.gguf", tokens=_fim_vocab(("<not_fim>", *names[1:])))
+    v = check_files(target, draft)
+    fim = [f for f in v.findings if f.field == "FIM tokens"]
+    assert fim and fim[0].level == Status.WARN and "pre 3, suf 4, mid 5" in fim[0].message
+    # (the differing token text itself is the blocking finding; the FIM line says what it means for /infill)
+    assert "token text" in _fields(v, Status.FAIL)
+
+
+def test_no_fim_finding_without_fim_tokens_in_the_target(gemma: Path, smollm2_path: Path) -> None:
+    for model in (gemma, smollm2_path):  # neither has FIM tokens
+        assert not [f for f in check_files(model, model).findings if f.field == "FIM tokens"]

@@ -79,10 +79,13 @@ def test_prompt_limits() -> None:
     limits = PromptLimits(n_ctx=512, max_piece_bytes=20)
     assert limits.text_chars == 10240 and limits.body_bytes == 1 << 20  # the floor
     limits.check_text("x" * 10240, "prompt")
-    with pytest.raises(RequestError, match="prompt: 10241 characters are more than 512 tokens"):
+    with pytest.raises(RequestError, match="prompt: 10241 characters are more than 512 tokens") as info:
         limits.check_text("x" * 10241, "prompt")
-    with pytest.raises(RequestError, match="messages: 512 messages cannot fit"):
+    # llama.cpp's type and numbers: at least 513 tokens (10241 bytes, at most 20 a token)
+    assert (info.value.kind, info.value.extra) == ("exceed_context_size_error", {"n_prompt_tokens": 513, "n_ctx": 512})
+    with pytest.raises(RequestError, match="messages: 512 messages cannot fit") as info:
         limits.check_messages(["a"] * 512)
+    assert info.value.code == "context_length_exceeded" and info.value.extra == {"n_prompt_tokens": 512, "n_ctx": 512}
     big = PromptLimits(n_ctx=1 << 17, max_piece_bytes=64)
     assert big.body_bytes > 6 * big.text_chars
     assert PromptLimits(512, None).text_chars is None  # a normalizing tokenizer: no byte bound

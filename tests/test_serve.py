@@ -239,7 +239,7 @@ def test_a_client_that_disconnects_frees_the_engine(server):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",

@@ -132,7 +132,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({**CHAT, "n": 2}, "n", "only n = 1"),
+    ({**CHAT, "n": 65}, "n", "less than or equal to 64"),
+    ({**CHAT, "n": 2, "n_cmpl": 3}, "n", "disagree"),
+    ({**CHAT, "mirostat": 2}, "mirostat", "Mirostat sampling is not supported"),
+    ({**CHAT, "speculative.p_min": 1.5}, "speculative.p_min", "less than or equal to 1"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions", "function calling"),
     ({**CHAT, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({**CHAT, "temprature": 0.5}, "temprature", "did you mean 'temperature'"),
@@ -155,7 +158,7 @@ def test_chat_schema_names_the_field(body, param, needle):
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "seed": -2}, "seed"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -176,6 +179,20 @@ def test_speculative_type_is_llama_servers_name_for_a_drafter(kind, overrides):
     req = parse(ChatRequest, {**CHAT, "speculative": {"type": kind, "n_max": 4}})
     assert {k: v for k, v in req.preset_overrides().items() if k in ("drafter", "n_draft")} == {"n_draft": 4,
                                                                                              **overrides}
+
+
+def test_flat_speculative_type_is_llama_servers_spelling_and_must_agree_with_the_nested_one():
+    assert parse(ChatRequest, {**CHAT, "speculative.type": "ngram-simple"}).preset_overrides()["drafter"] == "lookup"
+    assert parse(ChatRequest, {**CHAT, "speculative.type": "none",
+                               "speculative.n_max": 4}).preset_overrides()["n_draft"] == 0
+    same = parse(ChatRequest, {**CHAT, "speculative.type": "draft-simple", "speculative": {"type": "draft-simple"}})
+    assert same.preset_overrides()["drafter"] == "model"
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative.type": "none", "speculative": {"type": "draft-simple"}})
+    assert info.value.param == "speculative.type" and "disagree" in info.value.message
+    with pytest.raises(RequestError) as info:
+        parse(ChatRequest, {**CHAT, "speculative.type": "medusa"})
+    assert info.value.param == "speculative.type"
 
 
 def test_an_unknown_speculative_type_names_the_field():
@@ -309,7 +326,8 @@ def check_response(r) -> None:
         return
     if r.status_code == 400:
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        numbers = {"n_prompt_tokens", "n_ctx"} if error["type"] == "exceed_context_size_error" else set()
+        assert set(error) == {"message", "type", "param", "code"} | numbers and error["message"]
         assert "Traceback" not in error["message"]
         return
     if r.headers["content-type"].startswith("text/event-stream"):
@@ -440,3 +458,23 @@ def test_status_line_counts_slots_and_says_when_they_take_turns(demo_home, tiny_
                 assert "generating 1/2" in _status(state, files).plain
             finally:
                 state.backend.worker.shutdown()
+
+
+@pytest.mark.slow
+def test_several_choices_with_logprobs_or_tools_and_native_logprobs_are_refused_by_name(backend):
+    """A reply's tool scanner and logprob offsets are one choice's: n > 1 with them is a 400 naming n, never a
+    mixed-up reply; llama-server's /completion shape has no place for OpenAI logprobs."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with client_for(backend) as client:
+        for route, body in (("/v1/completions", {"prompt": "x", "n": 2, "logprobs": 1}),
+                            ("/v1/chat/completions", {**CHAT, "n": 2, "logprobs": True}),
+                            ("/v1/chat/completions", {**CHAT, "n": 2, "tools": [tool]})):
+            r = client.post(route, json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", (body, r.text)
+        r = client.post("/completion", json={"prompt": "x", "logprobs": 1, "n_predict": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        r = client.post("/completion", json={"prompt": "x", "model": "gpt-4o", "n_predict": 2})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        # grammar (main's #20) holds on the native route too
+        r = client.post("/completion", json={"prompt": "x", "n_predict": 4, "grammar": 'root ::= "ab"'})
+        assert r.status_code == 200 and r.json()["content"] == "ab", r.text

@@ -67,3 +67,5 @@ def test_a_new_request_fills_the_gap_a_finished_one_left(tiny_pair):
         assert e.free_slot(long_history + [5]) == 1
         e.slots[3].target_kv = list(range(300))  # a free slot away from the busy ones holds a long conversation...
         assert e.free_slot(list(range(300)) + [7]) == 3  # ...wins over packing when it is long enough
+        assert e.free_slot(ps[3], exclude={1}) == 3  # a slot promised to another job (worker) is not free
+        assert e.free_slot(ps[3], exclude={1, 3}) is None

@@ -36,6 +36,11 @@ CorsOpt = Annotated[
     list[str] | None, typer.Option("--cors-origin", show_default=False, metavar="URL",
                                    help="Allow browser requests from this origin ('*' = any). Repeatable.")
 ]
+MetricsOpt = Annotated[
+    bool | None, typer.Option("--metrics/--no-metrics", show_default=False,
+                              help="Serve /metrics (Prometheus text, llama-server's names; preset key "
+                                   "server.metrics).")
+]
 ModelAliasOpt = Annotated[
     list[str] | None, typer.Option("--model-alias", metavar="NAME", show_default=False,
                                    help="Also answer requests that name this model (for a front-end that insists "
@@ -62,6 +67,7 @@ def serve(
     cors_origin: CorsOpt = None,
     model_alias: ModelAliasOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
+    metrics: MetricsOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
@@ -80,7 +86,8 @@ def serve(
     files, chosen = options.resolve_run(run, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
                                         queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
                                         control_tokens=control_tokens,
-                                        model_aliases=",".join(model_alias) if model_alias else None)
+                                        model_aliases=",".join(model_alias) if model_alias else None,
+                                        metrics=metrics)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
@@ -89,7 +96,8 @@ def serve(
                           allowed_hosts=(settings.host.lower(), *_names(settings.allowed_hosts)),
                           read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
-                        max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard)
+                        max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
+                        metrics=settings.metrics)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)

@@ -11,6 +11,7 @@ job, whether it was streaming or waiting for JSON.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -33,11 +34,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localspec import __version__
 from localspec.chat import BuildCancelled, ChatTemplate, encode_messages
-from localspec.config import Preset
-from localspec.engine import Engine
+from localspec.config import Preset, key_metadata
+from localspec.engine import Engine, GenerationStats
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens
 from localspec.llama_ctx import LlamaModel
-from localspec.server.guard import MIN_BODY_BYTES, Guard, GuardSettings, PromptLimits, error_body
+from localspec.server.fim import fim_prompt
+from localspec.server.guard import MIN_BODY_BYTES, Guard, GuardSettings, PromptLimits, context_exceeded, error_body
 from localspec.server.schema import (
     FIELD_OF_KEY,
     ChatRequest,
@@ -62,7 +64,18 @@ from localspec.server.tools import (
     parse_tools,
     split_reply,
 )
-from localspec.server.worker import FINISH_CANCELLED, Delta, Failed, Finished, Item, Job, JobResult, QueueFull, Worker
+from localspec.server.worker import (
+    FINISH_CANCELLED,
+    Delta,
+    Failed,
+    Finished,
+    Item,
+    Job,
+    JobResult,
+    QueueFull,
+    Worker,
+    timings,
+)
 
 log = logging.getLogger("localspec.server")
 
@@ -74,10 +87,11 @@ class ApiError(Exception):
     """Becomes an OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = error_body(message, kind, param, code)
+        self.body = error_body(message, kind, param, code, extra)
         self.headers = headers
 
 
@@ -116,6 +130,7 @@ class ServerState:
     seed: int | None = None  # for requests that give none (None: a random one each)
     control_tokens: bool = False  # chat content may carry control tokens (off: tokenized as text)
     guard: GuardSettings = field(default_factory=GuardSettings)
+    metrics: bool = False  # serve /metrics (llama-server's --metrics)
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -150,10 +165,19 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     app = FastAPI(title="localspec", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.localspec = state
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        # As llama-server: '*' echoes the request's Origin, and credentials are allowed, so a browser's
+        # credentialed request (which refuses a literal '*') works too.
+        any_origin = "*" in cors_origins
+        app.add_middleware(CORSMiddleware, allow_origins=[] if any_origin else list(cors_origins),
+                           allow_origin_regex=".*" if any_origin else None, allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(Guard, state=state)  # outermost: before CORS and every route
     _install_error_handlers(app)
+    # llama-server's own endpoints (/tokenize, /props, /slots, /metrics, /completion, /infill, ...): a module of
+    # their own, imported here because it builds on this one's helpers.
+    from localspec.server.llama_routes import add_llama_routes
+
+    add_llama_routes(app, state)
 
     async def health() -> JSONResponse:
         if state.backend is None:
@@ -202,23 +226,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         req = parse(CompletionRequest, parse_body(await _read_body(request)))
         state.check_model(req.model)
         backend = state.ready()
-        source = req.prompt
-        if isinstance(source, str):
-            backend.limits.check_text(source, "prompt")  # before tokenizing it
-
-        def build(cancelled: Callable[[], bool]) -> list[int]:
-            if isinstance(source, list):
-                n_vocab = backend.model.n_vocab
-                bad = next((t for t in source if not 0 <= t < n_vocab), None)
-                if bad is not None:
-                    raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
-                                       param="prompt", code="invalid_value")
-                return list(source)
-            # Special tokens in the text are parsed, as llama.cpp's server does: front-ends that apply a chat
-            # template themselves (SillyTavern's text completion) send `<start_of_turn>` and expect a token.
-            return backend.model.tokenize(source, add_special=True, parse_special=True, limit=backend.n_ctx)
-
-        prompt = await _prompt(backend, build, request)
+        prompt = await completion_prompt(backend, req, request)
         return await _run(state, backend, request, req, prompt, chat=False)
 
     for prefix in ("/v1", ""):
@@ -231,6 +239,43 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 
 
 # -- request handling ----------------------------------------------------------------------------------------
+
+
+async def completion_prompt(backend: Backend, req: CompletionRequest, request: Request) -> list[int]:
+    """A completion request's prompt tokens (its `prompt`, with `suffix` fill-in-the-middle), text bounded before
+    it is tokenized."""
+    source = req.prompt
+    if isinstance(source, str):
+        backend.limits.check_text(source, "prompt")
+    if req.suffix:
+        backend.limits.check_text(req.suffix, "suffix")
+
+    def build(cancelled: Callable[[], bool]) -> list[int]:
+        return completion_tokens(backend.model, source, suffix=req.suffix, limit=backend.n_ctx)
+
+    return await _prompt(backend, build, request)
+
+
+def completion_tokens(model: LlamaModel, source: str | list[int], param: str = "prompt",
+                      suffix: str | None = None, limit: int | None = None) -> list[int]:
+    """A completion prompt's tokens: its ids (checked), or its text with BOS. With `suffix` (fill-in-the-middle on
+    /v1/completions, as llama-cpp-python and Ollama have it) the prompt is the code before the gap. `limit`: raise
+    TooManyTokens past that many (see LlamaModel.tokenize)."""
+    if suffix:
+        if not isinstance(source, str):
+            raise RequestError("suffix: fill-in-the-middle needs a text prompt (the code before the gap)",
+                               param="suffix", code="invalid_value")
+        return fim_prompt(model, source, suffix, param="suffix")
+    if isinstance(source, list):
+        n_vocab = model.n_vocab
+        bad = next((t for t in source if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise RequestError(f"{param}: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                               param=param, code="invalid_value")
+        return list(source)
+    # Special tokens in the text are parsed, as llama.cpp's server does: front-ends that apply a chat
+    # template themselves (SillyTavern's text completion) send `<start_of_turn>` and expect a token.
+    return model.tokenize(source, add_special=True, parse_special=True, limit=limit)
 
 
 def _guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
@@ -299,7 +344,7 @@ async def _prompt(backend: Backend, build: Callable[[Callable[[], bool]], list[i
     except TooManyTokens as exc:
         raise ApiError(400, f"the prompt has {'' if exc.exact else 'at least '}{exc.tokens} tokens "
                             f"and the context holds {backend.n_ctx}: prompt and reply must fit",
-                       code="context_length_exceeded") from None
+                       **context_exceeded(exc.tokens, backend.n_ctx)) from None
     except LocalspecError as exc:  # e.g. a chat template that refuses this conversation
         raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
     finally:
@@ -307,8 +352,9 @@ async def _prompt(backend: Backend, build: Callable[[Callable[[], bool]], list[i
     if not prompt:
         raise ApiError(400, "the prompt is empty (this model adds no BOS token)", param="prompt", code="invalid_value")
     if len(prompt) >= backend.n_ctx:
+        # OpenAI's code, llama.cpp's type and numbers (its web UI reads them).
         raise ApiError(400, f"the prompt has {len(prompt)} tokens and the context holds {backend.n_ctx}: "
-                            "prompt and reply must fit", code="context_length_exceeded")
+                            "prompt and reply must fit", **context_exceeded(len(prompt), backend.n_ctx))
     return prompt
 
 
@@ -331,102 +377,137 @@ def _job_settings(state: ServerState, backend: Backend,
 
 
 async def _run(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
-               prompt: list[int], *, chat: bool, tools: ToolRequest | None = None) -> Any:
+               prompt: list[int], *, chat: bool, tools: ToolRequest | None = None, reply: _Reply | None = None) -> Any:
+    """Queue the request's jobs (one per choice, `n`); stream the reply as SSE or return it as one JSON body
+    (`reply`: the shape, OpenAI's by default). Choice i samples with seed + i; the choices run in as many slots
+    as are free, and otherwise one after the other (each reusing the prompt the one before left cached)."""
     preset, max_tokens = _job_settings(state, backend, req)
     logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
     constraint = request_constraint(req.response_format, req.grammar)
     if tools is not None and constraint is not None:
         raise RequestError("tools with response_format or grammar: give one of them", param="tools",
                            code="invalid_value")
+    if req.choices > 1 and (tools is not None or logprobs is not None):
+        # A reply's tool-call scanner and logprob offsets are one choice's: not kept per choice (yet).
+        raise RequestError("n > 1 with tools or logprobs is not supported: one choice per request there",
+                           param="n", code="unsupported_parameter")
     try:
         if tools is not None:
             constraint = tools.constraint()  # a parameters schema the converter cannot read fails here
-        grammar = constraint.grammar(backend.model) if constraint is not None else None
+        # One grammar per choice: a job's engine stream owns (and advances) its own.
+        grammars = [constraint.grammar(backend.model) if constraint is not None else None
+                    for _ in range(req.choices)]
     except LocalspecError as exc:  # GBNF that does not parse
         param = "tools" if tools is not None else "grammar" if req.grammar is not None else "response_format"
         raise RequestError(str(exc), param=param, code="invalid_value") from None
-    loop = asyncio.get_running_loop()
-    items: asyncio.Queue[Item] = asyncio.Queue()
-
-    def sink(item: Item) -> None:  # runs on the worker thread
-        loop.call_soon_threadsafe(items.put_nowait, item)
-
-    job = Job(prompt=prompt, sampling=preset.sampling, drafting=preset.draft, max_tokens=max_tokens,
-              stops=req.stop, sink=sink, grammar=grammar, logprobs=logprobs)
     worker = backend.worker
+    if req.slot is not None and req.slot >= worker.slots:
+        raise ApiError(400, f"id_slot: slot {req.slot} does not exist (this server has {worker.slots}: "
+                            f"0..{worker.slots - 1}, -1 = any)", param="id_slot", code="invalid_value")
+    n = req.choices
+    if n > worker.queue_size + worker.slots:
+        raise ApiError(400, f"n: {n} choices do not fit this server's {worker.slots} slot(s) and queue of "
+                            f"{worker.queue_size} (--parallel, --queue)", param="n", code="invalid_value")
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
+
+    def sink_of(index: int) -> Callable[[Item], None]:
+        def sink(item: Item) -> None:  # runs on the worker thread
+            loop.call_soon_threadsafe(items.put_nowait, (index, item))
+
+        return sink
+
+    seed_limit = key_metadata("seed")["range"][1] + 1
+    jobs = [Job(prompt=prompt, sampling=dataclasses.replace(preset.sampling,
+                                                            seed=(preset.sampling.seed + i) % seed_limit),
+                drafting=preset.draft, max_tokens=max_tokens, stops=req.stop, sink=sink_of(i), slot=req.slot,
+                timings_per_token=bool(req.timings_per_token), grammar=grammars[i], logprobs=logprobs)
+            for i in range(n)]
     try:
-        worker.submit(job)
+        worker.submit_all(jobs)
     except QueueFull as exc:
         raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(worker.retry_after_s())}) from None
-    reply = _Reply(state.model_id, chat, logprobs is not None, tools is not None)
+    reply = reply or _Reply(state.model_id, chat, logprobs is not None, tools is not None)
+    reply.settle(preset, max_tokens)
     if req.stream:
         # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
         # it get there before sse-starlette would cut the connection mid-response.
-        return EventSourceResponse(_stream(reply, items, worker, job, req.include_usage), sep="\n",
+        return EventSourceResponse(_stream(reply, items, worker, jobs, req.include_usage), sep="\n",
                                    shutdown_grace_period=SHUTDOWN_GRACE_S)
-    return JSONResponse(reply.whole(await _collect(request, items, worker, job)))
+    return JSONResponse(reply.whole(await _collect(request, items, worker, jobs)))
 
 
-async def _collect(request: Request, items: asyncio.Queue[Item], worker: Worker, job: Job) -> JobResult:
-    """Wait for the whole reply; a client that leaves meanwhile cancels the job."""
+async def _collect(request: Request, items: asyncio.Queue[tuple[int, Item]], worker: Worker,
+                   jobs: list[Job]) -> list[JobResult]:
+    """Wait for every choice's whole reply; a client that leaves meanwhile cancels the jobs."""
 
     async def cancel_on_disconnect() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                worker.cancel(job)
+                for job in jobs:
+                    worker.cancel(job)
                 # A job cancelled while queued never reports back: end the wait here.
-                items.put_nowait(Failed("the client disconnected", "gone"))
+                items.put_nowait((0, Failed("the client disconnected", "gone")))
                 return
 
     watcher = asyncio.create_task(cancel_on_disconnect())
+    results: dict[int, JobResult] = {}
     try:
-        while True:
-            item = await items.get()
+        while len(results) < len(jobs):
+            index, item = await items.get()
             if isinstance(item, Finished):
                 if item.result.finish_reason == FINISH_CANCELLED:
                     raise ApiError(503, "the request was cancelled: the server is shutting down",
                                    kind="server_error", code="shutdown")
-                return item.result
-            if isinstance(item, Failed):
+                results[index] = item.result
+            elif isinstance(item, Failed):
                 raise _failure(item)
+        return [results[i] for i in range(len(jobs))]
     finally:
         watcher.cancel()
-        worker.cancel(job)  # a no-op when it finished; stops it when this handler was cancelled
+        for job in jobs:
+            worker.cancel(job)  # a no-op when it finished; stops it when this handler was cancelled
 
 
-async def _stream(reply: _Reply, items: asyncio.Queue[Item], worker: Worker, job: Job,
+async def _stream(reply: _Reply, items: asyncio.Queue[tuple[int, Item]], worker: Worker, jobs: list[Job],
                   include_usage: bool) -> AsyncIterator[str]:
-    """SSE data lines. sse-starlette cancels this generator when the client disconnects (or the server shuts
-    down); the `finally` then cancels the job."""
+    """SSE data lines, each choice's chunks with its `index`. sse-starlette cancels this generator when the client
+    disconnects (or the server shuts down); the `finally` then cancels the jobs."""
+    results: dict[int, JobResult] = {}
     try:
         if reply.chat:
-            yield reply.chunk({"role": "assistant", "content": ""})
-        while True:
-            item = await items.get()
+            for index in range(len(jobs)):
+                yield reply.chunk({"role": "assistant", "content": ""}, index=index)
+        failed = False
+        while len(results) < len(jobs) and not failed:
+            index, item = await items.get()
             if isinstance(item, Delta):
-                for chunk in reply.delta_chunks(item):
+                for chunk in reply.delta_chunks(item, index=index):
                     yield chunk
-                continue
-            if isinstance(item, Failed):
+            elif isinstance(item, Failed):
                 yield _json(_failure(item).body)
+                failed = True
             elif item.result.finish_reason == FINISH_CANCELLED:
                 yield _json(error_body("the request was cancelled: the server is shutting down", "server_error",
                                        code="shutdown"))
+                failed = True
             else:
-                for chunk in reply.delta_chunks(Delta(""), final=True):
+                results[index] = item.result
+                for chunk in reply.delta_chunks(Delta(""), final=True, index=index):
                     yield chunk
-                yield reply.final_chunk(item.result)
-                if include_usage:
-                    yield reply.usage_chunk(item.result)
-            break
-        yield "[DONE]"
+                yield reply.final_chunk(item.result, index)
+        if include_usage and reply.usage_chunks and not failed:
+            yield reply.usage_chunk([results[i] for i in range(len(jobs))])
+        if reply.done_marker:
+            yield "[DONE]"
     except Exception as exc:  # a bug: tell the client and log one line, as _guarded does for JSON routes
         _log_internal("stream", exc)
         yield _json(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
     finally:
-        worker.cancel(job)
+        for job in jobs:
+            worker.cancel(job)
 
 
 def _failure(item: Failed) -> ApiError:
@@ -447,7 +528,10 @@ def _json(data: dict[str, Any]) -> str:
 
 
 class _Reply:
-    """OpenAI's shapes for one reply: chat.completion(.chunk) or text_completion."""
+    """OpenAI's shapes for one reply: chat.completion(.chunk) or text_completion, with one choice per job."""
+
+    done_marker = True  # the stream ends with `data: [DONE]`
+    usage_chunks = True  # stream_options.include_usage adds a usage chunk
 
     def __init__(self, model_id: str, chat: bool, logprobs: bool = False, tools: bool = False) -> None:
         self.model_id = model_id
@@ -465,57 +549,78 @@ class _Reply:
                 "system_fingerprint": self.fingerprint}
 
     def _choice(self, payload: dict[str, Any] | str, finish: str | None, whole: bool = False,
-                logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+                index: int = 0, logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
         shaped = None
         if self.logprobs and logprobs is not None:
             shaped = chat_shape(list(logprobs)) if self.chat else completion_shape(list(logprobs), self.sent_chars)
         if self.chat:
             key = "message" if whole else "delta"
-            return {"index": 0, key: payload, "logprobs": shaped, "finish_reason": finish}
+            return {"index": index, key: payload, "logprobs": shaped, "finish_reason": finish}
         self.sent_chars += len(payload) if isinstance(payload, str) else 0
-        return {"index": 0, "text": payload, "logprobs": shaped, "finish_reason": finish}
+        return {"index": index, "text": payload, "logprobs": shaped, "finish_reason": finish}
 
-    def chunk(self, payload: dict[str, Any] | str, logprobs: Sequence[TokenLogprob] = ()) -> str:
-        return _json({**self._head(True), "choices": [self._choice(payload, None, logprobs=logprobs)]})
+    def settle(self, preset: Preset, max_tokens: int) -> None:
+        """The job's settings, once known (llama-server's shape reports them)."""
 
-    def delta_chunks(self, delta: Delta, final: bool = False) -> list[str]:
-        """The chunks for one Delta of text: its content (and logprobs), and with tools each call completed."""
+    def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0,
+              logprobs: Sequence[TokenLogprob] = ()) -> str:
+        extra = {"timings": timings} if timings is not None else {}
+        return _json({**self._head(True), "choices": [self._choice(payload, None, index=index, logprobs=logprobs)],
+                      **extra})
+
+    def delta_chunks(self, delta: Delta, final: bool = False, index: int = 0) -> list[str]:
+        """The chunks for one Delta of text: its content (and logprobs, timings), and with tools each call
+        completed."""
         if not self.chat:
-            return [self.chunk(delta.text, delta.logprobs)] if delta.text or delta.logprobs or not final else []
+            if delta.text or delta.logprobs or not final:
+                return [self.chunk(delta.text, delta.timings, index, logprobs=delta.logprobs)]
+            return []
         if self.tools is None:
-            return [] if final else [self.chunk({"content": delta.text}, delta.logprobs)]
+            return [] if final else [self.chunk({"content": delta.text}, delta.timings, index, logprobs=delta.logprobs)]
         before = len(self.tools.calls)
         text = self.tools.feed(delta.text) + (self.tools.flush() if final else "")
-        out = [self.chunk({"content": text}, delta.logprobs)] if text or delta.logprobs else []
+        out = [self.chunk({"content": text}, delta.timings, index, logprobs=delta.logprobs)] \
+            if text or delta.logprobs else []
         for i, call in enumerate(self.tools.calls[before:], start=before):
-            out.append(self.chunk({"tool_calls": [{"index": i, **call}]}))
+            out.append(self.chunk({"tool_calls": [{"index": i, **call}]}, index=index))
         return out
 
-    def final_chunk(self, result: JobResult) -> str:
+    def final_chunk(self, result: JobResult, index: int = 0) -> str:
         empty: dict[str, Any] | str = {} if self.chat else ""
         finish = "tool_calls" if self.tools is not None and self.tools.calls else result.finish_reason
-        return _json({**self._head(True), "choices": [self._choice(empty, finish)], "timings": result.timings()})
+        return _json({**self._head(True), "choices": [self._choice(empty, finish, index=index)],
+                      "timings": result.timings()})
 
-    def usage_chunk(self, result: JobResult) -> str:
-        return _json({**self._head(True), "choices": [], "usage": _usage(result)})
+    def usage_chunk(self, results: list[JobResult]) -> str:
+        # The timings again: llama.cpp's clients read them from the last chunk.
+        return _json({**self._head(True), "choices": [], "usage": _usage(results), "timings": _timings(results)})
 
-    def whole(self, result: JobResult) -> dict[str, Any]:
-        payload: dict[str, Any] | str = {"role": "assistant", "content": result.text} if self.chat else result.text
-        finish = result.finish_reason
-        if self.tools is not None:
-            content, calls = split_reply(result.text)
-            if calls:
-                payload = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                finish = "tool_calls"
-        choice = self._choice(payload, finish, whole=True, logprobs=result.logprobs)
-        return {**self._head(False), "choices": [choice],
-                "usage": _usage(result), "timings": result.timings()}
+    def whole(self, results: list[JobResult]) -> Any:
+        choices = []
+        for index, result in enumerate(results):
+            payload: dict[str, Any] | str = ({"role": "assistant", "content": result.text} if self.chat
+                                             else result.text)
+            finish = result.finish_reason
+            if self.tools is not None:
+                content, calls = split_reply(result.text)
+                if calls:
+                    payload = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = "tool_calls"
+            choices.append(self._choice(payload, finish, whole=True, index=index, logprobs=result.logprobs))
+        return {**self._head(False), "choices": choices, "usage": _usage(results), "timings": _timings(results)}
 
 
-def _usage(result: JobResult) -> dict[str, Any]:
-    prompt, completion = result.stats.prompt_tokens, result.stats.tokens
+def _usage(results: list[JobResult]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, the completions of every choice."""
+    prompt = results[0].stats.prompt_tokens
+    completion = sum(r.stats.tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": prompt - result.prompt_n}}
+            "prompt_tokens_details": {"cached_tokens": prompt - results[0].prompt_n}}
+
+
+def _timings(results: list[JobResult]) -> dict[str, Any]:
+    """One choice's timings; several choices' summed (their counts and seconds add up)."""
+    return results[0].timings() if len(results) == 1 else timings(GenerationStats.total(r.stats for r in results))
 
 
 # -- errors --------------------------------------------------------------------------------------------------
@@ -528,13 +633,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def request_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestError)
-        return JSONResponse(error_body(exc.message, "invalid_request_error", exc.param, exc.code), status_code=400)
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code, exc.extra), status_code=400)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 404:
             message = f"no route {request.url.path}: this server has /v1/chat/completions, /v1/completions, " \
-                      "/v1/models and /health"
+                      "/v1/models, /health and llama-server's /completion, /infill, /tokenize, /detokenize, " \
+                      "/apply-template, /props, /slots (and /metrics with --metrics)"
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(error_body(message, "invalid_request_error", code=str(exc.status_code)),

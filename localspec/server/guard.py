@@ -57,9 +57,18 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, the one every error of this server has."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, the one every error of this server has; `extra` adds fields beside them (llama.cpp's
+    `n_prompt_tokens`, ...)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
+
+
+def context_exceeded(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
+    """A prompt too long for the context: OpenAI's code, llama.cpp's type and numbers (its web UI reads them);
+    `n_prompt_tokens` at least the prompt's tokens where they were not all counted."""
+    return {"code": "context_length_exceeded", "kind": "exceed_context_size_error",
+            "extra": {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}}
 
 
 # -- prompt bounds ---------------------------------------------------------------------------------------------
@@ -89,18 +98,19 @@ class PromptLimits:
         return max(MIN_BODY_BYTES, JSON_ESCAPE * self.text_chars + PER_TOKEN_OVERHEAD * self.n_ctx + stops)
 
     def check_text(self, text: str, param: str) -> None:
-        if self.text_chars is not None and len(text) > self.text_chars:
+        if self.text_chars is not None and self.max_piece_bytes is not None and len(text) > self.text_chars:
+            at_least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_piece_bytes)  # tokens
             raise RequestError(
                 f"{param}: {len(text)} characters are more than {self.n_ctx} tokens (no token of this model stands "
                 f"for more than {self.max_piece_bytes} bytes) and the context holds {self.n_ctx}: prompt and reply "
-                "must fit", param=param, code="context_length_exceeded")
+                "must fit", param=param, **context_exceeded(at_least, self.n_ctx))
 
     def check_messages(self, contents: list[str]) -> None:
         """Before the chat template runs: a message takes at least one token, and the text bound holds for all
         messages together."""
         if len(contents) >= self.n_ctx:
             raise RequestError(f"messages: {len(contents)} messages cannot fit a context of {self.n_ctx} tokens",
-                               param="messages", code="context_length_exceeded")
+                               param="messages", **context_exceeded(len(contents), self.n_ctx))
         self.check_text("".join(contents) if self.text_chars is not None else "", "messages")
 
 

@@ -1,11 +1,13 @@
 """The request bodies of /v1/chat/completions and /v1/completions, and what is refused.
 
 Strict on purpose: an unknown field is a 400 naming it (a typo such as `temprature` must not fall back to the
-preset silently), and so is a known OpenAI field whose feature localspec does not have (`n > 1`, `functions`,
-`logit_bias`, ...), unless its value asks for nothing (`n: 1`, `functions: []`), which front-ends send by default.
-Tools, `response_format`, `grammar` and logprobs are checked where they are used (server/tools.py,
-server/structured.py). Types are strict (`"0.5"` is not a temperature) and every range comes from the preset's
-own metadata in `localspec.config`, so the server accepts exactly what a preset may hold.
+preset silently), and so is a known OpenAI or llama-server field whose feature localspec does not have
+(`logit_bias`, `functions`, `mirostat`, ...), unless its value asks for nothing (`functions: []`, `mirostat: 0`),
+which front-ends send by default. llama-server's native fields that mean something here (`n_predict`, `id_slot`,
+`speculative.n_max`, ...) are accepted beside OpenAI's. Tools, `response_format`, `grammar` and logprobs are
+checked where they are used (server/tools.py, server/structured.py). Types are strict (`"0.5"` is not a
+temperature) and every range comes from the preset's own metadata in `localspec.config`, so the server accepts
+exactly what a preset may hold.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from localspec.config import key_metadata
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_CHOICES = 64  # n per request (and never more than the server's slots + queue)
 FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
                 "drafter": "speculative.type"}  # preset key → request field
 # speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
@@ -32,13 +35,17 @@ SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "loo
 
 
 class RequestError(Exception):
-    """A request the server cannot run as sent: becomes an OpenAI-shaped 400 naming `param`."""
+    """A request the server cannot run as sent: becomes an OpenAI-shaped 400 naming `param`; `kind` and `extra`
+    as in `guard.error_body` (llama.cpp's `exceed_context_size_error` with its numbers)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
+                 kind: str = "invalid_request_error", extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.kind = kind
+        self.extra = extra
 
 
 def _limits(key: str) -> dict[str, Any]:
@@ -51,13 +58,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+SpeculativeType = Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"]
+
+
 class Speculative(_Strict):
     """llama.cpp's per-request draft settings: `n_max` is the draft length (0 = no drafting), `type` who drafts
     (`SPECULATIVE_TYPES`)."""
 
     n_max: int | None = Field(None, **_limits("n_draft"))
     p_min: float | None = Field(None, **_limits("p_min"))
-    type: Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"] | None = None
+    type: SpeculativeType | None = None
 
 
 class StreamOptions(_Strict):
@@ -70,9 +80,49 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 # field → (does this value ask for nothing?, why it is refused otherwise)
 _COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_neutral(None, 1), "only n = 1 is supported (one choice per request)"),
     "logit_bias": (_neutral(None, {}), "logit_bias is not supported (it would change the target's distribution)"),
 }
+# llama-server's native fields (tools/server/README.md, `/completion`) whose feature localspec does not have:
+# accepted when they ask for nothing (llama.cpp front-ends send them all, at their defaults), else refused by name.
+_NO_LOGPROBS = "llama-server's token probabilities are not supported here (OpenAI's logprobs are)"
+_NO_SHIFT = "there is no context shift here: a reply ends when the context is full"
+_LLAMA_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n_probs": (_neutral(None, 0), _NO_LOGPROBS),
+    "post_sampling_probs": (_neutral(None, False), _NO_LOGPROBS),
+    "n_keep": (_neutral(None, 0, -1), _NO_SHIFT),
+    "n_discard": (_neutral(None, 0), _NO_SHIFT),
+    "n_cache_reuse": (_neutral(None, 0), "KV shifting is not supported (a cached prefix is reused as it is)"),
+    "n_indent": (_neutral(None, 0), "n_indent is not supported"),
+    "ignore_eos": (_neutral(None, False), "ignore_eos is not supported"),
+    "typical_p": (_neutral(None, 1, 1.0), "locally typical sampling is not supported"),
+    "top_n_sigma": (_neutral(None, -1, -1.0, 0, 0.0), "top-n-sigma sampling is not supported"),
+    "dynatemp_range": (_neutral(None, 0, 0.0), "dynamic temperature is not supported"),
+    "xtc_probability": (_neutral(None, 0, 0.0), "XTC sampling is not supported"),
+    "dry_multiplier": (_neutral(None, 0, 0.0), "DRY sampling is not supported"),
+    "mirostat": (_neutral(None, 0), "Mirostat sampling is not supported"),
+    "adaptive_target": (lambda v: v is None or (type(v) in (int, float) and v < 0),
+                        "adaptive sampling is not supported"),
+    "min_keep": (_neutral(None, 0), "min_keep is not supported"),
+    "json_schema": (_neutral(None), "JSON schemas are not supported"),
+    "samplers": (_neutral(None), "the sampler order is fixed: penalties, top_k, top_p, min_p, temperature"),
+    "t_max_predict_ms": (_neutral(None, 0), "time limits are not supported"),
+    "t_max_prompt_ms": (_neutral(None, 0, -1), "time limits are not supported"),
+    "return_tokens": (_neutral(None, False), "return_tokens is not supported"),
+    "return_progress": (_neutral(None, False), "prompt progress is not reported"),
+    "response_fields": (_neutral(None, []), "response_fields is not supported"),
+    "lora": (_neutral(None, []), "LoRA adapters are not supported"),
+    "speculative.n_min": (_neutral(None, 0), "a minimum draft length is not supported (drafting stops below "
+                                             "speculative.p_min)"),
+    "speculative.ngram_size_n": (_neutral(None), "prompt lookup's n-gram sizes are not set per request"),
+    "speculative.ngram_size_m": (_neutral(None), "prompt lookup's n-gram sizes are not set per request"),
+    "speculative.ngram_min_hits": (_neutral(None), "prompt lookup's n-gram sizes are not set per request"),
+}
+# Settings of a sampler whose switch above is off: llama.cpp front-ends send them at their defaults. Any value is
+# accepted and ignored (when the switch is on, the switch itself is refused).
+_SWITCHED_OFF = ("dynatemp_exponent", "xtc_threshold", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                 "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "adaptive_decay", "backend_sampling")
+_COMMON_UNSUPPORTED.update(_LLAMA_UNSUPPORTED)
+
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "functions": (_neutral(None, []), "function calling is not supported"),
@@ -84,7 +134,6 @@ _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "best_of": (_neutral(None, 1), "only best_of = 1 is supported"),
     "echo": (_neutral(None, False), "echo is not supported"),
-    "suffix": (_neutral(None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
 
 
@@ -106,14 +155,24 @@ class _Generation(_Strict):
     seed: int | None = Field(None, ge=-1, le=_limits("seed")["le"])  # -1: random (llama.cpp's meaning)
     stop: tuple[str, ...] = ()
     speculative: Speculative | None = None
+    # llama-server's native fields (its flat `speculative.*` spelling is the canonical one; the nested object is
+    # accepted too).
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", **_limits("n_draft"))
+    speculative_p_min: float | None = Field(None, alias="speculative.p_min", **_limits("p_min"))
+    speculative_type: SpeculativeType | None = Field(None, alias="speculative.type")
+    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT)  # -1: no limit (llama.cpp's default)
+    id_slot: int | None = Field(None, ge=-1)  # -1: any free slot
+    cache_prompt: bool | None = None  # the cached prefix is always reused: here it changes no output bit
+    timings_per_token: bool | None = None
     # Bookkeeping fields of the OpenAI API that change nothing about the generation.
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices, each sampled with its own seed (seed + i)
+    n_cmpl: int | None = Field(None, ge=1, le=MAX_CHOICES)  # llama-server's name for n
     # Known OpenAI fields this server refuses unless neutral: declared so `extra="forbid"` leaves them to
     # `parse`, which names them with a reason.
-    n: Any = None
     logit_bias: Any = None
     # Structured output (checked by server/structured.py, which names the field): OpenAI's and llama-server's.
     response_format: Any = None
@@ -135,21 +194,60 @@ class _Generation(_Strict):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return tuple(values)
 
+    @field_validator("n_predict")
+    @classmethod
+    def _predict_something(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("0 (evaluate the prompt only) is not supported; -1 = no limit")
+        return value
+
     def limit(self) -> int | None:
-        return self.max_tokens
+        return self._with_n_predict(self.max_tokens, "max_tokens")
+
+    def _with_n_predict(self, limit: int | None, name: str) -> int | None:
+        """llama-server's `n_predict` is the same limit as OpenAI's: either may be given, or both alike."""
+        native = None if self.n_predict in (None, -1) else self.n_predict
+        if native is not None and limit is not None and native != limit:
+            raise RequestError(f"n_predict ({native}) and {name} ({limit}) disagree: give one of them",
+                               param="n_predict", code="invalid_value")
+        return limit if limit is not None else native
+
+    def check_agreement(self) -> None:
+        """OpenAI's and llama-server's names for the same setting, both given, must agree (else RequestError)."""
+        self.limit()
+        self.preset_overrides()
+        _ = self.choices
+
+    @property
+    def choices(self) -> int:
+        if self.n is not None and self.n_cmpl is not None and self.n != self.n_cmpl:
+            raise RequestError(f"n ({self.n}) and n_cmpl ({self.n_cmpl}) disagree: give one of them", param="n",
+                               code="invalid_value")
+        return self.n or self.n_cmpl or 1
+
+    @property
+    def slot(self) -> int | None:
+        return None if self.id_slot in (None, -1) else self.id_slot
 
     def preset_overrides(self) -> dict[str, Any]:
         """Preset keys this request sets (seed not included: the server draws one when absent or -1)."""
         keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                 "frequency_penalty")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
-        if self.speculative is not None:
-            out["n_draft"] = self.speculative.n_max
-            out["p_min"] = self.speculative.p_min
-            if self.speculative.type == "none":
-                out["n_draft"] = 0
-            elif self.speculative.type is not None:
-                out["drafter"] = SPECULATIVE_TYPES[self.speculative.type]
+        nested = self.speculative or Speculative()
+        for key, flat, inner in (("n_draft", self.speculative_n_max, nested.n_max),
+                                 ("p_min", self.speculative_p_min, nested.p_min),
+                                 ("drafter", self.speculative_type, nested.type)):
+            if flat is not None and inner is not None and flat != inner:
+                name = FIELD_OF_KEY[key]
+                raise RequestError(f"{name} ({flat}) and speculative.{name.split('.')[1]} (nested, {inner}) "
+                                   f"disagree: give one of them", param=name, code="invalid_value")
+            out[key] = flat if flat is not None else inner
+        spec_type = out.pop("drafter")
+        if spec_type == "none":
+            out["n_draft"] = 0
+        elif spec_type is not None:
+            out["drafter"] = SPECULATIVE_TYPES[spec_type]
         return out
 
     @property
@@ -217,7 +315,9 @@ class ChatRequest(_Generation):
     audio: Any = None
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self._with_n_predict(self.max_completion_tokens, "max_completion_tokens")
+        return super().limit()
 
 
 class CompletionRequest(_Generation):
@@ -226,7 +326,7 @@ class CompletionRequest(_Generation):
     logprobs: Any = None
     best_of: Any = None
     echo: Any = None
-    suffix: Any = None
+    suffix: str | None = None  # fill-in-the-middle: the prompt is the code before the gap, this the code after
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -284,14 +384,18 @@ def parse(cls: type[_Generation], data: Any) -> Any:
         raise RequestError("the request body must be a JSON object")
     unsupported = _CHAT_UNSUPPORTED if cls is ChatRequest else _COMPLETION_UNSUPPORTED
     _refuse(data, unsupported, "")
+    # What passed is neutral: llama.cpp's native fields without a declared home are dropped here.
+    data = {k: v for k, v in data.items() if k not in _LLAMA_UNSUPPORTED and k not in _SWITCHED_OFF}
     if cls is ChatRequest and isinstance(data.get("messages"), list):
         for i, message in enumerate(data["messages"]):
             if isinstance(message, dict):
                 _refuse(message, _MESSAGE_UNSUPPORTED, f"messages[{i}].")
     try:
-        return cls.model_validate(data)
+        req = cls.model_validate(data)
     except ValidationError as exc:
         raise _explain(exc, cls) from None
+    req.check_agreement()
+    return req
 
 
 def _refuse(data: dict[str, Any], unsupported: dict[str, tuple[Callable[[Any], bool], str]], prefix: str) -> None:

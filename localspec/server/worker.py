@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -57,6 +58,7 @@ class QueueFull(Exception):
 class Delta:
     text: str  # safe to send: nothing at or past a stop string
     logprobs: tuple[TokenLogprob, ...] = ()  # with logprobs on: the tokens whose text starts in what is sent so far
+    timings: dict[str, float | int] | None = None  # the job's so far, when it asked (`timings_per_token`)
 
 
 @dataclass(frozen=True)
@@ -70,28 +72,38 @@ class JobResult:
     stats: GenerationStats
     engine_tokens: int  # tokens the engine generated (>= stats.tokens: a stop string ends inside a token)
     logprobs: list[TokenLogprob] | None = None  # one per returned token, with logprobs on
+    slot: int = -1  # the slot it ran in
 
     @property
     def prompt_n(self) -> int:
-        """llama.cpp's meaning: prompt tokens evaluated. The engine prefills all but the last prompt token and
-        decodes that one in the first verify batch, so even a fully cached prompt costs 1."""
-        return self.stats.prompt_tokens_processed + 1
+        return prompt_n(self.stats)
 
     def timings(self) -> dict[str, float | int]:
-        """llama.cpp server's `timings` (so UIs that read them work), plus localspec's acceptance figures."""
-        s = self.stats
-        return {
-            "prompt_n": self.prompt_n,
-            "prompt_ms": round(s.prefill_s * 1000, 3),
-            "prompt_per_second": round(self.prompt_n / s.prefill_s, 3) if s.prefill_s > 0 else 0.0,
-            "predicted_n": s.tokens,
-            "predicted_ms": round(s.decode_s * 1000, 3),
-            "predicted_per_second": round(s.decode_tps, 3),
-            "draft_n": s.drafted,
-            "draft_n_accepted": s.accepted,
-            "acceptance_rate": round(s.acceptance_rate, 4),
-            "mean_accepted": round(s.mean_accepted, 4),
-        }
+        return timings(self.stats)
+
+
+def prompt_n(stats: GenerationStats) -> int:
+    """llama.cpp's meaning: prompt tokens evaluated. The engine prefills all but the last prompt token and
+    decodes that one in the first verify batch, so even a fully cached prompt costs 1."""
+    return stats.prompt_tokens_processed + 1
+
+
+def timings(s: GenerationStats) -> dict[str, float | int]:
+    """llama.cpp server's `timings` (so UIs that read them work), plus localspec's acceptance figures."""
+    n = prompt_n(s)
+    return {
+        "cache_n": s.prompt_tokens - n,
+        "prompt_n": n,
+        "prompt_ms": round(s.prefill_s * 1000, 3),
+        "prompt_per_second": round(n / s.prefill_s, 3) if s.prefill_s > 0 else 0.0,
+        "predicted_n": s.tokens,
+        "predicted_ms": round(s.decode_s * 1000, 3),
+        "predicted_per_second": round(s.decode_tps, 3),
+        "draft_n": s.drafted,
+        "draft_n_accepted": s.accepted,
+        "acceptance_rate": round(s.acceptance_rate, 4),
+        "mean_accepted": round(s.mean_accepted, 4),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +130,9 @@ class Job:
     sink: Callable[[Item], None]  # called on the worker thread (or the cancelling thread for a queued job)
     grammar: Grammar | None = None  # the request's constraint (the engine stream owns it once started)
     logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
+    slot: int | None = None  # the slot it must run in (llama-server's `id_slot`); None: the best free one
+    timings_per_token: bool = False  # each Delta carries the timings so far
+    task_id: int = -1  # numbered by `submit` (llama-server's `id_task`)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -137,13 +152,29 @@ class WorkerStats:
     busy: bool = False  # any job running
     last: JobResult | None = None
     mean_job_s: float = 0.0  # smoothed wall time of a job, for Retry-After
+    totals: GenerationStats = field(default_factory=GenerationStats)  # every served job's, for /metrics
+    max_sequence: int = 0  # the longest prompt + reply served (llama-server's n_tokens_max)
+    draft_rounds: int = 0  # rounds that verified a draft (llama-server's spec_decode_num_drafts_total)
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One slot as /slots shows it: the job in it now, else the last one it served."""
+
+    slot: int
+    busy: bool
+    task_id: int  # -1: it has served nothing yet
+    n_tokens: int  # tokens in its context (prompt and reply)
+    stats: GenerationStats | None  # the job's so far (running) or in the end (served)
+    job: Job | None
 
 
 class _Running:
     """A job in a slot: its engine stream and what it has sent so far (stop strings are matched here)."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, slot: int) -> None:
         self.job = job
+        self.slot = slot
         self.matcher = StopMatcher(job.stops)
         self.starts: list[int] = []  # each token's offset in the generated text
         self.from_draft: list[bool] = []
@@ -168,6 +199,12 @@ class _Running:
         if safe:
             self._release(safe)
 
+    def _timings_so_far(self) -> dict[str, float | int] | None:
+        if not self.job.timings_per_token or self.stream is None:
+            return None
+        elapsed = time.perf_counter() - self.stream.t_start
+        return timings(dataclasses.replace(self.stream.stats, decode_s=elapsed, draft_lengths=[]))
+
     def _release(self, text: str, everything: bool = False) -> None:
         """Send text, with the logprobs of the tokens whose text starts in what has been sent (all: at the end)."""
         self.released.append(text)
@@ -175,14 +212,15 @@ class _Running:
         n = len(self.logprobs) if everything else sum(1 for s in self.starts if s < self.released_chars)
         n = min(n, len(self.logprobs))
         entries, self.logprobs_sent = tuple(self.logprobs[self.logprobs_sent : n]), max(n, self.logprobs_sent)
-        _deliver(self.job, Delta(text, entries))
+        _deliver(self.job, Delta(text, entries, self._timings_so_far()))
 
     def finish(self, done: DoneEvent) -> Finished:
         if self.matcher.matched is None:
             tail = self.matcher.flush()
             if tail or self.logprobs_sent < len(self.logprobs):
                 self._release(tail, everything=True)
-        result = _result(self.job, "".join(self.released), self.matcher, done, self.starts, self.from_draft)
+        result = _result(self.job, "".join(self.released), self.matcher, done, self.starts, self.from_draft,
+                         self.slot)
         if self.job.logprobs is not None:
             result = dataclasses.replace(result, logprobs=self.logprobs[: result.stats.tokens])
         return Finished(result)
@@ -198,6 +236,8 @@ class Worker:
         self._cond = threading.Condition()
         self._closed = False
         self._running: list[_Running] = []
+        self._task_ids = itertools.count()
+        self._last: dict[int, tuple[Job, GenerationStats]] = {}  # each slot's last job, for /slots
         self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
 
     # -- the interface ----------------------------------------------------------------------------------------
@@ -210,15 +250,21 @@ class Worker:
         return len(self._pending)
 
     def submit(self, job: Job) -> None:
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue all of `jobs` (one request's choices) or none of them."""
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down")
             # `queue_size` jobs may wait for a slot; those that free slots can take at once are not waiting.
             capacity = self.queue_size + self.slots - len(self._running)
-            if len(self._pending) >= capacity:
+            if len(self._pending) + len(jobs) > capacity:
                 self.stats.rejected += 1
                 raise QueueFull(f"{len(self._pending)} requests are already waiting")
-            self._pending.append(job)
+            for job in jobs:
+                job.task_id = next(self._task_ids)
+                self._pending.append(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -232,6 +278,20 @@ class Worker:
     def retry_after_s(self) -> int:
         """A guess at when a queue place frees up (a running job ends), for the Retry-After header."""
         return int(min(60, max(1, math.ceil(self.stats.mean_job_s / self.slots))))
+
+    def slot_views(self) -> list[SlotView]:
+        """What each slot holds now (read from the event loop: a consistent enough snapshot for monitoring)."""
+        with self._cond:
+            running = {r.slot: r for r in self._running if r.stream is not None}
+            last = dict(self._last)
+        views = []
+        for slot in self.engine.slots:
+            r = running.get(slot.seq)
+            job, stats = (r.job, r.stream.stats) if r is not None and r.stream is not None else \
+                last.get(slot.seq, (None, None))
+            views.append(SlotView(slot=slot.seq, busy=r is not None, task_id=job.task_id if job else -1,
+                                  n_tokens=len(slot.tokens), stats=stats, job=job))
+        return views
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Cancel the running jobs, fail the queued ones, and end the thread (waits up to `timeout`)."""
@@ -264,14 +324,23 @@ class Worker:
                 self._round()
 
     def _admit(self) -> list[_Running]:
-        """Waiting jobs into free slots (called holding the lock)."""
-        joining = []
-        while self._pending and len(self._running) < self.slots:
-            job = self._pending.popleft()
+        """Waiting jobs into free slots, in order (called holding the lock). A job pinned to a busy slot waits
+        for it while the jobs behind it go ahead."""
+        joining: list[_Running] = []
+        taken: set[int] = set()
+        for job in list(self._pending):
+            if len(self._running) >= self.slots:
+                break
             if job.cancelled:  # cancelled between the queue and here
+                self._pending.remove(job)
                 self.stats.cancelled += 1
                 continue
-            r = _Running(job)
+            slot = self.engine.free_slot(job.prompt, exclude=taken) if job.slot is None else job.slot
+            if slot is None or slot in taken or self.engine.slots[slot].busy:
+                continue
+            self._pending.remove(job)
+            r = _Running(job, slot)
+            taken.add(slot)
             self._running.append(r)
             joining.append(r)
         self._count_running()
@@ -283,10 +352,8 @@ class Worker:
         self.stats.busy = bool(self._running)
 
     def _start(self, r: _Running) -> None:
-        """Start a joining job in the free slot that suits its prompt best."""
-        job = r.job
-        slot = self.engine.free_slot(job.prompt)
-        assert slot is not None  # _admit lets in no more jobs than there are slots
+        """Start a joining job in the slot `_admit` chose for it."""
+        job, slot = r.job, r.slot
         try:
             # The prompt goes in one batch a round: the requests already running do not stall behind it.
             r.stream = self.engine.start(job.prompt, job.sampling, job.drafting, job.max_tokens, r.should_stop,
@@ -333,14 +400,21 @@ class Worker:
         else:
             self.stats.served += 1
             self.stats.last = final.result
+            # Without the per-round draft lengths: a server's lifetime of rounds would only grow.
+            self.stats.totals = self.stats.totals + dataclasses.replace(final.result.stats, draft_lengths=[])
+            self.stats.draft_rounds += sum(1 for n in final.result.stats.draft_lengths if n)
+            self.stats.max_sequence = max(self.stats.max_sequence,
+                                          final.result.stats.prompt_tokens + final.result.engine_tokens)
         with self._cond:
             self._running.remove(r)
+            if r.stream is not None:
+                self._last[r.slot] = (r.job, final.result.stats if isinstance(final, Finished) else r.stream.stats)
             self._count_running()
         _deliver(r.job, final)
 
 
 def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: list[int],
-            from_draft: list[bool]) -> JobResult:
+            from_draft: list[bool], slot: int) -> JobResult:
     """Count what reached the client. A token is returned when its text starts before the cut (the stop
     string's start); a round counts when it returned a token, with all it drafted (the work was done)."""
     if matcher.matched is not None:
@@ -361,7 +435,7 @@ def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: 
                                 accepted=sum(from_draft[:returned]),
                                 draft_lengths=done.stats.draft_lengths[:rounds])
     return JobResult(text=text, finish_reason=finish, stop_string=matcher.matched, stats=stats,
-                     engine_tokens=done.stats.tokens)
+                     engine_tokens=done.stats.tokens, slot=slot)
 
 
 def _logprob_entry(event: TokenEvent, piece: Callable[[int], bytes]) -> TokenLogprob:
