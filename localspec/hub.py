@@ -44,6 +44,15 @@ def offline() -> bool:
     return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
+def _tell_the_library_offline() -> None:
+    """huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported, and refuses every request after that;
+    localspec reads it at call time, so before the library touches the network it is given today's value (else a
+    process that imported it while offline, such as a cache lookup, could never pull)."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = offline()
+
+
 def cache_dir() -> Path:
     """The standard hub cache: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -161,6 +170,7 @@ def resolve(spec: ModelSpec) -> RemoteFile:
 
     if offline():
         raise HubError(f"HF_HUB_OFFLINE is set and {spec.label} is not in the cache ({cache_dir()})")
+    _tell_the_library_offline()
     url = hf_hub_url(spec.repo, spec.file, revision=spec.revision, endpoint=endpoint())
     try:
         meta = get_hf_file_metadata(url, token=token())
@@ -282,6 +292,7 @@ def _fetch(remote: RemoteFile) -> None:
     from huggingface_hub.utils import build_hf_headers
 
     spec = remote.spec
+    _tell_the_library_offline()
     remote.partial.parent.mkdir(parents=True, exist_ok=True)
     have = remote.have
     if have > remote.size:  # a stale partial from another version of the file

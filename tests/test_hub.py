@@ -47,6 +47,17 @@ def test_download_lands_in_the_standard_cache_and_resolves_offline(fake_hub: Fak
     assert hub.pull([_spec()]) == [path]
 
 
+def test_a_pull_works_after_huggingface_hub_was_first_imported_offline(fake_hub: FakeHub, monkeypatch) -> None:
+    """huggingface_hub reads HF_HUB_OFFLINE once, at its import (a cache lookup by `localspec models` while
+    offline, say); localspec reads it at call time, so a later pull with it unset must reach the hub."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what an import with HF_HUB_OFFLINE=1 leaves behind
+    fake_hub.files[("org/good", "model.gguf")] = HubFile(CONTENT)
+    [path] = hub.pull([_spec()])
+    assert path.read_bytes() == CONTENT
+
+
 def test_pull_resumes_a_partial_file_with_a_range_request(fake_hub: FakeHub) -> None:
     fake_hub.files[("org/good", "model.gguf")] = HubFile(CONTENT)
     remote = hub.resolve(_spec())
