@@ -16,7 +16,7 @@ from tests.test_serve import Server
 
 @pytest.mark.slow
 def test_levels_against_serve(demo_home, tmp_path, capsys):
-    server = Server(demo_home, tmp_path, "--threads", "1", "--parallel", "2")  # level 2: both requests batched
+    server = Server(demo_home, tmp_path, "--pair", "demo", "--threads", "1", "--parallel", "2")  # level 2: batched
     try:
         out = tmp_path / "conc.json"
         rc = concurrency.main(["--url", server.url, "--clients", "1,2", "--requests-per-client", "1",
