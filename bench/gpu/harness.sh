@@ -15,3 +15,14 @@ run() {
     log "END $name rc=$rc $(( $(date +%s) - t ))s"
     return $rc
 }
+# use_build: Python finds the carried packages (WORK/pyenv, unless CARRIED_PY=0: a CPU dry run) and localspec
+# (REPO); llama_cpp loads WORK's llama.cpp build when there is one.
+use_build() {
+    if [[ "${CARRIED_PY:-1}" == 1 ]]; then export PYTHONPATH="$WORK/pyenv/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    else export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"; fi
+    export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+    if [[ -e "$WORK/build/bin/libllama.so" ]]; then
+        export LLAMA_CPP_LIB_PATH="$WORK/build/bin"
+        export LD_LIBRARY_PATH="$WORK/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+}

@@ -56,12 +56,7 @@ if [[ ! -e "$BIN/libllama.so" ]]; then
         BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/kernels-prepare.log" 2>&1
 fi
 [[ -e "$BIN/libllama.so" ]] || { log "no llama.cpp build in $BIN: stopping"; exit 1; }
-if [[ "${CARRIED_PY:-1}" == 1 ]]; then
-    export PYTHONPATH="$WORK/pyenv/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+use_build  # (each run below names its own LLAMA_CPP_LIB_PATH: the patched build is another)
 
 # -- 2. the models -------------------------------------------------------------------------------------------------
 vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")

@@ -165,7 +165,11 @@ def summarize(res: Path) -> dict[str, Any]:
     kern = kernel_runs(res / "kernels")
     if kern:
         result["kernels"] = kern
-    for pair_dir in sorted(p for p in res.iterdir() if p.is_dir() and p.name not in ("prompts", "kernels")):
+    extra = drafter_runs(res / "drafters")
+    if extra:
+        result["drafters"] = extra
+    for pair_dir in sorted(p for p in res.iterdir()
+                           if p.is_dir() and p.name not in ("prompts", "kernels", "drafters")):
         pair: dict[str, Any] = {"temps": {}}
         bench = pair_dir / "llama-bench.json"
         pair["llama_bench"] = parse_llama_bench(bench.read_text()) if bench.is_file() else {}
@@ -213,6 +217,49 @@ def kernel_runs(folder: Path) -> list[dict[str, Any]]:
         rows.append({"type": mix, "variant": doc.get("label", "?"), "flash_attn": doc.get("flash_attn", "?"),
                      "env": doc.get("env", {}), "ms": ms, "ms_per_extra_token": slope})
     return rows
+
+
+def drafter_runs(folder: Path) -> list[dict[str, Any]]:
+    """bench/gpu/drafters.sh's runs: one row per `localspec bench` JSON (plain and speculative medians, acceptance,
+    round profile, greedy check) and per structured.py mode."""
+    rows = []
+    for js in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        doc = _load(js)
+        if not doc:
+            continue
+        if "table" in doc:  # bench/structured.py speed
+            rows += [{"run": js.stem, "mode": mode, "tok_s": r["tok_s_total"], "acceptance": r["acceptance"],
+                      "tokens": r["tokens"]} for mode, r in doc["table"].items()]
+            continue
+        plain, spec = doc.get("plain") or {}, doc.get("speculative") or {}
+        rows.append({"run": js.stem, "drafter": (doc.get("preset", {}).get("draft") or {}).get("drafter"),
+                     "adaptive": (doc.get("preset", {}).get("draft") or {}).get("adaptive"),
+                     "temperature": (doc.get("preset", {}).get("sampling") or {}).get("temperature"),
+                     "plain": plain.get("median_tps"), "spec": spec.get("median_tps"), "speedup": doc.get("speedup"),
+                     "acceptance": spec.get("acceptance_rate"), "mean_accepted": spec.get("mean_accepted"),
+                     "greedy": (doc.get("greedy_check") or {}).get("summary"), "profile": round_profile(doc)})
+    return rows
+
+
+def drafter_table(rows: list[dict[str, Any]]) -> str:
+    bench_rows = [("run", "drafter", "adaptive", "T", "plain tok/s", "spec tok/s", "speed-up", "acc.", "acc./round",
+                   "draft/verify/host ms", "greedy")]
+    for r in rows:
+        if "mode" in r:
+            continue
+        p = r["profile"] or {}
+        bench_rows.append((r["run"], str(r["drafter"]), str(r["adaptive"]), _f(r["temperature"], "{:g}"),
+                           _f(r["plain"]), _f(r["spec"]), _f(r["speedup"], "{:.2f}x"),
+                           _f(r["acceptance"], "{:.1%}"), _f(r["mean_accepted"], "{:.2f}"),
+                           "/".join(_f(p.get(k), "{:.2f}") for k in ("draft_ms", "verify_ms", "host_ms")),
+                           str(r["greedy"])))
+    out = [_table(bench_rows)] if len(bench_rows) > 1 else []
+    modes = [("run", "mode", "tok/s", "acceptance", "tokens")]
+    modes += [(r["run"], r["mode"], _f(r["tok_s"]), _f(r["acceptance"], "{:.1%}"), str(r["tokens"]))
+              for r in rows if "mode" in r]
+    if len(modes) > 1:
+        out.append(_table(modes))
+    return "\n\n".join(out)
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -351,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nverify kernels (bench/gpu/kernels.sh): ms per verify batch by width, device greedy sampler, "
               "200-token context")
         print(kernel_table(result["kernels"]))
+    if result.get("drafters"):
+        print("\ndrafters (bench/gpu/drafters.sh): localspec bench medians, each with its own plain baseline; "
+              "round profile in ms")
+        print(drafter_table(result["drafters"]))
     for step in result.get("steps", []):
         if len(step) > 1 and step[1] not in ("0", "skipped"):
             print(f"step {step[0]} failed (rc {step[1]}): see its log under {a.results}", file=sys.stderr)

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Drafters, constrained decoding and the draft length by cost on the GPU (issues #19, #20, #21 item 4). Run from
+# the repo root on the GPU machine after run.sh (it reuses WORK's llama.cpp build and the card pair run.sh wrote):
+#     bash bench/gpu/drafters.sh
+# Every speed number is `localspec bench`'s (or bench/structured.py's, for the constrained modes). Steps, each
+# skipped when its JSON exists (resumable on a warm machine, like run.sh):
+#   1. the card pair at CARD_NOISE: `localspec bench --raw --temp 0 --drafter D --prompts SET` for each of DRAFTERS
+#      and SETS; each run measures its own plain baseline, interleaved
+#   2. a real GGUF (REAL_TARGET; made from REAL_PARTS if given): `--draft none --drafter lookup` on each of SETS
+#      through its chat template. The synthetic target's text never repeats itself (its tokens are noise), so
+#      prompt lookup finds nothing to propose there: its speed-up on replies that quote the prompt needs a real
+#      model. A small one fits a call's carry (SmolLM2-135M-Instruct Q4_1, 98 MB, carried in parts over two calls).
+#   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
+#      only, on draft and target, plain; logprobs on and off
+#   4. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
+#      ADAPTIVE_TEMPS, to set beside run.sh's fixed-k rows
+#   5. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
+# Environment (defaults in brackets):
+#   WORK [bench/gpu/work]  OUT [WORK/out]  CARRY [bench/gpu/carry]  BUDGET_S [570]  CARD_SIZE [card32b]
+#   CARD_NOISE [0.013]  DRAFTERS ["model lookup chain"]  SETS ["shipped lookup"]  N_PREDICT [128]  REPEAT [3]
+#   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
+#   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
+#   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
+#   BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
+# A CPU dry run (card-tiny models in WORK/models, this machine's llama_cpp):
+#   CARRIED_PY=0 CARD_SIZE=card-tiny BENCH_ARGS="--threads 1" N_PREDICT=32 REPEAT=1 WARMUP=1 bash bench/gpu/drafters.sh
+set -uo pipefail
+
+T0=$(date +%s)
+REPO="$(pwd)"
+HERE="$REPO/bench/gpu"
+WORK="${WORK:-$HERE/work}"
+OUT="${OUT:-$WORK/out}"
+BUDGET_S="${BUDGET_S:-570}"
+CARD_SIZE="${CARD_SIZE:-card32b}"
+CARD_NOISE="${CARD_NOISE:-0.013}"
+DRAFTERS="${DRAFTERS:-model lookup chain}"
+SETS="${SETS:-shipped lookup}"
+N_PREDICT="${N_PREDICT:-128}"
+REPEAT="${REPEAT:-3}"
+WARMUP="${WARMUP:-4}"
+REAL_TARGET="${REAL_TARGET:-$WORK/models/real.gguf}"
+REAL_PARTS="${REAL_PARTS:-}"
+STRUCTURED="${STRUCTURED:-1}"
+ADAPTIVE_NOISES="${ADAPTIVE_NOISES-0.013 0.03}"
+ADAPTIVE_TEMPS="${ADAPTIVE_TEMPS:-0 0.7}"
+ADAPTIVE_ARGS="${ADAPTIVE_ARGS:---adaptive}"
+ADAPTIVE_REPEAT="${ADAPTIVE_REPEAT:-3}"
+MODELS="$WORK/models"
+RES="$WORK/results"
+DRES="$RES/drafters"
+mkdir -p "$OUT" "$MODELS" "$DRES"
+OUT="$(cd "$OUT" && pwd)"
+
+# shellcheck source=bench/gpu/harness.sh
+source "$HERE/harness.sh"  # log, left, run, use_build
+use_build
+log "drafters: card-n$CARD_NOISE, drafters '$DRAFTERS', sets '$SETS', adaptive on '$ADAPTIVE_NOISES', budget ${BUDGET_S}s"
+LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")  # llama.cpp before numpy
+TARGET="$MODELS/$CARD_SIZE-target.gguf"
+card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
+bench() {  # bench JSON NEED_S ARGS...: one `localspec bench` run unless its JSON exists; T = 0 unless ARGS say
+    local json="$1" need="$2"; shift 2
+    [[ -s "$json" ]] && return 0
+    # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+    run "$(basename "$json" .json)" "$need" "${LOCALSPEC[@]}" bench --temp 0 --max-tokens "$N_PREDICT" \
+        --repeat "$REPEAT" --warmup "$WARMUP" --seed 42 --ctx 4096 "$@" ${BENCH_ARGS:-} --json "$json.tmp" \
+        > "${json%.json}.log" 2>&1
+    # exit 1 is a failed greedy check: the JSON says so and is kept (summarize.py shows it)
+    [[ -s "$json.tmp" ]] && mv "$json.tmp" "$json"
+}
+
+# -- 1. the drafters on the card pair -------------------------------------------------------------------------
+if [[ "${SKIP_DRAFTERS:-0}" != 1 ]]; then
+    draft="$(card_draft "$CARD_NOISE")"
+    if [[ -f "$TARGET" && -f "$draft" ]]; then
+        for set in $SETS; do
+            for d in $DRAFTERS; do
+                bench "$DRES/card-n$CARD_NOISE-$set-$d.json" 40 --raw --target "$TARGET" --draft "$draft" \
+                    --draft 6 --drafter "$d" --prompts "$set"
+            done
+        done
+    else
+        log "SKIP the card pair's drafters: no $TARGET or $draft (run.sh writes them)"
+    fi
+fi
+
+# -- 2. prompt lookup on a real model --------------------------------------------------------------------------
+if [[ "${SKIP_REAL:-0}" != 1 ]]; then
+    if [[ ! -f "$REAL_TARGET" && -n "$REAL_PARTS" ]]; then
+        missing=0; for p in $REAL_PARTS; do [[ -f "$p" ]] || missing=1; done
+        if (( missing )); then
+            log "REAL_PARTS: not all here yet ($REAL_PARTS)"
+        else
+            # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
+            cat $REAL_PARTS > "$REAL_TARGET.tmp"
+            if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
+                log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
+            else
+                mv "$REAL_TARGET.tmp" "$REAL_TARGET"
+            fi
+        fi
+    fi
+    if [[ -f "$REAL_TARGET" ]]; then
+        for set in $SETS; do
+            bench "$DRES/real-$set-lookup.json" 20 --target "$REAL_TARGET" --draft none --drafter lookup \
+                --prompts "$set"
+        done
+    else
+        log "SKIP the real model: no $REAL_TARGET"
+    fi
+fi
+
+# -- 3. constrained decoding and logprobs -----------------------------------------------------------------------
+if [[ "$STRUCTURED" == 1 ]]; then
+    draft="$(card_draft "$CARD_NOISE")"
+    json="$DRES/structured-card-n$CARD_NOISE.json"
+    if [[ -f "$TARGET" && -f "$draft" && ! -s "$json" ]]; then
+        run structured 90 python3 "$REPO/bench/structured.py" speed --target "$TARGET" --draft "$draft" --runs 3 \
+            --max-tokens "$N_PREDICT" --json "$json.tmp" > "$DRES/structured.log" 2>&1 && mv "$json.tmp" "$json"
+    fi
+fi
+
+# -- 4. the draft length by cost --------------------------------------------------------------------------------
+if [[ "${SKIP_ADAPTIVE:-0}" != 1 ]]; then
+    for n in $ADAPTIVE_NOISES; do
+        draft="$(card_draft "$n")"
+        [[ -f "$TARGET" && -f "$draft" ]] || { log "SKIP adaptive card-n$n: no models"; continue; }
+        for t in $ADAPTIVE_TEMPS; do
+            # shellcheck disable=SC2086  # ADAPTIVE_ARGS is a word list on purpose
+            REPEAT="$ADAPTIVE_REPEAT" N_PREDICT=256 bench "$DRES/adaptive-card-n$n-t$t.json" 50 --raw \
+                --target "$TARGET" --draft "$draft" --draft 6 --temp "$t" $ADAPTIVE_ARGS
+        done
+    done
+fi
+
+python3 "$HERE/summarize.py" "$RES" > "$RES/summary.txt" 2>&1
+sed -n '/^drafters/,$p' "$RES/summary.txt"
+cp "$RES/summary.txt" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
+tar -C "$RES" -czf "$OUT/drafters-results.tar.gz" drafters
+log "done in $(( $(date +%s) - T0 ))s"
