@@ -129,6 +129,35 @@ def test_kernel_runs_give_ms_per_width_and_per_extra_token(tmp_path, capsys):
     assert "17.00" in line and line.rstrip().endswith("1.00")
 
 
+def test_drafter_runs_are_a_table_of_their_own_not_a_pair(tmp_path, capsys):
+    (tmp_path / "prompts").mkdir()
+    drafters = tmp_path / "drafters"
+    drafters.mkdir()
+    runs = [{"mode": "speculative", "rounds": 10, "draft_s": 0.0, "verify_s": 0.2, "decode_s": 0.25, "tokens": 30,
+             "drafted": 25}]
+    for d, spec in (("lookup", 180.0), ("chain", 210.0)):
+        doc = {"preset": {"draft": {"drafter": d, "adaptive": False}, "sampling": {"temperature": 0.0}},
+               "plain": {"median_tps": 100.0}, "speculative": {"median_tps": spec, "acceptance_rate": 0.8,
+                                                               "mean_accepted": 2.0},
+               "speedup": spec / 100.0, "greedy_check": {"summary": "token-identical"}, "runs": runs}
+        (drafters / f"card-lookup-{d}.json").write_text(json.dumps(doc))
+    table = {"constrained, draft + target": {"tok_s_total": 90.0, "acceptance": 0.95, "tokens": 300}}
+    (drafters / "structured-card.json").write_text(json.dumps({"table": table}))
+    (drafters / "card-lookup-model.json").write_text("{unfinished")  # a run cut short: left out
+    result = summarize.summarize(tmp_path)
+    assert "drafters" not in result["pairs"]
+    rows = {r["run"]: r for r in result["drafters"] if "drafter" in r}
+    assert set(rows) == {"card-lookup-lookup", "card-lookup-chain"}
+    assert rows["card-lookup-chain"]["speedup"] == pytest.approx(2.1)
+    assert rows["card-lookup-chain"]["profile"]["host_ms"] == pytest.approx(5.0)
+    assert summarize.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    chain = next(x for x in out.splitlines() if "card-lookup-chain" in x)
+    assert "210.0" in chain and "2.10x" in chain and "0.00/20.00/5.00" in chain
+    structured = next(x for x in out.splitlines() if "draft + target" in x)
+    assert "90.0" in structured and "95.0%" in structured
+
+
 # -- bench/gpu/multi_summary.py (two GPUs) ------------------------------------------------------------------
 
 
