@@ -34,6 +34,7 @@
 #   SIZE [gpu32b]                the old stand-in's preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
 #   CARRIED_PY [1]               0 = this machine's Python packages, not the carried ones (CPU dry run)
+#   BUILD_SERVER [1]             0 = leave llama-server out of the build (only concurrency.sh needs it)
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
 #   RERUN [0]                    1 = forget earlier results (else finished steps are skipped)
 #   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
@@ -64,6 +65,7 @@ SEED=42
 SIZE="${SIZE:-gpu32b}"
 CUDA="${CUDA:-1}"
 JOBS="${JOBS:-$(nproc)}"
+BUILD_SERVER="${BUILD_SERVER:-1}"
 BUDGET_S="${BUDGET_S:-570}"
 KEEP_MODELS="${KEEP_MODELS:-0}"
 if [[ "$SIZE" == gpu32b || "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-$CARRY/ggml-vocab-qwen2.gguf}"
@@ -238,13 +240,13 @@ build() {
     fi
     # libllama.so and libggml*.so are dependencies of the tools, so they land in $BIN too. `-k 0`: a failing
     # llama-server (only concurrency.sh needs it) does not stop the other two from building.
-    cmake --build "$BUILD" --target llama-bench llama-speculative-simple llama-server -j "$JOBS" -- -k 0 \
-        > "$RES/cmake-build.log" 2>&1
+    local targets=(llama-bench llama-speculative-simple); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)
+    cmake --build "$BUILD" --target "${targets[@]}" -j "$JOBS" -- -k 0 > "$RES/cmake-build.log" 2>&1
 }
 export -f build sum_of
-export SRC BUILD CARRY CUDA JOBS RES
+export SRC BUILD CARRY CUDA JOBS RES BUILD_SERVER
 build_current() {
-    have_bins && [[ -x "$BIN/llama-server" ]] \
+    have_bins && { [[ "$BUILD_SERVER" != 1 ]] || [[ -x "$BIN/llama-server" ]]; } \
         && [[ "$(cat "$SRC/.stamp" 2>/dev/null)" == "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]
 }
 if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current; }; then
