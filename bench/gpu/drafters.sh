@@ -12,14 +12,16 @@
 #      model. A small one fits a call's carry (SmolLM2-135M-Instruct Q4_1, 98 MB, carried in parts over two calls).
 #   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
 #      only, on draft and target, plain; logprobs on and off
-#   4. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
+#   4. the model drafter before and after the drafter seam (issue #19): the first card run's pair (COMPARE_NOISE,
+#      measured on main 7572e82, before the seam) with that run's command, at T = 0
+#   5. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
 #      ADAPTIVE_TEMPS, to set beside run.sh's fixed-k rows
-#   5. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
+#   6. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
 # Environment (defaults in brackets):
-#   WORK [bench/gpu/work]  OUT [WORK/out]  CARRY [bench/gpu/carry]  BUDGET_S [570]  CARD_SIZE [card32b]
+#   WORK [bench/gpu/work]  OUT [WORK/out]  CARRY [bench/gpu/carry]  BUDGET_S [570]  CARD_SIZE [card32b]  VOCAB
 #   CARD_NOISE [0.013]  DRAFTERS ["model lookup chain"]  SETS ["shipped lookup"]  N_PREDICT [128]  REPEAT [3]
 #   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
-#   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
+#   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
 #   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
 #   BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
 # A CPU dry run (card-tiny models in WORK/models, this machine's llama_cpp):
@@ -42,10 +44,13 @@ WARMUP="${WARMUP:-4}"
 REAL_TARGET="${REAL_TARGET:-$WORK/models/real.gguf}"
 REAL_PARTS="${REAL_PARTS:-}"
 STRUCTURED="${STRUCTURED:-1}"
+COMPARE_NOISE="${COMPARE_NOISE-0.035}"
 ADAPTIVE_NOISES="${ADAPTIVE_NOISES-0.013 0.03}"
 ADAPTIVE_TEMPS="${ADAPTIVE_TEMPS:-0 0.7}"
 ADAPTIVE_ARGS="${ADAPTIVE_ARGS:---adaptive}"
 ADAPTIVE_REPEAT="${ADAPTIVE_REPEAT:-3}"
+# the vocabulary the card pair was written with (run.sh's default)
+if [[ "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-${CARRY:-$HERE/carry}/ggml-vocab-qwen2.gguf}"; else VOCAB="${VOCAB:-}"; fi
 MODELS="$WORK/models"
 RES="$WORK/results"
 DRES="$RES/drafters"
@@ -121,7 +126,21 @@ if [[ "$STRUCTURED" == 1 ]]; then
     fi
 fi
 
-# -- 4. the draft length by cost --------------------------------------------------------------------------------
+# -- 4. the model drafter on the pair measured before the seam -------------------------------------------------
+if [[ -n "$COMPARE_NOISE" && -f "$TARGET" ]]; then
+    draft="$(card_draft "$COMPARE_NOISE")"
+    if [[ ! -f "$draft" ]]; then  # the seeded writer gives the same draft again (~5 s)
+        vocab=(); [[ -n "$VOCAB" ]] && vocab=(--vocab "$VOCAB")
+        run "write-card-n$COMPARE_NOISE" 30 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" --only draft \
+            --noise "$COMPARE_NOISE" --out "$MODELS" --prefix "$CARD_SIZE-" --draft-prefix "$CARD_SIZE-n$COMPARE_NOISE-" \
+            "${vocab[@]}" > "$DRES/write-card-n$COMPARE_NOISE.log" 2>&1
+    fi
+    # the first card run's command: --repeat 3 --warmup 5, 256 tokens
+    [[ -f "$draft" ]] && REPEAT=3 WARMUP=5 N_PREDICT=256 bench "$DRES/seam-card-n$COMPARE_NOISE-t0.json" 50 --raw \
+        --target "$TARGET" --draft "$draft" --draft 6
+fi
+
+# -- 5. the draft length by cost --------------------------------------------------------------------------------
 if [[ "${SKIP_ADAPTIVE:-0}" != 1 ]]; then
     for n in $ADAPTIVE_NOISES; do
         draft="$(card_draft "$n")"
