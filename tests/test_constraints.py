@@ -313,6 +313,38 @@ def test_constrained_greedy_speculative_equals_constrained_plain(tiny_pair):
 
 
 @pytest.mark.slow
+def test_constrained_rows_from_device_candidates_equal_full_logits(tiny_pair):
+    """The target's device top-64 serves a constrained row where it holds a legal token; where it holds none (the
+    tiny model almost never ranks `{` or `"` in its top 64, so JSON needs the fallback often) the row is decoded
+    again in full. Greedy output equals the full-logits path's (device top-k off: nothing shared) for plain and
+    speculative decoding, alone and with another constrained stream beside it in a second slot."""
+    from tests.test_slots import run_together
+
+    constraint = Constraint.json_schema(SCHEMA, "schema")
+    reference = GREEDY.with_overrides(device_top_k=0)
+    requests = [{"prompt": prompt_of(seed), "sampling": GREEDY.sampling, "drafting": drafting(k), "max_tokens": 40}
+                for seed, k in ((0, 0), (1, 4), (2, 1), (3, 6))]
+    with open_pair(*tiny_pair, reference) as full:
+        expected = [run(full.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
+                        constraint)[0] for r in requests]
+    with open_pair(*tiny_pair) as s:
+        assert s.target.device_top_k == 64
+        redecoded = tokens = 0
+        for r, want in zip(requests, expected, strict=True):
+            got, _, done = run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
+                               constraint)
+            assert got == want, r["drafting"].n_draft
+            assert json.loads(s.target.detokenize(got))
+            redecoded += done.stats.full_rows
+            tokens += done.stats.tokens
+        assert 0 < redecoded < tokens  # both kinds of rows ran
+    with open_session(ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test"), GREEDY, parallel=2) as two:
+        for pair in ((0, 1), (2, 3)):
+            both = [{**requests[i], "grammar": constraint.grammar(two.target)} for i in pair]
+            assert run_together(two.engine, both, [0, 2]) == [expected[i] for i in pair]
+
+
+@pytest.mark.slow
 def test_constrained_sampling_preserves_the_constrained_target_distribution(tiny_pair):
     """The first token of a speculative round at T > 0 follows the masked, renormalised target pipeline, with the
     draft masked too (and with the draft unmasked: rejection sampling still lands on the constrained p)."""

@@ -174,6 +174,7 @@ class ModelDrafter:
                 grammar = job.req.grammar
                 if grammar is not None:  # propose only what the grammar allows after the drafts so far
                     row = masked_scores(penalized(row, history, sampling), 0, grammar, sampling)
+                    assert row is not None  # full rows here (no device sampler under a grammar: begin)
                     history = []  # (its penalties are in the masked row)
                 if sampling.greedy:
                     token = int(greedy_tokens(row, history, sampling)[0])
