@@ -516,6 +516,18 @@ def test_tool_call_arguments_stream_as_they_are_written(chat_server):
     whole = client.chat.completions.create(**ask)
     assert [c.function.arguments for c in whole.choices[0].message.tool_calls] == \
         [c["arguments"] for c in calls.values()]
+    paris = calls[0]["arguments"]
+    # A call cut inside its arguments by max_tokens keeps what was written and finish_reason "length", streamed
+    # or not.
+    for n in range(16, 40):
+        whole = client.chat.completions.create(**{**ask, "max_tokens": n})
+        if whole.choices[0].message.tool_calls:
+            break
+    assert whole.choices[0].finish_reason == "length", n
+    cut = whole.choices[0].message.tool_calls[0].function.arguments
+    assert cut != paris and paris.startswith(cut)  # greedy: the same call, cut short
+    calls, finish = _streamed_calls(client.chat.completions.create(**{**ask, "max_tokens": n}, stream=True))
+    assert finish == "length" and calls == {0: {"name": "get_weather", "arguments": cut}}
 
 
 def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
@@ -542,3 +554,11 @@ def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'}],
         tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # `auto`: this small model answers in text; the lazy grammar waits for a marker that never comes, and the text
+    # streams as it does without tools.
+    ask = dict(model=model, messages=messages, tools=WEATHER, tool_choice="auto", max_tokens=30, temperature=0)
+    text = client.chat.completions.create(**ask)
+    assert text.choices[0].message.content and not text.choices[0].message.tool_calls
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **ask, stream=True) if chunk.choices)
+    assert streamed == text.choices[0].message.content
