@@ -292,7 +292,7 @@ class Engine:
         asks for each token's logprob and that many alternatives: it needs the full logits of its rows, so the
         target's device sampler is off for that stream. A grammar keeps the target's top candidates on the device
         (greedy, top-k) and reads a row in full only where they hold too few legal tokens; the drafter's models
-        read full rows (they see `req.grammar`)."""
+        mask their own candidates (they see `req.grammar`)."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
@@ -484,11 +484,10 @@ class Engine:
             if s.grammar is None:
                 verdict = self._accept(s, proposal, rows, width)
             else:
-                t = time.perf_counter()
-                redecoded = s.stats.full_rows
+                t_accept, redecoded = time.perf_counter(), s.stats.full_rows
                 verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
                 if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
-                    spent += time.perf_counter() - t
+                    spent += time.perf_counter() - t_accept
             if s.logprobs is not None:
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
                 verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
