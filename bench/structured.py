@@ -10,8 +10,10 @@ mask a whole row, and to mask the way the engine does (`constraints.masked_row`:
 greedy (1 legal token needed) and top_k = 40, on rows of random logits, at a JSON-schema grammar's first positions.
 
 `speed`: one pair, greedy, a JSON-schema chat request; each mode `--runs` times interleaved, median tok/s and the
-acceptance: unconstrained, constrained on the target only (drafts unmasked), constrained on draft and target,
-plain constrained decoding (k = 0), and logprobs on vs off (unconstrained). Prints one table (and --json).
+acceptance: unconstrained, constrained on the target only (drafts unmasked), constrained on draft and target
+(the target's rows from its device top-k, a row decoded again in full where they hold no legal token: "rows
+again"; and in a second session with device top-k off, every row copied whole), plain constrained decoding
+(k = 0), and logprobs on vs off (unconstrained). Prints one table (and --json).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from localspec.chat import ChatTemplate, encode_chat  # noqa: E402
 from localspec.config import load_preset  # noqa: E402
 from localspec.constraints import Constraint, masked_row  # noqa: E402
 from localspec.engine import collect  # noqa: E402
-from localspec.session import open_session, resolve_files  # noqa: E402
+from localspec.session import Session, open_session, resolve_files  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
@@ -102,44 +104,54 @@ def speed(args: argparse.Namespace) -> dict:
     preset = load_preset("greedy").with_overrides(threads=args.threads, n_ctx=1024)
     files = resolve_files(None if args.target else args.pair, args.target, args.draft)
     constraint = Constraint.json_schema(SCHEMA, "bench")
-    modes = {  # name -> (draft length, constrained, draft masked, logprobs)
-        "unconstrained": (args.k, False, False, None),
-        "constrained, target only": (args.k, True, False, None),
-        "constrained, draft + target": (args.k, True, True, None),
-        "constrained, plain (k=0)": (0, True, True, None),
-        "unconstrained + logprobs": (args.k, False, False, 5),
-        "unconstrained, plain (k=0)": (0, False, False, None),
-        "plain + logprobs (k=0)": (0, False, False, 5),
+    modes = {  # name -> (draft length, constrained, draft masked, logprobs, the target's rows)
+        "unconstrained": (args.k, False, False, None, "top-k"),
+        "constrained, target only": (args.k, True, False, None, "top-k"),
+        "constrained, draft + target": (args.k, True, True, None, "top-k"),
+        "constrained, d + t, full rows": (args.k, True, True, None, "full"),
+        "constrained, plain (k=0)": (0, True, True, None, "top-k"),
+        "unconstrained + logprobs": (args.k, False, False, 5, "top-k"),
+        "unconstrained, plain (k=0)": (0, False, False, None, "top-k"),
+        "plain + logprobs (k=0)": (0, False, False, 5, "top-k"),
     }
     results: dict[str, list] = {name: [] for name in modes}
-    with open_session(files, preset) as s:
-        template = ChatTemplate.for_model(s.target)
-        prompts = [encode_chat(s.target, template.render([{"role": "user", "content": p}])) for p in PROMPTS]
-        for _ in range(args.runs):
-            for name, (k, constrained, on_draft, logprobs) in modes.items():
-                for prompt in prompts:
-                    grammar = constraint.grammar(s.target) if constrained else None
-                    s.engine.reset()  # every run processes its prompt in full: no cross-mode cache effects
-                    drafting = dataclasses.replace(preset.draft, n_draft=k, p_min=0.0, adaptive=False)
-                    gen = collect(s.engine.generate(prompt, preset.sampling, drafting,
-                                                    args.max_tokens, grammar=grammar, constrain_draft=on_draft,
-                                                    logprobs=logprobs))
-                    results[name].append(gen.stats)
+    # "full rows": the target copies every verify row whole (device top-k off), how constrained rows were read
+    # before they were masked on the device's candidates.
+    for rows, session_preset in (("top-k", preset), ("full", preset.with_overrides(device_top_k=0))):
+        with open_session(files, session_preset) as s:
+            _speed_runs(args, s, constraint, {n: m for n, m in modes.items() if m[4] == rows}, results)
     table = {}
     for name, stats in results.items():
         tokens = sum(st.tokens for st in stats)
         table[name] = {"tok_s_median": statistics.median(st.decode_tps for st in stats),
                        "tok_s_total": tokens / sum(st.decode_s for st in stats),
                        "acceptance": sum(st.accepted for st in stats) / max(1, sum(st.drafted for st in stats)),
-                       "tokens": tokens}
+                       "tokens": tokens, "rows_decoded_again": sum(st.full_rows for st in stats)}
     print(f"pair {files.name}, greedy, k = {args.k}, {args.runs} runs x {len(PROMPTS)} prompts, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':<30} {'tok/s (total)':>14} {'acceptance':>11} {'tokens':>7}")
+    print(f"{'mode':<30} {'tok/s (total)':>14} {'acceptance':>11} {'tokens':>7} {'rows again':>10}")
     for name, row in table.items():
-        print(f"{name:<30} {row['tok_s_total']:>14.1f} {row['acceptance']:>11.1%} {row['tokens']:>7}")
+        print(f"{name:<30} {row['tok_s_total']:>14.1f} {row['acceptance']:>11.1%} {row['tokens']:>7} "
+              f"{row['rows_decoded_again']:>10}")
     return {"pair": files.name, "target": str(files.target), "draft": str(files.draft), "k": args.k,
             "runs": args.runs, "threads": args.threads,
             "loadavg": os.getloadavg(), "table": table}
+
+
+def _speed_runs(args: argparse.Namespace, s: Session, constraint: Constraint, modes: dict[str, tuple],
+                results: dict[str, list]) -> None:
+    preset = s.preset
+    template = ChatTemplate.for_model(s.target)
+    prompts = [encode_chat(s.target, template.render([{"role": "user", "content": p}])) for p in PROMPTS]
+    for _ in range(args.runs):
+        for name, (k, constrained, on_draft, logprobs, _) in modes.items():
+            for prompt in prompts:
+                grammar = constraint.grammar(s.target) if constrained else None
+                s.engine.reset()  # every run processes its prompt in full: no cross-mode cache effects
+                drafting = dataclasses.replace(preset.draft, n_draft=k, p_min=0.0, adaptive=False)
+                gen = collect(s.engine.generate(prompt, preset.sampling, drafting, args.max_tokens, grammar=grammar,
+                                                constrain_draft=on_draft, logprobs=logprobs))
+                results[name].append(gen.stats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,8 +107,17 @@ def rows_needed(sampling: Sampling) -> int:
     return 1 if sampling.greedy else (sampling.top_k if sampling.top_k > 0 else 0)
 
 
-def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling) -> Scores:
-    """One full row of `scores` (penalties already applied) with what the grammar forbids at -inf, as a one-row
-    Scores the sampling pipeline reads like any other (the draft's rows and the target's verify rows alike)."""
-    assert scores.full and scores.logits is not None, "a constrained row needs full logits (no device sampler)"
-    return Scores(masked_row(scores.logits[row].reshape(-1), grammar, rows_needed(sampling))[None, :])
+def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling) -> Scores | None:
+    """One row of `scores` (penalties already applied) with what the grammar forbids at -inf, as a one-row
+    Scores the sampling pipeline reads like any other (the draft's rows and the target's verify rows alike).
+
+    A row of the device's top candidates is exact when they hold the pipeline's `rows_needed` legal tokens: any
+    legal token outside them ranks below all of them. None when they do not: that row needs its full logits."""
+    assert scores.logits is not None and scores.drawn is None, "a constrained row needs logits, not a drawn token"
+    if scores.ids is None:
+        return Scores(masked_row(scores.logits[row].reshape(-1), grammar, rows_needed(sampling))[None, :])
+    need = rows_needed(sampling)
+    legal = grammar.legal(scores.ids[row])
+    if need == 0 or int(legal.sum()) < need:
+        return None
+    return Scores(np.where(legal, scores.logits[row], -np.inf)[None, :].astype(np.float32), scores.ids[row][None, :])

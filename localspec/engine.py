@@ -289,9 +289,10 @@ class Engine:
         batches are the ones a whole prefill makes, so the numbers are the same.
 
         `grammar` (the stream owns it from here: closed when it ends) holds the output to a constraint; `logprobs`
-        asks for each token's logprob and that many alternatives. Both need the full logits of their rows, so
-        the target's device sampler is off for that stream (and the drafter's models' too for a grammar: they
-        see `req.grammar`)."""
+        asks for each token's logprob and that many alternatives: it needs the full logits of its rows, so the
+        target's device sampler is off for that stream. A grammar keeps the target's top candidates on the device
+        (greedy, top-k) and reads a row in full only where they hold too few legal tokens; the drafter's models
+        mask their own candidates (they see `req.grammar`)."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
@@ -303,9 +304,9 @@ class Engine:
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1
-        full_rows = grammar is not None or logprobs is not None
-        self.target.use_device_sampler(None if full_rows else device_mode(self.target, sampling, p_min=0.0,
-                                                                          plain=plain, trace=stream.trace), seq)
+        # Logprobs read every row whole; a grammar masks the device's top candidates (`_accept_constrained`).
+        self.target.use_device_sampler(None if logprobs is not None else device_mode(
+            self.target, sampling, p_min=0.0, plain=plain, trace=stream.trace, constrained=grammar is not None), seq)
         self.target.restart_device_sampler(seq)
         # With several slots, a model this stream does not decode keeps no chain for it (its drafter's models set
         # their own in `begin`).
@@ -471,6 +472,10 @@ class Engine:
             t = time.perf_counter()
             scores = self.target.decode_many(items)
             spent = time.perf_counter() - t
+        if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
+            # A constrained row may be decoded again (`_accept_constrained`) into the buffer full rows still view.
+            scores = [r.with_logits(r.logits.copy()) if r is not None and r.full and r.logits is not None
+                      and r.logits.base is not None else r for r in scores]
         verdicts = []
         for s, (_, batch, _, _), rows, proposal, width in zip(live, items, scores, proposals, widths, strict=True):
             assert rows is not None
@@ -479,7 +484,10 @@ class Engine:
             if s.grammar is None:
                 verdict = self._accept(s, proposal, rows, width)
             else:
-                verdict = self._accept_constrained(s, proposal, rows, width)
+                t_accept, redecoded = time.perf_counter(), s.stats.full_rows
+                verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
+                if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
+                    spent += time.perf_counter() - t_accept
             if s.logprobs is not None:
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
                 verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
@@ -510,10 +518,16 @@ class Engine:
                 return _Verdict([*drafts[:i], out], i, [], width)
         return _Verdict([*drafts, p.sample(len(drafts), s.rng)], len(drafts), [], width)
 
-    def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int) -> _Verdict:
+    def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int, batch: list[int],
+                            start: int) -> _Verdict:
         """`_accept` on masked rows: row i is masked with the grammar state after the drafts before it (a copy of
         the real state, advanced by each accepted draft), so p is the constrained target's at every position. The
-        copy then replaces the real state. Full rows only (start turns the device sampler off)."""
+        copy then replaces the real state.
+
+        Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal
+        tokens; a row that does not is read in full by decoding its token (`batch[i]` at `start + i`) again, which
+        drops the cells after it, so the round ends with that row's token (exact either way: it is the
+        constrained target's choice or draw at that position)."""
         assert s.grammar is not None
         drafts, sampling = proposal.tokens, s.sampling
         history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens
@@ -523,6 +537,12 @@ class Engine:
         try:
             for i in range(len(drafts) + 1):
                 row = masked_scores(scored, i, state, sampling)
+                last = row is None
+                if row is None:  # (no penalty here: a penalised stream has full rows)
+                    full = Scores(self.target.full_row(batch[i], start + i, s.slot.seq)[None, :])
+                    row = masked_scores(full, 0, state, sampling)
+                    assert row is not None
+                    s.stats.full_rows += 1
                 if sampling.greedy:
                     token = int(row.argmax()[0])
                     ok = i < len(drafts) and drafts[i] == token
@@ -535,7 +555,7 @@ class Engine:
                 emitted.append(token)
                 if not self.target.is_eog(token):
                     state.accept(token)
-                if not ok:
+                if not ok or last:
                     break
         except BaseException:
             state.close()

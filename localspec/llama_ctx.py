@@ -817,6 +817,23 @@ class LlamaModel:
             self._modes[seq] = mode
         return mode is not None
 
+    def full_row(self, token: int, pos: int, seq: int = 0) -> np.ndarray:
+        """Sequence `seq`'s full logits after `token` at `pos`, whatever its device sampler: its cells from `pos`
+        on are dropped and `token` decoded again there with the sampler set aside. llama.cpp copies a row's raw
+        logits only when some row of the ubatch belongs to a sequence without a device sampler
+        (`needs_raw_logits` in llama-context.cpp), so a row the sampler ran on cannot be read whole afterwards.
+        Switching the sampler makes llama.cpp plan its graphs again: for the rare row only."""
+        mode = self._modes.get(seq)
+        self.truncate(pos, seq)
+        self.use_device_sampler(None, seq)
+        try:
+            scores = self.decode_many([(seq, [token], pos, True)])[0]
+            assert scores is not None and scores.full and scores.logits is not None
+            return scores.logits[0].copy()
+        finally:
+            if mode is not None:
+                self.use_device_sampler(mode, seq)
+
     def restart_device_sampler(self, seq: int = 0) -> None:
         """Reseed a `DeviceDist` chain, so each generation with the same seed draws the same tokens."""
         if isinstance(self._modes.get(seq), DeviceDist):

@@ -84,6 +84,13 @@ class FakeModel:
             self._modes[seq] = mode
         return mode is not None
 
+    def full_row(self, token: int, pos: int, seq: int = 0) -> np.ndarray:
+        self.truncate(pos, seq)
+        self.decodes += 1
+        cells = self.cells.setdefault(seq, [])
+        cells.append(token)
+        return self.logits_after(cells).astype(np.float32)
+
     def restart_device_sampler(self, seq: int = 0) -> None:
         mode = self._modes.get(seq)
         if isinstance(mode, DeviceDist):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from collections import Counter
 
 import numpy as np
@@ -102,23 +103,92 @@ def test_bad_tool_fields_name_the_field(tools, choice, parallel, param):
     assert info.value.param == param
 
 
-def test_tool_calls_are_split_from_the_text_however_it_arrives():
-    from localspec.server.tools import ToolScanner, split_reply
+def _scan(pieces: list[str]) -> tuple[str, list[dict], list]:
+    """Feed the pieces one by one: (content, [{"name", "arguments"}] rebuilt from the deltas as a client does,
+    the deltas)."""
+    from localspec.server.tools import CallDelta, ToolScanner
 
-    reply = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
-            '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
-    content, calls = split_reply(reply)
-    assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1}),
-                                                                                                ("g", {})]
-    for size in (1, 3, 7):
-        scanner, sent = ToolScanner(), ""
-        for i in range(0, len(reply), size):
-            sent += scanner.feed(reply[i : i + size])
-        sent += scanner.flush()
-        assert sent.strip() == content and [c["function"] for c in scanner.calls] == [c["function"] for c in calls]
-    assert split_reply("a <tool_call> not json </tool_call> <tool") == ("a <tool_call> not json </tool_call> <tool",
-                                                                          [])
+    scanner = ToolScanner()
+    out = [p for piece in pieces for p in scanner.feed(piece)] + scanner.flush()
+    deltas = [p for p in out if isinstance(p, CallDelta)]
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        shaped = d.openai()
+        if d.index not in calls:  # the first delta of a call carries its id, type and name
+            assert shaped["id"].startswith("call_") and shaped["type"] == "function" and shaped["function"]["name"]
+            calls[d.index] = {"name": shaped["function"]["name"], "arguments": ""}
+        else:
+            assert set(shaped) == {"index", "function"} and set(shaped["function"]) == {"arguments"}
+        calls[d.index]["arguments"] += shaped["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    assert [c["function"]["arguments"] for c in scanner.calls] == [calls[i]["arguments"] for i in sorted(calls)]
+    return "".join(p for p in out if isinstance(p, str)), [calls[i] for i in sorted(calls)], deltas
+
+
+TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Saint-\\"Malo\\"", '
+             '"note": "a </tool_call> inside a string", "days": [1, 2, {"x": null}]}}\n</tool_call>\n'
+             '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+
+
+def test_tool_calls_stream_the_same_however_the_text_is_split():
+    """One character at a time, random cuts, a marker cut in two, both calls in one piece: the same content and
+    the same calls (each call's arguments fragments concatenate to what the whole reply at once gives, which is
+    the JSON text the model wrote)."""
+    from localspec.server.tools import TOOL_CLOSE, TOOL_OPEN, split_reply
+
+    content, calls, unfinished = split_reply(TWO_CALLS)
+    assert content == "Let me check." and not unfinished
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "g"]
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    assert arguments == {"city": 'Saint-"Malo"', "note": "a </tool_call> inside a string", "days": [1, 2, {"x": None}]}
+    assert calls[0]["function"]["arguments"] == TWO_CALLS[TWO_CALLS.index('{"city"') : TWO_CALLS.index("}}") + 1]
+    whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    rng = random.Random(7)
+    open_at, close_at = TWO_CALLS.index(TOOL_OPEN), TWO_CALLS.rindex(TOOL_CLOSE)
+    splits = {
+        "one char at a time": list(TWO_CALLS),
+        "the open marker cut": [TWO_CALLS[: open_at + 4], TWO_CALLS[open_at + 4 :]],
+        "the last close marker cut": [TWO_CALLS[: close_at + 3], TWO_CALLS[close_at + 3 :]],
+        "both calls in one piece": [TWO_CALLS[:5], TWO_CALLS[5:]],
+    }
+    for seed in range(20):
+        cuts = sorted(rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, 30)))
+        splits[f"random {seed}"] = [TWO_CALLS[a:b] for a, b in zip([0, *cuts], [*cuts, len(TWO_CALLS)], strict=True)]
+    for name, pieces in splits.items():
+        assert "".join(pieces) == TWO_CALLS
+        sent, streamed, deltas = _scan(pieces)
+        assert sent.strip() == content and streamed == whole, name
+    # Fed as it is written, a call's arguments go out as they come: many fragments, the name first and once.
+    _, _, deltas = _scan(list(TWO_CALLS))
+    assert len([d for d in deltas if d.index == 0]) > 20 and deltas[0].name == "get_weather"
+
+
+def test_tool_call_scanner_holds_back_only_what_it_must():
+    from localspec.server.tools import CallDelta, ToolScanner
+
+    scanner = ToolScanner()
+    assert scanner.feed("Sure <tool") == ["Sure "]  # "<tool" could begin the marker
+    assert scanner.feed('_call>{"name": "f", "arg') == []  # the name is not followed by the arguments yet
+    first = scanner.feed('uments": {"a": "x</tool')  # in a string: not the marker, goes out at once
+    assert first == [CallDelta(0, '{"a": "x</tool', scanner.calls[0]["id"], "f")]
+    assert scanner.feed('_call>"} <') == [CallDelta(0, '_call>"}')]  # the value closed: the rest is not arguments
+    assert scanner.feed("/tool_call> done") == [" done"]
+    # An unfinished call keeps what was written; a block in another shape is parsed when it closes.
+    assert split_reply_of('<tool_call>{"name": "f", "arguments": {"a": [1, ') == ("", [("f", '{"a": [1, ')], True)
+    assert split_reply_of('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>') == \
+        ("", [("f", '{"a": 1}')], False)
+    assert split_reply_of("a <tool_call> not json </tool_call> <tool") == \
+        ("a <tool_call> not json </tool_call> <tool", [], False)
+    # Outside a string the close marker cannot be JSON: a malformed call ends there.
+    assert split_reply_of('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>x') == \
+        ("x", [("f", '{"a": 1')], False)
+
+
+def split_reply_of(text: str) -> tuple[str, list[tuple[str, str]], bool]:
+    from localspec.server.tools import split_reply
+
+    content, calls, unfinished = split_reply(text)
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls], unfinished
 
 
 # -- the grammar over a real vocabulary --------------------------------------------------------------------
@@ -243,6 +313,38 @@ def test_constrained_greedy_speculative_equals_constrained_plain(tiny_pair):
 
 
 @pytest.mark.slow
+def test_constrained_rows_from_device_candidates_equal_full_logits(tiny_pair):
+    """The target's device top-64 serves a constrained row where it holds a legal token; where it holds none (the
+    tiny model almost never ranks `{` or `"` in its top 64, so JSON needs the fallback often) the row is decoded
+    again in full. Greedy output equals the full-logits path's (device top-k off: nothing shared) for plain and
+    speculative decoding, alone and with another constrained stream beside it in a second slot."""
+    from tests.test_slots import run_together
+
+    constraint = Constraint.json_schema(SCHEMA, "schema")
+    reference = GREEDY.with_overrides(device_top_k=0)
+    requests = [{"prompt": prompt_of(seed), "sampling": GREEDY.sampling, "drafting": drafting(k), "max_tokens": 40}
+                for seed, k in ((0, 0), (1, 4), (2, 1), (3, 6))]
+    with open_pair(*tiny_pair, reference) as full:
+        expected = [run(full.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
+                        constraint)[0] for r in requests]
+    with open_pair(*tiny_pair) as s:
+        assert s.target.device_top_k == 64
+        redecoded = tokens = 0
+        for r, want in zip(requests, expected, strict=True):
+            got, _, done = run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
+                               constraint)
+            assert got == want, r["drafting"].n_draft
+            assert json.loads(s.target.detokenize(got))
+            redecoded += done.stats.full_rows
+            tokens += done.stats.tokens
+        assert 0 < redecoded < tokens  # both kinds of rows ran
+    with open_session(ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test"), GREEDY, parallel=2) as two:
+        for pair in ((0, 1), (2, 3)):
+            both = [{**requests[i], "grammar": constraint.grammar(two.target)} for i in pair]
+            assert run_together(two.engine, both, [0, 2]) == [expected[i] for i in pair]
+
+
+@pytest.mark.slow
 def test_constrained_sampling_preserves_the_constrained_target_distribution(tiny_pair):
     """The first token of a speculative round at T > 0 follows the masked, renormalised target pipeline, with the
     draft masked too (and with the draft unmasked: rejection sampling still lands on the constrained p)."""
@@ -329,7 +431,7 @@ def test_a_tool_call_trigger_inside_an_accepted_draft_run(smollm2_path):
         spec, events, done = run(s.engine, prompt, GREEDY.sampling, 8, 60, constraint)
         assert spec == plain
         reply = s.target.detokenize(spec)
-        content, calls = split_reply(reply)
+        content, calls, _ = split_reply(reply)
         assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", reply
         assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}
         # the token that completes the marker was an accepted draft with more accepted drafts after it

@@ -450,6 +450,86 @@ WEATHER = [{"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}]
 
 
+def _streamed_calls(stream: Iterator) -> tuple[dict[int, dict], str | None]:
+    """The calls a client rebuilds from OpenAI's incremental `delta.tool_calls`, checking the shape on the way:
+    a call's first delta alone carries its id, type and name; later ones carry arguments text only."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or "", "pieces": 1}
+            else:
+                assert d.id is None and d.type is None and d.function.name is None and d.function.arguments
+                calls[d.index]["arguments"] += d.function.arguments
+                calls[d.index]["pieces"] += 1
+        finish = chunk.choices[0].finish_reason or finish
+    assert sorted(calls) == list(range(len(calls)))  # parallel calls: index 0, 1, ...
+    return {i: {"name": c["name"], "arguments": c["arguments"]} for i, c in calls.items()}, finish
+
+
+TRIP = [{"type": "function", "function": {
+    "name": "plan_trip", "description": "Plan a trip.",
+    "parameters": {"type": "object", "properties": {
+        "from_city": {"type": "string", "maxLength": 20}, "to_city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer"}, "by": {"enum": ["train", "plane", "car"]}},
+        "required": ["from_city", "to_city", "days", "by"], "additionalProperties": False}}}]
+
+
+def test_tool_call_arguments_stream_as_they_are_written(chat_server):
+    """OpenAI's incremental shape, read by the official client and its stream helper: the arguments of a call
+    come in many pieces as the model writes them, and they add up to the arguments of the same request not
+    streamed (greedy)."""
+    client = chat_server.client()
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "Plan a 3 day trip from Lyon to Rome by train."}],
+               tools=TRIP, tool_choice={"type": "function", "function": {"name": "plan_trip"}}, max_tokens=120,
+               temperature=0)
+    whole = client.chat.completions.create(**ask)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    expected = {i: {"name": c.function.name, "arguments": c.function.arguments}
+                for i, c in enumerate(whole.choices[0].message.tool_calls)}
+    for c in expected.values():
+        assert c["name"] == "plan_trip" and set(json.loads(c["arguments"])) == {"from_city", "to_city", "days", "by"}
+    pieces: dict[int, list[str]] = {}
+    with client.beta.chat.completions.stream(**ask) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.setdefault(event.index, []).append(event.arguments_delta)
+        final = stream.get_final_completion()
+    assert {i: "".join(p) for i, p in pieces.items()} == {i: c["arguments"] for i, c in expected.items()}
+    assert all(len(p) > 5 for p in pieces.values())
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [c.function.arguments for c in final.choices[0].message.tool_calls] == \
+        [c["arguments"] for c in expected.values()]
+    calls, finish = _streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and calls == expected
+    # Parallel calls stream side by side as index 0, 1.
+    ask = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris and in Oslo?"}], tools=WEATHER,
+               tool_choice="required", max_tokens=120, temperature=0)
+    calls, finish = _streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and [json.loads(c["arguments"]) for c in calls.values()] == \
+        [{"city": "Paris"}, {"city": "Oslo"}]
+    whole = client.chat.completions.create(**ask)
+    assert [c.function.arguments for c in whole.choices[0].message.tool_calls] == \
+        [c["arguments"] for c in calls.values()]
+    paris = calls[0]["arguments"]
+    # A call cut inside its arguments by max_tokens keeps what was written and finish_reason "length", streamed
+    # or not.
+    for n in range(16, 40):
+        whole = client.chat.completions.create(**{**ask, "max_tokens": n})
+        if whole.choices[0].message.tool_calls:
+            break
+    assert whole.choices[0].finish_reason == "length", n
+    cut = whole.choices[0].message.tool_calls[0].function.arguments
+    assert cut != paris and paris.startswith(cut)  # greedy: the same call, cut short
+    calls, finish = _streamed_calls(client.chat.completions.create(**{**ask, "max_tokens": n}, stream=True))
+    assert finish == "length" and calls == {0: {"name": "get_weather", "arguments": cut}}
+
+
 def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
     """SmolLM2's template knows no tools: they are described in a system message, and the grammar makes the
     forced call parse; the result goes back as a `role: tool` message and the model answers in text."""
@@ -464,16 +544,7 @@ def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
         call = whole.choices[0].message.tool_calls[0]
         assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         assert set(json.loads(call.function.arguments)) == {"city"}
-        calls: dict[int, dict] = {}
-        finish = None
-        for chunk in client.chat.completions.create(**ask, stream=True):
-            if not chunk.choices:
-                continue
-            for d in chunk.choices[0].delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                entry["name"] += d.function.name or ""
-                entry["arguments"] += d.function.arguments or ""
-            finish = chunk.choices[0].finish_reason or finish
+        calls, finish = _streamed_calls(client.chat.completions.create(**ask, stream=True))
         assert finish == "tool_calls"
         assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
     answer = client.chat.completions.create(model=model, tools=WEATHER, max_tokens=30, temperature=0, messages=[
@@ -483,3 +554,11 @@ def test_tool_calls_parse_streamed_or_not_and_results_go_back(chat_server):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'}],
         tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # `auto`: this small model answers in text; the lazy grammar waits for a marker that never comes, and the text
+    # streams as it does without tools.
+    ask = dict(model=model, messages=messages, tools=WEATHER, tool_choice="auto", max_tokens=30, temperature=0)
+    text = client.chat.completions.create(**ask)
+    assert text.choices[0].message.content and not text.choices[0].message.tool_calls
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **ask, stream=True) if chunk.choices)
+    assert streamed == text.choices[0].message.content

@@ -107,15 +107,19 @@ def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int) -
 
 
 def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain: bool = False,
-                trace: bool = False) -> str | DeviceDist | None:
+                trace: bool = False, constrained: bool = False) -> str | DeviceDist | None:
     """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
     full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
     at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
-    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows."""
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows. A grammar
+    (`constrained`) needs candidates to mask, never the device's own choice: greedy and top-k get the top
+    candidates (a row whose candidates hold too few legal tokens is decoded again in full: engine.py)."""
     if sampling.penalized:
         return None
     if sampling.greedy:
-        return "top_k" if p_min > 0.0 or trace else "greedy"
+        return "top_k" if p_min > 0.0 or trace or constrained else "greedy"
+    if constrained:
+        return "top_k" if 0 < sampling.top_k <= model.device_top_k else None
     if plain:
         return DeviceDist(sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed)
     if 0 < sampling.top_k <= model.device_top_k:

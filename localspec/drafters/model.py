@@ -69,9 +69,9 @@ class ModelDrafter:
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._wait()
         seq = req.seq
-        # A grammar masks full rows: no device sampler then.
-        self.model.use_device_sampler(None if req.grammar is not None else device_mode(
-            self.model, req.sampling, p_min=req.drafting.p_min), seq)
+        # A grammar masks the device's top candidates (or full rows where the pipeline needs every logit).
+        self.model.use_device_sampler(device_mode(self.model, req.sampling, p_min=req.drafting.p_min,
+                                                  constrained=req.grammar is not None), seq)
         self._rng[seq] = np.random.default_rng([req.sampling.seed, 1])
         self._kept.pop(seq, None)
         return [prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)]
@@ -173,8 +173,12 @@ class ModelDrafter:
                 history = job.sequence + job.tokens if sampling.penalized else job.sequence
                 grammar = job.req.grammar
                 if grammar is not None:  # propose only what the grammar allows after the drafts so far
-                    row = masked_scores(penalized(row, history, sampling), 0, grammar, sampling)
-                    history = []  # (its penalties are in the masked row)
+                    masked = masked_scores(penalized(row, history, sampling), 0, grammar, sampling)
+                    if masked is None:
+                        # The device's candidates hold too few legal tokens: propose no further (a shorter
+                        # proposal costs nothing in exactness; the target's row is read in full if need be).
+                        continue
+                    row, history = masked, []  # (its penalties are in the masked row)
                 if sampling.greedy:
                     token = int(greedy_tokens(row, history, sampling)[0])
                     confident = p_min == 0.0 or row.top_prob(0) >= p_min

@@ -569,25 +569,27 @@ class _Reply:
                       **extra})
 
     def delta_chunks(self, delta: Delta, final: bool = False, index: int = 0) -> list[str]:
-        """The chunks for one Delta of text: its content (and logprobs, timings), and with tools each call
-        completed."""
+        """The chunks for one Delta of text: its content (and logprobs, timings), and with tools the pieces of
+        calls as they are written."""
         if not self.chat:
             if delta.text or delta.logprobs or not final:
                 return [self.chunk(delta.text, delta.timings, index, logprobs=delta.logprobs)]
             return []
         if self.tools is None:
             return [] if final else [self.chunk({"content": delta.text}, delta.timings, index, logprobs=delta.logprobs)]
-        before = len(self.tools.calls)
-        text = self.tools.feed(delta.text) + (self.tools.flush() if final else "")
-        out = [self.chunk({"content": text}, delta.timings, index, logprobs=delta.logprobs)] \
-            if text or delta.logprobs else []
-        for i, call in enumerate(self.tools.calls[before:], start=before):
-            out.append(self.chunk({"tool_calls": [{"index": i, **call}]}, index=index))
-        return out
+        pieces = self.tools.feed(delta.text) + (self.tools.flush() if final else [])
+        if not pieces and delta.logprobs:
+            pieces = [""]
+        # The delta's timings and logprobs ride on its first chunk.
+        return [self.chunk({"content": p} if isinstance(p, str) else {"tool_calls": [p.openai()]},
+                           delta.timings if i == 0 else None, index, logprobs=delta.logprobs if i == 0 else ())
+                for i, p in enumerate(pieces)]
 
     def final_chunk(self, result: JobResult, index: int = 0) -> str:
         empty: dict[str, Any] | str = {} if self.chat else ""
-        finish = "tool_calls" if self.tools is not None and self.tools.calls else result.finish_reason
+        # A call cut short (max_tokens, a stop string) keeps the reason it was cut.
+        tools = self.tools
+        finish = "tool_calls" if tools is not None and tools.calls and not tools.unfinished else result.finish_reason
         return _json({**self._head(True), "choices": [self._choice(empty, finish, index=index)],
                       "timings": result.timings()})
 
@@ -602,10 +604,10 @@ class _Reply:
                                              else result.text)
             finish = result.finish_reason
             if self.tools is not None:
-                content, calls = split_reply(result.text)
+                content, calls, unfinished = split_reply(result.text)
                 if calls:
                     payload = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                    finish = "tool_calls"
+                    finish = result.finish_reason if unfinished else "tool_calls"
             choices.append(self._choice(payload, finish, whole=True, index=index, logprobs=result.logprobs))
         return {**self._head(False), "choices": choices, "usage": _usage(results), "timings": _timings(results)}
 

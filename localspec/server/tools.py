@@ -9,15 +9,17 @@
 - The grammar: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` with the arguments held to
   the function's JSON schema. `auto`: lazy, free text until the marker; `required` / a named function: from the
   first token. After the call(s) only the end of the turn is legal, so the reply ends where the calls end.
-- The reply: `<tool_call>` blocks → `tool_calls` (ids `call_...`, arguments as JSON text), the rest is `content`;
-  streaming holds text back from a possible marker on and sends each call as one `delta.tool_calls` chunk when its
-  block closes.
+- The reply: `<tool_call>` blocks → `tool_calls` (ids `call_...`, arguments as the JSON text the model wrote), the
+  rest is `content`. One scanner for both paths: streaming sends a call's id and name once the name is known, then
+  its arguments in pieces as they are written (OpenAI's incremental `delta.tool_calls`); a whole reply is the same
+  scanner fed at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +174,218 @@ def _call_json(call: dict[str, Any]) -> dict[str, Any]:
 
 # -- the reply -------------------------------------------------------------------------------------------------
 
+# The head of a call as the grammar writes it: the name, then the arguments' value (its first character in view).
+# Once it matches, the call is announced and its arguments stream as the model writes them.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+@dataclass
+class CallDelta:
+    """One piece of a call, OpenAI's `delta.tool_calls[]`: the first carries id, type and name (and the arguments
+    so far, maybe ""), later ones only more arguments text."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+Piece = str | CallDelta  # content text, or a piece of a call
+
+
+def split_reply(text: str) -> tuple[str, list[dict[str, Any]], bool]:
+    """(content, tool_calls, whether the last call was cut short) of a whole reply: the streaming scanner fed it
+    at once, so both paths agree."""
+    scanner = ToolScanner()
+    pieces = scanner.feed(text) + scanner.flush()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content.strip() if scanner.calls else content, scanner.calls, scanner.unfinished
+
+
+class ToolScanner:
+    """Text in, pieces out, in order: content, and each `<tool_call>` block as a call announced once its name is
+    known, then its arguments' text as the model writes it (their concatenation is the call's arguments). What it
+    decides depends on the text alone, never on how the text was split. It holds back only what could still be a
+    marker and a call's head until the name is known. A block whose head is not `{"name": ..., "arguments": ...}`
+    (never so under the tools grammar) is parsed when it closes; one that is not a call after all stays content."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []  # OpenAI's tool_calls, arguments as far as written
+        self.unfinished = False  # the reply ended inside a call's arguments (max_tokens, a stop string)
+        self._buffer = ""
+        self._state = "text"  # text → head → arguments → tail → text
+        self._value = _JsonValue()
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        out: list[Piece] = []
+        while {"text": self._text, "head": self._head, "arguments": self._arguments, "tail": self._tail}[
+                self._state](out):
+            pass
+        return out
+
+    def flush(self) -> list[Piece]:
+        """The end of the reply: an unfinished head or a held-back partial marker is content; a call cut inside
+        its arguments keeps what was written of them."""
+        out: list[Piece] = []
+        if self._state == "text":
+            _put(out, self._buffer)
+        elif self._state == "head":
+            _put(out, TOOL_OPEN + self._buffer)
+        elif self._state == "arguments":
+            self._more_arguments(out, self._buffer)
+            self.unfinished = True
+        self._buffer, self._state = "", "text"
+        return out
+
+    # Each state reads the buffer and says whether it moved to another state (then that one reads on).
+
+    def _text(self, out: list[Piece]) -> bool:
+        at = self._buffer.find(TOOL_OPEN)
+        if at < 0:
+            keep = _partial(self._buffer, TOOL_OPEN)
+            _put(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return False
+        _put(out, self._buffer[:at])
+        self._buffer, self._state = self._buffer[at + len(TOOL_OPEN) :], "head"
+        return True
+
+    def _head(self, out: list[Piece]) -> bool:
+        close = self._buffer.find(TOOL_CLOSE)
+        # Without the close marker in view, a possible start of it is not looked at yet: the same decision
+        # whether the text comes at once or in pieces.
+        seen = self._buffer[:close] if close >= 0 else \
+            self._buffer[: len(self._buffer) - _partial(self._buffer, TOOL_CLOSE)]
+        match = _HEAD.match(seen)
+        name = _json_string(match.group(1)) if match else None
+        if match and name is not None:
+            self.calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            out.append(CallDelta(len(self.calls) - 1, "", self.calls[-1]["id"], name))
+            self._buffer, self._state, self._value = self._buffer[match.end() :], "arguments", _JsonValue()
+            return True
+        if close < 0:
+            return False
+        call = _call(seen)  # a head in another shape: the whole block, parsed now that it has closed
+        if call is None:  # not a call after all: keep it as text
+            _put(out, TOOL_OPEN + seen + TOOL_CLOSE)
+        else:
+            self.calls.append(call)
+            out.append(CallDelta(len(self.calls) - 1, call["function"]["arguments"], call["id"],
+                                 call["function"]["name"]))
+        self._buffer, self._state = self._buffer[close + len(TOOL_CLOSE) :], "text"
+        return True
+
+    def _arguments(self, out: list[Piece]) -> bool:
+        """The arguments' JSON value, up to where it closes. Outside a JSON string the close marker cannot be part
+        of it: there the marker ends a (malformed) call, and what could be its start is held back."""
+        buffer = self._buffer
+        for i, c in enumerate(buffer):
+            if c == "<" and not self._value.in_string:
+                rest = buffer[i:]
+                if rest.startswith(TOOL_CLOSE):
+                    self._more_arguments(out, buffer[:i])
+                    self._buffer, self._state = rest[len(TOOL_CLOSE) :], "text"
+                    return True
+                if TOOL_CLOSE.startswith(rest):
+                    self._more_arguments(out, buffer[:i])
+                    self._buffer = rest
+                    return False
+            ends = self._value.step(c)
+            if ends is not None:
+                end = i + ends
+                self._more_arguments(out, buffer[:end])
+                self._buffer, self._state = buffer[end:], "tail"
+                return True
+        self._more_arguments(out, buffer)
+        self._buffer = ""
+        return False
+
+    def _tail(self, out: list[Piece]) -> bool:
+        """After the arguments: the object's `}` up to the close marker, sent nowhere."""
+        close = self._buffer.find(TOOL_CLOSE)
+        if close < 0:
+            return False
+        self._buffer, self._state = self._buffer[close + len(TOOL_CLOSE) :], "text"
+        return True
+
+    def _more_arguments(self, out: list[Piece], text: str) -> None:
+        if text:
+            self.calls[-1]["function"]["arguments"] += text
+            _put(out, CallDelta(len(self.calls) - 1, text))
+
+
+class _JsonValue:
+    """Where one JSON value (written by the model) ends, a character at a time: brackets open, inside a string,
+    after a backslash. Hand-written: the streaming JSON parsers around parse values, this only finds an end."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self._started = False
+        self._depth = 0
+        self._escaped = False
+        self._scalar = False  # a number or literal at the top: ends before its delimiter
+
+    def step(self, c: str) -> int | None:
+        """None: the value goes on; 1: it ends with `c`; 0: it ended before `c`."""
+        if not self._started:
+            self._started = True
+            if c in "{[":
+                self._depth = 1
+            elif c == '"':
+                self.in_string = True
+            else:
+                self._scalar = True
+            return None
+        if self.in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self.in_string = False
+                return 1 if self._depth == 0 else None
+            return None
+        if self._scalar:
+            return 0 if c in " \t\r\n,}]" else None
+        if c == '"':
+            self.in_string = True
+        elif c in "{[":
+            self._depth += 1
+        elif c in "}]":
+            self._depth -= 1
+            return 1 if self._depth == 0 else None
+        return None
+
+
+def _put(out: list[Piece], piece: Piece) -> None:
+    """Append, merging with the piece before when it is of the same kind (text after text, the same call's
+    arguments after its own)."""
+    if not piece:
+        return
+    last = out[-1] if out else None
+    if isinstance(piece, str) and isinstance(last, str):
+        out[-1] = last + piece
+    elif isinstance(piece, CallDelta) and isinstance(last, CallDelta) and last.index == piece.index:
+        last.arguments += piece.arguments
+    else:
+        out.append(piece)
+
+
+def _json_string(literal: str) -> str | None:
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
 
 def _call(body: str) -> dict[str, Any] | None:
     try:
@@ -185,60 +399,9 @@ def _call(body: str) -> dict[str, Any] | None:
                                                                         ensure_ascii=False)}}
 
 
-def split_reply(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole reply. A block that does not parse stays in the content."""
-    scanner = ToolScanner()
-    content = scanner.feed(text) + scanner.flush()
-    return content.strip() if scanner.calls else content, scanner.calls
-
-
-class ToolScanner:
-    """Text in, content out; `<tool_call>` blocks become `calls`. Holds back what could still be a marker."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self._buffer = ""
-        self._inside = False
-
-    def feed(self, text: str) -> str:
-        """The content that is safe to send now; completed calls are appended to `calls`."""
-        self._buffer += text
-        out = []
-        while True:
-            if self._inside:
-                end = self._buffer.find(TOOL_CLOSE)
-                if end < 0:
-                    return "".join(out)
-                body = self._buffer[:end]
-                call = _call(body)
-                if call is None:  # not a call after all: keep it as text
-                    out.append(TOOL_OPEN + body + TOOL_CLOSE)
-                else:
-                    self.calls.append(call)
-                self._buffer = self._buffer[end + len(TOOL_CLOSE) :]
-                self._inside = False
-                continue
-            at = self._buffer.find(TOOL_OPEN)
-            if at >= 0:
-                out.append(self._buffer[:at])
-                self._buffer = self._buffer[at + len(TOOL_OPEN) :]
-                self._inside = True
-                continue
-            keep = _partial_marker(self._buffer)
-            out.append(self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            return "".join(out)
-
-    def flush(self) -> str:
-        """The end of the reply: an unfinished block or a held-back partial marker is content."""
-        rest = (TOOL_OPEN if self._inside else "") + self._buffer
-        self._buffer, self._inside = "", False
-        return rest
-
-
-def _partial_marker(text: str) -> int:
-    """How many characters at the end of `text` could begin a marker."""
-    for n in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_OPEN.startswith(text[-n:]):
+def _partial(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
