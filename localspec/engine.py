@@ -50,7 +50,7 @@ from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama_ctx import Grammar
-from localspec.policies import DraftLength, LoadPolicy
+from localspec.policies import DraftCost, DraftLength, LoadPolicy
 from localspec.sampling import accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
@@ -92,6 +92,7 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     target_kv: list[int] = field(default_factory=list)
     chooser: tuple[tuple, DraftLength] | None = None  # adaptive drafting's, kept across generations
+    cost: tuple[tuple, DraftCost] | None = None  # what drafting cost and earned here, kept likewise
     used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
     busy: bool = False
 
@@ -125,7 +126,8 @@ class Stream:
                                             sampling, slot)
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
-                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None)
+                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
+                                self.chooser)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
@@ -338,7 +340,8 @@ class Engine:
         verdicts, verify_s = self._verify(live, plans, proposals)
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
-            s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width)
+            s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
+                              proposal.looked_up)
             stats = s.stats
             stats.draft_s += proposal.seconds
             stats.verify_s += verify_s
@@ -353,13 +356,15 @@ class Engine:
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
         """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
-        with the same drafting: what it measured (costs, acceptance) stays valid for the next prompt, and probing
-        again every generation would cost rounds."""
-        if not drafting.adaptive:
-            return DraftLength(drafting)
+        with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
+        stays valid for the next prompt, and probing again every generation would cost rounds."""
         key = (drafting, sampling.greedy)
+        if slot.cost is None or slot.cost[0] != key:
+            slot.cost = (key, DraftCost(drafting.n_draft))
+        if not drafting.adaptive:
+            return DraftLength(drafting, slot.cost[1], self.constant_width)
         if slot.chooser is None or slot.chooser[0] != key:
-            slot.chooser = (key, DraftLength(drafting))
+            slot.chooser = (key, DraftLength(drafting, slot.cost[1], self.constant_width))
         return slot.chooser[1]
 
     # -- the loop's steps -----------------------------------------------------------------------------------
