@@ -162,7 +162,7 @@ class DraftLength:
 
     EPOCH = 16
     MIN_GAIN = 1.05
-    WARMUP = 2  # rounds drafted with the model before its measured cost decides the chain's extension
+    WARMUP = 2  # rounds that draft a probe's length with the model before its measured cost decides the chain's
 
     def __init__(self, cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> None:
         self.k_max = cfg.n_draft
@@ -204,7 +204,7 @@ class DraftLength:
             return 0
         n = self.cost.best_extension(looked_up, room, k + 1 if self.padded else 0)
         if n is None or self.cost.model_rounds < self.WARMUP:
-            return room  # measure first
+            return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
         if n:
             self.cost.pays()
             return n

@@ -117,7 +117,7 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
             n = chooser.extension(2, 6, in_sync=True)
             got.append(n)
             chooser.observe(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, looked_up=2)
-        assert got[:_DraftLength.WARMUP] == [4] * _DraftLength.WARMUP  # measure first
+        assert got[:_DraftLength.WARMUP] == [DraftCost.PROBE] * _DraftLength.WARMUP  # measure first
         tail = got[_DraftLength.WARMUP:]
         assert tail.count(want) >= len(tail) - 2, got
 
