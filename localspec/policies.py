@@ -91,42 +91,44 @@ class DraftCost:
             survival.append(survival[-1] * rate)
         return np.array(survival)
 
-    def expected_tokens(self, looked_up: int, n: int) -> float:
-        """Tokens a round yields, on average, drafting `looked_up` lookup tokens and then n model tokens."""
-        lookup, model = self.survival("lookup", looked_up), self.survival("model", n)
-        return float(lookup.sum() + lookup[-1] * model[1:].sum())
-
-    def verify_cost(self, width: int) -> float | None:
-        if not self.verify_s:
+    def speeds(self, looked_up: int, room: int, width: int = 0) -> np.ndarray | None:
+        """Expected tokens per second of a round of `looked_up` lookup tokens then n = 0..room model tokens,
+        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured. (Once
+        per round on the loop's path: one line fit, no loop over n.)"""
+        if not self.verify_s or (room and self.step_s is None):
             return None
-        if width in self.verify_s:
-            return self.verify_s[width]
+        lookup, model = self.survival("lookup", looked_up), self.survival("model", room)
+        expected = lookup.sum() + lookup[-1] * np.concatenate(([0.0], np.cumsum(model[1:])))
+        n = np.arange(room + 1)
+        seconds = n * (self.step_s or 0.0) + self.verify_costs(np.maximum(width, looked_up + n + 1))
+        return expected / seconds
+
+    def verify_costs(self, widths: np.ndarray) -> np.ndarray:
+        """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
+        the narrowest one's), else (one width measured) from it by the prior slope."""
         narrowest = min(self.verify_s)
-        # From the narrowest tried width by the prior slope: the estimate with one width, the floor with more.
-        scale = (1 + self.VERIFY_SLOPE * (width - 1)) / (1 + self.VERIFY_SLOPE * (narrowest - 1))
-        prior = self.verify_s[narrowest] * scale
+        prior = self.verify_s[narrowest] * (1 + self.VERIFY_SLOPE * (widths - 1)) / (
+            1 + self.VERIFY_SLOPE * (narrowest - 1))
         if len(self.verify_s) == 1:
-            return prior
-        widths = np.array(sorted(self.verify_s), dtype=float)
-        slope, intercept = np.polyfit(widths, [self.verify_s[int(w)] for w in widths], 1)
-        line = float(intercept + slope * width)
-        return max(line, prior) if width < narrowest else max(line, self.verify_s[narrowest])
+            estimate = prior
+        else:
+            tried = np.array(sorted(self.verify_s), dtype=float)
+            slope, intercept = np.polyfit(tried, [self.verify_s[int(w)] for w in tried], 1)
+            line = intercept + slope * widths
+            estimate = np.where(widths < narrowest, np.maximum(line, prior),
+                                np.maximum(line, self.verify_s[narrowest]))
+        return np.array([self.verify_s.get(int(w), float(e)) for w, e in zip(widths, estimate, strict=True)])
 
     def speed(self, looked_up: int, n: int, width: int = 0) -> float | None:
-        """Expected tokens per second of a round of `looked_up` lookup tokens and n model tokens, verified at
-        `width` tokens (0: as wide as the drafts); None until the costs it needs were measured."""
-        verify = self.verify_cost(max(width, looked_up + n + 1))
-        if verify is None or (n and self.step_s is None):
-            return None
-        return self.expected_tokens(looked_up, n) / (n * (self.step_s or 0.0) + verify)
+        """`speeds` at one n."""
+        speeds = self.speeds(looked_up, n, width)
+        return None if speeds is None else float(speeds[n])
 
     def best_extension(self, looked_up: int, room: int, width: int = 0) -> int | None:
         """How many model tokens (0..room) after `looked_up` lookup tokens make the fastest round (the shorter on a
         tie); None until the model's step and a verify were measured."""
-        speeds = [self.speed(looked_up, n, width) for n in range(room + 1)]
-        if any(s is None for s in speeds):
-            return None
-        return int(np.argmax(speeds))
+        speeds = self.speeds(looked_up, room, width)
+        return None if speeds is None else int(np.argmax(speeds))
 
     def probe(self, room: int, in_sync: bool) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
@@ -166,7 +168,9 @@ class DraftLength:
 
     def __init__(self, cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> None:
         self.k_max = cfg.n_draft
-        self.adaptive = cfg.adaptive and self.k_max > 0
+        # Adaptive sets the draft model's length. Lookup (alone or chained) keeps k: its tokens cost no draft steps,
+        # and the chain's model share is decided each round by cost anyway (`extension`).
+        self.adaptive = cfg.adaptive and self.k_max > 0 and cfg.drafter == "model"
         self.cost = cost if cost is not None else DraftCost(self.k_max)
         self.padded = padded  # the verify is padded to k + 1 (CUDA graphs): the draft's width costs nothing extra
         self.k = self.k_max

@@ -157,3 +157,12 @@ def test_a_due_probe_waits_for_the_draft_model_to_be_current():
     cost = DraftCost(6)
     soon = [cost.probe(6, in_sync=True) for _ in range(DraftCost.PROBE_FIRST)]
     assert soon[-1] == DraftCost.PROBE and soon.count(0) == DraftCost.PROBE_FIRST - 1
+
+
+def test_adaptive_leaves_lookups_length_alone():
+    """Adaptive sets the draft model's length; with lookup, alone or chained, k stays the preset's (lookup's tokens
+    cost no draft steps; the chain's model share is decided per round by `extension`)."""
+    for drafter in ("lookup", "chain"):
+        chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, True), drafter=drafter))
+        assert not chooser.adaptive
+        assert feed(chooser, 4 * _DraftLength.EPOCH, lambda k: 0, 0.017, 0.011, 0.006) == [6] * 4 * _DraftLength.EPOCH
