@@ -91,8 +91,9 @@ class _Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)
     target_kv: list[int] = field(default_factory=list)
-    chooser: tuple[tuple, DraftLength] | None = None  # adaptive drafting's, kept across generations
-    cost: tuple[tuple, DraftCost] | None = None  # what drafting cost and earned here, kept likewise
+    # Per drafting settings recently used here: the draft-length policy and its cost model, kept across
+    # generations (and across others' between them, as bench's interleaved plain runs)
+    policies: dict[tuple, DraftLength] = field(default_factory=dict)
     used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
     busy: bool = False
 
@@ -354,18 +355,18 @@ class Engine:
         if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
+    KEPT_POLICIES = 8  # per slot: one per drafting settings recently used there
+
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
         """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
         with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
         stays valid for the next prompt, and probing again every generation would cost rounds."""
         key = (drafting, sampling.greedy)
-        if slot.cost is None or slot.cost[0] != key:
-            slot.cost = (key, DraftCost(drafting.n_draft))
-        if not drafting.adaptive:
-            return DraftLength(drafting, slot.cost[1], self.constant_width)
-        if slot.chooser is None or slot.chooser[0] != key:
-            slot.chooser = (key, DraftLength(drafting, slot.cost[1], self.constant_width))
-        return slot.chooser[1]
+        kept = slot.policies.pop(key, None) or DraftLength(drafting, DraftCost(drafting.n_draft), self.constant_width)
+        slot.policies[key] = kept  # the most recent last
+        while len(slot.policies) > self.KEPT_POLICIES:
+            del slot.policies[next(iter(slot.policies))]
+        return kept if drafting.adaptive else DraftLength(drafting, kept.cost, self.constant_width)
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 

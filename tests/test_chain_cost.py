@@ -94,12 +94,13 @@ def test_lookup_rounds_go_on_while_the_model_sits_out(clock: Clock) -> None:
 
 
 def test_the_cost_model_outlives_the_generation_in_its_slot(clock: Clock) -> None:
-    """The next prompt in the slot starts from what the last one measured: no warm-up rounds with a model that
-    was judged a loss."""
+    """The next prompt in the slot starts from what the last one measured — even with a plain generation between
+    (bench interleaves them): no warm-up rounds with a model that was judged a loss."""
     target = TimedFake(clock, 0.011, 0.006, seed=3)
     draft = TimedFake(clock, 0.017, 0.0, seed=3, noise=0.3)
     engine = Engine(target, draft)
     collect(engine.generate(list(range(8)), GREEDY.sampling, chain(), 40))
+    collect(engine.generate(list(range(8)), GREEDY.sampling, chain(0), 40))
     before = draft.decodes
     collect(engine.generate([7, 6, 5, 4, 3, 2, 1, 0], GREEDY.sampling, chain(), 40))
     assert draft.decodes - before <= 1 + DraftCost.PROBE  # its prompt, and at most one probe
