@@ -6,8 +6,10 @@ decided), `_draft` (the request's drafter proposes up to k tokens with their dis
 `_verify` (one batched target decode with scores at every drafted position), `_accept` (greedy match or rejection
 sampling, a `_Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
 tell the drafter the verdict, which rewinds its own state). k = 0 is plain decoding through the same code, so
-baselines are apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so
-llama.cpp's CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
+baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts padded) so llama.cpp's CUDA
+graphs stay captured — but for runs of rounds with nothing drafted, verified narrow when padding them measures dearer
+than the width changes (`DraftLength.verify_width`) — and plain decoding at T > 0 draws its tokens on the device
+(docs/gpu.md).
 
 Slots: the models may hold several sequences (`LlamaModel(n_seq=N)`, one KV region each). `start` opens a
 `Stream` in a slot; `step(streams)` runs one round for all of them at once (each drafter drafts for its streams
@@ -59,7 +61,8 @@ from localspec.scores import Scores, ScoringModel
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """One stream's draft length this round, and its verify batch's width (0: as wide as the drafts are)."""
+    """One stream's draft length this round, and the width its verify batch is padded to (0: as wide as the drafts
+    are; on a GPU the stream's policy may still verify narrow after a run of empty drafts: `verify_width`)."""
 
     k_round: int  # what the draft-length policy chose
     k: int  # ... within max_tokens, the context and the load policy's share
@@ -362,7 +365,8 @@ class Engine:
         with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
         stays valid for the next prompt, and probing again every generation would cost rounds."""
         key = (drafting, sampling.greedy)
-        kept = slot.policies.pop(key, None) or DraftLength(drafting, DraftCost(drafting.n_draft), self.constant_width)
+        kept = slot.policies.pop(key, None) or DraftLength(
+            drafting, DraftCost(drafting.n_draft, graphs=self.constant_width), self.constant_width)
         slot.policies[key] = kept  # the most recent last
         while len(slot.policies) > self.KEPT_POLICIES:
             del slot.policies[next(iter(slot.policies))]
@@ -459,7 +463,8 @@ class Engine:
         decode's seconds."""
         items, widths = [], []
         for s, plan, proposal in zip(live, plans, proposals, strict=True):
-            width = max(plan.width, len(proposal.tokens) + 1)
+            # Padded to the plan's width, or narrow after a run of empty drafts: the stream's policy decides.
+            width = s.chooser.verify_width(plan.width, len(proposal.tokens)) if plan.width else len(proposal.tokens) + 1
             batch = [s.slot.tokens[-1], *proposal.tokens]
             # Padding only keeps the batch shape: its positions come after every real one (causal attention),
             # their rows are never read, and _rewind drops their KV cells with the rejected drafts'.

@@ -43,8 +43,14 @@ class DraftCost:
     DECAY = 16
     PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
 
-    def __init__(self, k_max: int) -> None:
+    def __init__(self, k_max: int, graphs: bool = False) -> None:
         self.k_max = k_max
+        self.graphs = graphs  # the target runs CUDA graphs: a verify width change costs a rebuild (see below)
+        self.switch_s: float | None = None  # measured excess seconds of the calls after one width change
+        self._width = 0  # the last verify's width
+        self._since_change = 0  # verifies at this width since it changed
+        self._excess = 0.0
+        self._measurable = False
         self.rounds = 0
         self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
         self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
@@ -77,8 +83,39 @@ class DraftCost:
             self.step_s = step if fresh else (1 - self.EMA) * self.step_s + self.EMA * step
             self.model_rounds += 1
             self.last_model_round = self.rounds
+        self._observe_verify(width, verify_s)
+
+    COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
+
+    def _observe_verify(self, width: int, seconds: float) -> None:
+        """The verify's warm seconds per width; with CUDA graphs, the calls just after a width change are cold:
+        their excess over the warm figure is what a change costs (`switch_s`), and they stay out of the figure."""
+        if self.graphs:
+            if width != self._width:
+                # A width never verified has no warm figure to compare with: its cold calls seed the figure.
+                self._measurable = width in self.verify_s and self.rounds > 1
+                self._width, self._since_change, self._excess = width, 0, 0.0
+            self._since_change += 1
+            if self._since_change <= self.COLD_CALLS and self._measurable:
+                self._excess += max(0.0, seconds - self.verify_s[width])
+                if self._since_change == self.COLD_CALLS:
+                    old = self.switch_s
+                    self.switch_s = self._excess if old is None else (1 - self.EMA) * old + self.EMA * self._excess
+                return
         old = self.verify_s.get(width)
-        self.verify_s[width] = verify_s if old is None else (1 - self.EMA) * old + self.EMA * verify_s
+        self.verify_s[width] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+
+    def pad_rounds(self, wide: int) -> float:
+        """How many rounds in a row with nothing drafted are worth verifying at the padded width `wide` rather
+        than going narrow: a narrow spell costs two width changes (there and back), each padded round costs
+        v(wide) - v(1). Padding for that many rounds, then going narrow, never pays more than twice the best
+        choice in hindsight (the ski-rental rule), however long the drafts stay empty. A change's cost is measured
+        (`switch_s`); before that its prior is one verify."""
+        if not self.verify_s:
+            return float("inf")
+        one, padded = self.verify_costs(np.array([1, wide]))
+        switch = self.switch_s if self.switch_s is not None else one
+        return 2 * switch / (padded - one) if padded > one else float("inf")
 
     def survival(self, source: str, n: int) -> np.ndarray:
         """S(0..n): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
@@ -100,7 +137,10 @@ class DraftCost:
         lookup, model = self.survival("lookup", looked_up), self.survival("model", room)
         expected = lookup.sum() + lookup[-1] * np.concatenate(([0.0], np.cumsum(model[1:])))
         n = np.arange(room + 1)
-        seconds = n * (self.step_s or 0.0) + self.verify_costs(np.maximum(width, looked_up + n + 1))
+        drafted = looked_up + n
+        # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
+        widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
+        seconds = n * (self.step_s or 0.0) + self.verify_costs(widths)
         return expected / seconds
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
@@ -176,6 +216,8 @@ class DraftLength:
         self.k = self.k_max
         self.rounds = 0
         self._decided = 0
+        self._empty = 0  # rounds in a row with nothing drafted
+        self._narrow = False  # verifying them at width 1 (else padded to k + 1)
 
     def next(self) -> int:
         if not self.adaptive:
@@ -213,6 +255,20 @@ class DraftLength:
             self.cost.pays()
             return n
         return self.cost.probe(room, in_sync)
+
+    def verify_width(self, wide: int, drafted: int) -> int:
+        """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)
+        and this round's `drafted` tokens: two widths only, with hysteresis. Drafts go wide; a round with nothing
+        drafted (lookup found no match, the chain's model sat out) stays padded for `DraftCost.pad_rounds` such
+        rounds in a row, then goes narrow (1) until something is drafted again. The draft model with a fixed k
+        always drafts, so it always verifies wide, as before."""
+        if drafted or wide <= 1:
+            self._empty, self._narrow = 0, False
+            return max(wide, drafted + 1)
+        self._empty += 1
+        if not self._narrow and self._empty > self.cost.pad_rounds(wide):
+            self._narrow = True
+        return 1 if self._narrow else wide
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0) -> None:

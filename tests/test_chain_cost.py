@@ -104,3 +104,24 @@ def test_the_cost_model_outlives_the_generation_in_its_slot(clock: Clock) -> Non
     before = draft.decodes
     collect(engine.generate([7, 6, 5, 4, 3, 2, 1, 0], GREEDY.sampling, chain(), 40))
     assert draft.decodes - before <= 1 + DraftCost.PROBE  # its prompt, and at most one probe
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "chain"])
+def test_narrow_verifies_after_empty_drafts_keep_the_output_exact(clock: Clock, drafter: str) -> None:
+    """A GPU-like engine (constant width) where padding is dear: rounds with nothing drafted go narrow, drafts go
+    wide again, and the output is plain greedy."""
+    target = TimedFake(clock, 0.0127, 0.0022, vocab=32, seed=3)
+    draft = TimedFake(clock, 0.017, 0.0, vocab=32, seed=3, noise=0.3)
+    seen: list[int] = []
+    decode_many = target.decode_many
+
+    def recording(items):
+        seen.extend(len(tokens) for _, tokens, _, _ in items)
+        return decode_many(items)
+    target.decode_many = recording  # type: ignore[method-assign]
+    engine = Engine(target, draft, constant_width=True)
+    prompt = [*range(12), *range(12)]  # lookup matches at first; the reply soon stops repeating the prompt
+    gen = collect(engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain(), drafter=drafter), 120))
+    assert gen.tokens == target.greedy(prompt, 120)
+    verifies = seen[1:]  # (the prompt first)
+    assert 1 in verifies and 7 in verifies and set(verifies) <= {1, 3, 7}

@@ -123,12 +123,16 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
 
 
 def test_a_padded_verify_makes_model_tokens_cheaper():
-    """On a GPU the verify is padded to k + 1 anyway: the model's tokens cost only their draft steps there."""
+    """On a GPU a round with lookup's drafts is padded to k + 1 anyway: the model's tokens after them cost only
+    their draft steps there. (A round with nothing drafted is costed narrow: `verify_width` goes narrow.)"""
     cost = DraftCost(6)
     for width, seconds in ((7, 0.027), (2, 0.015)):
-        cost.observe(width - 1, 1, 0.010 * (width - 1), seconds, width)
-    assert cost.best_extension(0, 6, width=0) == 0  # 10 ms a step at modest acceptance: a loss unpadded
-    assert cost.best_extension(0, 6, width=7) > 0  # ... but the padded positions are paid for
+        cost.observe(width - 1, 1, 0.004 * (width - 1), seconds, width)
+    assert cost.best_extension(2, 4, width=0) == 0  # 4 ms a step at modest acceptance: a loss unpadded
+    assert cost.best_extension(2, 4, width=7) > 0  # ... but the padded positions are paid for
+    # With nothing looked up, drafting nothing is a narrow plain step: the model's first token must pay for the
+    # whole padded width, and here it does not (though unpadded it would).
+    assert cost.best_extension(0, 6, width=7) == 0 < cost.best_extension(0, 6, width=0)
 
 
 def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
@@ -166,3 +170,38 @@ def test_adaptive_leaves_lookups_length_alone():
         chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, True), drafter=drafter))
         assert not chooser.adaptive
         assert feed(chooser, 4 * _DraftLength.EPOCH, lambda k: 0, 0.017, 0.011, 0.006) == [6] * 4 * _DraftLength.EPOCH
+
+
+def widths_for(script: list[int], per_token: float, switch: float) -> list[int]:
+    """The verify widths the policy picks on a GPU (k = 6: padded width 7) for a scripted sequence of draft
+    lengths; each verify costs 12.7 ms + `per_token` a token beyond the first, and the two calls after a width change
+    `switch` more between them (CUDA graphs rebuilt and recaptured)."""
+    chooser = _DraftLength(drafting(6, 0.0, False), DraftCost(6, graphs=True), padded=True)
+    widths: list[int] = []
+    since = 0
+    for drafted in script:
+        width = chooser.verify_width(7, drafted)
+        since = since + 1 if widths and width == widths[-1] else 1
+        widths.append(width)
+        seconds = 0.0127 + per_token * (width - 1) + (switch / 2 if since <= 2 and len(widths) > 1 else 0.0)
+        chooser.observe(drafted, drafted, 0.0, seconds, width, looked_up=drafted)
+    return widths
+
+
+def test_empty_drafts_go_narrow_where_padding_is_dear_and_stay_padded_where_it_is_cheap():
+    """Lookup on a GPU: runs of rounds with no match. On the card's 32B target a padded 7-wide verify costs 13 ms
+    more than a 1-wide one and a width change ~16 ms: after a couple of empty rounds it verifies 1 token. Where the
+    width costs next to nothing (a launch-bound small model) it keeps the graphs warm and pads."""
+    script = [3] * 5 + [0] * 30 + [2] * 3 + [0] * 30
+    dear = widths_for(script, per_token=0.0022, switch=0.016)
+    cheap = widths_for(script, per_token=0.0001, switch=0.016)
+    for widths in (dear, cheap):
+        assert all(w == 7 for w, d in zip(widths, script, strict=True) if d)  # drafts always go wide
+    second_run = slice(38, 68)
+    assert dear[second_run][:3].count(7) <= 3 and dear[second_run][3:] == [1] * 27
+    assert cheap[second_run] == [7] * 30  # measured: padding costs less than two changes' worth over the run
+    assert set(dear[5:35]) == {7, 1} and dear[34] == 1
+
+
+def test_the_draft_model_with_a_fixed_length_always_verifies_wide():
+    assert widths_for([6, 4, 1, 6, 2] * 10, per_token=0.0022, switch=0.016) == [7] * 50
