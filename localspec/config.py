@@ -120,7 +120,7 @@ DRAFTERS = ("model", "lookup", "chain")  # localspec.drafters.REGISTRY's names (
 class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
-    adaptive: bool = field(metadata={"kind": bool})  # tune the draft length from recent acceptance
+    adaptive: bool = field(metadata={"kind": bool})  # the draft model's length by measured cost (policies)
     # Who drafts (localspec.drafters' registry): the draft model, prompt lookup, or lookup then the model.
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match

@@ -6,8 +6,10 @@ decided), `_draft` (the request's drafter proposes up to k tokens with their dis
 `_verify` (one batched target decode with scores at every drafted position), `_accept` (greedy match or rejection
 sampling, a `_Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
 tell the drafter the verdict, which rewinds its own state). k = 0 is plain decoding through the same code, so
-baselines are apples to apples. On a GPU the verify batch keeps one width per generation (short drafts padded) so
-llama.cpp's CUDA graphs stay captured, and plain decoding at T > 0 draws its tokens on the device (docs/gpu.md).
+baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts padded) so llama.cpp's CUDA
+graphs stay captured — but for runs of rounds with nothing drafted, verified narrow when padding them measures dearer
+than the width changes (`DraftLength.verify_width`) — and plain decoding at T > 0 draws its tokens on the device
+(docs/gpu.md).
 
 Slots: the models may hold several sequences (`LlamaModel(n_seq=N)`, one KV region each). `start` opens a
 `Stream` in a slot; `step(streams)` runs one round for all of them at once (each drafter drafts for its streams
@@ -50,7 +52,7 @@ from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama_ctx import Grammar
-from localspec.policies import DraftLength, LoadPolicy
+from localspec.policies import DraftCost, DraftLength, LoadPolicy
 from localspec.sampling import accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
@@ -59,7 +61,8 @@ from localspec.scores import Scores, ScoringModel
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """One stream's draft length this round, and its verify batch's width (0: as wide as the drafts are)."""
+    """One stream's draft length this round, and the width its verify batch is padded to (0: as wide as the drafts
+    are; on a GPU the stream's policy may still verify narrow after a run of empty drafts: `verify_width`)."""
 
     k_round: int  # what the draft-length policy chose
     k: int  # ... within max_tokens, the context and the load policy's share
@@ -91,7 +94,9 @@ class _Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)
     target_kv: list[int] = field(default_factory=list)
-    chooser: tuple[tuple, DraftLength] | None = None  # adaptive drafting's, kept across generations
+    # Per drafting settings recently used here: the draft-length policy and its cost model, kept across
+    # generations (and across others' between them, as bench's interleaved plain runs)
+    policies: dict[tuple, DraftLength] = field(default_factory=dict)
     used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
     busy: bool = False
 
@@ -125,7 +130,8 @@ class Stream:
                                             sampling, slot)
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
-                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None)
+                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
+                                self.chooser)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
@@ -339,7 +345,8 @@ class Engine:
         verdicts, verify_s = self._verify(live, plans, proposals)
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
-            s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width)
+            s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
+                              proposal.looked_up)
             stats = s.stats
             stats.draft_s += proposal.seconds
             stats.verify_s += verify_s
@@ -352,16 +359,19 @@ class Engine:
         if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
+    KEPT_POLICIES = 8  # per slot: one per drafting settings recently used there
+
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
         """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
-        with the same drafting: what it measured (costs, acceptance) stays valid for the next prompt, and probing
-        again every generation would cost rounds."""
-        if not drafting.adaptive:
-            return DraftLength(drafting)
+        with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
+        stays valid for the next prompt, and probing again every generation would cost rounds."""
         key = (drafting, sampling.greedy)
-        if slot.chooser is None or slot.chooser[0] != key:
-            slot.chooser = (key, DraftLength(drafting))
-        return slot.chooser[1]
+        kept = slot.policies.pop(key, None) or DraftLength(
+            drafting, DraftCost(drafting.n_draft, graphs=self.constant_width), self.constant_width)
+        slot.policies[key] = kept  # the most recent last
+        while len(slot.policies) > self.KEPT_POLICIES:
+            del slot.policies[next(iter(slot.policies))]
+        return kept if drafting.adaptive else DraftLength(drafting, kept.cost, self.constant_width)
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
@@ -454,7 +464,8 @@ class Engine:
         decode's seconds."""
         items, widths = [], []
         for s, plan, proposal in zip(live, plans, proposals, strict=True):
-            width = max(plan.width, len(proposal.tokens) + 1)
+            # Padded to the plan's width, or narrow after a run of empty drafts: the stream's policy decides.
+            width = s.chooser.verify_width(plan.width, len(proposal.tokens)) if plan.width else len(proposal.tokens) + 1
             batch = [s.slot.tokens[-1], *proposal.tokens]
             # Padding only keeps the batch shape: its positions come after every real one (causal attention),
             # their rows are never read, and _rewind drops their KV cells with the rejected drafts'.

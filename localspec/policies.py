@@ -1,7 +1,8 @@
-"""How long the drafts are: the per-stream draft-length policy and the batch-size load policy.
+"""How long the drafts are: the per-stream cost model and draft-length policy, and the batch-size load policy.
 
 The loop asks these once per round (`Engine._plan`, the one place k is decided) and tells them what the round
-measured; neither knows which drafter runs.
+measured; the chained drafter asks the same stream's policy how far the draft model should extend lookup's match.
+Neither knows which drafter runs.
 """
 
 from __future__ import annotations
@@ -11,78 +12,268 @@ import numpy as np
 from localspec.config import Drafting
 
 
-class DraftLength:
-    """Chooses k for the next round: fixed, or adaptive among a few lengths that it changes rarely.
+class DraftCost:
+    """What drafting costs and earns for one stream, measured online; which draft length is fastest.
 
-    On CUDA every change of the verify width costs: llama.cpp rebuilds its compute graph and the CUDA graph runs
-    uncaptured for two calls, then is captured again (docs/gpu.md: widths 7,7,5,5 cost 23.0 ms a call against
-    19.0 for 7 and 15.7 for 5). So adaptive drafting holds k for EPOCH rounds and considers only a short LADDER
-    of lengths (a third, two thirds and all of the preset's k). At an epoch's end it moves to the length that
-    maximises expected tokens per second, E[tokens | k] / cost(k), and only if that beats the current length
-    by MIN_GAIN. Acceptance is bursty, so E[tokens | k] = 1 + sum_{i<=k} S(i) uses the measured survival
-    S(i) = P(positions 1..i all accepted) from each position's conditional acceptance; a position never
-    verified borrows the deepest measured rate. cost(k) = k draft steps + a verify of k + 1 tokens, both timed
-    online (the verify cost of an untried width from a line through the tried ones). The first two epochs probe
-    the longest and the middle length, since a line needs two widths.
+    Measured each round: the seconds of a draft-model step, the verify's seconds at its width (an untried width
+    from a line through the tried ones; with one tried width, a prior slope), and per drafter source ("model":
+    the draft model's tokens, "lookup": prompt lookup's, which are right far more often) each position's
+    conditional acceptance, P(position i accepted | positions before it were). A round that drafts m lookup tokens
+    then n model tokens yields E = 1 + sum of the survivals S(i) = P(positions 1..i all accepted) tokens and costs
+    n draft steps + a verify of m + n + 1 tokens (or the padded width on a GPU); the best n maximises E / cost,
+    and n = 0 is a plain step, whose cost (a one-token verify) is what one token is worth. Older rounds count less
+    (acceptance drifts with the text): every DECAY rounds the counts halve, so a source not drafted for long drifts
+    back to its prior rate.
+
+    It also keeps the probe schedule: while the draft model is judged a loss it is not run, so it could never be
+    judged again; every `interval` such rounds one round drafts PROBE tokens with it (a cheap probe: a couple of
+    draft steps). The interval starts at PROBE_FIRST (one adaptive epoch: a stale judgement is at most that old
+    early on) and doubles each time a probe confirms the loss, up to PROBE_MAX (on a machine where the model never
+    pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
+    A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
+    first round): when it has sat out many rounds, its first step must first read every token since, which on a
+    CPU costs far more than the probe itself.
+    """
+
+    SOURCES = ("model", "lookup")
+    PRIOR = {"model": 0.7, "lookup": 0.9}  # a position's acceptance before anything is measured there
+    PRIOR_WEIGHT = 2.0  # ... worth this many rounds
+    VERIFY_SLOPE = 0.25  # one tried width: an extra token costs this share of a 1-token verify (GPU ~0.17, CPU ~0.3)
+    EMA = 0.2
+    DECAY = 16
+    PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
+
+    def __init__(self, k_max: int, graphs: bool = False) -> None:
+        self.k_max = k_max
+        self.graphs = graphs  # the target runs CUDA graphs: a verify width change costs a rebuild (see below)
+        self.switch_s: float | None = None  # measured excess seconds of the calls after one width change
+        self._width = 0  # the last verify's width
+        self._since_change = 0  # verifies at this width since it changed
+        self._excess = 0.0
+        self._measurable = False
+        self.rounds = 0
+        self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
+        self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
+        self.step_s: float | None = None  # seconds per draft-model step
+        self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
+        self.last_model_round = 0
+        self.verify_s: dict[int, float] = {}
+        self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
+        self.interval = self.PROBE_FIRST
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
+                looked_up: int = 0) -> None:
+        """One round: `drafted` tokens, the first `looked_up` from prompt lookup and the rest from the model (which
+        took `draft_s`), of which `accepted` were; the verify of `width` tokens took `verify_s`."""
+        self.rounds += 1
+        if self.rounds % self.DECAY == 0:
+            for source in self.SOURCES:
+                self.tried[source] *= 0.5
+                self.ok[source] *= 0.5
+        verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
+        for source, (tried, ok) in (("lookup", (min(verified, looked_up), min(accepted, looked_up))),
+                                    ("model", (max(0, verified - looked_up), max(0, accepted - looked_up)))):
+            self.tried[source][1 : tried + 1] += 1.0
+            self.ok[source][1 : ok + 1] += 1.0
+        from_model = drafted - looked_up
+        if from_model > 0:
+            step = draft_s / from_model
+            # A step measured after a long pause (a probe) replaces the old figure: the machine may have changed.
+            fresh = self.step_s is None or self.rounds - self.last_model_round > self.DECAY
+            self.step_s = step if fresh else (1 - self.EMA) * self.step_s + self.EMA * step
+            self.model_rounds += 1
+            self.last_model_round = self.rounds
+        self._observe_verify(width, verify_s)
+
+    COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
+
+    def _observe_verify(self, width: int, seconds: float) -> None:
+        """The verify's warm seconds per width; with CUDA graphs, the calls just after a width change are cold:
+        their excess over the warm figure is what a change costs (`switch_s`), and they stay out of the figure."""
+        if self.graphs:
+            if width != self._width:
+                # A width never verified has no warm figure to compare with: its cold calls seed the figure.
+                self._measurable = width in self.verify_s and self.rounds > 1
+                self._width, self._since_change, self._excess = width, 0, 0.0
+            self._since_change += 1
+            if self._since_change <= self.COLD_CALLS and self._measurable:
+                self._excess += max(0.0, seconds - self.verify_s[width])
+                if self._since_change == self.COLD_CALLS:
+                    old = self.switch_s
+                    self.switch_s = self._excess if old is None else (1 - self.EMA) * old + self.EMA * self._excess
+                return
+        old = self.verify_s.get(width)
+        self.verify_s[width] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+
+    def pad_rounds(self, wide: int) -> float:
+        """How many rounds in a row with nothing drafted are worth verifying at the padded width `wide` rather
+        than going narrow: a narrow spell costs two width changes (there and back), each padded round costs
+        v(wide) - v(1). Padding for that many rounds, then going narrow, never pays more than twice the best
+        choice in hindsight (the ski-rental rule), however long the drafts stay empty. A change's cost is measured
+        (`switch_s`); before that its prior is one verify."""
+        if not self.verify_s:
+            return float("inf")
+        one, padded = self.verify_costs(np.array([1, wide]))
+        switch = self.switch_s if self.switch_s is not None else one
+        return 2 * switch / (padded - one) if padded > one else float("inf")
+
+    def survival(self, source: str, n: int) -> np.ndarray:
+        """S(0..n): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
+        # Each position's rate leans on the one before it (the source's prior for the first), so a position
+        # never drafted borrows the deepest measured rate: acceptance is bursty, deep rates are rarely lower.
+        tried, ok = self.tried[source], self.ok[source]
+        rate, survival = self.PRIOR[source], [1.0]
+        for i in range(1, n + 1):
+            rate = (ok[i] + self.PRIOR_WEIGHT * rate) / (tried[i] + self.PRIOR_WEIGHT)
+            survival.append(survival[-1] * rate)
+        return np.array(survival)
+
+    def speeds(self, looked_up: int, room: int, width: int = 0) -> np.ndarray | None:
+        """Expected tokens per second of a round of `looked_up` lookup tokens then n = 0..room model tokens,
+        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured. (Once
+        per round on the loop's path: one line fit, no loop over n.)"""
+        if not self.verify_s or (room and self.step_s is None):
+            return None
+        lookup, model = self.survival("lookup", looked_up), self.survival("model", room)
+        expected = lookup.sum() + lookup[-1] * np.concatenate(([0.0], np.cumsum(model[1:])))
+        n = np.arange(room + 1)
+        drafted = looked_up + n
+        # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
+        widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
+        seconds = n * (self.step_s or 0.0) + self.verify_costs(widths)
+        return expected / seconds
+
+    def verify_costs(self, widths: np.ndarray) -> np.ndarray:
+        """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
+        the narrowest one's), else (one width measured) from it by the prior slope."""
+        narrowest = min(self.verify_s)
+        prior = self.verify_s[narrowest] * (1 + self.VERIFY_SLOPE * (widths - 1)) / (
+            1 + self.VERIFY_SLOPE * (narrowest - 1))
+        if len(self.verify_s) == 1:
+            estimate = prior
+        else:
+            tried = np.array(sorted(self.verify_s), dtype=float)
+            slope, intercept = np.polyfit(tried, [self.verify_s[int(w)] for w in tried], 1)
+            line = intercept + slope * widths
+            estimate = np.where(widths < narrowest, np.maximum(line, prior),
+                                np.maximum(line, self.verify_s[narrowest]))
+        return np.array([self.verify_s.get(int(w), float(e)) for w, e in zip(widths, estimate, strict=True)])
+
+    def speed(self, looked_up: int, n: int, width: int = 0) -> float | None:
+        """`speeds` at one n."""
+        speeds = self.speeds(looked_up, n, width)
+        return None if speeds is None else float(speeds[n])
+
+    def best_extension(self, looked_up: int, room: int, width: int = 0) -> int | None:
+        """How many model tokens (0..room) after `looked_up` lookup tokens make the fastest round (the shorter on a
+        tie); None until the model's step and a verify were measured."""
+        speeds = self.speeds(looked_up, room, width)
+        return None if speeds is None else int(np.argmax(speeds))
+
+    def probe(self, room: int, in_sync: bool) -> int:
+        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
+        self.idle += 1
+        if self.idle >= self.interval and (in_sync or self.idle >= 4 * self.interval):
+            self.idle = 0
+            self.interval = min(2 * self.interval, self.PROBE_MAX)
+            return min(room, self.PROBE)
+        return 0
+
+    def pays(self) -> None:
+        """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
+        self.idle, self.interval = 0, self.PROBE_FIRST
+
+
+class DraftLength:
+    """Chooses k for the loop's next round, and how far the chained drafter's model extends a lookup match.
+
+    Fixed (the preset's k every round), or `adaptive`: k in 0..k_max by the cost model, E[tokens | k] / cost(k),
+    held for EPOCH rounds and changed only when the best beats the current length by MIN_GAIN. On CUDA every change
+    of the verify width costs: llama.cpp rebuilds its compute graph and the CUDA graph runs uncaptured for two
+    calls, then is captured again (docs/gpu.md: widths 7,7,5,5 cost 23.0 ms a call against 19.0 for 7 and 15.7 for
+    5), so the width changes at most once an epoch (and for a probe). The first two epochs draft k_max and k_max / 2,
+    since the verify line needs two widths. k = 0 is plain decoding; from there the cost model's probes (a round of
+    `DraftCost.PROBE` tokens now and then) measure the draft model again.
+
+    The chain's extension (`extension`) is decided per round by the same cost model, fixed or adaptive: the model
+    adds the number of tokens that makes the round fastest, 0 when it is a net loss (then probed as above).
+
+    The cost model is the slot's (`DraftCost`, kept across its generations with the same settings: what it measured
+    stays valid); a fixed chooser is fresh per generation.
     """
 
     EPOCH = 16
     MIN_GAIN = 1.05
+    WARMUP = 2  # rounds that draft a probe's length with the model before its measured cost decides the chain's
 
-    def __init__(self, cfg: Drafting) -> None:
+    def __init__(self, cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> None:
         self.k_max = cfg.n_draft
-        self.ladder = sorted({max(1, round(self.k_max * f)) for f in (1 / 3, 2 / 3, 1.0)})
-        self.adaptive = cfg.adaptive and len(self.ladder) > 1
+        # Adaptive sets the draft model's length. Lookup (alone or chained) keeps k: its tokens cost no draft steps,
+        # and the chain's model share is decided each round by cost anyway (`extension`).
+        self.adaptive = cfg.adaptive and self.k_max > 0 and cfg.drafter == "model"
+        self.cost = cost if cost is not None else DraftCost(self.k_max)
+        self.padded = padded  # the verify is padded to k + 1 (CUDA graphs): the draft's width costs nothing extra
         self.k = self.k_max
         self.rounds = 0
-        self.tried = np.zeros(self.k_max + 1)  # index i: rounds that verified position i
-        self.ok = np.zeros(self.k_max + 1)
-        self.draft_step_s = 0.0
-        self.verify_s: dict[int, float] = {}
+        self._decided = 0
+        self._empty = 0  # rounds in a row with nothing drafted
+        self._narrow = False  # verifying them at width 1 (else padded to k + 1)
 
     def next(self) -> int:
-        if self.adaptive and self.rounds and self.rounds % self.EPOCH == 0:
+        if not self.adaptive:
+            return self.k
+        if self.rounds and self.rounds % self.EPOCH == 0 and self._decided != self.rounds:
+            self._decided = self.rounds
             self.k = self._choose()
+        if self.k == 0:
+            return self.cost.probe(self.k_max, in_sync=True)
         return self.k
 
     def _choose(self) -> int:
-        if len(self.verify_s) < 2:
-            return self.ladder[len(self.ladder) // 2] if self.k == self.k_max else self.k_max
-        rate = 0.8  # prior for a position never verified
-        survival, expected = 1.0, [1.0]
-        for i in range(1, self.k_max + 1):
-            if self.tried[i] >= 1.0:
-                rate = (self.ok[i] + 1.0) / (self.tried[i] + 2.0)
-            survival *= rate
-            expected.append(expected[-1] + survival)
-        speed = {k: expected[k] / (k * self.draft_step_s + self._verify_cost(k + 1)) for k in self.ladder}
-        best = max(speed, key=speed.__getitem__)
-        return best if speed[best] > self.MIN_GAIN * speed.get(self.k, 0.0) else self.k
+        if self.rounds // self.EPOCH == 1 and self.k_max > 1:
+            return self.k_max // 2  # a second width for the verify line
+        best = self.cost.best_extension(0, self.k_max)
+        if best is None:
+            return self.k
+        now, then = self.cost.speed(0, self.k), self.cost.speed(0, best)
+        if best == self.k or now is None or then is None or then <= self.MIN_GAIN * now:
+            return self.k
+        if best and not self.k:
+            self.cost.pays()
+        return best
 
-    def _verify_cost(self, width: int) -> float:
-        if width in self.verify_s:
-            return self.verify_s[width]
-        widths = np.array(sorted(self.verify_s))
-        times = np.array([self.verify_s[w] for w in widths])
-        slope, intercept = np.polyfit(widths, times, 1)
-        return float(max(intercept + slope * width, times.min()))
+    def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
+        """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
+        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up)."""
+        room = k - looked_up
+        if room <= 0:
+            return 0
+        n = self.cost.best_extension(looked_up, room, k + 1 if self.padded else 0)
+        if n is None or self.cost.model_rounds < self.WARMUP:
+            return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
+        if n:
+            self.cost.pays()
+            return n
+        return self.cost.probe(room, in_sync)
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int) -> None:
+    def verify_width(self, wide: int, drafted: int) -> int:
+        """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)
+        and this round's `drafted` tokens: two widths only, with hysteresis. Drafts go wide; a round with nothing
+        drafted (lookup found no match, the chain's model sat out) stays padded for `DraftCost.pad_rounds` such
+        rounds in a row, then goes narrow (1) until something is drafted again. The draft model with a fixed k
+        always drafts, so it always verifies wide, as before."""
+        if drafted or wide <= 1:
+            self._empty, self._narrow = 0, False
+            return max(wide, drafted + 1)
+        self._empty += 1
+        if not self._narrow and self._empty > self.cost.pad_rounds(wide):
+            self._narrow = True
+        return 1 if self._narrow else wide
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
+                looked_up: int = 0) -> None:
         self.rounds += 1
-        if not self.adaptive:
-            return
-        if self.rounds % self.EPOCH == 0:  # older epochs count less: acceptance drifts with the text
-            self.tried *= 0.5
-            self.ok *= 0.5
-        verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
-        self.tried[1 : verified + 1] += 1.0
-        self.ok[1 : accepted + 1] += 1.0
-        ema = 0.2
-        if drafted:
-            step = draft_s / drafted
-            self.draft_step_s = step if self.draft_step_s == 0.0 else (1 - ema) * self.draft_step_s + ema * step
-        old = self.verify_s.get(width)
-        self.verify_s[width] = verify_s if old is None else (1 - ema) * old + ema * verify_s
+        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up)
 
 
 class LoadPolicy:

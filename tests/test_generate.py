@@ -172,6 +172,16 @@ def test_draft_none_loads_the_pairs_target_alone_and_drafts_by_lookup(captured: 
     assert captured["files"].draft is not None
 
 
+def test_adaptive_flag_overlays_the_preset(captured: dict, use_demo_home: Path) -> None:
+    """`--adaptive/--no-adaptive` (preset key `[draft] adaptive`) on every model-running command, None: the preset."""
+    for flags, want in (([], False), (["--adaptive"], True), (["--adaptive", "--no-adaptive"], False)):
+        result = CliRunner().invoke(app, ["generate", "hi", "--pair", "demo", *flags])
+        assert isinstance(result.exception, Opened), result.output
+        assert captured["preset"].draft.adaptive is want, flags
+    for command in ("bench", "chat", "serve"):
+        assert "--adaptive" in CliRunner().invoke(app, [command, "--help"], terminal_width=200).output, command
+
+
 def test_chat_without_arguments_uses_the_instruct_demo(captured: dict, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
     result = CliRunner().invoke(app, ["chat"])

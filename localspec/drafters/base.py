@@ -16,6 +16,7 @@ from typing import Protocol
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
 from localspec.llama_ctx import Grammar
+from localspec.policies import DraftLength
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
 
@@ -31,6 +32,7 @@ class Proposal:
     # (`sampling.point_mass`): rejection sampling then accepts with p(x) and resamples from p, exact either way.
     q: list[Candidates] | None = None
     seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
+    looked_up: int = 0  # how many of the tokens (the first ones) prompt lookup proposed; the rest are the model's
 
 
 NO_PROPOSAL = Proposal([])
@@ -49,6 +51,8 @@ class DraftRequest:
     # drafter proposes only what it allows and advances it by each token it proposes (end-of-generation aside).
     # Its models then need full rows (no device sampler). None: unconstrained, or the draft is not masked.
     grammar: Grammar | None = None
+    # The stream's draft-length policy and cost model: the chain asks it how far the draft model extends lookup.
+    length: DraftLength | None = None
 
 
 class Drafter(Protocol):

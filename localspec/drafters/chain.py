@@ -1,5 +1,9 @@
-"""Chained drafting: prompt lookup first; the draft model where lookup finds nothing, or to extend a match
-shorter than k. Per round and per request, so a reply drafts by lookup while it quotes and by the model between."""
+"""Chained drafting: prompt lookup first; then the draft model, where lookup finds nothing or to extend a match
+shorter than k, by as many tokens as the stream's cost model says pay (`policies.DraftLength.extension`): up to
+k - m where a draft step is cheap against a verify (a GPU), none where it costs about a target step (the 2-core
+CPU demo pair; there a round with no match is a plain step). Per round and per request, so a reply drafts by lookup
+while it quotes and by the model between, and chaining never does worse than the better of its parts by much more
+than the occasional probe of the model it has turned off."""
 
 from __future__ import annotations
 
@@ -23,10 +27,15 @@ class ChainDrafter:
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         found = self.lookup.draft(jobs)
         # The model continues each lookup draft (from the committed tokens where lookup found nothing).
-        rest = self.model.draft([(req, k - len(p.tokens)) for (req, k), p in zip(jobs, found, strict=True)],
-                                after=[p.tokens for p in found])
-        return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds)
-                for a, b in zip(found, rest, strict=True)]
+        rest = self.model.draft([(req, self._extension(req, k, len(p.tokens)))
+                                 for (req, k), p in zip(jobs, found, strict=True)], after=[p.tokens for p in found])
+        return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds,
+                         looked_up=len(a.tokens)) for a, b in zip(found, rest, strict=True)]
+
+    def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
+        if req.length is None:  # no policy to ask: all of the rest
+            return k - looked_up
+        return req.length.extension(looked_up, k, in_sync=self.model.lag(req) <= 1)
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # draft-ahead bets on the model's own drafts: not here

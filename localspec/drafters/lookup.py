@@ -73,7 +73,8 @@ class LookupDrafter:
         tokens = continuation(req.tokens, drafting.lookup_min, drafting.lookup_max, k)
         if req.grammar is not None:
             tokens = _allowed_prefix(tokens, req.grammar)
-        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens])
+        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens],
+                        looked_up=len(tokens))
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()

@@ -130,6 +130,10 @@ class ModelDrafter:
             self._rng[seq].bit_generator.state = ahead.rng_state  # its cells go with the rejected ones, below
         self._cut(seq, len(req.tokens) - 1)
 
+    def lag(self, req: DraftRequest) -> int:
+        """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
+        return len(req.tokens) - len(self._kv.get(req.seq, ()))
+
     def reset(self) -> None:
         self._wait()
         self.model.clear()

@@ -1,0 +1,127 @@
+"""The chained drafter's cost decisions through the real loop, on the scripted fakes with a fake clock: each decode
+advances the clock by what that machine would take (no timed test: the seconds are injected). The chain leaves the
+draft model out where a draft step costs a verify and uses it where it pays; the output is plain greedy either
+way. (The cost model alone: tests/test_draft_length.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Sequence
+
+import pytest
+from helpers_fake import FakeModel
+
+from localspec.config import load_preset
+from localspec.drafters import model as model_drafter
+from localspec.engine import Engine, collect
+from localspec.policies import DraftCost, DraftLength
+from localspec.scores import Scores
+
+GREEDY = load_preset("greedy")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedFake(FakeModel):
+    """A fake whose decodes take `base` + `per_token` seconds per token on the fake clock."""
+
+    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
+        super().__init__(**fake)  # type: ignore[arg-type]
+        self.clock, self.base, self.per_token = clock, base, per_token
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
+        return super().decode_many(items)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    from localspec import engine
+
+    fake = Clock()
+    timing = types.SimpleNamespace(perf_counter=fake.perf_counter)
+    monkeypatch.setattr(engine, "time", timing)
+    monkeypatch.setattr(model_drafter, "time", timing)
+    return fake
+
+
+def chain(k: int = 6):
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter="chain", lookup_min=3)
+
+
+def test_the_chain_uses_the_draft_model_only_where_it_pays(clock: Clock) -> None:
+    """The CPU demo pair's costs (a draft step = a one-token verify, 11 ms + 6 ms a token) against the GPU's (a
+    draft step a small fraction of it): the model drafts every round where it pays, and after its warm-up only in
+    probes where it does not. The output is plain greedy either way."""
+    steps = {}
+    for draft_step in (0.017, 0.0005):
+        target = TimedFake(clock, 0.011, 0.006, vocab=32, seed=3)
+        draft = TimedFake(clock, draft_step, 0.0, vocab=32, seed=3, noise=0.3)
+        engine = Engine(target, draft)
+        prompt = list(range(8))
+        gen = collect(engine.generate(prompt, GREEDY.sampling, chain(), 80))
+        assert gen.tokens == target.greedy(prompt, 80)
+        steps[draft_step] = (draft.decodes - 1, gen.stats.rounds)  # (its prompt was one decode)
+    costly, cheap = steps[0.017], steps[0.0005]
+    assert cheap[0] >= 4 * cheap[1]  # several draft steps in every round
+    probes = costly[1] // DraftCost.PROBE_FIRST + 1
+    assert costly[0] <= (DraftLength.WARMUP + probes) * DraftCost.PROBE
+
+
+def test_lookup_rounds_go_on_while_the_model_sits_out(clock: Clock) -> None:
+    """A reply that repeats its prompt, a model that is a loss: the chain drafts by lookup alone, as fast per token
+    as lookup does, and the output is plain greedy."""
+    target = TimedFake(clock, 0.011, 0.006, seed=3)
+    draft = TimedFake(clock, 0.017, 0.0, seed=3, noise=1.0)
+    phrase = [5, 1, 7, 2, 2, 6, 0, 3, 4, 1, 6, 5]
+    prompt = phrase * 3
+    seconds = {}
+    for drafter in ("lookup", "chain"):
+        engine = Engine(target, draft)
+        start = clock.now
+        gen = collect(engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain(), drafter=drafter), 60))
+        seconds[drafter] = clock.now - start
+        assert gen.tokens == target.greedy(prompt, 60)
+    # The chain pays only the model's warm-up (2 rounds of 2 steps: once per slot) and its probes over lookup alone.
+    assert seconds["chain"] <= 1.1 * seconds["lookup"]
+
+
+def test_the_cost_model_outlives_the_generation_in_its_slot(clock: Clock) -> None:
+    """The next prompt in the slot starts from what the last one measured — even with a plain generation between
+    (bench interleaves them): no warm-up rounds with a model that was judged a loss."""
+    target = TimedFake(clock, 0.011, 0.006, seed=3)
+    draft = TimedFake(clock, 0.017, 0.0, seed=3, noise=0.3)
+    engine = Engine(target, draft)
+    collect(engine.generate(list(range(8)), GREEDY.sampling, chain(), 40))
+    collect(engine.generate(list(range(8)), GREEDY.sampling, chain(0), 40))
+    before = draft.decodes
+    collect(engine.generate([7, 6, 5, 4, 3, 2, 1, 0], GREEDY.sampling, chain(), 40))
+    assert draft.decodes - before <= 1 + DraftCost.PROBE  # its prompt, and at most one probe
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "chain"])
+def test_narrow_verifies_after_empty_drafts_keep_the_output_exact(clock: Clock, drafter: str) -> None:
+    """A GPU-like engine (constant width) where padding is dear: rounds with nothing drafted go narrow, drafts go
+    wide again, and the output is plain greedy."""
+    target = TimedFake(clock, 0.0127, 0.0022, vocab=32, seed=3)
+    draft = TimedFake(clock, 0.017, 0.0, vocab=32, seed=3, noise=0.3)
+    seen: list[int] = []
+    decode_many = target.decode_many
+
+    def recording(items):
+        seen.extend(len(tokens) for _, tokens, _, _ in items)
+        return decode_many(items)
+    target.decode_many = recording  # type: ignore[method-assign]
+    engine = Engine(target, draft, constant_width=True)
+    prompt = [*range(12), *range(12)]  # lookup matches at first; the reply soon stops repeating the prompt
+    gen = collect(engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain(), drafter=drafter), 120))
+    assert gen.tokens == target.greedy(prompt, 120)
+    verifies = seen[1:]  # (the prompt first)
+    assert 1 in verifies and 7 in verifies and set(verifies) <= {1, 3, 7}

@@ -1,0 +1,65 @@
+"""The chained drafter's cost decisions through the real llama.cpp (tiny generated pairs): whether the draft model
+extends lookup or sits out, greedy output is plain decoding's, token for token. The decodes' seconds come from a
+fake clock (each decode advances it by what that machine would take), so both decisions are certain to run."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from localspec.drafters import model as model_drafter
+from localspec.engine import collect
+from localspec.policies import DraftCost, DraftLength
+from tests.test_chain_cost import Clock
+from tests.test_engine import GREEDY, open_pair, prompts
+
+pytestmark = pytest.mark.slow
+
+
+def timed(clock: Clock, model: object, base: float, per_token: float) -> None:
+    """Make this model's decodes advance the fake clock (an instance attribute over the class's method)."""
+    decode_many = model.decode_many  # type: ignore[attr-defined]
+
+    def decode_many_timed(items):
+        clock.now += base + per_token * sum(len(tokens) for _, tokens, _, _ in items)
+        return decode_many(items)
+    model.decode_many = decode_many_timed  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("draft_step", [0.017, 0.0005])  # the CPU demo pair's step (a loss), a GPU-like one (pays)
+def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, monkeypatch, draft_step: float):
+    from localspec import engine
+
+    clock = Clock()
+    timing = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(engine, "time", timing)
+    monkeypatch.setattr(model_drafter, "time", timing)
+    chain = dataclasses.replace(GREEDY.draft, n_draft=6, drafter="chain", lookup_min=2)
+    with open_pair(*tiny_pair) as s:
+        timed(clock, s.target, 0.011, 0.006)
+        assert s.draft is not None
+        timed(clock, s.draft, draft_step, 0.0)
+        decodes = {"n": 0}
+        inner = s.draft.decode_many
+
+        def counted(items):
+            decodes["n"] += 1
+            return inner(items)
+        s.draft.decode_many = counted
+        rounds = steps = 0
+        for i, head in enumerate(prompts(3, seed=13, length=10)):
+            prompt = [*head, *head[:6], *head]  # lookup has matches to find; between them the model may draft
+            s.engine.reset()
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain, n_draft=0), 40))
+            s.engine.reset()
+            before = decodes["n"]
+            spec = collect(s.engine.generate(prompt, GREEDY.sampling, chain, 40))
+            assert spec.tokens == plain.tokens, (draft_step, i)
+            rounds += spec.stats.rounds
+            steps += decodes["n"] - before - 1  # its prompt was one decode
+    if draft_step > 0.01:  # a loss: its warm-up, then probes at most (one per interval, or a generation's start)
+        assert steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_FIRST + 3) * DraftCost.PROBE
+    else:
+        assert steps >= rounds  # drafting in (nearly) every round, several steps where lookup found nothing
