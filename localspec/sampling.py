@@ -1,11 +1,14 @@
 """One sampling pipeline for target (p) and draft (q), and the lossless acceptance rules.
 
 Pipeline (llama.cpp's order): penalties (repeat, frequency, presence) → top-k → top-p → min-p → temperature. It
-works on a matrix of logit rows at once (one per verified position) and keeps only the candidates that survive, so
-host work per round is one `argpartition` over the vocabulary per row (none when the device chose each row's top
-candidates) plus small (rows × k) arithmetic. On rows of 64 candidates numpy's cost is per call, not per element:
-the pipeline and the acceptance are written in as few numpy calls as the math allows, batched over rows (this is
-the host side of a speculative round at T > 0: docs/performance.md, "T > 0 host share").
+takes a matrix of logit rows (one per verified position), selects and sorts each row's top-k in numpy (none over
+the vocabulary when the device chose each row's top candidates), and computes a row's top-p, min-p and temperature
+when the row is first read: a verify's rows after the first rejection never are.
+
+Why Python lists on the rows: at T > 0 a speculative round runs the pipeline once per draft step (one row of ~40
+candidates) and once per verify, and on such rows numpy costs per call, not per element. The row math in plain
+Python floats (math.exp, bisect) measured 2-5x cheaper than the same math in numpy calls (docs/performance.md,
+"T > 0 host share"). Rows wider than `NARROW` (top_k = 0: the whole vocabulary) keep the math in numpy.
 
 Acceptance (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x)); on rejection
 sample from normalize(max(0, p − q)). The emitted token is then distributed exactly as p. At temperature 0 the rule
@@ -14,50 +17,104 @@ degenerates to "accept while the draft equals the target's argmax".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
 from localspec.config import Sampling
 from localspec.scores import Scores
 
+NARROW = 1024  # rows at most this wide after top-k get the pipeline's math in Python, wider ones in numpy
+
 
 @dataclass(frozen=True, slots=True)
-class Candidates:
-    """Sparse distributions, one row per position: token ids and their probabilities (zeros are pruned)."""
+class Row:
+    """One position's distribution: the surviving token ids, best first, their probabilities and running sums."""
 
-    ids: np.ndarray  # (rows, m) int64
-    probs: np.ndarray  # (rows, m) float64, each row sums to 1
+    ids: list[int]
+    probs: list[float]  # sums to 1
+    cdf: list[float]  # running sums of probs: a draw is one bisect
+
+    def prob_of(self, token: int) -> float:
+        try:
+            return self.probs[self.ids.index(token)]
+        except ValueError:
+            return 0.0
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return _draw(self.ids, self.cdf, rng)
+
+
+class Candidates:
+    """Sparse distributions, one `Row` per position. A pipeline's rows are computed when first read."""
+
+    __slots__ = ("_rows", "_make")
+
+    def __init__(self, rows: list[Row | None], make: Callable[[int], Row] | None = None) -> None:
+        self._rows = rows
+        self._make = make
+
+    @classmethod
+    def of(cls, ids: Sequence[Sequence[int]], probs: Sequence[Sequence[float]]) -> Candidates:
+        """Explicit distributions (a point mass, tests): per row, ids and probabilities (normalised here)."""
+        rows: list[Row | None] = []
+        for row_ids, row_probs in zip(ids, probs, strict=True):
+            pairs = sorted(zip(list(row_probs), list(row_ids), strict=True), key=lambda pair: -pair[0])
+            total = math.fsum(p for p, _ in pairs)
+            ps = [float(p) / total for p, _ in pairs]
+            rows.append(Row([int(t) for _, t in pairs], ps, list(accumulate(ps))))
+        return cls(rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, r: int) -> Row:
+        row = self._rows[r]
+        if row is None:
+            assert self._make is not None
+            row = self._rows[r] = self._make(r)
+        return row
 
     def prob_of(self, row: int, token: int) -> float:
-        hit = np.flatnonzero(self.ids[row] == token)
-        return float(self.probs[row, hit[0]]) if hit.size else 0.0
-
-    def probs_of(self, tokens: Sequence[int]) -> list[float]:
-        """Row i's probability of tokens[i], for the first len(tokens) rows, in one pass (ids are unique per row,
-        so each row has at most one hit)."""
-        n = len(tokens)
-        hits = self.ids[:n] == np.asarray(tokens, dtype=np.int64)[:, None]
-        return np.einsum("ij,ij->i", self.probs[:n], hits).tolist()
+        return self.row(row).prob_of(token)
 
     def sample(self, row: int, rng: np.random.Generator) -> int:
-        return _draw(self.ids[row], self.probs[row], rng)
+        return self.row(row).sample(rng)
 
     def top_prob(self, row: int) -> float:
-        return float(self.probs[row].max())
+        return self.row(row).probs[0]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """(rows, m) int64: each row's ids best first, padded with -1 (for references and tests)."""
+        return self._padded("ids", -1, np.int64)
+
+    @property
+    def probs(self) -> np.ndarray:
+        """(rows, m) float64, padded with zeros."""
+        return self._padded("probs", 0.0, np.float64)
+
+    def _padded(self, field: str, fill: float, dtype: type) -> np.ndarray:
+        rows = [getattr(self.row(r), field) for r in range(len(self))]
+        out = np.full((len(rows), max(map(len, rows))), fill, dtype=dtype)
+        for r, values in enumerate(rows):
+            out[r, : len(values)] = values
+        return out
 
 
 def point_mass(token: int) -> Candidates:
     """The proposal distribution of a deterministic drafter (lookup): all of q on `token`. Rejection sampling
     against it accepts with probability p(token) and otherwise draws from p without `token`: exactly p."""
-    return Candidates(ids=np.array([[token]], dtype=np.int64), probs=np.ones((1, 1)))
+    return Candidates([Row([token], [1.0], [1.0])])
 
 
-def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.add.accumulate(probs)
-    i = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
-    return int(ids[min(i, len(ids) - 1)])
+def _draw(ids: Sequence[int], cdf: Sequence[float], rng: np.random.Generator) -> int:
+    """A draw from running sums `cdf` (normalised or not) with one uniform."""
+    return ids[min(bisect.bisect_right(cdf, rng.random() * cdf[-1]), len(ids) - 1)]
 
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -> np.ndarray:
@@ -81,7 +138,7 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -
 
 
 def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
-    """Turn (rows, vocab) logits into the pipeline's distributions, vectorised over rows.
+    """Turn (rows, vocab) logits into the pipeline's distributions.
 
     Penalties must already be applied (it depends on each row's own history).
     """
@@ -102,56 +159,69 @@ def candidates_from_top_k(ids: np.ndarray, logits: np.ndarray, cfg: Sampling) ->
 
 
 def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling, top_k: int = 0) -> Candidates:
-    """Sort each row's candidates best first (ties: the earlier column first), keep the first `top_k` (0: all),
-    then top-p, min-p and temperature on (rows, k) arrays."""
+    """Sort each row's candidates best first (ties: the earlier column first) and keep the first `top_k` (0: all),
+    in one numpy pass over the rows; top-p, min-p and temperature follow per row."""
     order = np.argsort(-vals, axis=1, kind="stable")
     if 0 < top_k < order.shape[1]:
         order = order[:, :top_k]
     rows = np.arange(len(order))[:, None]
-    ids = idx[rows, order].astype(np.int64)
-    vals = vals[rows, order].astype(np.float64)
-    shifted = vals - vals[:, :1]  # <= 0: the best candidate at 0
+    ids, vals = idx[rows, order], vals[rows, order]
+    if order.shape[1] > NARROW:
+        return Candidates(list(_wide_rows(ids, vals, cfg)))
+    row_ids, row_vals = ids.tolist(), vals.tolist()
+    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], cfg))
 
-    width = shifted.shape[1]
-    survivors = None  # per row, how many candidates top-p and min-p keep (a prefix: the rows are sorted)
-    # (np.add.reduce / accumulate: the ufuncs themselves, without the Python wrappers of sum and cumsum.)
+
+def _row(ids: list[int], vals: list[float], cfg: Sampling) -> Row:
+    """Top-p, min-p and temperature on one row sorted best first (Python floats: float64, like numpy's path)."""
+    top = vals[0]
+    n = len(vals)
     if cfg.top_p < 1.0 or cfg.min_p > 0.0:
-        # llama.cpp applies top-p and min-p before temperature, on the softmax at temperature 1.
+        # llama.cpp applies top-p and min-p before temperature, on the softmax at temperature 1. Unnormalised
+        # here: the best candidate's weight is exp(0) = 1, so min-p compares with min_p itself.
+        base = [math.exp(v - top) for v in vals]
+        limit = cfg.top_p * sum(base) if cfg.top_p < 1.0 else math.inf
+        mass, n = 1.0, 1  # keep the smallest prefix whose mass reaches top_p, at least one
+        while n < len(base) and mass < limit and base[n] >= cfg.min_p:
+            mass += base[n]
+            n += 1
+    # A temperature near 0 sends every logit but the top one to -inf (Python floats do not raise), i.e. p = 0.
+    weights = [math.exp((v - top) / cfg.temperature) for v in vals[:n]]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    return Row(ids[:n], probs, list(accumulate(probs)))
+
+
+def _wide_rows(ids: np.ndarray, vals: np.ndarray, cfg: Sampling) -> list[Row]:
+    """`_row`'s math in numpy, for rows too wide for Python loops (top_k = 0: the whole vocabulary)."""
+    shifted = vals.astype(np.float64) - vals[:, :1]
+    survivors = np.full(len(ids), ids.shape[1])
+    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
         base = np.exp(shifted)
-        base /= np.add.reduce(base, axis=1, keepdims=True)
-        keep = None
+        keep = np.ones(base.shape, dtype=bool)
         if cfg.top_p < 1.0:
-            # the mass strictly before each candidate: keeps the smallest prefix reaching top_p, at least one
-            keep = np.add.accumulate(base, axis=1) - base < cfg.top_p
+            keep &= np.cumsum(base, axis=1) - base < cfg.top_p * base.sum(axis=1, keepdims=True)
         if cfg.min_p > 0.0:
-            above = base >= cfg.min_p * base[:, :1]
-            keep = above if keep is None else keep & above
-        assert keep is not None
+            keep &= base >= cfg.min_p
         keep[:, 0] = True
-        survivors = np.add.reduce(keep, axis=1)
-        width = int(survivors.max())
-
-    if cfg.temperature >= 1e-200:
-        scaled = shifted[:, :width] / cfg.temperature
-    else:  # (|logit differences| stay below float32's 7e38, so only such a temperature can overflow the division)
+        survivors = keep.sum(axis=1)  # a prefix of each sorted row
+    out = []
+    for r, n in enumerate(survivors.tolist()):
         with np.errstate(over="ignore"):  # a temperature near 0: every logit but the top one to -inf, i.e. p = 0
-            scaled = shifted[:, :width] / cfg.temperature
-    probs = np.exp(scaled, out=scaled)
-    if survivors is not None and len(survivors) > 1:  # (one row keeps exactly `width`)
-        probs[np.arange(width) >= survivors[:, None]] = 0.0
-    probs /= np.add.reduce(probs, axis=1, keepdims=True)
-    return Candidates(ids=ids[:, :width].copy() if width < ids.shape[1] else ids, probs=probs)
+            weights = np.exp(shifted[r, :n] / cfg.temperature)
+        probs = weights / weights.sum()
+        out.append(Row(ids[r, :n].tolist(), probs.tolist(), np.cumsum(probs).tolist()))
+    return out
 
 
-def residual_distribution(p_ids: np.ndarray, p_probs: np.ndarray, q_ids: np.ndarray,
-                          q_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def residual_distribution(p: Row, q: Row) -> tuple[list[int], list[float]]:
     """normalize(max(0, p − q)) as (ids, probs), over p's support: it is zero wherever p is."""
-    q_at_p = np.dot(p_ids[:, None] == q_ids, q_probs)  # (ids are unique: at most one hit per p id)
-    residual = np.maximum(p_probs - q_at_p, 0.0)
-    total = residual.sum()
+    q_at = dict(zip(q.ids, q.probs, strict=True))
+    residual = [d if (d := p_x - q_at.get(t, 0.0)) > 0.0 else 0.0 for t, p_x in zip(p.ids, p.probs, strict=True)]
+    total = sum(residual)
     if total <= 0.0:  # p == q up to rounding: a rejection was (numerically) impossible
-        return p_ids, p_probs
-    return p_ids, residual / total
+        return p.ids, p.probs
+    return p.ids, [r / total for r in residual]
 
 
 def _accepts(p_x: float, q_x: float, rng: np.random.Generator) -> bool:
@@ -159,8 +229,9 @@ def _accepts(p_x: float, q_x: float, rng: np.random.Generator) -> bool:
     return q_x > 0.0 and rng.random() * q_x < p_x
 
 
-def _resample(p: Candidates, row: int, q: Candidates, rng: np.random.Generator) -> int:
-    return _draw(*residual_distribution(p.ids[row], p.probs[row], q.ids[0], q.probs[0]), rng)
+def _resample(p: Row, q: Row, rng: np.random.Generator) -> int:
+    ids, probs = residual_distribution(p, q)
+    return _draw(ids, list(accumulate(probs)), rng)
 
 
 def accept_or_resample(token: int, p: Candidates, row: int, q: Candidates,
@@ -169,7 +240,7 @@ def accept_or_resample(token: int, p: Candidates, row: int, q: Candidates,
     is the target's distribution at the same position. Returns (accepted, token to emit)."""
     if _accepts(p.prob_of(row, token), q.prob_of(0, token), rng):
         return True, token
-    return False, _resample(p, row, q, rng)
+    return False, _resample(p.row(row), q.row(0), rng)
 
 
 def accept_drafts(drafts: Sequence[int], p: Candidates, q: Sequence[Candidates],
@@ -178,12 +249,12 @@ def accept_drafts(drafts: Sequence[int], p: Candidates, q: Sequence[Candidates],
     more than drafts), q[i] the distribution draft i was drawn from. Returns (drafts accepted, the token to emit
     after them: a draw from the first rejected row's residual, or from p's last row when all pass).
 
-    The same uniforms in the same order as `accept_or_resample` row by row, with every row's p(x) read in one
-    numpy pass and nothing computed for the rows after the first rejection."""
-    p_x = p.probs_of(drafts)
+    `accept_or_resample` row by row (the same uniforms in the same order); p's rows after the first rejection are
+    never computed."""
     for i, token in enumerate(drafts):
-        if not _accepts(p_x[i], q[i].prob_of(0, token), rng):
-            return i, _resample(p, i, q[i], rng)
+        ok, out = accept_or_resample(token, p, i, q[i], rng)
+        if not ok:
+            return i, out
     return len(drafts), p.sample(len(drafts), rng)
 
 
