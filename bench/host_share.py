@@ -84,14 +84,11 @@ def _rounds(engine: Engine, clock: _DecodeClock, args: argparse.Namespace, sampl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="host_share.py", description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--draft", type=Path, required=True)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--k", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--ctx", type=int, default=2048)
+    for name in ("--target", "--draft"):
+        p.add_argument(name, type=Path, required=True)
+    for name, default in (("--temperature", 0.7), ("--k", 6), ("--rounds", 300), ("--warmup", 10),
+                          ("--threads", 1), ("--ctx", 2048)):
+        p.add_argument(name, type=type(default), default=default)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="then cProfile the rounds: N functions")
     p.add_argument("--sort", default="tottime", help="--profile: pstats sort key (tottime, cumulative)")
     p.add_argument("--json", type=Path, dest="json_out")
