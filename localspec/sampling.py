@@ -1,14 +1,15 @@
 """One sampling pipeline for target (p) and draft (q), and the lossless acceptance rules.
 
 Pipeline (llama.cpp's order): penalties (repeat, frequency, presence) → top-k → top-p → min-p → temperature. It
-takes a matrix of logit rows (one per verified position), selects and sorts each row's top-k in numpy (none over
-the vocabulary when the device chose each row's top candidates), and computes a row's top-p, min-p and temperature
-when the row is first read: a verify's rows after the first rejection never are.
+takes a matrix of logit rows (one per verified position; the device's top candidates of each, or every logit with
+a host top-k by `argpartition`) and computes a row's pipeline when the row is first read: a verify's rows after
+the first rejection never are.
 
 Why Python lists on the rows: at T > 0 a speculative round runs the pipeline once per draft step (one row of ~40
 candidates) and once per verify, and on such rows numpy costs per call, not per element. The row math in plain
-Python floats (math.exp, bisect) measured 2-5x cheaper than the same math in numpy calls (docs/performance.md,
-"T > 0 host share"). Rows wider than `NARROW` (top_k = 0: the whole vocabulary) keep the math in numpy.
+Python floats (sorted, math.exp, bisect) measured 2-5x cheaper than the same math in numpy calls
+(docs/performance.md, "T > 0 host share"). Rows wider than `NARROW` (top_k = 0: the whole vocabulary) stay in
+numpy.
 
 Acceptance (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x)); on rejection
 sample from normalize(max(0, p − q)). The emitted token is then distributed exactly as p. At temperature 0 the rule
@@ -159,21 +160,25 @@ def candidates_from_top_k(ids: np.ndarray, logits: np.ndarray, cfg: Sampling) ->
 
 
 def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling, top_k: int = 0) -> Candidates:
-    """Sort each row's candidates best first (ties: the earlier column first) and keep the first `top_k` (0: all),
-    in one numpy pass over the rows; top-p, min-p and temperature follow per row."""
-    order = np.argsort(-vals, axis=1, kind="stable")
-    if 0 < top_k < order.shape[1]:
-        order = order[:, :top_k]
-    rows = np.arange(len(order))[:, None]
-    ids, vals = idx[rows, order], vals[rows, order]
-    if order.shape[1] > NARROW:
-        return Candidates(list(_wide_rows(ids, vals, cfg)))
-    row_ids, row_vals = ids.tolist(), vals.tolist()
-    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], cfg))
+    """Each row's candidates sorted best first (ties: the earlier column first), the first `top_k` kept (0: all),
+    then top-p, min-p and temperature. Rows of up to `NARROW` candidates leave numpy at once (two `tolist`) and
+    are computed in Python when first read; wider rows are sorted and computed in numpy."""
+    if vals.shape[1] > NARROW:
+        order = np.argsort(-vals, axis=1, kind="stable")
+        if 0 < top_k < order.shape[1]:
+            order = order[:, :top_k]
+        rows = np.arange(len(order))[:, None]
+        return Candidates(_wide_rows(idx[rows, order], vals[rows, order], cfg))
+    row_ids, row_vals = idx.tolist(), vals.tolist()
+    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], top_k, cfg))
 
 
-def _row(ids: list[int], vals: list[float], cfg: Sampling) -> Row:
-    """Top-p, min-p and temperature on one row sorted best first (Python floats: float64, like numpy's path)."""
+def _row(ids: list[int], vals: list[float], top_k: int, cfg: Sampling) -> Row:
+    """One row's pipeline in Python floats (float64, like numpy's path): top-k, top-p, min-p, temperature."""
+    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # (a stable sort: ties keep their order)
+    if 0 < top_k < len(order):
+        del order[top_k:]
+    ids, vals = [ids[i] for i in order], [vals[i] for i in order]
     top = vals[0]
     n = len(vals)
     if cfg.top_p < 1.0 or cfg.min_p > 0.0:
