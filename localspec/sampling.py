@@ -220,13 +220,15 @@ def _wide_rows(ids: np.ndarray, vals: np.ndarray, cfg: Sampling) -> list[Row]:
 
 
 def residual_distribution(p: Row, q: Row) -> tuple[list[int], list[float]]:
-    """normalize(max(0, p − q)) as (ids, probs), over p's support: it is zero wherever p is."""
+    """normalize(max(0, p − q)) as (ids, probs) over p's support (it is zero wherever p is), in token id order:
+    the order draws from it have always used, so a seed still gives the same text."""
     q_at = dict(zip(q.ids, q.probs, strict=True))
     residual = [d if (d := p_x - q_at.get(t, 0.0)) > 0.0 else 0.0 for t, p_x in zip(p.ids, p.probs, strict=True)]
     total = sum(residual)
     if total <= 0.0:  # p == q up to rounding: a rejection was (numerically) impossible
-        return p.ids, p.probs
-    return p.ids, [r / total for r in residual]
+        residual, total = p.probs, 1.0
+    ids, probs = zip(*sorted(zip(p.ids, residual, strict=True)), strict=True)
+    return list(ids), [r / total for r in probs]
 
 
 def _accepts(p_x: float, q_x: float, rng: np.random.Generator) -> bool:
