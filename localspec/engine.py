@@ -53,7 +53,7 @@ from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama_ctx import Grammar
 from localspec.policies import DraftCost, DraftLength, LoadPolicy
-from localspec.sampling import accept_or_resample, distributions, penalized, token_logprobs
+from localspec.sampling import accept_drafts, accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
 # (The events' names are re-exported above: callers have imported them from here since the first release.)
@@ -521,13 +521,9 @@ class Engine:
             while n < len(drafts) and drafts[n] == choice[n]:
                 n += 1
             return _Verdict([*drafts[:n], int(choice[n])], n, rows, width)
-        p = distributions(scores, history, sampling)
-        for i, token in enumerate(drafts):
-            assert proposal.q is not None, "a drafter sampling at T > 0 must say what it drew from"
-            ok, out = accept_or_resample(token, p, i, proposal.q[i], s.rng)
-            if not ok:
-                return _Verdict([*drafts[:i], out], i, [], width)
-        return _Verdict([*drafts, p.sample(len(drafts), s.rng)], len(drafts), [], width)
+        assert proposal.q is not None or not drafts, "a drafter sampling at T > 0 must say what it drew from"
+        n, out = accept_drafts(drafts, distributions(scores, history, sampling), proposal.q or [], s.rng)
+        return _Verdict([*drafts[:n], out], n, [], width)
 
     def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int, batch: list[int],
                             start: int) -> _Verdict:

@@ -781,12 +781,16 @@ class LlamaModel:
         k = self.device_top_k
         ids = np.empty((rows, k), dtype=np.int32)
         logits = np.empty((rows, k), dtype=np.float32)
+        # Straight copies into the arrays: np.ctypeslib.as_array builds a ctypes array type per call, which cost
+        # more than the copy itself (once per row of every draft step and verify at T > 0).
+        row_bytes = 4 * k
+        ids_at, logits_at = ids.ctypes.data, logits.ctypes.data
         for r, i in enumerate(range(first, first + rows)):
             count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
             if count != k:
                 raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
-            ids[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), shape=(k,))
-            logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), shape=(k,))
+            ctypes.memmove(ids_at + r * row_bytes, llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), row_bytes)
+            ctypes.memmove(logits_at + r * row_bytes, llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), row_bytes)
         return TopK(ids, logits)
 
     def use_device_sampler(self, mode: str | DeviceDist | None, seq: int = 0) -> bool:

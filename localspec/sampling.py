@@ -1,8 +1,15 @@
 """One sampling pipeline for target (p) and draft (q), and the lossless acceptance rules.
 
 Pipeline (llama.cpp's order): penalties (repeat, frequency, presence) → top-k → top-p → min-p → temperature. It
-works on a matrix of logit rows at once (one per verified position) and keeps only the candidates that survive, so
-host work per round is one `argpartition` over the vocabulary per row plus small (rows × k) arithmetic.
+takes a matrix of logit rows (one per verified position; the device's top candidates of each, or every logit with
+a host top-k by `argpartition`) and computes a row's pipeline when the row is first read: a verify's rows after
+the first rejection never are.
+
+Why Python lists on the rows: at T > 0 a speculative round runs the pipeline once per draft step (one row of ~40
+candidates) and once per verify, and on such rows numpy costs per call, not per element. The row math in plain
+Python floats (sorted, math.exp, bisect) measured 2-5x cheaper than the same math in numpy calls
+(docs/performance.md, "T > 0 host share"). Rows wider than `NARROW` (top_k = 0: the whole vocabulary) stay in
+numpy.
 
 Acceptance (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x)); on rejection
 sample from normalize(max(0, p − q)). The emitted token is then distributed exactly as p. At temperature 0 the rule
@@ -11,43 +18,104 @@ degenerates to "accept while the draft equals the target's argmax".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
 from localspec.config import Sampling
 from localspec.scores import Scores
 
+NARROW = 1024  # rows at most this wide after top-k get the pipeline's math in Python, wider ones in numpy
+
 
 @dataclass(frozen=True, slots=True)
-class Candidates:
-    """Sparse distributions, one row per position: token ids and their probabilities (zeros are pruned)."""
+class Row:
+    """One position's distribution: the surviving token ids, best first, their probabilities and running sums."""
 
-    ids: np.ndarray  # (rows, m) int64
-    probs: np.ndarray  # (rows, m) float64, each row sums to 1
+    ids: list[int]
+    probs: list[float]  # sums to 1
+    cdf: list[float]  # running sums of probs: a draw is one bisect
+
+    def prob_of(self, token: int) -> float:
+        try:
+            return self.probs[self.ids.index(token)]
+        except ValueError:
+            return 0.0
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return _draw(self.ids, self.cdf, rng)
+
+
+class Candidates:
+    """Sparse distributions, one `Row` per position. A pipeline's rows are computed when first read."""
+
+    __slots__ = ("_rows", "_make")
+
+    def __init__(self, rows: list[Row | None], make: Callable[[int], Row] | None = None) -> None:
+        self._rows = rows
+        self._make = make
+
+    @classmethod
+    def of(cls, ids: Sequence[Sequence[int]], probs: Sequence[Sequence[float]]) -> Candidates:
+        """Explicit distributions (a point mass, tests): per row, ids and probabilities (normalised here)."""
+        rows: list[Row | None] = []
+        for row_ids, row_probs in zip(ids, probs, strict=True):
+            pairs = sorted(zip(list(row_probs), list(row_ids), strict=True), key=lambda pair: -pair[0])
+            total = math.fsum(p for p, _ in pairs)
+            ps = [float(p) / total for p, _ in pairs]
+            rows.append(Row([int(t) for _, t in pairs], ps, list(accumulate(ps))))
+        return cls(rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, r: int) -> Row:
+        row = self._rows[r]
+        if row is None:
+            assert self._make is not None
+            row = self._rows[r] = self._make(r)
+        return row
 
     def prob_of(self, row: int, token: int) -> float:
-        hit = np.flatnonzero(self.ids[row] == token)
-        return float(self.probs[row, hit[0]]) if hit.size else 0.0
+        return self.row(row).prob_of(token)
 
     def sample(self, row: int, rng: np.random.Generator) -> int:
-        return _draw(self.ids[row], self.probs[row], rng)
+        return self.row(row).sample(rng)
 
     def top_prob(self, row: int) -> float:
-        return float(self.probs[row].max())
+        return self.row(row).probs[0]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """(rows, m) int64: each row's ids best first, padded with -1 (for references and tests)."""
+        return self._padded("ids", -1, np.int64)
+
+    @property
+    def probs(self) -> np.ndarray:
+        """(rows, m) float64, padded with zeros."""
+        return self._padded("probs", 0.0, np.float64)
+
+    def _padded(self, field: str, fill: float, dtype: type) -> np.ndarray:
+        rows = [getattr(self.row(r), field) for r in range(len(self))]
+        out = np.full((len(rows), max(map(len, rows))), fill, dtype=dtype)
+        for r, values in enumerate(rows):
+            out[r, : len(values)] = values
+        return out
 
 
 def point_mass(token: int) -> Candidates:
     """The proposal distribution of a deterministic drafter (lookup): all of q on `token`. Rejection sampling
     against it accepts with probability p(token) and otherwise draws from p without `token`: exactly p."""
-    return Candidates(ids=np.array([[token]], dtype=np.int64), probs=np.ones((1, 1)))
+    return Candidates([Row([token], [1.0], [1.0])])
 
 
-def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(probs)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(ids[min(i, len(ids) - 1)])
+def _draw(ids: Sequence[int], cdf: Sequence[float], rng: np.random.Generator) -> int:
+    """A draw from running sums `cdf` (normalised or not) with one uniform."""
+    return ids[min(bisect.bisect_right(cdf, rng.random() * cdf[-1]), len(ids) - 1)]
 
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -> np.ndarray:
@@ -71,7 +139,7 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -
 
 
 def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
-    """Turn (rows, vocab) logits into the pipeline's distributions, vectorised over rows.
+    """Turn (rows, vocab) logits into the pipeline's distributions.
 
     Penalties must already be applied (it depends on each row's own history).
     """
@@ -88,64 +156,113 @@ def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
 
 def candidates_from_top_k(ids: np.ndarray, logits: np.ndarray, cfg: Sampling) -> Candidates:
     """The same pipeline when the device already selected each row's top candidates (k_device >= cfg.top_k)."""
-    if 0 < cfg.top_k < ids.shape[1]:
-        keep = np.argpartition(logits, ids.shape[1] - cfg.top_k, axis=1)[:, ids.shape[1] - cfg.top_k :]
-        ids = np.take_along_axis(ids, keep, axis=1)
-        logits = np.take_along_axis(logits, keep, axis=1)
-    return _after_top_k(ids, logits, cfg)
+    return _after_top_k(ids, logits, cfg, cfg.top_k)
 
 
-def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling) -> Candidates:
-    """Sort the top-k survivors, then top-p, min-p and temperature on (rows, k) arrays."""
-    order = np.argsort(-vals, axis=1, kind="stable")
-    ids = np.take_along_axis(idx, order, axis=1).astype(np.int64)
-    vals = np.take_along_axis(vals, order, axis=1).astype(np.float64)
+def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling, top_k: int = 0) -> Candidates:
+    """Each row's candidates sorted best first (ties: the earlier column first), the first `top_k` kept (0: all),
+    then top-p, min-p and temperature. Rows of up to `NARROW` candidates leave numpy at once (two `tolist`) and
+    are computed in Python when first read; wider rows are sorted and computed in numpy."""
+    if vals.shape[1] > NARROW:
+        order = np.argsort(-vals, axis=1, kind="stable")
+        if 0 < top_k < order.shape[1]:
+            order = order[:, :top_k]
+        rows = np.arange(len(order))[:, None]
+        return Candidates(_wide_rows(idx[rows, order], vals[rows, order], cfg))
+    row_ids, row_vals = idx.tolist(), vals.tolist()
+    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], top_k, cfg))
 
-    keep = np.ones(vals.shape, dtype=bool)
+
+def _row(ids: list[int], vals: list[float], top_k: int, cfg: Sampling) -> Row:
+    """One row's pipeline in Python floats (float64, like numpy's path): top-k, top-p, min-p, temperature."""
+    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # (a stable sort: ties keep their order)
+    if 0 < top_k < len(order):
+        del order[top_k:]
+    ids, vals = [ids[i] for i in order], [vals[i] for i in order]
+    top = vals[0]
+    n = len(vals)
     if cfg.top_p < 1.0 or cfg.min_p > 0.0:
-        # llama.cpp applies top-p and min-p before temperature, on the softmax at temperature 1.
-        base = np.exp(vals - vals[:, :1])
-        base /= base.sum(axis=1, keepdims=True)
+        # llama.cpp applies top-p and min-p before temperature, on the softmax at temperature 1. Unnormalised
+        # here: the best candidate's weight is exp(0) = 1, so min-p compares with min_p itself.
+        base = [math.exp(v - top) for v in vals]
+        limit = cfg.top_p * sum(base) if cfg.top_p < 1.0 else math.inf
+        mass, n = 1.0, 1  # keep the smallest prefix whose mass reaches top_p, at least one
+        while n < len(base) and mass < limit and base[n] >= cfg.min_p:
+            mass += base[n]
+            n += 1
+    # A temperature near 0 sends every logit but the top one to -inf (Python floats do not raise), i.e. p = 0.
+    weights = [math.exp((v - top) / cfg.temperature) for v in vals[:n]]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    return Row(ids[:n], probs, list(accumulate(probs)))
+
+
+def _wide_rows(ids: np.ndarray, vals: np.ndarray, cfg: Sampling) -> list[Row]:
+    """`_row`'s math in numpy, for rows too wide for Python loops (top_k = 0: the whole vocabulary)."""
+    shifted = vals.astype(np.float64) - vals[:, :1]
+    survivors = np.full(len(ids), ids.shape[1])
+    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
+        base = np.exp(shifted)
+        keep = np.ones(base.shape, dtype=bool)
         if cfg.top_p < 1.0:
-            before = np.cumsum(base, axis=1) - base  # mass strictly before each candidate
-            keep &= before < cfg.top_p  # keeps the smallest prefix reaching top_p, at least one
+            keep &= np.cumsum(base, axis=1) - base < cfg.top_p * base.sum(axis=1, keepdims=True)
         if cfg.min_p > 0.0:
-            keep &= base >= cfg.min_p * base[:, :1]
+            keep &= base >= cfg.min_p
         keep[:, 0] = True
+        survivors = keep.sum(axis=1)  # a prefix of each sorted row
+    out = []
+    for r, n in enumerate(survivors.tolist()):
+        with np.errstate(over="ignore"):  # a temperature near 0: every logit but the top one to -inf, i.e. p = 0
+            weights = np.exp(shifted[r, :n] / cfg.temperature)
+        probs = weights / weights.sum()
+        out.append(Row(ids[r, :n].tolist(), probs.tolist(), np.cumsum(probs).tolist()))
+    return out
 
-    # A temperature near 0 sends every logit but the top one to -inf, i.e. probability 0, as intended.
-    with np.errstate(over="ignore"):
-        scaled = (vals - vals[:, :1]) / cfg.temperature
-    probs = np.where(keep, np.exp(scaled), 0.0)
-    probs /= probs.sum(axis=1, keepdims=True)
-    width = int(keep.sum(axis=1).max())  # sorted descending, so survivors sit at the front
-    return Candidates(ids=ids[:, :width].copy(), probs=probs[:, :width].copy())
 
-
-def residual_distribution(p_ids: np.ndarray, p_probs: np.ndarray, q_ids: np.ndarray,
-                          q_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """normalize(max(0, p − q)) over the union of both supports, as (ids, probs)."""
-    support = np.union1d(p_ids, q_ids)
-    p = np.zeros(support.size)
-    q = np.zeros(support.size)
-    p[np.searchsorted(support, p_ids)] = p_probs
-    q[np.searchsorted(support, q_ids)] = q_probs
-    residual = np.maximum(p - q, 0.0)
-    total = residual.sum()
+def residual_distribution(p: Row, q: Row) -> tuple[list[int], list[float]]:
+    """normalize(max(0, p − q)) as (ids, probs) over p's support (it is zero wherever p is), in token id order:
+    the order draws from it have always used, so a seed still gives the same text."""
+    q_at = dict(zip(q.ids, q.probs, strict=True))
+    residual = [d if (d := p_x - q_at.get(t, 0.0)) > 0.0 else 0.0 for t, p_x in zip(p.ids, p.probs, strict=True)]
+    total = sum(residual)
     if total <= 0.0:  # p == q up to rounding: a rejection was (numerically) impossible
-        return support, p
-    return support, residual / total
+        residual, total = p.probs, 1.0
+    ids, probs = zip(*sorted(zip(p.ids, residual, strict=True)), strict=True)
+    return list(ids), [r / total for r in probs]
+
+
+def _accepts(p_x: float, q_x: float, rng: np.random.Generator) -> bool:
+    """Accept a draft x ~ q with probability min(1, p(x)/q(x)): one uniform (none when q(x) = 0)."""
+    return q_x > 0.0 and rng.random() * q_x < p_x
+
+
+def _resample(p: Row, q: Row, rng: np.random.Generator) -> int:
+    ids, probs = residual_distribution(p, q)
+    return _draw(ids, list(accumulate(probs)), rng)
 
 
 def accept_or_resample(token: int, p: Candidates, row: int, q: Candidates,
                        rng: np.random.Generator) -> tuple[bool, int]:
     """One step of speculative rejection sampling: draft `token` was drawn from q (one row) and p's row `row`
     is the target's distribution at the same position. Returns (accepted, token to emit)."""
-    p_x = p.prob_of(row, token)
-    q_x = q.prob_of(0, token)
-    if q_x > 0.0 and rng.random() * q_x < p_x:
+    if _accepts(p.prob_of(row, token), q.prob_of(0, token), rng):
         return True, token
-    return False, _draw(*residual_distribution(p.ids[row], p.probs[row], q.ids[0], q.probs[0]), rng)
+    return False, _resample(p.row(row), q.row(0), rng)
+
+
+def accept_drafts(drafts: Sequence[int], p: Candidates, q: Sequence[Candidates],
+                  rng: np.random.Generator) -> tuple[int, int]:
+    """A whole verify's rejection sampling: p's row i is the target's distribution at draft i's position (one row
+    more than drafts), q[i] the distribution draft i was drawn from. Returns (drafts accepted, the token to emit
+    after them: a draw from the first rejected row's residual, or from p's last row when all pass).
+
+    `accept_or_resample` row by row (the same uniforms in the same order); p's rows after the first rejection are
+    never computed."""
+    for i, token in enumerate(drafts):
+        ok, out = accept_or_resample(token, p, i, q[i], rng)
+        if not ok:
+            return i, out
+    return len(drafts), p.sample(len(drafts), rng)
 
 
 def penalized(scores: Scores, history: list[int], cfg: Sampling) -> Scores:

@@ -7,12 +7,15 @@ import dataclasses
 import numpy as np
 import pytest
 
+from localspec import sampling
 from localspec.config import load_preset
 from localspec.sampling import (
     Candidates,
+    accept_drafts,
     accept_or_resample,
     apply_penalties,
     candidates,
+    candidates_from_top_k,
     residual_distribution,
 )
 from tests.helpers_stats import chi_square
@@ -50,25 +53,105 @@ def as_dict(c: Candidates, row: int) -> dict[int, float]:
     return {int(i): float(p) for i, p in zip(c.ids[row], c.probs[row], strict=True) if p > 0}
 
 
-@pytest.mark.parametrize("settings", [
+SETTINGS = [
     dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.0),
     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     dict(temperature=1.3, top_k=5, top_p=1.0, min_p=0.0),
     dict(temperature=0.5, top_k=0, top_p=0.5, min_p=0.0),
     dict(temperature=0.9, top_k=50, top_p=1.0, min_p=0.1),
-])
-def test_pipeline_matches_reference(settings):
+    dict(temperature=0.6, top_k=30, top_p=0.8, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("narrow", [True, False], ids=["python-rows", "numpy-rows"])
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_pipeline_matches_reference(settings, narrow, monkeypatch):
+    """Both homes of the row math (Python floats for rows of device candidates, numpy for vocabulary-wide rows)
+    against the slow, obvious reference."""
+    monkeypatch.setattr(sampling, "NARROW", 10_000 if narrow else 0)
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 3, size=(4, 500)).astype(np.float32)
     c = cfg(**settings)
     got = candidates(logits, c)
+    assert_matches_reference(got, logits, c)
     for row in range(4):
+        assert got.probs[row].sum() == pytest.approx(1.0)
+
+
+def assert_matches_reference(got: Candidates, logits: np.ndarray, c) -> None:
+    for row in range(len(logits)):
         want = reference(logits[row], c)
         have = as_dict(got, row)
         assert have.keys() == want.keys()
         for token, prob in want.items():
             assert have[token] == pytest.approx(prob, rel=1e-9, abs=1e-12)
-        assert got.probs[row].sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_device_candidates_match_the_reference_on_full_rows(settings):
+    """The device's top 64 of each row, in the device's (unsorted) order, give the full row's pipeline whenever
+    top_k fits in them."""
+    c = cfg(**settings)
+    if not 0 < c.top_k <= 64:
+        pytest.skip("full rows only: the device candidates serve top_k <= 64")
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, size=(7, 500)).astype(np.float32)
+    top = np.argsort(-logits, axis=1)[:, :64]
+    shuffled = rng.permuted(top, axis=1)  # the device promises the top 64, not their order
+    got = candidates_from_top_k(shuffled.astype(np.int32), np.take_along_axis(logits, shuffled, axis=1), c)
+    assert_matches_reference(got, logits, c)
+
+
+def reference_verify(drafts, p_rows, q_rows, rng):
+    """Rejection sampling over a verify the textbook way, row by row on dense dictionaries: (accepted, the
+    distribution the emitted token is drawn from). Consumes the uniforms the rule needs, the draw's included."""
+    for i, x in enumerate(drafts):
+        p_x, q_x = p_rows[i].get(x, 0.0), q_rows[i].get(x, 0.0)
+        if q_x > 0.0 and rng.random() * q_x < p_x:
+            continue
+        support = set(p_rows[i]) | set(q_rows[i])
+        residual = {t: max(0.0, p_rows[i].get(t, 0.0) - q_rows[i].get(t, 0.0)) for t in support}
+        total = sum(residual.values())
+        rng.random()
+        return i, {t: r / total for t, r in residual.items() if r > 0.0}
+    rng.random()
+    return len(drafts), p_rows[len(drafts)]
+
+
+def test_accept_drafts_matches_the_row_by_row_reference():
+    """accept_drafts (lazy rows, residuals over p's support) against the textbook rule on random verifies: the
+    same accept/reject decisions from the same uniforms, the same residual, and the same random stream after."""
+    c = cfg(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0)
+    outcomes = set()
+    for trial in range(300):
+        rng = np.random.default_rng(trial)
+        k = int(rng.integers(1, 8))
+        target = rng.normal(0, 2, size=(k + 1, 64)).astype(np.float32)
+        draft = (target[:k] + rng.normal(0, 1.5, size=(k, 64))).astype(np.float32)
+        ids = np.stack([rng.permutation(1000)[:64] for _ in range(k + 1)]).astype(np.int32)
+        p = candidates_from_top_k(ids, target, c)
+        q = [candidates_from_top_k(ids[i : i + 1], draft[i : i + 1], c) for i in range(k)]
+        drafts = [q[i].sample(0, rng) for i in range(k)]
+        p_rows = [as_dict(p, r) for r in range(k + 1)]
+        q_rows = [as_dict(q[i], 0) for i in range(k)]
+        seed = int(rng.integers(1 << 30))
+        mine, theirs = np.random.default_rng(seed), np.random.default_rng(seed)
+        # (fresh Candidates: the reference's dictionaries above computed every row already)
+        p = candidates_from_top_k(ids, target, c)
+        n, token = accept_drafts(drafts, p, q, mine)
+        n_ref, emitted_from = reference_verify(drafts, p_rows, q_rows, theirs)
+        assert n == n_ref
+        assert mine.bit_generator.state == theirs.bit_generator.state
+        assert emitted_from.get(token, 0.0) > 0.0
+        if n < k:
+            support, residual = residual_distribution(p.row(n), q[n].row(0))
+            got = {t: r for t, r in zip(support, residual, strict=True) if r > 0.0}
+            assert got.keys() == emitted_from.keys()
+            for t, prob in emitted_from.items():
+                assert got[t] == pytest.approx(prob, rel=1e-9, abs=1e-12)
+            assert all(p._rows[r] is None for r in range(n + 1, k + 1))  # rows after the rejection: never made
+        outcomes.add(n == k)
+    assert outcomes == {True, False}  # both full accepts and rejections happened
 
 
 def test_repeat_penalty_follows_llama_cpp_and_copies():
@@ -81,9 +164,7 @@ def test_repeat_penalty_follows_llama_cpp_and_copies():
 
 
 def dist(pairs: dict[int, float]) -> Candidates:
-    ids = np.array(list(pairs), dtype=np.int64)
-    probs = np.array(list(pairs.values()), dtype=np.float64)
-    return Candidates(ids=ids[None, :], probs=(probs / probs.sum())[None, :])
+    return Candidates.of([list(pairs)], [list(pairs.values())])
 
 
 CASES = [
@@ -98,8 +179,8 @@ CASES = [
 def test_rejection_step_preserves_target_exactly(p_pairs, q_pairs):
     """P(emit x) = q(x)·min(1, p(x)/q(x)) + P(reject)·residual(x) must equal p(x) for every x."""
     p, q = dist(p_pairs), dist(q_pairs)
-    support, residual = residual_distribution(p.ids[0], p.probs[0], q.ids[0], q.probs[0])
-    res = dict(zip(support.tolist(), residual.tolist(), strict=True))
+    support, residual = residual_distribution(p.row(0), q.row(0))
+    res = dict(zip(support, residual, strict=True))
     accept = {x: q.prob_of(0, x) * min(1.0, p.prob_of(0, x) / q.prob_of(0, x)) for x in q_pairs}
     reject = 1.0 - sum(accept.values())
     for x in set(p_pairs) | set(q_pairs):
