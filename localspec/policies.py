@@ -7,6 +7,8 @@ Neither knows which drafter runs.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from localspec.config import Drafting
@@ -42,6 +44,7 @@ class DraftCost:
     EMA = 0.2
     DECAY = 16
     PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
+    STEPS = 8  # recent rounds' steady step figures kept: the least is the step (a slow one-off call is no step)
 
     def __init__(self, k_max: int, graphs: bool = False) -> None:
         self.k_max = k_max
@@ -54,7 +57,8 @@ class DraftCost:
         self.rounds = 0
         self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
         self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
-        self.step_s: float | None = None  # seconds per draft-model step
+        self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
+        self._steps: deque[float] = deque(maxlen=self.STEPS)
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
@@ -62,9 +66,10 @@ class DraftCost:
         self.interval = self.PROBE_FIRST
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0) -> None:
+                looked_up: int = 0, first_s: float | None = None) -> None:
         """One round: `drafted` tokens, the first `looked_up` from prompt lookup and the rest from the model (which
-        took `draft_s`), of which `accepted` were; the verify of `width` tokens took `verify_s`."""
+        took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
+        tokens took `verify_s`."""
         self.rounds += 1
         if self.rounds % self.DECAY == 0:
             for source in self.SOURCES:
@@ -76,11 +81,19 @@ class DraftCost:
             self.tried[source][1 : tried + 1] += 1.0
             self.ok[source][1 : ok + 1] += 1.0
         from_model = drafted - looked_up
-        if from_model > 0:
-            step = draft_s / from_model
-            # A step measured after a long pause (a probe) replaces the old figure: the machine may have changed.
-            fresh = self.step_s is None or self.rounds - self.last_model_round > self.DECAY
-            self.step_s = step if fresh else (1 - self.EMA) * self.step_s + self.EMA * step
+        if from_model > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
+            # A step after the first: the first also reads what the model had not seen (a catch-up after sitting
+            # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
+            if first_s is None:
+                steady: float | None = draft_s / from_model
+            else:
+                steady = (draft_s - first_s) / (from_model - 1) if from_model > 1 else None
+            # A step measured after a long pause (a probe) replaces the old figures: the machine may have changed.
+            if self.rounds - self.last_model_round > self.DECAY:
+                self._steps.clear()
+            if steady is not None or not self._steps:
+                self._steps.append(draft_s / from_model if steady is None else steady)
+            self.step_s = min(self._steps)
             self.model_rounds += 1
             self.last_model_round = self.rounds
         self._observe_verify(width, verify_s)
@@ -204,7 +217,9 @@ class DraftLength:
 
     EPOCH = 16
     MIN_GAIN = 1.05
-    WARMUP = 2  # rounds that draft a probe's length with the model before its measured cost decides the chain's
+    # Rounds that draft a probe's length with the model before its measured cost decides the chain's: two steady
+    # steps, so that one slow call (a CUDA graph captured) cannot judge it (the step is the least recent one).
+    WARMUP = 2
 
     def __init__(self, cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> None:
         self.k_max = cfg.n_draft
@@ -271,9 +286,9 @@ class DraftLength:
         return 1 if self._narrow else wide
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0) -> None:
+                looked_up: int = 0, first_s: float | None = None) -> None:
         self.rounds += 1
-        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up)
+        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s)
 
 
 class LoadPolicy:
