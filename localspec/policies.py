@@ -57,6 +57,7 @@ class DraftCost:
         self.rounds = 0
         self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
         self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
+        self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
         self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
         self._steps: deque[float] = deque(maxlen=self.STEPS)
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
@@ -64,6 +65,7 @@ class DraftCost:
         self.verify_s: dict[int, float] = {}
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
+        self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None) -> None:
@@ -71,13 +73,15 @@ class DraftCost:
         took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
         tokens took `verify_s`."""
         self.rounds += 1
-        if self.rounds % self.DECAY == 0:
-            for source in self.SOURCES:
-                self.tried[source] *= 0.5
-                self.ok[source] *= 0.5
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         for source, (tried, ok) in (("lookup", (min(verified, looked_up), min(accepted, looked_up))),
                                     ("model", (max(0, verified - looked_up), max(0, accepted - looked_up)))):
+            if not tried:
+                continue
+            self.seen[source] += 1
+            if self.seen[source] % self.DECAY == 0:
+                self.tried[source] *= 0.5
+                self.ok[source] *= 0.5
             self.tried[source][1 : tried + 1] += 1.0
             self.ok[source][1 : ok + 1] += 1.0
         from_model = drafted - looked_up
@@ -183,6 +187,30 @@ class DraftCost:
         speeds = self.speeds(looked_up, room, width)
         return None if speeds is None else int(np.argmax(speeds))
 
+    def best_lookup(self, found: int, k: int, width: int = 0, chained: bool = False) -> int | None:
+        """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
+        the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
+        and its step is measured. None until a verify was measured."""
+        best, choice = -1.0, None
+        for j in range(found + 1):
+            room = k - j if chained and self.step_s is not None else 0
+            speeds = self.speeds(j, room, width)
+            if speeds is None:
+                return None
+            if speeds.max() >= best * (1 - 1e-9):
+                best, choice = float(speeds.max()), j
+        return choice
+
+    def lookup_probe(self) -> bool:
+        """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe, on the model's
+        schedule: every `lookup_interval` such rounds, doubling while they stay a loss)."""
+        self.lookup_idle += 1
+        if self.lookup_idle >= self.lookup_interval:
+            self.lookup_idle = 0
+            self.lookup_interval = min(2 * self.lookup_interval, self.PROBE_MAX)
+            return True
+        return False
+
     def probe(self, room: int, in_sync: bool) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
         self.idle += 1
@@ -226,6 +254,7 @@ class DraftLength:
         # Adaptive sets the draft model's length. Lookup (alone or chained) keeps k: its tokens cost no draft steps,
         # and the chain's model share is decided each round by cost anyway (`extension`).
         self.adaptive = cfg.adaptive and self.k_max > 0 and cfg.drafter == "model"
+        self.chained = cfg.drafter == "chain"
         self.cost = cost if cost is not None else DraftCost(self.k_max)
         self.padded = padded  # the verify is padded to k + 1 (CUDA graphs): the draft's width costs nothing extra
         self.k = self.k_max
@@ -256,6 +285,21 @@ class DraftLength:
         if best and not self.k:
             self.cost.pays()
         return best
+
+    def lookup_length(self, found: int, k: int) -> int:
+        """How many of the `found` tokens prompt lookup matched to propose in a round of at most k: by cost, as
+        `extension` (in the chain, the draft model may draft in their place); 0 where its measured acceptance
+        makes them a loss at the measured verify costs, but all of them in a probe now and then."""
+        if found == 0:
+            return 0
+        cost = self.cost
+        best = cost.best_lookup(found, k, k + 1 if self.padded else 0, self.chained)
+        if best is None:
+            return found
+        if best:
+            cost.lookup_idle, cost.lookup_interval = 0, cost.PROBE_FIRST
+            return best
+        return found if cost.lookup_probe() else 0
 
     def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
