@@ -60,6 +60,9 @@ class DraftCost:
         self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
         self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
         self._steps: deque[float] = deque(maxlen=self.STEPS)
+        # The share of model rounds drafted ahead (beside the last verify: no draft steps on the critical path);
+        # a round's draft steps cost that much less on average, which long drafts earn most.
+        self.ahead = 0.0
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
@@ -85,6 +88,8 @@ class DraftCost:
             self.tried[source][1 : tried + 1] += 1.0
             self.ok[source][1 : ok + 1] += 1.0
         from_model = drafted - looked_up
+        if from_model > 0:
+            self.ahead = (1 - self.EMA) * self.ahead + self.EMA * (draft_s == 0.0)
         if from_model > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
             # A step after the first: the first also reads what the model had not seen (a catch-up after sitting
             # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
@@ -157,7 +162,7 @@ class DraftCost:
         drafted = looked_up + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
-        seconds = n * (self.step_s or 0.0) + self.verify_costs(widths)
+        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
         return expected / seconds
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
