@@ -17,8 +17,9 @@ from localspec.config import Drafting
 class DraftCost:
     """What drafting costs and earns for one stream, measured online; which draft length is fastest.
 
-    Measured each round: the seconds of a draft-model step, the verify's seconds at its width (an untried width
-    from a line through the tried ones; with one tried width, a prior slope), and per drafter source ("model":
+    Measured each round: the seconds of a draft-model step (`observe`: steady steps only), the verify's seconds at
+    its width (an untried width from a line through the tried ones; with one tried width, a prior slope), and per
+    drafter source ("model":
     the draft model's tokens, "lookup": prompt lookup's, which are right far more often) each position's
     conditional acceptance, P(position i accepted | positions before it were). A round that drafts m lookup tokens
     then n model tokens yields E = 1 + sum of the survivals S(i) = P(positions 1..i all accepted) tokens and costs
@@ -34,7 +35,8 @@ class DraftCost:
     pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
-    CPU costs far more than the probe itself.
+    CPU costs far more than the probe itself. Lookup's tokens judged a loss are probed on the same schedule
+    (`lookup_probe`).
     """
 
     SOURCES = ("model", "lookup")
