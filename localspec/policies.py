@@ -7,6 +7,8 @@ Neither knows which drafter runs.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from localspec.config import Drafting
@@ -15,8 +17,9 @@ from localspec.config import Drafting
 class DraftCost:
     """What drafting costs and earns for one stream, measured online; which draft length is fastest.
 
-    Measured each round: the seconds of a draft-model step, the verify's seconds at its width (an untried width
-    from a line through the tried ones; with one tried width, a prior slope), and per drafter source ("model":
+    Measured each round: the seconds of a draft-model step (`observe`: steady steps only), the verify's seconds at
+    its width (an untried width from a line through the tried ones; with one tried width, a prior slope), and per
+    drafter source ("model":
     the draft model's tokens, "lookup": prompt lookup's, which are right far more often) each position's
     conditional acceptance, P(position i accepted | positions before it were). A round that drafts m lookup tokens
     then n model tokens yields E = 1 + sum of the survivals S(i) = P(positions 1..i all accepted) tokens and costs
@@ -32,7 +35,8 @@ class DraftCost:
     pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
-    CPU costs far more than the probe itself.
+    CPU costs far more than the probe itself. Lookup's tokens judged a loss are probed on the same schedule
+    (`lookup_probe`).
     """
 
     SOURCES = ("model", "lookup")
@@ -42,6 +46,7 @@ class DraftCost:
     EMA = 0.2
     DECAY = 16
     PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
+    STEPS = 8  # recent rounds' steady step figures kept: the least is the step (a slow one-off call is no step)
 
     def __init__(self, k_max: int, graphs: bool = False) -> None:
         self.k_max = k_max
@@ -54,33 +59,52 @@ class DraftCost:
         self.rounds = 0
         self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
         self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
-        self.step_s: float | None = None  # seconds per draft-model step
+        self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
+        self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
+        self._steps: deque[float] = deque(maxlen=self.STEPS)
+        # The share of model rounds drafted ahead (beside the last verify: no draft steps on the critical path);
+        # a round's draft steps cost that much less on average, which long drafts earn most.
+        self.ahead = 0.0
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
+        self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0) -> None:
+                looked_up: int = 0, first_s: float | None = None) -> None:
         """One round: `drafted` tokens, the first `looked_up` from prompt lookup and the rest from the model (which
-        took `draft_s`), of which `accepted` were; the verify of `width` tokens took `verify_s`."""
+        took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
+        tokens took `verify_s`."""
         self.rounds += 1
-        if self.rounds % self.DECAY == 0:
-            for source in self.SOURCES:
-                self.tried[source] *= 0.5
-                self.ok[source] *= 0.5
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         for source, (tried, ok) in (("lookup", (min(verified, looked_up), min(accepted, looked_up))),
                                     ("model", (max(0, verified - looked_up), max(0, accepted - looked_up)))):
+            if not tried:
+                continue
+            self.seen[source] += 1
+            if self.seen[source] % self.DECAY == 0:
+                self.tried[source] *= 0.5
+                self.ok[source] *= 0.5
             self.tried[source][1 : tried + 1] += 1.0
             self.ok[source][1 : ok + 1] += 1.0
         from_model = drafted - looked_up
         if from_model > 0:
-            step = draft_s / from_model
-            # A step measured after a long pause (a probe) replaces the old figure: the machine may have changed.
-            fresh = self.step_s is None or self.rounds - self.last_model_round > self.DECAY
-            self.step_s = step if fresh else (1 - self.EMA) * self.step_s + self.EMA * step
+            self.ahead = (1 - self.EMA) * self.ahead + self.EMA * (draft_s == 0.0)
+        if from_model > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
+            # A step after the first: the first also reads what the model had not seen (a catch-up after sitting
+            # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
+            if first_s is None:
+                steady: float | None = draft_s / from_model
+            else:
+                steady = (draft_s - first_s) / (from_model - 1) if from_model > 1 else None
+            # A step measured after a long pause (a probe) replaces the old figures: the machine may have changed.
+            if self.rounds - self.last_model_round > self.DECAY:
+                self._steps.clear()
+            if steady is not None or not self._steps:
+                self._steps.append(draft_s / from_model if steady is None else steady)
+            self.step_s = min(self._steps)
             self.model_rounds += 1
             self.last_model_round = self.rounds
         self._observe_verify(width, verify_s)
@@ -140,7 +164,7 @@ class DraftCost:
         drafted = looked_up + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
-        seconds = n * (self.step_s or 0.0) + self.verify_costs(widths)
+        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
         return expected / seconds
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
@@ -169,6 +193,30 @@ class DraftCost:
         tie); None until the model's step and a verify were measured."""
         speeds = self.speeds(looked_up, room, width)
         return None if speeds is None else int(np.argmax(speeds))
+
+    def best_lookup(self, found: int, k: int, width: int = 0, chained: bool = False) -> int | None:
+        """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
+        the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
+        and its step is measured. None until a verify was measured."""
+        best, choice = -1.0, None
+        for j in range(found + 1):
+            room = k - j if chained and self.step_s is not None else 0
+            speeds = self.speeds(j, room, width)
+            if speeds is None:
+                return None
+            if speeds.max() >= best * (1 - 1e-9):
+                best, choice = float(speeds.max()), j
+        return choice
+
+    def lookup_probe(self) -> bool:
+        """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe, on the model's
+        schedule: every `lookup_interval` such rounds, doubling while they stay a loss)."""
+        self.lookup_idle += 1
+        if self.lookup_idle >= self.lookup_interval:
+            self.lookup_idle = 0
+            self.lookup_interval = min(2 * self.lookup_interval, self.PROBE_MAX)
+            return True
+        return False
 
     def probe(self, room: int, in_sync: bool) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
@@ -204,13 +252,16 @@ class DraftLength:
 
     EPOCH = 16
     MIN_GAIN = 1.05
-    WARMUP = 2  # rounds that draft a probe's length with the model before its measured cost decides the chain's
+    # Rounds that draft a probe's length with the model before its measured cost decides the chain's: two steady
+    # steps, so that one slow call (a CUDA graph captured) cannot judge it (the step is the least recent one).
+    WARMUP = 2
 
     def __init__(self, cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> None:
         self.k_max = cfg.n_draft
         # Adaptive sets the draft model's length. Lookup (alone or chained) keeps k: its tokens cost no draft steps,
         # and the chain's model share is decided each round by cost anyway (`extension`).
         self.adaptive = cfg.adaptive and self.k_max > 0 and cfg.drafter == "model"
+        self.chained = cfg.drafter == "chain"
         self.cost = cost if cost is not None else DraftCost(self.k_max)
         self.padded = padded  # the verify is padded to k + 1 (CUDA graphs): the draft's width costs nothing extra
         self.k = self.k_max
@@ -242,6 +293,21 @@ class DraftLength:
             self.cost.pays()
         return best
 
+    def lookup_length(self, found: int, k: int) -> int:
+        """How many of the `found` tokens prompt lookup matched to propose in a round of at most k: by cost, as
+        `extension` (in the chain, the draft model may draft in their place); 0 where its measured acceptance
+        makes them a loss at the measured verify costs, but all of them in a probe now and then."""
+        if found == 0:
+            return 0
+        cost = self.cost
+        best = cost.best_lookup(found, k, k + 1 if self.padded else 0, self.chained)
+        if best is None:
+            return found
+        if best:
+            cost.lookup_idle, cost.lookup_interval = 0, cost.PROBE_FIRST
+            return best
+        return found if cost.lookup_probe() else 0
+
     def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
         `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up)."""
@@ -271,9 +337,9 @@ class DraftLength:
         return 1 if self._narrow else wide
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0) -> None:
+                looked_up: int = 0, first_s: float | None = None) -> None:
         self.rounds += 1
-        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up)
+        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s)
 
 
 class LoadPolicy:

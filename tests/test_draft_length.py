@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from localspec.config import Drafting, load_preset
 from localspec.policies import DraftCost
@@ -205,3 +206,19 @@ def test_empty_drafts_go_narrow_where_padding_is_dear_and_stay_padded_where_it_i
 
 def test_the_draft_model_with_a_fixed_length_always_verifies_wide():
     assert widths_for([6, 4, 1, 6, 2] * 10, per_token=0.0022, switch=0.016) == [7] * 50
+
+
+def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
+    """A round's first draft step (a catch-up after sitting out, a CUDA graph captured) is no measure of a step,
+    nor is a round drafted ahead (0 s on the critical path); but the share drafted ahead makes drafts cheaper on
+    average, and long drafts pay more for it."""
+    cost = DraftCost(6)
+    cost.observe(2, 2, 0.0086 + 0.0024, 0.0273, 7, first_s=0.0086)  # the H200 chain's probe: 5.5 ms a step on average
+    assert cost.step_s == pytest.approx(0.0024)
+    plain, ahead = DraftCost(6), DraftCost(6)
+    for i in range(40):
+        plain.observe(6, 3, 6 * 0.004, 0.025, 7, first_s=0.004)
+        ahead.observe(6, 3, 0.0 if i % 2 else 6 * 0.004, 0.025, 7, first_s=0.0 if i % 2 else 0.004)
+    assert plain.step_s == ahead.step_s == pytest.approx(0.004)
+    assert 0.3 < ahead.ahead < 0.7 and plain.ahead == 0.0
+    assert ahead.speed(0, 6) > plain.speed(0, 6)

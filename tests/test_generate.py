@@ -70,8 +70,8 @@ def test_greedy_speculative_output_equals_plain_decoding(demo_home: Path, target
 
 @pytest.mark.slow
 def test_lookup_and_chained_drafting_equal_plain_decoding(demo_home: Path, target_path: Path) -> None:
-    """A reply that repeats its prompt (the bench's code edit): prompt lookup drafts much of it, alone or chained
-    with the draft model, and the text is plain decoding's, token for token; a single GGUF (--draft none) too."""
+    """A reply that may repeat its prompt (the bench's code edit): prompt lookup drafts, alone or chained with the
+    draft model, and the text is plain decoding's, token for token; a single GGUF (--draft none) too."""
     from localspec.bench import LOOKUP_PROMPTS
 
     prompt = dict(LOOKUP_PROMPTS)["code-edit"]
@@ -86,8 +86,10 @@ def test_lookup_and_chained_drafting_equal_plain_decoding(demo_home: Path, targe
     assert out["plain"]["text"].strip()
     assert {name: o["text"] for name, o in out.items()} == {name: out["plain"]["text"] for name in out}
     assert (out["single"]["drafter"], out["single"]["model"]["draft"]) == ("lookup", None)
+    # Lookup proposed (its first match, before anything measured it); how much after that is the cost model's
+    # call, by timing (on this pair the reply rarely repeats the prompt: main's lookup had 3 of 18 accepted).
     for name in ("lookup", "chain", "single"):
-        assert out[name]["stats"]["accepted"] > 0, name
+        assert out[name]["stats"]["drafted"] > 0, name
     assert out["plain"]["stats"]["drafted"] == 0
 
 

@@ -33,6 +33,9 @@ class Proposal:
     q: list[Candidates] | None = None
     seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
     looked_up: int = 0  # how many of the tokens (the first ones) prompt lookup proposed; the rest are the model's
+    # Of `seconds`, the draft model's first step: it also reads what the model had not seen (tokens committed while
+    # it sat out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
+    first_s: float = 0.0
 
 
 NO_PROPOSAL = Proposal([])

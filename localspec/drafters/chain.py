@@ -30,7 +30,7 @@ class ChainDrafter:
         rest = self.model.draft([(req, self._extension(req, k, len(p.tokens)))
                                  for (req, k), p in zip(jobs, found, strict=True)], after=[p.tokens for p in found])
         return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds,
-                         looked_up=len(a.tokens)) for a, b in zip(found, rest, strict=True)]
+                         looked_up=len(a.tokens), first_s=b.first_s) for a, b in zip(found, rest, strict=True)]
 
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
         if req.length is None:  # no policy to ask: all of the rest

@@ -71,6 +71,8 @@ class LookupDrafter:
     def propose(self, req: DraftRequest, k: int) -> Proposal:
         drafting = req.drafting
         tokens = continuation(req.tokens, drafting.lookup_min, drafting.lookup_max, k)
+        if req.length is not None:  # as many as pay (`DraftLength.lookup_length`)
+            tokens = tokens[: req.length.lookup_length(len(tokens), k)]
         if req.grammar is not None:
             tokens = _allowed_prefix(tokens, req.grammar)
         return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens],

@@ -50,6 +50,7 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     q: list[Candidates] | None = None
     seconds: float = 0.0
+    first_s: float = 0.0  # the first step's share of `seconds`
 
 
 class ModelDrafter:
@@ -95,7 +96,7 @@ class ModelDrafter:
                 todo.append((i, _Job(req, k, req.tokens + after[i] if after else req.tokens)))
         self._draft([job for _, job in todo])
         for i, job in todo:
-            out[i] = Proposal(job.tokens, job.q, job.seconds)
+            out[i] = Proposal(job.tokens, job.q, job.seconds, first_s=job.first_s)
         return out
 
     @contextlib.contextmanager
@@ -171,6 +172,8 @@ class ModelDrafter:
             for (job, feed), row in zip(todo, scores, strict=True):
                 assert row is not None
                 job.seconds += spent
+                if step == 0:
+                    job.first_s = spent
                 self._kv[job.req.seq].extend(feed)
                 sampling, p_min = job.req.sampling, job.req.drafting.p_min
                 # Only a penalty reads the history (copying a long one every draft step costs).
