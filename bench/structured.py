@@ -2,18 +2,19 @@
 
     python bench/structured.py mask [--vocab GGUF] [--rows N]
     python bench/structured.py speed [--pair demo-chat | --target GGUF --draft GGUF] [--runs N] [--max-tokens N]
-                                     [--threads N] [--json OUT]
+                                     [--threads N] [--rows full|device|both] [--json OUT]
 
 `mask`: llama.cpp's grammar sampler (`llama_ctx.Grammar`) on a tiny model written with the vocabulary of --vocab
 (default: llama.cpp's ggml-vocab-qwen2.gguf, 151,936 tokens, from the pinned llama-cpp-python sdist) — the time to
 mask a whole row, and to mask the way the engine does (`constraints.masked_row`: the row's best tokens first) for
 greedy (1 legal token needed) and top_k = 40, on rows of random logits, at a JSON-schema grammar's first positions.
 
-`speed`: one pair, greedy, a JSON-schema chat request; each mode `--runs` times interleaved, median tok/s and the
-acceptance: unconstrained, constrained on the target only (drafts unmasked), constrained on draft and target
-(the target's rows from its device top-k, a row decoded again in full where they hold no legal token: "rows
-again"; and in a second session with device top-k off, every row copied whole), plain constrained decoding
-(k = 0), and logprobs on vs off (unconstrained). Prints one table (and --json).
+`speed`: one pair, greedy, a JSON-schema chat request; each mode `--runs` times interleaved in one session, median
+tok/s and the acceptance: unconstrained, constrained on the target only (drafts unmasked), constrained on draft and
+target, plain constrained decoding (k = 0) — the constrained modes under each row mode of `--rows` (`[load]
+constrained_rows`: "full" logits, the default, or "device" top-k candidates with a row decoded again in full where
+they hold too few legal tokens: "rows again"), so target-only and draft + target compare under the same rows —
+and logprobs on vs off (unconstrained). Prints one table (and --json).
 """
 
 from __future__ import annotations
@@ -104,22 +105,18 @@ def speed(args: argparse.Namespace) -> dict:
     preset = load_preset("greedy").with_overrides(threads=args.threads, n_ctx=1024)
     files = resolve_files(None if args.target else args.pair, args.target, args.draft)
     constraint = Constraint.json_schema(SCHEMA, "bench")
-    modes = {  # name -> (draft length, constrained, draft masked, logprobs, the target's rows)
-        "unconstrained": (args.k, False, False, None, "top-k"),
-        "constrained, target only": (args.k, True, False, None, "top-k"),
-        "constrained, draft + target": (args.k, True, True, None, "top-k"),
-        "constrained, d + t, full rows": (args.k, True, True, None, "full"),
-        "constrained, plain (k=0)": (0, True, True, None, "top-k"),
-        "unconstrained + logprobs": (args.k, False, False, 5, "top-k"),
-        "unconstrained, plain (k=0)": (0, False, False, None, "top-k"),
-        "plain + logprobs (k=0)": (0, False, False, 5, "top-k"),
-    }
+    # name -> (draft length, constrained, draft masked, logprobs, constrained rows: `[load] constrained_rows`)
+    modes: dict[str, tuple] = {"unconstrained": (args.k, False, False, None, None)}
+    for rows in ("full", "device") if args.rows == "both" else (args.rows,):
+        modes |= {f"constrained, target only, {rows} rows": (args.k, True, False, None, rows),
+                  f"constrained, draft + target, {rows} rows": (args.k, True, True, None, rows),
+                  f"constrained, plain (k=0), {rows} rows": (0, True, True, None, rows)}
+    modes |= {"unconstrained + logprobs": (args.k, False, False, 5, None),
+              "unconstrained, plain (k=0)": (0, False, False, None, None),
+              "plain + logprobs (k=0)": (0, False, False, 5, None)}
     results: dict[str, list] = {name: [] for name in modes}
-    # "full rows": the target copies every verify row whole (device top-k off), how constrained rows were read
-    # before they were masked on the device's candidates.
-    for rows, session_preset in (("top-k", preset), ("full", preset.with_overrides(device_top_k=0))):
-        with open_session(files, session_preset) as s:
-            _speed_runs(args, s, constraint, {n: m for n, m in modes.items() if m[4] == rows}, results)
+    with open_session(files, preset) as s:
+        _speed_runs(args, s, constraint, modes, results)
     table = {}
     for name, stats in results.items():
         tokens = sum(st.tokens for st in stats)
@@ -129,9 +126,9 @@ def speed(args: argparse.Namespace) -> dict:
                        "tokens": tokens, "rows_decoded_again": sum(st.full_rows for st in stats)}
     print(f"pair {files.name}, greedy, k = {args.k}, {args.runs} runs x {len(PROMPTS)} prompts, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':<30} {'tok/s (total)':>14} {'acceptance':>11} {'tokens':>7} {'rows again':>10}")
+    print(f"{'mode':<44} {'tok/s (total)':>14} {'acceptance':>11} {'tokens':>7} {'rows again':>10}")
     for name, row in table.items():
-        print(f"{name:<30} {row['tok_s_total']:>14.1f} {row['acceptance']:>11.1%} {row['tokens']:>7} "
+        print(f"{name:<44} {row['tok_s_total']:>14.1f} {row['acceptance']:>11.1%} {row['tokens']:>7} "
               f"{row['rows_decoded_again']:>10}")
     return {"pair": files.name, "target": str(files.target), "draft": str(files.draft), "k": args.k,
             "runs": args.runs, "threads": args.threads,
@@ -144,7 +141,10 @@ def _speed_runs(args: argparse.Namespace, s: Session, constraint: Constraint, mo
     template = ChatTemplate.for_model(s.target)
     prompts = [encode_chat(s.target, template.render([{"role": "user", "content": p}])) for p in PROMPTS]
     for _ in range(args.runs):
-        for name, (k, constrained, on_draft, logprobs, _) in modes.items():
+        for name, (k, constrained, on_draft, logprobs, rows) in modes.items():
+            # The row mode is the engine's `[load] constrained_rows`, set here per mode so every mode shares one
+            # session and interleaves (unconstrained modes ignore it).
+            s.engine.constrained_rows = rows or preset.load.constrained_rows
             for prompt in prompts:
                 grammar = constraint.grammar(s.target) if constrained else None
                 s.engine.reset()  # every run processes its prompt in full: no cross-mode cache effects
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--k", type=int, default=6)
     sp.add_argument("--max-tokens", type=int, default=96)
     sp.add_argument("--threads", type=int, default=1)
+    sp.add_argument("--rows", choices=("full", "device", "both"), default="both",
+                    help="the constrained modes' rows ([load] constrained_rows); both: each mode under each")
     for q in (m, sp):
         q.add_argument("--json", type=Path)
     args = p.parse_args(argv)

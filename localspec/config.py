@@ -157,6 +157,8 @@ class LoadSettings:
     threads: int = field(metadata=_rng(0, 1024, int))  # 0 = auto: free physical cores (machine.thread_choice)
     n_batch: int = field(metadata=_rng(8, 8192, int))
     device_top_k: int = field(metadata=_rng(0, 1024, int))  # 0 = full logits to the host
+    # A grammar's rows: "full" logits, or "device" top candidates (a row re-decoded where too few are legal)
+    constrained_rows: str = field(metadata={"kind": str, "choices": ("full", "device")})
     # Placement (llama.cpp's model params): how the target spreads over devices, and where the draft goes.
     split_mode: str = field(metadata={"kind": str, "choices": ("none", "layer", "row")})
     tensor_split: str = field(metadata=_text(_proportions, "proportions per target device, e.g. 3,1"))

@@ -131,7 +131,7 @@ class Stream:
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
                                 grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
-                                self.chooser)
+                                engine.constrained_rows, self.chooser)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
@@ -190,7 +190,7 @@ class Engine:
     tokenizer), for as many concurrent generations as the models have sequences (slots)."""
 
     def __init__(self, target: ScoringModel, draft: ScoringModel | None, *, constant_width: bool | None = None,
-                 draft_ahead: bool = False) -> None:
+                 draft_ahead: bool = False, constrained_rows: str = "full") -> None:
         self.target = target
         self.draft = draft
         # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
@@ -199,6 +199,9 @@ class Engine:
         self.constant_width = target.on_gpu if constant_width is None else constant_width
         # A stream alone in its round lets its drafter work beside the verify (the draft model: draft-ahead).
         self.draft_ahead = draft_ahead and draft is not None
+        # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
+        # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
+        self.constrained_rows = constrained_rows
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
         self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
@@ -296,9 +299,10 @@ class Engine:
 
         `grammar` (the stream owns it from here: closed when it ends) holds the output to a constraint; `logprobs`
         asks for each token's logprob and that many alternatives: it needs the full logits of its rows, so the
-        target's device sampler is off for that stream. A grammar keeps the target's top candidates on the device
-        (greedy, top-k) and reads a row in full only where they hold too few legal tokens; the drafter's models
-        mask their own candidates (they see `req.grammar`)."""
+        target's device sampler is off for that stream. A grammar masks full rows, the target's and the drafter's
+        models' alike (they see `req.grammar`); with `constrained_rows = "device"` the models keep their top
+        candidates on the device (greedy, top-k) and the target reads a row in full only where they hold too few
+        legal tokens."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
@@ -310,9 +314,11 @@ class Engine:
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1
-        # Logprobs read every row whole; a grammar masks the device's top candidates (`_accept_constrained`).
+        # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
+        # (`constrained_rows`, `_accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
-            self.target, sampling, p_min=0.0, plain=plain, trace=stream.trace, constrained=grammar is not None), seq)
+            self.target, sampling, p_min=0.0, plain=plain, trace=stream.trace,
+            grammar_rows=self.constrained_rows if grammar is not None else None), seq)
         self.target.restart_device_sampler(seq)
         # With several slots, a model this stream does not decode keeps no chain for it (its drafter's models set
         # their own in `begin`).

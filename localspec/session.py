@@ -174,6 +174,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
             draft.close()
         target.close()
         raise
-    engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan))
+    engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
+                    constrained_rows=load.constrained_rows)
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)

@@ -312,22 +312,54 @@ def test_constrained_greedy_speculative_equals_constrained_plain(tiny_pair):
         assert 0 < accepted < drafted
 
 
+ROW_REQUESTS = [{"prompt": prompt_of(seed), "sampling": GREEDY.sampling, "drafting": drafting(k), "max_tokens": 40}
+                for seed, k in ((0, 0), (1, 4), (2, 1), (3, 6))]
+
+
+def full_logits_outputs(tiny_pair, constraint: Constraint) -> list[list[int]]:
+    """ROW_REQUESTS' constrained greedy outputs with device top-k off (every row copied whole: nothing shared with
+    the device candidates' path)."""
+    with open_pair(*tiny_pair, GREEDY.with_overrides(device_top_k=0)) as full:
+        return [run(full.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"], constraint)[0]
+                for r in ROW_REQUESTS]
+
+
+@pytest.mark.slow
+def test_constrained_rows_are_full_by_default(tiny_pair):
+    """With the default `[load] constrained_rows = "full"` a constrained stream turns the device sampler off on the
+    target and the draft (an unconstrained one keeps it), so no row is decoded again; outputs equal the
+    full-logits reference."""
+    constraint = Constraint.json_schema(SCHEMA, "schema")
+    expected = full_logits_outputs(tiny_pair, constraint)
+    assert GREEDY.load.constrained_rows == "full"
+    with open_pair(*tiny_pair) as s:
+        assert s.target.device_top_k == 64 and s.engine.constrained_rows == "full"
+        for r, want in zip(ROW_REQUESTS, expected, strict=True):
+            run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, 8)
+            assert s.target._modes.get(0) == "greedy"  # unconstrained: the device's argmax (the check can fail)
+            got, _, done = run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
+                               constraint)
+            assert got == want
+            assert done.stats.full_rows == 0
+            assert 0 not in s.target._modes  # full logits on the target
+            if r["drafting"].n_draft:  # and on the draft model where it drafts
+                assert 0 not in s.draft._modes
+
+
 @pytest.mark.slow
 def test_constrained_rows_from_device_candidates_equal_full_logits(tiny_pair):
-    """The target's device top-64 serves a constrained row where it holds a legal token; where it holds none (the
-    tiny model almost never ranks `{` or `"` in its top 64, so JSON needs the fallback often) the row is decoded
-    again in full. Greedy output equals the full-logits path's (device top-k off: nothing shared) for plain and
-    speculative decoding, alone and with another constrained stream beside it in a second slot."""
+    """With `[load] constrained_rows = "device"` the target's device top-64 serves a constrained row where it holds
+    a legal token; where it holds none (the tiny model almost never ranks `{` or `"` in its top 64, so JSON needs
+    the fallback often) the row is decoded again in full. Greedy output equals the full-logits path's (device
+    top-k off: nothing shared) for plain and speculative decoding, alone and with another constrained stream
+    beside it in a second slot."""
     from tests.test_slots import run_together
 
     constraint = Constraint.json_schema(SCHEMA, "schema")
-    reference = GREEDY.with_overrides(device_top_k=0)
-    requests = [{"prompt": prompt_of(seed), "sampling": GREEDY.sampling, "drafting": drafting(k), "max_tokens": 40}
-                for seed, k in ((0, 0), (1, 4), (2, 1), (3, 6))]
-    with open_pair(*tiny_pair, reference) as full:
-        expected = [run(full.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
-                        constraint)[0] for r in requests]
-    with open_pair(*tiny_pair) as s:
+    device_rows = GREEDY.with_overrides(constrained_rows="device")
+    requests = ROW_REQUESTS
+    expected = full_logits_outputs(tiny_pair, constraint)
+    with open_pair(*tiny_pair, device_rows) as s:
         assert s.target.device_top_k == 64
         redecoded = tokens = 0
         for r, want in zip(requests, expected, strict=True):
@@ -338,7 +370,8 @@ def test_constrained_rows_from_device_candidates_equal_full_logits(tiny_pair):
             redecoded += done.stats.full_rows
             tokens += done.stats.tokens
         assert 0 < redecoded < tokens  # both kinds of rows ran
-    with open_session(ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test"), GREEDY, parallel=2) as two:
+    with open_session(ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test"), device_rows,
+                      parallel=2) as two:
         for pair in ((0, 1), (2, 3)):
             both = [{**requests[i], "grammar": constraint.grammar(two.target)} for i in pair]
             assert run_together(two.engine, both, [0, 2]) == [expected[i] for i in pair]

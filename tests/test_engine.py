@@ -411,12 +411,14 @@ def test_device_sampler_modes(tiny_pair):
         plain = device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True)
         assert plain == DeviceDist(top_k=0, top_p=base.top_p, min_p=base.min_p, temperature=0.7, seed=base.seed)
         assert device_mode(t, dataclasses.replace(hot, repeat_penalty=1.1), 0.0, plain=True) is None
-        # A grammar masks candidates: never the device's own choice or draw; every logit where top_k = 0 or a
-        # penalty needs them.
-        assert device_mode(t, base, 0.0, constrained=True) == "top_k"
-        assert device_mode(t, hot, 0.0, plain=True, constrained=True) == "top_k"
-        assert device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True, constrained=True) is None
-        assert device_mode(t, dataclasses.replace(base, repeat_penalty=1.1), 0.0, constrained=True) is None
+        # A grammar reads full rows by default; with "device" rows it masks candidates: never the device's own
+        # choice or draw; every logit where top_k = 0 or a penalty needs them.
+        for sampling, plain in ((base, False), (hot, True), (hot, False)):
+            assert device_mode(t, sampling, 0.0, plain=plain, grammar_rows="full") is None
+        assert device_mode(t, base, 0.0, grammar_rows="device") == "top_k"
+        assert device_mode(t, hot, 0.0, plain=True, grammar_rows="device") == "top_k"
+        assert device_mode(t, dataclasses.replace(hot, top_k=0), 0.0, plain=True, grammar_rows="device") is None
+        assert device_mode(t, dataclasses.replace(base, repeat_penalty=1.1), 0.0, grammar_rows="device") is None
 
         prompt = prompts(1)[0]
         t.use_device_sampler(None)

@@ -11,7 +11,7 @@
 #      prompt lookup finds nothing to propose there: its speed-up on replies that quote the prompt needs a real
 #      model. A small one fits a call's carry (SmolLM2-135M-Instruct Q4_1, 98 MB, carried in parts over two calls).
 #   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
-#      only, on draft and target, plain; logprobs on and off
+#      only, on draft and target, plain (each under full and device-candidate rows); logprobs on and off
 #   4. the model drafter before and after the drafter seam (issue #19): the first card run's pair (COMPARE_NOISE,
 #      measured on main 7572e82, before the seam) with that run's command, at T = 0
 #   5. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of

@@ -52,8 +52,10 @@ class DraftRequest:
     stats: GenerationStats  # drafters add what only they know (draft-ahead's counts)
     # A constrained request's grammar state after the committed tokens, a copy the loop makes each round: a
     # drafter proposes only what it allows and advances it by each token it proposes (end-of-generation aside).
-    # Its models then need full rows (no device sampler). None: unconstrained, or the draft is not masked.
+    # None: unconstrained, or the draft is not masked.
     grammar: Grammar | None = None
+    # How its models read rows under that grammar (`device_mode`'s grammar_rows): "full" or "device" candidates.
+    grammar_rows: str = "full"
     # The stream's draft-length policy and cost model: the chain asks it how far the draft model extends lookup.
     length: DraftLength | None = None
 
@@ -114,15 +116,18 @@ def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int) -
 
 
 def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain: bool = False,
-                trace: bool = False, constrained: bool = False) -> str | DeviceDist | None:
+                trace: bool = False, grammar_rows: str | None = None) -> str | DeviceDist | None:
     """What the device should compute per row. A penalty needs the penalised tokens' logits wherever they rank:
     full rows. Greedy needs only the argmax (unless p_min or a trace needs the candidates' logits); plain decoding
     at T > 0 draws its token on the device (the whole pipeline, nothing copied back); a top-k pipeline needs the
-    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows. A grammar
-    (`constrained`) needs candidates to mask, never the device's own choice: greedy and top-k get the top
-    candidates (a row whose candidates hold too few legal tokens is decoded again in full: engine.py)."""
-    if sampling.penalized:
+    top candidates (rejection sampling compares p and q), and top_k = 0 needs every logit: full rows.
+
+    A grammar (`grammar_rows`, the preset's `[load] constrained_rows`) needs logits to mask, never the device's own
+    choice: "full" rows (the default: faster on a GPU, docs/performance.md), or "device": greedy and top-k get the
+    top candidates (a row whose candidates hold too few legal tokens is decoded again in full: engine.py)."""
+    if sampling.penalized or grammar_rows == "full":
         return None
+    constrained = grammar_rows is not None
     if sampling.greedy:
         return "top_k" if p_min > 0.0 or trace or constrained else "greedy"
     if constrained:

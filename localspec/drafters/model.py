@@ -70,9 +70,10 @@ class ModelDrafter:
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._wait()
         seq = req.seq
-        # A grammar masks the device's top candidates (or full rows where the pipeline needs every logit).
-        self.model.use_device_sampler(device_mode(self.model, req.sampling, p_min=req.drafting.p_min,
-                                                  constrained=req.grammar is not None), seq)
+        # A grammar masks full rows, or the device's top candidates (`[load] constrained_rows = "device"`).
+        self.model.use_device_sampler(device_mode(
+            self.model, req.sampling, p_min=req.drafting.p_min,
+            grammar_rows=req.grammar_rows if req.grammar is not None else None), seq)
         self._rng[seq] = np.random.default_rng([req.sampling.seed, 1])
         self._kept.pop(seq, None)
         return [prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)]
