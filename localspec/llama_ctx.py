@@ -521,7 +521,6 @@ class LlamaModel:
         self.decodes = 0  # llama_decode calls so far, each one ubatch
         self.replans = 0  # of them, those llama.cpp was made to plan afresh before (`_decode`)
         self._dirty_plan: tuple[int, ...] | None = None  # the last graph's layout, if its plan had freed sampler nodes
-        self._last_chains: tuple[int, ...] | None = None  # the last graph's layout
         self._n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         self._cells_per_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))
 
@@ -715,20 +714,14 @@ class LlamaModel:
         it frees the result."""
         dist = any(isinstance(mode, DeviceDist) for mode in self._modes.values())
         same_kind = len({mode if isinstance(mode, str) else "dist" for mode in self._modes.values()}) == 1
-        prev = self._last_chains
-        # Several chains in a new layout: planned afresh too, though the last plan freed no sampler node. A
-        # two-slot server's greedy request read a token of the other request's row without it (4 of 17 runs of
-        # tests/test_serve_llama.py's concurrency test; none in the engine alone): a layout this rule missed.
-        several = prev is not None and chains != prev and max(len(chains), len(prev)) > 1
-        if (self.n_seq > 1 and (several or (self._dirty_plan is not None and chains != self._dirty_plan
-                                            and (sum(chains) > 1 or dist or not same_kind)))):
+        if (self.n_seq > 1 and self._dirty_plan is not None and chains != self._dirty_plan
+                and (sum(chains) > 1 or dist or not same_kind)):
             llama_cpp.llama_set_adapter_cvec(self.ctx, None, 0, self._n_embd, -1, -1)
             self.replans += 1
         self._batch.n_tokens = n
         self.decodes += 1
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         self._dirty_plan = chains if 0 in chains or dist else None
-        self._last_chains = chains
         if rc != 0:
             where = ", ".join(f"sequence {self._seq[i]} position {self._pos[i]}" for i in (0, n - 1))
             raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
@@ -813,7 +806,6 @@ class LlamaModel:
         if mode == self._modes.get(seq):
             return mode is not None
         self._dirty_plan = None  # llama.cpp plans afresh after any change of chains (it reserves its graphs again)
-        self._last_chains = None
         if seq in self._chains:
             llama_cpp.llama_set_sampler(self.ctx, seq, None)
             llama_cpp.llama_sampler_free(self._chains.pop(seq))

@@ -167,25 +167,3 @@ def test_ubatch_split_is_llama_cpps_split(tmp_path):
         os.environ.pop("LLAMA_BATCH_DEBUG", None)
         llama_cpp.llama_log_set(llama_ctx._log_to_stderr_when_debugging, ctypes.c_void_p(0))
 
-
-
-def test_a_new_layout_of_several_chains_is_planned_afresh(tiny_pair):
-    """Two sequences with greedy chains: a decode whose rows per chain differ from the last one's makes llama.cpp
-    plan afresh (a two-slot server read the other request's row without it), the same layout does not, and the
-    rows stay each sequence's own (against the one-sequence reference)."""
-    target, _ = tiny_pair
-    model = LlamaModel(target, n_ctx=256, n_batch=64, n_threads=1, n_seq=2, devices=[], device_top_k=K)
-    ref = Reference(target)
-    for seq in (0, 1):
-        model.use_device_sampler("greedy", seq)
-    histories = [list(range(5, 69, 4)), list(range(40, 104, 4))]  # 16 tokens each: enough for every layout
-    layouts = [(3, 3), (3, 3), (1, 3), (3, 1), (3, 1)]  # rows per sequence in each decode
-    done = [0, 0]
-    expected_replans = [False, False, True, True, False]
-    for (a, b), fresh in zip(layouts, expected_replans, strict=True):
-        before = model.replans
-        items = [(seq, histories[seq][done[seq]: done[seq] + n], done[seq], True) for seq, n in ((0, a), (1, b))]
-        for (seq, tokens, start, _), scores in zip(items, model.decode_many(items), strict=True):
-            check_rows(scores, ref.rows(histories[seq], start, len(tokens)), "greedy", f"sequence {seq} at {start}")
-            done[seq] += len(tokens)
-        assert (model.replans > before) == fresh, (a, b)
