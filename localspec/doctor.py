@@ -191,8 +191,8 @@ def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices,
     detail = (f"target: {plan.target.describe()}; draft: {plan.draft.describe()}; draft-ahead "
               f"{'on' if ahead else 'off'} ({preset.load.overlap})")
     if len(dev.gpus) > 1 and not plan.separate and not plan.draft.on_cpu:
-        return Check(Status.INFO, "placement", detail, "on two GPUs, --draft-device 1 lets the draft run ahead "
-                     "beside the target's verify (measure with `localspec bench`)"), s
+        return Check(Status.INFO, "placement", detail, "on two GPUs, --draft-device 1 gives the draft a GPU of its "
+                     "own: drafting ahead then shares no GPU with the verify (measure with `localspec bench`)"), s
     return Check(Status.OK, "placement", detail), s
 
 

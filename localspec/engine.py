@@ -21,7 +21,7 @@ per round, beside the others' rounds. With several streams, `LoadPolicy` shorten
 batched decoding) at batch sizes where that measures faster.
 
 A stream alone in its round lets its drafter work beside the verify (`Drafter.overlap`: the draft model's
-draft-ahead on a device of its own, drafters/model.py).
+draft-ahead, drafters/model.py; when it runs: placement.draft_ahead).
 """
 
 from __future__ import annotations

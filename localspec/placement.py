@@ -48,6 +48,11 @@ class ModelPlacement:
     def on_cpu(self) -> bool:
         return not self.devices or self.n_gpu_layers == 0
 
+    @property
+    def on_local_gpus(self) -> bool:
+        """Computes on this machine's GPUs alone (no layer left on the CPU, no RPC server)."""
+        return not self.on_cpu and self.n_gpu_layers < 0 and all(d.kind == "gpu" for d in self.devices)
+
     def describe(self) -> str:
         if self.on_cpu:
             return "CPU"
@@ -148,6 +153,10 @@ def rpc_servers(load: LoadSettings) -> tuple[str, ...]:
 
 def draft_ahead(overlap: str, plan: Plan) -> bool:
     """Whether to draft the next round while the target verifies (`overlap`: on, off or auto). Auto means when
-    the draft has a device of its own: on one GPU its kernels queue behind the target's, and drafting ahead was
-    measured slower there (199 vs 225 tok/s on the H200)."""
-    return {"on": True, "off": False}.get(overlap, plan.separate)
+    the draft computes on devices the target does not use, or when both models sit on local GPUs only: a
+    Qwen3-0.6B-shaped draft's kernels are launch-bound and run on their own CUDA stream beside the verify (the
+    card pair on one H200: 176.2 vs 153.2 tok/s at ~85% acceptance, T = 0; docs/performance.md). Not when
+    either computes on the CPU or over RPC with the other: they would share its cores or its link (not measured)."""
+    if overlap in ("on", "off"):
+        return overlap == "on"
+    return plan.separate or (plan.target.on_local_gpus and plan.draft.on_local_gpus)

@@ -85,7 +85,7 @@ def test_gpu_build_and_gpu_lines() -> None:
     assert by["llama-cpp-python GPU offload"].status == Status.OK
     assert by["GPU"].detail == "GPU 0: RTX 4090, 20.0 GiB free of 24.0 GiB; driver 550.1"
     assert by["model files"].status == Status.FAIL
-    assert by["placement"].detail.startswith("target: GPU 0; draft: GPU 0; draft-ahead off (auto)")
+    assert by["placement"].detail.startswith("target: GPU 0; draft: GPU 0; draft-ahead on (auto)")
     cpu = dataclasses.replace(dev, gpus=(), unused_gpus=("RTX 4090",))
     by = _by_name(doctor.run_checks(None, None, config.load_preset(), devices=cpu))
     assert by["llama-cpp-python GPU offload"].status == Status.WARN

@@ -61,6 +61,22 @@ def test_a_gpu_named_for_the_draft_is_its_own() -> None:
     assert placement.draft_ahead("on", one := placement.plan(n_gpus=1, rpc=[])) and not one.separate
 
 
+def test_auto_drafts_ahead_on_local_gpus_and_never_beside_the_cpu_or_rpc() -> None:
+    # both on one GPU: the draft's launch-bound kernels run beside the verify (measured faster on the H200)
+    one = placement.plan(n_gpus=1, rpc=[])
+    assert placement.draft_ahead("auto", one) and not placement.draft_ahead("off", one)
+    assert placement.draft_ahead("auto", placement.plan(n_gpus=2, rpc=[]))  # target over both, draft on GPU 0
+    # either model computing on the CPU with the other: they would share its cores
+    assert not placement.draft_ahead("auto", placement.plan(n_gpus=0, rpc=[]))
+    assert not placement.draft_ahead("auto", placement.plan(n_gpus=1, rpc=[], n_gpu_layers=20))
+    assert not placement.draft_ahead("auto", placement.plan(n_gpus=1, rpc=[], draft_n_gpu_layers=20))
+    # a target partly on an RPC server, the draft on the local GPU it also uses: not measured, so off
+    remote = [Dev("rpc", 0, "10.0.0.2:50052")]
+    with_rpc = placement.plan(n_gpus=1, rpc=remote, target_rpc=("10.0.0.2:50052",))
+    assert not with_rpc.separate and not placement.draft_ahead("auto", with_rpc)
+    assert placement.draft_ahead("on", with_rpc)
+
+
 def test_rpc_servers_come_first_and_the_draft_stays_local() -> None:
     remote = [Dev("rpc", 0, "10.0.0.2:50052"), Dev("rpc", 0, "10.0.0.3:50052")]
     p = placement.plan(n_gpus=1, rpc=remote, target_rpc=("10.0.0.2:50052",), tensor_split=(1, 3))
@@ -162,7 +178,7 @@ def test_doctor_reports_placement_per_device(demo_home: Path) -> None:
     by = {c.name: c for c in doctor.run_checks(path, path, preset, devices=machine(20, 20))}
     assert by["GPU"].detail.startswith("GPU 0: RTX 3090, 20.0 GiB free of 24.0 GiB; GPU 1: RTX 3090")
     assert by["placement"].status == Status.INFO  # two GPUs, the draft with the target: a hint, not a problem
-    assert by["placement"].detail == ("target: layer split over GPU 0 + GPU 1; draft: GPU 0; draft-ahead off "
+    assert by["placement"].detail == ("target: layer split over GPU 0 + GPU 1; draft: GPU 0; draft-ahead on "
                                       "(auto)")
     assert "--draft-device 1" in by["placement"].fix
     assert by["the pair fits"].status == Status.OK and "GPU 0 " in by["the pair fits"].detail

@@ -135,7 +135,7 @@ main_gpu = _setting("main_gpu", "--main-gpu", "The GPU of the whole target with 
 draft_device = _setting("draft_device", "--draft-device", "Where the draft runs (auto = the target's main GPU).",
                         panel=PLACEMENT)
 overlap = _setting("overlap", "--overlap",
-                   "Draft the next round while the target verifies (auto = when the draft has its own device).",
+                   "Draft the next round while the target verifies (auto: own device or both on GPUs).",
                    panel=DRAFTING)
 rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
 drafter = _setting("drafter", "--drafter",

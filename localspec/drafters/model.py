@@ -4,12 +4,12 @@ Each draft step is one batched draft decode across the requests still drafting. 
 argmax; at T > 0 it samples from its own pipeline q (the same `Sampling` as the target's p) with a random stream of
 its own. An unsure draft (top probability below p_min) stops the request's drafting for the round.
 
-Draft-ahead (for a draft on a device of its own): while the target verifies a round, a worker thread drafts the
-next one, betting that every draft is accepted and that the target's own next token is the draft's argmax there.
-The bet is kept only when it came true and the next round asks for the same length; otherwise it is thrown away
-and the round drafts as usual. The draft samples from a random stream of its own that a thrown bet rewinds, so the
-output is the sequential loop's, token for token (given that the draft scores a token alone as it scores it in a
-batch, which localspec's losslessness already rests on).
+Draft-ahead (a draft on a device of its own, or both models on GPUs: `placement.draft_ahead`): while the target
+verifies a round, a worker thread drafts the next one, betting that every draft is accepted and that the target's
+own next token is the draft's argmax there. The bet is kept only when it came true and the next round asks for the
+same length; otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of
+its own that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft
+scores a token alone as it scores it in a batch, which localspec's losslessness already rests on).
 """
 
 from __future__ import annotations
