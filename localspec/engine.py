@@ -479,16 +479,21 @@ class Engine:
             items.append((s.slot.seq, batch, len(s.slot.target_kv), True))
             widths.append(width)
         beside: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        overlapping = False
         # (Not for a constrained stream: a bet drafted beside the verify would need the grammar after it.)
         if self.draft_ahead and len(live) == 1 and live[0].drafter is not None and live[0].grammar is None:
             s, proposal = live[0], proposals[0]
             # If every draft is accepted, the next round has this many more tokens behind it.
             k_next = self._length(s, plans[0].k_round, ahead=len(proposal.tokens) + 1)
             beside = s.drafter.overlap(s.req, proposal, k_next)  # type: ignore[union-attr]
+            overlapping = True
         with beside:
             t = time.perf_counter()
             scores = self.target.decode_many(items)
             spent = time.perf_counter() - t
+            t = time.perf_counter()
+        if overlapping:  # the block's exit waited for the draft-ahead beside the verify to finish
+            live[0].stats.ahead_wait_s += time.perf_counter() - t
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
             # A constrained row may be decoded again (`_accept_constrained`) into the buffer full rows still view.
             scores = [r.with_logits(r.logits.copy()) if r is not None and r.full and r.logits is not None

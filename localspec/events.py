@@ -43,6 +43,7 @@ class GenerationStats:
     ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, betting on it
     ahead_kept: int = 0  # ... and the bets that came true: rounds whose drafts cost no time on the critical path
     ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
+    ahead_wait_s: float = 0.0  # after a verify, waiting for the draft-ahead beside it to finish (on the path)
     full_rows: int = 0  # constrained verify rows whose device candidates held too few legal tokens: decoded again
     draft_lengths: list[int] = field(default_factory=list)
 
@@ -56,8 +57,9 @@ class GenerationStats:
 
     @property
     def host_s(self) -> float:
-        """Everything in the rounds that is not a llama_decode: sampling, acceptance, bookkeeping."""
-        return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+        """Everything in the rounds that is neither a llama_decode nor the wait for a draft-ahead: sampling,
+        acceptance, bookkeeping."""
+        return max(0.0, self.decode_s - self.draft_s - self.verify_s - self.ahead_wait_s)
 
     @property
     def host_fraction(self) -> float:
@@ -90,7 +92,7 @@ class GenerationStats:
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
-                "ahead_hit_rate", "full_rows")
+                "ahead_wait_s", "ahead_hit_rate", "full_rows")
         return {k: getattr(self, k) for k in keys}
 
 

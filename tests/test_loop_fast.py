@@ -6,6 +6,7 @@ prompt lookup's point mass; a missed rewind fails inside the fake (a decode must
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 
 import numpy as np
@@ -146,6 +147,34 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop() -> None:
             engine.close()
             outs.append((gen.tokens, gen.stats.accepted, gen.stats.ahead_made > 0))
         assert outs[0][:2] == outs[1][:2] and outs[1][2]
+
+
+class SlowFake(FakeModel):
+    """A draft whose every decode takes at least `seconds`: a draft-ahead then outlasts the (instant) verify."""
+
+    def __init__(self, seconds: float, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.seconds = seconds
+
+    def decode_many(self, items):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        return super().decode_many(items)
+
+
+def test_the_wait_for_a_draft_ahead_is_counted_apart_from_host_work() -> None:
+    # Each round's draft-ahead makes 1 + 4 decodes of >= 4 ms beside a verify of microseconds: the loop waits
+    # >= 20 ms a round for it, which is neither a decode of its own nor host work (bookkeeping of microseconds).
+    target, draft = FakeModel(seed=3), SlowFake(0.004, seed=3, noise=0.5)
+    engine = Engine(target, draft, draft_ahead=True)
+    stats = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4), 40)).stats
+    engine.close()
+    assert stats.ahead_made > 0
+    assert stats.ahead_wait_s >= 0.004 * stats.ahead_made
+    assert stats.host_s < stats.ahead_wait_s / 4
+    assert stats.host_s == pytest.approx(stats.decode_s - stats.draft_s - stats.verify_s - stats.ahead_wait_s)
+    assert stats.as_dict()["ahead_wait_s"] == stats.ahead_wait_s
+    sequential = Engine(FakeModel(seed=3), FakeModel(seed=3, noise=0.5), draft_ahead=False)
+    assert collect(sequential.generate(list(range(8)), GREEDY.sampling, drafting(4), 40)).stats.ahead_wait_s == 0.0
 
 
 def test_streams_with_different_drafters_share_a_round_and_match_their_output_alone() -> None:

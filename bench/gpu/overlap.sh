@@ -42,14 +42,16 @@ import json
 import sys
 from pathlib import Path
 
-print("| cell | overlap | plain tok/s | spec tok/s (min-max) | acceptance | ahead kept | ms a round: draft / verify / host / ahead |")
+print("| cell | overlap | plain tok/s | spec tok/s (min-max) | acceptance | ahead kept | ms a round: draft / verify / host / "
+      "waiting for the ahead / ahead (beside) |")
 print("|---|---|---|---|---|---|---|")
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     d = json.loads(path.read_text())
     spec, plain = d["speculative"], d["plain"]
     runs = [r for r in d["runs"] if r["mode"] == "speculative"]
     rounds = sum(r["rounds"] for r in runs) or 1
-    ms = [1000 * sum(r[k] for r in runs) / rounds for k in ("draft_s", "verify_s", "host_s", "ahead_s")]
+    ms = [1000 * sum(r.get(k, 0.0) for r in runs) / rounds  # (ahead_wait_s: since main after d313657)
+          for k in ("draft_s", "verify_s", "host_s", "ahead_wait_s", "ahead_s")]
     made = sum(r["ahead_made"] for r in runs)
     kept = sum(r["ahead_kept"] for r in runs)
     cell, _, mode = path.stem.rpartition("-")

@@ -10,7 +10,7 @@ from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, 
 
 # The table's short headers, said in full once (they must stay short to fit 80 columns).
 LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "
-          "of the target's own) · host: time outside llama.cpp")
+          "of the target's own) · host: time outside llama.cpp (and outside waits for a draft-ahead)")
 
 
 def progress_line(progress: RunProgress, done: int, total: int) -> Text:
