@@ -8,10 +8,20 @@ Neither knows which drafter runs.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from localspec.config import Drafting
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """What one observation of `DraftCost` implies, per source and per verify width."""
+
+    survival: dict[str, np.ndarray]  # S(0..k_max)
+    cumulative: dict[str, np.ndarray]  # 1 + S(1) + ... + S(i)
+    verify: np.ndarray  # seconds of a verify of width 0..k_max + 1 (measured, else estimated)
 
 
 class DraftCost:
@@ -71,6 +81,8 @@ class DraftCost:
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
+        self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
+        self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None) -> None:
@@ -78,6 +90,7 @@ class DraftCost:
         took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
         tokens took `verify_s`."""
         self.rounds += 1
+        self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         for source, (tried, ok) in (("lookup", (min(verified, looked_up), min(accepted, looked_up))),
                                     ("model", (max(0, verified - looked_up), max(0, accepted - looked_up)))):
@@ -141,47 +154,83 @@ class DraftCost:
         switch = self.switch_s if self.switch_s is not None else one
         return 2 * switch / (padded - one) if padded > one else float("inf")
 
-    def survival(self, source: str, n: int) -> np.ndarray:
-        """S(0..n): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
+    def _table(self) -> _Tables:
+        """The survivals and verify costs the last observation implies: computed once after it, then read by every
+        question of the round (a round asks several; each recomputing them cost more than a small model's GPU
+        step on the host)."""
+        if self._tables is None:
+            survival = {source: self._survival(source) for source in self.SOURCES}
+            widths = np.arange(self.k_max + 2)
+            self._tables = _Tables(survival, {s: np.cumsum(v) for s, v in survival.items()},
+                                   self._verify_costs(widths) if self.verify_s else widths * 0.0)
+        return self._tables
+
+    def _survival(self, source: str) -> np.ndarray:
+        """S(0..k_max): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
         # Each position's rate leans on the one before it (the source's prior for the first), so a position
         # never drafted borrows the deepest measured rate: acceptance is bursty, deep rates are rarely lower.
-        tried, ok = self.tried[source], self.ok[source]
+        tried, ok = self.tried[source].tolist(), self.ok[source].tolist()
         rate, survival = self.PRIOR[source], [1.0]
-        for i in range(1, n + 1):
+        for i in range(1, self.k_max + 1):
             rate = (ok[i] + self.PRIOR_WEIGHT * rate) / (tried[i] + self.PRIOR_WEIGHT)
             survival.append(survival[-1] * rate)
         return np.array(survival)
 
+    def survival(self, source: str, n: int) -> np.ndarray:
+        """S(0..n) of a `source` run (n <= k_max)."""
+        return self._table().survival[source][: n + 1]
+
     def speeds(self, looked_up: int, room: int, width: int = 0) -> np.ndarray | None:
         """Expected tokens per second of a round of `looked_up` lookup tokens then n = 0..room model tokens,
-        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured. (Once
-        per round on the loop's path: one line fit, no loop over n.)"""
+        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured."""
         if not self.verify_s or (room and self.step_s is None):
             return None
-        lookup, model = self.survival("lookup", looked_up), self.survival("model", room)
-        expected = lookup.sum() + lookup[-1] * np.concatenate(([0.0], np.cumsum(model[1:])))
-        n = np.arange(room + 1)
-        drafted = looked_up + n
+        return self._speeds(np.array([looked_up]), room, width)[0, : room + 1]
+
+    def _speeds(self, looked_up: np.ndarray, room: int, width: int) -> np.ndarray:
+        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room."""
+        table = self._table()
+        lookup, cum_lookup, cum_model = table.survival["lookup"], table.cumulative["lookup"], table.cumulative["model"]
+        j, n = looked_up[:, None], np.arange(room + 1)[None, :]
+        # E = 1 + S_lookup(1..j) + S_lookup(j) * S_model(1..n)
+        expected = cum_lookup[j] + lookup[j] * (cum_model[n] - 1.0)
+        drafted = j + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
-        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
+        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self._verify_at(widths)
         return expected / seconds
+
+    def _verify_at(self, widths: np.ndarray) -> np.ndarray:
+        table = self._table().verify
+        return table[widths] if widths.max() < len(table) else self.verify_costs(widths)
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
         """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
         the narrowest one's), else (one width measured) from it by the prior slope."""
+        widths = np.asarray(widths)
+        table = self._table().verify
+        if widths.size and widths.max() < len(table):
+            return table[widths]
+        return self._verify_costs(widths)
+
+    def _verify_costs(self, widths: np.ndarray) -> np.ndarray:
         narrowest = min(self.verify_s)
         prior = self.verify_s[narrowest] * (1 + self.VERIFY_SLOPE * (widths - 1)) / (
             1 + self.VERIFY_SLOPE * (narrowest - 1))
         if len(self.verify_s) == 1:
             estimate = prior
         else:
-            tried = np.array(sorted(self.verify_s), dtype=float)
-            slope, intercept = np.polyfit(tried, [self.verify_s[int(w)] for w in tried], 1)
-            line = intercept + slope * widths
+            # The least-squares line through the tried widths (closed form: np.polyfit costs ~50 us a call).
+            tried = sorted(self.verify_s)
+            mean_w = sum(tried) / len(tried)
+            mean_s = sum(self.verify_s[w] for w in tried) / len(tried)
+            slope = (sum((w - mean_w) * (self.verify_s[w] - mean_s) for w in tried)
+                     / sum((w - mean_w) ** 2 for w in tried))
+            line = mean_s + slope * (widths - mean_w)
             estimate = np.where(widths < narrowest, np.maximum(line, prior),
                                 np.maximum(line, self.verify_s[narrowest]))
-        return np.array([self.verify_s.get(int(w), float(e)) for w, e in zip(widths, estimate, strict=True)])
+        measured = np.array([self.verify_s.get(int(w), np.nan) for w in widths.ravel()]).reshape(widths.shape)
+        return np.where(np.isnan(measured), estimate, measured)
 
     def speed(self, looked_up: int, n: int, width: int = 0) -> float | None:
         """`speeds` at one n."""
@@ -198,14 +247,16 @@ class DraftCost:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
         the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
         and its step is measured. None until a verify was measured."""
-        best, choice = -1.0, None
-        for j in range(found + 1):
-            room = k - j if chained and self.step_s is not None else 0
-            speeds = self.speeds(j, room, width)
-            if speeds is None:
-                return None
-            if speeds.max() >= best * (1 - 1e-9):
-                best, choice = float(speeds.max()), j
+        if not self.verify_s:
+            return None
+        with_model = chained and self.step_s is not None
+        speeds = self._speeds(np.arange(found + 1), k if with_model else 0, width)
+        if with_model:  # j lookup tokens leave room for k - j of the model's
+            speeds = np.where(np.add.outer(np.arange(found + 1), np.arange(k + 1)) <= k, speeds, -np.inf)
+        best, choice = -1.0, 0
+        for j, fastest in enumerate(speeds.max(axis=1).tolist()):
+            if fastest >= best * (1 - 1e-9):
+                best, choice = fastest, j
         return choice
 
     def lookup_probe(self) -> bool:
@@ -304,9 +355,21 @@ class DraftLength:
         if best is None:
             return found
         if best:
-            cost.lookup_idle, cost.lookup_interval = 0, cost.PROBE_FIRST
+            cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
             return best
+        cost.lookup_off = True
         return found if cost.lookup_probe() else 0
+
+    def lookup_wanted(self) -> bool:
+        """Whether prompt lookup should search this round. Not while its tokens are judged a loss (`lookup_length`
+        cut a match to nothing): each such round counts towards its probe as a cut match does. But it searches
+        when a probe is due (the next match is proposed whole), and every EPOCH rounds, for `lookup_length` to
+        judge again (the verify costs may have moved; its acceptance has not, nothing was proposed)."""
+        cost = self.cost
+        if not cost.lookup_off or cost.lookup_idle + 1 >= cost.lookup_interval:
+            return True
+        cost.lookup_idle += 1
+        return cost.lookup_idle % self.EPOCH == 0
 
     def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.

@@ -22,7 +22,7 @@ class ChainDrafter:
         self.models = model.models
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
-        return self.model.begin(req, prompt)
+        return self.lookup.begin(req, prompt) + self.model.begin(req, prompt)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         found = self.lookup.draft(jobs)
