@@ -7,39 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from helpers_fake import FakeModel
+from helpers_fake import Clock, TimedFake
 
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
 from localspec.engine import Engine, collect
 from localspec.policies import DraftCost, DraftLength
-from localspec.scores import Scores
 
 GREEDY = load_preset("greedy")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-class TimedFake(FakeModel):
-    """A fake whose decodes take `base` + `per_token` seconds per token on the fake clock."""
-
-    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
-        super().__init__(**fake)  # type: ignore[arg-type]
-        self.clock, self.base, self.per_token = clock, base, per_token
-
-    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
-        self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
-        return super().decode_many(items)
 
 
 @pytest.fixture

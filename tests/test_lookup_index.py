@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from helpers_fake import FakeModel
+from helpers_fake import Clock, TimedFake
 
 from localspec.config import load_preset
 from localspec.drafters import lookup as lookup_drafter
@@ -72,26 +72,6 @@ def test_a_new_request_in_the_slot_starts_a_fresh_index() -> None:
     bigrams = request(0, trigrams.tokens, lookup_min=2, lookup_max=2)
     assert drafter.propose(bigrams, 3).tokens == [7, 4, 1]  # the latest "1 2"
     assert drafter.propose(request(1, [3, 3, 3, 3]), 2).tokens == [3, 3]  # another slot beside it
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-class TimedFake(FakeModel):
-    """A target whose verify takes `base` + `per_token` seconds a token on the fake clock."""
-
-    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
-        super().__init__(**fake)  # type: ignore[arg-type]
-        self.clock, self.base, self.per_token = clock, base, per_token
-
-    def decode_many(self, items):
-        self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
-        return super().decode_many(items)
 
 
 def test_lookup_does_not_search_while_its_tokens_are_a_loss(monkeypatch: pytest.MonkeyPatch) -> None:
