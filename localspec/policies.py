@@ -56,6 +56,7 @@ class DraftCost:
     EMA = 0.2
     DECAY = 16
     PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
+    CATCH_UP_SHARE = 0.05  # a probe out of sync may cost this share of the rounds it waited in catching up
     STEPS = 8  # recent rounds' steady step figures kept: the least is the step (a slow one-off call is no step)
 
     def __init__(self, k_max: int, graphs: bool = False) -> None:
@@ -82,6 +83,10 @@ class DraftCost:
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
         self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
+        # Seconds a token of catching up: the excess of a probe's first step over a steady step, per token the model
+        # had sat out (measured on probes out of sync); `_probe_lag`: the one issued this round's lag.
+        self.catch_up_s: float | None = None
+        self._probe_lag = 0
         self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
@@ -120,6 +125,9 @@ class DraftCost:
             self.step_s = min(self._steps)
             self.model_rounds += 1
             self.last_model_round = self.rounds
+            if self._probe_lag and first_s is not None:
+                self.catch_up_s = max(0.0, first_s - self.step_s) / self._probe_lag
+        self._probe_lag = 0
         self._observe_verify(width, verify_s)
 
     COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
@@ -269,14 +277,28 @@ class DraftCost:
             return True
         return False
 
-    def probe(self, room: int, in_sync: bool) -> int:
-        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
+    def probe(self, room: int, in_sync: bool, lag: int | None = None) -> int:
+        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
+        the committed tokens the model's cells lack (None: unknown), which a probe out of sync reads first."""
         self.idle += 1
-        if self.idle >= self.interval and (in_sync or self.idle >= 4 * self.interval):
-            self.idle = 0
-            self.interval = min(2 * self.interval, self.PROBE_MAX)
-            return min(room, self.PROBE)
-        return 0
+        if self.idle < self.interval:
+            return 0
+        if not in_sync:
+            if self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
+                return 0
+            self._probe_lag = lag or 0
+        self.idle = 0
+        self.interval = min(2 * self.interval, self.PROBE_MAX)
+        return min(room, self.PROBE)
+
+    def _catch_up_affordable(self, lag: int | None) -> bool:
+        """Whether reading `lag` tokens first (at the measured `catch_up_s` a token) costs at most CATCH_UP_SHARE of
+        the rounds the probe waited (each at least a one-token verify). On the 2-core CPU the draft model reads a
+        token in about a fifth of a target step and a round commits several: a probe that caught up on 64 rounds
+        cost ~1 s, several rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
+        if lag is None or self.catch_up_s is None or not self.verify_s:
+            return True  # (unmeasured: the first such probe measures it)
+        return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * float(self._table().verify[1])
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
@@ -371,9 +393,10 @@ class DraftLength:
         cost.lookup_idle += 1
         return cost.lookup_idle % self.EPOCH == 0
 
-    def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
+    def extension(self, looked_up: int, k: int, in_sync: bool, lag: int | None = None) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
-        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up)."""
+        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up); `lag`:
+        how many they lack (a probe out of sync waits while catching up would cost too much)."""
         room = k - looked_up
         if room <= 0:
             return 0
@@ -383,7 +406,7 @@ class DraftLength:
         if n:
             self.cost.pays()
             return n
-        return self.cost.probe(room, in_sync)
+        return self.cost.probe(room, in_sync, lag)
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)
