@@ -45,8 +45,9 @@ class DraftCost:
     pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
-    CPU costs far more than the probe itself. Lookup's tokens judged a loss are probed on the same schedule
-    (`lookup_probe`).
+    CPU costs far more than the probe itself; after 4 intervals it goes ahead out of sync only where catching up
+    is measured cheap (`catch_up_s`, `_catch_up_affordable`). Lookup's tokens judged a loss are probed on the same
+    schedule (`lookup_probe`), and meanwhile lookup does not search (`DraftLength.lookup_wanted`).
     """
 
     SOURCES = ("model", "lookup")
