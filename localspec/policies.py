@@ -84,6 +84,7 @@ class DraftCost:
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
         self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
+        self.lookup_short = 0  # rounds in a row that proposed only some of lookup's match (`lookup_length`)
         # Seconds a token of catching up: the excess of a probe's first step over a steady step, per token the model
         # had sat out (measured on probes out of sync); `_probe_lag`: the one issued this round's lag.
         self.catch_up_s: float | None = None
@@ -375,24 +376,39 @@ class DraftLength:
             return 0
         cost = self.cost
         best = cost.best_lookup(found, k, k + 1 if self.padded else 0, self.chained)
-        if best is None:
+        if best is None or cost.seen["lookup"] < self.WARMUP:
+            # Measure first: judged on its prior acceptance alone, a slow first verify of the draft model's
+            # warm-up could back lookup off for a probe interval on text it copies (the CPU chain: 13 rounds).
             return found
         if best:
             cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
+            if best < found:
+                # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
+                # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
+                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time). Every EPOCH such rounds in a row,
+                # all of them, to measure it again.
+                cost.lookup_short += 1
+                if cost.lookup_short >= self.EPOCH:
+                    cost.lookup_short, best = 0, found
+            else:
+                cost.lookup_short = 0
             return best
-        cost.lookup_off = True
+        # A loss at the full length is one at any (`best_lookup` takes the best j <= found, and a match is k long):
+        # backed off until a probe or a new judgement. A shorter round's (k cut by max_tokens) says less.
+        cost.lookup_off = cost.lookup_off or k >= self.k_max
         return found if cost.lookup_probe() else 0
 
     def lookup_wanted(self) -> bool:
         """Whether prompt lookup should search this round. Not while its tokens are judged a loss (`lookup_length`
         cut a match to nothing): each such round counts towards its probe as a cut match does. But it searches
-        when a probe is due (the next match is proposed whole), and every EPOCH rounds, for `lookup_length` to
-        judge again (the verify costs may have moved; its acceptance has not, nothing was proposed)."""
+        when a probe is due (the next match is proposed whole), right after one and every EPOCH rounds, for
+        `lookup_length` to judge again (by the probe's verdict; the verify costs may have moved)."""
         cost = self.cost
         if not cost.lookup_off or cost.lookup_idle + 1 >= cost.lookup_interval:
             return True
+        judge = cost.lookup_idle % self.EPOCH == 0
         cost.lookup_idle += 1
-        return cost.lookup_idle % self.EPOCH == 0
+        return judge
 
     def extension(self, looked_up: int, k: int, in_sync: bool, lag: int | None = None) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.

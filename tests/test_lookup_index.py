@@ -103,7 +103,7 @@ def test_lookup_does_not_search_while_its_tokens_are_a_loss(monkeypatch: pytest.
 
 def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None:
     """`lookup_wanted`: every round while lookup pays; backed off, only when its probe is due (then every round
-    until a match is proposed) and every EPOCH rounds."""
+    until a match is proposed), right after it and every EPOCH rounds."""
     length = DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter="lookup"), DraftCost(6))
     assert [length.lookup_wanted() for _ in range(5)] == [True] * 5  # nothing judged yet
     for _ in range(8):  # lookup's tokens always wrong, a wide verify dear
@@ -116,5 +116,50 @@ def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None
     assert length.lookup_length(6, 6) == 6  # the probe
     interval = 2 * DraftCost.PROBE_FIRST
     later = [length.lookup_wanted() for _ in range(interval + 8)]
-    # Backed off again: it searches to judge again every EPOCH rounds, and when the next (later) probe is due.
-    assert later == [i + 1 == DraftLength.EPOCH for i in range(interval - 1)] + [True] * 9
+    # Backed off again: it searches to judge again right after the probe and every EPOCH rounds, and when the next
+    # (later) probe is due.
+    assert later == [i % DraftLength.EPOCH == 0 for i in range(interval - 1)] + [True] * 9
+
+
+def lookup_length(drafter: str = "lookup") -> DraftLength:
+    return DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter), DraftCost(6))
+
+
+def test_lookup_is_measured_before_it_is_judged() -> None:
+    """The chain's draft model warms up first, and its slow first verify of 3 tokens made a line on which lookup's 6
+    tokens, judged at its prior acceptance, looked a loss: backed off for a probe interval on text it copies (the
+    CPU demo pair's JSON reformat: 13 rounds). Its first matches are proposed whole, to measure it."""
+    length = lookup_length("chain")
+    length.observe(0, 0, 0.0, 0.040, 1)
+    length.observe(2, 0, 0.080, 0.140, 3, first_s=0.040)  # the model's warm-up: cold, slow
+    assert length.cost.best_lookup(6, 6) == 0  # (the premise: on these costs and its prior, a loss)
+    assert [length.lookup_length(6, 6) for _ in range(DraftLength.WARMUP)] == [6] * DraftLength.WARMUP
+    for _ in range(DraftLength.WARMUP):
+        length.observe(6, 6, 0.0, 0.090, 7, looked_up=6)
+    assert length.lookup_length(6, 6) == 6  # measured right every time, at a fair cost: it pays
+
+
+def test_a_match_cut_short_is_proposed_whole_every_epoch() -> None:
+    """A wide verify measured once in a slow moment is never measured again if lookup is cut short of it: every
+    EPOCH rounds in a row that cut it, the whole match is proposed (a fresh measurement of the width)."""
+    length = lookup_length()
+    length.observe(0, 0, 0.0, 0.040, 1)
+    length.observe(3, 3, 0.0, 0.100, 4, looked_up=3)
+    length.observe(6, 6, 0.0, 0.330, 7, looked_up=6)  # a slow moment
+    cut = [length.lookup_length(6, 6) for _ in range(DraftLength.EPOCH)]
+    assert cut[:-1] == [cut[0]] * (DraftLength.EPOCH - 1) and 0 < cut[0] < 6 and cut[-1] == 6
+    for _ in range(10):
+        length.observe(6, 6, 0.0, 0.150, 7, looked_up=6)  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
+    assert length.lookup_length(6, 6) == 6
+
+
+def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
+    """Near max_tokens a round has room for one token, where a wider verify may not pay: that says nothing of the
+    next generation's full rounds, which still search."""
+    length = lookup_length()
+    length.observe(0, 0, 0.0, 0.040, 1)
+    for _ in range(3):
+        length.observe(6, 6, 0.0, 0.110, 7, looked_up=6)
+    length.observe(1, 1, 0.0, 0.085, 2, looked_up=1)
+    assert length.lookup_length(1, 1) == 0 and not length.cost.lookup_off
+    assert length.lookup_wanted() and length.lookup_length(6, 6) == 6
