@@ -207,12 +207,8 @@ class DraftCost:
         drafted = j + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
-        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self._verify_at(widths)
+        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
         return expected / seconds
-
-    def _verify_at(self, widths: np.ndarray) -> np.ndarray:
-        table = self._table().verify
-        return table[widths] if widths.max() < len(table) else self.verify_costs(widths)
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
         """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
