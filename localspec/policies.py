@@ -8,10 +8,20 @@ Neither knows which drafter runs.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from localspec.config import Drafting
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """What one observation of `DraftCost` implies, per source and per verify width."""
+
+    survival: dict[str, np.ndarray]  # S(0..k_max)
+    cumulative: dict[str, np.ndarray]  # 1 + S(1) + ... + S(i)
+    verify: np.ndarray  # seconds of a verify of width 0..k_max + 1 (measured, else estimated)
 
 
 class DraftCost:
@@ -35,8 +45,9 @@ class DraftCost:
     pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
-    CPU costs far more than the probe itself. Lookup's tokens judged a loss are probed on the same schedule
-    (`lookup_probe`).
+    CPU costs far more than the probe itself; after 4 intervals it goes ahead out of sync only where catching up
+    is measured cheap (`catch_up_s`, `_catch_up_affordable`). Lookup's tokens judged a loss are probed on the same
+    schedule (`lookup_probe`), and meanwhile lookup does not search (`DraftLength.lookup_wanted`).
     """
 
     SOURCES = ("model", "lookup")
@@ -46,6 +57,7 @@ class DraftCost:
     EMA = 0.2
     DECAY = 16
     PROBE_FIRST, PROBE_MAX, PROBE = 16, 256, 2
+    CATCH_UP_SHARE = 0.05  # a probe out of sync may cost this share of the rounds it waited in catching up
     STEPS = 8  # recent rounds' steady step figures kept: the least is the step (a slow one-off call is no step)
 
     def __init__(self, k_max: int, graphs: bool = False) -> None:
@@ -71,6 +83,13 @@ class DraftCost:
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
+        self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
+        self.lookup_short = 0  # rounds in a row that proposed only some of lookup's match (`lookup_length`)
+        # Seconds a token of catching up: the excess of a probe's first step over a steady step, per token the model
+        # had sat out (measured on probes out of sync); `_probe_lag`: the one issued this round's lag.
+        self.catch_up_s: float | None = None
+        self._probe_lag = 0
+        self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None) -> None:
@@ -78,6 +97,7 @@ class DraftCost:
         took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
         tokens took `verify_s`."""
         self.rounds += 1
+        self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
         for source, (tried, ok) in (("lookup", (min(verified, looked_up), min(accepted, looked_up))),
                                     ("model", (max(0, verified - looked_up), max(0, accepted - looked_up)))):
@@ -107,6 +127,9 @@ class DraftCost:
             self.step_s = min(self._steps)
             self.model_rounds += 1
             self.last_model_round = self.rounds
+            if self._probe_lag and first_s is not None:
+                self.catch_up_s = max(0.0, first_s - self.step_s) / self._probe_lag
+        self._probe_lag = 0
         self._observe_verify(width, verify_s)
 
     COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
@@ -141,27 +164,47 @@ class DraftCost:
         switch = self.switch_s if self.switch_s is not None else one
         return 2 * switch / (padded - one) if padded > one else float("inf")
 
-    def survival(self, source: str, n: int) -> np.ndarray:
-        """S(0..n): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
+    def _table(self) -> _Tables:
+        """The survivals and verify costs the last observation implies: computed once after it, then read by every
+        question of the round (a round asks several; each recomputing them cost more than a small model's GPU
+        step on the host)."""
+        if self._tables is None:
+            survival = {source: self._survival(source) for source in self.SOURCES}
+            widths = np.arange(self.k_max + 2)
+            self._tables = _Tables(survival, {s: np.cumsum(v) for s, v in survival.items()},
+                                   self._verify_costs(widths) if self.verify_s else widths * 0.0)
+        return self._tables
+
+    def _survival(self, source: str) -> np.ndarray:
+        """S(0..k_max): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
         # Each position's rate leans on the one before it (the source's prior for the first), so a position
         # never drafted borrows the deepest measured rate: acceptance is bursty, deep rates are rarely lower.
-        tried, ok = self.tried[source], self.ok[source]
+        tried, ok = self.tried[source].tolist(), self.ok[source].tolist()
         rate, survival = self.PRIOR[source], [1.0]
-        for i in range(1, n + 1):
+        for i in range(1, self.k_max + 1):
             rate = (ok[i] + self.PRIOR_WEIGHT * rate) / (tried[i] + self.PRIOR_WEIGHT)
             survival.append(survival[-1] * rate)
         return np.array(survival)
 
+    def survival(self, source: str, n: int) -> np.ndarray:
+        """S(0..n) of a `source` run (n <= k_max)."""
+        return self._table().survival[source][: n + 1]
+
     def speeds(self, looked_up: int, room: int, width: int = 0) -> np.ndarray | None:
         """Expected tokens per second of a round of `looked_up` lookup tokens then n = 0..room model tokens,
-        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured. (Once
-        per round on the loop's path: one line fit, no loop over n.)"""
+        verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were measured."""
         if not self.verify_s or (room and self.step_s is None):
             return None
-        lookup, model = self.survival("lookup", looked_up), self.survival("model", room)
-        expected = lookup.sum() + lookup[-1] * np.concatenate(([0.0], np.cumsum(model[1:])))
-        n = np.arange(room + 1)
-        drafted = looked_up + n
+        return self._speeds(np.array([looked_up]), room, width)[0, : room + 1]
+
+    def _speeds(self, looked_up: np.ndarray, room: int, width: int) -> np.ndarray:
+        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room."""
+        table = self._table()
+        lookup, cum_lookup, cum_model = table.survival["lookup"], table.cumulative["lookup"], table.cumulative["model"]
+        j, n = looked_up[:, None], np.arange(room + 1)[None, :]
+        # E = 1 + S_lookup(1..j) + S_lookup(j) * S_model(1..n)
+        expected = cum_lookup[j] + lookup[j] * (cum_model[n] - 1.0)
+        drafted = j + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
         seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
@@ -170,18 +213,30 @@ class DraftCost:
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
         """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
         the narrowest one's), else (one width measured) from it by the prior slope."""
+        widths = np.asarray(widths)
+        table = self._table().verify
+        if widths.size and widths.max() < len(table):
+            return table[widths]
+        return self._verify_costs(widths)
+
+    def _verify_costs(self, widths: np.ndarray) -> np.ndarray:
         narrowest = min(self.verify_s)
         prior = self.verify_s[narrowest] * (1 + self.VERIFY_SLOPE * (widths - 1)) / (
             1 + self.VERIFY_SLOPE * (narrowest - 1))
         if len(self.verify_s) == 1:
             estimate = prior
         else:
-            tried = np.array(sorted(self.verify_s), dtype=float)
-            slope, intercept = np.polyfit(tried, [self.verify_s[int(w)] for w in tried], 1)
-            line = intercept + slope * widths
+            # The least-squares line through the tried widths (closed form: np.polyfit costs ~50 us a call).
+            tried = sorted(self.verify_s)
+            mean_w = sum(tried) / len(tried)
+            mean_s = sum(self.verify_s[w] for w in tried) / len(tried)
+            slope = (sum((w - mean_w) * (self.verify_s[w] - mean_s) for w in tried)
+                     / sum((w - mean_w) ** 2 for w in tried))
+            line = mean_s + slope * (widths - mean_w)
             estimate = np.where(widths < narrowest, np.maximum(line, prior),
                                 np.maximum(line, self.verify_s[narrowest]))
-        return np.array([self.verify_s.get(int(w), float(e)) for w, e in zip(widths, estimate, strict=True)])
+        measured = np.array([self.verify_s.get(int(w), np.nan) for w in widths.ravel()]).reshape(widths.shape)
+        return np.where(np.isnan(measured), estimate, measured)
 
     def speed(self, looked_up: int, n: int, width: int = 0) -> float | None:
         """`speeds` at one n."""
@@ -198,14 +253,16 @@ class DraftCost:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
         the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
         and its step is measured. None until a verify was measured."""
-        best, choice = -1.0, None
-        for j in range(found + 1):
-            room = k - j if chained and self.step_s is not None else 0
-            speeds = self.speeds(j, room, width)
-            if speeds is None:
-                return None
-            if speeds.max() >= best * (1 - 1e-9):
-                best, choice = float(speeds.max()), j
+        if not self.verify_s:
+            return None
+        with_model = chained and self.step_s is not None
+        speeds = self._speeds(np.arange(found + 1), k if with_model else 0, width)
+        if with_model:  # j lookup tokens leave room for k - j of the model's
+            speeds = np.where(np.add.outer(np.arange(found + 1), np.arange(k + 1)) <= k, speeds, -np.inf)
+        best, choice = -1.0, 0
+        for j, fastest in enumerate(speeds.max(axis=1).tolist()):
+            if fastest >= best * (1 - 1e-9):
+                best, choice = fastest, j
         return choice
 
     def lookup_probe(self) -> bool:
@@ -218,14 +275,28 @@ class DraftCost:
             return True
         return False
 
-    def probe(self, room: int, in_sync: bool) -> int:
-        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class)."""
+    def probe(self, room: int, in_sync: bool, lag: int | None = None) -> int:
+        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
+        the committed tokens the model's cells lack (None: unknown), which a probe out of sync reads first."""
         self.idle += 1
-        if self.idle >= self.interval and (in_sync or self.idle >= 4 * self.interval):
-            self.idle = 0
-            self.interval = min(2 * self.interval, self.PROBE_MAX)
-            return min(room, self.PROBE)
-        return 0
+        if self.idle < self.interval:
+            return 0
+        if not in_sync:
+            if self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
+                return 0
+            self._probe_lag = lag or 0
+        self.idle = 0
+        self.interval = min(2 * self.interval, self.PROBE_MAX)
+        return min(room, self.PROBE)
+
+    def _catch_up_affordable(self, lag: int | None) -> bool:
+        """Whether reading `lag` tokens first (at the measured `catch_up_s` a token) costs at most CATCH_UP_SHARE of
+        the rounds the probe waited (each at least a one-token verify). On the 2-core CPU the draft model reads a
+        token in about a fifth of a target step and a round commits several: a probe that caught up on 64 rounds
+        cost ~1 s, several rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
+        if lag is None or self.catch_up_s is None or not self.verify_s:
+            return True  # (unmeasured: the first such probe measures it)
+        return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * float(self._table().verify[1])
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
@@ -301,16 +372,44 @@ class DraftLength:
             return 0
         cost = self.cost
         best = cost.best_lookup(found, k, k + 1 if self.padded else 0, self.chained)
-        if best is None:
+        if best is None or cost.seen["lookup"] < self.WARMUP:
+            # Measure first: judged on its prior acceptance alone, a slow first verify of the draft model's
+            # warm-up could back lookup off for a probe interval on text it copies (the CPU chain: 13 rounds).
             return found
         if best:
-            cost.lookup_idle, cost.lookup_interval = 0, cost.PROBE_FIRST
+            cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
+            if best < found:
+                # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
+                # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
+                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time). Every EPOCH such rounds in a row,
+                # all of them, to measure it again.
+                cost.lookup_short += 1
+                if cost.lookup_short >= self.EPOCH:
+                    cost.lookup_short, best = 0, found
+            else:
+                cost.lookup_short = 0
             return best
+        # A loss at the full length is one at any (`best_lookup` takes the best j <= found, and a match is k long):
+        # backed off until a probe or a new judgement. A shorter round's (k cut by max_tokens) says less.
+        cost.lookup_off = cost.lookup_off or k >= self.k_max
         return found if cost.lookup_probe() else 0
 
-    def extension(self, looked_up: int, k: int, in_sync: bool) -> int:
+    def lookup_wanted(self) -> bool:
+        """Whether prompt lookup should search this round. Not while its tokens are judged a loss (`lookup_length`
+        cut a match to nothing): each such round counts towards its probe as a cut match does. But it searches
+        when a probe is due (the next match is proposed whole), right after one and every EPOCH rounds, for
+        `lookup_length` to judge again (by the probe's verdict; the verify costs may have moved)."""
+        cost = self.cost
+        if not cost.lookup_off or cost.lookup_idle + 1 >= cost.lookup_interval:
+            return True
+        judge = cost.lookup_idle % self.EPOCH == 0
+        cost.lookup_idle += 1
+        return judge
+
+    def extension(self, looked_up: int, k: int, in_sync: bool, lag: int | None = None) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
-        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up)."""
+        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up); `lag`:
+        how many they lack (a probe out of sync waits while catching up would cost too much)."""
         room = k - looked_up
         if room <= 0:
             return 0
@@ -320,7 +419,7 @@ class DraftLength:
         if n:
             self.cost.pays()
             return n
-        return self.cost.probe(room, in_sync)
+        return self.cost.probe(room, in_sync, lag)
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)

@@ -131,3 +131,25 @@ class FakeModel:
         dist = candidates(rows, cfg)
         rng = self._draws.setdefault(seq, np.random.default_rng(mode.seed))
         return Scores(None, drawn=np.array([dist.sample(r, rng) for r in range(len(rows))]))
+
+
+class Clock:
+    """A fake `time` module's perf_counter: decodes advance it by what a machine would take (no timed test)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedFake(FakeModel):
+    """A fake whose decodes take `base` + `per_token` seconds per token on the fake clock."""
+
+    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
+        super().__init__(**fake)  # type: ignore[arg-type]
+        self.clock, self.base, self.per_token = clock, base, per_token
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
+        return super().decode_many(items)

@@ -11,35 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from helpers_fake import FakeModel
+from helpers_fake import Clock, TimedFake
 
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
 from localspec.engine import Engine, collect
 from localspec.policies import DraftCost, DraftLength
-from localspec.scores import Scores
 
 GREEDY = load_preset("greedy")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-class TimedFake(FakeModel):
-    """A fake whose decodes take `base` + `per_token` seconds per token on the fake clock."""
-
-    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
-        super().__init__(**fake)  # type: ignore[arg-type]
-        self.clock, self.base, self.per_token = clock, base, per_token
-
-    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
-        self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
-        return super().decode_many(items)
 
 
 @pytest.fixture
@@ -128,6 +107,40 @@ def test_narrow_verifies_after_empty_drafts_keep_the_output_exact(clock: Clock, 
     assert 1 in verifies and 7 in verifies and set(verifies) <= {1, 3, 7}
 
 
+class Wandering(TimedFake):
+    """The fake's Markov chain, but in every other stretch of 60 positions the logits also depend on the position:
+    a reply that alternates between text lookup continues (the chain cycles) and text nothing predicts."""
+
+    def __init__(self, clock: Clock, base: float, per_token: float, **fake: object) -> None:
+        super().__init__(clock, base, per_token, **fake)
+        self.drift = np.random.default_rng(11).normal(0.0, 3.0, size=(1009, self.n_vocab)).astype(np.float32)
+
+    def logits_after(self, context: Sequence[int]) -> np.ndarray:
+        own = super().logits_after(context)
+        return own + self.drift[len(context) % 1009] if (len(context) // 60) % 2 else own
+
+
+@pytest.mark.parametrize(("step", "per_token", "gain"), [(0.011, 0.004, 0.97), (0.0024, 0.00005, 1.15)])
+def test_the_chain_probes_out_of_sync_only_where_catching_up_is_cheap(clock: Clock, step: float, per_token: float,
+                                                                     gain: float) -> None:
+    """One long reply where lookup matches half the time. On the CPU's costs (a draft step about a target step,
+    reading a token it sat out ~0.4 of one) the model sits out, and a due probe used to catch up on every token
+    since it last drafted (the first, forced after 4 intervals, cost 64 rounds' tokens: 0.83x lookup alone). Now
+    the first such catch-up measures its price and later probes wait for the model to be current: within 3% of
+    lookup alone. On a GPU's costs the model pays and the chain beats lookup as before."""
+    seconds = {}
+    for drafter in ("lookup", "chain"):
+        target = Wandering(clock, 0.011, 0.006, vocab=96, seed=3, n_ctx=4096)
+        draft = Wandering(clock, step, per_token, vocab=96, seed=3, noise=0.4, n_ctx=4096)
+        quote = target.greedy([11, 17], 30)
+        prompt = np.random.default_rng(7).integers(0, 96, 40).tolist() + [11, 17, *quote, 3, 5, 11, 17]
+        engine = Engine(target, draft)
+        gen = collect(engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain(), drafter=drafter), 1500))
+        assert gen.tokens == target.greedy(prompt, 1500)
+        seconds[drafter] = gen.done.stats.decode_s
+    assert seconds["lookup"] >= gain * seconds["chain"], seconds
+
+
 # The H200's measured costs (the card pair: a Qwen3-32B-shaped Q4_K_M target, a Qwen3-0.6B-shaped Q8_0 draft): the
 # target's verify seconds at each constant width, and the draft model's steady step.
 H200_VERIFY = {1: 0.01305, 2: 0.01377, 3: 0.01664, 4: 0.01990, 5: 0.02160, 6: 0.02448, 7: 0.02728, 8: 0.02989}
@@ -174,7 +187,7 @@ def test_the_chain_drafts_with_the_model_on_the_h200s_costs() -> None:
     length = DraftLength(chain(), cost, padded=True)
 
     def chained(lag: int):
-        n = length.extension(0, 6, in_sync=lag <= 1)
+        n = length.extension(0, 6, in_sync=lag <= 1, lag=lag)
         return n, length.verify_width(7, n), length
 
     chain_speed = simulate(chained, 400, 0.85)

@@ -22,7 +22,7 @@ class ChainDrafter:
         self.models = model.models
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
-        return self.model.begin(req, prompt)
+        return self.lookup.begin(req, prompt) + self.model.begin(req, prompt)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         found = self.lookup.draft(jobs)
@@ -35,7 +35,8 @@ class ChainDrafter:
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
         if req.length is None:  # no policy to ask: all of the rest
             return k - looked_up
-        return req.length.extension(looked_up, k, in_sync=self.model.lag(req) <= 1)
+        lag = self.model.lag(req)
+        return req.length.extension(looked_up, k, in_sync=lag <= 1, lag=lag)
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # draft-ahead bets on the model's own drafts: not here

@@ -1,0 +1,165 @@
+"""Prompt lookup's per-round host work (issue #19): an n-gram index extended by the committed tokens answers as a
+rescan of the whole context would, and while the stream's cost model judges lookup's tokens a loss a round does no
+search at all. The output stays plain greedy either way (the fast lane's fakes, a fake clock for the costs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from helpers_fake import Clock, TimedFake
+
+from localspec.config import load_preset
+from localspec.drafters import lookup as lookup_drafter
+from localspec.drafters.base import DraftRequest
+from localspec.drafters.lookup import LookupDrafter, NgramIndex
+from localspec.engine import Engine, collect
+from localspec.events import GenerationStats
+from localspec.policies import DraftCost, DraftLength
+
+GREEDY = load_preset("greedy")
+
+
+def rescan(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """The reference: try every n from the longest down and every earlier end position from the latest back,
+    comparing token lists (no index, no hashing)."""
+    end = len(tokens) - 1
+    if k <= 0:
+        return []
+    for n in range(n_max, n_min - 1, -1):
+        for e in range(end - 1, n - 2, -1):
+            if list(tokens[e - n + 1 : e + 1]) == list(tokens[end - n + 1 : end + 1]) and end - n + 1 >= 0:
+                return [tokens[e + 1 + i % (end - e)] for i in range(k)]
+    return []
+
+
+@pytest.mark.parametrize(("n_min", "n_max", "vocab"), [(3, 8, 4), (1, 4, 3), (2, 2, 6), (1, 12, 2), (5, 9, 3)])
+def test_the_index_answers_as_a_rescan_while_the_context_grows(n_min: int, n_max: int, vocab: int) -> None:
+    """Tokens arrive in rounds of 1..8 (a round's accepted drafts and the target's token); after each, the index
+    extended by them gives what a rescan of the whole context gives, for several k."""
+    rng = np.random.default_rng(n_min * 100 + n_max)
+    for _ in range(20):
+        tokens = rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist()
+        index = NgramIndex(n_min, n_max)
+        while len(tokens) < 120:
+            index.extend(tokens)
+            for k in (1, 3, 7):
+                assert index.continuation(tokens, k) == rescan(tokens, n_min, n_max, k), (tokens, k)
+            tokens += rng.integers(0, vocab, size=int(rng.integers(1, 9))).tolist()
+
+
+def request(seq: int, tokens: list[int], length: DraftLength | None = None, **drafting: object) -> DraftRequest:
+    settings = dataclasses.replace(GREEDY.draft, drafter="lookup", **drafting)  # type: ignore[arg-type]
+    return DraftRequest(seq, tokens, GREEDY.sampling, settings, GenerationStats(), length=length)
+
+
+def test_a_new_request_in_the_slot_starts_a_fresh_index() -> None:
+    """The same sequence id with another context (the next request; another of the same length; other n-gram
+    settings): nothing of the last one's index is reused."""
+    drafter = LookupDrafter()
+    first = request(0, [1, 2, 3, 9, 9, 1, 2, 3])
+    assert drafter.propose(first, 2).tokens == [9, 9]
+    second = request(0, [1, 2, 3, 7, 7, 1, 2, 3])  # begin not called: a new request still starts afresh
+    assert drafter.propose(second, 2).tokens == [7, 7]
+    drafter.begin(second, second.tokens)
+    second.tokens[3:5] = [5, 5]  # (only the loop's begin replaces the tokens in place: begin forgets the index)
+    assert drafter.propose(second, 2).tokens == [5, 5]
+    trigrams = request(0, [4, 1, 2, 6, 9, 1, 2, 7, 4, 1, 2], lookup_min=3, lookup_max=3)
+    assert drafter.propose(trigrams, 3).tokens == [6, 9, 1]  # "4 1 2"
+    bigrams = request(0, trigrams.tokens, lookup_min=2, lookup_max=2)
+    assert drafter.propose(bigrams, 3).tokens == [7, 4, 1]  # the latest "1 2"
+    assert drafter.propose(request(1, [3, 3, 3, 3]), 2).tokens == [3, 3]  # another slot beside it
+
+
+def test_lookup_does_not_search_while_its_tokens_are_a_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply whose lookup matches are wrong (a prompt of random tokens: every token has occurred) on a machine
+    where a wider verify costs far more than a narrow one: once the cost model judges lookup's tokens a loss, most
+    rounds do not search (only probes and a periodic re-judgement do), and the output is plain greedy."""
+    clock = Clock()
+    monkeypatch.setattr("localspec.engine.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    searches: list[int] = []
+    original = NgramIndex.continuation
+
+    def counted(self: NgramIndex, tokens: Sequence[int], k: int) -> list[int]:
+        searches.append(len(tokens))
+        return original(self, tokens, k)
+
+    monkeypatch.setattr(lookup_drafter.NgramIndex, "continuation", counted)
+    target = TimedFake(clock, 0.001, 0.004, vocab=64, seed=5, n_ctx=1024)
+    prompt = np.random.default_rng(2).integers(0, 64, size=300).tolist()
+    engine = Engine(target, None)
+    settings = dataclasses.replace(GREEDY.draft, n_draft=6, drafter="lookup", lookup_min=1, lookup_max=2)
+    gen = collect(engine.generate(prompt, GREEDY.sampling, settings, 100))
+    assert gen.tokens == target.greedy(prompt, 100)
+    cost = engine.slots[0].policies[(settings, True)].cost
+    assert cost.lookup_off  # (the premise: judged a loss)
+    assert len(searches) < 0.25 * gen.stats.rounds  # (every round searched before), (len(searches), gen.stats.rounds)
+    # Backed off, lookup costs no verify width either: most rounds verify one token.
+    assert gen.stats.drafted < 0.3 * gen.stats.rounds
+
+
+def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None:
+    """`lookup_wanted`: every round while lookup pays; backed off, only when its probe is due (then every round
+    until a match is proposed), right after it and every EPOCH rounds."""
+    length = DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter="lookup"), DraftCost(6))
+    assert [length.lookup_wanted() for _ in range(5)] == [True] * 5  # nothing judged yet
+    for _ in range(8):  # lookup's tokens always wrong, a wide verify dear
+        length.observe(6, 0, 0.0, 0.030, 7, looked_up=6)
+        length.observe(0, 0, 0.0, 0.010, 1)
+    assert length.lookup_length(6, 6) == 0 and length.cost.lookup_off
+    wanted = [length.lookup_wanted() for _ in range(DraftCost.PROBE_FIRST + 4)]
+    due = DraftCost.PROBE_FIRST - 2  # the cut match above counted as the first idle round
+    assert wanted == [False] * due + [True] * (len(wanted) - due)  # due: it searches until a match probes
+    assert length.lookup_length(6, 6) == 6  # the probe
+    interval = 2 * DraftCost.PROBE_FIRST
+    later = [length.lookup_wanted() for _ in range(interval + 8)]
+    # Backed off again: it searches to judge again right after the probe and every EPOCH rounds, and when the next
+    # (later) probe is due.
+    assert later == [i % DraftLength.EPOCH == 0 for i in range(interval - 1)] + [True] * 9
+
+
+def lookup_length(drafter: str = "lookup") -> DraftLength:
+    return DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter), DraftCost(6))
+
+
+def test_lookup_is_measured_before_it_is_judged() -> None:
+    """The chain's draft model warms up first, and its slow first verify of 3 tokens made a line on which lookup's 6
+    tokens, judged at its prior acceptance, looked a loss: backed off for a probe interval on text it copies (the
+    CPU demo pair's JSON reformat: 13 rounds). Its first matches are proposed whole, to measure it."""
+    length = lookup_length("chain")
+    length.observe(0, 0, 0.0, 0.040, 1)
+    length.observe(2, 0, 0.080, 0.140, 3, first_s=0.040)  # the model's warm-up: cold, slow
+    assert length.cost.best_lookup(6, 6) == 0  # (the premise: on these costs and its prior, a loss)
+    assert [length.lookup_length(6, 6) for _ in range(DraftLength.WARMUP)] == [6] * DraftLength.WARMUP
+    for _ in range(DraftLength.WARMUP):
+        length.observe(6, 6, 0.0, 0.090, 7, looked_up=6)
+    assert length.lookup_length(6, 6) == 6  # measured right every time, at a fair cost: it pays
+
+
+def test_a_match_cut_short_is_proposed_whole_every_epoch() -> None:
+    """A wide verify measured once in a slow moment is never measured again if lookup is cut short of it: every
+    EPOCH rounds in a row that cut it, the whole match is proposed (a fresh measurement of the width)."""
+    length = lookup_length()
+    length.observe(0, 0, 0.0, 0.040, 1)
+    length.observe(3, 3, 0.0, 0.100, 4, looked_up=3)
+    length.observe(6, 6, 0.0, 0.330, 7, looked_up=6)  # a slow moment
+    cut = [length.lookup_length(6, 6) for _ in range(DraftLength.EPOCH)]
+    assert cut[:-1] == [cut[0]] * (DraftLength.EPOCH - 1) and 0 < cut[0] < 6 and cut[-1] == 6
+    for _ in range(10):
+        length.observe(6, 6, 0.0, 0.150, 7, looked_up=6)  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
+    assert length.lookup_length(6, 6) == 6
+
+
+def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
+    """Near max_tokens a round has room for one token, where a wider verify may not pay: that says nothing of the
+    next generation's full rounds, which still search."""
+    length = lookup_length()
+    length.observe(0, 0, 0.0, 0.040, 1)
+    for _ in range(3):
+        length.observe(6, 6, 0.0, 0.110, 7, looked_up=6)
+    length.observe(1, 1, 0.0, 0.085, 2, looked_up=1)
+    assert length.lookup_length(1, 1) == 0 and not length.cost.lookup_off
+    assert length.lookup_wanted() and length.lookup_length(6, 6) == 6
