@@ -9,12 +9,15 @@ greedy reply said "... New Haven col plagued ..." (" col" from the other request
 
 from __future__ import annotations
 
+import os
 import threading
 
 import llama_cpp
 import pytest
 
 from localspec.llama_ctx import LlamaModel
+from tests.test_serve import Server
+from tests.test_serve_llama import alone_and_together
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +83,33 @@ def test_two_threads_detokenizing_at_once_each_read_their_own_text(model):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert wrong == []
+
+
+# Put in the server's process as sitecustomize: a thread that has just turned a token into text is descheduled
+# for a moment before it reads it, as on a loaded box (where the serve test failed 5 of 20 times).
+DESCHEDULED = """
+import time
+import llama_cpp
+_real = llama_cpp.llama_token_to_piece
+def _descheduled(*args):
+    n = _real(*args)
+    time.sleep(0.0005)
+    return n
+llama_cpp.llama_token_to_piece = _descheduled
+"""
+
+
+def test_a_two_slot_server_descheduled_after_each_piece_still_gives_each_reply_its_own_text(demo_home, tmp_path,
+                                                                                           monkeypatch):
+    """The serve test's two requests at once, on a server whose threads pause inside every token-to-text call:
+    without a buffer per call, each run's replies held the other prompt's words (3 of 3)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DESCHEDULED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    server = Server(demo_home, tmp_path, "--pair", "demo-chat", "--parallel", "2")
+    try:
+        got, alone = alone_and_together(server)
+    finally:
+        server.stop()
+    assert got == {0: alone[0], 1: alone[1]}
