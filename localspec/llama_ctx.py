@@ -517,7 +517,6 @@ class LlamaModel:
         self._seq = np.zeros(n_batch, dtype=np.int32)  # what each batch entry's seq_id holds (set only on change)
         for i in range(n_batch):
             self._batch.seq_id[i][0] = 0
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.decodes = 0  # llama_decode calls so far, each one ubatch
         self.replans = 0  # of them, those llama.cpp was made to plan afresh before (`_decode`)
         self._dirty_plan: tuple[int, ...] | None = None  # the last graph's layout, if its plan had freed sampler nodes
@@ -892,12 +891,15 @@ class LlamaModel:
         return frozenset(t for t in texts if t)
 
     def piece(self, token: int, special: bool = False) -> bytes:
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        """The token's text. Called from several threads at once (the server's engine thread emitting tokens, its
+        event loop detokenizing), so each call has a buffer of its own: with one per model, llama.cpp could write
+        one thread's text into it between another's call and its read (tests/test_piece_threads.py)."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 256, 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
-            return buf.raw[:n]
-        return self._piece_buf.raw[:n]
+        return buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         """`special`: control tokens as their text (`<|im_start|>`), as llama-server's /detokenize shows them."""

@@ -341,6 +341,14 @@ def test_infill_on_a_model_without_fim_tokens_is_a_clear_400(server):
 def test_concurrent_native_and_openai_requests_get_what_each_gets_alone(server):
     """The native route runs through the same slots: two at once (one pinned) give what each gives alone."""
     server.wait_idle()
+    got, alone = alone_and_together(server)
+    assert got == {0: alone[0], 1: alone[1]}
+
+
+def alone_and_together(server: Server) -> tuple[dict[int, str], list[str]]:
+    """Two greedy native requests, each alone, then both at once pinned to slots 0 and 1: (together by slot,
+    alone). Each reply's `prompt` field is detokenized on the event loop while the other reply's tokens become text
+    on the engine thread (tests/test_piece_threads.py)."""
     alone = [post(server, "/completion", {"prompt": p, "n_predict": N, "temperature": 0}).json()["content"]
              for p in (PROMPT, "Once upon a time")]
     got: dict[int, str] = {}
@@ -356,7 +364,7 @@ def test_concurrent_native_and_openai_requests_get_what_each_gets_alone(server):
     for t in threads:
         t.join(timeout=600)
     assert time.monotonic() - t0 < 600
-    assert got == {0: alone[0], 1: alone[1]}
+    return got, alone
 
 
 # -- n > 1 ---------------------------------------------------------------------------------------------------
