@@ -275,26 +275,27 @@ class DraftCost:
             return True
         return False
 
-    def probe(self, room: int, in_sync: bool, lag: int | None = None) -> int:
+    def probe(self, room: int, lag: int = 1) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
-        the committed tokens the model's cells lack (None: unknown), which a probe out of sync reads first."""
+        the committed tokens the model's cells lack (1 when in sync: the next draft feeds cur), which a probe out of
+        sync reads first."""
         self.idle += 1
         if self.idle < self.interval:
             return 0
-        if not in_sync:
+        if lag > 1:
             if self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
                 return 0
-            self._probe_lag = lag or 0
+            self._probe_lag = lag
         self.idle = 0
         self.interval = min(2 * self.interval, self.PROBE_MAX)
         return min(room, self.PROBE)
 
-    def _catch_up_affordable(self, lag: int | None) -> bool:
+    def _catch_up_affordable(self, lag: int) -> bool:
         """Whether reading `lag` tokens first (at the measured `catch_up_s` a token) costs at most CATCH_UP_SHARE of
         the rounds the probe waited (each at least a one-token verify). On the 2-core CPU the draft model reads a
         token in about a fifth of a target step and a round commits several: a probe that caught up on 64 rounds
         cost ~1 s, several rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
-        if lag is None or self.catch_up_s is None or not self.verify_s:
+        if self.catch_up_s is None or not self.verify_s:
             return True  # (unmeasured: the first such probe measures it)
         return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * float(self._table().verify[1])
 
@@ -348,7 +349,7 @@ class DraftLength:
             self._decided = self.rounds
             self.k = self._choose()
         if self.k == 0:
-            return self.cost.probe(self.k_max, in_sync=True)
+            return self.cost.probe(self.k_max)
         return self.k
 
     def _choose(self) -> int:
@@ -406,10 +407,10 @@ class DraftLength:
         cost.lookup_idle += 1
         return judge
 
-    def extension(self, looked_up: int, k: int, in_sync: bool, lag: int | None = None) -> int:
+    def extension(self, looked_up: int, k: int, lag: int = 1) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts.
-        `in_sync`: the draft model's cells hold the committed tokens (a probe now costs no catching up); `lag`:
-        how many they lack (a probe out of sync waits while catching up would cost too much)."""
+        `lag`: how many committed tokens the draft model's cells lack (1: in sync, a probe costs no catching up;
+        more: a probe out of sync waits while catching up would cost too much)."""
         room = k - looked_up
         if room <= 0:
             return 0
@@ -419,7 +420,7 @@ class DraftLength:
         if n:
             self.cost.pays()
             return n
-        return self.cost.probe(room, in_sync, lag)
+        return self.cost.probe(room, lag)
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)

@@ -187,7 +187,7 @@ def test_the_chain_drafts_with_the_model_on_the_h200s_costs() -> None:
     length = DraftLength(chain(), cost, padded=True)
 
     def chained(lag: int):
-        n = length.extension(0, 6, in_sync=lag <= 1, lag=lag)
+        n = length.extension(0, 6, lag=lag)
         return n, length.verify_width(7, n), length
 
     chain_speed = simulate(chained, 400, 0.85)

@@ -115,7 +115,7 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
         chooser = _DraftLength(drafting(6, 0.0, False))
         got = []
         for _ in range(40):
-            n = chooser.extension(2, 6, in_sync=True)
+            n = chooser.extension(2, 6)
             got.append(n)
             chooser.observe(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, looked_up=2)
         assert got[:_DraftLength.WARMUP] == [DraftCost.PROBE] * _DraftLength.WARMUP  # measure first
@@ -142,7 +142,7 @@ def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
     used = []
     for i in range(1200):
         step = 0.017 if i < 200 else 0.0005  # the box was loaded; now it is not
-        n = chooser.extension(0, 6, in_sync=True)
+        n = chooser.extension(0, 6)
         used.append(n)
         chooser.observe(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1)
     off = used[_DraftLength.WARMUP:200]
@@ -157,10 +157,10 @@ def test_a_due_probe_waits_for_the_draft_model_to_be_current():
     """A probe after a long pause would make the draft model read every token since: it waits for a round where
     its cells are current (up to 4 intervals)."""
     cost = DraftCost(6)
-    waited = [cost.probe(6, in_sync=False) for _ in range(4 * DraftCost.PROBE_FIRST)]
+    waited = [cost.probe(6, lag=2) for _ in range(4 * DraftCost.PROBE_FIRST)]
     assert waited == [0] * (4 * DraftCost.PROBE_FIRST - 1) + [DraftCost.PROBE]
     cost = DraftCost(6)
-    soon = [cost.probe(6, in_sync=True) for _ in range(DraftCost.PROBE_FIRST)]
+    soon = [cost.probe(6) for _ in range(DraftCost.PROBE_FIRST)]
     assert soon[-1] == DraftCost.PROBE and soon.count(0) == DraftCost.PROBE_FIRST - 1
 
 

@@ -35,8 +35,7 @@ class ChainDrafter:
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
         if req.length is None:  # no policy to ask: all of the rest
             return k - looked_up
-        lag = self.model.lag(req)
-        return req.length.extension(looked_up, k, in_sync=lag <= 1, lag=lag)
+        return req.length.extension(looked_up, k, lag=self.model.lag(req))
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # draft-ahead bets on the model's own drafts: not here
