@@ -10,6 +10,10 @@
 #      through its chat template. The synthetic target's text never repeats itself (its tokens are noise), so
 #      prompt lookup finds nothing to propose there: its speed-up on replies that quote the prompt needs a real
 #      model. A small one fits a call's carry (SmolLM2-135M-Instruct Q4_1, 98 MB, carried in parts over two calls).
+#   2b. the same real GGUF embedded in the card's shapes and quant types (bench/embed.py --size SPEAKS_SIZE: a
+#      32B-cost target and a 0.6B-cost draft that write the real model's language): each of SPEAKS_DRAFTERS on each
+#      of SPEAKS_SETS (a shipped set, or one prompt of one by name) through the chat template (lookup with --draft
+#      none: lookup alone)
 #   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
 #      only, on draft and target, plain (each under full and device-candidate rows); logprobs on and off
 #   4. the model drafter before and after the drafter seam (issue #19): the first card run's pair (COMPARE_NOISE,
@@ -23,7 +27,9 @@
 #   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
 #   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
 #   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
-#   BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
+#   SPEAKS_SIZE [card32b]  SPEAKS_DRAFTERS ["lookup model chain"]  SPEAKS_SETS ["lookup shipped code-edit"]
+#   SPEAKS_ARGS (more bench arguments there)
+#   SKIP_SPEAKS  BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
 # A CPU dry run (card-tiny models in WORK/models, this machine's llama_cpp):
 #   CARRIED_PY=0 CARD_SIZE=card-tiny BENCH_ARGS="--threads 1" N_PREDICT=32 REPEAT=1 WARMUP=1 bash bench/gpu/drafters.sh
 set -uo pipefail
@@ -49,6 +55,9 @@ ADAPTIVE_NOISES="${ADAPTIVE_NOISES-0.013 0.03}"
 ADAPTIVE_TEMPS="${ADAPTIVE_TEMPS:-0 0.7}"
 ADAPTIVE_ARGS="${ADAPTIVE_ARGS:---adaptive}"
 ADAPTIVE_REPEAT="${ADAPTIVE_REPEAT:-3}"
+SPEAKS_SIZE="${SPEAKS_SIZE:-card32b}"
+SPEAKS_DRAFTERS="${SPEAKS_DRAFTERS:-lookup model chain}"
+SPEAKS_SETS="${SPEAKS_SETS:-lookup shipped code-edit}"
 # the vocabulary the card pair was written with (run.sh's default)
 if [[ "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-${CARRY:-$HERE/carry}/ggml-vocab-qwen2.gguf}"; else VOCAB="${VOCAB:-}"; fi
 MODELS="$WORK/models"
@@ -113,6 +122,36 @@ if [[ "${SKIP_REAL:-0}" != 1 ]]; then
         done
     else
         log "SKIP the real model: no $REAL_TARGET"
+    fi
+fi
+
+# -- 2b. the card's costs, real language: the real model embedded in the card's shapes (bench/embed.py) ------------
+# A Qwen3-32B-shaped Q4_K_M target and a Qwen3-0.6B-wide Q8_0 draft that compute REAL_TARGET's model exactly (up
+# to requantisation): lookup, the model drafter and the chain on text a language model writes, at the card's costs.
+if [[ "${SKIP_SPEAKS:-0}" != 1 ]]; then
+    speaks_target="$MODELS/speaks-$SPEAKS_SIZE-target.gguf" speaks_draft="$MODELS/speaks-$SPEAKS_SIZE-draft.gguf"
+    if [[ -f "$REAL_TARGET" && ! ( -f "$speaks_target" && -f "$speaks_draft" ) ]]; then
+        run "write-speaks-$SPEAKS_SIZE" 150 python3 "$REPO/bench/embed.py" --size "$SPEAKS_SIZE" --source "$REAL_TARGET" \
+            --out "$MODELS" --prefix "speaks-$SPEAKS_SIZE-" > "$DRES/write-speaks.log" 2>&1
+    fi
+    if [[ -f "$speaks_target" && -f "$speaks_draft" ]]; then
+        for set in $SPEAKS_SETS; do
+            prompts="$set"
+            if [[ "$set" != shipped && "$set" != lookup ]]; then  # one prompt of a shipped set, alone
+                prompts="$DRES/prompt-$set.jsonl"
+                python3 -c "import json, sys; from localspec.bench import PROMPT_SETS
+texts = {name: text for prompts in PROMPT_SETS.values() for name, text in prompts}
+print(json.dumps({'prompt': texts[sys.argv[1]]}))" "$set" > "$prompts" || { log "no shipped prompt $set"; continue; }
+            fi
+            for d in $SPEAKS_DRAFTERS; do
+                if [[ "$d" == lookup ]]; then model=(--draft none); else model=(--draft "$speaks_draft" --draft 6); fi
+                # shellcheck disable=SC2086  # SPEAKS_ARGS is a word list on purpose
+                bench "$DRES/speaks-$set-$d.json" 40 --target "$speaks_target" "${model[@]}" --drafter "$d" \
+                    --prompts "$prompts" ${SPEAKS_ARGS:-}
+            done
+        done
+    else
+        log "SKIP the embedded pair: no $REAL_TARGET to embed"
     fi
 fi
 
