@@ -100,21 +100,22 @@ if [[ "${SKIP_DRAFTERS:-0}" != 1 ]]; then
 fi
 
 # -- 2. prompt lookup on a real model --------------------------------------------------------------------------
-if [[ "${SKIP_REAL:-0}" != 1 ]]; then
-    if [[ ! -f "$REAL_TARGET" && -n "$REAL_PARTS" ]]; then
-        missing=0; for p in $REAL_PARTS; do [[ -f "$p" ]] || missing=1; done
-        if (( missing )); then
-            log "REAL_PARTS: not all here yet ($REAL_PARTS)"
+# (the file is made from its parts whether or not this step runs: step 2b embeds it)
+if [[ ! -f "$REAL_TARGET" && -n "$REAL_PARTS" ]]; then
+    missing=0; for p in $REAL_PARTS; do [[ -f "$p" ]] || missing=1; done
+    if (( missing )); then
+        log "REAL_PARTS: not all here yet ($REAL_PARTS)"
+    else
+        # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
+        cat $REAL_PARTS > "$REAL_TARGET.tmp"
+        if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
+            log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
         else
-            # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
-            cat $REAL_PARTS > "$REAL_TARGET.tmp"
-            if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
-                log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
-            else
-                mv "$REAL_TARGET.tmp" "$REAL_TARGET"
-            fi
+            mv "$REAL_TARGET.tmp" "$REAL_TARGET"
         fi
     fi
+fi
+if [[ "${SKIP_REAL:-0}" != 1 ]]; then
     if [[ -f "$REAL_TARGET" ]]; then
         for set in $SETS; do
             bench "$DRES/real-$set-lookup.json" 20 --target "$REAL_TARGET" --draft none --drafter lookup \
