@@ -193,3 +193,34 @@ def test_fitted_bets_keep_the_targets_distribution(gated, monkeypatch: pytest.Mo
                     joint[(a, b, c, d)] = pa * pb * pc * pd
     assert kept > 200 and turns["n"] > 200
     assert chi_square(counts, joint) < 124.8  # 80 degrees of freedom, the 99.9th percentile
+
+
+class SlowDraft(FakeModel):
+    """A draft whose every decode takes at least `seconds` (a sleep): a draft-ahead outlasts the fake's verify."""
+
+    def __init__(self, seconds: float, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.seconds = seconds
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        time.sleep(self.seconds)
+        return super().decode_many(items)
+
+
+@pytest.mark.parametrize("ahead_length", ["full", "fit"])
+def test_the_loop_tells_the_cost_model_what_the_bets_cost(ahead_length: str) -> None:
+    """What the cost model's bet terms are measured from reaches it through the real loop: each draft-ahead's
+    decodes and seconds (a decode beside the verify: at least the draft's 4 ms), the wait after the verify (the
+    fake's verify takes microseconds, so the loop waits and the thread's lag is measured), and the bets that could
+    come true and did (the lag needs one round in which the loop waited, which a draft decode of 4 ms beside a
+    verify of microseconds makes every round). Bounds only from below: a busy machine makes a sleep longer."""
+    target, draft = FakeModel(seed=3), SlowDraft(0.004, seed=3, noise=0.3)
+    engine = Engine(target, draft, draft_ahead=True)
+    gen = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, ahead_length), 40))
+    engine.close()
+    assert gen.tokens == target.greedy(list(range(8)), 40)
+    cost = next(iter(engine.slots[0].policies.values())).cost
+    assert cost.ahead_fit is (ahead_length == "fit")
+    assert cost.ahead_step_s is not None and cost.ahead_step_s >= 0.004
+    assert cost.ahead_lag_s is not None and cost.ahead_lag_s >= 0.0
+    assert gen.stats.ahead_kept > 0 and cost.bets >= gen.stats.ahead_kept and cost.bets_kept >= 1
