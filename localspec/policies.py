@@ -146,13 +146,14 @@ class DraftCost:
         self._probe_lag = 0
         if wait_s is not None and self._ahead_s is not None:
             # Waited: the ahead thread ended `wait_s` after the verify, so it lagged wait + verify - its decodes.
-            # Not waited: it ended before the verify did, which bounds the lag from above.
+            # Not waited: it ended before the verify did, which bounds the lag from above (a bound from one noisy
+            # round moves the figure a step towards it, as a measurement does).
             lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._ahead_s)
+            old = self.ahead_lag_s
             if wait_s > self.WAITED:
-                old = self.ahead_lag_s
                 self.ahead_lag_s = lag if old is None else (1 - self.EMA) * old + self.EMA * lag
-            elif self.ahead_lag_s is not None:
-                self.ahead_lag_s = min(self.ahead_lag_s, lag)
+            elif old is not None:
+                self.ahead_lag_s = (1 - self.EMA) * old + self.EMA * min(old, lag)
         self._ahead_s = None
         self._observe_verify(width, verify_s)
 
