@@ -125,6 +125,9 @@ class Drafting:
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
     lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first
+    # Draft-ahead's bet: "full" drafts the whole next round beside the verify; "fit" only what the cost model says
+    # fits in it, stopping when the verify ends, the rest drafted (or not) by cost in the next round (policies).
+    ahead_length: str = field(metadata={"kind": str, "choices": ("full", "fit")})
 
     def __post_init__(self) -> None:
         if self.lookup_min > self.lookup_max:

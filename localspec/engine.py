@@ -79,6 +79,7 @@ class _Verdict:
     width: int  # the verify batch's width
     # with logprobs: each emitted token's logprob and the best alternatives (sampling.token_logprobs)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    ahead_wait_s: float | None = None  # the wait after the verify for the draft-ahead beside it (None: none ran)
 
 
 _NOTHING = _Verdict([], 0, [], 0)
@@ -352,7 +353,7 @@ class Engine:
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
-                              proposal.looked_up, proposal.first_s)
+                              proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s)
             stats = s.stats
             stats.draft_s += proposal.seconds
             stats.verify_s += verify_s
@@ -492,8 +493,10 @@ class Engine:
             scores = self.target.decode_many(items)
             spent = time.perf_counter() - t
             t = time.perf_counter()
+        wait: float | None = None
         if overlapping:  # the block's exit waited for the draft-ahead beside the verify to finish
-            live[0].stats.ahead_wait_s += time.perf_counter() - t
+            wait = time.perf_counter() - t
+            live[0].stats.ahead_wait_s += wait
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
             # A constrained row may be decoded again (`_accept_constrained`) into the buffer full rows still view.
             scores = [r.with_logits(r.logits.copy()) if r is not None and r.full and r.logits is not None
@@ -514,6 +517,8 @@ class Engine:
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
                 verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
                                                                  for i, t in enumerate(verdict.emitted)])
+            if wait is not None:
+                verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
             verdicts.append(verdict)
         return verdicts, spent
 

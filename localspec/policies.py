@@ -74,9 +74,19 @@ class DraftCost:
         self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
         self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
         self._steps: deque[float] = deque(maxlen=self.STEPS)
-        # The share of model rounds drafted ahead (beside the last verify: no draft steps on the critical path);
-        # a round's draft steps cost that much less on average, which long drafts earn most.
+        # The share of model tokens drafted ahead (beside the last verify: no draft steps on the critical path);
+        # a round's draft steps cost that much less on average, which long drafts earn most. (Until the bet model
+        # below has measured a draft-ahead: then it replaces this average.)
         self.ahead = 0.0
+        # Draft-ahead's bet model (`_ahead_terms`): a bet is kept when every draft was accepted (S(k)) and the
+        # draft's argmax guess of the target's own token came true (`guess_rate`, measured over the bets that
+        # could: their round accepted every draft); a decode beside the verify costs `ahead_step_s` (contended);
+        # the ahead thread ends `ahead_lag_s` later than its decodes alone would beside a verify that starts with
+        # it (thread start, the GIL: on the H200 2.3 ms), so the loop waits max(0, lag + decodes x step - verify).
+        self.bets, self.bets_kept = 0.0, 0.0
+        self.ahead_step_s: float | None = None
+        self.ahead_lag_s: float | None = None
+        self._ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_ahead`), for the lag
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
@@ -90,12 +100,15 @@ class DraftCost:
         self.catch_up_s: float | None = None
         self._probe_lag = 0
         self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
+        self.ahead_fit = False  # the stream drafts ahead only what fits beside the verify (`best_ahead`)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0, first_s: float | None = None) -> None:
+                looked_up: int = 0, first_s: float | None = None, ahead: int = 0,
+                wait_s: float | None = None) -> None:
         """One round: `drafted` tokens, the first `looked_up` from prompt lookup and the rest from the model (which
-        took `draft_s`, its first step `first_s`: None if unknown), of which `accepted` were; the verify of `width`
-        tokens took `verify_s`."""
+        took `draft_s`, its first step `first_s`: None if unknown; `ahead` of them were drafted beside the last
+        verify, off the path), of which `accepted` were; the verify of `width` tokens took `verify_s`, then the loop
+        waited `wait_s` for the draft-ahead beside it (None: none ran)."""
         self.rounds += 1
         self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
@@ -110,27 +123,94 @@ class DraftCost:
             self.tried[source][1 : tried + 1] += 1.0
             self.ok[source][1 : ok + 1] += 1.0
         from_model = drafted - looked_up
+        on_path = from_model - ahead  # the model's tokens drafted in this round, not beside the last verify
         if from_model > 0:
-            self.ahead = (1 - self.EMA) * self.ahead + self.EMA * (draft_s == 0.0)
-        if from_model > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
+            self.ahead = (1 - self.EMA) * self.ahead + self.EMA * (ahead / from_model)
+        if on_path > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
             # A step after the first: the first also reads what the model had not seen (a catch-up after sitting
             # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
             if first_s is None:
-                steady: float | None = draft_s / from_model
+                steady: float | None = draft_s / on_path
             else:
-                steady = (draft_s - first_s) / (from_model - 1) if from_model > 1 else None
+                steady = (draft_s - first_s) / (on_path - 1) if on_path > 1 else None
             # A step measured after a long pause (a probe) replaces the old figures: the machine may have changed.
             if self.rounds - self.last_model_round > self.DECAY:
                 self._steps.clear()
             if steady is not None or not self._steps:
-                self._steps.append(draft_s / from_model if steady is None else steady)
+                self._steps.append(draft_s / on_path if steady is None else steady)
             self.step_s = min(self._steps)
             self.model_rounds += 1
             self.last_model_round = self.rounds
             if self._probe_lag and first_s is not None:
                 self.catch_up_s = max(0.0, first_s - self.step_s) / self._probe_lag
         self._probe_lag = 0
+        if wait_s is not None and self._ahead_s is not None:
+            # Waited: the ahead thread ended `wait_s` after the verify, so it lagged wait + verify - its decodes.
+            # Not waited: it ended before the verify did, which bounds the lag from above (a bound from one noisy
+            # round moves the figure a step towards it, as a measurement does).
+            lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._ahead_s)
+            old = self.ahead_lag_s
+            if wait_s > self.WAITED:
+                self.ahead_lag_s = lag if old is None else (1 - self.EMA) * old + self.EMA * lag
+            elif old is not None:
+                self.ahead_lag_s = (1 - self.EMA) * old + self.EMA * min(old, lag)
+        self._ahead_s = None
         self._observe_verify(width, verify_s)
+
+    WAITED = 1e-4  # a wait shorter than this (s) is the ahead thread's bookkeeping, not a wait for its decodes
+
+    def observe_ahead(self, seconds: float, decodes: int, could_keep: bool, kept: bool) -> None:
+        """The draft-ahead beside this round's verify: `decodes` draft decodes in `seconds`; whether its bet could
+        come true (the round accepted every draft) and whether it did (the guess was the target's token too).
+        Told before the round's `observe`."""
+        self._tables = None
+        self._ahead_s = seconds
+        if decodes:
+            step, old = seconds / decodes, self.ahead_step_s
+            self.ahead_step_s = step if old is None else (1 - self.EMA) * old + self.EMA * step
+        if could_keep:
+            self.bets += 1.0
+            self.bets_kept += kept
+            if self.bets >= 2 * self.DECAY:  # the guess rate drifts with the text too
+                self.bets, self.bets_kept = self.bets / 2, self.bets_kept / 2
+
+    @property
+    def guess_rate(self) -> float:
+        """P(the bet's guess of the target's own token is right | every draft was accepted)."""
+        return (self.bets_kept + self.PRIOR_WEIGHT * self.PRIOR["model"]) / (self.bets + self.PRIOR_WEIGHT)
+
+    def ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
+        """Expected seconds the loop waits after a verify of `verify_s` for a draft-ahead of `decodes` decodes
+        (0 before the thread's lag was measured)."""
+        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+        return np.maximum(0.0, lag + np.asarray(decodes) * step - np.asarray(verify_s))
+
+    def best_ahead(self, k: int, verify_s: float | None = None) -> int:
+        """How many of the next round's k drafts to make beside a verify (`ahead_length = "fit"`): the j in
+        0..k that minimises the wait for them plus the steps left to the round when its bet is kept,
+        wait(1 + j) + P(kept) x (k - j) x step (the longer on a tie); k until the costs are measured."""
+        if k <= 0 or self.ahead_step_s is None or self.ahead_lag_s is None or self.step_s is None:
+            return k
+        if verify_s is None:
+            verify_s = float(self.verify_costs(np.array([k + 1]))[0])
+        j = np.arange(k + 1)
+        kept = float(self.survival("model", k)[k]) * self.guess_rate
+        cost = self.ahead_wait(1 + j, verify_s) + kept * (k - j) * self.step_s
+        return int(k - np.argmin(cost[::-1]))
+
+    def best_continuation(self, ready: int, room: int, width: int = 0) -> int:
+        """A kept bet holds `ready` drafts of a round of ready + room: how many more to draft now, on the path
+        (0..room), for the fastest round: E(ready + n) / (verify + n steps); all of them until a step is
+        measured."""
+        if room <= 0:
+            return 0
+        if self.step_s is None or not self.verify_s:
+            return room
+        n = np.arange(room + 1)
+        expected = self._table().cumulative["model"][ready + n]
+        widths = np.maximum(width, ready + n + 1)
+        speeds = expected / (self.verify_costs(widths) + n * self.step_s)
+        return int(np.argmax(speeds))
 
     COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
 
@@ -207,8 +287,26 @@ class DraftCost:
         drafted = j + n
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
-        seconds = n * (self.step_s or 0.0) * (1 - self.ahead) + self.verify_costs(widths)
-        return expected / seconds
+        verify = self.verify_costs(widths)
+        if self.ahead_step_s is None:  # no draft-ahead measured: its share of the steps, on average
+            return expected / (n * (self.step_s or 0.0) * (1 - self.ahead) + verify)
+        return expected / (verify + self._ahead_terms(j, n, verify))
+
+    def _ahead_terms(self, looked_up: np.ndarray, n: np.ndarray, verify: np.ndarray) -> np.ndarray:
+        """Seconds a round of `n` model tokens adds to its verify when the model drafts ahead: the bet on it made
+        beside the last verify is kept with P = S(n) x guess rate (only where nothing was looked up: the model
+        alone drafts ahead), so its round drafts n - j tokens on the path (j: those the bet drafted; `ahead_fit`
+        fits j to the verify, else j = n) and n when it is thrown; plus the wait after the verify for the next
+        bet's 1 + j decodes. n = 0 is a plain step: nothing beside it."""
+        step = self.step_s or 0.0
+        kept = np.where(looked_up == 0, self._table().survival["model"][n] * self.guess_rate, 0.0)
+        n, verify = np.broadcast_arrays(n, verify)
+        ahead = n.copy()
+        if self.ahead_fit:
+            for (row, col), m in np.ndenumerate(n):
+                ahead[row, col] = self.best_ahead(int(m), float(verify[row, col]))
+        wait = np.where(n > 0, self.ahead_wait(1 + ahead, verify), 0.0)
+        return step * (n - kept * ahead) + wait
 
     def verify_costs(self, widths: np.ndarray) -> np.ndarray:
         """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
@@ -336,6 +434,8 @@ class DraftLength:
         self.chained = cfg.drafter == "chain"
         self.cost = cost if cost is not None else DraftCost(self.k_max)
         self.padded = padded  # the verify is padded to k + 1 (CUDA graphs): the draft's width costs nothing extra
+        self.ahead_fit = cfg.ahead_length == "fit"
+        self.cost.ahead_fit = self.ahead_fit
         self.k = self.k_max
         self.rounds = 0
         self._decided = 0
@@ -436,10 +536,24 @@ class DraftLength:
             self._narrow = True
         return 1 if self._narrow else wide
 
+    def ahead_length(self, k: int) -> int:
+        """How many of the next round's k drafts to make beside this verify: all of them, or with `ahead_length =
+        "fit"` what the cost model says fits (`DraftCost.best_ahead`; the drafter also stops when the verify
+        ends)."""
+        return self.cost.best_ahead(k) if self.ahead_fit else k
+
+    def continuation(self, ready: int, k: int) -> int:
+        """A kept bet holds `ready` of the round's k drafts: how many more the round drafts on the path."""
+        return self.cost.best_continuation(ready, k - ready, k + 1 if self.padded else 0)
+
+    def observe_ahead(self, seconds: float, decodes: int, could_keep: bool, kept: bool) -> None:
+        self.cost.observe_ahead(seconds, decodes, could_keep, kept)
+
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                looked_up: int = 0, first_s: float | None = None) -> None:
+                looked_up: int = 0, first_s: float | None = None, ahead: int = 0,
+                wait_s: float | None = None) -> None:
         self.rounds += 1
-        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s)
+        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s, ahead, wait_s)
 
 
 class LoadPolicy:

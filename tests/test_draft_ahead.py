@@ -38,6 +38,15 @@ class _Cycle:
     def observe(self, *measured: object) -> None:
         self.rounds += 1
 
+    def observe_ahead(self, *measured: object) -> None:
+        pass
+
+    def ahead_length(self, k: int) -> int:
+        return k  # (with ahead_length = "fit" the bet still stops when the verify ends)
+
+    def continuation(self, ready: int, k: int) -> int:
+        return k - ready  # a kept bet cut short drafts the rest: the sequential loop's proposal
+
 
 @pytest.fixture
 def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,15 +64,18 @@ def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
     (0.4, 1.0, 0.2, "fixed"),  # drafts that stop early
     (0.0, 1.0, 0.0, "changing"),
     (0.4, 1.0, 0.0, "changing"),
+    (0.0, 1.0, 0.0, "fit"),  # bets stop when the verify ends; a kept one cut short drafts the rest
+    (0.4, 1.0, 0.0, "fit"),
 ])
 def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: str, temperature: float,
                                                                repeat_penalty: float, p_min: float,
                                                                lengths: str) -> None:
     target, draft = request.getfixturevalue(pair)
-    if lengths == "changing":
+    if lengths in ("changing", "fit"):
         request.getfixturevalue("changing_length")
     preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=11)
-    drafting = dataclasses.replace(GREEDY.draft, n_draft=5, p_min=p_min, adaptive=False)
+    drafting = dataclasses.replace(GREEDY.draft, n_draft=5, p_min=p_min, adaptive=False,
+                                   ahead_length="fit" if lengths == "fit" else "full")
     kept = made = 0
     with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
         assert not s.engine.draft_ahead  # auto: both models on the CPU share one device
@@ -84,6 +96,26 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: st
     assert 0 < kept <= made
     if pair == "tiny_pair" or temperature > 0:
         assert kept < made
+
+
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])
+@pytest.mark.parametrize("n_draft", [3, 6])
+def test_fitted_draft_ahead_is_plain_greedy(request, pair: str, n_draft: int) -> None:
+    """`ahead_length = "fit"` through real llama.cpp contexts on the CPU: bets stop when the verify ends and the
+    cost model decides how many more a kept one drafts; the output is plain greedy decoding's, token for token."""
+    target, draft = request.getfixturevalue(pair)
+    preset = GREEDY.with_overrides(overlap="on", ahead_length="fit", n_draft=n_draft, seed=11)
+    assert preset.draft.ahead_length == "fit"
+    made = 0
+    with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
+        assert s.engine.draft_ahead
+        for prompt in prompts(3, seed=7):
+            plain = collect(s.engine.generate(prompt, preset.sampling, dataclasses.replace(preset.draft, n_draft=0),
+                                              48))
+            fitted = collect(s.engine.generate(prompt, preset.sampling, preset.draft, 48))
+            assert fitted.tokens == plain.tokens, prompt
+            made += fitted.stats.ahead_made
+    assert made > 0
 
 
 def test_overlap_setting_reaches_the_engine(tiny_pair) -> None:

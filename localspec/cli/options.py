@@ -144,6 +144,9 @@ drafter = _setting("drafter", "--drafter",
 adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "Choose the draft length (0..--draft) by measured cost: draft-step and verify seconds and the "
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)
+ahead_length = _setting("ahead_length", "--ahead-length",
+                        "Drafting ahead: the whole next round (full), or what fits beside the verify (fit).",
+                        panel=DRAFTING)
 lookup_min = _setting("lookup_min", "--lookup-min", "Prompt lookup: the shortest n-gram that counts as a match.",
                       panel=DRAFTING)
 lookup_max = _setting("lookup_max", "--lookup-max", "Prompt lookup: the longest n-gram it tries first.",
@@ -211,6 +214,7 @@ class RunOptions:
     rpc: str | None = None
     drafter: str | None = None
     adaptive: bool | None = None
+    ahead_length: str | None = None
     lookup_min: int | None = None
     lookup_max: int | None = None
 
@@ -239,7 +243,7 @@ _RUN_OPTIONS: dict[str, Any] = {
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
     "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
     "main_gpu": main_gpu, "draft_device": draft_device, "overlap": overlap, "rpc": rpc, "drafter": drafter,
-    "adaptive": adaptive, "lookup_min": lookup_min, "lookup_max": lookup_max,
+    "adaptive": adaptive, "ahead_length": ahead_length, "lookup_min": lookup_min, "lookup_max": lookup_max,
 }
 
 

@@ -36,6 +36,7 @@ class Proposal:
     # Of `seconds`, the draft model's first step: it also reads what the model had not seen (tokens committed while
     # it sat out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
     first_s: float = 0.0
+    ahead: int = 0  # how many of the tokens (the first ones) were drafted beside the last verify (a kept bet)
 
 
 NO_PROPOSAL = Proposal([])
@@ -78,7 +79,8 @@ class Drafter(Protocol):
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
         """Work to do while the target verifies `proposal` (the block is the verify). The loop asks only for a
         request alone in its round, and only when the drafter's models have a device of their own (draft-ahead:
-        bet on the verdict and draft the next `k_next` tokens)."""
+        bet on the verdict and draft the next `k_next` tokens, or with `ahead_length = "fit"` what fits beside the
+        verify: it stops when the block ends)."""
         ...
 
     def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:

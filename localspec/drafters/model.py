@@ -10,11 +10,18 @@ own next token is the draft's argmax there. The bet is kept only when it came tr
 same length; otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of
 its own that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft
 scores a token alone as it scores it in a batch, which localspec's losslessness already rests on).
+
+With `ahead_length = "fit"` the bet drafts only as many tokens as the cost model says fit beside the verify
+(`DraftLength.ahead_length`), and stops after the decode in flight when the verify ends: the loop need not wait for
+drafts it could make faster alone. A kept bet that holds fewer than k drafts goes on where it stopped, on the path
+(the same random stream, the same tokens the sequential loop would draft), for as many more as the cost model says
+pay (`DraftLength.continuation`); what is verified is still a proposal with its q, so exactness is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +45,8 @@ class _Ahead:
     q: list[Candidates] | None
     rng_state: dict  # the draft's random stream before them: a thrown bet gives its draws back
     seconds: float  # spent in the draft's decodes, beside the verify
+    decodes: int  # ... in this many decodes (the guess's and the drafts')
+    complete: bool  # its drafting ended on its own (k drafts, an unsure one, ...), not cut short to fit the verify
 
 
 @dataclass(eq=False)
@@ -51,6 +60,9 @@ class _Job:
     q: list[Candidates] | None = None
     seconds: float = 0.0
     first_s: float = 0.0  # the first step's share of `seconds`
+    decodes: int = 0
+    limit: int | None = None  # draft at most this many (a bet fitted to the verify), else k
+    cut: bool = False  # stopped by `limit` or the verify's end with more to draft
 
 
 class ModelDrafter:
@@ -89,7 +101,7 @@ class ModelDrafter:
             kept = self._kept.pop(req.seq, None)
             if kept is not None and len(jobs) == 1 and kept.k == k and not after:
                 req.stats.ahead_kept += 1
-                out[i] = Proposal(kept.drafts, kept.q, 0.0)
+                out[i] = self._go_on(req, kept)
                 continue
             if kept is not None:
                 self._throw(req, kept)
@@ -104,16 +116,23 @@ class ModelDrafter:
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> Iterator[None]:
         """Draft ahead in the worker thread for as long as the block (the verify) runs. llama.cpp releases the GIL
         inside each decode, so the two models compute at once. Whatever happens in the block, the draft model is
-        idle again when it ends."""
+        idle again when it ends. With `ahead_length = "fit"` it drafts what the cost model says fits and stops
+        after the decode in flight when the block ends."""
         if not (proposal.tokens and k_next > 0):
             yield
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
-        job = self._pending[req.seq] = self._worker.submit(self._draft_ahead, req, list(proposal.tokens), k_next)
+        fit = req.drafting.ahead_length == "fit"
+        verified = threading.Event() if fit else None
+        limit = req.length.ahead_length(k_next) if fit and req.length is not None else k_next
+        job = self._pending[req.seq] = self._worker.submit(self._draft_ahead, req, list(proposal.tokens), k_next,
+                                                           limit, verified)
         try:
             yield
         finally:
+            if verified is not None:
+                verified.set()
             with contextlib.suppress(Exception):  # its own error, if any, is raised by accept
                 job.result()
 
@@ -126,7 +145,11 @@ class ModelDrafter:
         if ahead is not None:
             req.stats.ahead_made += 1
             req.stats.ahead_s += ahead.seconds
-            if accepted == len(proposal.tokens) and req.tokens[-1] == ahead.guess:
+            could_keep = accepted == len(proposal.tokens)
+            keep = could_keep and req.tokens[-1] == ahead.guess
+            if req.length is not None:
+                req.length.observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
+            if keep:
                 self._kept[seq] = ahead
                 return
             self._rng[seq].bit_generator.state = ahead.rng_state  # its cells go with the rejected ones, below
@@ -150,8 +173,23 @@ class ModelDrafter:
 
     # -- inside -----------------------------------------------------------------------------------------------
 
-    def _draft(self, jobs: list[_Job]) -> None:
-        """Draft each job's tokens: one batched draft decode per step across the jobs still drafting."""
+    def _go_on(self, req: DraftRequest, kept: _Ahead) -> Proposal:
+        """The round a kept bet drafted: as it is, or (cut short to fit the verify) with as many more drafts as
+        pay, drafted now where the bet stopped."""
+        more = 0
+        if not kept.complete:
+            ready = len(kept.drafts)
+            more = req.length.continuation(ready, kept.k) if req.length is not None else kept.k - ready
+        if more <= 0:
+            return Proposal(kept.drafts, kept.q, 0.0, ahead=len(kept.drafts))
+        job = _Job(req, more, req.tokens + kept.drafts)
+        self._draft([job])
+        q = None if job.q is None else [*(kept.q or []), *job.q]
+        return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, ahead=len(kept.drafts))
+
+    def _draft(self, jobs: list[_Job], until: threading.Event | None = None) -> None:
+        """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
+        no step starts after it is set)."""
         draft = self.model
         todo = []
         for job in jobs:
@@ -165,6 +203,10 @@ class ModelDrafter:
             todo.append((job, feed))
         step = 0
         while todo:
+            if until is not None and until.is_set():
+                for job, _ in todo:
+                    job.cut = True
+                break
             t = time.perf_counter()
             scores = draft.decode_many([(job.req.seq, feed, len(self._kv[job.req.seq]), False)
                                         for job, feed in todo])
@@ -173,6 +215,7 @@ class ModelDrafter:
             for (job, feed), row in zip(todo, scores, strict=True):
                 assert row is not None
                 job.seconds += spent
+                job.decodes += 1
                 if step == 0:
                     job.first_s = spent
                 self._kv[job.req.seq].extend(feed)
@@ -203,13 +246,18 @@ class ModelDrafter:
                     grammar.accept(token)
                 # An unsure draft is usually wrong: verify what we have instead of drafting on.
                 if step < job.k - 1 and confident:
-                    going.append((job, [token]))
+                    if job.limit is not None and step >= job.limit - 1:
+                        job.cut = True
+                    else:
+                        going.append((job, [token]))
             todo = going
             step += 1
 
-    def _draft_ahead(self, req: DraftRequest, drafts: list[int], k: int) -> _Ahead | None:
+    def _draft_ahead(self, req: DraftRequest, drafts: list[int], k: int, limit: int,
+                     verified: threading.Event | None) -> _Ahead | None:
         """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
-        the draws that follow are the next round's own), then draft the next round behind it."""
+        the draws that follow are the next round's own), then draft the next round behind it: `limit` of its k
+        tokens at most, none started after `verified` is set."""
         seq, kv = req.seq, self._kv[req.seq]
         state = self._rng[seq].bit_generator.state
         t = time.perf_counter()
@@ -223,9 +271,12 @@ class ModelDrafter:
         guess = int(scores.argmax()[0])
         if guess >= self._target_vocab:
             return None
-        job = _Job(req, k, [*sequence, guess])
-        self._draft([job])
-        return _Ahead(guess, k, job.tokens, job.q, state, time.perf_counter() - t)
+        job = _Job(req, k, [*sequence, guess], limit=limit)
+        if limit > 0:
+            self._draft([job], verified)
+        else:
+            job.cut, job.q = True, None if req.sampling.greedy else []
+        return _Ahead(guess, k, job.tokens, job.q, state, time.perf_counter() - t, 1 + job.decodes, not job.cut)
 
     def _throw(self, req: DraftRequest, kept: _Ahead) -> None:
         """Undo a kept drafted-ahead round that this round cannot use (it asks for another length, or other

@@ -1,0 +1,79 @@
+"""Drafting-ahead variants one after the other on ONE loaded pair: `localspec bench`'s own measurement
+(`localspec.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per variant,
+each report written as `localspec bench --json` writes it. One process per cell instead of one per variant: on the
+H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/gpu/overlap.sh uses it).
+
+    python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temp 0 --out-prefix RES/n0.013-t0 \\
+        [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
+
+Variants: on (drafting ahead, whole bets), off (rounds one after the other), fit (`ahead_length = "fit"`), adaptive
+(drafting ahead with `adaptive = true`), fit+adaptive. Writes OUT_PREFIX-VARIANT.json; one that exists is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
+
+from localspec.bench import BenchReport, run_bench
+from localspec.config import load_preset
+from localspec.fsutil import atomic_write
+from localspec.session import ModelFiles, open_session
+
+VARIANTS = {  # name -> (drafts ahead, preset overrides)
+    "on": (True, {}),
+    "off": (False, {}),
+    "fit": (True, {"ahead_length": "fit"}),
+    "adaptive": (True, {"adaptive": True}),
+    "fit+adaptive": (True, {"ahead_length": "fit", "adaptive": True}),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--draft", type=Path, required=True)
+    parser.add_argument("--temp", type=float, required=True)
+    parser.add_argument("--out-prefix", required=True)
+    parser.add_argument("--variants", default="on fit fit+adaptive")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--n-draft", type=int, default=6)
+    args = parser.parse_args()
+    names = args.variants.split()
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    preset = load_preset("default").with_overrides(
+        prefer="bench", temperature=args.temp, seed=42, n_draft=args.n_draft, n_ctx=4096, overlap="on",
+        max_tokens=args.max_tokens, repeat=args.repeat, warmup=args.warmup)
+    files = ModelFiles(target=args.target, draft=args.draft, name=args.draft.stem)
+    failed = False
+    with open_session(files, preset) as session:
+        for name in names:
+            out = Path(f"{args.out_prefix}-{name}.json")
+            if out.exists() and out.stat().st_size:
+                continue
+            ahead, overrides = VARIANTS[name]
+            session.engine.draft_ahead = ahead
+            report = None
+            for event in run_bench(session, preset.with_overrides(**overrides), raw=True):
+                if isinstance(event, BenchReport):
+                    report = event
+            assert report is not None
+            atomic_write(out, json.dumps(report.as_json(), indent=2) + "\n", what="bench report")
+            spec = report.speculative
+            print(f"{out.name}: plain {report.plain.median_tps:.1f} tok/s, speculative {spec.median_tps:.1f} "
+                  f"(acceptance {spec.acceptance_rate:.1%}), greedy check "
+                  f"{'passed' if report.greedy_check.passed else 'FAILED'}", flush=True)
+            failed = failed or not report.greedy_check.passed
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The draft-length cost model with drafting ahead on one GPU, replaying the H200's round profile on a fake clock
+(docs/performance.md, "drafting ahead on one GPU": the card pair, T = 0, k = 6). No model, no clock: each round's
+timeline is computed from the measured costs and fed to the policy as the loop would (`observe_ahead`, then
+`observe`), so what the policy chooses is deterministic and can be checked against brute force over the choices.
+
+The profile: a verify of 7 tokens costs 27.09 ms alone and 29.17 beside the draft (the contention, 2.08 ms); a
+draft step alone 1.9 ms, beside the verify 4.15 (29.03 ms for the guess and 6 drafts); the loop waited 2.2 ms a
+round after the verify for the draft-ahead, so the thread lags ~2.35 ms behind a verify that starts with it (thread
+start, the GIL); host work 0.4 ms. ~85% acceptance is each position accepted with 0.948 (6.00 tokens a round, bets
+kept ~70%); ~70% is 0.877 (4.89 tokens a round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from localspec.config import load_preset
+from localspec.policies import DraftCost, DraftLength
+
+GREEDY = load_preset("greedy")
+STEP, AHEAD_STEP, LAG, CONTENTION, HOST = 0.0019, 0.00415, 0.00235, 0.00208, 0.0004
+
+
+def verify_alone(width: int) -> float:
+    """The Q4_K_M target's verify on the H200: 27.09 ms at 7 tokens, ~2.2 ms less a token narrower; a plain step
+    12.8 ms."""
+    return 0.0128 if width == 1 else 0.02709 - 0.0022 * (7 - width)
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One stream's rounds on the H200's costs, drafting ahead beside each verify."""
+
+    length: DraftLength | None  # the policy told what each round measured (None: fixed k, full bets, told nothing)
+    acceptance: float
+    k: int = 6
+    fixed_ahead: int | None = None  # bets of exactly this many drafts (else the policy's `ahead_length`)
+    stop_at_verify: bool = False  # the bet starts no decode after the verify ended ("fit")
+    seed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    waits: float = 0.0
+    kept_rounds: int = 0
+    bet_drafts: list[int] = dataclasses.field(default_factory=list)
+
+    def run(self, rounds: int) -> float:
+        """Tokens per second over `rounds` rounds."""
+        rng = np.random.default_rng(self.seed)
+        kept: int | None = None  # the drafts a kept bet holds for this round
+        for _ in range(rounds):
+            k = self.length.next() if self.length is not None else self.k
+            if kept is not None and k > 0:
+                self.kept_rounds += 1
+                more = self.length.continuation(kept, k) if self.length is not None and kept < k else k - kept
+                drafted, on_path, ahead = kept + more, more, kept
+            else:
+                drafted, on_path, ahead = k, k, 0
+            draft_s = on_path * STEP
+            width = k + 1
+            beside = drafted > 0 and k > 0
+            verify_s = verify_alone(width) + (CONTENTION if beside else 0.0)
+            right = rng.random(drafted + 1) < self.acceptance  # the drafts, then the bet's guess
+            accepted = int(np.argmin(np.append(right[:drafted], False)))
+            wait, kept = None, None
+            if beside:
+                limit = self.fixed_ahead if self.fixed_ahead is not None else (
+                    self.length.ahead_length(k) if self.length is not None else k)
+                limit = min(limit, k)
+                decodes = 1  # the guess
+                while decodes < 1 + limit and not (self.stop_at_verify and LAG + decodes * AHEAD_STEP >= verify_s):
+                    decodes += 1
+                self.bet_drafts.append(decodes - 1)
+                wait = max(0.0, LAG + decodes * AHEAD_STEP - verify_s)
+                self.waits += wait
+                could_keep = accepted == drafted
+                came_true = could_keep and bool(right[drafted])
+                if self.length is not None:
+                    self.length.observe_ahead(decodes * AHEAD_STEP, decodes, could_keep, came_true)
+                kept = decodes - 1 if came_true else None
+            if self.length is not None:
+                self.length.observe(drafted, accepted, draft_s, verify_s, width, 0, STEP if on_path else 0.0,
+                                    ahead, wait)
+            self.tokens += accepted + 1
+            self.seconds += draft_s + verify_s + (wait or 0.0) + HOST
+        return self.tokens / self.seconds
+
+
+def policy(k: int = 6, adaptive: bool = False, fit: bool = False) -> DraftLength:
+    drafting = dataclasses.replace(GREEDY.draft, n_draft=k, adaptive=adaptive, ahead_length="fit" if fit else "full")
+    return DraftLength(drafting, DraftCost(k, graphs=False), padded=True)
+
+
+def test_the_profile_replays_and_the_cost_model_learns_its_numbers() -> None:
+    """Fixed k = 6, whole bets: the timeline is the H200's round (34-35 ms: verify 29.17 + the wait 2.2 + thrown
+    bets' drafts + host), and the cost model measures the contended step, the thread's lag and the guess rate."""
+    length = policy()
+    line = Timeline(length, 0.948)
+    speed = line.run(600)
+    rounds = 600
+    assert line.waits / rounds == pytest.approx(0.0022, abs=0.0002)
+    assert 0.0335 < line.seconds / rounds < 0.0355
+    assert 0.62 < line.kept_rounds / rounds < 0.76
+    assert 168 < speed < 180  # (measured: 176.2 tok/s)
+    cost = length.cost
+    assert cost.ahead_step_s == pytest.approx(AHEAD_STEP)
+    assert cost.ahead_lag_s == pytest.approx(LAG, abs=1e-4)
+    assert cost.guess_rate == pytest.approx(0.948, abs=0.06)
+    assert cost.step_s == pytest.approx(STEP)
+
+
+@pytest.mark.parametrize("acceptance", [0.948, 0.877])
+def test_fit_drafts_ahead_what_fits_beside_the_verify(acceptance: float) -> None:
+    """What the numbers say: 6 decodes (the guess and 5 drafts) end 2 ms before the verify, a 7th overruns it by
+    2.2 ms, and the 6th draft costs 1.9 ms alone only in rounds whose bet is kept. So a bet of 5 drafts, and the
+    policy's choice is the best of every fixed bet length on the same timeline (brute force), ~2% above whole bets."""
+    length = policy(fit=True)
+    fitted = Timeline(length, acceptance, stop_at_verify=True)
+    fit_speed = fitted.run(800)
+    assert length.ahead_length(6) == 5
+    assert fitted.bet_drafts[-100:] == [5] * 100
+    by_bet = {j: Timeline(policy(), acceptance, fixed_ahead=j).run(800) for j in range(7)}
+    best = max(by_bet, key=by_bet.__getitem__)
+    assert best == 5, by_bet
+    assert fit_speed >= 0.995 * by_bet[best]
+    assert fit_speed > 1.01 * by_bet[6]  # whole bets (today's default)
+    assert fitted.waits / 800 < 0.0003  # the wait is gone (a bet cut short of 5 now and then by a slow verify)
+
+
+@pytest.mark.parametrize(("acceptance", "k_max"), [(0.948, 6), (0.877, 6), (0.948, 8), (0.877, 8)])
+def test_adaptive_with_draft_ahead_picks_the_fastest_draft_length(acceptance: float, k_max: int) -> None:
+    """--adaptive on the draft-ahead timeline: the k it settles on makes the round within 2% of the best fixed k
+    (brute force over 1..k_max on the same timeline, bets fitted). What the numbers say: at ~85% k = 5 and 6 tie
+    (174.8 tok/s) and k = 7 is best (178.1); at ~70% k = 4 (137.8, k = 6: 132.0)."""
+    length = policy(k_max, adaptive=True, fit=True)
+    adaptive = Timeline(length, acceptance, k=k_max, stop_at_verify=True)
+    adaptive.run(40 * DraftLength.EPOCH)
+    settled = length.k
+    by_k = {k: Timeline(policy(k, fit=True), acceptance, k=k, stop_at_verify=True).run(800)
+            for k in range(1, k_max + 1)}
+    best = max(by_k, key=by_k.__getitem__)
+    assert by_k[settled] >= 0.98 * by_k[best], (settled, by_k)
+
+
+def test_the_bet_model_charges_long_drafts_for_the_wait() -> None:
+    """The model's round time grows with the wait a longer bet causes: with the thread's lag measured, a round of
+    k = 6 whole bets is dearer than the same without the lag by the expected wait, 2.2 ms."""
+    cost = DraftCost(6)
+    for _ in range(40):
+        cost.observe_ahead(7 * AHEAD_STEP, 7, True, True)
+        cost.observe(6, 6, 0.0, 0.02917, 7, 0, 0.0, 6, 0.0022)
+    cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)  # (a step measured)
+    cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)
+    with_lag = 1 / cost.speed(0, 6, 7) * cost.survival("model", 6).sum()
+    cost.ahead_lag_s = 0.0
+    cost._tables = None
+    without = 1 / cost.speed(0, 6, 7) * cost.survival("model", 6).sum()
+    assert with_lag - without == pytest.approx(0.0022, abs=2e-4)
