@@ -288,11 +288,15 @@ def embedded_rows(name: str, shape: tuple[int, ...], src: Source, big: Shape, wh
 
 @functools.cache
 def _ggml() -> ctypes.CDLL:
-    """libggml-base of the installed llama-cpp-python (found, not imported: no backend is initialised)."""
+    """libggml-base of the installed llama-cpp-python, or of LLAMA_CPP_LIB_PATH's build as llama_cpp itself would
+    load (found, not imported: no backend is initialised)."""
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    elif spec is not None and spec.submodule_search_locations:
+        lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    else:
         raise FileNotFoundError("llama-cpp-python is not installed")
-    lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
     names = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
     if not names:
         raise FileNotFoundError(f"no libggml-base in {lib_dir}")
