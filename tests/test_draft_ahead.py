@@ -5,11 +5,14 @@ does. Two real contexts on the CPU; on a machine with two GPUs the same code ove
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from localspec import engine
+from localspec.cli.app import app
 from localspec.config import load_preset
 from localspec.engine import collect
 from localspec.session import ModelFiles, open_session
@@ -123,3 +126,18 @@ def test_overlap_setting_reaches_the_engine(tiny_pair) -> None:
     for overlap, expected in (("on", True), ("off", False), ("auto", False)):
         with open_session(files, GREEDY.with_overrides(overlap=overlap)) as s:
             assert s.engine.draft_ahead is expected
+
+
+def test_bench_says_when_bets_are_fitted(tiny_pair_high, tmp_path) -> None:
+    """`localspec bench --overlap on --ahead-length fit` runs the fitted bets (its JSON's preset says so) and its
+    header says so."""
+    target, draft = tiny_pair_high
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--overlap", "on",
+                                      "--ahead-length", "fit", "--temp", "0", "--max-tokens", "16", "--repeat", "1",
+                                      "--warmup", "0", "--threads", "1", "--raw", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "draft-ahead on (bets fitted to the verify)" in result.output
+    report = json.loads(out.read_text())
+    assert report["preset"]["draft"]["ahead_length"] == "fit" and report["greedy_check"]["passed"]
+    assert report["speculative"]["ahead_hit_rate"] is not None

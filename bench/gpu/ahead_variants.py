@@ -1,13 +1,14 @@
 """Drafting-ahead variants one after the other on ONE loaded pair: `localspec bench`'s own measurement
 (`localspec.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per variant,
-each report written as `localspec bench --json` writes it. One process per cell instead of one per variant: on the
-H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/gpu/overlap.sh uses it).
+each report written as `localspec bench --json` writes it. One process per pair instead of one per cell and variant:
+on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/gpu/overlap.sh).
 
-    python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temp 0 --out-prefix RES/n0.013-t0 \\
+    python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
 
 Variants: on (drafting ahead, whole bets), off (rounds one after the other), fit (`ahead_length = "fit"`), adaptive
-(drafting ahead with `adaptive = true`), fit+adaptive. Writes OUT_PREFIX-VARIANT.json; one that exists is skipped.
+(drafting ahead with `adaptive = true`), fit+adaptive; per temperature, all variants one after the other. Writes
+OUT_PREFIX-tTEMP-VARIANT.json (TEMP as given); one that exists is skipped.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--draft", type=Path, required=True)
-    parser.add_argument("--temp", type=float, required=True)
+    parser.add_argument("--temps", required=True, help='temperatures, e.g. "0 0.7"')
     parser.add_argument("--out-prefix", required=True)
     parser.add_argument("--variants", default="on fit fit+adaptive")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -50,19 +51,19 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     preset = load_preset("default").with_overrides(
-        prefer="bench", temperature=args.temp, seed=42, n_draft=args.n_draft, n_ctx=4096, overlap="on",
-        max_tokens=args.max_tokens, repeat=args.repeat, warmup=args.warmup)
+        prefer="bench", seed=42, n_draft=args.n_draft, n_ctx=4096, overlap="on", max_tokens=args.max_tokens,
+        repeat=args.repeat, warmup=args.warmup)
     files = ModelFiles(target=args.target, draft=args.draft, name=args.draft.stem)
     failed = False
     with open_session(files, preset) as session:
-        for name in names:
-            out = Path(f"{args.out_prefix}-{name}.json")
+        for temp, name in ((t, n) for t in args.temps.split() for n in names):
+            out = Path(f"{args.out_prefix}-t{temp}-{name}.json")
             if out.exists() and out.stat().st_size:
                 continue
             ahead, overrides = VARIANTS[name]
             session.engine.draft_ahead = ahead
             report = None
-            for event in run_bench(session, preset.with_overrides(**overrides), raw=True):
+            for event in run_bench(session, preset.with_overrides(temperature=float(temp), **overrides), raw=True):
                 if isinstance(event, BenchReport):
                     report = event
             assert report is not None

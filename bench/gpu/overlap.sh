@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Drafting ahead on ONE GPU (issue #21): the card pair's `localspec bench` with the draft model drafting the next
 # round on its own CUDA stream while the target verifies, against rounds one after the other and the drafting-ahead
-# variants, one after the other per cell (level x temperature) on one loaded pair (bench/gpu/ahead_variants.py:
+# variants, one after the other per cell (level x temperature), one loaded pair per level (bench/gpu/ahead_variants.py:
 # `localspec bench`'s own measurement per variant, as `--json` writes it). Device call on a warm machine where run.sh
 # has built llama.cpp and written the card pair ($WORK/build, $WORK/models), from the repo root:
 #     bash bench/gpu/overlap.sh
 # Environment (defaults in brackets): WORK [bench/gpu/work]  OUT [WORK/out]  NOISES ["0.013 0.03"]  TEMPS ["0"]
 #   MODES ["on off"]  REPEAT [3]  WARMUP [3]  N_PREDICT [256]  BUDGET_S [570]  CARD_SIZE [card32b]
-#   NEED_S [75]: the budget a cell needs left to start
+#   NEED_S [75]: the budget a level needs left to start
 # MODES: on, off (--overlap), fit (drafting ahead with --ahead-length fit: the bet stops when the verify ends, the
 # rest drafted by cost), adaptive (drafting ahead with --adaptive: the draft length by the cost model that knows the
 # bet), fit+adaptive (both).
@@ -29,12 +29,9 @@ T="$WORK/models/$CARD_SIZE-target.gguf"
 for n in ${NOISES:-0.013 0.03}; do
     D="$WORK/models/$CARD_SIZE-n$n-draft.gguf"
     [[ -f "$T" && -f "$D" ]] || { log "no card pair at noise $n in $WORK/models (run.sh writes it)"; continue; }
-    for temp in ${TEMPS:-0}; do
-        run "n$n-t$temp-overlap-${MODES:-on off}" "${NEED_S:-75}" python3 "$HERE/ahead_variants.py" --target "$T" \
-            --draft "$D" --temp "$temp" --out-prefix "$RES/n$n-t$temp" --variants "${MODES:-on off}" \
-            --max-tokens "${N_PREDICT:-256}" --repeat "${REPEAT:-3}" --warmup "${WARMUP:-3}" \
-            > "$RES/n$n-t$temp.log" 2>&1
-    done
+    run "n$n-overlap-t${TEMPS:-0}-${MODES:-on off}" "${NEED_S:-75}" python3 "$HERE/ahead_variants.py" --target "$T" \
+        --draft "$D" --temps "${TEMPS:-0}" --out-prefix "$RES/n$n" --variants "${MODES:-on off}" \
+        --max-tokens "${N_PREDICT:-256}" --repeat "${REPEAT:-3}" --warmup "${WARMUP:-3}" > "$RES/n$n.log" 2>&1
 done
 python3 - "$RES" <<'PY' | tee "$RES/summary.txt"
 import json
