@@ -197,10 +197,12 @@ class DraftCost:
             return None
         return self._speeds(np.array([looked_up]), room, width)[0, : room + 1]
 
-    def _speeds(self, looked_up: np.ndarray, room: int, width: int) -> np.ndarray:
-        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room."""
+    def _speeds(self, looked_up: np.ndarray, room: int, width: int, perfect: bool = False) -> np.ndarray:
+        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room (`perfect`:
+        as if every model token were accepted)."""
         table = self._table()
-        lookup, cum_lookup, cum_model = table.survival["lookup"], table.cumulative["lookup"], table.cumulative["model"]
+        lookup, cum_lookup = table.survival["lookup"], table.cumulative["lookup"]
+        cum_model = np.arange(self.k_max + 1) + 1.0 if perfect else table.cumulative["model"]
         j, n = looked_up[:, None], np.arange(room + 1)[None, :]
         # E = 1 + S_lookup(1..j) + S_lookup(j) * S_model(1..n)
         expected = cum_lookup[j] + lookup[j] * (cum_model[n] - 1.0)
@@ -249,6 +251,14 @@ class DraftCost:
         speeds = self.speeds(looked_up, room, width)
         return None if speeds is None else int(np.argmax(speeds))
 
+    def could_pay(self, looked_up: int, room: int, width: int = 0) -> bool:
+        """Whether some of the draft model's tokens after `looked_up` lookup tokens would make a faster round than
+        none if every one of them were accepted, at the measured step and verify costs (True until measured)."""
+        if not self.verify_s or self.step_s is None or room <= 0:
+            return True
+        speeds = self._speeds(np.array([looked_up]), room, width, perfect=True)[0, : room + 1]
+        return bool(speeds[1:].max() > speeds[0])
+
     def best_lookup(self, found: int, k: int, width: int = 0, chained: bool = False) -> int | None:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
         the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
@@ -265,6 +275,16 @@ class DraftCost:
                 best, choice = fastest, j
         return choice
 
+    def unmeasured_lookup(self, best: int) -> int | None:
+        """The longest lookup length under `best` whose verify width (length + 1) was never measured; None when
+        each was. A verify's cost need not grow smoothly with its width: on the 2-core CPU the demo target
+        verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried widths cannot know (it
+        put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token). So each width narrower
+        than the chosen one is measured once before the costs decide: at most k - 1 rounds a cost model, each
+        still emitting its accepted tokens. (Wider ones: `DraftLength.lookup_length` proposes the whole match
+        every EPOCH rounds cut short.)"""
+        return next((j for j in range(best - 1, 0, -1) if j + 1 not in self.verify_s), None)
+
     def lookup_probe(self) -> bool:
         """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe, on the model's
         schedule: every `lookup_interval` such rounds, doubling while they stay a loss)."""
@@ -275,15 +295,15 @@ class DraftCost:
             return True
         return False
 
-    def probe(self, room: int, lag: int = 1) -> int:
+    def probe(self, room: int, lag: int = 1, in_sync_only: bool = False) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
         the committed tokens the model's cells lack (1 when in sync: the next draft feeds cur), which a probe out of
-        sync reads first."""
+        sync reads first (never, with `in_sync_only`)."""
         self.idle += 1
         if self.idle < self.interval:
             return 0
         if lag > 1:
-            if self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
+            if in_sync_only or self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
                 return 0
             self._probe_lag = lag
         self.idle = 0
@@ -341,6 +361,7 @@ class DraftLength:
         self._decided = 0
         self._empty = 0  # rounds in a row with nothing drafted
         self._narrow = False  # verifying them at width 1 (else padded to k + 1)
+        self._measuring = False  # this round's lookup length measures an unmeasured verify width
 
     def next(self) -> int:
         if not self.adaptive:
@@ -379,6 +400,12 @@ class DraftLength:
             return found
         if best:
             cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
+            # Where the width is the drafts' own (no padding), an unmeasured one is tried once first: the chain's
+            # model then adds nothing this round (`extension`), so the verify measures that width.
+            untried = None if self.padded else cost.unmeasured_lookup(best)
+            if untried is not None:
+                self._measuring = True
+                return untried
             if best < found:
                 # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
                 # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
@@ -412,15 +439,22 @@ class DraftLength:
         `lag`: how many committed tokens the draft model's cells lack (1: in sync, a probe costs no catching up;
         more: a probe out of sync waits while catching up would cost too much)."""
         room = k - looked_up
-        if room <= 0:
+        if room <= 0 or self._measuring:
             return 0
-        n = self.cost.best_extension(looked_up, room, k + 1 if self.padded else 0)
+        width = k + 1 if self.padded else 0
+        n = self.cost.best_extension(looked_up, room, width)
         if n is None or self.cost.model_rounds < self.WARMUP:
             return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
         if n:
             self.cost.pays()
             return n
-        return self.cost.probe(room, lag)
+        hopeless = not self.cost.could_pay(looked_up, room, width)
+        if hopeless:
+            # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
+            # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
+            # interval, and only where the model's cells are current (catching up would be pure loss).
+            self.cost.interval = self.cost.PROBE_MAX
+        return self.cost.probe(room, lag, in_sync_only=hopeless)
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)
@@ -439,6 +473,7 @@ class DraftLength:
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None) -> None:
         self.rounds += 1
+        self._measuring = False
         self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s)
 
 
