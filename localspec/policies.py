@@ -80,6 +80,7 @@ class DraftCost:
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
+        self.verified: dict[int, int] = {}  # per width: the round its verify was last measured
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
@@ -151,6 +152,7 @@ class DraftCost:
                 return
         old = self.verify_s.get(width)
         self.verify_s[width] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+        self.verified[width] = self.rounds
 
     def pad_rounds(self, wide: int) -> float:
         """How many rounds in a row with nothing drafted are worth verifying at the padded width `wide` rather
@@ -275,15 +277,20 @@ class DraftCost:
                 best, choice = fastest, j
         return choice
 
-    def unmeasured_lookup(self, best: int) -> int | None:
-        """The longest lookup length under `best` whose verify width (length + 1) was never measured; None when
-        each was. A verify's cost need not grow smoothly with its width: on the 2-core CPU the demo target
-        verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried widths cannot know (it
-        put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token). So each width narrower
-        than the chosen one is measured once before the costs decide: at most k - 1 rounds a cost model, each
-        still emitting its accepted tokens. (Wider ones: `DraftLength.lookup_length` proposes the whole match
-        every EPOCH rounds cut short.)"""
-        return next((j for j in range(best - 1, 0, -1) if j + 1 not in self.verify_s), None)
+    def unmeasured_lookup(self, best: int, found: int) -> int | None:
+        """A lookup length in 1..found whose verify width (length + 1) was never measured, the nearest `best` (the
+        shorter on a tie); None when each was. A verify's cost need not grow smoothly with its width: on the 2-core
+        CPU the demo target verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried
+        widths cannot know (it put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token).
+        So each width a lookup round can choose is measured once before the costs decide: at most k - 1 rounds a
+        cost model, each still emitting its accepted tokens."""
+        untried = [j for j in range(1, found + 1) if j + 1 not in self.verify_s]
+        return min(untried, key=lambda j: (abs(j - best), j)) if untried else None
+
+    def stalest_lookup(self, best: int, found: int) -> int:
+        """Of the lookup lengths best + 1..found, the one whose verify width was measured longest ago (the longer
+        on a tie): what a match cut short proposes now and then to measure a wider width again."""
+        return min(range(best + 1, found + 1), key=lambda j: (self.verified.get(j + 1, -1), -j))
 
     def lookup_probe(self) -> bool:
         """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe, on the model's
@@ -402,18 +409,21 @@ class DraftLength:
             cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
             # Where the width is the drafts' own (no padding), an unmeasured one is tried once first: the chain's
             # model then adds nothing this round (`extension`), so the verify measures that width.
-            untried = None if self.padded else cost.unmeasured_lookup(best)
+            untried = None if self.padded else cost.unmeasured_lookup(best, found)
             if untried is not None:
                 self._measuring = True
                 return untried
             if best < found:
                 # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
                 # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
-                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time). Every EPOCH such rounds in a row,
-                # all of them, to measure it again.
+                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time; under load, v(6) measured once
+                # at 1.7x v(4) held lookup at 3). Every EPOCH such rounds in a row, a longer length, the one whose
+                # width was measured longest ago (padded, where every width costs the same: all of them).
                 cost.lookup_short += 1
                 if cost.lookup_short >= self.EPOCH:
-                    cost.lookup_short, best = 0, found
+                    cost.lookup_short = 0
+                    best = found if self.padded else cost.stalest_lookup(best, found)
+                    self._measuring = not self.padded
             else:
                 cost.lookup_short = 0
             return best
