@@ -42,7 +42,9 @@ class DraftCost:
     judged again; every `interval` such rounds one round drafts PROBE tokens with it (a cheap probe: a couple of
     draft steps). The interval starts at PROBE_FIRST (one adaptive epoch: a stale judgement is at most that old
     early on) and doubles each time a probe confirms the loss, up to PROBE_MAX (on a machine where the model never
-    pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
+    pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again. A
+    model that would lose even if every token were accepted (`could_pay`) goes to PROBE_MAX at once and is probed
+    only in sync: no acceptance a probe measures could turn it on, only a change of its costs.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
     CPU costs far more than the probe itself; after 4 intervals it goes ahead out of sync only where catching up
