@@ -153,7 +153,10 @@ class DraftCost:
                     self.switch_s = self._excess if old is None else (1 - self.EMA) * old + self.EMA * self._excess
                 return
         old = self.verify_s.get(width)
-        self.verify_s[width] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+        # A width not verified for DECAY rounds (re-measured now and then: `stalest_lookup`) takes the new figure
+        # whole, as a step after a pause does: an old one-off slow figure would otherwise fade only 20% a visit.
+        stale = self.rounds - self.verified.get(width, self.rounds) > self.DECAY
+        self.verify_s[width] = seconds if old is None or stale else (1 - self.EMA) * old + self.EMA * seconds
         self.verified[width] = self.rounds
 
     def pad_rounds(self, wide: int) -> float:

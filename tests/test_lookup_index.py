@@ -174,3 +174,22 @@ def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
     length.observe(1, 1, 0.0, 0.085, 2, looked_up=1)  # (width 2's measure)
     assert length.lookup_length(1, 1) == 0 and not length.cost.lookup_off
     assert length.lookup_wanted() and length.lookup_length(6, 6) == 6
+
+
+def test_a_narrower_width_measured_in_a_slow_moment_is_measured_again() -> None:
+    """The 2-core CPU under load: a 6-wide verify measured once at 1.7x a 4-wide one held lookup at 3 tokens a round
+    for whole generations, though 5 (6-wide) is the cheapest a token there; re-measuring only the whole match (7-wide)
+    never fixed it. A match cut short now re-measures the wider width measured longest ago, and lookup finds 5."""
+    verify = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}  # (test_chain_cost)
+    length = lookup_length()
+    length.observe(0, 0, 0.0, verify[1], 1)
+    for width in (7, 7, 2, 3, 4, 5, 6):
+        slow = 1.4 if width == 6 else 1.0  # one slow moment
+        length.observe(width - 1, width - 1, 0.0, slow * verify[width], width, looked_up=width - 1)
+    proposed = []
+    for _ in range(4 * DraftLength.EPOCH):
+        j = length.lookup_length(6, 6)
+        proposed.append(j)
+        length.observe(j, j, 0.0, verify[j + 1], j + 1, looked_up=j)
+    assert proposed[0] == 3  # (the premise: the slow 6-wide figure cuts lookup to 3)
+    assert proposed[-DraftLength.EPOCH:].count(5) >= DraftLength.EPOCH - 1, proposed
