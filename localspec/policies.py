@@ -463,7 +463,8 @@ class DraftLength:
         if n:
             self.cost.pays()
             return n
-        hopeless = not self.cost.could_pay(looked_up, room, width)
+        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify).
+        hopeless = not self.cost.could_pay(0, k, width)
         if hopeless:
             # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
             # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
