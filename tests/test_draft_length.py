@@ -224,3 +224,20 @@ def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
     assert plain.step_s == ahead.step_s == pytest.approx(0.004)
     assert 0.3 < ahead.ahead < 0.7 and plain.ahead == 0.0
     assert ahead.speed(0, 6) > plain.speed(0, 6)
+
+
+def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
+    """`could_pay`: on the 2-core CPU's measured costs (a 36 ms draft step, the demo target's verify by width) no
+    number of model tokens beats a plain step even if all were accepted, so probing its acceptance is pointless;
+    on the H200's (a 2.4 ms step against a 13-27 ms padded verify) full acceptance would pay, so it is probed."""
+    cpu = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}
+    cost = DraftCost(6)
+    cost.observe(2, 2, 0.072, cpu[3], 3, first_s=0.036)  # a model round: its second step is the steady one
+    for width, seconds in cpu.items():
+        cost.observe(width - 1, width - 1, 0.0, seconds, width, looked_up=width - 1)
+    assert not cost.could_pay(0, 6)
+    gpu = DraftCost(6, graphs=True)
+    for _ in range(3):
+        gpu.observe(0, 0, 0.0, 0.01305, 1)
+        gpu.observe(2, 1, 0.0048, 0.02728, 7, first_s=0.0024)
+    assert gpu.could_pay(0, 6, width=7)
