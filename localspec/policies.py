@@ -42,7 +42,9 @@ class DraftCost:
     judged again; every `interval` such rounds one round drafts PROBE tokens with it (a cheap probe: a couple of
     draft steps). The interval starts at PROBE_FIRST (one adaptive epoch: a stale judgement is at most that old
     early on) and doubles each time a probe confirms the loss, up to PROBE_MAX (on a machine where the model never
-    pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again.
+    pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again. A
+    model that would lose even if every token were accepted (`could_pay`) goes to PROBE_MAX at once and is probed
+    only in sync: no acceptance a probe measures could turn it on, only a change of its costs.
     A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
     first round): when it has sat out many rounds, its first step must first read every token since, which on a
     CPU costs far more than the probe itself; after 4 intervals it goes ahead out of sync only where catching up
@@ -90,6 +92,7 @@ class DraftCost:
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
+        self.verified: dict[int, int] = {}  # per width: the round its verify was last measured
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
@@ -230,7 +233,11 @@ class DraftCost:
                     self.switch_s = self._excess if old is None else (1 - self.EMA) * old + self.EMA * self._excess
                 return
         old = self.verify_s.get(width)
-        self.verify_s[width] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+        # A width not verified for DECAY rounds (re-measured now and then: `stalest_lookup`) takes the new figure
+        # whole, as a step after a pause does: an old one-off slow figure would otherwise fade only 20% a visit.
+        stale = self.rounds - self.verified.get(width, self.rounds) > self.DECAY
+        self.verify_s[width] = seconds if old is None or stale else (1 - self.EMA) * old + self.EMA * seconds
+        self.verified[width] = self.rounds
 
     def pad_rounds(self, wide: int) -> float:
         """How many rounds in a row with nothing drafted are worth verifying at the padded width `wide` rather
@@ -277,10 +284,12 @@ class DraftCost:
             return None
         return self._speeds(np.array([looked_up]), room, width)[0, : room + 1]
 
-    def _speeds(self, looked_up: np.ndarray, room: int, width: int) -> np.ndarray:
-        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room."""
+    def _speeds(self, looked_up: np.ndarray, room: int, width: int, perfect: bool = False) -> np.ndarray:
+        """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room (`perfect`:
+        as if every model token were accepted)."""
         table = self._table()
-        lookup, cum_lookup, cum_model = table.survival["lookup"], table.cumulative["lookup"], table.cumulative["model"]
+        lookup, cum_lookup = table.survival["lookup"], table.cumulative["lookup"]
+        cum_model = np.arange(self.k_max + 1) + 1.0 if perfect else table.cumulative["model"]
         j, n = looked_up[:, None], np.arange(room + 1)[None, :]
         # E = 1 + S_lookup(1..j) + S_lookup(j) * S_model(1..n)
         expected = cum_lookup[j] + lookup[j] * (cum_model[n] - 1.0)
@@ -347,6 +356,14 @@ class DraftCost:
         speeds = self.speeds(looked_up, room, width)
         return None if speeds is None else int(np.argmax(speeds))
 
+    def could_pay(self, looked_up: int, room: int, width: int = 0) -> bool:
+        """Whether some of the draft model's tokens after `looked_up` lookup tokens would make a faster round than
+        none if every one of them were accepted, at the measured step and verify costs (True until measured)."""
+        if not self.verify_s or self.step_s is None or room <= 0:
+            return True
+        speeds = self._speeds(np.array([looked_up]), room, width, perfect=True)[0, : room + 1]
+        return bool(speeds[1:].max() > speeds[0])
+
     def best_lookup(self, found: int, k: int, width: int = 0, chained: bool = False) -> int | None:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
         the j in 0..found whose round is fastest — with the draft model's best extension after them when `chained`
@@ -363,6 +380,21 @@ class DraftCost:
                 best, choice = fastest, j
         return choice
 
+    def unmeasured_lookup(self, best: int, found: int) -> int | None:
+        """A lookup length in 1..found whose verify width (length + 1) was never measured, the nearest `best` (the
+        shorter on a tie); None when each was. A verify's cost need not grow smoothly with its width: on the 2-core
+        CPU the demo target verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried
+        widths cannot know (it put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token).
+        So each width a lookup round can choose is measured once before the costs decide: at most k - 1 rounds a
+        cost model, each still emitting its accepted tokens."""
+        untried = [j for j in range(1, found + 1) if j + 1 not in self.verify_s]
+        return min(untried, key=lambda j: (abs(j - best), j)) if untried else None
+
+    def stalest_lookup(self, best: int, found: int) -> int:
+        """Of the lookup lengths best + 1..found, the one whose verify width was measured longest ago (the longer
+        on a tie): what a match cut short proposes now and then to measure a wider width again."""
+        return min(range(best + 1, found + 1), key=lambda j: (self.verified.get(j + 1, -1), -j))
+
     def lookup_probe(self) -> bool:
         """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe, on the model's
         schedule: every `lookup_interval` such rounds, doubling while they stay a loss)."""
@@ -373,15 +405,15 @@ class DraftCost:
             return True
         return False
 
-    def probe(self, room: int, lag: int = 1) -> int:
+    def probe(self, room: int, lag: int = 1, in_sync_only: bool = False) -> int:
         """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
         the committed tokens the model's cells lack (1 when in sync: the next draft feeds cur), which a probe out of
-        sync reads first."""
+        sync reads first (never, with `in_sync_only`)."""
         self.idle += 1
         if self.idle < self.interval:
             return 0
         if lag > 1:
-            if self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
+            if in_sync_only or self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
                 return 0
             self._probe_lag = lag
         self.idle = 0
@@ -441,6 +473,7 @@ class DraftLength:
         self._decided = 0
         self._empty = 0  # rounds in a row with nothing drafted
         self._narrow = False  # verifying them at width 1 (else padded to k + 1)
+        self._measuring = False  # this round's lookup length measures an unmeasured verify width
 
     def next(self) -> int:
         if not self.adaptive:
@@ -479,14 +512,23 @@ class DraftLength:
             return found
         if best:
             cost.lookup_idle, cost.lookup_interval, cost.lookup_off = 0, cost.PROBE_FIRST, False
+            # Where the width is the drafts' own (no padding), an unmeasured one is tried once first: the chain's
+            # model then adds nothing this round (`extension`), so the verify measures that width.
+            untried = None if self.padded else cost.unmeasured_lookup(best, found)
+            if untried is not None:
+                self._measuring = True
+                return untried
             if best < found:
                 # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
                 # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
-                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time). Every EPOCH such rounds in a row,
-                # all of them, to measure it again.
+                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time; under load, v(6) measured once
+                # at 1.7x v(4) held lookup at 3). Every EPOCH such rounds in a row, a longer length, the one whose
+                # width was measured longest ago (padded, where every width costs the same: all of them).
                 cost.lookup_short += 1
                 if cost.lookup_short >= self.EPOCH:
-                    cost.lookup_short, best = 0, found
+                    cost.lookup_short = 0
+                    best = found if self.padded else cost.stalest_lookup(best, found)
+                    self._measuring = not self.padded
             else:
                 cost.lookup_short = 0
             return best
@@ -512,15 +554,23 @@ class DraftLength:
         `lag`: how many committed tokens the draft model's cells lack (1: in sync, a probe costs no catching up;
         more: a probe out of sync waits while catching up would cost too much)."""
         room = k - looked_up
-        if room <= 0:
+        if room <= 0 or self._measuring:
             return 0
-        n = self.cost.best_extension(looked_up, room, k + 1 if self.padded else 0)
+        width = k + 1 if self.padded else 0
+        n = self.cost.best_extension(looked_up, room, width)
         if n is None or self.cost.model_rounds < self.WARMUP:
             return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
         if n:
             self.cost.pays()
             return n
-        return self.cost.probe(room, lag)
+        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify).
+        hopeless = not self.cost.could_pay(0, k, width)
+        if hopeless:
+            # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
+            # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
+            # interval, and only where the model's cells are current (catching up would be pure loss).
+            self.cost.interval = self.cost.PROBE_MAX
+        return self.cost.probe(room, lag, in_sync_only=hopeless)
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)
@@ -553,6 +603,7 @@ class DraftLength:
                 looked_up: int = 0, first_s: float | None = None, ahead: int = 0,
                 wait_s: float | None = None) -> None:
         self.rounds += 1
+        self._measuring = False
         self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s, ahead, wait_s)
 
 

@@ -230,3 +230,61 @@ def test_lookup_proposes_only_what_pays(acceptance: float) -> None:
     else:
         assert speed >= 0.97 * always
         assert proposed[100:].count(6) > 0.9 * 300
+
+
+# The 2-core CPU's measured costs (the demo pair, `--threads 1`, idle box: `bench/gpu/verify_widths.py --threads 1
+# --widths 1-8 --no-patterns`): the Gemma 3 270M target's verify seconds by width — not a line: 6 tokens cost less
+# than 5 and much less than 7 — and the Q2_K draft's step (a one-token verify's cost).
+CPU_VERIFY = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916, 8: 0.1847}
+CPU_STEP = 0.036
+
+
+class WidthTimed(TimedFake):
+    """A fake target whose decode of w tokens takes `widths[w]` seconds (past the table: its widest rate a token)."""
+
+    def __init__(self, clock: Clock, widths: dict[int, float], **fake: object) -> None:
+        super().__init__(clock, 0.0, 0.0, **fake)
+        self.widths = widths
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list:
+        width, widest = sum(len(tokens) for _, tokens, _, _ in items), max(self.widths)
+        self.clock.now += self.widths.get(width, width * self.widths[widest] / widest)
+        return super(TimedFake, self).decode_many(items)
+
+
+@pytest.mark.parametrize("quotes", [(60, 100, 160), (160, 100, 60)])
+def test_the_chain_keeps_up_with_lookup_on_the_cpus_costs(clock: Clock, quotes: tuple[int, ...]) -> None:
+    """The CPU bug: on the lookup prompt set the chain ran at 0.84x lookup alone (25.86 vs 30.93 tok/s): lookup alone
+    proposed 5 of a 6-token match (a 6-wide verify, 119-140 ms) and the chain all 6 (7-wide, 192-198 ms: 20% more a
+    token). Neither had measured the other's width; each estimated it from a line through the widths it had tried,
+    so which one it used was luck (the early rounds' rejections and cuts). Now every width a lookup round can choose
+    is measured once, both find the 6-wide verify, and the draft model, a loss here even if every token it drafted
+    were accepted, is not probed again within the longest interval: the chain keeps lookup's pace.
+
+    Three prompts (replies that quote the prompt for `quotes` tokens), bench-like: 3 passes of 128 tokens each,
+    one engine per drafter (its cost model kept across the generations, as in one bench session)."""
+    speed, widths, model_steps, rounds = {}, {}, 0, 0
+    for drafter in ("lookup", "chain"):
+        target = WidthTimed(clock, CPU_VERIFY, vocab=96, seed=3, n_ctx=4096)
+        draft = TimedFake(clock, CPU_STEP, 0.0, vocab=96, seed=3, noise=0.4, n_ctx=4096)
+        engine = Engine(target, draft)
+        tokens, seconds, lengths = 0, 0.0, []
+        for _ in range(3):
+            for p, quote_length in enumerate(quotes):
+                rng = np.random.default_rng(p)
+                start = rng.integers(0, 96, 2).tolist()
+                prompt = [*rng.integers(0, 96, 30).tolist(), *start, *target.greedy(start, quote_length),
+                          *rng.integers(0, 96, 5).tolist(), *start]
+                gen = collect(engine.generate(prompt, GREEDY.sampling, dataclasses.replace(chain(), drafter=drafter),
+                                              128))
+                assert gen.tokens == target.greedy(prompt, 128)
+                tokens, seconds = tokens + len(gen.tokens), seconds + gen.done.stats.decode_s
+                rounds += gen.done.stats.rounds if drafter == "chain" else 0
+                lengths += [n for n in gen.done.stats.draft_lengths if n]
+        speed[drafter], widths[drafter] = tokens / seconds, [n + 1 for n in lengths]
+        model_steps = draft.decodes - 9  # (each generation's prompt is one decode)
+    for drafter, verified in widths.items():  # the cheapest width a token for a whole match: 6
+        assert verified.count(6) >= 0.85 * len(verified), (drafter, sorted(verified))
+    # Its warm-up, then a probe every PROBE_MAX rounds at most (the first, on the old code: after 16).
+    assert model_steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_MAX) * DraftCost.PROBE, (model_steps, rounds)
+    assert speed["chain"] >= 0.98 * speed["lookup"], speed

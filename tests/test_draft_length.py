@@ -137,6 +137,8 @@ def test_a_padded_verify_makes_model_tokens_cheaper():
 
 
 def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
+    """A draft step that costs more than its tokens could ever save (a loss even if every one were accepted) is
+    probed at the longest interval only; the probe finds it cheap again within that interval."""
     chooser = _DraftLength(drafting(6, 0.0, False))
     cost = chooser.cost
     used = []
@@ -146,7 +148,7 @@ def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
         used.append(n)
         chooser.observe(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1)
     off = used[_DraftLength.WARMUP:200]
-    assert off.count(0) > 0.9 * len(off) and max(off) == DraftCost.PROBE  # probed, not used
+    assert off == [0] * len(off)  # hopeless at any acceptance: not even probed within the longest interval
     turned_on = next(i for i in range(200, len(used)) if used[i] > DraftCost.PROBE)
     assert turned_on - 200 <= 2 * DraftCost.PROBE_MAX  # found by a probe within the backed-off interval
     assert all(n > 0 for n in used[turned_on:])
@@ -223,3 +225,20 @@ def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
     assert plain.step_s == ahead.step_s == pytest.approx(0.004)
     assert 0.3 < ahead.ahead < 0.7 and plain.ahead == 0.0
     assert ahead.speed(0, 6) > plain.speed(0, 6)
+
+
+def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
+    """`could_pay`: on the 2-core CPU's measured costs (a 36 ms draft step, the demo target's verify by width) no
+    number of model tokens beats a plain step even if all were accepted, so probing its acceptance is pointless;
+    on the H200's (a 2.4 ms step against a 13-27 ms padded verify) full acceptance would pay, so it is probed."""
+    cpu = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}
+    cost = DraftCost(6)
+    cost.observe(2, 2, 0.072, cpu[3], 3, first_s=0.036)  # a model round: its second step is the steady one
+    for width, seconds in cpu.items():
+        cost.observe(width - 1, width - 1, 0.0, seconds, width, looked_up=width - 1)
+    assert not cost.could_pay(0, 6)
+    gpu = DraftCost(6, graphs=True)
+    for _ in range(3):
+        gpu.observe(0, 0, 0.0, 0.01305, 1)
+        gpu.observe(2, 1, 0.0048, 0.02728, 7, first_s=0.0024)
+    assert gpu.could_pay(0, 6, width=7)

@@ -3,7 +3,8 @@ shorter than k, by as many tokens as the stream's cost model says pay (`policies
 k - m where a draft step is cheap against a verify (a GPU), none where it costs about a target step (the 2-core
 CPU demo pair; there a round with no match is a plain step). Per round and per request, so a reply drafts by lookup
 while it quotes and by the model between, and chaining never does worse than the better of its parts by much more
-than the occasional probe of the model it has turned off."""
+than the model's two-round warm-up (once per slot) and the occasional probe of a model it has turned off. Lookup's
+length is chosen on the same measured verify costs as lookup alone's (`policies.DraftLength.lookup_length`)."""
 
 from __future__ import annotations
 
