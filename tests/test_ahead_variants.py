@@ -22,7 +22,7 @@ def test_each_variant_writes_its_own_bench_report(tiny_pair_high, tmp_path: Path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--target", str(target), "--draft", str(draft), "--temps", "0 0.7",
-         "--out-prefix", str(tmp_path / "cell"), "--variants", "off fit+adaptive", "--max-tokens", "24",
+         "--out-prefix", str(tmp_path / "cell"), "--variants", "off on fit+adaptive", "--max-tokens", "24",
          "--repeat", "1", "--warmup", "1"],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -33,7 +33,8 @@ def test_each_variant_writes_its_own_bench_report(tiny_pair_high, tmp_path: Path
             assert report["preset"]["sampling"]["temperature"] == float(temp)
             assert report["greedy_check"]["passed"]
         assert (fit["preset"]["draft"]["ahead_length"], fit["preset"]["draft"]["adaptive"]) == ("fit", True)
-        assert off["preset"]["draft"]["ahead_length"] == "full"
+        on = json.loads((tmp_path / f"cell-t{temp}-on.json").read_text())
+        assert on["preset"]["draft"]["ahead_length"] == "full"  # whole bets, whatever the preset's default
         spec = [r for r in off["runs"] if r["mode"] == "speculative"]
         assert spec and all(r["ahead_made"] == 0 for r in spec)
         assert any(r["ahead_made"] > 0 for r in fit["runs"] if r["mode"] == "speculative")

@@ -6,7 +6,7 @@ on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short benc
     python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
 
-Variants: on (drafting ahead, whole bets), off (rounds one after the other), fit (`ahead_length = "fit"`), adaptive
+Variants: on (drafting ahead, whole bets: `ahead_length = "full"`), off (rounds one after the other), fit (`ahead_length = "fit"`), adaptive
 (drafting ahead with `adaptive = true`), fit+adaptive; per temperature, all variants one after the other. Writes
 OUT_PREFIX-tTEMP-VARIANT.json (TEMP as given); one that exists is skipped.
 """
@@ -26,10 +26,10 @@ from localspec.fsutil import atomic_write
 from localspec.session import ModelFiles, open_session
 
 VARIANTS = {  # name -> (drafts ahead, preset overrides)
-    "on": (True, {}),
+    "on": (True, {"ahead_length": "full"}),  # whole bets (the default until the fourth H200 run: now "fit")
     "off": (False, {}),
     "fit": (True, {"ahead_length": "fit"}),
-    "adaptive": (True, {"adaptive": True}),
+    "adaptive": (True, {"ahead_length": "full", "adaptive": True}),
     "fit+adaptive": (True, {"ahead_length": "fit", "adaptive": True}),
 }
 
