@@ -20,6 +20,7 @@ import pytest
 
 from localspec import rpc
 from localspec.errors import LocalspecError
+from tests.helpers_proc import as_from_a_terminal, stop
 
 CLI = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
 
@@ -110,7 +111,7 @@ def rpc_server() -> Iterator[str]:
     """`localspec rpc-server` on a free localhost port, in a child process; stopped with Ctrl-C (SIGINT)."""
     port = free_port()
     proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(port), "--threads", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
     endpoint = rpc.parse_endpoint(f"127.0.0.1:{port}")
     deadline = time.monotonic() + 60
     while True:
@@ -123,8 +124,7 @@ def rpc_server() -> Iterator[str]:
                 pytest.fail(f"rpc-server did not come up: {proc.communicate()}")
             time.sleep(0.2)
     yield str(endpoint)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)
+    stdout, stderr = stop(proc, signal.SIGINT, grace=30)
     assert proc.returncode == 0, stderr
     assert f"localspec rpc-server on {endpoint}: CPU" in stdout and "rpc-server stopped" in stdout
 
