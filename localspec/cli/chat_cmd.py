@@ -113,6 +113,9 @@ class CtrlC:
     def read_line(self, stdin: int) -> str:
         """The next line from the file descriptor `stdin`, without its newline. EOFError at its end (Ctrl-D at an
         empty prompt); KeyboardInterrupt for a Ctrl-C not yet answered, which may have come before this call."""
+        waiting = select.poll()  # poll, not select: no limit on the descriptors' numbers
+        waiting.register(stdin, select.POLLIN)
+        waiting.register(self._wake_r, select.POLLIN)
         while True:
             # Checked on every pass: a handler that the wakeup pipe announced runs at the loop's jump back.
             if self.hit:
@@ -123,7 +126,7 @@ class CtrlC:
             if newline:
                 self._pending = rest
                 return self._decode(line)
-            ready, _, _ = select.select([stdin, self._wake_r], [], [])
+            ready = {fd for fd, _ in waiting.poll()}  # readable, or its writer gone (the end)
             if self._wake_r in ready:
                 while _read_available(self._wake_r):
                     pass
