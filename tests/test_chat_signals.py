@@ -145,14 +145,22 @@ def test_the_reader_splits_lines_keeps_a_last_partial_one_and_ends_with_eof() ->
     os.close(stdin)
 
 
-def test_a_ctrl_c_before_the_read_is_answered_first_and_typed_lines_wait() -> None:
-    stdin = _pipe(b"typed ahead\n")
+def test_a_ctrl_c_is_answered_first_and_drops_what_was_typed_ahead() -> None:
+    """As the terminal drops its unread input on Ctrl-C, the reader drops the lines it holds and has not returned."""
+    read, write = os.pipe()
+    os.write(write, b"one\ntwo\n")
     with CtrlC() as ctrl_c:
-        os.kill(os.getpid(), signal.SIGINT)  # handled by the chat's handler: nothing raises here
+        os.kill(os.getpid(), signal.SIGINT)  # before any read; the chat's handler takes it: nothing raises here
         with pytest.raises(KeyboardInterrupt):
-            ctrl_c.read_line(stdin)
-        assert ctrl_c.read_line(stdin) == "typed ahead"
-    os.close(stdin)
+            ctrl_c.read_line(read)
+        assert ctrl_c.read_line(read) == "one"  # "two" came in the same read
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.read_line(read)
+        os.write(write, b"three\n")
+        assert ctrl_c.read_line(read) == "three"
+    os.close(read)
+    os.close(write)
 
 
 def test_a_ctrl_c_while_waiting_clears_an_unfinished_line() -> None:

@@ -120,7 +120,7 @@ class CtrlC:
             # Checked on every pass: a handler that the wakeup pipe announced runs at the loop's jump back.
             if self.hit:
                 self.hit = False
-                self._pending = self._pending[:self._pending.rfind(b"\n") + 1]  # clears an unfinished line
+                self._pending = b""  # what was typed and not yet answered goes, as the terminal drops its own
                 raise KeyboardInterrupt
             line, newline, rest = self._pending.partition(b"\n")
             if newline:
@@ -179,7 +179,7 @@ class ChatView:
                     self.console.print("\n[dim](Ctrl-D or /exit quits)[/]")
                     continue
                 except LocalspecError as exc:  # a line that is not UTF-8
-                    self.console.print(f"\n[red]{escape(str(exc))}[/]")
+                    self.console.print(f"[red]{escape(str(exc))}[/]")
                     continue
                 try:
                     if not line.strip():
