@@ -101,29 +101,37 @@ class _CtrlCAtStats(Console):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def _typed(text: bytes) -> io.TextIOWrapper:
+    """What the user types, then the end of input: a pipe holding it, to stand in for the chat's stdin."""
+    read, write = os.pipe()
+    os.write(write, text)
+    os.close(write)
+    return open(read, encoding="utf-8")
+
+
 @pytest.mark.slow
 def test_ctrl_c_as_a_reply_ends_keeps_the_conversation(tiny_pair: tuple[Path, Path],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = tiny_pair
     preset = load_preset("greedy").with_overrides(n_ctx=256, n_batch=64)
-    read, write = os.pipe()
-    os.write(write, b"hello\n/stats\n/exit\n")
-    os.close(write)
     screen = io.StringIO()
     before = signal.getsignal(signal.SIGINT)
-    with open(read, encoding="utf-8") as stdin, \
-            open_session(ModelFiles(target=target, draft=draft, name="tiny"), preset) as session:
-        monkeypatch.setattr(sys, "stdin", stdin)
+    with open_session(ModelFiles(target=target, draft=draft, name="tiny"), preset) as session:
         chat = ChatSession(session.engine, session.target, session.preset, max_tokens=8)
         view = ChatView(_CtrlCAtStats(file=screen, highlight=False, width=200), chat)
-        try:
-            view.run()
-        except KeyboardInterrupt:
-            pytest.fail(f"the Ctrl-C after the reply ended the chat:\n{screen.getvalue()}")
+        with _typed(b"hello\n") as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            try:
+                view.run()  # the reply, the Ctrl-C as its stats line is drawn, the next prompt, the end of input
+            except KeyboardInterrupt:
+                pytest.fail(f"the Ctrl-C after the reply ended the chat:\n{screen.getvalue()}")
+        assert signal.getsignal(signal.SIGINT) is before  # the chat gave SIGINT back as it found it
+        with _typed(b"/stats\n/exit\n") as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            view.run()  # the same conversation goes on
     shown = screen.getvalue()
     stats = shown.index("prompt tokens processed")
-    assert shown.index("(Ctrl-D or /exit quits)", stats) < shown.index("turns 1 ", stats)  # answered, and on
-    assert signal.getsignal(signal.SIGINT) is before  # the chat gave SIGINT back as it found it
+    assert shown.index("(Ctrl-D or /exit quits)", stats) < shown.index("turns 1 ", stats)  # answered, then on
 
 
 # -- the prompt's reader (no model, no terminal) ---------------------------------------------------------------
