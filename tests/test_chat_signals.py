@@ -69,7 +69,7 @@ ChatView(Screen(highlight=False), None).run()
 """
 
 
-def test_a_sigint_that_misses_the_prompts_read_is_still_answered(tmp_path: Path) -> None:
+def test_a_sigint_that_misses_the_prompts_read_is_still_answered() -> None:
     env = {**os.environ, "TERM": "xterm-256color"}
     child = pexpect.spawn(sys.executable, ["-c", STAGED_PROMPT], env=env, encoding="utf-8", timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -101,12 +101,16 @@ class _CtrlCAtStats(Console):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def _pipe(data: bytes) -> int:
+    read, write = os.pipe()
+    os.write(write, data)
+    os.close(write)
+    return read
+
+
 def _typed(text: bytes) -> io.TextIOWrapper:
     """What the user types, then the end of input: a pipe holding it, to stand in for the chat's stdin."""
-    read, write = os.pipe()
-    os.write(write, text)
-    os.close(write)
-    return open(read, encoding="utf-8")
+    return open(_pipe(text), encoding="utf-8")
 
 
 @pytest.mark.slow
@@ -137,13 +141,6 @@ def test_ctrl_c_as_a_reply_ends_keeps_the_conversation(tiny_pair: tuple[Path, Pa
 # -- the prompt's reader (no model, no terminal) ---------------------------------------------------------------
 
 
-def _pipe(data: bytes) -> int:
-    read, write = os.pipe()
-    os.write(write, data)
-    os.close(write)
-    return read
-
-
 def test_the_reader_splits_lines_keeps_a_last_partial_one_and_ends_with_eof() -> None:
     stdin = _pipe("one\nzwei ü\n\nlast without newline".encode())
     with CtrlC() as ctrl_c:
@@ -153,27 +150,10 @@ def test_the_reader_splits_lines_keeps_a_last_partial_one_and_ends_with_eof() ->
     os.close(stdin)
 
 
-def test_a_ctrl_c_is_answered_first_and_drops_what_was_typed_ahead() -> None:
-    """As the terminal drops its unread input on Ctrl-C, the reader drops the lines it holds and has not returned."""
+def test_a_ctrl_c_before_or_during_the_wait_is_answered_and_drops_what_was_typed() -> None:
+    """As the terminal drops its unread input on Ctrl-C, the reader drops what it holds and has not returned."""
     read, write = os.pipe()
     os.write(write, b"one\ntwo\n")
-    with CtrlC() as ctrl_c:
-        os.kill(os.getpid(), signal.SIGINT)  # before any read; the chat's handler takes it: nothing raises here
-        with pytest.raises(KeyboardInterrupt):
-            ctrl_c.read_line(read)
-        assert ctrl_c.read_line(read) == "one"  # "two" came in the same read
-        os.kill(os.getpid(), signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):
-            ctrl_c.read_line(read)
-        os.write(write, b"three\n")
-        assert ctrl_c.read_line(read) == "three"
-    os.close(read)
-    os.close(write)
-
-
-def test_a_ctrl_c_while_waiting_clears_an_unfinished_line() -> None:
-    read, write = os.pipe()
-    os.write(write, b"half a li")  # read, then the wait for the rest of the line
 
     def ctrl_c_once_read() -> None:
         while select.select([read], [], [], 0)[0]:  # the reader has not taken the bytes yet
@@ -181,11 +161,19 @@ def test_a_ctrl_c_while_waiting_clears_an_unfinished_line() -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
     with CtrlC() as ctrl_c:
+        os.kill(os.getpid(), signal.SIGINT)  # before any read; the chat's handler takes it: nothing raises here
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.read_line(read)
+        assert ctrl_c.read_line(read) == "one"  # "two" came in the same read, and waits
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.read_line(read)  # "two" dropped
+        os.write(write, b"half a li")  # read, then the wait for the rest of the line, which a Ctrl-C ends
         threading.Thread(target=ctrl_c_once_read, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             ctrl_c.read_line(read)
-        os.write(write, b"a new line\n")
-        assert ctrl_c.read_line(read) == "a new line"
+        os.write(write, b"three\n")
+        assert ctrl_c.read_line(read) == "three"
     os.close(read)
     os.close(write)
 
