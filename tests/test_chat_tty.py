@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,12 +27,12 @@ DRAFT_COLOUR = "\x1b[36m"  # cyan, DRAFT_STYLE in cli/chat_cmd.py
 PROMPT = "you›"
 
 
-def spawn(home: Path, *args: str, timeout: int = 240):
+def spawn(home: Path, *args: str, timeout: int = 240, preexec_fn: Callable[[], None] | None = None):
     env = {**os.environ, "LOCALSPEC_HOME": str(home), "TERM": "xterm-256color", "COLUMNS": "200"}
     for key in ("NO_COLOR", "FORCE_COLOR", "LOCALSPEC_DEBUG"):
         env.pop(key, None)
     child = pexpect.spawn(sys.executable, ["-c", "from localspec.cli.app import main; main()", "chat", *args],
-                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200))
+                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
     child.expect("coloured like this")
     child.expect(PROMPT)
     return child
@@ -61,6 +63,13 @@ def command(child, line: str, answer: str) -> str:
     printed = child.before + child.after
     child.expect(PROMPT)
     return printed
+
+
+def ctrl_c_at_the_prompt(child) -> None:
+    """At the prompt, Ctrl-C only clears the line, and says how to leave."""
+    child.sendintr()
+    child.expect(r"Ctrl-D or /exit quits", timeout=60)
+    child.expect(PROMPT)
 
 
 def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None:
@@ -122,10 +131,26 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(demo_home: Path) -> None:
         child.expect(PROMPT)
         _, stats = turn(child, "Thanks. Now say hello.")  # the session still works, from the cache
         assert int(stats[3]) < int(stats[4]) // 2
-        child.sendintr()  # at the prompt, Ctrl-C only clears the line
-        child.expect(r"Ctrl-D or /exit quits")
-        child.expect(PROMPT)
+        ctrl_c_at_the_prompt(child)
         child.sendeof()  # Ctrl-D leaves
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_is_answered_in_a_chat_started_with_sigint_ignored(tiny_pair: tuple[Path, Path],
+                                                                 demo_home: Path) -> None:
+    """A process started from a script or a background job (`cmd &`) begins with SIGINT ignored, and localspec
+    keeps it so for its other commands; the chat still answers the Ctrl-C of whoever types in it."""
+    target, draft = tiny_pair
+    child = spawn(demo_home, "--target", str(target), "--draft", str(draft), "--temp", "0", "--max-tokens", "8",
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        ctrl_c_at_the_prompt(child)  # before the fix, ignored there (and only there)
+        turn(child, "hello")
+        ctrl_c_at_the_prompt(child)
+        child.sendeof()
         child.expect(pexpect.EOF)
     finally:
         child.close()

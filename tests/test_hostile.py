@@ -25,6 +25,7 @@ from localspec import demo
 from tests import helpers_gguf as G
 from tests.conftest import BadFolder, fault_env, temp_files
 from tests.helpers_hub import COMMIT, FakeHub, HubFile
+from tests.helpers_proc import as_from_a_terminal
 
 # The entry point, plus a report of the process's peak RSS (VmHWM) at exit, for the memory bound.
 _CLI = """
@@ -459,7 +460,7 @@ def test_ctrl_c_says_interrupted_and_exits_130(home: Path, tiny_pair) -> None:
         [sys.executable, "-c", _CLI, "generate", "hi", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
          "--max-tokens", "100000", "--ctx", "8192"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal, not a background job
+        preexec_fn=as_from_a_terminal,
     )
     assert proc.stdout is not None and proc.stdout.read(1)  # generating
     proc.send_signal(signal.SIGINT)

@@ -20,6 +20,7 @@ import pytest
 
 from localspec import rpc
 from localspec.errors import LocalspecError
+from tests.helpers_proc import as_from_a_terminal, stop
 
 CLI = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
 
@@ -105,26 +106,30 @@ def test_a_dead_endpoint_is_one_line_before_any_weight(tiny_pair) -> None:
 
 # -- a real server ---------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def rpc_server() -> Iterator[str]:
-    """`localspec rpc-server` on a free localhost port, in a child process; stopped with Ctrl-C (SIGINT)."""
+def start_rpc_server(preexec_fn: Callable[[], None]) -> tuple[subprocess.Popen, rpc.Endpoint]:
+    """`localspec rpc-server` on a free localhost port, in a child process, once it answers."""
     port = free_port()
     proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(port), "--threads", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     endpoint = rpc.parse_endpoint(f"127.0.0.1:{port}")
     deadline = time.monotonic() + 60
     while True:
         try:
             rpc.hello(endpoint, timeout=2)
-            break
+            return proc, endpoint
         except LocalspecError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"rpc-server did not come up: {proc.communicate()}")
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def rpc_server() -> Iterator[str]:
+    """A server for the module's tests; stopped with Ctrl-C (SIGINT), as from its terminal."""
+    proc, endpoint = start_rpc_server(as_from_a_terminal)
     yield str(endpoint)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)
+    stdout, stderr = stop(proc, signal.SIGINT, grace=30)
     assert proc.returncode == 0, stderr
     assert f"localspec rpc-server on {endpoint}: CPU" in stdout and "rpc-server stopped" in stdout
 
@@ -155,6 +160,15 @@ def test_doctor_reports_the_server_and_its_memory(tiny_pair, rpc_server: str) ->
     line = next(x for x in out.stdout.splitlines() if f"RPC server {rpc_server}" in x)
     assert re.search(r"answers; RPC\d+: [\d.]+ GiB free of [\d.]+ GiB", line), out.stdout
     assert f"target: RPC {rpc_server}; draft: CPU" in out.stdout
+
+
+def test_rpc_server_in_the_background_says_how_to_stop_it_and_stops_on_sigterm() -> None:
+    """Started with SIGINT ignored (`localspec rpc-server &` in a script), Ctrl-C cannot stop it: the banner says
+    what does, and SIGTERM stops it cleanly."""
+    proc, _ = start_rpc_server(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    stdout, stderr = stop(proc, signal.SIGTERM, grace=30)
+    assert f"(Ctrl-C is ignored here, as in a background job: `kill {proc.pid}` stops)" in stdout
+    assert proc.returncode == 0 and "rpc-server stopped" in stdout, stderr
 
 
 def test_rpc_server_refuses_a_busy_port() -> None:

@@ -3,15 +3,17 @@
 Both share bench's model, preset and `--draft` options. Without model arguments and without a default pair,
 `chat` runs the offline instruct demo (`demo-chat`). `chat` draws with rich: tokens that came from accepted
 draft tokens in their own colour, a thinking model's thinking dimmed and apart from its answer, one stats line
-per reply. Ctrl-C during a reply only stops that reply: a
-SIGINT handler sets a flag that the loop checks after each event and then closes the stream, so the engine is
-only ever stopped between rounds (where its cache bookkeeping is consistent), never inside a llama_decode.
+per reply. Ctrl-C never ends the conversation: from the first prompt to the last, a SIGINT handler of the chat's
+own only sets a flag (`CtrlC`). During a reply the loop checks it after each event and then closes the stream, so
+the engine is only ever stopped between rounds (where its cache bookkeeping is consistent), never inside a
+llama_decode; at the prompt it clears the line, however early or late it came.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 from collections.abc import Iterator
@@ -73,22 +75,84 @@ def _model_info(files: ModelFiles, session: Session) -> dict[str, Any]:
 # -- chat ----------------------------------------------------------------------------------------------------
 
 
-class _StopOnInterrupt:
-    """While active, Ctrl-C sets `hit` instead of raising, so the reply loop can stop at a safe point."""
+class CtrlC:
+    """Owns SIGINT while the conversation runs: Ctrl-C sets `hit`, and `read_line` answers it at the prompt.
+
+    The chat's own handler replaces whatever SIGINT disposition the process inherited: started from a background
+    job or a script (`cmd &`), a process begins with SIGINT ignored, yet a user typing in this chat still expects
+    Ctrl-C to act, at the prompt as during a reply. Not input(): a SIGINT whose C-level handler runs just before
+    input()'s blocking read begins (or on another thread) does not interrupt that read, so Python's handler waits
+    for the next Enter and the Ctrl-C goes unanswered. The handler also writes to a wakeup pipe
+    (`signal.set_wakeup_fd`) that the prompt waits on beside stdin, so no arrival time is missed (the self-pipe
+    trick; hand-written, as neither input() nor readline has a way in)."""
 
     def __init__(self) -> None:
         self.hit = False
-        self._old: Any = None
+        self._old_handler: Any = None
+        self._old_wakeup = -1
+        self._wake_r = self._wake_w = -1
+        self._pending = b""  # stdin bytes read but not yet returned: a pipe can deliver several lines at once
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.hit = True
 
-    def __enter__(self) -> _StopOnInterrupt:
-        self._old = signal.signal(signal.SIGINT, self._handler)
+    def __enter__(self) -> CtrlC:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._old_handler = signal.signal(signal.SIGINT, self._handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._old)
+        signal.signal(signal.SIGINT, self._old_handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def read_line(self, stdin: int) -> str:
+        """The next line from the file descriptor `stdin`, without its newline. EOFError at its end (Ctrl-D at an
+        empty prompt); KeyboardInterrupt for a Ctrl-C not yet answered, which may have come before this call."""
+        waiting = select.poll()  # poll, not select: no limit on the descriptors' numbers
+        waiting.register(stdin, select.POLLIN)
+        waiting.register(self._wake_r, select.POLLIN)
+        while True:
+            # Checked on every pass: a handler that the wakeup pipe announced runs at the loop's jump back.
+            if self.hit:
+                self.hit = False
+                self._pending = b""  # what was typed and not yet answered goes, as the terminal drops its own
+                raise KeyboardInterrupt
+            line, newline, rest = self._pending.partition(b"\n")
+            if newline:
+                self._pending = rest
+                return self._decode(line)
+            ready = {fd for fd, _ in waiting.poll()}  # readable, or its writer gone (the end)
+            if self._wake_r in ready:
+                while _read_available(self._wake_r):
+                    pass
+            if stdin in ready:
+                data = os.read(stdin, 65536)
+                if not data:  # the end: a last line without its newline still counts, as with input()
+                    line, self._pending = self._pending, b""
+                    if not line:
+                        raise EOFError
+                    return self._decode(line)
+                self._pending += data
+
+    @staticmethod
+    def _decode(line: bytes) -> str:
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(not_utf8("the chat input", exc)) from None
+
+
+def _read_available(fd: int) -> bool:
+    """Read what a non-blocking pipe holds; False once it is empty."""
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
 
 
 class ChatView:
@@ -98,27 +162,35 @@ class ChatView:
         self.console = console
         self.chat = chat
         self.color = True
+        self.ctrl_c = CtrlC()
 
     def run(self) -> None:
-        while True:
-            try:
-                line = self.console.input("[bold green]you›[/] ")
-            except EOFError:  # Ctrl-D
-                self.console.print()
-                return
-            except KeyboardInterrupt:  # at the prompt, Ctrl-C only clears the line
-                self.console.print("\n[dim](Ctrl-D or /exit quits)[/]")
-                continue
-            if not line.strip():
-                continue
-            try:
-                command = parse_command(line)
-                if command is None:
-                    self.reply(line)
-                elif not self.run_command(command.name, command.arg):
+        """Prompt, reply, repeat until /exit or Ctrl-D."""
+        stdin = sys.stdin.fileno()
+        with self.ctrl_c:
+            while True:
+                try:
+                    self.console.print("[bold green]you›[/] ", end="")
+                    line = self.ctrl_c.read_line(stdin)
+                except EOFError:  # Ctrl-D
+                    self.console.print()
                     return
-            except LocalspecError as exc:
-                self.console.print(f"[red]{escape(str(exc))}[/]")
+                except KeyboardInterrupt:  # at the prompt, Ctrl-C only clears the line
+                    self.console.print("\n[dim](Ctrl-D or /exit quits)[/]")
+                    continue
+                except LocalspecError as exc:  # a line that is not UTF-8
+                    self.console.print(f"[red]{escape(str(exc))}[/]")
+                    continue
+                try:
+                    if not line.strip():
+                        continue
+                    command = parse_command(line)
+                    if command is None:
+                        self.reply(line)
+                    elif not self.run_command(command.name, command.arg):
+                        return
+                except LocalspecError as exc:
+                    self.console.print(f"[red]{escape(str(exc))}[/]")
 
     def run_command(self, name: str, arg: Any) -> bool:
         """Run one slash command; False means leave."""
@@ -168,34 +240,34 @@ class ChatView:
             waiting.start()
         else:
             console.print("[bold magenta]model›[/] ", end="")
-        with _StopOnInterrupt() as stop:
-            try:
-                for event in stream:
-                    if waiting is not None:
-                        waiting.stop()
-                        waiting = None
-                        console.print("[bold magenta]model›[/] ", end="")
-                    if isinstance(event, TokenEvent):
-                        style = DRAFT_STYLE if (self.color and event.from_draft) else ""
-                        for thinking, piece in splitter.feed(event.text):
-                            self._show(piece, thinking, style, shown)
-                    elif isinstance(event, TrimEvent):
-                        console.print(f"[dim](dropped the {event.dropped_turns} oldest turn(s) to fit the "
-                                      "context)[/]\n[bold magenta]model›[/] ", end="")
-                    elif isinstance(event, DoneEvent):
-                        done = event
-                    if stop.hit:
-                        break
-            except LocalspecError:
-                if waiting is None:
-                    console.print()  # the error goes on its own line, not after the label
-                raise
-            finally:
-                if waiting is not None:  # no event came (an error, or Ctrl-C before the first token)
+        try:
+            for event in stream:
+                if waiting is not None:
                     waiting.stop()
-                stream.close()  # records the (partial) turn in the session
-                for thinking, piece in splitter.flush():
-                    self._show(piece, thinking, "", shown)
+                    waiting = None
+                    console.print("[bold magenta]model›[/] ", end="")
+                if isinstance(event, TokenEvent):
+                    style = DRAFT_STYLE if (self.color and event.from_draft) else ""
+                    for thinking, piece in splitter.feed(event.text):
+                        self._show(piece, thinking, style, shown)
+                elif isinstance(event, TrimEvent):
+                    console.print(f"[dim](dropped the {event.dropped_turns} oldest turn(s) to fit the "
+                                  "context)[/]\n[bold magenta]model›[/] ", end="")
+                elif isinstance(event, DoneEvent):
+                    done = event
+                if self.ctrl_c.hit:  # Ctrl-C stops the reply here, between rounds
+                    self.ctrl_c.hit = False
+                    break
+        except LocalspecError:
+            if waiting is None:
+                console.print()  # the error goes on its own line, not after the label
+            raise
+        finally:
+            if waiting is not None:  # no event came (an error, or Ctrl-C before the first token)
+                waiting.stop()
+            stream.close()  # records the (partial) turn in the session
+            for thinking, piece in splitter.flush():
+                self._show(piece, thinking, "", shown)
         console.print()
         turn = self.chat.turns[-1]
         if turn.stop_reason == STOP_INTERRUPTED or done is None:

@@ -8,6 +8,7 @@ machine's devices as its own. The server runs in a thread of its own; this one w
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -58,7 +59,7 @@ def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt =
                   + ", ".join(f"{d.name} ({d.description})" for d in devices)
                   + (f", {n_threads} threads" if devices[0].kind == "cpu" else "")
                   + (f"; tensor cache {cache_dir}" if cache_dir else ""))
-    console.print(f"clients: localspec bench --rpc {endpoint}   (Ctrl-C stops)")
+    console.print(f"clients: localspec bench --rpc {endpoint}   ({_how_to_stop()})", soft_wrap=True)
     server = threading.Thread(target=llama_ctx.serve_rpc, args=(str(endpoint), devices, n_threads, cache_dir),
                               name="rpc-server", daemon=True)
     server.start()
@@ -69,6 +70,14 @@ def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt =
         console.print("rpc-server stopped")
         _exit_now(0)
     raise LocalspecError(f"RPC server {endpoint}: ggml's server stopped (it prints why above)")
+
+
+def _how_to_stop() -> str:
+    """Started from a script or a background job, the process ignores Ctrl-C (cli/app.py keeps it so): say what
+    stops it then."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return f"Ctrl-C is ignored here, as in a background job: `kill {os.getpid()}` stops"
+    return "Ctrl-C stops"
 
 
 def _check_port_free(endpoint: rpc.Endpoint) -> None:
