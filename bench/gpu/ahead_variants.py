@@ -6,8 +6,9 @@ on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short benc
     python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
 
-Variants: on (drafting ahead, whole bets: `ahead_length = "full"`), off (rounds one after the other), fit (`ahead_length = "fit"`), adaptive
-(drafting ahead with `adaptive = true`), fit+adaptive; per temperature, all variants one after the other. Writes
+Variants: on (drafting ahead, whole bets: `ahead_length = "full"`), off (rounds one after the other), fit
+(`ahead_length = "fit"`), adaptive (whole bets with `adaptive = true`), fit+adaptive; per temperature, all variants
+one after the other. Writes
 OUT_PREFIX-tTEMP-VARIANT.json (TEMP as given); one that exists is skipped.
 """
 
