@@ -567,11 +567,12 @@ class DraftLength:
         speeds = self.cost.speeds(looked_up, room, width)
         if speeds is None:
             return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
-        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify).
-        hopeless = not self.cost.could_pay(0, k, width)
+        n = int(np.argmax(speeds))
+        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);
+        # asked only where the answer matters (a round's host work is on the path).
+        hopeless = (not n or self.cost.model_rounds < self.WARMUP) and not self.cost.could_pay(0, k, width)
         if self.cost.model_rounds < self.WARMUP:
             return min(room, self.cost.PROBE) if hopeless else room
-        n = int(np.argmax(speeds))
         if not n and not looked_up and not hopeless and self.cost.model_on:
             # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured
             # over a few dozen rounds, and a streak of early rejections (the H200 replay at 85%: S(6) estimated
