@@ -45,11 +45,14 @@ class DraftCost:
     pays, probing then costs about 2 draft steps per 256 rounds, under 1%); it resets when the model pays again. A
     model that would lose even if every token were accepted (`could_pay`) goes to PROBE_MAX at once and is probed
     only in sync: no acceptance a probe measures could turn it on, only a change of its costs.
-    A due probe waits (up to 4 intervals) for a round where the draft model's cells are current (a generation's
-    first round): when it has sat out many rounds, its first step must first read every token since, which on a
-    CPU costs far more than the probe itself; after 4 intervals it goes ahead out of sync only where catching up
-    is measured cheap (`catch_up_s`, `_catch_up_affordable`). Lookup's tokens judged a loss are probed on the same
-    schedule (`lookup_probe`), and meanwhile lookup does not search (`DraftLength.lookup_wanted`).
+    When the draft model has sat out many rounds, a probe's first step must first read every token since, which
+    on a CPU can cost far more than the probe itself: a due probe goes ahead out of sync only while catching up is
+    affordable (`_catch_up_affordable`: unmeasured, the first such probe measures `catch_up_s`; on a GPU it reads
+    hundreds of tokens in a few ms), else it waits for a round where the model's cells are current (a
+    generation's first round). (It used to wait 4 intervals before its first catch-up: on the H200 the chain then
+    probed a model worth 1.9x plain once in 64 rounds, and sat at lookup's pace.) A model that could pay probes
+    with all the room (`DraftLength.extension`). Lookup's tokens judged a loss are probed on the same schedule
+    (`lookup_probe`), and meanwhile lookup does not search (`DraftLength.lookup_wanted`).
     """
 
     SOURCES = ("model", "lookup")
@@ -94,6 +97,7 @@ class DraftCost:
         self.verify_s: dict[int, float] = {}
         self.verified: dict[int, int] = {}  # per width: the round its verify was last measured
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
+        self.model_on = True  # the model alone was last judged to pay (`DraftLength.extension`'s hysteresis)
         self.interval = self.PROBE_FIRST
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
         self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
@@ -413,7 +417,8 @@ class DraftCost:
         if self.idle < self.interval:
             return 0
         if lag > 1:
-            if in_sync_only or self.idle < 4 * self.interval or not self._catch_up_affordable(lag):
+            # Unmeasured, the first catch-up goes (it measures the price); then only while it stays affordable.
+            if in_sync_only or not self._catch_up_affordable(lag):
                 return 0
             self._probe_lag = lag
         self.idle = 0
@@ -431,7 +436,7 @@ class DraftCost:
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
-        self.idle, self.interval = 0, self.PROBE_FIRST
+        self.idle, self.interval, self.model_on = 0, self.PROBE_FIRST, True
 
 
 class DraftLength:
@@ -446,7 +451,9 @@ class DraftLength:
     `DraftCost.PROBE` tokens now and then) measure the draft model again.
 
     The chain's extension (`extension`) is decided per round by the same cost model, fixed or adaptive: the model
-    adds the number of tokens that makes the round fastest, 0 when it is a net loss (then probed as above).
+    adds the number of tokens that makes the round fastest, 0 when it is a net loss (then probed as above). Where
+    lookup found nothing and the model alone was paying, it stays on until it is a loss by MIN_GAIN (its
+    acceptance is an estimate from a few dozen rounds: a streak of rejections must not switch it off).
 
     The cost model is the slot's (`DraftCost`, kept across its generations with the same settings: what it measured
     stays valid); a fixed chooser is fresh per generation.
@@ -557,20 +564,35 @@ class DraftLength:
         if room <= 0 or self._measuring:
             return 0
         width = k + 1 if self.padded else 0
-        n = self.cost.best_extension(looked_up, room, width)
-        if n is None or self.cost.model_rounds < self.WARMUP:
+        speeds = self.cost.speeds(looked_up, room, width)
+        if speeds is None:
             return min(room, self.cost.PROBE)  # measure first, as cheaply as a probe
+        n = int(np.argmax(speeds))
+        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);
+        # asked only where the answer matters (a round's host work is on the path).
+        hopeless = (not n or self.cost.model_rounds < self.WARMUP) and not self.cost.could_pay(0, k, width)
+        if self.cost.model_rounds < self.WARMUP:
+            return min(room, self.cost.PROBE) if hopeless else room
+        if not n and not looked_up and not hopeless and self.cost.model_on:
+            # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured
+            # over a few dozen rounds, and a streak of early rejections (the H200 replay at 85%: S(6) estimated
+            # 0.12 against 0.38) would otherwise switch off a model worth 1.4x plain until the next probe.
+            best = 1 + int(np.argmax(speeds[1:]))
+            n = best if self.MIN_GAIN * speeds[best] >= speeds[0] else 0
         if n:
             self.cost.pays()
             return n
-        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify).
-        hopeless = not self.cost.could_pay(0, k, width)
+        if not looked_up:
+            self.cost.model_on = False
         if hopeless:
             # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
             # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
             # interval, and only where the model's cells are current (catching up would be pure loss).
             self.cost.interval = self.cost.PROBE_MAX
-        return self.cost.probe(room, lag, in_sync_only=hopeless)
+        probe = self.cost.probe(room, lag, in_sync_only=hopeless)
+        # A probe of a model that could pay drafts all the room: two tokens measure two positions, and the deeper
+        # ones, borrowing the last measured rate, would be judged on one rejection.
+        return room if probe and not hopeless else probe
 
     def verify_width(self, wide: int, drafted: int) -> int:
         """The verify batch's width on a GPU (CUDA graphs), given `wide` (k + 1: where the drafts are padded to)

@@ -28,8 +28,11 @@ def timed(clock: Clock, model: object, base: float, per_token: float) -> None:
     model.decode_many = decode_many_timed  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("draft_step", [0.017, 0.0005])  # the CPU demo pair's step (a loss), a GPU-like one (pays)
-def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, monkeypatch, draft_step: float):
+# The CPU demo pair's step (a loss), a GPU-like one (pays); and that one with the model's rounds drafting ahead
+# beside their verify (`ChainDrafter.overlap`: bets kept and thrown through the real contexts).
+@pytest.mark.parametrize(("draft_step", "ahead"), [(0.017, False), (0.0005, False), (0.0005, True)])
+def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, monkeypatch, draft_step: float,
+                                                                    ahead: bool):
     from localspec import engine
 
     clock = Clock()
@@ -48,7 +51,8 @@ def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, m
             decodes["n"] += 1
             return inner(items)
         s.draft.decode_many = counted
-        rounds = steps = 0
+        rounds = steps = made = 0
+        s.engine.draft_ahead = ahead
         for i, head in enumerate(prompts(3, seed=13, length=10)):
             prompt = [*head, *head[:6], *head]  # lookup has matches to find; between them the model may draft
             s.engine.reset()
@@ -58,7 +62,9 @@ def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, m
             spec = collect(s.engine.generate(prompt, GREEDY.sampling, chain, 40))
             assert spec.tokens == plain.tokens, (draft_step, i)
             rounds += spec.stats.rounds
+            made += spec.stats.ahead_made
             steps += decodes["n"] - before - 1  # its prompt was one decode
+    assert (made > 0) is ahead
     if draft_step > 0.01:  # a loss: its warm-up, then probes at most (one per interval, or a generation's start)
         assert steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_FIRST + 3) * DraftCost.PROBE
     else:

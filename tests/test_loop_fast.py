@@ -149,6 +149,62 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop() -> None:
         assert outs[0][:2] == outs[1][:2] and outs[1][2]
 
 
+class _EveryRound:
+    """A chain's chooser that decides without the clock: every match whole, the model all the rest of k (two
+    runs of a loop then draft the same, whatever their timings)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def next(self) -> int:
+        return self.k
+
+    def lookup_wanted(self) -> bool:
+        return True
+
+    def lookup_length(self, found: int, k: int) -> int:
+        return found
+
+    def extension(self, looked_up: int, k: int, lag: int = 1) -> int:
+        return k - looked_up
+
+    def ahead_length(self, k: int) -> int:
+        return k
+
+    def continuation(self, ready: int, k: int) -> int:
+        return k - ready
+
+    def observe(self, *measured: object) -> None:
+        pass
+
+    def observe_ahead(self, *measured: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sampling", [GREEDY.sampling, HOT], ids=["greedy", "hot"])
+def test_the_chain_drafts_ahead_on_the_models_rounds_token_for_token(monkeypatch: pytest.MonkeyPatch,
+                                                                     sampling) -> None:
+    """The chain drafts the next round beside a verify of the model's drafts alone: a bet kept when the next
+    round is again the model's alone (lookup found nothing), thrown when lookup's tokens come first or the length
+    differs (its draws given back). The output, at T = 0 and T > 0, is the sequential loop's token for token, and
+    the same draft and accept counts."""
+    monkeypatch.setattr(Engine, "_draft_length", lambda self, drafting, *rest: _EveryRound(drafting.n_draft))
+    outs, prompt = [], [*range(0, 32, 3), *range(0, 32, 3)]  # lookup matches at first
+    for ahead in (False, True):
+        # (32 tokens: the reply runs a while before it cycles and lookup takes over)
+        target, draft = FakeModel(32, seed=3), FakeModel(32, seed=3, noise=0.5)
+        engine = Engine(target, draft, draft_ahead=ahead)
+        gen = collect(engine.generate(prompt, sampling, drafting(4, "chain", lookup_min=3), 80))
+        engine.close()
+        outs.append((gen.tokens, gen.stats.drafted, gen.stats.accepted, gen.stats.rounds, gen.stats.ahead_made,
+                     gen.stats.ahead_kept))
+    (tokens, drafted, accepted, rounds, _, _), (*same, made, kept) = outs
+    assert [tokens, drafted, accepted, rounds] == same
+    assert 0 < kept < made < rounds  # bets kept and thrown; none beside a lookup round
+    if sampling.greedy:
+        assert tokens == target.greedy(prompt, 80)
+
+
 class SlowFake(FakeModel):
     """A draft whose every decode takes at least `seconds`: a draft-ahead then outlasts the (instant) verify."""
 

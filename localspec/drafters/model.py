@@ -99,7 +99,7 @@ class ModelDrafter:
         todo: list[tuple[int, _Job]] = []
         for i, (req, k) in enumerate(jobs):
             kept = self._kept.pop(req.seq, None)
-            if kept is not None and len(jobs) == 1 and kept.k == k and not after:
+            if kept is not None and len(jobs) == 1 and kept.k == k and not (after and after[i]):
                 req.stats.ahead_kept += 1
                 out[i] = self._go_on(req, kept)
                 continue
@@ -154,6 +154,12 @@ class ModelDrafter:
                 return
             self._rng[seq].bit_generator.state = ahead.rng_state  # its cells go with the rejected ones, below
         self._cut(seq, len(req.tokens) - 1)
+
+    def bet_length(self, req: DraftRequest) -> int | None:
+        """The k of the drafted-ahead round kept for this request (its bet came true), None when there is none: a
+        round that asks for exactly that many tokens, after no other drafter's, uses it."""
+        kept = self._kept.get(req.seq)
+        return None if kept is None else kept.k
 
     def lag(self, req: DraftRequest) -> int:
         """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
