@@ -137,16 +137,22 @@ def test_rejection_against_a_point_mass_is_exact() -> None:
         assert chi_square(counts, probs) < 26.1  # 7 degrees of freedom, 99.9th percentile
 
 
-def test_draft_ahead_is_token_identical_to_the_sequential_loop() -> None:
-    for sampling in (GREEDY.sampling, HOT):
+@pytest.mark.parametrize("ahead_length", ["full", "fit"])
+def test_draft_ahead_is_token_identical_to_the_sequential_loop(ahead_length: str) -> None:
+    """Whole bets draft what the sequential loop drafts: the same tokens and the same acceptance, greedy or sampled.
+    Fitted bets (the default) stop with the verify, so how many drafts a round holds follows the clock: the same
+    greedy tokens (sampled, the draws follow the proposals' lengths: tests/test_ahead_fit.py checks the
+    distribution and, in lockstep with the verify, the tokens)."""
+    for sampling in (GREEDY.sampling, HOT) if ahead_length == "full" else (GREEDY.sampling,):
         outs = []
         for ahead in (False, True):
             target, draft = pair(noise=0.5)
             engine = Engine(target, draft, draft_ahead=ahead)
-            gen = collect(engine.generate(list(range(8)), sampling, drafting(4), 50))
+            gen = collect(engine.generate(list(range(8)), sampling, drafting(4, ahead_length=ahead_length), 50))
             engine.close()
             outs.append((gen.tokens, gen.stats.accepted, gen.stats.ahead_made > 0))
-        assert outs[0][:2] == outs[1][:2] and outs[1][2]
+        same = 2 if ahead_length == "full" else 1
+        assert outs[0][:same] == outs[1][:same] and outs[1][2]
 
 
 class _EveryRound:
@@ -221,8 +227,8 @@ def test_the_wait_for_a_draft_ahead_is_counted_apart_from_host_work() -> None:
     # Each round's draft-ahead makes 1 + 4 decodes of >= 4 ms beside a verify of microseconds: the loop waits
     # >= 20 ms a round for it, which is neither a decode of its own nor host work (bookkeeping of microseconds).
     target, draft = FakeModel(seed=3), SlowFake(0.004, seed=3, noise=0.5)
-    engine = Engine(target, draft, draft_ahead=True)
-    stats = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4), 40)).stats
+    engine = Engine(target, draft, draft_ahead=True)  # (whole bets: a fitted one stops with the verify)
+    stats = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, ahead_length="full"), 40)).stats
     engine.close()
     assert stats.ahead_made > 0
     assert stats.ahead_wait_s >= 0.004 * stats.ahead_made
