@@ -171,6 +171,8 @@ def head_dims(d: int, m: int) -> np.ndarray:
 
 def place(src: Shape, n_rot: int, big: Shape) -> Placement:
     """Map the source's heads into the target's; ValueError when the target cannot hold the source exactly."""
+    if big.n_embd < src.n_embd or big.n_ff < src.n_ff or big.n_blocks < src.n_blocks:
+        raise ValueError(f"target {big} is smaller than the source {src} in width, FFN or depth")
     if n_rot != src.head_dim:
         raise ValueError(f"the source rotates {n_rot} of {src.head_dim} head dimensions; only full RoPE embeds")
     if big.head_dim % src.head_dim:
@@ -189,8 +191,6 @@ def place(src: Shape, n_rot: int, big: Shape) -> Placement:
         kv_copies += [(first_kv + j, g) for j in range(kv_per_group)]
         for j in range(per_group):  # the j-th query head of group g -> a target query head of those KV heads
             q_rows.append((first_kv * ratio + j) * big.head_dim + dims)
-    if big.n_embd < src.n_embd or big.n_ff < src.n_ff or big.n_blocks < src.n_blocks:
-        raise ValueError(f"target {big} is smaller than the source {src} in width, FFN or depth")
     return Placement(np.concatenate(q_rows), kv_copies, m)
 
 
@@ -373,7 +373,7 @@ def write_embedded(path: Path, src: Source, spec: EmbedSpec, role: Role,
         offsets = np.concatenate([[0], np.cumsum([_pad(n) for n in sizes])])
         os.truncate(tmp, data_start + int(offsets[-1]))  # the zeros: a hole, never written
         with open(tmp, "r+b") as f, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for (name, shape, qt), offset in zip(plan, offsets[:-1].tolist(), strict=False):
+            for (name, shape, qt), offset in zip(plan, offsets[:-1].tolist(), strict=True):
                 content = embedded_rows(name, shape, src, big, where)
                 base = data_start + offset
                 if isinstance(content, np.ndarray):  # a norm vector
