@@ -197,3 +197,17 @@ def test_multi_summary_compares_placements_and_marks_greedy_against_one_gpu(tmp_
     assert "| 8e-5 | 0 | 96.0 | 240.0 | 2.50× |" in lines
     summary = json.loads(out.read_text())
     assert summary[0]["ahead"]["greedy"] == {"holds": True, "divergence": [["qa", 209]]}
+
+
+def test_the_round_profile_counts_the_wait_for_the_ahead_thread_apart_from_host_work():
+    runs = [{"mode": "plain", "rounds": 99, "draft_s": 9.0, "verify_s": 9.0, "decode_s": 99.0, "tokens": 99,
+             "drafted": 0},
+            {"mode": "speculative", "rounds": 10, "draft_s": 0.05, "verify_s": 0.3, "decode_s": 0.37,
+             "ahead_wait_s": 0.015, "tokens": 60, "drafted": 60},
+            {"mode": "speculative", "rounds": 10, "draft_s": 0.05, "verify_s": 0.3, "decode_s": 0.36, "tokens": 60,
+             "drafted": 60}]  # (written before the wait was counted apart: no key, no wait)
+    profile = summarize.round_profile({"runs": runs})
+    assert profile["round_ms"] == pytest.approx(36.5)
+    assert profile["wait_ms"] == pytest.approx(0.75)
+    assert profile["host_ms"] == pytest.approx(36.5 - 5.0 - 30.0 - 0.75)
+    assert profile["tokens_per_round"] == pytest.approx(6.0)
