@@ -57,66 +57,41 @@ class _DecodeClock:
     side's CPU time is the round's minus these. CPU time, unlike wall time, does not count the moments a busy box
     gives the CPU to someone else, nor the loop's waits (for the draft-ahead thread, for the GIL).
 
-    Only the loop's thread counts in `inside`; with draft-ahead, `ahead` is the draft-ahead thread's CPU time
-    (decodes included), `phases` this thread's CPU time outside the decodes per phase of the round, and
-    `cost_model` its CPU time in the draft-length policy's questions and observations (all phases)."""
+    `seconds`: "inside", the loop thread's decodes only; with draft-ahead, "ahead" is the draft-ahead thread's CPU
+    time (decodes included); per phase of the round (`PHASES`), the loop thread's CPU time outside the decodes; and
+    "cost_model" its CPU time in the draft-length policy's questions and observations (all phases)."""
 
     PHASES = ("_plan", "_draft", "_verify")  # (the rest of a round: the rewind, the verdict, the observations)
     COST_MODEL = ("next", "verify_width", "ahead_length", "continuation", "observe", "observe_ahead")
 
     def __init__(self, engine: Engine) -> None:
-        self.inside = 0.0
-        self.ahead = 0.0
-        self.phases = dict.fromkeys(self.PHASES, 0.0)
-        self.cost_model = 0.0
+        self.seconds = dict.fromkeys(("inside", "ahead", "cost_model", *self.PHASES), 0.0)
         self._loop = threading.get_ident()
-        for name in self.COST_MODEL:  # (the class's: a stream's policy is made when it starts)
-            setattr(DraftLength, name, self._cost(getattr(DraftLength, name)))
         for model in {id(m): m for m in engine.models}.values():  # (a drafter's model may be listed twice)
-            model.decode_many = self._decodes(model.decode_many)  # type: ignore[method-assign]
+            model.decode_many = self._timed(model.decode_many, "inside")  # type: ignore[method-assign]
         for drafter in {id(d): d for d in engine.drafters.values() if isinstance(d, ModelDrafter)}.values():
-            drafter._draft_ahead = self._ahead(drafter._draft_ahead)  # type: ignore[method-assign]
+            drafter._draft_ahead = self._timed(drafter._draft_ahead, "ahead",  # type: ignore[method-assign]
+                                               loop_only=False)
         for name in self.PHASES:
-            setattr(engine, name, self._phase(name, getattr(engine, name)))
+            setattr(engine, name, self._timed(getattr(engine, name), name, outside_decodes=True))
+        for name in self.COST_MODEL:  # (the class's: a stream's policy is made when it starts)
+            setattr(DraftLength, name, self._timed(getattr(DraftLength, name), "cost_model"))
 
-    def _decodes(self, decode: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            if threading.get_ident() != self._loop:  # the draft-ahead thread's: in `ahead`
-                return decode(*args, **kwargs)
-            t = time.thread_time()
-            try:
-                return decode(*args, **kwargs)
-            finally:
-                self.inside += time.thread_time() - t
-        return timed
+    @property
+    def inside(self) -> float:
+        return self.seconds["inside"]
 
-    def _cost(self, method: Callable) -> Callable:
+    def _timed(self, method: Callable, key: str, loop_only: bool = True, outside_decodes: bool = False) -> Callable:
+        """`method`, its CPU seconds added to `seconds[key]` (the loop thread's only, unless not `loop_only`;
+        less the decodes inside it with `outside_decodes`)."""
         def timed(*args, **kwargs):
-            if threading.get_ident() != self._loop:
+            if loop_only and threading.get_ident() != self._loop:
                 return method(*args, **kwargs)
-            t = time.thread_time()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.cost_model += time.thread_time() - t
-        return timed
-
-    def _ahead(self, draft_ahead: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t = time.thread_time()
-            try:
-                return draft_ahead(*args, **kwargs)
-            finally:
-                self.ahead += time.thread_time() - t
-        return timed
-
-    def _phase(self, name: str, method: Callable) -> Callable:
-        def timed(*args, **kwargs):
             t, inside = time.thread_time(), self.inside
             try:
                 return method(*args, **kwargs)
             finally:
-                self.phases[name] += time.thread_time() - t - (self.inside - inside)
+                self.seconds[key] += time.thread_time() - t - (self.inside - inside if outside_decodes else 0.0)
         return timed
 
 
@@ -149,24 +124,25 @@ def _rounds(engine: Engine, clock: _DecodeClock, args: argparse.Namespace, sampl
             if rounds == args.warmup:  # the warm-up's rounds leave the totals
                 before = dataclasses.replace(stats, draft_lengths=[])
             wall, cpu = time.perf_counter(), time.thread_time()
-            not_host, inside, ahead = sum(getattr(stats, f) for f in counted), clock.inside, clock.ahead
-            waited, phases, cost_model = stats.ahead_wait_s, dict(clock.phases), clock.cost_model
+            not_host, seconds = sum(getattr(stats, f) for f in counted), dict(clock.seconds)
+            waited = stats.ahead_wait_s
             engine.step([stream])
             list(stream.events())
             rounds += 1
             if rounds > args.warmup:
                 wall_s += time.perf_counter() - wall  # (rounds only: a prompt's prefill is no round)
-                host_cpu = 1e3 * (time.thread_time() - cpu - (clock.inside - inside))
+                spent = {key: 1e3 * (clock.seconds[key] - seconds[key]) for key in seconds}
+                host_cpu = 1e3 * (time.thread_time() - cpu) - spent["inside"]
                 per.host_ms.append(1e3 * (time.perf_counter() - wall
                                           - (sum(getattr(stats, f) for f in counted) - not_host)))
                 per.host_cpu_ms.append(host_cpu)
-                split = {name.lstrip("_"): 1e3 * (clock.phases[name] - phases[name]) for name in clock.PHASES}
+                split = {name.lstrip("_"): spent[name] for name in clock.PHASES}
                 split["rewind"] = host_cpu - sum(split.values())
                 for name, ms in split.items():
                     per.split_ms.setdefault(name, []).append(ms)
                 per.wait_ms.append(1e3 * (stats.ahead_wait_s - waited))
-                per.cost_model_ms.append(1e3 * (clock.cost_model - cost_model))
-                per.ahead_cpu_ms.append(1e3 * (clock.ahead - ahead))
+                per.cost_model_ms.append(spent["cost_model"])
+                per.ahead_cpu_ms.append(spent["ahead"])
         if rounds > args.warmup:
             total += GenerationStats(**{f: getattr(stats, f) - getattr(before, f) for f in (
                 "tokens", "rounds", "drafted", "accepted", "draft_s", "verify_s", "ahead_made", "ahead_kept",
