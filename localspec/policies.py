@@ -8,20 +8,33 @@ Neither knows which drafter runs.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
 from localspec.config import Drafting
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Tables:
-    """What one observation of `DraftCost` implies, per source and per verify width."""
+    """What one observation of `DraftCost` implies, per source and per verify width: Python floats, read one by one
+    by the questions every round asks (`best_ahead`, `best_continuation`: inside the loop, between decodes, each
+    numpy call cost more than the arithmetic it did), and as arrays, made when first asked, by the vectorised
+    ones (`_speeds`)."""
 
-    survival: dict[str, np.ndarray]  # S(0..k_max)
-    cumulative: dict[str, np.ndarray]  # 1 + S(1) + ... + S(i)
-    verify: np.ndarray  # seconds of a verify of width 0..k_max + 1 (measured, else estimated)
+    survival: dict[str, list[float]]  # S(0..k_max)
+    cumulative: dict[str, list[float]]  # 1 + S(1) + ... + S(i)
+    verify: list[float]  # seconds of a verify of width 0..k_max + 1 (measured, else estimated)
+    _arrays: tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray] | None = field(default=None)
+
+    def arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+        """(survival, cumulative, verify) as numpy arrays."""
+        if self._arrays is None:
+            self._arrays = ({s: np.array(v) for s, v in self.survival.items()},
+                            {s: np.array(v) for s, v in self.cumulative.items()}, np.array(self.verify))
+        return self._arrays
 
 
 class DraftCost:
@@ -74,8 +87,9 @@ class DraftCost:
         self._excess = 0.0
         self._measurable = False
         self.rounds = 0
-        self.tried = {s: np.zeros(k_max + 1) for s in self.SOURCES}  # index i: rounds that verified position i
-        self.ok = {s: np.zeros(k_max + 1) for s in self.SOURCES}
+        # index i: rounds that verified position i (Python floats: counted every round, read by `_survival`)
+        self.tried = {s: [0.0] * (k_max + 1) for s in self.SOURCES}
+        self.ok = {s: [0.0] * (k_max + 1) for s in self.SOURCES}
         self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
         self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
         self._steps: deque[float] = deque(maxlen=self.STEPS)
@@ -125,10 +139,13 @@ class DraftCost:
                 continue
             self.seen[source] += 1
             if self.seen[source] % self.DECAY == 0:
-                self.tried[source] *= 0.5
-                self.ok[source] *= 0.5
-            self.tried[source][1 : tried + 1] += 1.0
-            self.ok[source][1 : ok + 1] += 1.0
+                self.tried[source] = [n * 0.5 for n in self.tried[source]]
+                self.ok[source] = [n * 0.5 for n in self.ok[source]]
+            counts, hits = self.tried[source], self.ok[source]
+            for i in range(1, tried + 1):
+                counts[i] += 1.0
+            for i in range(1, ok + 1):
+                hits[i] += 1.0
         from_model = drafted - looked_up
         on_path = from_model - ahead  # the model's tokens drafted in this round, not beside the last verify
         if from_model > 0:
@@ -188,9 +205,20 @@ class DraftCost:
 
     def ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
         """Expected seconds the loop waits after a verify of `verify_s` for a draft-ahead of `decodes` decodes
-        (0 before the thread's lag was measured)."""
+        (0 before the thread's lag was measured), elementwise."""
+        counts, verifies = np.broadcast_arrays(np.asarray(decodes), np.asarray(verify_s, dtype=float))
+        waits = [self._ahead_wait(n, v) for n, v in zip(counts.ravel().tolist(), verifies.ravel().tolist(),
+                                                         strict=True)]
+        return np.array(waits).reshape(counts.shape)
+
+    def _ahead_wait(self, decodes: int, verify_s: float) -> float:
         step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
-        return np.maximum(0.0, lag + np.asarray(decodes) * step - np.asarray(verify_s))
+        return max(0.0, lag + decodes * step - verify_s)
+
+    # The two questions below are asked every round with draft-ahead fitted to the verify, so they run on Python
+    # floats (the same operations in the same order as the arrays they replaced: the same choices, bit for bit;
+    # tests/test_ahead_cost.py checks them against the numpy formulas). On the 2-core CPU the numpy version cost
+    # ~0.5 ms a round inside the loop (docs/performance.md, "T > 0 host share").
 
     def best_ahead(self, k: int, verify_s: float | None = None) -> int:
         """How many of the next round's k drafts to make beside a verify (`ahead_length = "fit"`): the j in
@@ -199,11 +227,14 @@ class DraftCost:
         if k <= 0 or self.ahead_step_s is None or self.ahead_lag_s is None or self.step_s is None:
             return k
         if verify_s is None:
-            verify_s = float(self.verify_costs(np.array([k + 1]))[0])
-        j = np.arange(k + 1)
-        kept = float(self.survival("model", k)[k]) * self.guess_rate
-        cost = self.ahead_wait(1 + j, verify_s) + kept * (k - j) * self.step_s
-        return int(k - np.argmin(cost[::-1]))
+            verify_s = self._verify_cost(k + 1)
+        kept, step = self._table().survival["model"][k] * self.guess_rate, self.step_s
+        best, choice = float("inf"), k
+        for j in range(k, -1, -1):  # (the longer on a tie)
+            cost = self._ahead_wait(1 + j, verify_s) + kept * (k - j) * step
+            if cost < best:
+                best, choice = cost, j
+        return choice
 
     def best_continuation(self, ready: int, room: int, width: int = 0) -> int:
         """A kept bet holds `ready` drafts of a round of ready + room: how many more to draft now, on the path
@@ -213,11 +244,13 @@ class DraftCost:
             return 0
         if self.step_s is None or not self.verify_s:
             return room
-        n = np.arange(room + 1)
-        expected = self._table().cumulative["model"][ready + n]
-        widths = np.maximum(width, ready + n + 1)
-        speeds = expected / (self.verify_costs(widths) + n * self.step_s)
-        return int(np.argmax(speeds))
+        expected, step = self._table().cumulative["model"], self.step_s
+        best, choice = -float("inf"), 0
+        for n in range(room + 1):  # (the shorter on a tie)
+            speed = expected[ready + n] / (self._verify_cost(max(width, ready + n + 1)) + n * step)
+            if speed > best:
+                best, choice = speed, n
+        return choice
 
     COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
 
@@ -251,7 +284,7 @@ class DraftCost:
         (`switch_s`); before that its prior is one verify."""
         if not self.verify_s:
             return float("inf")
-        one, padded = self.verify_costs(np.array([1, wide]))
+        one, padded = self._verify_cost(1), self._verify_cost(wide)
         switch = self.switch_s if self.switch_s is not None else one
         return 2 * switch / (padded - one) if padded > one else float("inf")
 
@@ -261,25 +294,25 @@ class DraftCost:
         step on the host)."""
         if self._tables is None:
             survival = {source: self._survival(source) for source in self.SOURCES}
-            widths = np.arange(self.k_max + 2)
-            self._tables = _Tables(survival, {s: np.cumsum(v) for s, v in survival.items()},
-                                   self._verify_costs(widths) if self.verify_s else widths * 0.0)
+            widths = range(self.k_max + 2)
+            self._tables = _Tables(survival, {s: list(accumulate(v)) for s, v in survival.items()},
+                                   self._verify_estimates(widths) if self.verify_s else [0.0 for _ in widths])
         return self._tables
 
-    def _survival(self, source: str) -> np.ndarray:
+    def _survival(self, source: str) -> list[float]:
         """S(0..k_max): the chance that positions 1..i of a `source` run are all accepted (S(0) = 1)."""
         # Each position's rate leans on the one before it (the source's prior for the first), so a position
         # never drafted borrows the deepest measured rate: acceptance is bursty, deep rates are rarely lower.
-        tried, ok = self.tried[source].tolist(), self.ok[source].tolist()
+        tried, ok = self.tried[source], self.ok[source]
         rate, survival = self.PRIOR[source], [1.0]
         for i in range(1, self.k_max + 1):
             rate = (ok[i] + self.PRIOR_WEIGHT * rate) / (tried[i] + self.PRIOR_WEIGHT)
             survival.append(survival[-1] * rate)
-        return np.array(survival)
+        return survival
 
     def survival(self, source: str, n: int) -> np.ndarray:
         """S(0..n) of a `source` run (n <= k_max)."""
-        return self._table().survival[source][: n + 1]
+        return self._table().arrays()[0][source][: n + 1]
 
     def speeds(self, looked_up: int, room: int, width: int = 0) -> np.ndarray | None:
         """Expected tokens per second of a round of `looked_up` lookup tokens then n = 0..room model tokens,
@@ -291,9 +324,9 @@ class DraftCost:
     def _speeds(self, looked_up: np.ndarray, room: int, width: int, perfect: bool = False) -> np.ndarray:
         """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room (`perfect`:
         as if every model token were accepted)."""
-        table = self._table()
-        lookup, cum_lookup = table.survival["lookup"], table.cumulative["lookup"]
-        cum_model = np.arange(self.k_max + 1) + 1.0 if perfect else table.cumulative["model"]
+        survival, cumulative, _ = self._table().arrays()
+        lookup, cum_lookup = survival["lookup"], cumulative["lookup"]
+        cum_model = np.arange(self.k_max + 1) + 1.0 if perfect else cumulative["model"]
         j, n = looked_up[:, None], np.arange(room + 1)[None, :]
         # E = 1 + S_lookup(1..j) + S_lookup(j) * S_model(1..n)
         expected = cum_lookup[j] + lookup[j] * (cum_model[n] - 1.0)
@@ -312,7 +345,7 @@ class DraftCost:
         fits j to the verify, else j = n) and n when it is thrown; plus the wait after the verify for the next
         bet's 1 + j decodes. n = 0 is a plain step: nothing beside it."""
         step = self.step_s or 0.0
-        kept = np.where(looked_up == 0, self._table().survival["model"][n] * self.guess_rate, 0.0)
+        kept = np.where(looked_up == 0, self._table().arrays()[0]["model"][n] * self.guess_rate, 0.0)
         n, verify = np.broadcast_arrays(n, verify)
         ahead = n.copy()
         if self.ahead_fit:
@@ -325,29 +358,43 @@ class DraftCost:
         """Seconds of a verify at each width: measured, else from a line through the measured widths (floored at
         the narrowest one's), else (one width measured) from it by the prior slope."""
         widths = np.asarray(widths)
-        table = self._table().verify
-        if widths.size and widths.max() < len(table):
-            return table[widths]
-        return self._verify_costs(widths)
+        table = self._table()
+        if widths.size and widths.max() < len(table.verify):
+            return table.arrays()[2][widths]
+        return np.array(self._verify_estimates(widths.ravel().tolist())).reshape(widths.shape)
 
-    def _verify_costs(self, widths: np.ndarray) -> np.ndarray:
+    def _verify_cost(self, width: int) -> float:
+        """`verify_costs` of one width."""
+        table = self._table().verify
+        return table[width] if width < len(table) else self._verify_estimates([width])[0]
+
+    def _verify_estimates(self, widths: Iterable[int]) -> list[float]:
+        """Each width's measured seconds, else the estimate (`verify_costs`)."""
         narrowest = min(self.verify_s)
-        prior = self.verify_s[narrowest] * (1 + self.VERIFY_SLOPE * (widths - 1)) / (
-            1 + self.VERIFY_SLOPE * (narrowest - 1))
-        if len(self.verify_s) == 1:
-            estimate = prior
-        else:
+        at_narrowest, slope_prior = self.verify_s[narrowest], 1 + self.VERIFY_SLOPE * (narrowest - 1)
+        line: tuple[float, float, float] | None = None
+        if len(self.verify_s) > 1:
             # The least-squares line through the tried widths (closed form: np.polyfit costs ~50 us a call).
             tried = sorted(self.verify_s)
             mean_w = sum(tried) / len(tried)
             mean_s = sum(self.verify_s[w] for w in tried) / len(tried)
             slope = (sum((w - mean_w) * (self.verify_s[w] - mean_s) for w in tried)
                      / sum((w - mean_w) ** 2 for w in tried))
-            line = mean_s + slope * (widths - mean_w)
-            estimate = np.where(widths < narrowest, np.maximum(line, prior),
-                                np.maximum(line, self.verify_s[narrowest]))
-        measured = np.array([self.verify_s.get(int(w), np.nan) for w in widths.ravel()]).reshape(widths.shape)
-        return np.where(np.isnan(measured), estimate, measured)
+            line = (mean_s, slope, mean_w)
+        costs = []
+        for width in widths:
+            measured = self.verify_s.get(width)
+            if measured is not None:
+                costs.append(measured)
+                continue
+            prior = at_narrowest * (1 + self.VERIFY_SLOPE * (width - 1)) / slope_prior
+            if line is None:
+                costs.append(prior)
+            else:
+                mean_s, slope, mean_w = line
+                on_line = mean_s + slope * (width - mean_w)
+                costs.append(max(on_line, prior) if width < narrowest else max(on_line, at_narrowest))
+        return costs
 
     def speed(self, looked_up: int, n: int, width: int = 0) -> float | None:
         """`speeds` at one n."""
@@ -432,7 +479,7 @@ class DraftCost:
         cost ~1 s, several rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
         if self.catch_up_s is None or not self.verify_s:
             return True  # (unmeasured: the first such probe measures it)
-        return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * float(self._table().verify[1])
+        return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * self._table().verify[1]
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""

@@ -158,3 +158,95 @@ def test_the_bet_model_charges_long_drafts_for_the_wait() -> None:
     cost._tables = None
     without = 1 / cost.speed(0, 6, 7) * cost.survival("model", 6).sum()
     assert with_lag - without == pytest.approx(0.0022, abs=2e-4)
+
+
+# -- the per-round questions on Python floats against the numpy formulas they replaced ---------------------------
+
+def numpy_verify_costs(cost: DraftCost, widths: np.ndarray) -> np.ndarray:
+    """The verify estimate as arrays (prior slope from the narrowest width; a least-squares line through the
+    measured ones, floored; measured widths as measured)."""
+    narrowest = min(cost.verify_s)
+    prior = cost.verify_s[narrowest] * (1 + cost.VERIFY_SLOPE * (widths - 1)) / (
+        1 + cost.VERIFY_SLOPE * (narrowest - 1))
+    if len(cost.verify_s) == 1:
+        estimate = prior
+    else:
+        tried = sorted(cost.verify_s)
+        mean_w = sum(tried) / len(tried)
+        mean_s = sum(cost.verify_s[w] for w in tried) / len(tried)
+        slope = (sum((w - mean_w) * (cost.verify_s[w] - mean_s) for w in tried)
+                 / sum((w - mean_w) ** 2 for w in tried))
+        line = mean_s + slope * (widths - mean_w)
+        estimate = np.where(widths < narrowest, np.maximum(line, prior), np.maximum(line, cost.verify_s[narrowest]))
+    measured = np.array([cost.verify_s.get(int(w), np.nan) for w in widths.ravel()]).reshape(widths.shape)
+    return np.where(np.isnan(measured), estimate, measured)
+
+
+def numpy_survival(cost: DraftCost, source: str) -> np.ndarray:
+    rates = np.empty(cost.k_max + 1)
+    rate = cost.PRIOR[source]
+    for i in range(1, cost.k_max + 1):
+        rate = (cost.ok[source][i] + cost.PRIOR_WEIGHT * rate) / (cost.tried[source][i] + cost.PRIOR_WEIGHT)
+        rates[i] = rate
+    rates[0] = 1.0
+    return np.cumprod(rates)
+
+
+def numpy_best_ahead(cost: DraftCost, k: int) -> int:
+    if k <= 0 or cost.ahead_step_s is None or cost.ahead_lag_s is None or cost.step_s is None:
+        return k
+    verify_s = float(numpy_verify_costs(cost, np.array([k + 1]))[0])
+    j = np.arange(k + 1)
+    kept = float(numpy_survival(cost, "model")[k]) * cost.guess_rate
+    wait = np.maximum(0.0, cost.ahead_lag_s + (1 + j) * cost.ahead_step_s - verify_s)
+    return int(k - np.argmin((wait + kept * (k - j) * cost.step_s)[::-1]))
+
+
+def numpy_best_continuation(cost: DraftCost, ready: int, room: int, width: int) -> int:
+    if room <= 0:
+        return 0
+    if cost.step_s is None or not cost.verify_s:
+        return room
+    n = np.arange(room + 1)
+    expected = np.cumsum(numpy_survival(cost, "model"))[ready + n]
+    widths = np.maximum(width, ready + n + 1)
+    return int(np.argmax(expected / (numpy_verify_costs(cost, widths) + n * cost.step_s)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None:
+    """`best_ahead`, `best_continuation` and the verify estimates run on Python floats (a round asks them on the
+    loop's path; numpy's calls cost more than their arithmetic there): over random histories of rounds (k_max 3 to
+    8, one to several verify widths, bets kept and thrown, lookup and model tokens), every answer is the numpy
+    formulas' (written here as arrays), the verify costs and survivals to the last bit."""
+    rng = np.random.default_rng(seed)
+    k_max = int(rng.integers(3, 9))
+    cost = DraftCost(k_max, graphs=bool(seed % 2))
+    cost.ahead_fit = True
+    checked = 0
+    for r in range(100):
+        if rng.random() < 0.8:
+            decodes = int(rng.integers(1, k_max + 2))
+            could_keep = bool(rng.random() < 0.6)
+            cost.observe_ahead(decodes * float(rng.uniform(0.002, 0.005)), decodes, could_keep,
+                               could_keep and bool(rng.random() < 0.8))
+        drafted = int(rng.integers(0, k_max + 1))
+        looked_up = int(rng.integers(0, drafted + 1)) if rng.random() < 0.3 else 0
+        width = int(rng.choice([drafted + 1, k_max + 1])) if r % 7 else int(rng.integers(1, k_max + 2))
+        cost.observe(drafted, int(rng.integers(0, drafted + 1)), drafted * float(rng.uniform(0.0015, 0.0025)),
+                     float(rng.uniform(0.02, 0.03)) * (1 + 0.1 * width), width, looked_up,
+                     float(rng.uniform(0.0015, 0.004)), int(rng.integers(0, drafted + 1)),
+                     float(rng.uniform(0.0, 0.003)) if rng.random() < 0.8 else None)
+        widths = np.arange(k_max + 5)
+        assert cost.verify_costs(widths).tolist() == numpy_verify_costs(cost, widths).tolist()
+        for source in cost.SOURCES:
+            assert cost.survival(source, k_max).tolist() == numpy_survival(cost, source).tolist()
+        for k in range(k_max + 1):
+            assert cost.best_ahead(k) == numpy_best_ahead(cost, k), (r, k)
+            for ready in range(k + 1):
+                for padded in (0, k + 1, k_max + 3):
+                    got = cost.best_continuation(ready, k - ready, padded)
+                    assert got == numpy_best_continuation(cost, ready, k - ready, padded), (r, k, ready, padded)
+                    checked += 1
+    assert cost.ahead_step_s is not None and cost.ahead_lag_s is not None and cost.step_s is not None
+    assert checked > 1000

@@ -224,3 +224,55 @@ def test_the_loop_tells_the_cost_model_what_the_bets_cost(ahead_length: str) -> 
     assert cost.ahead_step_s is not None and cost.ahead_step_s >= 0.004
     assert cost.ahead_lag_s is not None and cost.ahead_lag_s >= 0.0
     assert gen.stats.ahead_kept > 0 and cost.bets >= gen.stats.ahead_kept and cost.bets_kept >= 1
+
+
+class _NumpyUses:
+    """Stands in for numpy inside `localspec.policies`: records each reach for it (the thread, the name)."""
+
+    def __init__(self) -> None:
+        self.uses: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> object:
+        self.uses.append((threading.current_thread().name, name))
+        return getattr(np, name)
+
+
+def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_path(
+        gated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fitted bets the cost model answers two questions a round: how many drafts fit beside the verify
+    (`best_ahead`) and how many more a kept bet cut short drafts now (`best_continuation`). Asked through numpy
+    arrays they cost ~0.5 ms of host time a round inside the loop on the 2-core CPU (docs/performance.md, "T > 0
+    host share"). Counted, not timed: `best_ahead` is asked on the draft-ahead thread (beside the verify, off the
+    loop's path) once a bet, the survival and verify tables are built at most once per observation, and nothing
+    a fixed-length round asks or tells the cost model reaches for numpy."""
+    from localspec import policies
+
+    asked: dict[str, list[str]] = {"best_ahead": [], "best_continuation": []}
+
+    def recorded(method, calls: list[str]):  # type: ignore[no-untyped-def]
+        def question(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(threading.current_thread().name)
+            return method(self, *args, **kwargs)
+        return question
+    for name, calls in asked.items():
+        monkeypatch.setattr(policies.DraftCost, name, recorded(getattr(policies.DraftCost, name), calls))
+    built, tables = [], policies._Tables
+
+    def counted(*args: object) -> object:
+        built.append(threading.current_thread().name)
+        return tables(*args)
+    monkeypatch.setattr(policies, "_Tables", counted)
+    engine, _, _ = gated(2, noise=0.5, seed=3)
+    stream = engine.start(list(range(8)), HOT, drafting(5), 150)
+    numpy = _NumpyUses()
+    monkeypatch.setattr(policies, "np", numpy)  # (after start: a stream's cost model is made with numpy arrays)
+    while not stream.finished:
+        engine.step([stream])
+        list(stream.events())
+    stats = stream.stats
+    assert stats.ahead_kept >= 5 and stats.rounds >= 20
+    assert numpy.uses == []
+    assert len(asked["best_ahead"]) == stats.ahead_made
+    assert set(asked["best_ahead"]) == {f"{AHEAD_THREAD}_0"}
+    assert asked["best_continuation"] and set(asked["best_continuation"]) == {threading.main_thread().name}
+    assert len(built) <= stats.rounds + 1

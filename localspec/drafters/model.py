@@ -123,11 +123,9 @@ class ModelDrafter:
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
-        fit = req.drafting.ahead_length == "fit"
-        verified = threading.Event() if fit else None
-        limit = req.length.ahead_length(k_next) if fit and req.length is not None else k_next
+        verified = threading.Event() if req.drafting.ahead_length == "fit" else None
         job = self._pending[req.seq] = self._worker.submit(self._draft_ahead, req, list(proposal.tokens), k_next,
-                                                           limit, verified)
+                                                           verified)
         try:
             yield
         finally:
@@ -259,11 +257,11 @@ class ModelDrafter:
             todo = going
             step += 1
 
-    def _draft_ahead(self, req: DraftRequest, drafts: list[int], k: int, limit: int,
+    def _draft_ahead(self, req: DraftRequest, drafts: list[int], k: int,
                      verified: threading.Event | None) -> _Ahead | None:
         """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
-        the draws that follow are the next round's own), then draft the next round behind it: `limit` of its k
-        tokens at most, none started after `verified` is set."""
+        the draws that follow are the next round's own), then draft the next round behind it: its k tokens, or
+        with `verified` (fitted bets) as many as the cost model says fit, none started after it is set."""
         seq, kv = req.seq, self._kv[req.seq]
         state = self._rng[seq].bit_generator.state
         t = time.perf_counter()
@@ -277,6 +275,9 @@ class ModelDrafter:
         guess = int(scores.argmax()[0])
         if guess >= self._target_vocab:
             return None
+        # Asked here, beside the verify, rather than on the loop's path before it: the same answer, as nothing
+        # tells the cost model anything until the loop has waited for this thread.
+        limit = req.length.ahead_length(k) if verified is not None and req.length is not None else k
         job = _Job(req, k, [*sequence, guess], limit=limit)
         if limit > 0:
             self._draft([job], verified)
