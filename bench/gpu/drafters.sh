@@ -28,7 +28,7 @@
 #   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
 #   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
 #   SPEAKS_SIZE [card32b]  SPEAKS_DRAFTERS ["lookup model chain"]  SPEAKS_SETS ["lookup shipped code-edit"]
-#   SPEAKS_ARGS (more bench arguments there)
+#   SPEAKS_ARGS (more bench arguments there); a single prompt's greedy reply is kept too (speaks-SET-reply.txt)
 #   SKIP_SPEAKS  BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
 # A CPU dry run (card-tiny models in WORK/models, this machine's llama_cpp):
 #   CARRIED_PY=0 CARD_SIZE=card-tiny BENCH_ARGS="--threads 1" N_PREDICT=32 REPEAT=1 WARMUP=1 bash bench/gpu/drafters.sh
@@ -143,6 +143,15 @@ if [[ "${SKIP_SPEAKS:-0}" != 1 ]]; then
                 python3 -c "import json, sys; from localspec.bench import PROMPT_SETS
 texts = {name: text for prompts in PROMPT_SETS.values() for name, text in prompts}
 print(json.dumps({'prompt': texts[sys.argv[1]]}))" "$set" > "$prompts" || { log "no shipped prompt $set"; continue; }
+            fi
+            if [[ "$prompts" == *.jsonl && ! -s "$DRES/speaks-$set-reply.txt" ]]; then
+                # The greedy reply itself (bench keeps only counts): whether the text quotes its prompt is what
+                # lookup's numbers mean.
+                # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+                python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).read())['prompt'], end='')" \
+                    "$prompts" | run "speaks-$set-reply" 30 "${LOCALSPEC[@]}" generate --target "$speaks_target" \
+                    --draft none --chat --max-tokens "$N_PREDICT" --temp 0 ${BENCH_ARGS:-} - \
+                    > "$DRES/speaks-$set-reply.txt" 2> "$DRES/speaks-$set-reply.log"
             fi
             for d in $SPEAKS_DRAFTERS; do
                 if [[ "$d" == lookup ]]; then model=(--draft none); else model=(--draft "$speaks_draft" --draft 6); fi
