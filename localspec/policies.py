@@ -106,6 +106,7 @@ class DraftCost:
         self.ahead_step_s: float | None = None
         self.ahead_lag_s: float | None = None
         self._ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_ahead`), for the lag
+        self._ahead_steps: deque[float] = deque(maxlen=self.STEPS)  # recent bets' seconds a decode
         self.aheads = 0  # draft-aheads told (`observe_ahead`): the first is cold and measures nothing
         self._ahead_round: int | None = None  # the round the ahead figures were last measured in
         self._ahead_stale = False  # this round's draft-ahead comes after a pause: its figures replace the old
@@ -204,8 +205,12 @@ class DraftCost:
         self._ahead_stale = self._ahead_round is None or self.rounds - self._ahead_round > self.DECAY
         self._ahead_s = None if cold else seconds
         if decodes and not cold:
-            step, old = seconds / decodes, self.ahead_step_s
-            self.ahead_step_s = step if old is None or self._ahead_stale else (1 - self.EMA) * old + self.EMA * step
+            # The least of the recent bets' figures (two at least), as the step is: one slow bet (a call that
+            # captured a graph, a busy moment) is no step, and taken whole it ruled the model out until a probe.
+            if self._ahead_stale:
+                self._ahead_steps.clear()
+            self._ahead_steps.append(seconds / decodes)
+            self.ahead_step_s = min(self._ahead_steps) if len(self._ahead_steps) > 1 else None
         if could_keep:
             self.bets += 1.0
             self.bets_kept += kept
