@@ -106,6 +106,10 @@ class DraftCost:
         self.ahead_step_s: float | None = None
         self.ahead_lag_s: float | None = None
         self._ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_ahead`), for the lag
+        self._ahead_steps: deque[float] = deque(maxlen=self.STEPS)  # recent bets' seconds a decode
+        self.aheads = 0  # draft-aheads told (`observe_ahead`): the first is cold and measures nothing
+        self._ahead_round: int | None = None  # the round the ahead figures were last measured in
+        self._ahead_stale = False  # this round's draft-ahead comes after a pause: its figures replace the old
         self.model_rounds = 0  # rounds that drafted with the model (its step cost is known after one)
         self.last_model_round = 0
         self.verify_s: dict[int, float] = {}
@@ -173,11 +177,14 @@ class DraftCost:
             # Not waited: it ended before the verify did, which bounds the lag from above (a bound from one noisy
             # round moves the figure a step towards it, as a measurement does).
             lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._ahead_s)
-            old = self.ahead_lag_s
+            old = None if self._ahead_stale else self.ahead_lag_s
+            self._ahead_round = self.rounds
             if wait_s > self.WAITED:
                 self.ahead_lag_s = lag if old is None else (1 - self.EMA) * old + self.EMA * lag
             elif old is not None:
                 self.ahead_lag_s = (1 - self.EMA) * old + self.EMA * min(old, lag)
+            elif self.ahead_lag_s is not None:  # stale: the bound replaces a larger old figure
+                self.ahead_lag_s = min(self.ahead_lag_s, lag)
         self._ahead_s = None
         self._observe_verify(width, verify_s)
 
@@ -188,10 +195,22 @@ class DraftCost:
         come true (the round accepted every draft) and whether it did (the guess was the target's token too).
         Told before the round's `observe`."""
         self._tables = None
-        self._ahead_s = seconds
-        if decodes:
-            step, old = seconds / decodes, self.ahead_step_s
-            self.ahead_step_s = step if old is None else (1 - self.EMA) * old + self.EMA * step
+        self.aheads += 1
+        # The stream's first draft-ahead is cold (the worker thread starts; on the H200 its first decodes may
+        # capture a graph): its seconds are no step and no lag. Taken whole, one slow first bet made the model a
+        # loss "even if every draft were accepted" and locked it out of the chain for good (docs/performance.md).
+        cold = self.aheads == 1
+        # After a pause (the model sat out) the figures are old: the next measurement replaces them, as a step
+        # after a pause does, rather than moving them 20% (a wrong figure kept the model out for many probes).
+        self._ahead_stale = self._ahead_round is None or self.rounds - self._ahead_round > self.DECAY
+        self._ahead_s = None if cold else seconds
+        if decodes and not cold:
+            # The least of the recent bets' figures (two at least), as the step is: one slow bet (a call that
+            # captured a graph, a busy moment) is no step, and taken whole it ruled the model out until a probe.
+            if self._ahead_stale:
+                self._ahead_steps.clear()
+            self._ahead_steps.append(seconds / decodes)
+            self.ahead_step_s = min(self._ahead_steps) if len(self._ahead_steps) > 1 else None
         if could_keep:
             self.bets += 1.0
             self.bets_kept += kept
@@ -323,7 +342,7 @@ class DraftCost:
 
     def _speeds(self, looked_up: np.ndarray, room: int, width: int, perfect: bool = False) -> np.ndarray:
         """`speeds` for each of several lookup lengths at once: a row per length, columns n = 0..room (`perfect`:
-        as if every model token were accepted)."""
+        as if every model token were accepted, and drafted on the path: see `could_pay`)."""
         survival, cumulative, _ = self._table().arrays()
         lookup, cum_lookup = survival["lookup"], cumulative["lookup"]
         cum_model = np.arange(self.k_max + 1) + 1.0 if perfect else cumulative["model"]
@@ -334,6 +353,8 @@ class DraftCost:
         # A padded round that drafts nothing is verified narrow once such rounds run on (`verify_width`).
         widths = np.where(drafted == 0, 1, np.maximum(width, drafted + 1))
         verify = self.verify_costs(widths)
+        if perfect:
+            return expected / (n * (self.step_s or 0.0) + verify)
         if self.ahead_step_s is None:  # no draft-ahead measured: its share of the steps, on average
             return expected / (n * (self.step_s or 0.0) * (1 - self.ahead) + verify)
         return expected / (verify + self._ahead_terms(j, n, verify))
@@ -409,7 +430,9 @@ class DraftCost:
 
     def could_pay(self, looked_up: int, room: int, width: int = 0) -> bool:
         """Whether some of the draft model's tokens after `looked_up` lookup tokens would make a faster round than
-        none if every one of them were accepted, at the measured step and verify costs (True until measured)."""
+        none if every one of them were accepted, at the measured step and verify costs (True until measured).
+        Drafted on the path, without draft-ahead's terms: those are measured only while the model drafts, so a
+        wrong figure there must not judge it hopeless (never probed out of sync, never re-measured)."""
         if not self.verify_s or self.step_s is None or room <= 0:
             return True
         speeds = self._speeds(np.array([looked_up]), room, width, perfect=True)[0, : room + 1]

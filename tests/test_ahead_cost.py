@@ -250,3 +250,29 @@ def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None
                     checked += 1
     assert cost.ahead_step_s is not None and cost.ahead_lag_s is not None and cost.step_s is not None
     assert checked > 1000
+
+
+def test_a_slow_bet_never_makes_the_model_hopeless() -> None:
+    """The chain's lock-out (tests/test_chain_replay.py): the stream's first draft-ahead is cold (300 ms: the
+    thread's start, a first call on the GPU). Taken whole as the contended step, it made a model worth ~2x plain a
+    loss even if every draft were accepted; judged hopeless, it was probed only every 256 rounds, no bet ran
+    again to correct the figure. Now the cold bet measures nothing, the contended step is the least of two bets
+    at least, `could_pay` judges drafts on the path (the bet's figures are measured only while the model drafts),
+    and a bet after a pause replaces the old figures."""
+    cost = DraftCost(6, graphs=False)
+    cost.observe(0, 0, 0.0, 0.0127, 1)  # a plain round
+    cost.observe_ahead(0.3, 2, could_keep=False, kept=False)  # cold
+    cost.observe(6, 6, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=0.3 + LAG - 0.02713)
+    assert cost.ahead_step_s is None and cost.ahead_lag_s is None
+    assert cost.could_pay(0, 6, 7)
+    cost.ahead_step_s, cost.ahead_lag_s = 0.05, 0.3  # wrong figures, however they came
+    assert cost.could_pay(0, 6, 7)
+    for _ in range(DraftCost.DECAY + 1):  # the model sits out
+        cost.observe(0, 0, 0.0, 0.0127, 1)
+    cost.observe_ahead(0.1, 2, could_keep=False, kept=False)  # a probe's bets: they replace the old figures
+    cost.observe(6, 0, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=LAG + 0.1 - 0.02713)
+    assert cost.ahead_step_s is None  # (one bet's figure is not yet a step: it might be the slow one)
+    cost.observe_ahead(7 * AHEAD_STEP, 7, could_keep=True, kept=True)
+    cost.observe(6, 6, 0.0, 0.02713, 7, ahead=6, wait_s=LAG + 7 * AHEAD_STEP - 0.02713)
+    assert cost.ahead_step_s == pytest.approx(AHEAD_STEP)
+    assert cost.ahead_lag_s == pytest.approx(LAG, abs=1e-6)

