@@ -8,12 +8,11 @@ each draft decode beside the verify (the draft-ahead, run deterministically: `Be
 there; the first draft-ahead decode is slow (300 ms), as a cold first call in a new thread on the GPU may be.
 
 The failure it reproduces (the H200's pattern; whether it was the H200's cause is for the next GPU run with
-bench/chain_state.py; docs/performance.md, "The chain locked out of the model by one slow bet"): one slow
-draft-ahead, taken whole
-as the thread's lag, made the model a loss "even if every draft were accepted" (`DraftCost.could_pay` counted
-the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in sync, no draft-ahead ran
-again to correct the figure, and the chain drafted like lookup alone (on the H200: 1.16x plain where the model
-made 1.94x)."""
+bench/chain_state.py; docs/performance.md, "The chain locked out of the model by one slow bet"): one slow draft-
+ahead, taken whole as the thread's lag, made the model a loss "even if every draft were accepted"
+(`DraftCost.could_pay` counted the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in
+sync, no draft-ahead ran again to correct the figure, and the chain drafted like lookup alone (on the H200: 1.16x
+plain where the model made 1.94x)."""
 
 from __future__ import annotations
 
