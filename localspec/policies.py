@@ -224,11 +224,10 @@ class DraftCost:
 
     def ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
         """Expected seconds the loop waits after a verify of `verify_s` for a draft-ahead of `decodes` decodes
-        (0 before the thread's lag was measured), elementwise."""
-        counts, verifies = np.broadcast_arrays(np.asarray(decodes), np.asarray(verify_s, dtype=float))
-        waits = [self._ahead_wait(n, v) for n, v in zip(counts.ravel().tolist(), verifies.ravel().tolist(),
-                                                         strict=True)]
-        return np.array(waits).reshape(counts.shape)
+        (0 before the thread's lag was measured), elementwise: `_ahead_wait`'s arithmetic on arrays (the
+        vectorised questions ask it for a whole table at once)."""
+        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+        return np.maximum(0.0, lag + np.asarray(decodes) * step - np.asarray(verify_s))
 
     def _ahead_wait(self, decodes: int, verify_s: float) -> float:
         step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
