@@ -22,7 +22,7 @@ from localspec.engine import collect
 from localspec.session import ModelFiles, open_session
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="target GGUF")
     ap.add_argument("--draft", required=True, help="draft GGUF")
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=4096)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     preset = load_preset("greedy").with_overrides(n_ctx=args.ctx)
     drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=args.drafter)

@@ -1,0 +1,38 @@
+"""The diagnostic scripts of this session's GPU questions run on a real (tiny) pair and report what they promise:
+bench/host_share.py with draft-ahead (`--overlap`, `--ahead-length`) and bench/chain_state.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import chain_state
+import host_share
+import pytest
+
+
+@pytest.mark.parametrize(("overlap", "ahead_length"), [("on", "fit"), ("on", "full"), ("off", "fit")])
+def test_host_share_drafts_ahead_as_told_and_splits_the_host_time_by_phase(
+        tiny_pair: tuple[Path, Path], tmp_path: Path, overlap: str, ahead_length: str) -> None:
+    target, draft = tiny_pair
+    out = tmp_path / "host.json"
+    assert host_share.main(["--target", str(target), "--draft", str(draft), "--temperature", "0.7", "--rounds", "12",
+                            "--threads", "1", "--overlap", overlap, "--ahead-length", ahead_length,
+                            "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["draft_ahead"] is (overlap == "on") and result["ahead_length"] == ahead_length
+    assert result["rounds"] == 12
+    assert (result["ahead_made"] > 0) is (overlap == "on")
+    assert set(result["host_cpu_split_ms"]) == {"plan", "draft", "verify", "rewind"}
+    assert result["ahead_wait_ms"] >= 0.0 and result["cost_model_cpu_ms"] >= 0.0
+    assert (result["ahead_cpu_ms"] > 0.0) is (overlap == "on")
+
+
+def test_chain_state_prints_the_chains_cost_figures_after_each_generation(
+        tiny_pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    target, draft = tiny_pair
+    chain_state.main(["--target", str(target), "--draft", str(draft), "--prompts", "shipped", "--max-tokens", "12",
+                      "--repeat", "1", "--ctx", "512"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["warm-up"] * 4 + ["run"] * 3  # 4 warm-ups, 3 prompts
+    assert all("could pay (padded)" in line and "verify ms [(" in line for line in lines)
