@@ -389,6 +389,17 @@ def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) 
             for ubatch in ubatch_split([layout[i] for i in live], n_batch)]
 
 
+class _Memory:
+    """Rows of 4-byte values in llama.cpp's memory, `stride` bytes apart, for `np.array` to copy (numpy's array
+    interface: unlike np.ctypeslib.as_array, no ctypes array type is built per call)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: tuple[int, int], stride: int, typestr: str) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": shape, "strides": (stride, 4),
+                                    "typestr": typestr, "version": 3}
+
+
 def _joined(pieces: list[np.ndarray | TopK | Sampled]) -> np.ndarray | TopK | Sampled | None:
     """One item's scores from the decodes its rows came from, in row order."""
     if len(pieces) < 2:
@@ -778,18 +789,33 @@ class LlamaModel:
 
     def _device_top_k(self, first: int, rows: int) -> TopK:
         k = self.device_top_k
+        ctx = self.ctx
+        last = first + rows - 1
+        for i in dict.fromkeys((first, last)):  # (one chain makes every row: its first and last stand for all)
+            count = llama_cpp.llama_get_sampled_logits_count_ith(ctx, i)
+            if count != k:
+                raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
+        if rows > 1:
+            # A verify's rows are consecutive outputs, n_vocab entries apart in llama.cpp's buffers: two strided
+            # copies instead of two per row (this is on every T > 0 round's path).
+            ids_at = ctypes.addressof(llama_cpp.llama_get_sampled_candidates_ith(ctx, first).contents)
+            logits_at = ctypes.addressof(llama_cpp.llama_get_sampled_logits_ith(ctx, first).contents)
+            stride = 4 * self.n_vocab
+            span = (rows - 1) * stride
+            if (ctypes.addressof(llama_cpp.llama_get_sampled_candidates_ith(ctx, last).contents) == ids_at + span
+                    and ctypes.addressof(llama_cpp.llama_get_sampled_logits_ith(ctx, last).contents)
+                    == logits_at + span):
+                return TopK(np.array(_Memory(ids_at, (rows, k), stride, "<i4")),
+                            np.array(_Memory(logits_at, (rows, k), stride, "<f4")))
         ids = np.empty((rows, k), dtype=np.int32)
         logits = np.empty((rows, k), dtype=np.float32)
         # Straight copies into the arrays: np.ctypeslib.as_array builds a ctypes array type per call, which cost
         # more than the copy itself (once per row of every draft step and verify at T > 0).
         row_bytes = 4 * k
-        ids_at, logits_at = ids.ctypes.data, logits.ctypes.data
+        ids_to, logits_to = ids.ctypes.data, logits.ctypes.data
         for r, i in enumerate(range(first, first + rows)):
-            count = llama_cpp.llama_get_sampled_logits_count_ith(self.ctx, i)
-            if count != k:
-                raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")
-            ctypes.memmove(ids_at + r * row_bytes, llama_cpp.llama_get_sampled_candidates_ith(self.ctx, i), row_bytes)
-            ctypes.memmove(logits_at + r * row_bytes, llama_cpp.llama_get_sampled_logits_ith(self.ctx, i), row_bytes)
+            ctypes.memmove(ids_to + r * row_bytes, llama_cpp.llama_get_sampled_candidates_ith(ctx, i), row_bytes)
+            ctypes.memmove(logits_to + r * row_bytes, llama_cpp.llama_get_sampled_logits_ith(ctx, i), row_bytes)
         return TopK(ids, logits)
 
     def use_device_sampler(self, mode: str | DeviceDist | None, seq: int = 0) -> bool:

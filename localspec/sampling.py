@@ -7,9 +7,10 @@ the first rejection never are.
 
 Why Python lists on the rows: at T > 0 a speculative round runs the pipeline once per draft step (one row of ~40
 candidates) and once per verify, and on such rows numpy costs per call, not per element. The row math in plain
-Python floats (sorted, math.exp, bisect) measured 2-5x cheaper than the same math in numpy calls
-(docs/performance.md, "T > 0 host share"). Rows wider than `NARROW` (top_k = 0: the whole vocabulary) stay in
-numpy.
+Python floats (math.exp, accumulate, bisect) measured 2-5x cheaper than the same math in numpy calls, even for a
+verify's 7 rows at once (docs/performance.md, "T > 0 host share"). The sort is the exception: one stable numpy
+argsort for all rows beats a key sort per row and gives the same order. Rows wider than `NARROW` (top_k = 0: the
+whole vocabulary) stay in numpy.
 
 Acceptance (Leviathan et al. / Chen et al.): accept draft token x with probability min(1, p(x)/q(x)); on rejection
 sample from normalize(max(0, p − q)). The emitted token is then distributed exactly as p. At temperature 0 the rule
@@ -161,35 +162,31 @@ def candidates_from_top_k(ids: np.ndarray, logits: np.ndarray, cfg: Sampling) ->
 
 def _after_top_k(idx: np.ndarray, vals: np.ndarray, cfg: Sampling, top_k: int = 0) -> Candidates:
     """Each row's candidates sorted best first (ties: the earlier column first), the first `top_k` kept (0: all),
-    then top-p, min-p and temperature. Rows of up to `NARROW` candidates leave numpy at once (two `tolist`) and
-    are computed in Python when first read; wider rows are sorted and computed in numpy."""
+    then top-p, min-p and temperature. The sort is one numpy call for all rows; rows of up to `NARROW` candidates
+    then leave numpy (two `tolist`) and get the rest in Python when first read, wider rows stay in numpy."""
+    order = np.argsort(-vals, axis=1, kind="stable")
+    if 0 < top_k < order.shape[1]:
+        order = order[:, :top_k]
+    rows = np.arange(len(order))[:, None]
+    ids, vals = idx[rows, order], vals[rows, order]
     if vals.shape[1] > NARROW:
-        order = np.argsort(-vals, axis=1, kind="stable")
-        if 0 < top_k < order.shape[1]:
-            order = order[:, :top_k]
-        rows = np.arange(len(order))[:, None]
-        return Candidates(_wide_rows(idx[rows, order], vals[rows, order], cfg))
-    row_ids, row_vals = idx.tolist(), vals.tolist()
-    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], top_k, cfg))
+        return Candidates(_wide_rows(ids, vals, cfg))
+    row_ids, row_vals = ids.tolist(), vals.tolist()
+    return Candidates([None] * len(row_ids), lambda r: _row(row_ids[r], row_vals[r], cfg))
 
 
-def _row(ids: list[int], vals: list[float], top_k: int, cfg: Sampling) -> Row:
-    """One row's pipeline in Python floats (float64, like numpy's path): top-k, top-p, min-p, temperature."""
-    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # (a stable sort: ties keep their order)
-    if 0 < top_k < len(order):
-        del order[top_k:]
-    ids, vals = [ids[i] for i in order], [vals[i] for i in order]
+def _row(ids: list[int], vals: list[float], cfg: Sampling) -> Row:
+    """One sorted row's pipeline in Python floats (float64, like numpy's path): top-p, min-p, temperature."""
     top = vals[0]
     n = len(vals)
     if cfg.top_p < 1.0 or cfg.min_p > 0.0:
         # llama.cpp applies top-p and min-p before temperature, on the softmax at temperature 1. Unnormalised
         # here: the best candidate's weight is exp(0) = 1, so min-p compares with min_p itself.
         base = [math.exp(v - top) for v in vals]
-        limit = cfg.top_p * sum(base) if cfg.top_p < 1.0 else math.inf
-        mass, n = 1.0, 1  # keep the smallest prefix whose mass reaches top_p, at least one
-        while n < len(base) and mass < limit and base[n] >= cfg.min_p:
-            mass += base[n]
-            n += 1
+        if cfg.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, at least one
+            n = min(bisect.bisect_left(list(accumulate(base)), cfg.top_p * sum(base)) + 1, n)
+        if cfg.min_p > 0.0:  # ... and no candidate below min_p after the first
+            n = next((i for i in range(1, n) if base[i] < cfg.min_p), n)
     # A temperature near 0 sends every logit but the top one to -inf (Python floats do not raise), i.e. p = 0.
     weights = [math.exp((v - top) / cfg.temperature) for v in vals[:n]]
     total = sum(weights)

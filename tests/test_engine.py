@@ -391,6 +391,29 @@ def _device_scores(s, prompt, preset):
     return s.target.decode(prompt, 0)
 
 
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_a_verifys_device_candidates_are_each_rows_top_k(tiny_pair, n_seq):
+    """A verify's rows of device candidates (read as one strided copy) hold each row's top 64 with its logits, as
+    the same tokens' full logits say, alone and beside other sequences' rows in one decode."""
+    k = 64
+    with LlamaModel(tiny_pair[0], n_ctx=256, device_top_k=k, n_seq=n_seq) as model:
+        batches = [(seq, prompts(1, seed=50 + seq, length=9 - seq)[0]) for seq in range(n_seq)]
+        for seq, _ in batches:
+            assert model.use_device_sampler("top_k", seq)
+        got = model.decode_many([(seq, tokens, 0, True) for seq, tokens in batches])
+        for seq, _ in batches:
+            model.use_device_sampler(None, seq)
+            model.clear(seq)
+        full = [model.decode(tokens, 0, all_logits=True, seq=seq).logits.copy() for seq, tokens in batches]
+    for (seq, tokens), scores, logits in zip(batches, got, full, strict=True):
+        assert scores is not None and scores.ids.shape == (len(tokens), k)
+        for row in range(len(tokens)):
+            order = np.argsort(scores.ids[row])
+            top = np.sort(np.argpartition(-logits[row], k)[:k])
+            assert np.array_equal(scores.ids[row][order], top), (seq, row)
+            assert np.array_equal(scores.logits[row][order], logits[row][top]), (seq, row)
+
+
 def test_device_sampler_modes(tiny_pair):
     """Greedy asks the device for the argmax only; a covered top-k pipeline for candidates; else full logits."""
 

@@ -267,3 +267,23 @@ def test_device_sampler_shapes_give_the_same_greedy_output() -> None:
         gen = collect(Engine(target, draft).generate(prompt, GREEDY.sampling, drafting(4, "chain"), 30, trace=trace))
         assert gen.tokens == target.greedy(prompt, 30)
         assert [t for t, _ in gen.trace] == (gen.tokens if trace else [])
+
+
+def test_a_tokens_text_is_asked_of_the_model_once_per_token_id() -> None:
+    """Each emitted token's text and end-of-generation flag come from the model once per token id (each is a
+    llama.cpp call on the round's path), over generations in turn and in one engine; the text is the model's."""
+    target, draft = pair()
+    asked: Counter[tuple[str, int]] = Counter()
+    for name in ("piece", "is_eog"):
+        real = getattr(target, name)
+        setattr(target, name, lambda token, _real=real, _name=name: asked.update([(_name, token)]) or _real(token))
+    engine = Engine(target, draft)
+    emitted: Counter[int] = Counter()
+    for seed in range(3):
+        for event in engine.generate(repetitive(seed), GREEDY.sampling, drafting(4), 30):
+            if isinstance(event, TokenEvent):
+                assert event.text == f"<{event.token}>"
+                emitted[event.token] += 1
+    assert sum(emitted.values()) == 90 and max(emitted.values()) > 1  # (tokens repeat: a cache has work to do)
+    assert {token for name, token in asked if name == "piece"} == set(emitted)
+    assert max(asked.values()) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -100,6 +101,44 @@ def test_device_candidates_match_the_reference_on_full_rows(settings):
     shuffled = rng.permuted(top, axis=1)  # the device promises the top 64, not their order
     got = candidates_from_top_k(shuffled.astype(np.int32), np.take_along_axis(logits, shuffled, axis=1), c)
     assert_matches_reference(got, logits, c)
+
+
+def row_at_a_time(ids: list[int], vals: list[float], top_k: int, c) -> tuple[list[int], list[float]]:
+    """The Python row pipeline as it was before the sort moved into numpy (a key sort per row, a mass loop): the
+    same floats in the same order, so a seed keeps drawing the same tokens."""
+    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)
+    if 0 < top_k < len(order):
+        del order[top_k:]
+    ids, vals = [ids[i] for i in order], [vals[i] for i in order]
+    top, n = vals[0], len(vals)
+    if c.top_p < 1.0 or c.min_p > 0.0:
+        base = [math.exp(v - top) for v in vals]
+        limit = c.top_p * sum(base) if c.top_p < 1.0 else math.inf
+        mass, n = 1.0, 1
+        while n < len(base) and mass < limit and base[n] >= c.min_p:
+            mass += base[n]
+            n += 1
+    weights = [math.exp((v - top) / c.temperature) for v in vals[:n]]
+    total = sum(weights)
+    return ids[:n], [w / total for w in weights]
+
+
+@pytest.mark.parametrize("settings", [*SETTINGS, dict(temperature=1e-9, top_k=40, top_p=0.95, min_p=0.02)])
+def test_device_rows_are_the_row_at_a_time_pipeline_bit_for_bit(settings):
+    """Rows with ties (rounded logits, +0.0 beside -0.0) in the device's unsorted order: the same ids, order and
+    probabilities to the last bit as the row-at-a-time pipeline."""
+    c = cfg(**settings)
+    rng = np.random.default_rng(2)
+    for trial in range(60):
+        logits = rng.normal(0, (0.5, 3.0, 10.0)[trial % 3], size=(7, 64)).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits)
+            logits[:, :4], logits[:, 4:8] = 0.0, -0.0
+        ids = rng.integers(0, 150_000, size=(7, 64)).astype(np.int32)
+        got = candidates_from_top_k(ids, logits, c)
+        for row in range(7):
+            want = row_at_a_time(ids[row].tolist(), logits[row].tolist(), c.top_k, c)
+            assert (got.row(row).ids, got.row(row).probs) == want, (trial, row)
 
 
 def reference_verify(drafts, p_rows, q_rows, rng):
