@@ -5,7 +5,9 @@ CPU demo pair; there a round with no match is a plain step). Per round and per r
 while it quotes and by the model between, and chaining never does worse than the better of its parts by much more
 than the model's two-round warm-up (once per slot) and the occasional probe of a model it has turned off. Lookup's
 length is chosen on the same measured verify costs as lookup alone's (`policies.DraftLength.lookup_length`). A
-round of the model's tokens alone drafts ahead beside its verify as the model drafter does (`overlap`)."""
+round of the model's tokens alone drafts ahead beside its verify as the model drafter does (`overlap`); where that
+bet came true and lookup matches too, the round is the bet's unless lookup's is expected to pay more
+(`DraftLength.prefer_bet`: the bet costs no draft steps on the path)."""
 
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ class ChainDrafter:
                 k_next: int) -> contextlib.AbstractContextManager[None]:
         """A round of the model's drafts alone lets it draft the next round beside the verify, as the model
         drafter does (on the H200 that hides ~6-8 ms of a round's draft steps). The bet is used only if the next
-        round is the model's alone again with the same length (`draft`); else it is thrown, its draws given back.
+        round is the model's alone again with the same length (`draft`: where lookup matches, the bet's round unless
+        lookup's pays more); else it is thrown, its draws given back.
         A round with lookup's tokens drafts nothing ahead: the bet's guess would follow tokens the model did not
         draft, and the next round's lookup decides first."""
         if proposal.looked_up or not proposal.tokens:
