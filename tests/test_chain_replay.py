@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,14 +64,7 @@ def q8_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """The loop's and the model drafter's clock, advanced only by the charged decodes."""
-    from localspec import engine
-
-    fake = Clock()
-    timing = types.SimpleNamespace(perf_counter=fake.perf_counter)
-    monkeypatch.setattr(engine, "time", timing)
-    monkeypatch.setattr(model_drafter, "time", timing)
-    return fake
+    return Clock().install(monkeypatch)
 
 
 class Beside:

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from helpers_fake import FakeModel
-from helpers_stats import chi_square
+from helpers_stats import chi_square, joint_probs
 
 from localspec import drafters
 from localspec.config import DRAFTERS, load_preset
@@ -299,12 +299,7 @@ def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypat
                                       drafting(2, "chain", lookup_min=2, ahead_length="full"), 6))
         counts[tuple(gen.tokens[:4])] += 1
     engine.close()
-    joint = {}
-    for a, pa in target.next_probs(prompt, HOT).items():
-        for b, pb in target.next_probs([*prompt, a], HOT).items():
-            for c, pc in target.next_probs([*prompt, a, b], HOT).items():
-                for d, pd in target.next_probs([*prompt, a, b, c], HOT).items():
-                    joint[(a, b, c, d)] = pa * pb * pc * pd
+    joint = joint_probs(lambda context: target.next_probs(context, HOT), prompt, 4)
     taken = [p for p in weighed if p.looked_up == 0]
     assert len(taken) > 200 and len(taken) == len(weighed), (len(taken), len(weighed))
     assert chi_square(counts, joint) < 124.8  # 80 degrees of freedom, the 99.9th percentile
