@@ -262,13 +262,27 @@ class DraftCost:
             return 0
         if self.step_s is None or not self.verify_s:
             return room
-        expected, step = self._table().cumulative["model"], self.step_s
+        return self._kept_round(ready, room, width)[0]
+
+    def kept_bet_speed(self, ready: int, room: int, width: int = 0) -> float | None:
+        """Expected tokens per second of the round a kept bet holds: its `ready` drafts (made beside the last
+        verify: no draft steps on the path) and the best continuation of up to `room` more; None until a verify
+        (and, with room, a step) was measured. The chain weighs it against lookup's round (`DraftLength.prefer_bet`).
+        """
+        if not self.verify_s or (room > 0 and self.step_s is None):
+            return None
+        return self._kept_round(ready, max(room, 0), width)[1]
+
+    def _kept_round(self, ready: int, room: int, width: int) -> tuple[int, float]:
+        """(n, speed): the n in 0..room more drafts that make a kept bet's round fastest, E(ready + n) / (verify +
+        n steps), the shorter on a tie; and that speed."""
+        expected, step = self._table().cumulative["model"], self.step_s or 0.0
         best, choice = -float("inf"), 0
         for n in range(room + 1):  # (the shorter on a tie)
             speed = expected[ready + n] / (self._verify_cost(max(width, ready + n + 1)) + n * step)
             if speed > best:
                 best, choice = speed, n
-        return choice
+        return choice, best
 
     COLD_CALLS = 2  # after a width change llama.cpp runs the CUDA graph uncaptured for two calls (docs/gpu.md)
 
@@ -676,6 +690,16 @@ class DraftLength:
         if not self._narrow and self._empty > self.cost.pad_rounds(wide):
             self._narrow = True
         return 1 if self._narrow else wide
+
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int) -> bool:
+        """The chain holds a kept bet (`ready` drafts made beside the last verify, `room` more it may draft on the
+        path) and lookup found `looked_up` tokens in a round of at most k: whether the bet's round is expected to
+        be at least as fast (tokens per second) as lookup's tokens with the model's best extension on the path.
+        The bet unless lookup is expected to pay more (the bet cost no draft steps; unmeasured: the bet)."""
+        width = k + 1 if self.padded else 0
+        bet = self.cost.kept_bet_speed(ready, room, width)
+        lookup = self.cost.speeds(looked_up, k - looked_up, width)
+        return bet is None or lookup is None or float(lookup.max()) <= bet
 
     def ahead_length(self, k: int) -> int:
         """How many of the next round's k drafts to make beside this verify: all of them, or with `ahead_length =

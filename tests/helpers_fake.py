@@ -142,6 +142,18 @@ class Clock:
     def perf_counter(self) -> float:
         return self.now
 
+    def install(self, monkeypatch: Any) -> Clock:
+        """Be the clock of the loop and of the model drafter (a pytest monkeypatch undoes it)."""
+        import types
+
+        from localspec import engine
+        from localspec.drafters import model
+
+        timing = types.SimpleNamespace(perf_counter=self.perf_counter)
+        monkeypatch.setattr(engine, "time", timing)
+        monkeypatch.setattr(model, "time", timing)
+        return self
+
 
 class TimedFake(FakeModel):
     """A fake whose decodes take `base` + `per_token` seconds per token on the fake clock."""

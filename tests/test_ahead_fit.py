@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 from helpers_fake import FakeModel
-from helpers_stats import chi_square
+from helpers_stats import chi_square, joint_probs
 
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
@@ -185,12 +185,7 @@ def test_fitted_bets_keep_the_targets_distribution(gated, monkeypatch: pytest.Mo
         gen = collect(engine.generate(prompt, dataclasses.replace(HOT, seed=seed), drafting(2), 6))
         counts[tuple(gen.tokens[:4])] += 1
         kept += gen.stats.ahead_kept
-    joint = {}
-    for a, pa in target.next_probs(prompt, HOT).items():
-        for b, pb in target.next_probs([*prompt, a], HOT).items():
-            for c, pc in target.next_probs([*prompt, a, b], HOT).items():
-                for d, pd in target.next_probs([*prompt, a, b, c], HOT).items():
-                    joint[(a, b, c, d)] = pa * pb * pc * pd
+    joint = joint_probs(lambda context: target.next_probs(context, HOT), prompt, 4)
     assert kept > 200 and turns["n"] > 200
     assert chi_square(counts, joint) < 124.8  # 80 degrees of freedom, the 99.9th percentile
 

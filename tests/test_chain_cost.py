@@ -6,7 +6,6 @@ way. (The cost model alone: tests/test_draft_length.py.)"""
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 from helpers_fake import Clock, TimedFake
 
 from localspec.config import load_preset
-from localspec.drafters import model as model_drafter
 from localspec.engine import Engine, collect
 from localspec.policies import DraftCost, DraftLength
 
@@ -23,13 +21,7 @@ GREEDY = load_preset("greedy")
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    from localspec import engine
-
-    fake = Clock()
-    timing = types.SimpleNamespace(perf_counter=fake.perf_counter)
-    monkeypatch.setattr(engine, "time", timing)
-    monkeypatch.setattr(model_drafter, "time", timing)
-    return fake
+    return Clock().install(monkeypatch)
 
 
 def chain(k: int = 6):

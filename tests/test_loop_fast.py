@@ -12,12 +12,15 @@ from collections import Counter
 import numpy as np
 import pytest
 from helpers_fake import FakeModel
-from helpers_stats import chi_square
+from helpers_stats import chi_square, joint_probs
 
 from localspec import drafters
 from localspec.config import DRAFTERS, load_preset
+from localspec.drafters.base import Proposal
+from localspec.drafters.chain import ChainDrafter
 from localspec.drafters.lookup import continuation
 from localspec.engine import Engine, TokenEvent, collect
+from localspec.policies import DraftCost, DraftLength
 from localspec.sampling import accept_or_resample, candidates, point_mass
 
 GREEDY = load_preset("greedy")
@@ -180,6 +183,9 @@ class _EveryRound:
     def continuation(self, ready: int, k: int) -> int:
         return k - ready
 
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int) -> bool:
+        return False  # (every match whole: a held bet is thrown)
+
     def observe(self, *measured: object) -> None:
         pass
 
@@ -209,6 +215,94 @@ def test_the_chain_drafts_ahead_on_the_models_rounds_token_for_token(monkeypatch
     assert 0 < kept < made < rounds  # bets kept and thrown; none beside a lookup round
     if sampling.greedy:
         assert tokens == target.greedy(prompt, 80)
+
+
+class _Weighing(_EveryRound):
+    """`_EveryRound`, but a held bet is weighed against lookup's match by the real cost model
+    (`DraftLength.prefer_bet`), on figures scripted once (the rounds do not move them)."""
+
+    def __init__(self, k: int, length: DraftLength) -> None:
+        super().__init__(k)
+        self.length = length
+
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int) -> bool:
+        return self.length.prefer_bet(looked_up, k, ready, room)
+
+
+def scripted_costs(k: int, lookup_right: bool) -> DraftLength:
+    """The H200's costs (a padded verify 27.1 ms, a one-token one 12.7, a draft step 1.9), the model's drafts right
+    but the last of k, lookup's matches right in full or wrong from their first token."""
+    length = DraftLength(drafting(k, "chain"), DraftCost(k, graphs=True), padded=True)
+    for _ in range(12):
+        length.cost.observe(k, k - 1, k * 0.0019, 0.0271, k + 1, first_s=0.0019)
+        length.cost.observe(k, k if lookup_right else 0, 0.0, 0.0271, k + 1, looked_up=k)
+        length.cost.observe(0, 0, 0.0, 0.0127, 1)
+    return length
+
+
+def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[Proposal]:
+    """Chains drafted from now on weigh held bets on `scripted_costs`; the list fills with the proposals of the
+    rounds that held a bet and found a lookup match."""
+    monkeypatch.setattr(Engine, "_draft_length",
+                        lambda self, drafting, *rest: _Weighing(drafting.n_draft,
+                                                                scripted_costs(drafting.n_draft, lookup_right)))
+    weighed: list[Proposal] = []
+    chain_draft = ChainDrafter.draft
+
+    def recording(self: ChainDrafter, jobs):  # type: ignore[no-untyped-def]
+        [(req, n)] = jobs
+        held = self.model.bet(req) is not None
+        match = continuation(req.tokens, req.drafting.lookup_min, req.drafting.lookup_max, n)
+        out = chain_draft(self, jobs)
+        if held and match:
+            weighed.append(out[0])
+        return out
+    monkeypatch.setattr(ChainDrafter, "draft", recording)
+    return weighed
+
+
+@pytest.mark.parametrize("lookup_right", [False, True], ids=["lookup-poor", "lookup-pays"])
+def test_the_chain_weighs_a_held_bet_against_lookups_match(monkeypatch: pytest.MonkeyPatch,
+                                                           lookup_right: bool) -> None:
+    """A bet that came true (drafted beside the last verify: no draft steps on the path) against a lookup match in
+    the same round: where lookup's tokens are rarely right (the H200's shipped prompts) the round proposes the
+    bet's drafts, not lookup's (which used to throw the bet); where they pay more (right in full: a round of k
+    sure tokens against the model's) lookup's. The output is plain greedy either way."""
+    weighed = weighing(monkeypatch, lookup_right)
+    target, draft = FakeModel(12, seed=3), FakeModel(12, seed=3, noise=0.2)
+    prompt = [0, 3, 6, 9, 0, 3, 6, 9]  # (12 tokens: the reply soon repeats itself, and lookup matches)
+    engine = Engine(target, draft, draft_ahead=True)
+    gen = collect(engine.generate(prompt, GREEDY.sampling, drafting(4, "chain", lookup_min=3, ahead_length="full"),
+                                  80))
+    engine.close()
+    assert gen.tokens == target.greedy(prompt, 80)
+    # (Lookup's rounds draft nothing ahead: where lookup wins, a match meets a held bet only after a model round.)
+    assert len(weighed) >= (1 if lookup_right else 3), weighed
+    for proposal in weighed:
+        if lookup_right:
+            assert proposal.looked_up > 0 and proposal.ahead == 0, proposal
+        else:
+            assert proposal.looked_up == 0 and proposal.ahead == len(proposal.tokens) > 0, proposal
+
+
+def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At T > 0 the chain takes held bets over lookup's poor matches (its point masses dropped, no draws to give
+    back; the bet's draws are the draft's own stream): the first four tokens over many seeds fit the target's own
+    p(t1) p(t2 | t1) ... (vocabulary 3: 81 outcomes)."""
+    weighed = weighing(monkeypatch, lookup_right=False)
+    target, draft = FakeModel(3, seed=5), FakeModel(3, seed=5, noise=1.0)
+    engine = Engine(target, draft, draft_ahead=True)
+    prompt = [0, 1, 2, 2, 1, 0]
+    counts: Counter = Counter()
+    for seed in range(2000):
+        gen = collect(engine.generate(prompt, dataclasses.replace(HOT, seed=seed),
+                                      drafting(2, "chain", lookup_min=2, ahead_length="full"), 6))
+        counts[tuple(gen.tokens[:4])] += 1
+    engine.close()
+    joint = joint_probs(lambda context: target.next_probs(context, HOT), prompt, 4)
+    taken = [p for p in weighed if p.looked_up == 0]
+    assert len(taken) > 200 and len(taken) == len(weighed), (len(taken), len(weighed))
+    assert chi_square(counts, joint) < 124.8  # 80 degrees of freedom, the 99.9th percentile
 
 
 class SlowFake(FakeModel):

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,14 @@ class _Ahead:
     seconds: float  # spent in the draft's decodes, beside the verify
     decodes: int  # ... in this many decodes (the guess's and the drafts')
     complete: bool  # its drafting ended on its own (k drafts, an unsure one, ...), not cut short to fit the verify
+
+
+class Bet(NamedTuple):
+    """A kept drafted-ahead round, as another drafter weighing it sees it (`ModelDrafter.bet`)."""
+
+    k: int  # the draft length it was made for: a round must ask for exactly this many to use it
+    ready: int  # drafts it holds (made beside the last verify: no draft steps on the path)
+    room: int  # how many more it may draft on the path (`_go_on`; 0 when its drafting ended on its own)
 
 
 @dataclass(eq=False)
@@ -153,11 +162,13 @@ class ModelDrafter:
             self._rng[seq].bit_generator.state = ahead.rng_state  # its cells go with the rejected ones, below
         self._cut(seq, len(req.tokens) - 1)
 
-    def bet_length(self, req: DraftRequest) -> int | None:
-        """The k of the drafted-ahead round kept for this request (its bet came true), None when there is none: a
-        round that asks for exactly that many tokens, after no other drafter's, uses it."""
+    def bet(self, req: DraftRequest) -> Bet | None:
+        """The drafted-ahead round kept for this request (its bet came true), None when there is none: a round that
+        asks for exactly its k tokens, after no other drafter's, uses it."""
         kept = self._kept.get(req.seq)
-        return None if kept is None else kept.k
+        if kept is None:
+            return None
+        return Bet(kept.k, len(kept.drafts), 0 if kept.complete else kept.k - len(kept.drafts))
 
     def lag(self, req: DraftRequest) -> int:
         """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
