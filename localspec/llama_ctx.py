@@ -791,7 +791,7 @@ class LlamaModel:
         k = self.device_top_k
         ctx = self.ctx
         last = first + rows - 1
-        for i in dict.fromkeys((first, last)):  # (one chain makes every row: its first and last stand for all)
+        for i in {first, last}:  # (one chain makes every row: its first and last stand for all)
             count = llama_cpp.llama_get_sampled_logits_count_ith(ctx, i)
             if count != k:
                 raise DecodeError(f"{self.path.name}: the device sampler returned {count} candidates, not {k}")

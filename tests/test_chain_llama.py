@@ -5,11 +5,9 @@ fake clock (each decode advances it by what that machine would take), so both de
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import pytest
 
-from localspec.drafters import model as model_drafter
 from localspec.engine import collect
 from localspec.policies import DraftCost, DraftLength
 from tests.test_chain_cost import Clock
@@ -33,12 +31,7 @@ def timed(clock: Clock, model: object, base: float, per_token: float) -> None:
 @pytest.mark.parametrize(("draft_step", "ahead"), [(0.017, False), (0.0005, False), (0.0005, True)])
 def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, monkeypatch, draft_step: float,
                                                                     ahead: bool):
-    from localspec import engine
-
-    clock = Clock()
-    timing = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    monkeypatch.setattr(engine, "time", timing)
-    monkeypatch.setattr(model_drafter, "time", timing)
+    clock = Clock().install(monkeypatch)
     chain = dataclasses.replace(GREEDY.draft, n_draft=6, drafter="chain", lookup_min=2)
     with open_pair(*tiny_pair) as s:
         timed(clock, s.target, 0.011, 0.006)
