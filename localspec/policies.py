@@ -48,8 +48,8 @@ class DraftCost:
     then n model tokens yields E = 1 + sum of the survivals S(i) = P(positions 1..i all accepted) tokens and costs
     n draft steps + a verify of m + n + 1 tokens (or the padded width on a GPU); the best n maximises E / cost,
     and n = 0 is a plain step, whose cost (a one-token verify) is what one token is worth. Older rounds count less
-    (acceptance drifts with the text): every DECAY rounds the counts halve, so a source not drafted for long drifts
-    back to its prior rate.
+    (acceptance drifts with the text): the model's counts halve every DECAY rounds of the stream, so a model not
+    drafted for long drifts back to its prior rate; lookup's every DECAY rounds that proposed its tokens.
 
     It also keeps the probe schedule: while the draft model is judged a loss it is not run, so it could never be
     judged again; every `interval` such rounds one round drafts PROBE tokens with it (a cheap probe: a couple of
@@ -91,6 +91,7 @@ class DraftCost:
         self.tried = {s: [0.0] * (k_max + 1) for s in self.SOURCES}
         self.ok = {s: [0.0] * (k_max + 1) for s in self.SOURCES}
         self.seen = dict.fromkeys(self.SOURCES, 0)  # rounds that verified a token of the source
+        self._aged = dict.fromkeys(self.SOURCES, 0)  # per source: the DECAY epoch of rounds its counts were aged to
         self.step_s: float | None = None  # seconds per draft-model step: the least of the recent steady ones
         self._steps: deque[float] = deque(maxlen=self.STEPS)
         # The share of model tokens drafted ahead (beside the last verify: no draft steps on the critical path);
@@ -142,9 +143,18 @@ class DraftCost:
             if not tried:
                 continue
             self.seen[source] += 1
-            if self.seen[source] % self.DECAY == 0:
-                self.tried[source] = [n * 0.5 for n in self.tried[source]]
-                self.ok[source] = [n * 0.5 for n in self.ok[source]]
+            # The model's counts halve once every DECAY rounds of the stream, drafted in or not (applied when it
+            # next drafts): after sitting out it is judged near its prior and on what its probe does. (Aged by its
+            # own rounds, the H200's chain weighed every probe of the model against two warm-up rejections long
+            # past and drafted like lookup alone: docs/performance.md, the seventh run.) Lookup's age by its own
+            # rounds: aged towards its prior (0.9), a lookup right 1 time in 5 was re-enabled by every probe
+            # (tests/test_chain_cost.py: 0.98x plain instead of 1.0x).
+            epoch = self.rounds // self.DECAY if source == "model" else self.seen[source] // self.DECAY
+            halvings, self._aged[source] = epoch - self._aged[source], epoch
+            if halvings:
+                scale = 0.5 ** min(halvings, 64)
+                self.tried[source] = [n * scale for n in self.tried[source]]
+                self.ok[source] = [n * scale for n in self.ok[source]]
             counts, hits = self.tried[source], self.ok[source]
             for i in range(1, tried + 1):
                 counts[i] += 1.0

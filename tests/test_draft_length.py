@@ -245,3 +245,30 @@ def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
         gpu.observe(0, 0, 0.0, 0.01305, 1)
         gpu.observe(2, 1, 0.0048, 0.02728, 7, first_s=0.0024)
     assert gpu.could_pay(0, 6, width=7)
+
+
+def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past():
+    """The H200's code edit (docs/performance.md, the seventh run): the chain's model had its warm-up rounds' first
+    drafts rejected, then sat out while lookup matched; each probe (every draft right) was weighed against those two
+    rejections, which never aged (the counts halved only every DECAY rounds *of the model's*), so it confirmed the
+    loss, the interval doubled, and the chain drafted like lookup alone (1.18x plain; the model alone 1.90x).
+    Counts age with the stream's rounds, as the class says: after a long pause a probe is judged near the prior
+    and by its own verdict, and a model that is right again drafts again."""
+    chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, False), drafter="chain"), padded=True)
+    cost = chooser.cost
+    step, v1, v7 = 0.002, 0.0133, 0.0265  # the chain's figures there: step, verify at widths 1 and 7
+    model_rounds, free_rounds, first_probe = 0, 0, None
+    for i in range(400):
+        if i % 4:  # lookup matched all of k: nothing for the model to do this round
+            chooser.observe(6, 6, 0.0, v7, 7, looked_up=6)
+            continue
+        warm = cost.model_rounds < _DraftLength.WARMUP
+        n = chooser.extension(0, 6)
+        chooser.observe(n, 0 if warm else n, step * n, v7 if n else v1, 7 if n else 1)
+        if n and not warm and first_probe is None:
+            first_probe = i
+        elif first_probe is not None:
+            free_rounds += 1
+            model_rounds += n > 0
+    assert first_probe is not None and first_probe < 100
+    assert cost.model_on and model_rounds >= 0.9 * free_rounds, (model_rounds, free_rounds)
