@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import llama_cpp  # noqa: F401, I001  -- before numpy: on the H200 the CUDA build segfaults otherwise (docs/gpu.md)
+
 from localspec import bench
 from localspec.config import load_preset
 from localspec.engine import collect
