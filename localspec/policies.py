@@ -145,9 +145,9 @@ class DraftCost:
             self.seen[source] += 1
             # The model's counts halve once every DECAY rounds of the stream, drafted in or not (applied when it
             # next drafts): after sitting out it is judged near its prior and on what its probe does. (Aged by its
-            # own rounds, the H200's chain weighed every probe of the model against two warm-up rejections long
-            # past and drafted like lookup alone: docs/performance.md, the seventh run.) Lookup's age by its own
-            # rounds: aged towards its prior (0.9), a lookup right 1 time in 5 was re-enabled by every probe
+            # own rounds, a probe after a long pause was weighed against rejections long past as if fresh: the
+            # H200 chain's warm-up pattern, docs/performance.md, the seventh run.) Lookup's age by its own rounds:
+            # aged towards its prior (0.9), a lookup right 1 time in 5 was re-enabled by every probe
             # (tests/test_chain_cost.py: 0.98x plain instead of 1.0x).
             epoch = self.rounds // self.DECAY if source == "model" else self.seen[source] // self.DECAY
             halvings, self._aged[source] = epoch - self._aged[source], epoch

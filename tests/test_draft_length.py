@@ -248,12 +248,12 @@ def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
 
 
 def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past():
-    """The H200's code edit (docs/performance.md, the seventh run): the chain's model had its warm-up rounds' first
-    drafts rejected, then sat out while lookup matched; each probe (every draft right) was weighed against those two
-    rejections, which never aged (the counts halved only every DECAY rounds *of the model's*), so it confirmed the
-    loss, the interval doubled, and the chain drafted like lookup alone (1.18x plain; the model alone 1.90x).
-    Counts age with the stream's rounds, as the class says: after a long pause a probe is judged near the prior
-    and by its own verdict, and a model that is right again drafts again."""
+    """The H200 chain's pattern on the code edit (docs/performance.md, the seventh run): the model's warm-up rounds
+    had their first drafts rejected, then it sat out while lookup matched. Its counts halved only every DECAY
+    rounds *of the model's*, so each probe (every draft right) was weighed against those rejections as if fresh
+    and confirmed the loss. Counts age with the stream's rounds, as the class says: after a long pause a probe is
+    judged near the prior and by its own verdict, and a model that is right again drafts again. (On the H200 the
+    code edit stayed at lookup's pace after this: something else holds it there too.)"""
     chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, False), drafter="chain"), padded=True)
     cost = chooser.cost
     step, v1, v7 = 0.002, 0.0133, 0.0265  # the chain's figures there: step, verify at widths 1 and 7
