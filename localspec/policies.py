@@ -143,16 +143,13 @@ class DraftCost:
             if not tried:
                 continue
             self.seen[source] += 1
-            # The model's counts halve once every DECAY rounds of the stream, drafted in or not (applied when it
-            # next drafts): after sitting out it is judged near its prior and on what its probe does. (Aged by its
-            # own rounds, a probe after a long pause was weighed against rejections long past as if fresh: the
-            # H200 chain's warm-up pattern, docs/performance.md, the seventh run.) Lookup's age by its own rounds:
-            # aged towards its prior (0.9), a lookup right 1 time in 5 was re-enabled by every probe
-            # (tests/test_chain_cost.py: 0.98x plain instead of 1.0x).
+            # The model's counts age with the stream's rounds, so a probe after a pause is not weighed against
+            # rejections long past; lookup's with its own (aged towards its 0.9 prior, every probe re-enabled a
+            # lookup right 1 time in 5). docs/performance.md, the seventh run.
             epoch = self.rounds // self.DECAY if source == "model" else self.seen[source] // self.DECAY
             halvings, self._aged[source] = epoch - self._aged[source], epoch
             if halvings:
-                scale = 0.5 ** min(halvings, 64)
+                scale = 0.5 ** halvings  # (underflows to 0.0 after a very long pause: the prior alone)
                 self.tried[source] = [n * scale for n in self.tried[source]]
                 self.ok[source] = [n * scale for n in self.ok[source]]
             counts, hits = self.tried[source], self.ok[source]
