@@ -5,7 +5,8 @@ The bench's sequence (`localspec bench`: warm-up runs of WARMUP_TOKENS alternati
 the timed runs, one engine) at T = 0 through the chat template; after each speculative generation one line: its
 speed-up over the plain run just before it, rounds / drafted / bets made and kept, and the slot's `DraftCost`
 (the model's step, the draft-ahead's contended step and lag, the draft-aheads told, whether the model could pay if
-every draft were accepted, the probe interval). On the H200, beside the bench rows of docs/performance.md:
+every draft were accepted, the probe interval, what catching up on 64 tokens is priced at). On the H200, beside
+the bench rows of docs/performance.md:
 
     python bench/chain_state.py --target T --draft D --prompts lookup --max-tokens 256
 """
@@ -49,11 +50,13 @@ def main(argv: list[str] | None = None) -> None:
             ms = {f: None if getattr(cost, f) is None else round(1000 * getattr(cost, f), 2)
                   for f in ("step_s", "ahead_step_s", "ahead_lag_s")}
             verify = sorted((w, round(1000 * v, 2)) for w, v in cost.verify_s.items())
+            catch_up = cost.catch_up_cost(64)
             print(f"{label} {name}: {st.decode_tps / base.decode_tps:.2f}x rounds {st.rounds} drafted {st.drafted}"
                   f" accepted {st.accepted} bets {st.ahead_made}/{st.ahead_kept} | step {ms['step_s']} ms,"
                   f" ahead step {ms['ahead_step_s']} ms, lag {ms['ahead_lag_s']} ms, aheads {cost.aheads},"
                   f" model rounds {cost.model_rounds}, on {cost.model_on}, could pay (padded)"
-                  f" {cost.could_pay(0, 6, 7)}, interval {cost.interval}, verify ms {verify}",
+                  f" {cost.could_pay(0, 6, 7)}, interval {cost.interval}, verify ms {verify}, catch-up of 64"
+                  f" {None if catch_up is None else round(1000 * catch_up, 2)} ms",
                   flush=True)
 
 

@@ -358,7 +358,8 @@ class Engine:
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
-                              proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s)
+                              proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
+                              proposal.least_s)
             stats = s.stats
             stats.draft_s += proposal.seconds
             stats.verify_s += verify_s

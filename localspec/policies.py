@@ -60,7 +60,7 @@ class DraftCost:
     only in sync: no acceptance a probe measures could turn it on, only a change of its costs.
     When the draft model has sat out many rounds, a probe's first step must first read every token since, which
     on a CPU can cost far more than the probe itself: a due probe goes ahead out of sync only while catching up is
-    affordable (`_catch_up_affordable`: unmeasured, the first such probe measures `catch_up_s`; on a GPU it reads
+    affordable (`_catch_up_affordable`: unmeasured, the first such probe measures `catch_up_cost`; on a GPU it reads
     hundreds of tokens in a few ms), else it waits for a round where the model's cells are current (a
     generation's first round). (It used to wait 4 intervals before its first catch-up: on the H200 the chain then
     probed a model worth 1.9x plain once in 64 rounds, and sat at lookup's pace.) A model that could pay probes
@@ -121,20 +121,20 @@ class DraftCost:
         self.lookup_idle, self.lookup_interval = 0, self.PROBE_FIRST  # likewise for lookup's tokens
         self.lookup_off = False  # lookup's tokens were last judged a loss: it does not search (`lookup_wanted`)
         self.lookup_short = 0  # rounds in a row that proposed only some of lookup's match (`lookup_length`)
-        # Seconds a token of catching up: the excess of a probe's first step over a steady step, per token the model
-        # had sat out (measured on probes out of sync); `_probe_lag`: the one issued this round's lag.
-        self.catch_up_s: float | None = None
+        # Catching up, measured on probes out of sync: (tokens the model had sat out, the excess of the probe's first
+        # step over a steady step), the recent ones (`catch_up_cost`); `_probe_lag`: the one issued this round's lag.
+        self.catch_ups: deque[tuple[int, float]] = deque(maxlen=self.STEPS)
         self._probe_lag = 0
         self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
         self.ahead_fit = False  # the stream drafts ahead only what fits beside the verify (`best_ahead`)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None, ahead: int = 0,
-                wait_s: float | None = None) -> None:
+                wait_s: float | None = None, least_s: float | None = None) -> None:
         """One round: `drafted` tokens, the first `looked_up` from prompt lookup and the rest from the model (which
-        took `draft_s`, its first step `first_s`: None if unknown; `ahead` of them were drafted beside the last
-        verify, off the path), of which `accepted` were; the verify of `width` tokens took `verify_s`, then the loop
-        waited `wait_s` for the draft-ahead beside it (None: none ran)."""
+        took `draft_s`, its first step `first_s`: None if unknown, the least of its later steps `least_s`; `ahead`
+        of them were drafted beside the last verify, off the path), of which `accepted` were; the verify of `width`
+        tokens took `verify_s`, then the loop waited `wait_s` for the draft-ahead beside it (None: none ran)."""
         self.rounds += 1
         self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
@@ -164,8 +164,12 @@ class DraftCost:
         if on_path > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
             # A step after the first: the first also reads what the model had not seen (a catch-up after sitting
             # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
-            if first_s is None:
-                steady: float | None = draft_s / on_path
+            # The least of them: on CUDA the two after the catch-up's width change run uncaptured (a probe's
+            # average was 2.6-2.8 ms on the H200 where a step is 1.35, and judged the model a loss).
+            if least_s is not None:
+                steady: float | None = least_s
+            elif first_s is None:
+                steady = draft_s / on_path
             else:
                 steady = (draft_s - first_s) / (on_path - 1) if on_path > 1 else None
             # A step measured after a long pause (a probe) replaces the old figures: the machine may have changed.
@@ -177,7 +181,7 @@ class DraftCost:
             self.model_rounds += 1
             self.last_model_round = self.rounds
             if self._probe_lag and first_s is not None:
-                self.catch_up_s = max(0.0, first_s - self.step_s) / self._probe_lag
+                self.catch_ups.append((self._probe_lag, max(0.0, first_s - self.step_s)))
         self._probe_lag = 0
         if wait_s is not None and self._ahead_s is not None:
             # Waited: the ahead thread ended `wait_s` after the verify, so it lagged wait + verify - its decodes.
@@ -516,13 +520,32 @@ class DraftCost:
         return min(room, self.PROBE)
 
     def _catch_up_affordable(self, lag: int) -> bool:
-        """Whether reading `lag` tokens first (at the measured `catch_up_s` a token) costs at most CATCH_UP_SHARE of
-        the rounds the probe waited (each at least a one-token verify). On the 2-core CPU the draft model reads a
-        token in about a fifth of a target step and a round commits several: a probe that caught up on 64 rounds
-        cost ~1 s, several rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
-        if self.catch_up_s is None or not self.verify_s:
+        """Whether reading `lag` tokens first (`catch_up_cost`) costs at most CATCH_UP_SHARE of the rounds the probe
+        waited (each at least a one-token verify). On the 2-core CPU the draft model reads a token in about a fifth
+        of a target step and a round commits several: a probe that caught up on 64 rounds cost ~1 s, several
+        rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
+        cost = self.catch_up_cost(lag)
+        if cost is None or not self.verify_s:
             return True  # (unmeasured: the first such probe measures it)
-        return self.catch_up_s * lag <= self.CATCH_UP_SHARE * self.idle * self._table().verify[1]
+        return cost <= self.CATCH_UP_SHARE * self.idle * self._table().verify[1]
+
+    def catch_up_cost(self, lag: int) -> float | None:
+        """Seconds a probe's first step adds to read `lag` tokens first, from the measured catch-ups; None: unmeasured.
+        With CUDA graphs a part per call (a graph for the new width) and a part per token: a line through them
+        (slope and intercept at least 0); measured at one lag only, the two cannot be told apart, so a longer lag is
+        priced at that lag's cost until a probe measures one (priced per token, a 3.2-ms catch-up of 3 tokens, nearly
+        all the graph's, kept the H200 chain from ever probing 30 tokens out of sync: docs/performance.md). On a CPU
+        the tokens' part is all of it (8 ms a token on the 2-core CPU): per token."""
+        if not self.catch_ups:
+            return None
+        lags = [lag_ for lag_, _ in self.catch_ups]
+        mean_lag, mean_s = sum(lags) / len(lags), sum(s for _, s in self.catch_ups) / len(lags)
+        spread = sum((lag_ - mean_lag) ** 2 for lag_ in lags)
+        if not self.graphs or not spread:
+            return mean_s * (min(1.0, lag / mean_lag) if self.graphs else lag / mean_lag)
+        slope = max(0.0, sum((lag_ - mean_lag) * (s - mean_s) for lag_, s in self.catch_ups) / spread)
+        fixed = max(0.0, mean_s - slope * mean_lag)
+        return fixed + slope * lag
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
@@ -723,10 +746,10 @@ class DraftLength:
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
                 looked_up: int = 0, first_s: float | None = None, ahead: int = 0,
-                wait_s: float | None = None) -> None:
+                wait_s: float | None = None, least_s: float | None = None) -> None:
         self.rounds += 1
         self._measuring = False
-        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s, ahead, wait_s)
+        self.cost.observe(drafted, accepted, draft_s, verify_s, width, looked_up, first_s, ahead, wait_s, least_s)
 
 
 class LoadPolicy:

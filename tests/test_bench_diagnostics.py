@@ -35,4 +35,4 @@ def test_chain_state_prints_the_chains_cost_figures_after_each_generation(
                       "--repeat", "1", "--ctx", "512"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" ")[0] for line in lines] == ["warm-up"] * 4 + ["run"] * 3  # 4 warm-ups, 3 prompts
-    assert all("could pay (padded)" in line and "verify ms [(" in line for line in lines)
+    assert all("could pay (padded)" in line and "verify ms [(" in line and "catch-up of 64 " in line for line in lines)

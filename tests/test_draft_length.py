@@ -164,9 +164,43 @@ def test_a_due_probe_waits_for_the_draft_model_to_be_current_where_catching_up_i
     for catch_up_s, lag, due in ((None, 40, True), (0.00005, 40, True), (0.008, 40, False), (0.008, 1, True)):
         cost = DraftCost(6)
         cost.observe(0, 0, 0.0, 0.013, 1)  # a plain step's cost: what the rounds waited are worth
-        cost.catch_up_s = catch_up_s
+        if catch_up_s is not None:  # measured on a probe 40 tokens out of sync
+            cost.catch_ups.append((40, 40 * catch_up_s))
         probes = [cost.probe(6, lag=lag) for _ in range(DraftCost.PROBE_FIRST)]
         assert probes == [0] * (DraftCost.PROBE_FIRST - 1) + [DraftCost.PROBE if due else 0], (catch_up_s, lag)
+
+
+def test_a_catch_up_measured_at_one_lag_prices_a_longer_one_by_a_line_not_per_token():
+    """A probe's catch-up costs a part per call (on CUDA: a graph for the new width, ~3 ms) and a part per token.
+    Measured at 3 tokens, 3.2 ms is nearly all the call's: priced per token (1.07 ms) a catch-up of 33 tokens came
+    to 35 ms and no probe out of sync was ever affordable again (the H200's code edit: the chain's model drafted
+    once a generation). Now a longer lag is priced at the measured one's cost until a second lag is measured, then
+    by the line through them. Without CUDA graphs (the CPU) a catch-up is all per token, and a dear one still makes
+    the probe wait."""
+    def due(catch_ups: list[tuple[int, float]], lag: int, idle: int = DraftCost.PROBE_FIRST,
+            graphs: bool = True) -> bool:
+        cost = DraftCost(6, graphs=graphs)
+        cost.observe(0, 0, 0.0, 0.0133, 1)  # a plain step: 13.3 ms; a probe may spend 5% of the rounds it waited
+        cost.catch_ups.extend(catch_ups)
+        cost.interval = idle
+        return [cost.probe(6, lag=lag) for _ in range(idle)][-1] > 0
+
+    gpu = [(3, 0.0032)]
+    assert due(gpu, 33)  # at most 3.2 ms beyond the 3 tokens' (per token: 35 ms > 16 rounds x 0.67 ms)
+    gpu.append((33, 0.0048))  # the longer lag measured: 3.04 ms a call + 0.053 ms a token
+    assert due(gpu, 120) and not due(gpu, 400) and due(gpu, 400, idle=64)
+    assert not due([(3, 0.0032)], 33, graphs=False)  # (the same catch-up without graphs: per token, 35 ms)
+    cpu = [(40, 0.32), (44, 0.30)]  # the 2-core CPU: 8 ms a token, with noise (a line through them would be flat)
+    assert not due(cpu, 80, idle=256) and not due(cpu, 20) and due(cpu, 1)
+
+
+def test_a_probes_uncaptured_steps_are_no_step():
+    """A probe's first step reads the tokens the model sat out; on CUDA the two steps after that width change run
+    the graph uncaptured (4.5 ms against 1.35). The step is the least of the later ones, not their average (2.6
+    ms: a model right 3 tokens in 4 judged a loss on the H200's costs)."""
+    cost = DraftCost(6)
+    cost.observe(6, 6, 0.0061 + 2 * 0.0045 + 3 * 0.00135, 0.0265, 7, first_s=0.0061, least_s=0.00135)
+    assert cost.step_s == pytest.approx(0.00135)
 
 
 def test_adaptive_leaves_lookups_length_alone():

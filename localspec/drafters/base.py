@@ -36,6 +36,9 @@ class Proposal:
     # Of `seconds`, the draft model's first step: it also reads what the model had not seen (tokens committed while
     # it sat out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
     first_s: float = 0.0
+    # The least of its later steps (None: fewer than two). On CUDA the two calls after a width change (the first
+    # step's catch-up) run the graph uncaptured: a probe's average step was 2.6-2.8 ms where a steady one is 1.35.
+    least_s: float | None = None
     ahead: int = 0  # how many of the tokens (the first ones) were drafted beside the last verify (a kept bet)
 
 

@@ -49,7 +49,7 @@ class ChainDrafter:
         rest = self.model.draft([(req, n) for (req, _), n in zip(jobs, lengths, strict=True)],
                                 after=[p.tokens for p in found])
         return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds,
-                         looked_up=len(a.tokens), first_s=b.first_s, ahead=b.ahead)
+                         looked_up=len(a.tokens), first_s=b.first_s, least_s=b.least_s, ahead=b.ahead)
                 for a, b in zip(found, rest, strict=True)]
 
     @staticmethod

@@ -69,6 +69,7 @@ class _Job:
     q: list[Candidates] | None = None
     seconds: float = 0.0
     first_s: float = 0.0  # the first step's share of `seconds`
+    least_s: float | None = None  # the least of the later steps (`Proposal.least_s`)
     decodes: int = 0
     limit: int | None = None  # draft at most this many (a bet fitted to the verify), else k
     cut: bool = False  # stopped by `limit` or the verify's end with more to draft
@@ -118,7 +119,7 @@ class ModelDrafter:
                 todo.append((i, _Job(req, k, req.tokens + after[i] if after else req.tokens)))
         self._draft([job for _, job in todo])
         for i, job in todo:
-            out[i] = Proposal(job.tokens, job.q, job.seconds, first_s=job.first_s)
+            out[i] = Proposal(job.tokens, job.q, job.seconds, first_s=job.first_s, least_s=job.least_s)
         return out
 
     @contextlib.contextmanager
@@ -200,7 +201,8 @@ class ModelDrafter:
         job = _Job(req, more, req.tokens + kept.drafts)
         self._draft([job])
         q = None if job.q is None else [*(kept.q or []), *job.q]
-        return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, ahead=len(kept.drafts))
+        return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, least_s=job.least_s,
+                        ahead=len(kept.drafts))
 
     def _draft(self, jobs: list[_Job], until: threading.Event | None = None) -> None:
         """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
@@ -233,6 +235,8 @@ class ModelDrafter:
                 job.decodes += 1
                 if step == 0:
                     job.first_s = spent
+                elif job.least_s is None or spent < job.least_s:
+                    job.least_s = spent
                 self._kv[job.req.seq].extend(feed)
                 sampling, p_min = job.req.sampling, job.req.drafting.p_min
                 # Only a penalty reads the history (copying a long one every draft step costs).
