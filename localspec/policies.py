@@ -37,6 +37,16 @@ class _Tables:
         return self._arrays
 
 
+def _least_squares(points: Iterable[tuple[float, float]]) -> tuple[float, float, float | None]:
+    """(mean x, mean y, the least-squares slope; None where the xs do not vary), in closed form: np.polyfit costs
+    ~50 us a call, and the cost model asks inside the loop."""
+    points = list(points)
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_x, mean_y, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else None
+
+
 class DraftCost:
     """What drafting costs and earns for one stream, measured online; which draft length is fastest.
 
@@ -418,14 +428,9 @@ class DraftCost:
         narrowest = min(self.verify_s)
         at_narrowest, slope_prior = self.verify_s[narrowest], 1 + self.VERIFY_SLOPE * (narrowest - 1)
         line: tuple[float, float, float] | None = None
-        if len(self.verify_s) > 1:
-            # The least-squares line through the tried widths (closed form: np.polyfit costs ~50 us a call).
-            tried = sorted(self.verify_s)
-            mean_w = sum(tried) / len(tried)
-            mean_s = sum(self.verify_s[w] for w in tried) / len(tried)
-            slope = (sum((w - mean_w) * (self.verify_s[w] - mean_s) for w in tried)
-                     / sum((w - mean_w) ** 2 for w in tried))
-            line = (mean_s, slope, mean_w)
+        if len(self.verify_s) > 1:  # the line through the tried widths (distinct: it has a slope)
+            mean_w, mean_s, slope = _least_squares([(w, self.verify_s[w]) for w in sorted(self.verify_s)])
+            line = (mean_s, slope or 0.0, mean_w)
         costs = []
         for width in widths:
             measured = self.verify_s.get(width)
@@ -538,14 +543,11 @@ class DraftCost:
         the tokens' part is all of it (8 ms a token on the 2-core CPU): per token."""
         if not self.catch_ups:
             return None
-        lags = [lag_ for lag_, _ in self.catch_ups]
-        mean_lag, mean_s = sum(lags) / len(lags), sum(s for _, s in self.catch_ups) / len(lags)
-        spread = sum((lag_ - mean_lag) ** 2 for lag_ in lags)
-        if not self.graphs or not spread:
+        mean_lag, mean_s, slope = _least_squares(self.catch_ups)
+        if not self.graphs or slope is None:
             return mean_s * (min(1.0, lag / mean_lag) if self.graphs else lag / mean_lag)
-        slope = max(0.0, sum((lag_ - mean_lag) * (s - mean_s) for lag_, s in self.catch_ups) / spread)
-        fixed = max(0.0, mean_s - slope * mean_lag)
-        return fixed + slope * lag
+        slope = max(0.0, slope)
+        return max(0.0, mean_s - slope * mean_lag) + slope * lag
 
     def pays(self) -> None:
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""

@@ -92,11 +92,13 @@ class Beside:
     def shutdown(self, wait: bool = True, **_: object) -> None:
         pass
 
-    def charge(self) -> None:
-        """A draft decode in the job."""
+    def charge(self, seconds: float | None = None) -> None:
+        """A draft decode in the job (`seconds`: what it costs, else STEP_BESIDE or the slow one's)."""
         assert self.running is not None
         self.decodes += 1
-        self.clock.now += self.slow_s if self.decodes == self.slow else STEP_BESIDE
+        if seconds is None:
+            seconds = self.slow_s if self.decodes == self.slow else STEP_BESIDE
+        self.clock.now += seconds
         verify_end, verified = self.running
         if self.clock.now >= verify_end:
             verified.set()
@@ -120,16 +122,18 @@ class _Job:
         return self.value
 
 
-def charge(clock: Clock, model: object, on_loop: Callable[[int], float], beside: Beside | None = None) -> None:
+def charge(clock: Clock, model: object, on_loop: Callable[[int], float], beside: Beside | None = None,
+           on_beside: Callable[[int], float] | None = None) -> None:
     """Make the model's decodes advance the fake clock: `on_loop(width)` on the loop's path, `beside.charge` in a
-    draft-ahead."""
+    draft-ahead (`on_beside(width)` seconds, if given)."""
     decode_many = model.decode_many  # type: ignore[attr-defined]
 
     def charged(items):
+        width = sum(len(tokens) for _, tokens, _, _ in items)
         if beside is not None and beside.running is not None:
-            beside.charge()
+            beside.charge(None if on_beside is None else on_beside(width))
         else:
-            clock.now += on_loop(sum(len(tokens) for _, tokens, _, _ in items))
+            clock.now += on_loop(width)
         return decode_many(items)
     model.decode_many = charged  # type: ignore[attr-defined]
 
@@ -261,31 +265,19 @@ def replay_reply(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path
         reply = s.draft.tokenize(H200_CODE_EDIT_REPLY, add_special=False)
         target = ScriptedReply(prompt, reply, eog, s.draft.n_vocab)
         target_graph, draft_graph = Graph(), Graph()
-        verify = target.decode_many
-
-        def verified(items):
-            width = sum(len(tokens) for _, tokens, _, _ in items)
-            if width in EMBEDDED_VERIFY:  # (the prompt: not timed)
-                clock.now += EMBEDDED_VERIFY[width] * (1.5 if target_graph.cold(width) else 1.0)
-            return verify(items)
-        target.decode_many = verified  # type: ignore[method-assign]
+        charge(clock, target, lambda width: EMBEDDED_VERIFY[width] * (1.5 if target_graph.cold(width) else 1.0)
+               if width in EMBEDDED_VERIFY else 0.0)  # (the prompt: not timed)
         beside = Beside(clock, 0, 0.0)
         monkeypatch.setattr(model_drafter, "ThreadPoolExecutor", beside.executor)
+        charge(clock, s.draft,
+               lambda width: (UNCAPTURED if draft_graph.cold(width) else EMBEDDED_STEP) + 0.00005 * (width - 1),
+               beside, lambda width: UNCAPTURED if draft_graph.cold(width) else EMBEDDED_BESIDE)
         decode, wrong = s.draft.decode_many, [0]
 
         def drafted(items):
-            width = sum(len(tokens) for _, tokens, _, _ in items)
-            cold = draft_graph.cold(width)
-            if beside.running is not None:
-                beside.decodes += 1
-                clock.now += UNCAPTURED if cold else EMBEDDED_BESIDE
-                verify_end, verified_ = beside.running
-                if clock.now >= verify_end:
-                    verified_.set()
-                return decode(items)
-            clock.now += (UNCAPTURED if cold else EMBEDDED_STEP) + 0.00005 * (width - 1)
             out = decode(items)
-            if wrong[0] and width <= 8 and out[0] is not None:
+            width = sum(len(tokens) for _, tokens, _, _ in items)
+            if wrong[0] and beside.running is None and width <= 8 and out[0] is not None:
                 wrong[0] -= 1  # misled: its proposal is the token after its argmax
                 scores = out[0]
                 if scores.ids is not None:
