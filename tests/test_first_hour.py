@@ -90,10 +90,12 @@ def test_an_unknown_model_is_a_404_that_lists_what_is_served() -> None:
         assert typo.status_code == 400 and "temprature" in typo.json()["error"]["message"]  # still refused
 
 
-def test_readme_snippets_name_models_that_are_served() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert 'model="demo-chat"' in readme and 'model="demo"' not in readme
-    assert "model: demo-chat" in readme
+def test_the_serving_docs_snippets_name_models_that_are_served() -> None:
+    root = Path(__file__).resolve().parent.parent
+    server = (root / "docs" / "server.md").read_text()
+    assert 'model="demo-chat"' in server and "model: demo-chat" in server  # the openai snippet, Continue's config
+    for page in (root / "README.md", *sorted((root / "docs").glob("*.md"))):
+        assert 'model="demo"' not in page.read_text(), page.name  # `serve` serves demo-chat, not demo
 
 
 # -- the bench verdict, legend and progress ----------------------------------------------------------------------
