@@ -4,7 +4,7 @@
     python bench/structured.py speed [--pair demo-chat | --target GGUF --draft GGUF] [--runs N] [--max-tokens N]
                                      [--threads N] [--rows full|device|both] [--json OUT]
 
-`mask`: llama.cpp's grammar sampler (`llama_ctx.Grammar`) on a tiny model written with the vocabulary of --vocab
+`mask`: llama.cpp's grammar sampler (`llama.grammar.Grammar`) on a tiny model written with the vocabulary of --vocab
 (default: llama.cpp's ggml-vocab-qwen2.gguf, 151,936 tokens, from the pinned llama-cpp-python sdist) — the time to
 mask a whole row, and to mask the way the engine does (`constraints.masked_row`: the row's best tokens first) for
 greedy (1 legal token needed) and top_k = 40, on rows of random logits, at a JSON-schema grammar's first positions.
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from localspec.llama_ctx import LlamaModel  # noqa: E402,I001  -- llama.cpp before numpy (docs/architecture.md)
+from localspec.llama.model import LlamaModel  # noqa: E402,I001  -- llama.cpp before numpy (docs/architecture.md)
 import numpy as np  # noqa: E402
 
 from localspec.chat import ChatTemplate, encode_chat  # noqa: E402

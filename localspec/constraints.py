@@ -6,7 +6,7 @@ the prefix is -inf (mask first, then top-k → top-p → min-p → temperature; 
 masks the draft's rows and the target's verify rows alike, each with the grammar state after its own prefix, so
 rejection sampling compares the masked p and q and its output is exactly the constrained target's.
 
-Masking asks llama.cpp's grammar sampler (`llama_ctx.Grammar`) about as few tokens as exactness allows: a row
+Masking asks llama.cpp's grammar sampler (`llama.grammar.Grammar`) about as few tokens as exactness allows: a row
 sampled with top-k needs only its top_k best legal tokens (and greedy its best one), so the mask is asked about the
 row's best few dozen tokens first and widens only when too few of them are legal; top_k = 0 needs every token.
 """
@@ -21,7 +21,8 @@ import numpy as np
 
 from localspec.config import Sampling
 from localspec.errors import GrammarError
-from localspec.llama_ctx import Grammar, LlamaModel, json_object_gbnf, json_schema_gbnf
+from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
+from localspec.llama.model import LlamaModel
 from localspec.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first; each miss widens the look eightfold

@@ -52,7 +52,7 @@ from localspec.events import Generation as Generation
 from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
-from localspec.llama_ctx import Grammar
+from localspec.llama.grammar import Grammar
 from localspec.policies import DraftCost, DraftLength, LoadPolicy
 from localspec.sampling import accept_drafts, accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
@@ -249,7 +249,7 @@ class Engine:
 
     # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
     # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
-    # (llama_ctx._covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # (llama.ubatch.covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
     # over a reply than re-reading a short prefix once.
     LONG_PREFIX = 256
 
@@ -318,7 +318,7 @@ class Engine:
                         logprobs)
         seq = chosen.seq
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
-        # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
+        # intermediate results (llama.ubatch.covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
         # (`constrained_rows`, `_accept_constrained`).
@@ -346,7 +346,7 @@ class Engine:
         (one target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
         t0 = time.perf_counter()
         for slot in self.slots if len(self.slots) > 1 else ():  # a free slot's chains would run in every decode
-            if not slot.busy:  # (llama_ctx._covering_calls)
+            if not slot.busy:  # (llama.ubatch.covering_calls)
                 for model in self.models:
                     model.use_device_sampler(None, slot.seq)
         live = [s for s in streams if self._begin(s)]

@@ -174,9 +174,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     nvml_notes: list[str] = []
     nvidia = machine.nvidia_gpus(nvml_notes)
     try:
-        from localspec import llama_ctx
+        from localspec.llama import backend
 
-        found = llama_ctx.gpu_devices()
+        found = backend.gpu_devices()
         # NVML's numbers when they describe the same GPUs in the same order (CUDA's order is NVML's unless
         # CUDA_DEVICE_ORDER or mixed models reorder them); asking llama.cpp instead starts a CUDA context on every
         # GPU, ones this run will not use included.
@@ -185,7 +185,7 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
             free, total = (nvidia[i].free, nvidia[i].total) if same else d.memory()
             gpus.append(DeviceMem(Dev("gpu", i), d.description, free, total))
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
-        llama_ctx = None
+        backend = None
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
     unused: tuple[str, ...] = ()
     if not gpus:
@@ -197,9 +197,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     errors: list[str] = []
     for endpoint in dict.fromkeys(rpc):
         try:
-            if llama_ctx is None:
+            if backend is None:
                 raise LocalspecError(f"RPC server {endpoint}: llama-cpp-python is not importable")
-            for i, d in enumerate(llama_ctx.rpc_devices([endpoint])):
+            for i, d in enumerate(backend.rpc_devices([endpoint])):
                 free, total = d.memory()
                 rpc_devs.append(DeviceMem(Dev("rpc", i, endpoint), d.name, free, total))
         except LocalspecError as exc:

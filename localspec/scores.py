@@ -85,7 +85,7 @@ class DeviceDist:
 
 
 class ScoringModel(Protocol):
-    """The part of `llama_ctx.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
+    """The part of `llama.model.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
 
     n_ctx: int
     n_seq: int

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, llama_ctx, machine, memory, placement, registry
+from localspec import compat, demo, hub, machine, memory, placement, registry
 from localspec.config import Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.gguf_header import read_header
-from localspec.llama_ctx import LlamaModel
+from localspec.llama import backend
+from localspec.llama.model import LlamaModel
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,8 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
 
 def _placed(p: placement.ModelPlacement) -> dict[str, object]:
     """A placement as LlamaModel's arguments: ggml's device handles, split mode, proportions, main device."""
-    gpus = llama_ctx.gpu_devices()
-    devices = [gpus[d.index] if d.kind == "gpu" else llama_ctx.rpc_devices([d.endpoint])[d.index]
+    gpus = backend.gpu_devices()
+    devices = [gpus[d.index] if d.kind == "gpu" else backend.rpc_devices([d.endpoint])[d.index]
                for d in p.devices]
     return {"devices": devices, "split_mode": p.split_mode, "tensor_split": p.tensor_split, "main_gpu": p.main}
 

@@ -1,4 +1,4 @@
-"""A scripted stand-in for `llama_ctx.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
+"""A scripted stand-in for `llama.model.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
 
 The model is a second-order Markov chain: the logits after a position depend on the last two tokens only, from a
 seeded table, so the exact distribution of any continuation is known in closed form (`FakeModel.next_probs`) and a

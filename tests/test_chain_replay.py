@@ -45,7 +45,7 @@ STEP, STEP_BESIDE = 0.0019, 0.0041
 
 def requantized(tmp_path_factory: pytest.TempPathFactory, ftype: str) -> Path:
     from localspec.demo import smollm2_source_path
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     dest = tmp_path_factory.mktemp("replay") / f"smollm2-{ftype.lower()}.gguf"
     quantize(smollm2_source_path(), dest, ftype)

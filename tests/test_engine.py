@@ -12,7 +12,7 @@ from localspec.config import Drafting, load_preset
 from localspec.drafters.base import device_mode
 from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, IncompatiblePairError, UsageError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.sampling import candidates
 from localspec.scores import DeviceDist
 from localspec.session import ModelFiles, open_session

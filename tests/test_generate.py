@@ -21,7 +21,7 @@ from localspec.chat import ChatTemplate, encode_chat
 from localspec.cli import chat_cmd
 from localspec.cli.app import app
 from localspec.errors import LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 
 PROMPT = "The three primary colours are"
 N = 24

@@ -77,7 +77,7 @@ def test_spec_validation() -> None:
 
 @pytest.mark.slow
 def test_loads_in_llama_cpp_and_is_not_degenerate(f32_pair: tuple[Path, Path]) -> None:
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     for path in f32_pair:
         with LlamaModel(path, n_ctx=512, n_threads=1) as m:
@@ -213,7 +213,7 @@ def test_card_spec_validation() -> None:
 def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32) -> None:
     """The direct writer's tensor names and types equal what llama.cpp's own quantizer makes of the F32 twin:
     Q4_K_M for the target, Q8_0 for the tied draft (llama_tensor_get_type, src/llama-quant.cpp)."""
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     for ours, f32, ftype in zip(card_pair, card_pair_f32, ("Q4_K_M", "Q8_0"), strict=True):
         theirs = tmp_path / f"{ftype}.gguf"
@@ -227,8 +227,8 @@ def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32)
 def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
     """The qwen3 loader takes both files (it refuses a missing or an extra tensor) and the text is not
     degenerate; forcing flash attention off or on changes nothing the argmax sees."""
-    from localspec.llama_ctx import LlamaModel, ModelLoadError
-
+    from localspec.errors import ModelLoadError
+    from localspec.llama.model import LlamaModel
     text = "The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday."
     for path in card_pair:
         argmax = []

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
-from localspec.llama_ctx import Grammar
+from localspec.llama.grammar import Grammar
 from localspec.policies import DraftLength
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
-from localspec.llama_ctx import Grammar
+from localspec.llama.grammar import Grammar
 from localspec.sampling import point_mass
 from localspec.scores import ScoringModel
 
