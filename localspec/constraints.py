@@ -14,6 +14,7 @@ row's best few dozen tokens first and widens only when too few of them are legal
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from localspec.config import Sampling
 from localspec.errors import GrammarError
 from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
 from localspec.llama.model import LlamaModel
+from localspec.sampling import Candidates, accept_or_resample, distributions, penalized
 from localspec.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first; each miss widens the look eightfold
@@ -122,3 +124,48 @@ def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling
     if need == 0 or int(legal.sum()) < need:
         return None
     return Scores(np.where(legal, scores.logits[row], -np.inf)[None, :].astype(np.float32), scores.ids[row][None, :])
+
+
+def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] | None, scores: Scores,
+                       history: list[int], sampling: Sampling, rng: np.random.Generator,
+                       is_eog: Callable[[int], bool], full_row: Callable[[int], np.ndarray],
+                       ) -> tuple[list[int], Grammar, int]:
+    """Acceptance (greedy match, or accept-or-resample against q) on a verify's masked rows: row i is masked with
+    the grammar state after the drafts before it (a copy of `grammar`, advanced by each accepted draft), so p is the
+    constrained target's at every position. `history`: what penalties read. Returns the emitted tokens, the copy
+    (the state after them: it replaces `grammar`, which the caller closes) and how many rows were decoded again.
+
+    Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal tokens;
+    a row that does not is read in full (`full_row(i)`: its token decoded again, which drops the cells after it),
+    so the round ends with that row's token (exact either way: it is the constrained target's choice or draw at
+    that position)."""
+    scored = penalized(scores, history, sampling)
+    state = grammar.clone()
+    emitted: list[int] = []
+    redecoded = 0
+    try:
+        for i in range(len(drafts) + 1):
+            row = masked_scores(scored, i, state, sampling)
+            last = row is None
+            if row is None:  # (no penalty here: a penalised stream has full rows)
+                row = masked_scores(Scores(full_row(i)[None, :]), 0, state, sampling)
+                assert row is not None
+                redecoded += 1
+            if sampling.greedy:
+                token = int(row.argmax()[0])
+                ok = i < len(drafts) and drafts[i] == token
+            elif i < len(drafts):
+                assert q is not None, "a drafter sampling at T > 0 must say what it drew from"
+                ok, token = accept_or_resample(drafts[i], distributions(row, [], sampling), 0, q[i], rng)
+            else:
+                ok, token = False, distributions(row, [], sampling).sample(0, rng)
+            emitted.append(token)
+            if not is_eog(token):
+                state.accept(token)
+            if not ok or last:
+                break
+    except BaseException:
+        state.close()
+        raise
+    grammar.close()
+    return emitted, state, redecoded

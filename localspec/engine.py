@@ -38,7 +38,7 @@ import numpy as np
 
 from localspec import drafters
 from localspec.config import Drafting, Sampling
-from localspec.constraints import masked_scores
+from localspec.constraints import accept_constrained
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, UsageError
@@ -54,7 +54,7 @@ from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama.grammar import Grammar
 from localspec.policies import DraftCost, DraftLength, LoadPolicy
-from localspec.sampling import accept_drafts, accept_or_resample, distributions, penalized, token_logprobs
+from localspec.sampling import accept_rows, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
 # (The events' names are re-exported above: callers have imported them from here since the first release.)
@@ -321,7 +321,7 @@ class Engine:
         # intermediate results (llama.ubatch.covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
-        # (`constrained_rows`, `_accept_constrained`).
+        # (`constrained_rows`, `constraints.accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
             self.target, sampling, p_min=0.0, plain=plain, trace=stream.trace,
             grammar_rows=self.constrained_rows if grammar is not None else None), seq)
@@ -360,13 +360,7 @@ class Engine:
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
                               proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
                               proposal.least_s)
-            stats = s.stats
-            stats.draft_s += proposal.seconds
-            stats.verify_s += verify_s
-            stats.rounds += 1
-            stats.drafted += len(proposal.tokens)
-            stats.accepted += verdict.accepted
-            stats.draft_lengths.append(len(proposal.tokens))
+            s.stats.count_round(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s)
         # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
         # epoch and counts.
         if share < 1.0 or any(p.k for p in plans):
@@ -504,7 +498,7 @@ class Engine:
             wait = time.perf_counter() - t
             live[0].stats.ahead_wait_s += wait
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
-            # A constrained row may be decoded again (`_accept_constrained`) into the buffer full rows still view.
+            # A constrained row may be decoded again (`accept_constrained`) into the buffer full rows still view.
             scores = [r.with_logits(r.logits.copy()) if r is not None and r.full and r.logits is not None
                       and r.logits.base is not None else r for r in scores]
         verdicts = []
@@ -515,9 +509,14 @@ class Engine:
             if s.grammar is None:
                 verdict = self._accept(s, proposal, rows, width)
             else:
-                t_accept, redecoded = time.perf_counter(), s.stats.full_rows
-                verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
-                if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
+                t_accept, start, seq = time.perf_counter(), len(s.slot.target_kv) - len(batch), s.slot.seq
+                history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
+                emitted, s.grammar, redecoded = accept_constrained(
+                    s.grammar, proposal.tokens, proposal.q, rows, history, s.sampling, s.rng, self.token_is_eog,
+                    lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq))
+                verdict = _Verdict(emitted, len(emitted) - 1, [], width)
+                if redecoded:  # a row decoded again is verify time (masking rows aside)
+                    s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
             if s.logprobs is not None:
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
@@ -530,68 +529,9 @@ class Engine:
 
     @staticmethod
     def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> _Verdict:
-        """gpt-fast's accept/reject over one stream's verify rows."""
-        drafts, sampling = proposal.tokens, s.sampling
-        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens  # (only a penalty reads it)
-        if scores.drawn is not None:  # plain decoding at T > 0: the device drew the token
-            return _Verdict([int(scores.drawn[0])], 0, [], width)
-        if sampling.greedy:
-            scored = penalized(scores, history, sampling)
-            rows = scored.argmax_and_margin() if s.trace else []  # read from the rows, apart from the choice
-            choice = scored.argmax()
-            n = 0
-            while n < len(drafts) and drafts[n] == choice[n]:
-                n += 1
-            return _Verdict([*drafts[:n], int(choice[n])], n, rows, width)
-        assert proposal.q is not None or not drafts, "a drafter sampling at T > 0 must say what it drew from"
-        n, out = accept_drafts(drafts, distributions(scores, history, sampling), proposal.q or [], s.rng)
-        return _Verdict([*drafts[:n], out], n, [], width)
-
-    def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int, batch: list[int],
-                            start: int) -> _Verdict:
-        """`_accept` on masked rows: row i is masked with the grammar state after the drafts before it (a copy of
-        the real state, advanced by each accepted draft), so p is the constrained target's at every position. The
-        copy then replaces the real state.
-
-        Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal
-        tokens; a row that does not is read in full by decoding its token (`batch[i]` at `start + i`) again, which
-        drops the cells after it, so the round ends with that row's token (exact either way: it is the
-        constrained target's choice or draw at that position)."""
-        assert s.grammar is not None
-        drafts, sampling = proposal.tokens, s.sampling
-        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens
-        scored = penalized(scores, history, sampling)
-        state = s.grammar.clone()
-        emitted: list[int] = []
-        try:
-            for i in range(len(drafts) + 1):
-                row = masked_scores(scored, i, state, sampling)
-                last = row is None
-                if row is None:  # (no penalty here: a penalised stream has full rows)
-                    full = Scores(self.target.full_row(batch[i], start + i, s.slot.seq)[None, :])
-                    row = masked_scores(full, 0, state, sampling)
-                    assert row is not None
-                    s.stats.full_rows += 1
-                if sampling.greedy:
-                    token = int(row.argmax()[0])
-                    ok = i < len(drafts) and drafts[i] == token
-                elif i < len(drafts):
-                    assert proposal.q is not None, "a drafter sampling at T > 0 must say what it drew from"
-                    ok, token = accept_or_resample(drafts[i], distributions(row, [], sampling), 0, proposal.q[i],
-                                                   s.rng)
-                else:
-                    ok, token = False, distributions(row, [], sampling).sample(0, s.rng)
-                emitted.append(token)
-                if not self.token_is_eog(token):
-                    state.accept(token)
-                if not ok or last:
-                    break
-        except BaseException:
-            state.close()
-            raise
-        s.grammar.close()
-        s.grammar = state
-        return _Verdict(emitted, len(emitted) - 1, [], width)
+        """gpt-fast's accept/reject over one stream's verify rows (`sampling.accept_rows`)."""
+        history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens  # (a penalty reads it)
+        return _Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the
