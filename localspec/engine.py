@@ -53,7 +53,7 @@ from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama.grammar import Grammar
-from localspec.policies import DraftCost, DraftLength, LoadPolicy
+from localspec.policies import DraftLength, LoadPolicy, kept_length
 from localspec.sampling import accept_rows, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
@@ -129,7 +129,7 @@ class Stream:
         self.trace = trace and sampling.greedy
         self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
         self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
-                                            sampling, slot)
+                                            sampling, slot, self.drafter)
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
                                 grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
@@ -358,7 +358,7 @@ class Engine:
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
-                              proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
+                              proposal.lead, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
                               proposal.least_s)
             s.stats.count_round(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s)
         # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
@@ -366,19 +366,12 @@ class Engine:
         if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
-    KEPT_POLICIES = 8  # per slot: one per drafting settings recently used there
-
-    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
-        """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
-        with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
-        stays valid for the next prompt, and probing again every generation would cost rounds."""
-        key = (drafting, sampling.greedy)
-        kept = slot.policies.pop(key, None) or DraftLength(
-            drafting, DraftCost(drafting.n_draft, graphs=self.constant_width), self.constant_width)
-        slot.policies[key] = kept  # the most recent last
-        while len(slot.policies) > self.KEPT_POLICIES:
-            del slot.policies[next(iter(slot.policies))]
-        return kept if drafting.adaptive else DraftLength(drafting, kept.cost, self.constant_width)
+    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot,
+                      drafter: Drafter | None) -> DraftLength:
+        """The generation's draft-length policy, its cost model kept in the slot (`policies.kept_length`), with the
+        drafter's cost rules attached."""
+        return kept_length(slot.policies, drafting, sampling.greedy, self.constant_width,
+                           lambda cost: drafter.pricing(cost, drafting) if drafter is not None else None)
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 

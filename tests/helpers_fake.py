@@ -165,3 +165,14 @@ class TimedFake(FakeModel):
     def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
         self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
         return super().decode_many(items)
+
+
+def draft_policy(cfg: Any, cost: Any = None, padded: bool = False) -> Any:
+    """A stream's draft-length policy for the drafting settings `cfg`, with its drafter's cost rules attached as the
+    engine attaches them (`Drafter.pricing`; the drafters are built on fake models that never run)."""
+    from localspec import drafters
+    from localspec.policies import DraftCost, DraftLength
+
+    cost = cost if cost is not None else DraftCost(cfg.n_draft)
+    drafter = drafters.build(FakeModel(), FakeModel())[cfg.drafter]
+    return DraftLength(cfg, cost, padded, drafter.pricing(cost, cfg))

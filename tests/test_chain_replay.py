@@ -10,7 +10,7 @@ there; the first draft-ahead decode is slow (300 ms), as a cold first call in a 
 The failure it reproduces (the H200's pattern; whether it was the H200's cause is for the next GPU run with
 bench/chain_state.py; docs/performance.md, "The chain locked out of the model by one slow bet"): one slow draft-
 ahead, taken whole as the thread's lag, made the model a loss "even if every draft were accepted"
-(`DraftCost.could_pay` counted the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in
+(`ModelCost.could_pay` counted the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in
 sync, no draft-ahead ran again to correct the figure, and the chain drafted like lookup alone (on the H200: 1.16x
 plain where the model made 1.94x).
 
@@ -191,7 +191,7 @@ def test_the_chain_keeps_the_models_pace_on_the_shipped_prompts(monkeypatch, clo
     often. On the H200 the chain made 0.89x the model (2.01x plain against 2.26x) and kept 21 of 50 bets against 37
     of 61: lookup's short matches came first, and a round with them threw the model's kept bet. On main's code
     (900291a) here: the chain 2.476x plain against the model's 2.547x (0.972x), bets kept 129 of 179 against 135
-    of 180; with a held bet weighed against lookup's match (`DraftLength.prefer_bet`): 2.524x (0.991x), 135 of
+    of 180; with a held bet weighed against lookup's match (`ChainCost.prefer_bet`): 2.524x (0.991x), 135 of
     180. (Lookup alone runs no draft model: 1.059x, not rerun here.)"""
     runs = {drafter: replay(clock, monkeypatch, q8_draft, drafter, prompts="shipped",
                             names=("code", "prose", "qa"), max_tokens=128) for drafter in ("model", "chain")}

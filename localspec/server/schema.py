@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from localspec.config import key_metadata
+from localspec.config import DRAFTERS, key_metadata
+from localspec.drafters import LLAMA_SERVER_TYPES
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -28,10 +29,10 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_CHOICES = 64  # n per request (and never more than the server's slots + queue)
 FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
                 "drafter": "speculative.type"}  # preset key → request field
-# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
-# it means here: a drafter, or "none" (no drafting).
-SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
-                     "ngram-simple,draft-simple": "chain"}
+# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list), or a
+# drafter's own name (one llama-server has no name for) → what it means here: a drafter, or "none" (no drafting).
+SPECULATIVE_TYPES: dict[str, str | None] = {
+    "none": None, **LLAMA_SERVER_TYPES, **{name: name for name in DRAFTERS if name not in LLAMA_SERVER_TYPES.values()}}
 
 
 class RequestError(Exception):
@@ -58,7 +59,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-SpeculativeType = Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"]
+SpeculativeType = Literal[tuple(SPECULATIVE_TYPES)]  # type: ignore[valid-type]
 
 
 class Speculative(_Strict):
