@@ -95,11 +95,18 @@ def mask(args: argparse.Namespace) -> dict:
         following = [[np.where(mask, r + 12, r) for r in rows] for mask in legal]
         out: dict = {"vocab": str(vocab), "n_vocab": model.n_vocab, "rows": args.rows * len(states),
                      "load": os.getloadavg()[0]}
+        greedy = load_preset("greedy").sampling
+        default = load_preset("default").sampling  # T 0.7, top_k 40, top_p 0.9
+        top_k_only = dataclasses.replace(default, top_p=1.0, min_p=0.0)
         for label, fn, lifted in (("full row", lambda r, s: s.legal(ids), False),
-                                  ("greedy, random rows", lambda r, s: masked_row(r, s, 1), False),
-                                  ("top_k 40, random rows", lambda r, s: masked_row(r, s, 40), False),
-                                  ("greedy, rows following the format", lambda r, s: masked_row(r, s, 1), True),
-                                  ("top_k 40, rows following the format", lambda r, s: masked_row(r, s, 40), True)):
+                                  ("greedy, random rows", lambda r, s: masked_row(r, s, greedy), False),
+                                  ("top_k 40 alone, random rows", lambda r, s: masked_row(r, s, top_k_only), False),
+                                  ("default sampling, random rows", lambda r, s: masked_row(r, s, default), False),
+                                  ("greedy, rows following the format", lambda r, s: masked_row(r, s, greedy), True),
+                                  ("top_k 40 alone, rows following the format",
+                                   lambda r, s: masked_row(r, s, top_k_only), True),
+                                  ("default sampling, rows following the format",
+                                   lambda r, s: masked_row(r, s, default), True)):
             t0 = time.perf_counter()
             for i, s in enumerate(states):
                 for r in following[i] if lifted else rows:
