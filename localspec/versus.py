@@ -45,8 +45,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TIMINGS = {
     "encoded": re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
     "decoded": re.compile(r"decoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
-    "n_drafted": re.compile(r"^\s*n_drafted\s*=\s*(\d+)\s*$", re.M),
-    "n_accept": re.compile(r"^\s*n_accept\s*=\s*(\d+)\s*$", re.M),
+    # (this llama.cpp prefixes its log lines with a timestamp and a level: "0.00.514.348 I n_drafted = 54")
+    "n_drafted": re.compile(r"\bn_drafted\s*=\s*(\d+)"),
+    "n_accept": re.compile(r"\bn_accept\s*=\s*(\d+)"),
 }
 
 
@@ -75,12 +76,16 @@ def parse_timings(log: str) -> Timings | None:
 
 def generated_text(stdout: str, prompt: str) -> str | None:
     """The tool's stdout is the prompt's pieces (a BOS piece first where the model has one), the generated text,
-    then a blank line: the text after the prompt, or None when the prompt is not there."""
+    then two blank lines (one before its timings, one at its end): the text after the prompt, or None when the
+    prompt is not there."""
     at = stdout.find(prompt)
     if at < 0:
         return None
     text = stdout[at + len(prompt):]
-    return text[:-2] if text.endswith("\n\n") else text
+    for trailer in ("\n\n\n\n", "\n\n"):
+        if text.endswith(trailer):
+            return text[: -len(trailer)]
+    return text
 
 
 def first_divergence(plain_text: str, token_ends: list[int], other: str) -> int | None:
@@ -170,6 +175,7 @@ class Plan:
     threads: int
     prompts: tuple[LlamaPrompt, ...]
     modes: tuple[str, ...]
+    extra: tuple[str, ...] = ()  # more of the tool's options (bench/structured.py: --grammar-file)
 
     def command(self, prompt_file: Path, mode: str) -> list[str]:
         """The tool's command line for one prompt: the bench's files, lengths, context, threads and sampling."""
@@ -193,7 +199,7 @@ class Plan:
             cmd += ["--rpc", load.rpc]
         if mode == BACKEND:
             cmd.append("--backend-sampling")
-        return cmd
+        return cmd + list(self.extra)
 
 
 def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None:
@@ -215,17 +221,29 @@ def plan(session: Session, preset: Preset, tool: Tool, prompts: list[BenchPrompt
     template wrote where llama.cpp adds one itself."""
     from localspec.bench import render_prompts
 
+    texts = [llama_prompt(session, name, text, tokens) for name, text, tokens in render_prompts(session, prompts, raw)]
+    return plan_for(session, preset, tool, texts)
+
+
+def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPrompt],
+             extra: tuple[str, ...] = ()) -> Plan:
+    """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
+    device sampling too."""
+    assert session.draft is not None
+    target = session.target
+    return Plan(tool=tool, target=target.path, draft=session.draft.path, preset=preset, threads=target.n_threads,
+                prompts=tuple(prompts), modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,),
+                extra=extra)
+
+
+def llama_prompt(session: Session, name: str, text: str, tokens: list[int]) -> LlamaPrompt:
+    """A prompt as llama.cpp must read it to see `tokens`: llama.cpp adds the BOS the model wants itself, so a BOS
+    that a chat template wrote into `text` is left out."""
     target = session.target
     bos_text = target.piece(target.bos, special=True).decode("utf-8", "replace") if target.bos >= 0 else ""
-    texts = []
-    for name, text, tokens in render_prompts(session, prompts, raw):
-        if target.add_bos and bos_text and tokens[:1] == [target.bos] and text.startswith(bos_text):
-            text = text[len(bos_text):]
-        texts.append(LlamaPrompt(name, text, len(tokens)))
-    assert session.draft is not None
-    return Plan(tool=tool, target=session.target.path, draft=session.draft.path, preset=preset,
-                threads=target.n_threads, prompts=tuple(texts),
-                modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,))
+    if target.add_bos and bos_text and tokens[:1] == [target.bos] and text.startswith(bos_text):
+        text = text[len(bos_text):]
+    return LlamaPrompt(name, text, len(tokens))
 
 
 # -- running it ----------------------------------------------------------------------------------------------------
@@ -296,7 +314,7 @@ class GreedyMatch:
 class Comparison:
     tool: str
     version: str
-    command: list[str]  # the first prompt's command line in the first mode, for the record
+    command: list[str]  # the command line in the first mode, PROMPT.txt for each prompt's file, for the record
     temperature: float
     modes: list[ModeResult]
     localspec_tps: float  # localspec's speculative median, same prompts
@@ -328,13 +346,20 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
     """`repeat` repetitions (the bench's) of every prompt in each mode, modes alternating; then the comparison.
 
     Run after localspec's session has closed: on a 24 GB card the two loops' models do not fit together."""
-    repeat = repeat or plan.preset.bench.repeat
     if timeout_s is None:  # a generous multiple of what localspec's plain decoding took, plus loading
         slowest = max(report.plain.min_tps, 1e-3)
         timeout_s = 120.0 + 20.0 * plan.preset.bench.max_tokens / slowest
     runs: list[LlamaRun] = []
+    for done in run_prompts(plan, repeat or plan.preset.bench.repeat, timeout_s):
+        runs.append(done.run)
+        yield done
+    yield compare(plan, report, runs, plan.command(Path("PROMPT.txt"), plan.modes[0]))
+
+
+def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[LlamaRunDone]:
+    """Every prompt once per mode and repetition, the modes' order alternating between repetitions."""
     total = repeat * len(plan.modes) * len(plan.prompts)
-    first_command: list[str] = []
+    done = 0
     with tempfile.TemporaryDirectory(prefix="localspec-llama-") as folder:
         files = {}
         for i, p in enumerate(plan.prompts):
@@ -343,11 +368,9 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
         for rep in range(repeat):
             for mode in plan.modes if rep % 2 == 0 else tuple(reversed(plan.modes)):
                 for p in plan.prompts:
-                    cmd = plan.command(files[p.name], mode)
-                    first_command = first_command or cmd
-                    runs.append(_one_run(cmd, p, mode, rep, timeout_s))
-                    yield LlamaRunDone(runs[-1], len(runs), total)
-    yield compare(plan, report, runs, first_command)
+                    done += 1
+                    yield LlamaRunDone(_one_run(plan.command(files[p.name], mode), p, mode, rep, timeout_s), done,
+                                       total)
 
 
 def _one_run(cmd: list[str], prompt: LlamaPrompt, mode: str, rep: int, timeout_s: float) -> LlamaRun:

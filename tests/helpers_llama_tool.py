@@ -53,9 +53,10 @@ if "--backend-sampling" in opts:
     seconds *= float(os.environ.get("STANDIN_BACKEND_FACTOR", "1.0"))
 tokens = os.environ.get("STANDIN_PROMPT_TOKENS")
 prompt_tokens = int(tokens) if tokens else len(prompt.split())
-sys.stdout.write("\n\n" + prompt + reply + "\n\n")
+sys.stdout.write("\n\n" + prompt + reply + "\n\n\n\n")
 sys.stderr.write(
-    "\n\nencoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n" % (prompt_tokens, 0.05, prompt_tokens / 0.05)
+    "\n\n0.00.514.274 I encoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n"
+    % (prompt_tokens, 0.05, prompt_tokens / 0.05)
     + "decoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n" % (n + 1, seconds, (n + 1) / seconds)
     + "\nn_draft   = %s\nn_predict = %d\nn_drafted = %d\nn_accept  = %d\naccept    = %.3f%%\n"
     % (opts["--spec-draft-n-max"], n + 1, 60, 45, 75.0)

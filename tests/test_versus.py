@@ -48,8 +48,10 @@ def test_timings_need_the_whole_summary_and_ignore_colour_and_prefixes() -> None
 
 
 def test_generated_text_is_what_follows_the_prompt() -> None:
-    assert versus.generated_text("<bos>Question: why?\nAnswer: because\r\nso.\n\n", "Question: why?\nAnswer:") \
+    assert versus.generated_text("<bos>Question: why?\nAnswer: because\r\nso.\n\n\n\n", "Question: why?\nAnswer:") \
         == " because\r\nso."
+    assert versus.generated_text("Q:\n\n\n\n\n\n", "Q:") == "\n\n"  # its own blank lines stay
+    assert versus.generated_text("Q: a\n\n", "Q:") == " a"  # killed before its last line
     assert versus.generated_text("something else\n\n", "Question:") is None
 
 
