@@ -221,7 +221,7 @@ def _llama_table(args: argparse.Namespace, plans: dict[str, versus.Plan]) -> dic
     table: dict[str, dict] = {}
     for label, plan in plans.items():
         try:
-            runs = [done.run for done in versus.run_prompts(plan, args.runs, timeout_s=600.0)]
+            runs = [done.run for done in versus.run_prompts(plan, args.llama_runs or args.runs, timeout_s=600.0)]
         except LocalspecError as exc:
             table[f"llama.cpp, {label}"] = {"error": str(exc)}
             continue
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--against-llama", type=Path, metavar="BIN",
                     help="also llama.cpp's llama-speculative-simple (or its folder) on the same prompts, with the "
                          "same GBNF as --grammar-file and without one")
+    sp.add_argument("--llama-runs", type=int, help="llama.cpp's repetitions (default: --runs; each loads the pair)")
     sp.add_argument("--compare-early-stop", action="store_true",
                     help="also the constrained spec and plain modes checking rows without the early stop")
     for q in (m, sp):

@@ -79,8 +79,6 @@ print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
 # One writer per file set: "card-target" (the card's target, shared by its levels), "card-n<NOISE>" (a draft),
 # "s<SCALE>" (an old-stand-in pair). The writer renames a finished file into place, so one that exists is whole.
-card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }
-card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
 target_of() { stand_in_target "$1"; }
 draft_of() { stand_in_draft "$1"; }
 writer_files() {  # writer_files ID: the files the writer makes

@@ -163,9 +163,9 @@ def drafter_runs(folder: Path) -> list[dict[str, Any]]:
         doc = _load(js)
         if not doc:
             continue
-        if "table" in doc:  # bench/structured.py speed
-            rows += [{"run": js.stem, "mode": mode, "tok_s": r["tok_s_total"], "acceptance": r["acceptance"],
-                      "tokens": r["tokens"]} for mode, r in doc["table"].items()]
+        if "table" in doc:  # bench/structured.py speed (a llama.cpp row that failed holds its error instead)
+            rows += [{"run": js.stem, "mode": mode, "tok_s": r.get("tok_s_total"), "acceptance": r.get("acceptance"),
+                      "tokens": r.get("tokens", r.get("error"))} for mode, r in doc["table"].items()]
             continue
         plain, spec = doc.get("plain") or {}, doc.get("speculative") or {}
         rows.append({"run": js.stem, "drafter": (doc.get("preset", {}).get("draft") or {}).get("drafter"),
