@@ -42,6 +42,13 @@ def distribution(logits: np.ndarray, sampling) -> dict[int, float]:
     return {t: p for t, p in zip(row.ids, row.probs, strict=True) if p > 0}
 
 
+def by_logit(dist: dict[int, float], row: np.ndarray) -> list[tuple[float, float]]:
+    """A distribution up to the order of tokens whose logits tie: (logit, probability) pairs, sorted. The pipeline
+    sorts ties by their column, and a row of candidates lists them in another order than a whole vocabulary, so
+    which of several equal tokens top-p keeps, and the last bit of a sum, may differ; nothing else may."""
+    return sorted((float(row[t]), round(q, 12)) for t, q in dist.items())
+
+
 def hostile_row(rng: np.random.Generator, vocab: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """(logits, legal ids) of one kind of row."""
     row = rng.normal(0.0, 3.0, size=vocab).astype(np.float32)
@@ -146,3 +153,31 @@ def test_device_candidates_serve_a_row_when_the_cut_is_settled_and_never_otherwi
         assert {t: q for t, q in zip(p.ids, p.probs, strict=True) if q > 0} == distribution(reference, sampling)
     if kind == "peaked":
         assert served > 20
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_full_row_is_handed_to_the_pipeline_as_its_kept_tokens_only(kind: str) -> None:
+    """A masked full row reaches the sampling pipeline as candidates (its kept ids, in id order), not as a row of
+    a whole vocabulary of -inf, which numpy's argpartition sorts slowly; the greedy choice (ties: the lower id) and
+    the distribution are the fully masked row's."""
+    rng = np.random.default_rng(200 + KINDS.index(kind))
+    vocab = 5000
+    for trial in range(40):
+        row, legal = hostile_row(rng, vocab, kind)
+        sampling = SETTINGS[trial % len(SETTINGS)]
+        grammar = FixedGrammar(legal, vocab)
+        got = masked_scores(Scores(row[None, :].copy()), 0, grammar, sampling)  # type: ignore[arg-type]
+        assert got is not None and got.ids is not None and got.logits is not None
+        assert len(got.ids[0]) <= len(legal) and np.all(np.diff(got.ids[0]) > 0)
+        assert grammar.mask[got.ids[0]].all()
+        reference = np.where(grammar.mask, row, -np.inf).astype(np.float32)
+        if sampling.greedy:
+            assert int(got.argmax()[0]) == int(np.argmax(reference))
+            continue
+        p = candidates_from_top_k(got.ids, got.logits, sampling).row(0)
+        mine = {t: q for t, q in zip(p.ids, p.probs, strict=True) if q > 0}
+        assert by_logit(mine, row) == by_logit(distribution(reference, sampling), row)
+        # No ties, and the same arithmetic (top_k = 0 sent the vocabulary-wide row through the pipeline's numpy
+        # path; its kept tokens now take the Python one: the same sums in another order, up to the last bit):
+        if kind != "ties at the cut" and sampling.top_k:
+            assert mine == distribution(reference, sampling)  # the very same tokens and probabilities, bit for bit
