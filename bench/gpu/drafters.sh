@@ -22,7 +22,9 @@
 #      main 7572e82, before the seam) with that run's command, at T = 0
 #   5. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
 #      ADAPTIVE_TEMPS, to set beside run.sh's fixed-k rows
-#   6. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
+#   6. bench/lab/hedge_probe.py on the card pair (HEDGE_PROBE [1]): how many rounds hedged bets would save, a
+#      batched draft step's cost, and the round they predict from run.sh's T = 0 profile of the pair
+#   7. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
 # Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, CARD_SIZE, VOCAB: harness.sh):
 #   CARD_NOISE [0.013]  DRAFTERS ["model lookup chain"]  SETS ["shipped lookup"]  N_PREDICT [128]  REPEAT [3]
 #   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
@@ -198,6 +200,20 @@ if [[ "${SKIP_ADAPTIVE:-0}" != 1 ]]; then
                 --target "$TARGET" --draft "$draft" --draft 6 --temp "$t" $ADAPTIVE_ARGS
         done
     done
+fi
+
+# -- 6. hedged bets, before building them: the rounds they would save and what a batched draft step costs -----------
+if [[ "${HEDGE_PROBE:-1}" == 1 ]]; then
+    draft="$(card_draft "$CARD_NOISE")" profile="$RES/card-n$CARD_NOISE/localspec-t0.json"
+    probe="$DRES/hedge-probe-card-n$CARD_NOISE.json"
+    bench_json=(); [[ -s "$profile" ]] && bench_json=(--bench-json "$profile")  # run.sh's round at T = 0, if any
+    if [[ -f "$TARGET" && -f "$draft" && ! -s "$probe" ]]; then
+        # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+        run hedge-probe 60 python3 "$REPO/bench/lab/hedge_probe.py" --target "$TARGET" --draft "$draft" \
+            --max-tokens 256 --hedges 3 "${bench_json[@]}" ${BENCH_ARGS:-} --json "$probe" \
+            > "$DRES/hedge-probe-card-n$CARD_NOISE.log" 2>&1
+        tail -8 "$DRES/hedge-probe-card-n$CARD_NOISE.log" | tee -a "$RES/run.log"
+    fi
 fi
 
 python3 "$HERE/summarize.py" "$RES" > "$RES/summary.txt" 2>&1

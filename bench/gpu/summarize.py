@@ -167,6 +167,8 @@ def drafter_runs(folder: Path) -> list[dict[str, Any]]:
             rows += [{"run": js.stem, "mode": mode, "tok_s": r.get("tok_s_total"), "acceptance": r.get("acceptance"),
                       "tokens": r.get("tokens", r.get("error"))} for mode, r in doc["table"].items()]
             continue
+        if "plain" not in doc:  # not a bench report (bench/lab/hedge_probe.py's JSON prints its own table)
+            continue
         plain, spec = doc.get("plain") or {}, doc.get("speculative") or {}
         rows.append({"run": js.stem, "drafter": (doc.get("preset", {}).get("draft") or {}).get("drafter"),
                      "adaptive": (doc.get("preset", {}).get("draft") or {}).get("adaptive"),
