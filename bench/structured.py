@@ -255,14 +255,17 @@ def _prompts(s: Session, kind: str) -> tuple[Constraint, list[tuple[str, list[in
 def _speed_runs(args: argparse.Namespace, s: Session, modes: dict[str, tuple], results: dict[str, list]) -> None:
     preset = s.preset
     prompts = {kind: _prompts(s, kind) for kind in {m[0] for m in modes.values()}}
-    early_stop = constraints.settled
+    # (Only `--compare-early-stop` touches `constraints.settled`: without it this runs against an older
+    # localspec/constraints.py too, for a before/after of the whole masking path.)
+    early_stop = constraints.settled if not all(m[6] for m in modes.values()) else None
     try:
         for _ in range(args.runs):
             for name, (kind, k, constrained, on_draft, logprobs, rows, stop) in modes.items():
                 # The row mode is the engine's `[load] constrained_rows`, set here per mode so every mode shares
                 # one session and interleaves (unconstrained modes ignore it).
                 s.engine.constrained_rows = rows or preset.load.constrained_rows
-                constraints.settled = early_stop if stop else _never_settled
+                if early_stop is not None:
+                    constraints.settled = early_stop if stop else _never_settled
                 constraint, texts = prompts[kind]
                 for _, prompt in texts:
                     grammar = constraint.grammar(s.target) if constrained else None
@@ -272,7 +275,8 @@ def _speed_runs(args: argparse.Namespace, s: Session, modes: dict[str, tuple], r
                                                     grammar=grammar, constrain_draft=on_draft, logprobs=logprobs))
                     results[name].append(gen.stats)
     finally:
-        constraints.settled = early_stop
+        if early_stop is not None:
+            constraints.settled = early_stop
 
 
 def _never_settled(*_: object) -> bool:
