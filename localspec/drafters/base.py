@@ -92,6 +92,12 @@ class Drafter(Protocol):
         committed tokens. Learn from it and rewind whatever state went past them."""
         ...
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        """Per model of its own (none that another drafter in the registry owns), the tokens its cells hold for
+        `seq`: the live bookkeeping list, which the loop rewrites in place when it restores or erases the slot's
+        cells (the prompt cache, slot files)."""
+        ...
+
     def reset(self) -> None:
         """Forget every sequence's state (the models' KV cells included)."""
         ...
