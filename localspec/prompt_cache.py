@@ -31,6 +31,9 @@ from dataclasses import dataclass
 # a fixed 8 GiB; a share keeps a small machine usable and lets a large one keep many conversations.
 AUTO_SHARE = 0.25
 MIB = 1 << 20
+# An entry is restored only for at least this share of what it holds (llama-server's f_keep >= 0.25): copying a
+# long conversation's state in to reuse its first tokens (a BOS, a common system prompt) costs more than it saves.
+KEEP_SHARE = 0.25
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -158,13 +161,14 @@ class PromptCache:
 
     def best(self, body: Sequence[int], better_than: int = 0) -> tuple[SlotState, int] | None:
         """The entry that serves most of `body` (the most recently used on a tie), if it serves more than
-        `better_than` tokens (what the slot holds already), with how many; it becomes the most recently used.
+        `better_than` tokens (what the slot holds already) and at least a quarter of what it holds (`KEEP_SHARE`),
+        with how many; it becomes the most recently used.
         Counts a hit, or a miss when none does."""
         with self._lock:
             found, reuse = None, better_than
             for entry in reversed(self._entries):
                 n = entry.reusable(body)
-                if n > reuse:
+                if n > reuse and n >= KEEP_SHARE * entry.models[0].n_tokens:
                     found, reuse = entry, n
             if found is None:
                 self._misses += 1

@@ -65,6 +65,15 @@ def test_best_picks_the_longest_reuse_and_counts_hits_and_misses() -> None:
     assert (c.hits, c.misses, c.restored_tokens) == (2, 2, 8)
 
 
+def test_an_entry_serving_less_than_a_quarter_of_itself_is_not_restored() -> None:
+    """Copying a long state in to reuse its first tokens (a BOS, a shared system prompt) costs more than it saves."""
+    cache = PromptCache(10_000)
+    cache.put(state(list(range(100))))
+    assert cache.best([*range(24), 999]) is None
+    found = cache.best([*range(25), 999])
+    assert found is not None and found[1] == 25
+
+
 def test_a_restored_entry_stays_cached() -> None:
     cache = PromptCache(10_000)
     a = state([1, 2, 3])
