@@ -174,3 +174,58 @@ def test_without_context_shift_it_stops_at_the_full_context(tiny_pair) -> None:
         out = collect(s.engine.generate(list(range(200, 240)), GREEDY.sampling, drafting(), 200))
         assert out.done.stop_reason == "context_full" and len(out.tokens) < 96
 
+
+
+# -- the chat's /save and /load --------------------------------------------------------------------------------
+
+
+def test_chat_save_then_load_in_a_new_session_goes_on_without_reading_again(chat_pair, tmp_path: Path) -> None:
+    """Two turns, /save; a new session (another engine) /loads it: the third turn reads only its own message and
+    replies as the uninterrupted conversation does."""
+    from localspec.chat import ChatSession
+
+    preset = GREEDY.with_overrides(threads=1, n_ctx=1024)
+    files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
+    with open_session(files, preset) as first:
+        chat = ChatSession(first.engine, first.target, preset, system="Be brief.", max_tokens=12)
+        for text in ("Name a planet.", "And a moon?"):
+            list(chat.send(text))
+        saved = chat.save(tmp_path / "chat.json")
+        list(chat.send("And a star?"))
+        uninterrupted = chat.turns[-1]
+    with open_session(files, preset) as second:
+        resumed = ChatSession(second.engine, second.target, preset, system="Something else.", max_tokens=12)
+        loaded = resumed.load(saved.transcript)
+        assert loaded.tokens == saved.tokens and resumed.system == "Be brief." and len(resumed.messages) == 5
+        list(resumed.send("And a star?"))
+        turn = resumed.turns[-1]
+        assert turn.reply == uninterrupted.reply
+        assert turn.prompt_tokens_processed == uninterrupted.prompt_tokens_processed < 20
+
+
+def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, tmp_path: Path) -> None:
+    import json
+
+    from localspec.chat import ChatSession
+    from localspec.errors import LocalspecError
+
+    preset = GREEDY.with_overrides(threads=1, n_ctx=512)
+    files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
+    with open_session(files, preset) as s:
+        chat = ChatSession(s.engine, s.target, preset, max_tokens=8)
+        list(chat.send("Name a planet."))
+        a = chat.save(tmp_path / "a.json")
+        list(chat.send("And a moon?"))
+        b = chat.save(tmp_path / "b.json")
+        data = json.loads(a.transcript.read_text())
+        data["kv"]["file"] = b.kv.name  # another save's cells
+        (tmp_path / "mixed.json").write_text(json.dumps(data))
+        del data["kv"]
+        (tmp_path / "old.json").write_text(json.dumps(data))
+        (tmp_path / "junk.json").write_text("{not json")
+        before = (list(chat.messages), s.engine.cached_tokens)
+        for name, why in (("mixed.json", "belongs to another save"), ("old.json", "no KV state was saved"),
+                          ("junk.json", "not a transcript"), ("missing.json", "cannot read")):
+            with pytest.raises(LocalspecError, match=why):
+                chat.load(tmp_path / name)
+            assert (list(chat.messages), s.engine.cached_tokens) == before
