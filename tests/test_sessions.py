@@ -93,6 +93,33 @@ def test_a_prompt_that_diverges_at_token_zero_is_read_whole(chat_pair) -> None:
         assert s.engine.prompt_cache.counters().hits == 0  # type: ignore[union-attr]
 
 
+def test_eviction_at_the_budget_edge_and_replies_stay_a_cold_runs(tiny_pair) -> None:
+    """A budget of two and a half conversations: a third one saved evicts the least recently used, which is then
+    read in full; a cached one comes back from host RAM; every reply is a cold run's."""
+    from localspec.prompt_cache import PromptCache
+
+    convs = [list(range(300 + 50 * i, 340 + 50 * i)) for i in range(4)]
+    with open_pair(tiny_pair, n_ctx=256) as cold, open_pair(tiny_pair, n_ctx=256) as s:
+        collect(s.engine.generate(convs[0], GREEDY.sampling, drafting(), 8))
+        size = s.engine.snapshot(0).nbytes
+        s.engine.prompt_cache = PromptCache(size * 5 // 2)
+        s.engine.reset()
+
+        def ask(p: list[int]):
+            got = collect(s.engine.generate(p, GREEDY.sampling, drafting(), 8))
+            cold.engine.reset()
+            assert got.tokens == collect(cold.engine.generate(p, GREEDY.sampling, drafting(), 8)).tokens
+            return got
+
+        for p in convs:
+            ask(p)  # each one's arrival saves the last: 0, 1, then 2 evicts 0; 3 is in the slot
+        c = s.engine.prompt_cache.counters()
+        assert c.entries == 2 and c.evicted == 1 and c.nbytes <= size * 5 // 2
+        assert ask(convs[0]).stats.prompt_tokens_processed == len(convs[0]) - 1  # evicted: read in full
+        # (its arrival saved 3 and evicted 1, the least recently used; 2 and 3 are cached)
+        assert ask(convs[3]).stats.prompt_tokens_processed < 3  # restored
+
+
 @pytest.mark.parametrize("pair_name", ["chat_pair", "tiny_pair"])
 def test_save_restore_continue_equals_an_uninterrupted_run(request, pair_name: str, tmp_path: Path) -> None:
     """A slot's state saved to a file after a reply, the engine cleared, the file restored into the other slot:
