@@ -230,13 +230,15 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str, body: dict[str, Any], req: Request,
-                     t0: float) -> None:
-    """Send one streaming chat completion and fill `req` in; an error is recorded, not raised."""
+async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str | list[dict[str, str]],
+                     body: dict[str, Any], req: Request, t0: float) -> None:
+    """Send one streaming chat completion (a user message, or a whole conversation) and fill `req` in; an error is
+    recorded, not raised."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     req.sent = time.perf_counter() - t0
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], stream=True,
+            model=model, messages=messages, stream=True,  # type: ignore[arg-type]
             stream_options={"include_usage": True}, **body)
         async with stream:  # closes the connection also when the stream fails halfway
             await _read(stream, req, t0)
