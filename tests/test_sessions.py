@@ -9,6 +9,7 @@ out again. On the CPU every comparison is bit for bit at temperature 0."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -231,8 +232,6 @@ def test_chat_save_then_load_in_a_new_session_goes_on_without_reading_again(chat
 
 
 def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, tmp_path: Path) -> None:
-    import json
-
     from localspec.chat import ChatSession
     from localspec.errors import LocalspecError
 
@@ -256,3 +255,34 @@ def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, t
             with pytest.raises(LocalspecError, match=why):
                 chat.load(tmp_path / name)
             assert (list(chat.messages), s.engine.cached_tokens) == before
+
+
+def test_chat_with_context_shift_keeps_the_system_prompt_and_goes_on(chat_pair) -> None:
+    """A reply longer than the context goes on; what stays at the start is the system prompt; the next message
+    drops the oldest turns to fit."""
+    from localspec.chat import ChatSession
+
+    preset = GREEDY.with_overrides(threads=1, n_ctx=96, repeat_penalty=1.0, context_shift=True)
+    files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
+    with open_session(files, preset) as s:
+        chat = ChatSession(s.engine, s.target, preset, system="You count.", max_tokens=300)
+        list(chat.send("Count from 1 to 200, separated by commas."))
+        turn = chat.turns[-1]
+        assert turn.stats is not None and turn.stats.context_shifts >= 1
+        assert turn.tokens > 96 or turn.stop_reason == STOP_EOG
+        system = chat.prompt_tokens([{"role": "system", "content": "You count."}])
+        held = s.engine.cached_tokens
+        assert held[: len(system) - 4] == tuple(system[: len(system) - 4])  # the system prompt stayed
+        events = list(chat.send("Again, from 5."))
+        assert chat.turns[-1].dropped_turns >= 1 or chat.turns[-1].prompt_tokens < 96
+        assert events
+
+
+def test_generate_with_context_shift_goes_past_the_context(tiny_pair) -> None:
+    from tests.test_serve import run_cli
+
+    base = ["generate", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--ctx", "96", "--threads",
+            "1", "--temp", "0", "--max-tokens", "150", "--json", "Once upon a time"]
+    shifted = json.loads(run_cli(Path("/nonexistent-home"), *base, "--context-shift"))
+    assert shifted["tokens"] == 150 or shifted["stop_reason"] == "eog"
+    assert shifted["stats"]["context_shifts"] >= 1
