@@ -32,10 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from concurrency import BenchError, Request, _at_least, _Parser, fetch_models, server_health, stream_one
-
-from localspec.errors import WriteError
-from localspec.fsutil import atomic_write
+from concurrency import (
+    BenchError,
+    Request,
+    _at_least,
+    _Parser,
+    guarded,
+    served_model,
+    server_health,
+    stream_one,
+    write_json,
+)
 
 SYSTEM = ("You are a coding agent. Each user message is the output of a tool you ran; answer with the next step "
           "in one or two sentences.")
@@ -86,10 +93,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     conversations = [[{"role": "system", "content": SYSTEM}] for _ in range(args.agents)]
     requests: list[Request] = []
     try:
-        _, ids = await fetch_models(client, url)
-        if args.model is None and not ids:
-            raise BenchError(f"{url}/models lists no model: pass --model")
-        model = args.model or ids[0]
+        _, model = await served_model(client, url, args.model)
         health_before = await asyncio.to_thread(server_health, url, args.api_key)
         warm = Request(client=-1, index=0, prompt=-1)  # graphs, caches and clocks: not measured
         await stream_one(client, model, "Say hello.", body, warm, time.perf_counter())
@@ -126,10 +130,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
                                                               "temperature", "seed")},
                   "health_before": health_before, "health_after": health_after, "summary": summary,
                   "requests": figures}
-        try:  # atomic: a JSON that exists is whole (the GPU harness skips what exists)
-            atomic_write(args.json_out, json.dumps(record, indent=1, default=str) + "\n", what="--json")
-        except WriteError as exc:
-            raise BenchError(str(exc)) from None
+        write_json(args.json_out, record)
     return 1 if any(r.error for r in requests) else 0
 
 
@@ -202,16 +203,9 @@ def compare(a_path: Path, b_path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     full = list(sys.argv) if argv is None else [__file__, *argv]
     args = build_parser().parse_args(full[1:])
-    try:
-        if args.compare:
-            return compare(*args.compare)
-        return asyncio.run(run(args, full))
-    except BenchError as exc:
-        print(f"agent_loop.py: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("agent_loop.py: interrupted", file=sys.stderr)
-        return 130
+    if args.compare:
+        return guarded("agent_loop.py", lambda: compare(*args.compare))
+    return guarded("agent_loop.py", lambda: asyncio.run(run(args, full)))
 
 
 if __name__ == "__main__":
