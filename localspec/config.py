@@ -85,10 +85,9 @@ def _cache_ram(text: str) -> object:
     return text.strip()
 
 
-def _folder(text: str) -> object:
-    """A folder path, or "" for none."""
-    if "\0" in text:
-        raise ValueError("a path cannot hold a NUL character")
+def _any_path(text: str) -> object:
+    if "\n" in text or "\0" in text:
+        raise ValueError("a path on one line")
     return text.strip()
 
 
@@ -153,6 +152,10 @@ class BenchSettings:
     warmup: int = field(metadata=_rng(0, 1000, int))
     repeat: int = field(metadata=_rng(1, 1000, int))
     max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+    # After the bench, llama.cpp's own speculative loop on the same files and prompts (localspec.versus)
+    against: str = field(metadata={"kind": str, "choices": ("none", "llama.cpp")})
+    # Its llama-speculative-simple, or the folder holding it ("": $LOCALSPEC_LLAMA_BIN, then PATH)
+    llama_bin: str = field(metadata=_text(_any_path, "a path to llama-speculative-simple or its folder"))
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class ServerSettings:
     cache_ram: str = field(metadata=_text(_cache_ram, "auto or MiB"))
     # Where POST /slots/{id}?action=save|restore keeps its files ("" = those actions are off; llama-server's
     # --slot-save-path).
-    slot_save_path: str = field(metadata=_text(_folder, "a folder"))
+    slot_save_path: str = field(metadata=_text(_any_path, "a folder"))
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:
