@@ -95,6 +95,7 @@ class ScoringModel(Protocol):
     batches_sequences: bool
     device_top_k: int
     unknown_token: int
+    add_bos: bool  # the tokenizer starts a text with BOS (a context shift keeps it besides n_keep)
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
                seq: int = 0) -> Scores | None: ...
@@ -104,6 +105,15 @@ class ScoringModel(Protocol):
     def truncate(self, n_keep: int, seq: int = 0) -> None: ...
 
     def clear(self, seq: int | None = None) -> None: ...
+
+    # A slot's cells saved and restored (the prompt cache, slot files): llama.model.LlamaModel's docstrings.
+    recurrent: bool  # a recurrent or hybrid model: no prefix of a state is valid, and a context cannot shift
+
+    def save_state(self, seq: int = 0) -> bytearray: ...
+
+    def load_state(self, data: bytearray, seq: int = 0) -> bool: ...
+
+    def restore_floor(self, n_tokens: int) -> int: ...
 
     def use_device_sampler(self, mode: Any, seq: int = 0) -> bool: ...
 

@@ -62,6 +62,9 @@ class ToyDrafter:
     def accept(self, req, proposal, accepted):
         pass
 
+    def cells(self, seq):
+        return []  # no model
+
     def reset(self):
         pass
 

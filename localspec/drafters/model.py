@@ -186,6 +186,9 @@ class ModelDrafter:
         rule.ahead_fit = drafting.ahead_length == "fit"
         return rule
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        return [(self.model, self._kv.setdefault(seq, []))]
+
     def reset(self) -> None:
         self._wait()
         self.model.clear()
