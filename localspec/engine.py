@@ -4,7 +4,7 @@ One generation: `_prefill` the prompt into its slot's KV cells (the target's, an
 reusing whatever prefix they already hold), then rounds of `_plan` (the draft length k: the one place it is
 decided), `_draft` (the request's drafter proposes up to k tokens with their distributions q: `drafters/`),
 `_verify` (one batched target decode with scores at every drafted position), `_accept` (greedy match or rejection
-sampling, a `_Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
+sampling, a `Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
 tell the drafter the verdict, which rewinds its own state). k = 0 is plain decoding through the same code, so
 baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts padded) so llama.cpp's CUDA
 graphs stay captured — but for runs of rounds with nothing drafted, verified narrow when padding them measures dearer
@@ -26,20 +26,17 @@ draft-ahead, drafters/model.py; when it runs: placement.draft_ahead).
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from localspec import context_shift, drafters
 from localspec.config import ContextSettings, Drafting, Sampling
 from localspec.constraints import accept_constrained
-from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
+from localspec.drafters.base import NO_PROPOSAL, Drafter, PromptWork, Proposal, device_mode, prompt_work
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, UsageError
 from localspec.events import STOP_CONTEXT_FULL as STOP_CONTEXT_FULL
@@ -54,9 +51,12 @@ from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama.grammar import Grammar
 from localspec.policies import DraftLength, LoadPolicy, kept_length
-from localspec.prompt_cache import ModelState, PromptCache, SlotState
+from localspec.prompt_cache import PromptCache, SlotState
 from localspec.sampling import accept_rows, token_logprobs
 from localspec.scores import Scores, ScoringModel
+from localspec.slot_cells import SlotCells
+from localspec.stream import Slot, Verdict
+from localspec.stream import Stream as Stream
 
 # (The events' names are re-exported above: callers have imported them from here since the first release.)
 
@@ -71,126 +71,6 @@ class _Plan:
     width: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    """What verification kept of one stream's round."""
-
-    emitted: list[int]  # the accepted drafts, then one token of the target's own
-    accepted: int
-    rows: list[tuple[int, float]]  # with trace: each emitted token's row (argmax, top-2 margin)
-    width: int  # the verify batch's width
-    # with logprobs: each emitted token's logprob and the best alternatives (sampling.token_logprobs)
-    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
-    ahead_wait_s: float | None = None  # the wait after the verify for the draft-ahead beside it (None: none ran)
-
-
-_NOTHING = _Verdict([], 0, [], 0)
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One sequence of the target (llama.cpp sequence id `seq`) and what its KV cells hold.
-
-    Invariant between rounds: `tokens` is the committed sequence; the target's cells hold all of it but the last
-    token (`cur`, which opens the next verify batch). A drafter's models keep their own cells (a prefix of it)."""
-
-    seq: int
-    tokens: list[int] = field(default_factory=list)
-    target_kv: list[int] = field(default_factory=list)
-    # Per drafting settings recently used here: the draft-length policy and its cost model, kept across
-    # generations (and across others' between them, as bench's interleaved plain runs)
-    policies: dict[tuple, DraftLength] = field(default_factory=dict)
-    used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
-    busy: bool = False
-
-
-class Stream:
-    """One generation in progress in a slot: its request, drafter, random stream and stats, and the last round's
-    verdict.
-
-    Made by `Engine.start`; `Engine.step` runs a round for several streams at once; `events()` then yields that
-    round's TokenEvents (asking `should_stop` after each) and, when the generation has ended, its DoneEvent.
-    """
-
-    def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
-                 constrain_draft: bool = True, logprobs: int | None = None,
-                 context: ContextSettings | None = None) -> None:
-        self.slot = slot
-        # With context shift on: what a full context keeps (n_keep, n_discard); None: the generation stops there.
-        self.shift = context if context is not None and context.context_shift else None
-        # The grammar's state after the committed tokens (advanced only by emitted ones); each round the drafter
-        # gets a copy in its request. constrain_draft=False masks the verify rows only (to measure the difference).
-        self.grammar = grammar
-        self.constrain_draft = constrain_draft
-        self.logprobs = logprobs  # None: off; N: each emitted token's logprob and the N best alternatives
-        self.sampling = sampling
-        self.drafting = drafting
-        self.max_tokens = max_tokens
-        self.should_stop = should_stop
-        chosen = engine.drafters.get(drafting.drafter)
-        self.drafter: Drafter | None = chosen if chosen is not None and drafting.n_draft > 0 else None
-        self.trace = trace and sampling.greedy
-        self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
-        self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
-                                            sampling, slot, self.drafter)
-        self.stats = GenerationStats()
-        self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
-                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
-                                engine.constrained_rows, self.chooser)
-        self.done: DoneEvent | None = None
-        self._done_sent = False
-        self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
-        self.t_start = 0.0
-        self.verdict = _NOTHING  # the last round's, until events() takes it
-        self._piece = engine.token_piece
-        self._is_eog = engine.token_is_eog
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    @property
-    def use_draft(self) -> bool:
-        return self.drafter is not None
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None
-
-    def _finish(self, stop: str, message: str) -> None:
-        self.stats.decode_s = time.perf_counter() - self.t_start
-        self.done = DoneEvent(self.stats, stop, message)
-        self.slot.busy = False
-        for grammar in (self.grammar, self.req.grammar):
-            if grammar is not None:
-                grammar.close()
-
-    def _stop_requested(self) -> bool:
-        return self.should_stop is not None and self.should_stop()
-
-    def events(self) -> Iterator[Event]:
-        """The last round's tokens, then the DoneEvent if the generation ended (in the round or here)."""
-        verdict, self.verdict = self.verdict, _NOTHING
-        stats = self.stats
-        for i, token in enumerate(verdict.emitted):
-            if self._is_eog(token):
-                self._finish(STOP_EOG, "end of generation")
-                break
-            stats.tokens += 1
-            row_argmax, margin = verdict.rows[i] if verdict.rows else (None, None)
-            logprob, top = verdict.logprobs[i] if verdict.logprobs else (None, None)
-            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < verdict.accepted, row_argmax,
-                             margin, logprob, top)
-            if stats.tokens >= self.max_tokens:
-                self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
-                break
-            if self._stop_requested():
-                # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
-                self._finish(STOP_REQUESTED, "stopped by the caller")
-                break
-        if self.done is not None and not self._done_sent:
-            self._done_sent = True
-            yield self.done
-
-
 class Engine:
     """Speculative decoding over a target `LlamaModel` and the drafters its optional draft model allows (same
     tokenizer), for as many concurrent generations as the models have sequences (slots)."""
@@ -200,7 +80,7 @@ class Engine:
                  prompt_cache: PromptCache | None = None) -> None:
         self.target = target
         # Slots' states kept in host RAM: a slot given to another prompt is saved there first, and a prompt that
-        # an entry serves better than its slot is restored from there (`_from_cache`).
+        # an entry serves better than its slot is restored from there (`SlotCells.from_cache`).
         self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.limit > 0 else None
         self.draft = draft
         # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
@@ -214,10 +94,8 @@ class Engine:
         self.constrained_rows = constrained_rows
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
-        self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
-        # Per (model, sequence) whose cells were restored from a state: the shortest length they may be cut back to
-        # (`prompt_cache.ModelState.floor`); a prompt that shares less starts that model's cells afresh.
-        self._floors: dict[tuple[int, int], int] = {}
+        self.slots = [Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
+        self.cells = SlotCells(target, self._distinct_drafters(), self.slots)  # every model's cells of a slot
         self.load = LoadPolicy()
         self._starts = 0
         # A token's text and whether it ends a generation are the vocabulary's: one llama.cpp call per token id,
@@ -232,7 +110,7 @@ class Engine:
         for drafter in self._distinct_drafters():
             drafter.reset()
         self.target.clear()
-        self._floors.clear()
+        self.cells.floors.clear()
         for slot in self.slots:
             slot.tokens, slot.target_kv, slot.busy = [], [], False
 
@@ -275,7 +153,7 @@ class Engine:
             return None
         busy = [s.seq for s in self.slots if s.busy or s.seq in exclude]  # the promised ones are about to be
 
-        def key(s: _Slot) -> tuple[int, int, int, int]:
+        def key(s: Slot) -> tuple[int, int, int, int]:
             reuse = shared_prefix(s.target_kv, prompt)
             span = max(busy + [s.seq]) - min(busy + [s.seq])
             return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
@@ -351,7 +229,7 @@ class Engine:
                 model.use_device_sampler(None, seq)
         stream.stats.prompt_tokens = len(prompt)
         if self.prompt_cache is not None:
-            self._from_cache(chosen, prompt)
+            self.cells.from_cache(self.prompt_cache, chosen, prompt)
         stream.prefill = self._prefill(stream, list(prompt))
         if not prefill_in_rounds:
             self._prefill_some(stream, whole=True)
@@ -360,101 +238,22 @@ class Engine:
         stream.t_start = time.perf_counter()
         return stream
 
-    def check_context_shift(self) -> None:
-        """Context shift drops tokens from the middle of a sequence: a recurrent state cannot (UsageError)."""
-        for i, model in enumerate(self._state_models()):
-            if model.recurrent:
-                raise UsageError(f"context shift: the {'target' if i == 0 else 'draft'} has a recurrent state, which "
-                                 "cannot drop tokens from its middle (turn context_shift off)")
-
-    # -- a slot's cells as a state: the prompt cache, slot files ---------------------------------------------
+    # -- a slot's cells as a state (`slot_cells`): slot files, the prompt cache; context shift's check ----------
 
     def snapshot(self, slot: int) -> SlotState:
-        """Slot `slot`'s cells in every model, each rolled back to a prefix of its committed tokens (a draft's
-        cells may hold drafted tokens past them), as llama.cpp serialises them. The slot must be idle."""
-        s = self.slots[slot]
-        assert not s.busy, "snapshot of a busy slot"
-        models = []
-        for model, kv in self._cells(slot):
-            keep = shared_prefix(kv, s.tokens)
-            if len(kv) > keep:
-                del kv[keep:]  # bookkeeping first, as everywhere
-                model.truncate(keep, slot)
-            models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
-        held = max(m.n_tokens for m in models)
-        return SlotState(tuple(s.tokens[:held]), tuple(models))
+        return self.cells.snapshot(slot)
 
     def restore(self, slot: int, state: SlotState) -> bool:
-        """Put `state` (one ModelState per model of `state_models`, in its order) into idle slot `slot`; its earlier
-        cells go. False when llama.cpp refuses a model's state: the slot is then empty."""
-        s = self.slots[slot]
-        assert not s.busy, "restore into a busy slot"
-        cells = self._cells(slot)
-        assert len(cells) == len(state.models), "one state per model"
-        for (model, kv), saved in zip(cells, state.models, strict=True):
-            kv.clear()
-            self._floors.pop((id(model), slot), None)
-            if saved.n_tokens == 0:
-                model.clear(slot)
-                continue
-            if not model.load_state(saved.data, slot):
-                self.erase(slot)
-                return False
-            kv.extend(state.tokens[: saved.n_tokens])
-            if saved.floor:
-                self._floors[(id(model), slot)] = saved.floor
-        s.tokens[:] = state.tokens
-        return True
+        return self.cells.restore(slot, state)
 
     def erase(self, slot: int) -> int:
-        """Empty slot `slot`'s cells in every model; returns how many tokens the target's held."""
-        s = self.slots[slot]
-        assert not s.busy, "erase of a busy slot"
-        held = len(s.target_kv)
-        for model, kv in self._cells(slot):
-            kv.clear()
-            model.clear(slot)
-            self._floors.pop((id(model), slot), None)
-        s.tokens.clear()
-        return held
+        return self.cells.erase(slot)
 
     def state_models(self) -> list[ScoringModel]:
-        """The models whose cells a slot's state holds, in `SlotState.models`' order: the target first."""
-        return self._state_models()
+        return self.cells.models()
 
-    def _state_models(self) -> list[ScoringModel]:
-        return [model for model, _ in self._cells(0)]
-
-    def _cells(self, slot: int) -> list[tuple[ScoringModel, list[int]]]:
-        """Every model's cells of a slot with their bookkeeping: the target's, then each drafter's own models'."""
-        cells = [(self.target, self.slots[slot].target_kv)]
-        for drafter in self._distinct_drafters():
-            for model, kv in drafter.cells(slot):
-                if all(model is not m for m, _ in cells):
-                    cells.append((model, kv))
-        return cells
-
-    def _reuse(self, slot: int, model: ScoringModel, kv: list[int], body: Sequence[int]) -> int:
-        """How much of `body` a model's cells of the slot can keep: the shared prefix, or nothing where that is
-        shorter than a restored state may be cut back to."""
-        n = shared_prefix(kv, body)
-        return n if n >= self._floors.get((id(model), slot), 0) else 0
-
-    def _from_cache(self, slot: _Slot, prompt: Sequence[int]) -> None:
-        """llama-server's prompt cache: when the slot would keep less than half of what its cells hold (it is
-        given to another prompt), its state goes to the cache first; then an entry that serves more of the
-        prompt than the slot does is restored into it."""
-        cache = self.prompt_cache
-        assert cache is not None
-        body = prompt[:-1]
-        kept = self._reuse(slot.seq, self.target, slot.target_kv, body)
-        if slot.target_kv and 2 * kept >= len(slot.target_kv):
-            return  # the conversation it holds goes on
-        if slot.target_kv:
-            cache.put(self.snapshot(slot.seq))
-        found = cache.best(body, better_than=kept)
-        if found is not None:
-            self.restore(slot.seq, found[0])
+    def check_context_shift(self) -> None:
+        self.cells.check_context_shift()
 
     def step(self, streams: Sequence[Stream]) -> None:
         """One round for every stream that goes on: plan, draft (each drafter for its streams together), verify
@@ -481,7 +280,7 @@ class Engine:
         if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
-    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot,
+    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: Slot,
                       drafter: Drafter | None) -> DraftLength:
         """The generation's draft-length policy, its cost model kept in the slot (`policies.kept_length`), with the
         drafter's cost rules attached."""
@@ -494,11 +293,7 @@ class Engine:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
         slot = s.slot
-        for model, kv in self._cells(slot.seq):  # restored cells shorter than their floor start afresh
-            if (id(model), slot.seq) in self._floors and not self._reuse(slot.seq, model, kv, prompt[:-1]):
-                del self._floors[(id(model), slot.seq)]
-                kv.clear()
-                model.clear(slot.seq)
+        self.cells.start_afresh_below_floor(slot.seq, prompt[:-1])
         work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq)]
         s.stats.prompt_tokens_processed = len(work[0][2])
         slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
@@ -604,7 +399,7 @@ class Engine:
         return proposals
 
     def _verify(self, live: Sequence[Stream], plans: Sequence[_Plan],
-                proposals: Sequence[Proposal]) -> tuple[list[_Verdict], float]:
+                proposals: Sequence[Proposal]) -> tuple[list[Verdict], float]:
         """One target decode of every stream's [cur] + drafts (each padded to its width), then acceptance per
         stream. A stream alone in its round lets its drafter work beside the decode. Returns the verdicts and the
         decode's seconds."""
@@ -653,7 +448,7 @@ class Engine:
                 emitted, s.grammar, redecoded = accept_constrained(
                     s.grammar, proposal.tokens, proposal.q, rows, history, s.sampling, s.rng, self.token_is_eog,
                     lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq))
-                verdict = _Verdict(emitted, len(emitted) - 1, [], width)
+                verdict = Verdict(emitted, len(emitted) - 1, [], width)
                 if redecoded:  # a row decoded again is verify time (masking rows aside)
                     s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
@@ -667,12 +462,12 @@ class Engine:
         return verdicts, spent
 
     @staticmethod
-    def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> _Verdict:
+    def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> Verdict:
         """gpt-fast's accept/reject over one stream's verify rows (`sampling.accept_rows`)."""
         history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens  # (a penalty reads it)
-        return _Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
+        return Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
 
-    def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
+    def _rewind(self, s: Stream, proposal: Proposal, verdict: Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the
         drafter (which rewinds its own models' cells)."""
         slot = s.slot

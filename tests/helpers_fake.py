@@ -175,15 +175,15 @@ class Clock:
         return self.now
 
     def install(self, monkeypatch: Any) -> Clock:
-        """Be the clock of the loop and of the model drafter (a pytest monkeypatch undoes it)."""
+        """Be the clock of the loop, its streams and the model drafter (a pytest monkeypatch undoes it)."""
         import types
 
-        from localspec import engine
+        from localspec import engine, stream
         from localspec.drafters import model
 
         timing = types.SimpleNamespace(perf_counter=self.perf_counter)
-        monkeypatch.setattr(engine, "time", timing)
-        monkeypatch.setattr(model, "time", timing)
+        for module in (engine, stream, model):
+            monkeypatch.setattr(module, "time", timing)
         return self
 
 
