@@ -25,7 +25,7 @@ from localspec.errors import LocalspecError, UsageError
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
-    from localspec.server.app import ServerState
+    from localspec.server.handling import ServerState
 
 MAX_TOKENS_RANGE = (1, 1_000_000)  # as every preset's max_tokens
 ApiKeyOpt = Annotated[
@@ -78,8 +78,9 @@ def serve(
     # The HTTP stack loads here, not with the CLI: the other commands start no slower for it.
     from rich.live import Live
 
-    from localspec.server.app import Backend, ServerState, create_app
+    from localspec.server.app import create_app
     from localspec.server.guard import GuardSettings
+    from localspec.server.handling import Backend, ServerState
 
     key = _api_key(api_key)
     # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
@@ -177,7 +178,6 @@ def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
 
     import uvicorn
 
-    from localspec.server.app import SHUTDOWN_GRACE_S
     from localspec.server.guard import (
         ACCEPT_BATCH,
         LISTEN_BACKLOG,
@@ -186,6 +186,7 @@ def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
         quiet_accept_errors,
         raise_open_files_limit,
     )
+    from localspec.server.handling import SHUTDOWN_GRACE_S
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

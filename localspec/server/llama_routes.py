@@ -1,9 +1,9 @@
 """llama-server's own endpoints, in its field names and shapes (the pinned llama.cpp's tools/server/README.md):
 /tokenize, /detokenize, /apply-template, /props, /slots, /metrics, the native /completion and /infill.
 
-They go through app.py's guards (API key, body size limit, OpenAI-shaped errors, CORS) and its one path to the
-worker (`_run`); only the reply's shape is llama-server's. Fields are as strict as everywhere else: an unknown
-one is a 400 naming it.
+They go through the same guards as OpenAI's routes (API key, body size limit, OpenAI-shaped errors, CORS) and the
+one path to the worker (handling.run_request); only the reply's shape is llama-server's. Fields are as strict as
+everywhere else: an unknown one is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from localspec import __version__
 from localspec.config import Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
 from localspec.llama_ctx import LlamaModel
-from localspec.server.app import (
+from localspec.server.fim import fim_prompt
+from localspec.server.handling import (
     ApiError,
     Backend,
+    Reply,
     ServerState,
-    _authorize,
-    _guarded,
-    _json,
-    _prompt,
-    _read_body,
-    _Reply,
-    _run,
+    authorize,
+    build_prompt,
     completion_prompt,
     completion_tokens,
+    guarded,
+    json_text,
+    read_body,
+    run_request,
 )
-from localspec.server.fim import fim_prompt
 from localspec.server.schema import (
     SPECULATIVE_TYPES,
     ChatRequest,
@@ -129,7 +129,7 @@ def _stop_type(result: JobResult) -> str:
     return "limit" if result.finish_reason == FINISH_LENGTH else "eos"
 
 
-class NativeReply(_Reply):
+class NativeReply(Reply):
     """llama-server's /completion shape: `content`, `stop`, `tokens_predicted`, `timings`, ... (no OpenAI
     envelope, no `[DONE]` at the end of a stream)."""
 
@@ -151,10 +151,10 @@ class NativeReply(_Reply):
         out: dict[str, Any] = {"index": index, "content": payload, "tokens": [], "stop": False}
         if timings is not None:
             out["timings"] = timings
-        return _json(out)
+        return json_text(out)
 
     def final_chunk(self, result: JobResult, index: int = 0) -> str:
-        return _json(self._final(result, "", index))  # the text went out in the chunks before
+        return json_text(self._final(result, "", index))  # the text went out in the chunks before
 
     def whole(self, results: list[JobResult]) -> Any:
         """One result as an object; several choices (`n_cmpl`) as an array of them, as llama-server does."""
@@ -178,8 +178,8 @@ class NativeReply(_Reply):
 
 def add_llama_routes(app: FastAPI, state: ServerState) -> None:
     async def body_of(request: Request) -> Any:
-        _authorize(state, request)
-        return parse_body(await _read_body(request))
+        authorize(state, request)
+        return parse_body(await read_body(request))
 
     async def tokenize(request: Request) -> JSONResponse:
         req = _validate(TokenizeRequest, await body_of(request))
@@ -203,12 +203,12 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"prompt": await _render(backend, req)})
 
     async def props(request: Request) -> JSONResponse:
-        _authorize(state, request)
+        authorize(state, request)
         backend = state.ready()
         return JSONResponse(_props(state, backend))
 
     async def slots(request: Request) -> JSONResponse:
-        _authorize(state, request)
+        authorize(state, request)
         backend = state.ready()
         views = backend.worker.slot_views()
         if request.query_params.get("fail_on_no_slot") and all(v.busy for v in views):
@@ -216,7 +216,7 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse([_slot(backend, v) for v in views])
 
     async def metrics(request: Request) -> PlainTextResponse:
-        _authorize(state, request)
+        authorize(state, request)
         if not state.metrics:
             raise ApiError(501, "metrics are off: start the server with --metrics (preset key server.metrics)",
                            kind="not_supported_error", code="metrics_disabled")
@@ -227,7 +227,7 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         req = _native_request(state, parse(CompletionRequest, await body_of(request)))
         backend = state.ready()
         prompt = await completion_prompt(backend, req, request)
-        return await _run(state, backend, request, req, prompt, chat=False,
+        return await run_request(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     async def infill(request: Request) -> Any:
@@ -244,15 +244,15 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         def build(cancelled: Callable[[], bool]) -> list[int]:
             return fim_prompt(backend.model, req.input_prefix, req.input_suffix, req.prompt, extra)
 
-        prompt = await _prompt(backend, build, request)
-        return await _run(state, backend, request, req, prompt, chat=False,
+        prompt = await build_prompt(backend, build, request)
+        return await run_request(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     for path, handler in (("/tokenize", tokenize), ("/detokenize", detokenize), ("/apply-template", apply_template),
                           ("/completion", completion), ("/infill", infill)):
-        app.add_api_route(path, _guarded(handler), methods=["POST"])
+        app.add_api_route(path, guarded(handler), methods=["POST"])
     for path, handler in (("/props", props), ("/slots", slots), ("/metrics", metrics)):
-        app.add_api_route(path, _guarded(handler), methods=["GET"])
+        app.add_api_route(path, guarded(handler), methods=["GET"])
 
 
 def _native_request(state: ServerState, req: CompletionRequest) -> CompletionRequest:
