@@ -238,6 +238,22 @@ def test_a_client_that_disconnects_frees_the_engine(server):
     assert after["cancelled"] == before + 1
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+def test_a_json_client_that_gives_up_is_cancelled_within_2_s(server, path):
+    """Before: `curl -m 3` on a 3000-token request left it running to the end (a core busy, /health running 1)."""
+    before = server.wait_idle()["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):  # as curl -m 3: the client closes its socket
+        httpx.post(f"{server.root}{path}", json={"prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "temperature": 0},
+                   timeout=3)
+    t0 = time.monotonic()
+    deadline = t0 + 60
+    while server.health()["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert server.health()["cancelled"] == before + 1 and took < 2.0, f"cancelled after {took:.1f} s"
+    assert not server.wait_idle()["busy"]
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 65}, "n"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),

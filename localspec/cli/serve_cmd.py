@@ -124,7 +124,7 @@ def serve(
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=0)
 
-    server = _uvicorn_server(app, on_exit, settings.read_timeout)
+    server = uvicorn_server(app, on_exit, settings.read_timeout)
 
     def load() -> None:
         try:
@@ -171,7 +171,7 @@ def _api_key(given: str | None) -> str | None:
     return given
 
 
-def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
+def uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
     """uvicorn's server with the guarded connection handling (localspec.server.guard), plus `on_exit` when a
     shutdown signal arrives (uvicorn itself would wait for in-flight requests to finish)."""
     import asyncio

@@ -12,8 +12,8 @@ protocol, not per-route code.
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
   few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
   when full (uvicorn's `limit_concurrency` counts idle connections too and answers plain-text 503s, so 1,000 idle
-  sockets would make /health a 503), and an answer for half-closed requests (uvicorn closes on EOF, before
-  replying).
+  sockets would make /health a 503), an answer for half-closed requests (uvicorn closes on EOF, before
+  replying), and the question that tells such a client from one that left (`_probe`): TCP shows both as EOF.
 - `raise_open_files_limit`, `quiet_accept_errors`: the soft open-files limit raised to the hard one at start, and
   asyncio's per-event "out of system resource" traceback for a failed accept() logged once instead.
 - `PromptLimits`: the bounds a prompt must pass before it is rendered or tokenized in full.
@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import resource
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +50,15 @@ ACCEPT_BATCH = 32
 LISTEN_BACKLOG = 1024
 FD_RESERVE = 8 * ACCEPT_BATCH
 MAX_SOFT_NOFILE = 1 << 16
+# A client's EOF during a request is a half-close (it still reads the answer) or a departure; only bytes sent to it
+# tell them apart (a departed client's kernel answers them with a reset). The question is asked this soon after the
+# EOF, and the answer looked for this often, so a departed client's work stops well within 2 s.
+PROBE_AFTER_S = 0.2
+PROBE_EVERY_S = 0.2
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # an interim answer every HTTP/1.1 client must accept and skip
+# A streamed reply's scope names bytes that mean nothing to its client (an SSE comment): the question asked once
+# the response has started.
+PROBE_BYTES_KEY = "localspec.probe_bytes"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -281,6 +291,7 @@ def max_connections(open_files: int) -> int:
 def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with a header deadline, a connection cap and half-close support (see the module
     docstring for why each is needed beyond what uvicorn and h11 offer)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     # Connections waiting for a request head, longest first (a dict keeps insertion order): shedding is O(1).
@@ -336,11 +347,33 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def eof_received(self) -> bool | None:  # type: ignore[override]
             """A client that shuts down its sending side after a request (`nc -N`, some proxies) still waits
-            for the answer: keep the socket open until it is sent."""
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.half_closed = True
-                return True
-            return None
+            for the answer: keep the socket open until it is sent, and ask whether it is still there (`_probe`):
+            one that closed its socket (curl -m, a closed tab) looks the same until then, and its work would run
+            to the end. An HTTP/1.0 client may not be sent the question: its EOF means it left."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.scope.get("http_version") == "1.0":
+                return None
+            self.half_closed = True
+            self.loop.call_later(PROBE_AFTER_S, self._probe, cycle, True)
+            return True
+
+        def _probe(self, cycle: Any, ask: bool) -> None:
+            """Send bytes the client skips (a `100 Continue` before the response, a streamed reply's comment
+            after it starts); a client that closed its socket answers them with a reset, which sets the socket's
+            error: then the connection is dropped, and the request sees the disconnect (its jobs are cancelled).
+            Looked at until the response is complete."""
+            if self.cycle is not cycle or cycle.response_complete or self.transport.is_closing():
+                return
+            if ask:
+                if not cycle.response_started:
+                    self.transport.write(CONTINUE)
+                elif (probe := cycle.scope.get(PROBE_BYTES_KEY)) is not None:
+                    self.transport.write(self.conn.send(h11.Data(data=probe)))
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self.transport.abort()  # connection_lost marks the request disconnected
+                return
+            self.loop.call_later(PROBE_EVERY_S, self._probe, cycle, False)
 
     return GuardedH11Protocol
 

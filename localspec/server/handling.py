@@ -36,7 +36,14 @@ from localspec.engine import Engine, GenerationStats
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens
 from localspec.llama_ctx import LlamaModel
 from localspec.server.fim import fim_prompt
-from localspec.server.guard import MIN_BODY_BYTES, GuardSettings, PromptLimits, context_exceeded, error_body
+from localspec.server.guard import (
+    MIN_BODY_BYTES,
+    PROBE_BYTES_KEY,
+    GuardSettings,
+    PromptLimits,
+    context_exceeded,
+    error_body,
+)
 from localspec.server.schema import (
     FIELD_OF_KEY,
     ChatRequest,
@@ -344,6 +351,8 @@ async def run_request(state: ServerState, backend: Backend, request: Request, re
     reply = reply or Reply(state.model_id, chat, logprobs is not None, tools is not None)
     reply.settle(preset, max_tokens)
     if req.stream:
+        # What the connection may send to find out whether a client that half-closed is still there (guard._probe).
+        request.scope[PROBE_BYTES_KEY] = b": are you there?\n\n"
         # On shutdown the worker cancels the job and the stream ends with an error event; the grace period lets
         # it get there before sse-starlette would cut the connection mid-response.
         return EventSourceResponse(_stream(reply, items, worker, jobs, req.include_usage), sep="\n",

@@ -1,0 +1,125 @@
+"""The server's fast lane: the real app, guard, uvicorn protocol and worker on real loopback sockets, over a
+scripted model (tests/helpers_serve.FakeTextModel: no llama.cpp model is loaded). The same behaviours with the
+real demo pair are in test_serve.py, test_serve_guard.py and test_serve_llama.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from localspec.server.app import create_app
+from localspec.server.handling import Backend, ServerState
+from tests.helpers_serve import fake_backend, live_server, wait_for
+
+LONG = 3000  # tokens: far more than a test waits for
+
+BODIES = {
+    "/v1/completions": {"prompt": "1, 2, 3, 4, 5,", "max_tokens": LONG},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "count"}], "max_tokens": LONG},
+    "/completion": {"prompt": "1, 2, 3, 4, 5,", "n_predict": LONG},
+    "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": LONG},
+}
+
+
+class Live:
+    def __init__(self, backend: Backend, root: str) -> None:
+        self.backend, self.root = backend, root
+        self.host, port = root.removeprefix("http://").split(":")
+        self.port = int(port)
+
+    def connect(self, timeout: float = 30) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=timeout)
+
+
+@pytest.fixture
+def live() -> Iterator[Live]:
+    backend = fake_backend(n_ctx=4096, delay=0.01)
+    state = ServerState(model_id="fake")
+    state.attach(backend)
+    try:
+        with live_server(create_app(state)) as root:
+            yield Live(backend, root)
+    finally:
+        backend.worker.shutdown(timeout=30)
+
+
+def request_bytes(path: str, body: dict, version: str = "1.1") -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def drain(sock: socket.socket, quiet: float = 0.3) -> bytes:
+    """Read what the server has sent until it pauses for `quiet` s (so a close sends a FIN, not a reset)."""
+    sock.settimeout(quiet)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def read_all(sock: socket.socket, timeout: float = 30) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+# -- a client that leaves --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_client_that_leaves_is_cancelled_within_2_s(live: Live, path: str, stream: bool) -> None:
+    """Before: a JSON request kept generating to its end after its client closed the socket (the half-close
+    support took every EOF for a half-close), and a streamed one ran on until two writes had failed. The client
+    here reads all it was sent, so its close is a plain FIN, while the model is in a one-second decode."""
+    worker = live.backend.worker
+    with live.connect() as sock:
+        sock.sendall(request_bytes(path, {**BODIES[path], "stream": stream}))
+        wait_for(lambda: worker.stats.running == 1 and worker.engine.target.decodes > 3)
+        live.backend.model.delay = 1.0  # type: ignore[attr-defined]  # the server is quiet from here
+        drain(sock)
+    t_closed = time.monotonic()
+    wait_for(lambda: worker.stats.cancelled == 1, timeout=30)
+    took = time.monotonic() - t_closed
+    assert took < 2.0, f"cancelled {took:.2f} s after the client left"
+    assert worker.stats.served == 0 and worker.stats.running == 0
+
+
+def test_a_half_closed_request_still_gets_its_answer(live: Live) -> None:
+    """`nc -N` shuts its sending side after the request and reads the answer: the question asked of it (an
+    interim 100 Continue) is skipped by any HTTP/1.1 client, and the answer follows."""
+    worker = live.backend.worker
+    for stream in (False, True):
+        with live.connect() as sock:
+            sock.sendall(request_bytes("/v1/completions", {"prompt": "hello", "max_tokens": 60, "stream": stream}))
+            sock.shutdown(socket.SHUT_WR)
+            reply = read_all(sock)
+        head, _, rest = reply.partition(b"\r\n\r\n")
+        if head == b"HTTP/1.1 100 Continue":
+            head, _, rest = rest.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), reply[:200]
+        assert (b"data: [DONE]" in rest) if stream else (b'"text_completion"' in rest)
+    assert worker.stats.served == 2 and worker.stats.cancelled == 0
+
+
+def test_an_http_1_0_client_that_closes_its_side_has_left(live: Live) -> None:
+    """HTTP/1.0 allows no interim answer to ask with: its EOF is taken as leaving (as uvicorn and llama-server
+    take every EOF)."""
+    worker = live.backend.worker
+    with live.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", BODIES["/v1/completions"], version="1.0"))
+        wait_for(lambda: worker.stats.running == 1)
+        sock.shutdown(socket.SHUT_WR)
+        wait_for(lambda: worker.stats.cancelled == 1, timeout=2)
