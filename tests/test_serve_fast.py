@@ -8,6 +8,8 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -35,16 +37,22 @@ class Live:
         return socket.create_connection((self.host, self.port), timeout=timeout)
 
 
-@pytest.fixture
-def live() -> Iterator[Live]:
-    backend = fake_backend(n_ctx=4096, delay=0.01)
-    state = ServerState(model_id="fake")
+@contextmanager
+def serving(backend: Backend | None = None, **settings: Any) -> Iterator[Live]:
+    backend = backend or fake_backend(n_ctx=4096, delay=0.01)
+    state = ServerState(model_id="fake", **settings)
     state.attach(backend)
     try:
         with live_server(create_app(state)) as root:
             yield Live(backend, root)
     finally:
         backend.worker.shutdown(timeout=30)
+
+
+@pytest.fixture
+def live() -> Iterator[Live]:
+    with serving() as server:
+        yield server
 
 
 def request_bytes(path: str, body: dict, version: str = "1.1") -> bytes:
@@ -65,6 +73,24 @@ def drain(sock: socket.socket, quiet: float = 0.3) -> bytes:
         if not chunk:
             return out
         out += chunk
+
+
+def read_response(sock: socket.socket, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One response off a kept-alive connection: status, headers, body (by its Content-Length)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = sock.recv(65536)
+        assert chunk, "closed inside a response"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
 
 
 def read_all(sock: socket.socket, timeout: float = 30) -> bytes:
@@ -123,3 +149,51 @@ def test_an_http_1_0_client_that_closes_its_side_has_left(live: Live) -> None:
         wait_for(lambda: worker.stats.running == 1)
         sock.shutdown(socket.SHUT_WR)
         wait_for(lambda: worker.stats.cancelled == 1, timeout=2)
+
+
+# -- a body too large, a missing key ---------------------------------------------------------------------------
+
+BIG = b'{"prompt": "' + b"x" * (4 << 20) + b'"}'  # 4 MiB: past the 1 MiB this context's prompts can need
+
+
+def chunked(data: bytes, size: int = 1 << 16) -> bytes:
+    out = b"".join(b"%x\r\n%s\r\n" % (len(data[i : i + size]), data[i : i + size]) for i in range(0, len(data), size))
+    return out + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_that_writes_its_whole_body_first_sees_the_413(live: Live, framing: str) -> None:
+    """Before: the 413 went out and the connection closed while the body was still arriving, so the client got a
+    reset (a broken pipe while writing, or ECONNRESET before it could read the answer)."""
+    length = (f"Content-Length: {len(BIG)}" if framing == "content-length" else "Transfer-Encoding: chunked")
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{length}\r\n\r\n").encode()
+    with live.connect() as sock:
+        sock.sendall(head + (BIG if framing == "content-length" else chunked(BIG)))
+        status, _, body = read_response(sock)
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+        # The refused body was read and dropped: the same connection carries the next request.
+        sock.sendall(request_bytes("/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+        status, _, body = read_response(sock)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_a_missing_key_is_a_401_before_the_body_size_is_looked_at() -> None:
+    """Before: a large unauthenticated body got a 413, telling a stranger the limit; and the 401's type was
+    `invalid_request_error` where llama-server and OpenAI's clients expect `authentication_error`."""
+    with serving(api_key="sekrit") as live:
+        head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(BIG)}\r\n").encode()
+        for auth, want in ((b"", 401), (b"Authorization: Bearer wrong\r\n", 401),
+                           (b"Authorization: Bearer sekrit\r\n", 413), (b"X-Api-Key: sekrit\r\n", 413)):
+            with live.connect() as sock:
+                sock.sendall(head + auth + b"\r\n" + BIG)
+                status, headers, body = read_response(sock)
+            error = json.loads(body)["error"]
+            assert status == want, body
+            if want == 401:
+                assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+                assert headers["www-authenticate"] == "Bearer"
+        with live.connect() as sock:  # /health needs no key, and neither does a CORS preflight
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_response(sock)[0] == 200

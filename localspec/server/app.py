@@ -25,7 +25,6 @@ from localspec.server.handling import (
     ApiError,
     Backend,
     ServerState,
-    authorize,
     build_prompt,
     completion_prompt,
     guarded,
@@ -67,13 +66,11 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              "rejected": stats.rejected})
 
     async def models(request: Request) -> JSONResponse:
-        authorize(state, request)
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "localspec"}
             for name in state.served]})
 
     async def chat_completions(request: Request) -> Any:
-        authorize(state, request)
         req = parse(ChatRequest, parse_body(await read_body(request)))
         state.check_model(req.model)
         backend = state.ready()
@@ -97,7 +94,6 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         return await run_request(state, backend, request, req, prompt, chat=True, tools=tools)
 
     async def completions(request: Request) -> Any:
-        authorize(state, request)
         req = parse(CompletionRequest, parse_body(await read_body(request)))
         state.check_model(req.model)
         backend = state.ready()

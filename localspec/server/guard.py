@@ -3,11 +3,15 @@ get past. Every route gets them, including routes added later, because they are 
 protocol, not per-route code.
 
 - `Guard` (ASGI middleware): without an API key, a `Host` header must name the bound address or a loopback name
-  (a web page that rebinds its DNS name to 127.0.0.1 sends its own name; `[server] allowed_hosts` adds more); a
-  POST must say `Content-Type: application/json` (a cross-site "simple request" cannot, without a CORS preflight);
-  at most `max_requests` requests are handled at once (more: 503 at once; /health is exempt, it is what a
-  monitor asks when everything else is busy); a body is read whole here within `read_timeout`, refused as soon as
-  it passes what any prompt the context can hold needs (`PromptLimits.body_bytes`), then replayed to the route.
+  (a web page that rebinds its DNS name to 127.0.0.1 sends its own name; `[server] allowed_hosts` adds more); with
+  one, every request but /health and a CORS preflight must carry it (401, before anything else is looked at:
+  its size, its type); a POST must say `Content-Type: application/json` (a cross-site "simple request" cannot,
+  without a CORS preflight); at most `max_requests` requests are handled at once (more: 503 at once; /health is
+  exempt, it is what a monitor asks when everything else is busy); a body is read whole here within
+  `read_timeout`, refused as soon as it passes what any prompt the context can hold needs
+  (`PromptLimits.body_bytes`), then replayed to the route. A refusal sent before the body was read leaves the
+  connection open: uvicorn then reads the rest of the body and drops it (bounded, `guarded_protocol`), so a client
+  that writes its whole body before reading sees the refusal, not a reset.
 - `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
   few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import json
 import logging
 import resource
@@ -36,7 +41,7 @@ from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS, RequestError
 log = logging.getLogger("localspec.server")
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-UNGUARDED_PATHS = ("/health", "/v1/health")  # answered even when max_requests are running
+UNGUARDED_PATHS = ("/health", "/v1/health")  # answered even when max_requests are running, and without the key
 MIN_BODY_BYTES = 1 << 20  # room for any ordinary request, whatever the context
 UNBOUNDED_BODY_BYTES = 16 << 20  # where a tokenizer can fold long runs into one token (no byte bound per token)
 JSON_ESCAPE = 6  # the most bytes JSON needs for one byte of text (a control character as \u0001)
@@ -59,6 +64,9 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # an interim answer every HTTP/1.1 
 # A streamed reply's scope names bytes that mean nothing to its client (an SSE comment): the question asked once
 # the response has started.
 PROBE_BYTES_KEY = "localspec.probe_bytes"
+# A body refused before it was read is read and dropped up to this much, within `read_timeout`; past either the
+# connection is closed (a reset, for a client still sending).
+DRAIN_BYTES = 256 << 20
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -159,7 +167,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await _respond(send, *refusal)
+            await _respond(send, *refusal)  # no `Connection: close`: see the module docstring
             return
         counted = scope["path"] not in UNGUARDED_PATHS
         if counted and self.running >= self.state.guard.max_requests:
@@ -178,21 +186,28 @@ class Guard:
         finally:
             self.running -= counted
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
-        if self.state.api_key is None and "host" in headers and not self._host_allowed(headers["host"]):
+    def _refusal(self, scope: Scope,
+                 headers: dict[str, str]) -> tuple[int, dict[str, Any], dict[str, str] | None] | None:
+        key = self.state.api_key
+        if key is None and "host" in headers and not self._host_allowed(headers["host"]):
             allowed = ", ".join(self._allowed_names())
             return 403, error_body(
                 f"Host {headers['host'][:100]!r} is not this server's address: without an API key only {allowed} "
                 "are answered (a web page can point its own name at this machine); allow more with --allowed-hosts "
                 "or [server] allowed_hosts, or set --api-key", "invalid_request_error", param="Host",
-                code="host_not_allowed")
+                code="host_not_allowed"), None
+        # A browser's CORS preflight carries no credentials (llama-server answers it without the key too).
+        if key is not None and scope["path"] not in UNGUARDED_PATHS and scope["method"] != "OPTIONS" \
+                and not _key_matches(headers, key):
+            return 401, error_body("missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                                   "authentication_error", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"}
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json" and not kind.endswith("+json"):
                 return 415, error_body(
                     f"Content-Type must be application/json (got {kind[:60]!r}): a browser sends other types "
                     "cross-site without asking", "invalid_request_error", param="Content-Type",
-                    code="unsupported_media_type")
+                    code="unsupported_media_type"), None
         return None
 
     def _allowed_names(self) -> list[str]:
@@ -220,7 +235,7 @@ class Guard:
             "needs", "invalid_request_error", code="request_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _respond(send, 413, too_large, {"Connection": "close"})
+            await _respond(send, 413, too_large)  # the connection drains the body: see the module docstring
             return None
         chunks, size = [], 0
         try:
@@ -232,7 +247,7 @@ class Guard:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        await _respond(send, 413, too_large, {"Connection": "close"})
+                        await _respond(send, 413, too_large)
                         return None
                     chunks.append(chunk)
                     if not message.get("more_body", False):
@@ -242,6 +257,15 @@ class Guard:
                 f"the request body did not arrive within {self.state.guard.read_timeout:g} s ([server] "
                 "read_timeout)", "invalid_request_error", code="request_timeout"), {"Connection": "close"})
             return None
+
+
+def _key_matches(headers: dict[str, str], key: str) -> bool:
+    """`X-Api-Key: KEY` or `Authorization: Bearer KEY`, compared in constant time."""
+    given = headers.get("x-api-key")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if given is None and scheme.lower() == "bearer":
+        given = token.strip()
+    return bool(given) and hmac.compare_digest(given.encode(), key.encode())  # type: ignore[union-attr]
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -299,6 +323,17 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
     class GuardedH11Protocol(H11Protocol):
         half_closed = False
+        drained = 0  # bytes of a refused body read and dropped
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.response_complete and self.conn.their_state is h11.SEND_BODY:
+                # A body refused before it was read: uvicorn drops it as it comes (keep-alive); bounded here.
+                self.drained += len(data)
+                if self.drained > DRAIN_BYTES:
+                    self.transport.close()
+                    return
+            super().data_received(data)
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -338,6 +373,7 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
             self.transport.close()
 
         def on_response_complete(self) -> None:
+            self.drained = 0
             self._await_head()
             if self.half_closed:  # the client said it sends nothing more: no next request will come
                 self.server_state.total_requests += 1

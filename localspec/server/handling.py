@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import os
@@ -221,18 +220,6 @@ def log_internal(where: str, exc: BaseException) -> None:
     else:
         log.error("internal error on %s: %s: %s (LOCALSPEC_DEBUG=1 shows the traceback)", where,
                   type(exc).__name__, exc)
-
-
-def authorize(state: ServerState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    given = request.headers.get("x-api-key")
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if given is None and scheme.lower() == "bearer":
-        given = token.strip()
-    if not given or not hmac.compare_digest(given.encode(), state.api_key.encode()):
-        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def read_body(request: Request) -> bytes:

@@ -27,7 +27,6 @@ from localspec.server.handling import (
     Backend,
     Reply,
     ServerState,
-    authorize,
     build_prompt,
     completion_prompt,
     completion_tokens,
@@ -178,7 +177,6 @@ class NativeReply(Reply):
 
 def add_llama_routes(app: FastAPI, state: ServerState) -> None:
     async def body_of(request: Request) -> Any:
-        authorize(state, request)
         return parse_body(await read_body(request))
 
     async def tokenize(request: Request) -> JSONResponse:
@@ -203,12 +201,10 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"prompt": await _render(backend, req)})
 
     async def props(request: Request) -> JSONResponse:
-        authorize(state, request)
         backend = state.ready()
         return JSONResponse(_props(state, backend))
 
     async def slots(request: Request) -> JSONResponse:
-        authorize(state, request)
         backend = state.ready()
         views = backend.worker.slot_views()
         if request.query_params.get("fail_on_no_slot") and all(v.busy for v in views):
@@ -216,7 +212,6 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse([_slot(backend, v) for v in views])
 
     async def metrics(request: Request) -> PlainTextResponse:
-        authorize(state, request)
         if not state.metrics:
             raise ApiError(501, "metrics are off: start the server with --metrics (preset key server.metrics)",
                            kind="not_supported_error", code="metrics_disabled")
