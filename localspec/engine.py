@@ -228,6 +228,14 @@ class Engine:
         for drafter in self._distinct_drafters():
             drafter.close()
 
+    def check_drafter(self, drafting: Drafting) -> None:
+        """A drafter these models cannot run is a UsageError naming the ones they can (from the registry), never
+        plain decoding in its place."""
+        if drafting.n_draft > 0 and drafting.drafter not in self.drafters:
+            why = " (no draft model is loaded)" if self.draft is None else ""
+            raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
+                             f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
+
     def _distinct_drafters(self) -> list[Drafter]:
         return list({id(d): d for d in self.drafters.values()}.values())
 
@@ -313,6 +321,7 @@ class Engine:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
+        self.check_drafter(drafting)
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
                         logprobs)

@@ -176,5 +176,13 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
         raise
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
                     constrained_rows=load.constrained_rows)
+    try:
+        engine.check_drafter(preset.draft)  # before any work: never plain decoding in a drafter's place
+    except BaseException:
+        engine.close()
+        for model in (draft, target):
+            if model is not None:
+                model.close()
+        raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)

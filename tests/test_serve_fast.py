@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from starlette.testclient import TestClient
 
 from localspec.server.app import create_app
 from localspec.server.handling import Backend, ServerState
@@ -197,3 +198,37 @@ def test_a_missing_key_is_a_401_before_the_body_size_is_looked_at() -> None:
         with live.connect() as sock:  # /health needs no key, and neither does a CORS preflight
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert read_response(sock)[0] == 200
+
+
+# -- in process (no socket): what a request may ask ------------------------------------------------------------
+
+
+@contextmanager
+def in_process(backend: Backend | None = None, **settings: Any) -> Iterator[TestClient]:
+    backend = backend or fake_backend()
+    state = ServerState(model_id="fake", **settings)
+    state.attach(backend)
+    try:
+        with TestClient(create_app(state), base_url="http://localhost") as client:
+            yield client
+    finally:
+        backend.worker.shutdown(timeout=30)
+
+
+@pytest.mark.parametrize("asked", ["draft-simple", "model", "ngram-simple,draft-simple", "chain"])
+def test_a_speculative_type_the_models_cannot_run_is_a_400_naming_what_they_can(asked: str) -> None:
+    """Before: 200, decoded plainly (or by lookup alone for the chain) without a word."""
+    with in_process(fake_backend(draft=False)) as client:
+        for body in ({"speculative.type": asked}, {"speculative": {"type": asked}}):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "speculative.type" and error["code"] == "unsupported_value"
+            assert "no draft model is loaded" in error["message"]
+            assert "this server can run ngram-simple (lookup), none" in error["message"]
+        for fine in ("ngram-simple", "lookup", "none"):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "speculative.type": fine})
+            assert r.status_code == 200, r.text
+        props = client.get("/props").json()["localspec"]
+        assert props["drafters"] == ["lookup"]
+        assert client.app.state.localspec.backend.worker.stats.served == 3

@@ -32,7 +32,7 @@ from localspec import __version__
 from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
 from localspec.engine import Engine, GenerationStats
-from localspec.errors import ConfigError, LocalspecError, TooManyTokens
+from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
 from localspec.llama_ctx import LlamaModel
 from localspec.server.fim import fim_prompt
 from localspec.server.guard import (
@@ -48,6 +48,7 @@ from localspec.server.schema import (
     ChatRequest,
     CompletionRequest,
     RequestError,
+    speculative_name,
 )
 from localspec.server.structured import (
     TokenLogprob,
@@ -283,12 +284,28 @@ def _job_settings(state: ServerState, backend: Backend,
     return preset, min([*limits, room])
 
 
+def _check_drafter(engine: Engine, preset: Preset) -> None:
+    """A `speculative.type` the loaded models cannot run is a 400 naming those they can, never plain decoding in
+    its place (the available ones come from the drafter registry: `Engine.drafters`)."""
+    try:
+        engine.check_drafter(preset.draft)
+    except UsageError:
+        asked = preset.draft.drafter
+        why = "no draft model is loaded" if engine.draft is None else "these models cannot run it"
+        available = [f"{speculative_name(name)}" + (f" ({name})" if speculative_name(name) != name else "")
+                     for name in engine.drafters] + [speculative_name(None)]
+        raise RequestError(f"speculative.type: {speculative_name(asked)!r} (drafter {asked!r}) is not available: "
+                           f"{why}; this server can run {', '.join(available)}", param="speculative.type",
+                           code="unsupported_value") from None
+
+
 async def run_request(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
                prompt: list[int], *, chat: bool, tools: ToolRequest | None = None, reply: Reply | None = None) -> Any:
     """Queue the request's jobs (one per choice, `n`); stream the reply as SSE or return it as one JSON body
     (`reply`: the shape, OpenAI's by default). Choice i samples with seed + i; the choices run in as many slots
     as are free, and otherwise one after the other (each reusing the prompt the one before left cached)."""
     preset, max_tokens = _job_settings(state, backend, req)
+    _check_drafter(backend.worker.engine, preset)
     logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
     constraint = request_constraint(req.response_format, req.grammar)
     if tools is not None and constraint is not None:

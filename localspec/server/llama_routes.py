@@ -36,7 +36,6 @@ from localspec.server.handling import (
     run_request,
 )
 from localspec.server.schema import (
-    SPECULATIVE_TYPES,
     ChatRequest,
     CompletionRequest,
     RequestError,
@@ -44,6 +43,7 @@ from localspec.server.schema import (
     _Strict,
     parse,
     parse_body,
+    speculative_name,
 )
 from localspec.server.worker import FINISH_LENGTH, JobResult, SlotView, timings
 
@@ -116,10 +116,10 @@ def generation_params(s: Sampling, d: Drafting, max_tokens: int | None, seed: in
 
 
 def speculative_type(d: Drafting) -> str:
-    """Who drafts under these settings, in llama-server's `speculative.type` names (schema's SPECULATIVE_TYPES)."""
+    """Who drafts under these settings, in llama-server's `speculative.type` names."""
     if d.n_draft == 0:
         return "none"
-    return next(name for name, drafter in SPECULATIVE_TYPES.items() if drafter == d.drafter)
+    return speculative_name(d.drafter)
 
 
 def _stop_type(result: JobResult) -> str:
