@@ -204,12 +204,12 @@ def test_a_missing_key_is_a_401_before_the_body_size_is_looked_at() -> None:
 
 
 @contextmanager
-def in_process(backend: Backend | None = None, **settings: Any) -> Iterator[TestClient]:
+def in_process(backend: Backend | None = None, cors: tuple[str, ...] = (), **settings: Any) -> Iterator[TestClient]:
     backend = backend or fake_backend()
     state = ServerState(model_id="fake", **settings)
     state.attach(backend)
     try:
-        with TestClient(create_app(state), base_url="http://localhost") as client:
+        with TestClient(create_app(state, cors), base_url="http://localhost") as client:
             yield client
     finally:
         backend.worker.shutdown(timeout=30)
@@ -232,3 +232,81 @@ def test_a_speculative_type_the_models_cannot_run_is_a_400_naming_what_they_can(
         props = client.get("/props").json()["localspec"]
         assert props["drafters"] == ["lookup"]
         assert client.app.state.localspec.backend.worker.stats.served == 3
+
+
+# -- llama-server's answers where clients rely on them -------------------------------------------------------
+
+GENERATIONS = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/completion": {"prompt": "hi", "n_predict": 2},
+    "/infill": {"input_prefix": "a", "input_suffix": "b", "n_predict": 2},
+}
+
+
+def test_any_model_name_means_the_one_model_served_unless_strict() -> None:
+    """Before: `"model": "gpt-3.5-turbo"` (what OpenAI-SDK apps send) got a 404; llama-server answers it."""
+    with in_process() as client:
+        for path, body in GENERATIONS.items():
+            r = client.post(path, json={**body, "model": "gpt-3.5-turbo"})
+            assert r.status_code == 200, (path, r.text)
+    with in_process(strict_model=True, aliases=("gpt-4o",)) as client:
+        for path, body in GENERATIONS.items():
+            r = client.post(path, json={**body, "model": "gpt-3.5-turbo"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (path, r.text)
+            for name in ("fake", "gpt-4o"):
+                assert client.post(path, json={**body, "model": name}).status_code == 200
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+
+
+@pytest.mark.parametrize(("cors", "origin", "echoed"), [
+    (("*",), "web.mydomain.fr", True), (("*",), "localhost", True), (("http://ui.example",), "http://ui.example", True),
+    (("http://ui.example",), "http://evil.example", False), ((), "http://ui.example", False),
+])
+def test_a_cors_preflight_is_answered_as_llama_server_answers_it(cors: tuple[str, ...], origin: str,
+                                                                 echoed: bool) -> None:
+    """llama.cpp's own tests (tools/server/tests/unit/test_security.py) ask for exactly these headers. Before: the
+    methods came as "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT", the headers as the request's list, a disallowed
+    origin got a 400 and a server without --cors-origin a 405."""
+    with in_process(cors=cors, api_key="k") as client:  # a preflight carries no key: none is asked
+        for path in ("/completions", "/v1/chat/completions", "/slots"):
+            r = client.options(path, headers={"Origin": origin, **PREFLIGHT})
+            assert r.status_code == 200 and r.content == b"", r.text
+            assert r.headers["Access-Control-Allow-Credentials"] == "true"
+            assert r.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
+            assert r.headers["Access-Control-Allow-Headers"] == "*"
+            assert r.headers.get("Access-Control-Allow-Origin") == (origin if echoed else None)
+        # The reply itself carries the origin too, a refusal (the missing key here) included.
+        r = client.post("/v1/completions", json={"prompt": "hi"}, headers={"Origin": origin})
+        assert r.status_code == 401 and r.headers.get("Access-Control-Allow-Origin") == (origin if echoed else None)
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                        headers={"Origin": origin, "X-Api-Key": "k"})
+        assert r.status_code == 200 and r.headers.get("Access-Control-Allow-Origin") == (origin if echoed else None)
+
+
+def test_two_assistant_messages_at_the_end_are_refused_as_llama_server_refuses_them() -> None:
+    """Before: rendered and answered (a template that alternates roles would raise on it, or prompt nothing)."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "assistant", "content": "there"}]
+    with in_process() as client:
+        for path in ("/v1/chat/completions", "/apply-template"):
+            r = client.post(path, json={"messages": turns, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "messages"
+            assert "cannot have 2 or more assistant messages at the end of the list" in error["message"]
+            assert client.post(path, json={"messages": turns[:2], "max_tokens": 2}).status_code == 200
+            assert client.post(path, json={"messages": [*turns[:2], {"role": "user", "content": "more"}, turns[2]],
+                                           "max_tokens": 2}).status_code == 200
+
+
+def test_slots_can_be_turned_off_and_then_answer_501_as_llama_server() -> None:
+    with in_process(slots=False) as client:
+        r = client.get("/slots")
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text
+        assert "--slots" in r.json()["error"]["message"]
+        assert client.get("/props").json()["endpoint_slots"] is False
+    with in_process() as client:
+        assert client.get("/slots").status_code == 200 and client.get("/props").json()["endpoint_slots"] is True

@@ -41,10 +41,20 @@ MetricsOpt = Annotated[
                               help="Serve /metrics (Prometheus text, llama-server's names; preset key "
                                    "server.metrics).")
 ]
+SlotsOpt = Annotated[
+    bool | None, typer.Option("--slots/--no-slots", show_default=False,
+                              help="Serve /slots (llama-server's; preset key server.slots, on by default).")
+]
 ModelAliasOpt = Annotated[
     list[str] | None, typer.Option("--model-alias", metavar="NAME", show_default=False,
-                                   help="Also answer requests that name this model (for a front-end that insists "
-                                        "on its own name); other names get 404. Repeatable.")
+                                   help="Another name for the served model in /v1/models (with --strict-model, "
+                                        "the names requests may give). Repeatable.")
+]
+StrictModelOpt = Annotated[
+    bool | None, typer.Option("--strict-model/--any-model", show_default=False,
+                              help="A request's model must be the served id or an alias (else 404); by default any "
+                                   "name means the one model served, as llama-server answers (preset key "
+                                   "server.strict_model).")
 ]
 options.FLAGS["model_aliases"] = "--model-alias"  # a bad name's error names the flag users typed
 ServeMaxTokensOpt = Annotated[
@@ -68,6 +78,8 @@ def serve(
     model_alias: ModelAliasOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
     metrics: MetricsOpt = None,
+    slots: SlotsOpt = None,
+    strict_model: StrictModelOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
@@ -88,7 +100,7 @@ def serve(
                                         queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
                                         control_tokens=control_tokens,
                                         model_aliases=",".join(model_alias) if model_alias else None,
-                                        metrics=metrics)
+                                        metrics=metrics, slots=slots, strict_model=strict_model)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     sock = listen(settings.host, settings.port)
@@ -98,7 +110,7 @@ def serve(
                           read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
                         max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
-                        metrics=settings.metrics)
+                        metrics=settings.metrics, slots=settings.slots, strict_model=settings.strict_model)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)

@@ -14,13 +14,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localspec import __version__
 from localspec.chat import encode_messages
-from localspec.server.guard import Guard, error_body
+from localspec.server.guard import Cors, Guard, error_body
 from localspec.server.handling import (
     ApiError,
     Backend,
@@ -42,14 +41,9 @@ __all__ = ["Backend", "ServerState", "create_app"]
 def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="localspec", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.localspec = state
-    if cors_origins:
-        # As llama-server: '*' echoes the request's Origin, and credentials are allowed, so a browser's
-        # credentialed request (which refuses a literal '*') works too.
-        any_origin = "*" in cors_origins
-        app.add_middleware(CORSMiddleware, allow_origins=[] if any_origin else list(cors_origins),
-                           allow_origin_regex=".*" if any_origin else None, allow_credentials=True,
-                           allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(Guard, state=state)  # outermost: before CORS and every route
+    app.add_middleware(Guard, state=state)  # before every route
+    # Outermost, as llama-server's: preflights answered before the guard, refusals carrying the allowed origin.
+    app.add_middleware(Cors, origins=cors_origins)
     _install_error_handlers(app)
     add_llama_routes(app, state)  # llama-server's own: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
 

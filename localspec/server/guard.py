@@ -12,6 +12,9 @@ protocol, not per-route code.
   (`PromptLimits.body_bytes`), then replayed to the route. A refusal sent before the body was read leaves the
   connection open: uvicorn then reads the rest of the body and drops it (bounded, `guarded_protocol`), so a client
   that writes its whole body before reading sees the refusal, not a reset.
+- `Cors` (ASGI middleware, outside `Guard`): CORS as llama-server answers it (its pre-routing handler): every
+  OPTIONS request is a 200 with its methods and headers lists and nothing else (no key asked: a browser's preflight
+  carries none), and an allowed `Origin` is echoed on every response, refusals included.
 - `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
   few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
@@ -150,6 +153,46 @@ class GuardedState(Protocol):
     guard: GuardSettings
 
     def body_limit(self) -> int: ...
+
+
+CORS_METHODS = b"GET, POST, DELETE, OPTIONS"  # llama-server's --cors-methods default
+CORS_HEADERS = b"*"  # llama-server's --cors-headers default (browsers never let `*` cover Authorization)
+
+
+class Cors:
+    """llama-server's CORS: `origins` ("*" = any) are echoed in `Access-Control-Allow-Origin` with credentials
+    allowed; another origin gets no such header, so the browser keeps the reply from the page. An OPTIONS request
+    is answered here, 200 and empty, whatever its origin, as llama-server answers it."""
+
+    def __init__(self, app: ASGIApp, origins: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.origins = origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        origin = next((v for k, v in scope["headers"] if k.lower() == b"origin"), None)
+        allowed = origin is not None and ("*" in self.origins or origin.decode("latin-1") in self.origins)
+        echo = [(b"access-control-allow-origin", origin), (b"access-control-allow-credentials", b"true"),
+                (b"vary", b"Origin")] if allowed else []
+        if scope["method"] == "OPTIONS":
+            headers = [*echo[:1], (b"access-control-allow-credentials", b"true"),
+                       (b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
+                       *echo[2:], (b"content-type", b"text/html"), (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if not echo:
+            await self.app(scope, receive, send)
+            return
+
+        async def with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *echo]}
+            await send(message)
+
+        await self.app(scope, receive, with_cors)
 
 
 class Guard:

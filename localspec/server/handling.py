@@ -126,6 +126,8 @@ class ServerState:
     control_tokens: bool = False  # chat content may carry control tokens (off: tokenized as text)
     guard: GuardSettings = field(default_factory=GuardSettings)
     metrics: bool = False  # serve /metrics (llama-server's --metrics)
+    slots: bool = True  # serve /slots (llama-server's --slots / --no-slots)
+    strict_model: bool = False  # a request's `model` must be one of `served` (else any name means the one model)
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -138,9 +140,10 @@ class ServerState:
         return (self.model_id, *self.aliases)
 
     def check_model(self, name: str | None) -> None:
-        """A request naming another model gets a 404, as OpenAI answers one: silently answering `gpt-4` with the
-        demo would hide a front-end pointed at the wrong server."""
-        if name is None or name in self.served:
+        """One model is served, so any name means it, as llama-server answers (OpenAI-SDK apps send their own,
+        "gpt-3.5-turbo"). With `strict_model` a name that is not served gets OpenAI's 404 instead, so a front-end
+        pointed at the wrong server is told."""
+        if name is None or name in self.served or not self.strict_model:
             return
         raise ApiError(404, f"model {name!r} is not served here; this server serves "
                             f"{', '.join(repr(n) for n in self.served)} (a front-end that insists on its own name: "

@@ -205,6 +205,9 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(_props(state, backend))
 
     async def slots(request: Request) -> JSONResponse:
+        if not state.slots:  # llama-server's words and status
+            raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           kind="not_supported_error", code="slots_disabled")
         backend = state.ready()
         views = backend.worker.slot_views()
         if request.query_params.get("fail_on_no_slot") and all(v.busy for v in views):
@@ -299,7 +302,7 @@ def _props(state: ServerState, backend: Backend) -> dict[str, Any]:
         "model_alias": state.model_id,
         "model_path": str(model.path),
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": True,
+        "endpoint_slots": state.slots,
         "endpoint_props": False,
         "endpoint_metrics": state.metrics,
         "chat_template": model.metadata("tokenizer.chat_template") or "",

@@ -326,6 +326,15 @@ class ChatRequest(_Generation):
             return self._with_n_predict(self.max_completion_tokens, "max_completion_tokens")
         return super().limit()
 
+    @field_validator("messages")
+    @classmethod
+    def _one_assistant_at_the_end(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """llama-server's rule (server-common.cpp): two assistant turns in a row at the end have no reply to
+        prompt for; templates that alternate roles would break on them."""
+        if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
+            raise ValueError("cannot have 2 or more assistant messages at the end of the list")
+        return messages
+
 
 class CompletionRequest(_Generation):
     # One prompt per request: text, or token ids.
