@@ -95,6 +95,7 @@ class ScoringModel(Protocol):
     batches_sequences: bool
     device_top_k: int
     unknown_token: int
+    decodes: int  # llama_decode calls so far (the server's n_decode_total)
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
                seq: int = 0) -> Scores | None: ...

@@ -8,6 +8,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -310,3 +311,52 @@ def test_slots_can_be_turned_off_and_then_answer_501_as_llama_server() -> None:
         assert client.get("/props").json()["endpoint_slots"] is False
     with in_process() as client:
         assert client.get("/slots").status_code == 200 and client.get("/props").json()["endpoint_slots"] is True
+
+
+# -- /metrics, /slots and timings count as llama-server counts ---------------------------------------------------
+
+
+def metrics_of(text: str) -> dict[str, float]:
+    return {name: float(value) for name, value in (line.split() for line in text.splitlines()
+                                                   if line and not line.startswith("#") and "{" not in line)}
+
+
+def test_metrics_add_up_the_replies_timings_with_llama_servers_names() -> None:
+    """Before: prompt_tokens_total lacked each reply's +1 (the prompt's last token, evaluated in the first verify)
+    and prompt_tokens_cached_total had it one too many; n_decode_total, n_busy_slots_per_decode and the timings'
+    per-token milliseconds were missing."""
+    with in_process(metrics=True) as client:
+        backend = client.app.state.localspec.backend
+        decodes_before = backend.worker.engine.target.decodes
+        replies = [client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()
+                   for prompt in ("hello there", "hello there", "hello world")]
+        timings = [r["timings"] for r in replies]
+        assert [t["cache_n"] for t in timings][1] == len("hello there") - 1  # all of it cached but the last
+        m = metrics_of(client.get("/metrics").text)
+        assert m["llamacpp:prompt_tokens_total"] == sum(t["prompt_n"] for t in timings)
+        assert m["llamacpp:prompt_tokens_cached_total"] == sum(t["cache_n"] for t in timings)
+        assert m["llamacpp:prompt_tokens_total"] + m["llamacpp:prompt_tokens_cached_total"] == sum(
+            r["usage"]["prompt_tokens"] for r in replies)
+        assert m["llamacpp:tokens_predicted_total"] == sum(t["predicted_n"] for t in timings) == 18
+        assert m["llamacpp:n_decode_total"] == backend.worker.engine.target.decodes - decodes_before > 0
+        assert m["llamacpp:n_busy_slots_per_decode"] == 1.0  # one slot, busy in every decode of a round
+        for t in timings:
+            assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"], abs=1e-3)
+            assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / t["predicted_n"], abs=1e-3)
+
+
+def test_an_idle_slot_has_n_remain_minus_one_and_a_busy_one_what_is_left() -> None:
+    backend = fake_backend(delay=0.05)
+    with in_process(backend) as client:
+        fresh = client.get("/slots").json()[0]
+        assert fresh["is_processing"] is False and "next_token" not in fresh  # never used: llama-server's shape
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        idle = client.get("/slots").json()[0]["next_token"][0]
+        assert idle == {"has_next_token": False, "n_remain": -1, "n_decoded": 3}
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 40})
+            wait_for(lambda: client.get("/slots").json()[0]["is_processing"])
+            wait_for(lambda: client.get("/slots").json()[0]["next_token"][0]["n_decoded"] > 0)
+            busy = client.get("/slots").json()[0]["next_token"][0]
+            assert busy["has_next_token"] is True and busy["n_remain"] == 40 - busy["n_decoded"] > 0
+            assert running.result().status_code == 200

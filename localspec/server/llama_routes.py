@@ -344,8 +344,10 @@ def _slot(backend: Backend, view: SlotView) -> dict[str, Any]:
         "n_prompt_tokens_cache": s.prompt_tokens - processed,
         "params": {**generation_params(job.sampling, job.drafting, job.max_tokens, job.sampling.seed),
                    "stop": list(job.stops), "timings_per_token": job.timings_per_token},
-        "next_token": [{"has_next_token": view.busy, "n_remain": max(0, job.max_tokens - s.tokens),
-                        "n_decoded": s.tokens}],
+        # Idle, llama-server's n_remain is -1 (its slot forgets the limit on release); localspec keeps the last
+        # request's other figures until the next one.
+        "next_token": [{"has_next_token": view.busy,
+                        "n_remain": max(0, job.max_tokens - s.tokens) if view.busy else -1, "n_decoded": s.tokens}],
         "timings": timings(s),
     })
     return out
@@ -357,13 +359,16 @@ def _prometheus(backend: Backend) -> str:
     worker = backend.worker
     stats, t = worker.stats, worker.stats.totals
     counters = [
+        # Counted as each reply's timings count them (prompt_n, cache_n): their sums over the served requests.
         ("llamacpp:prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
-         t.prompt_tokens_processed),
-        ("llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
-         t.prompt_tokens - t.prompt_tokens_processed),
+         stats.prompt_n),
+        ("llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", stats.cache_n),
         ("llamacpp:prompt_seconds_total", "Total time spent processing prompts", t.prefill_s),
         ("llamacpp:tokens_predicted_total", "Number of generation tokens processed", t.tokens),
         ("llamacpp:tokens_predicted_seconds_total", "Total time spent generating tokens", t.decode_s),
+        ("llamacpp:n_decode_total",
+         "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+         worker.decodes),
         ("llamacpp:n_tokens_max", "Largest observed sequence length (prompt + generation)", stats.max_sequence),
         ("llamacpp:spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", t.drafted),
         ("llamacpp:spec_decode_num_accepted_tokens_total",
@@ -376,6 +381,8 @@ def _prometheus(backend: Backend) -> str:
         ("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s", t.decode_tps),
         ("llamacpp:requests_processing", "Number of requests processing", stats.running),
         ("llamacpp:requests_deferred", "Number of requests deferred", worker.queued),
+        ("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         stats.busy_slot_decodes / max(worker.decodes, 1)),
         ("localspec:draft_acceptance_ratio", "Accepted draft tokens / drafted tokens, all requests",
          t.acceptance_rate),
         ("localspec:draft_mean_accepted", "Accepted draft tokens per round, all requests", t.mean_accepted),
