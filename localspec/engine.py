@@ -435,7 +435,7 @@ class Engine:
             return False
         if s.prefill and not self._prefill_some(s):
             return False  # more of its prompt next round; the round that decodes the last batch is its first
-        if len(s.slot.tokens) > self.n_ctx:  # verify needs cur + k cells after the cached prefix
+        if len(s.slot.tokens) >= self.n_ctx:  # prompt + reply never exceed the context (one more would)
             s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")
             return False
         return True
@@ -455,8 +455,9 @@ class Engine:
         return plans, share
 
     def _length(self, s: Stream, k_round: int, ahead: int = 0) -> int:
-        """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
-        return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self.n_ctx - len(s.slot.tokens) - ahead)
+        """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones: a
+        round emits its k drafts and one token more, and prompt + reply stay within n_ctx."""
+        return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self.n_ctx - len(s.slot.tokens) - ahead - 1)
 
     def _draft(self, live: Sequence[Stream], plans: Sequence[_Plan]) -> list[Proposal]:
         """Each stream's proposal: every drafter drafts for its streams together (k = 0 included: a drafter may

@@ -13,7 +13,7 @@ import pytest
 
 from localspec import drafters
 from localspec.config import load_preset
-from localspec.engine import Engine
+from localspec.engine import STOP_CONTEXT_FULL, Engine, collect
 from localspec.errors import UsageError
 from tests.helpers_fake import FakeModel
 from tests.helpers_vocab import write_vocab
@@ -81,3 +81,25 @@ def test_generate_with_a_drafter_the_models_cannot_run_exits_2(demo_home: Path) 
     assert done.returncode == 2, done.stderr
     assert "drafter 'model' cannot run with these models (no draft model is loaded); they can run: lookup" \
         in done.stderr and done.stdout == ""
+
+
+# -- never past the context ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "chain", None])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prompt_and_reply_fill_the_context_and_never_pass_it(drafter: str | None, temperature: float) -> None:
+    """Before: a reply that filled the context ended one token past it (`--ctx 512`: prompt 386 + completion 127
+    = 513): the last round could emit a token whose cell the context did not have."""
+    sampling = dataclasses.replace(GREEDY.sampling, temperature=temperature, top_k=0, top_p=1.0)
+    for n_ctx in (24, 31):
+        for prompt_len in (1, 5, n_ctx - 8, n_ctx - 1, n_ctx):
+            for k in (1, 3, 7):
+                target, draft = FakeModel(seed=3, n_ctx=n_ctx), FakeModel(seed=3, noise=0.5, n_ctx=n_ctx)
+                engine = Engine(target, draft)
+                prompt = ([1, 2, 3, 4] * n_ctx)[:prompt_len]  # repeats: lookup has matches
+                settings = drafting(k if drafter else 0, drafter or "model")
+                gen = collect(engine.generate(prompt, sampling, settings, 10_000))
+                total = prompt_len + len(gen.tokens)
+                assert total == n_ctx, (n_ctx, prompt_len, k, drafter, total)  # full, and not one past
+                assert gen.done.stop_reason == STOP_CONTEXT_FULL

@@ -360,3 +360,23 @@ def test_an_idle_slot_has_n_remain_minus_one_and_a_busy_one_what_is_left() -> No
             busy = client.get("/slots").json()[0]["next_token"][0]
             assert busy["has_next_token"] is True and busy["n_remain"] == 40 - busy["n_decoded"] > 0
             assert running.result().status_code == 200
+
+
+def test_a_reply_that_fills_the_context_ends_at_it_not_one_past() -> None:
+    """Before: prompt + completion came to n_ctx + 1 (`--ctx 512`: 386 + 127 = 513)."""
+    with in_process(fake_backend(n_ctx=64)) as client:
+        for path, body in (("/v1/completions", {"prompt": "a longer prompt here"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            for stream in (False, True):
+                r = client.post(path, json={**body, "max_tokens": 1000, "stream": stream,
+                                            "stream_options": {"include_usage": True}} if stream else
+                                {**body, "max_tokens": 1000})
+                assert r.status_code == 200, r.text
+                if stream:
+                    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]
+                    usage = chunks[-1]["usage"]
+                    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+                else:
+                    usage, finish = r.json()["usage"], r.json()["choices"][0]["finish_reason"]
+                assert usage["total_tokens"] == 64 and finish == "length", (path, stream, usage)

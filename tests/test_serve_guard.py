@@ -144,6 +144,16 @@ def test_a_50_mb_prompt_is_refused_without_reading_it_whole(chat):
     assert chat.health()["status"] == "ok"
 
 
+def test_a_reply_that_fills_the_context_ends_at_it(chat):
+    """Before: prompt 386 + completion 127 = 513 tokens in a context of 512."""
+    r = post(chat, "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10," * 20, "max_tokens": 5000,
+                                       "temperature": 0, "speculative.type": "ngram-simple"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] > 300 and usage["total_tokens"] == 512, usage
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_prompt_past_the_byte_bound_is_refused_before_tokenizing(chat):
     """Inside the body limit but longer than 512 tokens of the longest piece could be: no tokenizer runs."""
     r = post(chat, "/v1/completions", {"prompt": "x" * 900_000, "max_tokens": 1})
