@@ -38,7 +38,7 @@ import numpy as np
 
 from localspec import drafters
 from localspec.config import Drafting, Sampling
-from localspec.constraints import masked_scores
+from localspec.constraints import masked_row, masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, UsageError
@@ -204,6 +204,10 @@ class Engine:
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
         self.constrained_rows = constrained_rows
+        # Plain decoding at T > 0 may draw its tokens on the device (one slot only, `start`): llama.cpp's random
+        # stream, not the host's, so a seed's text depends on the slot count. The server turns it off, so that a
+        # seed gives the same text whatever --parallel is.
+        self.draw_on_device = True
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
         self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
@@ -328,7 +332,7 @@ class Engine:
         seq = chosen.seq
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
-        plain = not stream.use_draft and self.target.n_seq == 1
+        plain = not stream.use_draft and self.target.n_seq == 1 and self.draw_on_device
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
         # (`constrained_rows`, `_accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
@@ -529,9 +533,13 @@ class Engine:
                 verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
                 if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
                     spent += time.perf_counter() - t_accept
-            if s.logprobs is not None:
+            if s.logprobs is not None and s.grammar is None:  # (a constrained stream's: _accept_constrained)
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
-                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
+                # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+                history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
+                seen = penalized(rows, history, s.sampling).logits
+                assert seen is not None
+                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, s.logprobs)
                                                                  for i, t in enumerate(verdict.emitted)])
             if wait is not None:
                 verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
@@ -573,8 +581,13 @@ class Engine:
         scored = penalized(scores, history, sampling)
         state = s.grammar.clone()
         emitted: list[int] = []
+        logprob_rows: list[np.ndarray] = []
         try:
             for i in range(len(drafts) + 1):
+                if s.logprobs is not None:
+                    assert scored.logits is not None  # full rows: logprobs turn the device sampler off (start)
+                    # Over every token the grammar allows here (masked_scores checks only what the choice needs).
+                    logprob_rows.append(masked_row(scored.logits[i], state, 0))
                 row = masked_scores(scored, i, state, sampling)
                 last = row is None
                 if row is None:  # (no penalty here: a penalised stream has full rows)
@@ -601,7 +614,10 @@ class Engine:
             raise
         s.grammar.close()
         s.grammar = state
-        return _Verdict(emitted, len(emitted) - 1, [], width)
+        n_top = s.logprobs
+        chosen = [] if n_top is None else [token_logprobs(row, token, n_top)
+                                           for row, token in zip(logprob_rows, emitted, strict=True)]
+        return _Verdict(emitted, len(emitted) - 1, [], width, chosen)
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the

@@ -113,8 +113,9 @@ class FakeTextModel(FakeModel):
 
 def fake_backend(*, vocab: int = 16, n_ctx: int = 256, slots: int = 1, delay: float = 0.0, queue: int = 4,
                  preset: Preset | None = None, draft: bool = True) -> Backend:
-    """A loaded Backend over FakeTextModel target and draft (the real Engine, drafters and Worker)."""
-    target = FakeTextModel(vocab=vocab, seed=3, n_ctx=n_ctx, n_seq=slots, delay=delay)
+    """A loaded Backend over FakeTextModel target and draft (the real Engine, drafters and Worker). The target
+    plays llama.cpp's device sampler too (its own random stream for device draws)."""
+    target = FakeTextModel(vocab=vocab, seed=3, n_ctx=n_ctx, n_seq=slots, delay=delay, device_top_k=64)
     helper = FakeTextModel(vocab=vocab, seed=3, noise=1.0, n_ctx=n_ctx, n_seq=slots,
                            name="fake-draft.gguf") if draft else None
     chosen = preset or load_preset("greedy").with_overrides(n_ctx=n_ctx)

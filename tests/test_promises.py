@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localspec import drafters
@@ -103,3 +104,56 @@ def test_prompt_and_reply_fill_the_context_and_never_pass_it(drafter: str | None
                 total = prompt_len + len(gen.tokens)
                 assert total == n_ctx, (n_ctx, prompt_len, k, drafter, total)  # full, and not one past
                 assert gen.done.stop_reason == STOP_CONTEXT_FULL
+
+
+# -- logprobs: the distribution each token was chosen from -----------------------------------------------------
+
+
+def reference_logprobs(model: FakeModel, context: list[int], sampling) -> np.ndarray:
+    """The target's row after `context`, penalised as llama.cpp's penalties read (written out here, not the
+    engine's code), as log-probabilities at temperature 1."""
+    logits = model.logits_after(context).astype(np.float64)
+    window = context[-sampling.repeat_last_n :]
+    for token in set(window):
+        value = logits[token]
+        value = value / sampling.repeat_penalty if value > 0 else value * sampling.repeat_penalty
+        logits[token] = value - window.count(token) * sampling.frequency_penalty - sampling.presence_penalty
+    return logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", None])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_distribution_each_token_was_chosen_from(drafter: str | None, temperature: float) -> None:
+    """Before: logprobs came from the raw row while a penalised row chose the token, so at temperature 0 the
+    chosen token could rank below its own alternatives (demo-chat, "Say a colour.": -2.815 chosen, -2.527 top).
+    Checked with and without drafting against each position's row computed straight from the fake's table."""
+    sampling = dataclasses.replace(GREEDY.sampling, temperature=temperature, top_k=5, top_p=0.9,
+                                   repeat_penalty=1.6, presence_penalty=0.4, frequency_penalty=0.2, seed=11)
+    for seed in range(3):
+        target = FakeModel(vocab=16, seed=seed)
+        engine = Engine(target, FakeModel(vocab=16, seed=seed, noise=0.7))
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]
+        settings = drafting(4 if drafter else 0, drafter or "model")
+        events = [e for e in engine.generate(prompt, sampling, settings, 30, logprobs=3) if hasattr(e, "token")]
+        assert len(events) == 30 and (drafter != "model" or any(e.from_draft for e in events))
+        context = list(prompt)
+        for event in events:
+            ref = reference_logprobs(target, context, sampling)
+            assert event.logprob == pytest.approx(ref[event.token], abs=1e-5)
+            best = np.argsort(-ref, kind="stable")[:3]
+            assert [t for t, _ in event.top_logprobs] == best.tolist()
+            assert [lp for _, lp in event.top_logprobs] == pytest.approx(ref[best].tolist(), abs=1e-5)
+            if temperature == 0:
+                assert event.top_logprobs[0][0] == event.token  # the greedy token is the first alternative
+            context.append(event.token)
+
+
+def test_logprob_alternatives_break_ties_as_the_greedy_choice_and_leave_out_masked_tokens() -> None:
+    from localspec.sampling import token_logprobs
+
+    row = np.array([1.0, 3.0, 3.0, -np.inf, 3.0, 0.5], dtype=np.float32)
+    for _ in range(20):  # (argpartition's pick among ties is arbitrary)
+        chosen, top = token_logprobs(row, int(np.argmax(row)), 2)
+        assert [t for t, _ in top] == [1, 2] and top[0][1] == chosen
+    _, every = token_logprobs(row, 1, 6)
+    assert [t for t, _ in every] == [1, 2, 4, 0, 5]  # a token the grammar forbids is no alternative (nor -inf)

@@ -380,3 +380,27 @@ def test_a_reply_that_fills_the_context_ends_at_it_not_one_past() -> None:
                 else:
                     usage, finish = r.json()["usage"], r.json()["choices"][0]["finish_reason"]
                 assert usage["total_tokens"] == 64 and finish == "length", (path, stream, usage)
+
+
+# -- seeds ----------------------------------------------------------------------------------------------------
+
+SAMPLED = {"prompt": "tell me a story", "max_tokens": 40, "temperature": 0.8, "top_k": 8, "seed": 1234}
+
+
+@pytest.mark.parametrize("speculative", [{"speculative.n_max": 0}, {"speculative.type": "draft-simple"}],
+                         ids=["plain", "draft-model"])
+def test_a_seed_gives_the_same_text_whatever_the_slot_count(speculative: dict) -> None:
+    """Before: plain decoding at T > 0 drew its tokens with llama.cpp's device sampler with one slot and on the
+    host with several, so `--parallel 1` and `--parallel 4` gave other text for one seed."""
+    texts = {}
+    for slots in (1, 4):
+        with in_process(fake_backend(slots=slots)) as client:
+            replies = [client.post("/v1/completions", json={**SAMPLED, **speculative}).json() for _ in range(2)]
+        texts[slots] = [r["choices"][0]["text"] for r in replies]
+        assert texts[slots][0] == texts[slots][1]  # the same seed twice
+        if "speculative.type" in speculative:
+            assert replies[0]["timings"]["draft_n"] > 0
+    assert texts[1] == texts[4]
+    with in_process(fake_backend()) as client:
+        other = client.post("/v1/completions", json={**SAMPLED, **speculative, "seed": 99}).json()
+    assert other["choices"][0]["text"] != texts[1][0]  # (the seed matters)

@@ -108,6 +108,9 @@ class Backend:
             template, problem = ChatTemplate.for_model(model), None
         except LocalspecError as exc:
             template, problem = None, str(exc)
+        # Every slot count draws plain decoding's tokens on the host, from the request's seed: the same seed, the
+        # same text, whatever --parallel is (llama.cpp's device draws exist for one slot only).
+        engine.draw_on_device = False
         worker = Worker(engine, queue)
         worker.start()
         return cls(worker=worker, model=model, preset=preset, template=template, template_error=problem,
