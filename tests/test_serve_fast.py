@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from localspec.server.app import create_app
+from localspec.server.guard import GuardSettings
 from localspec.server.handling import Backend, ServerState
 from tests.helpers_serve import fake_backend, live_server, wait_for
 
@@ -40,12 +41,13 @@ class Live:
 
 
 @contextmanager
-def serving(backend: Backend | None = None, **settings: Any) -> Iterator[Live]:
+def serving(backend: Backend | None = None, read_timeout_s: float = 5.0, send_buffer: int | None = None,
+            **settings: Any) -> Iterator[Live]:
     backend = backend or fake_backend(n_ctx=4096, delay=0.01)
-    state = ServerState(model_id="fake", **settings)
+    state = ServerState(model_id="fake", guard=GuardSettings(read_timeout=read_timeout_s), **settings)
     state.attach(backend)
     try:
-        with live_server(create_app(state)) as root:
+        with live_server(create_app(state), read_timeout=read_timeout_s, send_buffer=send_buffer) as root:
             yield Live(backend, root)
     finally:
         backend.worker.shutdown(timeout=30)
@@ -404,3 +406,37 @@ def test_a_seed_gives_the_same_text_whatever_the_slot_count(speculative: dict) -
     with in_process(fake_backend()) as client:
         other = client.post("/v1/completions", json={**SAMPLED, **speculative, "seed": 99}).json()
     assert other["choices"][0]["text"] != texts[1][0]  # (the seed matters)
+
+
+# -- connections that send nothing ---------------------------------------------------------------------------
+
+
+def test_silent_connections_are_closed_after_the_header_deadline() -> None:
+    """A fresh socket that sends nothing, one stuck inside its request head, and one silent after its reply."""
+    with serving(read_timeout_s=1.0) as live:
+        socks = [live.connect(), live.connect(), live.connect()]
+        socks[1].sendall(b"GET /health HTTP/1.1\r\n")
+        socks[2].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        t0 = time.monotonic()
+        for sock in socks:
+            read_all(sock, timeout=10)  # returns at the server's close
+            sock.close()
+        assert time.monotonic() - t0 < 8
+
+
+def test_a_client_that_neither_sends_nor_reads_is_dropped_and_its_job_cancelled() -> None:
+    """Before: a streamed reply whose client read nothing waited on it forever once the socket's buffers were full:
+    the connection, the reply's buffers and (until max_tokens) the engine stayed taken."""
+    with serving(fake_backend(n_ctx=16384, delay=0.002), read_timeout_s=1.0, send_buffer=8192) as live:
+        worker = live.backend.worker
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((live.host, live.port))
+        sock.sendall(request_bytes("/v1/completions", {"prompt": "x", "max_tokens": 12000, "stream": True}))
+        wait_for(lambda: worker.stats.cancelled == 1, timeout=30)
+        assert worker.stats.served == 0
+        with pytest.raises((ConnectionResetError, AssertionError)):
+            while sock.recv(1 << 16):  # what was buffered, then the reset
+                pass
+            raise AssertionError("closed in order")  # (a FIN would do too)
+        sock.close()

@@ -17,10 +17,12 @@ protocol, not per-route code.
   carries none), and an allowed `Origin` is echoed on every response, refusals included.
 - `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
-  few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
-  when full (uvicorn's `limit_concurrency` counts idle connections too and answers plain-text 503s, so 1,000 idle
-  sockets would make /health a 503), an answer for half-closed requests (uvicorn closes on EOF, before
-  replying), and the question that tells such a client from one that left (`_probe`): TCP shows both as EOF.
+  few seconds, or a silent socket, stays forever) and one for a reply the client does not take (a client that
+  sends nothing and reads nothing kept its connection, the reply's buffers and its job forever), a cap on open
+  connections that closes the longest-idle one when full (uvicorn's `limit_concurrency` counts idle connections
+  too and answers plain-text 503s, so 1,000 idle sockets would make /health a 503), an answer for half-closed
+  requests (uvicorn closes on EOF, before replying), and the question that tells such a client from one that
+  left (`_probe`): TCP shows both as EOF.
 - `raise_open_files_limit`, `quiet_accept_errors`: the soft open-files limit raised to the hard one at start, and
   asyncio's per-event "out of system resource" traceback for a failed accept() logged once instead.
 - `PromptLimits`: the bounds a prompt must pass before it is rendered or tokenized in full.
@@ -367,6 +369,7 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
     class GuardedH11Protocol(H11Protocol):
         half_closed = False
         drained = 0  # bytes of a refused body read and dropped
+        stalled: asyncio.TimerHandle | None = None  # the write deadline, while the client takes no bytes
 
         def data_received(self, data: bytes) -> None:
             cycle = self.cycle
@@ -386,7 +389,28 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def connection_lost(self, exc: Exception | None) -> None:
             waiting.pop(self, None)
+            if self.stalled is not None:
+                self.stalled.cancel()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            """The reply's bytes wait on the client (the socket's buffers are full): arm the write deadline."""
+            super().pause_writing()
+            if self.stalled is None:
+                self.stalled = self.loop.call_later(read_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.stalled is not None:
+                self.stalled.cancel()
+                self.stalled = None
+
+        def _stalled(self) -> None:
+            """The client has taken none of its reply for `read_timeout` (a slow-read attack, a hung client): it
+            sends nothing and reads nothing, and would hold the connection, the reply's buffers and its job
+            forever. Dropped (close would wait for the buffer to drain): the request sees the disconnect."""
+            self.stalled = None
+            self.transport.abort()
 
         def handle_events(self) -> None:
             super().handle_events()
