@@ -1,6 +1,8 @@
 """What the engine promises every caller (CLI and server alike), over the scripted fake of tests/helpers_fake.py
-(no llama.cpp model): a drafter the models cannot run is an error, never plain decoding in its place; ... (the
-server's side of each promise is in test_serve_fast.py, the real models' in the slow files named there)."""
+(no llama.cpp model): a drafter the models cannot run is an error, never plain decoding in its place, and an
+incompatible pair exits 2 like any error; prompt + reply fill the context and never pass it; logprobs are those of
+the row each token was chosen from. The server's side of each is in test_serve_fast.py; the real models' in
+test_serve.py (logprobs against a second context), test_serve_guard.py (the context) and below (exit codes)."""
 
 from __future__ import annotations
 

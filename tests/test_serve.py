@@ -508,6 +508,21 @@ def test_a_greedy_tokens_logprob_is_the_top_of_its_alternatives_as_a_second_cont
         assert list(top.values()) == pytest.approx(np.sort(row)[::-1][:3].tolist(), abs=1e-3)
 
 
+def test_with_a_grammar_a_greedy_token_is_still_the_first_of_its_alternatives(chat_server):
+    """The row a constrained token was chosen from is the grammar-masked one: its alternatives are tokens the
+    grammar allowed there (greedy: the best legal token is the first)."""
+    client = chat_server.client()
+    reply = client.chat.completions.create(
+        model="demo-chat", messages=[{"role": "user", "content": "Describe a fictional person as JSON."}],
+        max_tokens=24, temperature=0, logprobs=True, top_logprobs=3, response_format={"type": "json_object"})
+    content = reply.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == reply.choices[0].message.content
+    assert content[0].token.lstrip().startswith("{")  # the first token the grammar allows
+    for c in content:
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert all(np.isfinite(a.logprob) for a in c.top_logprobs)
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
