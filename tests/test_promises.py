@@ -159,3 +159,15 @@ def test_logprob_alternatives_break_ties_as_the_greedy_choice_and_leave_out_mask
         assert [t for t, _ in top] == [1, 2] and top[0][1] == chosen
     _, every = token_logprobs(row, 1, 6)
     assert [t for t, _ in every] == [1, 2, 4, 0, 5]  # a token the grammar forbids is no alternative (nor -inf)
+
+
+def test_chat_refuses_a_preset_whose_drafter_the_models_cannot_run() -> None:
+    """Before: `/preset default` in a chat without a draft model went on, decoding plainly."""
+    from localspec.chat import ChatSession
+    from tests.helpers_serve import FakeTextModel
+
+    target = FakeTextModel(seed=3)
+    chat = ChatSession(Engine(target, None), target, GREEDY.with_overrides(drafter="lookup"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="drafter 'model' cannot run with these models"):
+        chat.set_preset("default")  # it drafts with the draft model
+    assert chat.preset.draft.drafter == "lookup"
