@@ -582,12 +582,14 @@ class Engine:
         state = s.grammar.clone()
         emitted: list[int] = []
         logprob_rows: list[np.ndarray] = []
+        # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
+        # without top-k, top-p or min-p needs them all.
+        every = dataclasses.replace(sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         try:
             for i in range(len(drafts) + 1):
                 if s.logprobs is not None:
                     assert scored.logits is not None  # full rows: logprobs turn the device sampler off (start)
-                    # Over every token the grammar allows here (masked_scores checks only what the choice needs).
-                    logprob_rows.append(masked_row(scored.logits[i], state, 0))
+                    logprob_rows.append(masked_row(scored.logits[i], state, every))
                 row = masked_scores(scored, i, state, sampling)
                 last = row is None
                 if row is None:  # (no penalty here: a penalised stream has full rows)

@@ -171,3 +171,48 @@ def test_chat_refuses_a_preset_whose_drafter_the_models_cannot_run() -> None:
     with pytest.raises(UsageError, match="drafter 'model' cannot run with these models"):
         chat.set_preset("default")  # it drafts with the draft model
     assert chat.preset.draft.drafter == "lookup"
+
+
+class NoRepeatGrammar:
+    """A toy grammar over the fake's vocabulary: a token may not follow itself, nor be token 0 (the engine's
+    grammar surface: clone, legal, accept, close)."""
+
+    source = "no-repeat"
+
+    def __init__(self, last: int = -1) -> None:
+        self.last = last
+
+    def clone(self) -> NoRepeatGrammar:
+        return NoRepeatGrammar(self.last)
+
+    def legal(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).ravel()
+        return (ids != self.last) & (ids != 0)
+
+    def accept(self, token: int) -> None:
+        self.last = token
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("drafter", ["model", None])
+def test_with_a_grammar_logprobs_are_over_the_tokens_it_allows(drafter: str | None) -> None:
+    """The row a constrained token was chosen from is the masked one: its logprob and alternatives are over the
+    legal tokens only (a forbidden token is no alternative), and a greedy token is the first of them."""
+    sampling = dataclasses.replace(GREEDY.sampling, repeat_penalty=1.3)
+    target = FakeModel(vocab=16, seed=4)
+    engine = Engine(target, FakeModel(vocab=16, seed=4, noise=0.7))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    settings = drafting(4 if drafter else 0, drafter or "model")
+    events = [e for e in engine.generate(prompt, sampling, settings, 20, grammar=NoRepeatGrammar(prompt[-1]),
+                                         logprobs=16) if hasattr(e, "token")]
+    context = list(prompt)
+    for event in events:
+        ref = reference_logprobs(target, context, sampling)
+        ref[[0, context[-1]]] = -np.inf  # what the grammar forbids here
+        ref -= np.log(np.exp(ref[np.isfinite(ref)]).sum())
+        assert event.token == int(np.argmax(ref)) == event.top_logprobs[0][0]
+        assert event.logprob == pytest.approx(ref[event.token], abs=1e-5)
+        assert [t for t, _ in event.top_logprobs] == np.argsort(-ref, kind="stable")[:14].tolist()  # 14 legal
+        context.append(event.token)
