@@ -16,6 +16,7 @@ in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/perfo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from localspec.config import Sampling
 from localspec.errors import GrammarError
 from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
 from localspec.llama.model import LlamaModel
-from localspec.sampling import NARROW, Candidates, accept_or_resample, distributions, penalized
+from localspec.sampling import NARROW, Candidates, accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first (at least 4 x top_k); a miss widens the look eightfold, then to all
@@ -197,11 +198,13 @@ def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling
 def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] | None, scores: Scores,
                        history: list[int], sampling: Sampling, rng: np.random.Generator,
                        is_eog: Callable[[int], bool], full_row: Callable[[int], np.ndarray],
-                       ) -> tuple[list[int], Grammar, int]:
+                       logprobs: int | None = None,
+                       ) -> tuple[list[int], Grammar, int, list[tuple[float, tuple[tuple[int, float], ...]]]]:
     """Acceptance (greedy match, or accept-or-resample against q) on a verify's masked rows: row i is masked with
     the grammar state after the drafts before it (a copy of `grammar`, advanced by each accepted draft), so p is the
     constrained target's at every position. `history`: what penalties read. Returns the emitted tokens, the copy
-    (the state after them: it replaces `grammar`, which the caller closes) and how many rows were decoded again.
+    (the state after them: it replaces `grammar`, which the caller closes), how many rows were decoded again and,
+    with `logprobs` (N), each emitted token's logprob and its N best legal alternatives on its masked row.
 
     Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal tokens;
     a row that does not is read in full (`full_row(i)`: its token decoded again, which drops the cells after it),
@@ -211,8 +214,15 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
     state = grammar.clone()
     emitted: list[int] = []
     redecoded = 0
+    logprob_rows: list[np.ndarray] = []
+    # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
+    # without top-k, top-p or min-p needs them all.
+    every = dataclasses.replace(sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     try:
         for i in range(len(drafts) + 1):
+            if logprobs is not None:
+                assert scored.logits is not None  # full rows: logprobs turn the device sampler off (Engine.start)
+                logprob_rows.append(masked_row(scored.logits[i], state, every))
             row = masked_scores(scored, i, state, sampling)
             last = row is None
             if row is None:  # (no penalty here: a penalised stream has full rows)
@@ -236,4 +246,6 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
         state.close()
         raise
     grammar.close()
-    return emitted, state, redecoded
+    chosen = [] if logprobs is None else [token_logprobs(row, token, logprobs)
+                                          for row, token in zip(logprob_rows, emitted, strict=True)]
+    return emitted, state, redecoded, chosen

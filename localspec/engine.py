@@ -52,7 +52,7 @@ from localspec.events import collect as collect
 from localspec.llama.grammar import Grammar
 from localspec.policies import DraftLength, LoadPolicy, kept_length
 from localspec.prompt_cache import PromptCache, SlotState
-from localspec.sampling import accept_rows, token_logprobs
+from localspec.sampling import accept_rows, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 from localspec.slot_cells import SlotCells
 from localspec.stream import Slot, Verdict
@@ -92,6 +92,10 @@ class Engine:
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
         self.constrained_rows = constrained_rows
+        # Plain decoding at T > 0 may draw its tokens on the device (one slot only, `start`): llama.cpp's random
+        # stream, not the host's, so a seed's text depends on the slot count. The server turns it off, so that a
+        # seed gives the same text whatever --parallel is.
+        self.draw_on_device = True
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
         self.slots = [Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
@@ -117,6 +121,14 @@ class Engine:
     def close(self) -> None:
         for drafter in self._distinct_drafters():
             drafter.close()
+
+    def check_drafter(self, drafting: Drafting) -> None:
+        """A drafter these models cannot run is a UsageError naming the ones they can (from the registry), never
+        plain decoding in its place."""
+        if drafting.n_draft > 0 and drafting.drafter not in self.drafters:
+            why = " (no draft model is loaded)" if self.draft is None else ""
+            raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
+                             f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
 
     def _distinct_drafters(self) -> list[Drafter]:
         return list({id(d): d for d in self.drafters.values()}.values())
@@ -206,6 +218,7 @@ class Engine:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
+        self.check_drafter(drafting)
         if context is not None and context.context_shift:
             self.check_context_shift()
         chosen = self.slots[slot]
@@ -214,7 +227,7 @@ class Engine:
         seq = chosen.seq
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama.ubatch.covering_calls), so there the host draws from the device's top k.
-        plain = not stream.use_draft and self.target.n_seq == 1
+        plain = not stream.use_draft and self.target.n_seq == 1 and self.draw_on_device
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
         # (`constrained_rows`, `constraints.accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
@@ -347,10 +360,10 @@ class Engine:
         if s.prefill and not self._prefill_some(s):
             return False  # more of its prompt next round; the round that decodes the last batch is its first
         if s.shift is not None and len(s.slot.tokens) >= self.n_ctx:
-            # One cell is left (cur's): every round stops here (`_room`), so plain and speculative decoding shift
-            # at the same token and keep the same ones.
+            # Every round ends at most at n_ctx tokens (`_room`), so plain and speculative decoding shift at the
+            # same token and keep the same ones.
             self._shift(s)
-        if len(s.slot.tokens) > self.n_ctx:  # verify needs cur + k cells after the cached prefix
+        if len(s.slot.tokens) >= self.n_ctx:  # prompt + reply never exceed the context (one more would)
             s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")
             return False
         return True
@@ -361,7 +374,8 @@ class Engine:
         plans = []
         for s in live:
             k_round = s.chooser.next() if s.use_draft else 0
-            width = min(k_round, self._room(s)) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
+            room = self.n_ctx - len(s.slot.tokens)  # cells left past the cached prefix (cur's included)
+            width = min(k_round, room) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
             plans.append(_Plan(k_round, self._length(s, k_round), width))
         share = self.load.share(len(live)) if any(p.k for p in plans) else 1.0
         if share < 1.0:
@@ -369,9 +383,9 @@ class Engine:
         return plans, share
 
     def _room(self, s: Stream) -> int:
-        """How many drafts the context leaves room for this round. With context shift, a round ends at most at
-        n_ctx tokens, where the next one shifts (`_begin`): one cell short of full, as llama-server shifts."""
-        return self.n_ctx - len(s.slot.tokens) - (1 if s.shift is not None else 0)
+        """How many drafts the context leaves room for this round: a round emits its drafts and one token more, and
+        prompt + reply stay within n_ctx (with context shift the next round shifts there: `_begin`)."""
+        return self.n_ctx - len(s.slot.tokens) - 1
 
     def _length(self, s: Stream, k_round: int, ahead: int = 0) -> int:
         """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
@@ -445,17 +459,14 @@ class Engine:
             else:
                 t_accept, start, seq = time.perf_counter(), len(s.slot.target_kv) - len(batch), s.slot.seq
                 history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
-                emitted, s.grammar, redecoded = accept_constrained(
+                emitted, s.grammar, redecoded, chosen = accept_constrained(
                     s.grammar, proposal.tokens, proposal.q, rows, history, s.sampling, s.rng, self.token_is_eog,
-                    lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq))
-                verdict = Verdict(emitted, len(emitted) - 1, [], width)
+                    lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq),
+                    s.logprobs)
+                verdict = Verdict(emitted, len(emitted) - 1, [], width, chosen)
                 if redecoded:  # a row decoded again is verify time (masking rows aside)
                     s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
-            if s.logprobs is not None:
-                assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
-                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
-                                                                 for i, t in enumerate(verdict.emitted)])
             if wait is not None:
                 verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
             verdicts.append(verdict)
@@ -465,7 +476,15 @@ class Engine:
     def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> Verdict:
         """gpt-fast's accept/reject over one stream's verify rows (`sampling.accept_rows`)."""
         history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens  # (a penalty reads it)
-        return Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
+        verdict = Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
+        if s.logprobs is None:
+            return verdict
+        # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+        assert scores.logits is not None and scores.full  # logprobs turn the device sampler off (start)
+        seen = penalized(scores, history, s.sampling).logits
+        assert seen is not None
+        return dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, s.logprobs)
+                                                      for i, t in enumerate(verdict.emitted)])
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the

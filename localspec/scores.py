@@ -96,6 +96,7 @@ class ScoringModel(Protocol):
     device_top_k: int
     unknown_token: int
     add_bos: bool  # the tokenizer starts a text with BOS (a context shift keeps it besides n_keep)
+    decodes: int  # llama_decode calls so far (the server's n_decode_total)
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
                seq: int = 0) -> Scores | None: ...

@@ -180,14 +180,15 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     cache = PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available())) if prompt_cache else None
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
                     constrained_rows=load.constrained_rows, prompt_cache=cache)
-    if preset.context.context_shift:
-        try:
+    try:
+        engine.check_drafter(preset.draft)  # before any work: never plain decoding in a drafter's place
+        if preset.context.context_shift:
             engine.check_context_shift()
-        except BaseException:
-            engine.close()
-            for model in (draft, target):
-                if model is not None:
-                    model.close()
-            raise
+    except BaseException:
+        engine.close()
+        for model in (draft, target):
+            if model is not None:
+                model.close()
+        raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)

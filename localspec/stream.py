@@ -90,8 +90,8 @@ class Stream:
         self.drafting = drafting
         self.max_tokens = max_tokens
         self.should_stop = should_stop
-        chosen = engine.drafters.get(drafting.drafter)
-        self.drafter: Drafter | None = chosen if chosen is not None and drafting.n_draft > 0 else None
+        # (Engine.start has checked that these models can run it.)
+        self.drafter: Drafter | None = engine.drafters[drafting.drafter] if drafting.n_draft > 0 else None
         self.trace = trace and sampling.greedy
         self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
         self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),

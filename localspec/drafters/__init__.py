@@ -46,10 +46,12 @@ LLAMA_SERVER_TYPES: dict[str, str] = {module.LLAMA_SERVER_TYPE: name for name, m
 
 
 def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter]:
-    """Every drafter these models allow, by name."""
+    """Every drafter these models allow, by name. A factory that hands back a drafter built before under another
+    name (the chain without a draft model is lookup alone) adds no name: asked for by that name, the request would
+    silently get another drafter."""
     built: dict[str, Drafter] = {}
     for name, factory in REGISTRY.items():
         made = factory(target, draft, built)
-        if made is not None:
+        if made is not None and all(made is not other for other in built.values()):
             built[name] = made
     return built

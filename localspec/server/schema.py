@@ -29,10 +29,15 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_CHOICES = 64  # n per request (and never more than the server's slots + queue)
 FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
                 "drafter": "speculative.type"}  # preset key → request field
-# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list), or a
-# drafter's own name (one llama-server has no name for) → what it means here: a drafter, or "none" (no drafting).
-SPECULATIVE_TYPES: dict[str, str | None] = {
-    "none": None, **LLAMA_SERVER_TYPES, **{name: name for name in DRAFTERS if name not in LLAMA_SERVER_TYPES.values()}}
+# speculative.type as llama-server spells it (common/speculative.cpp's names, each declared by its drafter; a chain as
+# --spec-type's list) → what it means here: a drafter, or "none" (no drafting); every drafter also answers to its own
+# name (`[draft] drafter`), so one added to the registry is a type at once.
+SPECULATIVE_TYPES: dict[str, str | None] = {"none": None, **LLAMA_SERVER_TYPES, **{name: name for name in DRAFTERS}}
+
+
+def speculative_name(drafter: str | None) -> str:
+    """A drafter's `speculative.type` (llama-server's name where it has one; None: "none")."""
+    return next(name for name, meant in SPECULATIVE_TYPES.items() if meant == drafter)
 
 
 class RequestError(Exception):
@@ -320,6 +325,15 @@ class ChatRequest(_Generation):
         if self.max_completion_tokens is not None:
             return self._with_n_predict(self.max_completion_tokens, "max_completion_tokens")
         return super().limit()
+
+    @field_validator("messages")
+    @classmethod
+    def _one_assistant_at_the_end(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """llama-server's rule (server-common.cpp): two assistant turns in a row at the end have no reply to
+        prompt for; templates that alternate roles would break on them."""
+        if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
+            raise ValueError("cannot have 2 or more assistant messages at the end of the list")
+        return messages
 
 
 class CompletionRequest(_Generation):
