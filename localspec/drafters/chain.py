@@ -10,8 +10,8 @@ bet's unless lookup's is expected to pay more (`ChainCost.prefer_bet`: the bet c
 What it measured (docs/performance.md): on the H200 with SmolLM2 in the card's shapes, 0.95-0.96x the draft
 model's speed-up on the shipped and lookup prompt sets, and lookup's pace on a code edit answered in prose (1.15-
 1.18x plain against the model's 1.90-1.93x); on the 2-core CPU demo pair, prompt lookup's pace (1.41-1.59x on
-the lookup set against lookup's 1.43-1.62x, 1.45x against 1.40x on the shipped prompts). It is not better than
-the better of its parts: on a GPU the draft model is the safe choice.
+the lookup set against lookup's 1.43-1.62x, 1.45x against 1.40x on the shipped prompts). It makes no promise to
+keep up with the better of its parts (on that code edit it did not): on a GPU the draft model is the safe choice.
 """
 
 from __future__ import annotations
