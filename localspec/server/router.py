@@ -4,15 +4,16 @@ another needs its room (least recently used first) or after `[server] models_idl
 
 Memory: before a load the pair's estimate (session.preflight: memory.estimate over the GGUF headers, checked
 against the free VRAM, or RAM on a CPU-only machine, measured then) must fit, and with `[server] models_budget`
-in MiB the loaded pairs' estimates together must stay within it. Idle pairs are unloaded until it fits; when it
-cannot, the request gets a 503 naming why, and nothing that runs is touched.
+in MiB the loaded pairs' estimates together must stay within it. Other pairs are unloaded until it fits.
 
 A request holds its pair (a lease) from the moment its route picks it until its response has been sent, streamed
 or not, whatever way it ends (`ReleaseLeases`, the innermost ASGI middleware, lets go): a pair with a lease is
-never unloaded. `POST /models/unload` of such a pair is deferred: it answers at once, the pair shows "unloading",
-takes no new requests (they wait, then load it again) and unloads when its last one ends.
+never unloaded. One that must make room while busy drains instead: it shows "unloading", takes no new requests
+(they wait, then load it again) and unloads when its last running one ends; the request that needs the room waits
+for that. `POST /models/unload` of a busy pair is deferred the same way (it answers at once). A 503 only when a
+pair cannot fit even with every other pair unloaded.
 
-Every decision runs on the event loop; only loading and freeing a pair (seconds) run in a thread, one at a time.
+Every decision runs on the event loop; loading and freeing a pair (seconds) run in a thread, loads one at a time.
 """
 
 from __future__ import annotations
@@ -186,9 +187,9 @@ class PairRouter:
     async def unload(self, name: str) -> dict[str, Any]:
         """POST /models/unload: unloaded now when idle; with requests running, when the last one ends."""
         pair = self.find(name)
-        if pair.status not in (LOADED, LOADING) or pair.unload_wanted:
+        if pair.status == UNLOADED:
             raise ApiError(400, f"model {name!r} is not running", param="model", code="model_not_loaded")
-        if pair.status == LOADING or pair.leases:
+        if pair.status != LOADED or pair.leases or pair.unload_wanted:
             pair.unload_wanted = True
             if pair.status == LOADED:
                 pair.status = UNLOADING
@@ -263,7 +264,9 @@ class PairRouter:
         return await anyio.to_thread.run_sync(self.loader.shortfall, pair)
 
     async def _load(self, pair: ServedPair) -> None:
-        """Make room (idle pairs out, least recently used first), then load `pair` (the lock held)."""
+        """Make room, then load `pair` (the lock held). Idle pairs go first, least recently used first; while a
+        busy pair holds the room, the least recently used of them takes no new requests and this waits until its
+        running ones end and it is freed. A 503 only where the pair cannot fit with every other pair unloaded."""
         if self._closed:
             raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
         if self.budget is not None and pair.footprint > self.budget:
@@ -271,13 +274,20 @@ class PairRouter:
                                 f"GiB is more than models_budget = {self.budget >> 20} MiB",
                            kind="server_error", code="model_too_large")
         while (why := await self._shortfall(pair)) is not None:
-            idle = sorted((p for p in self.pairs.values() if p.idle and p is not pair), key=lambda p: p.last_used)
-            if not idle:
-                busy = [p.name for p in self.pairs.values() if p.status != UNLOADED and p is not pair]
-                held = f"; the memory is held by {', '.join(busy)}, serving requests now" if busy else ""
-                raise ApiError(503, f"pair {pair.name!r} cannot be loaded: {why}{held}", kind="server_error",
-                               code="model_too_large", headers={"Retry-After": "5"} if busy else None)
-            await self._unload(idle[0])
+            others = [p for p in self.pairs.values() if p is not pair and p.status != UNLOADED]
+            idle = sorted((p for p in others if p.idle and not p.unload_wanted), key=lambda p: p.last_used)
+            if idle:
+                await self._unload(idle[0])
+                continue
+            if not others:
+                raise ApiError(503, f"pair {pair.name!r} cannot be loaded: {why}", kind="server_error",
+                               code="model_too_large")
+            draining = [p for p in others if p.status == UNLOADING or p.unload_wanted]
+            if not draining:
+                victim = min(others, key=lambda p: p.last_used)
+                victim.unload_wanted, victim.status = True, UNLOADING
+                draining = [victim]
+            await draining[0].unloaded.wait()  # its last request's release unloads it (`_drain`)
         pair.status, pair.error = LOADING, None
         pair.unloaded.clear()
         try:
@@ -309,9 +319,10 @@ class PairRouter:
             pair.unloaded.set()
 
     async def _drain(self, pair: ServedPair) -> None:
-        async with self._guard():
-            if pair.unload_wanted and pair.leases == 0 and pair.loaded is not None:
-                await self._unload(pair)
+        """Unload a pair whose last request just ended. Not under the lock: a load that waits for this room holds
+        it. Its memory counts as used (`_used`) until it is freed."""
+        if pair.unload_wanted and pair.leases == 0 and pair.loaded is not None:
+            await self._unload(pair)
 
     def _start_sweeper(self) -> None:
         if self.idle_s > 0 and (self._sweeper is None or self._sweeper.done()):
