@@ -242,3 +242,124 @@ def test_one_pair_answers_load_and_unload_with_501() -> None:
             assert r.status_code == 501 and "--pair A --pair B" in r.json()["error"]["message"]
     finally:
         backend.worker.shutdown(timeout=30)
+
+
+# -- --draft auto: models.toml's drafts, by family and the tokenizer check ---------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+USER_PAIRS = """
+[[pair]]
+name = "tiny"
+description = "the tiny pair"
+n_ctx = 512
+n_draft = 4
+[pair.target]
+repo = "org/tiny-target"
+file = "target.gguf"
+quant = "F32"
+family = "tiny"
+license = "mit"
+[pair.draft]
+repo = "org/tiny-draft"
+file = "draft.gguf"
+quant = "F32"
+family = "tiny"
+license = "mit"
+
+[[pair]]
+name = "tiny-other-tokenizer"
+description = "a draft of the same family with another tokenizer model: the check refuses it"
+n_ctx = 512
+n_draft = 4
+[pair.target]
+repo = "org/elsewhere"
+file = "elsewhere.gguf"
+quant = "F32"
+family = "tiny"
+license = "mit"
+[pair.draft]
+repo = "org/bad-draft"
+file = "bad-draft.gguf"
+quant = "F32"
+family = "tiny"
+license = "mit"
+
+[[pair]]
+name = "big-family"
+description = "another family, not downloaded"
+n_ctx = 512
+n_draft = 4
+[pair.target]
+repo = "org/big"
+file = "big.gguf"
+quant = "Q4_K_M"
+family = "big"
+license = "mit"
+[pair.draft]
+repo = "org/big-draft"
+file = "big-draft.gguf"
+quant = "Q8_0"
+family = "big"
+license = "mit"
+"""
+
+
+def _cache(hub: Path, repo: str, name: str, source: Path) -> Path:
+    """A file laid out as huggingface_hub caches it (refs/main -> snapshots/<commit>/name)."""
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    (folder / "snapshots" / COMMIT).mkdir(parents=True, exist_ok=True)
+    path = folder / "snapshots" / COMMIT / name
+    path.write_bytes(source.read_bytes())
+    return path
+
+
+@pytest.fixture
+def auto_home(tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    from tests import helpers_gguf as G
+
+    home, hub = tmp_path / "home", tmp_path / "hub"
+    home.mkdir()
+    (home / "models.toml").write_text(USER_PAIRS)
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    target, draft = tiny_pair
+    bad = G.rewrite(draft, tmp_path / "bad-draft.gguf", {"tokenizer.ggml.model":
+                                                        G.kv("tokenizer.ggml.model", G.STRING, "llama")})
+    return {"target": _cache(hub, "org/tiny-target", "target.gguf", target),
+            "draft": _cache(hub, "org/tiny-draft", "draft.gguf", draft),
+            "bad": _cache(hub, "org/bad-draft", "bad-draft.gguf", bad), "hub": hub, "home": home}
+
+
+def test_draft_auto_picks_the_family_draft_that_passes_the_tokenizer_check(auto_home: dict[str, Path]) -> None:
+    from localspec.cli.options import RunOptions
+
+    files = RunOptions(target=auto_home["target"], draft=["auto"]).files()
+    assert files.draft == auto_home["draft"] and files.target == auto_home["target"]
+    # A target models.toml does not list: the architecture in both headers is its family; the same answer.
+    elsewhere = auto_home["home"] / "my-own-target.gguf"
+    elsewhere.write_bytes(auto_home["target"].read_bytes())
+    assert RunOptions(target=elsewhere, draft=["auto", "4"]).files().draft == auto_home["draft"]
+
+
+def test_draft_auto_without_a_match_is_one_line_exit_2_naming_what_was_tried(auto_home: dict[str, Path]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    for folder in auto_home["hub"].glob("models--org--tiny-draft"):
+        import shutil
+
+        shutil.rmtree(folder)  # the good draft is not downloaded: only the one with another tokenizer is left
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("LOCALSPEC_DEBUG", None)
+    run = subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "serve", "--port", "0",
+                          "--target", str(auto_home["target"]), "--draft", "auto"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "--draft auto: no downloaded draft in models.toml fits target.gguf (family tiny)" in lines[0]
+    assert "draft.gguf (not downloaded)" in lines[0] and "bad-draft.gguf (tokenizer:" in lines[0]
+    assert "big-draft" not in lines[0]  # another family is not even mentioned
