@@ -20,6 +20,7 @@ from localspec.server.app import create_app
 from localspec.server.handling import Backend, ServerState
 from localspec.server.router import Loaded, PairRouter, ServedPair
 from localspec.session import ModelFiles
+from tests.helpers_hub import cache_file
 from tests.helpers_serve import FakeTextModel, fake_backend, live_server, wait_for
 
 MiB = 1 << 20
@@ -179,6 +180,17 @@ def test_unloading_a_busy_pair_is_deferred_until_its_request_ends() -> None:
         assert _complete(url, "alpha")  # a later request loads it again
 
 
+def test_a_client_that_leaves_mid_stream_lets_its_pair_go() -> None:
+    with routed(budget_mib=None, delay=0.05) as (url, router, loader):
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 200,
+                                                                  "stream": True}) as r:
+            next(r.iter_lines())
+            assert router.pairs["alpha"].leases == 1
+        wait_for(lambda: router.pairs["alpha"].leases == 0)
+        assert httpx.post(f"{url}/models/unload", json={"model": "alpha"}).json() == {"success": True}
+        assert loader.freed_while_held == []
+
+
 def test_models_load_and_unload_answer_as_llama_servers_router() -> None:
     with routed(budget_mib=None) as (url, router, loader):
         assert httpx.post(f"{url}/models/load", json={"model": "beta"}).json() == {"success": True}
@@ -246,7 +258,6 @@ def test_one_pair_answers_load_and_unload_with_501() -> None:
 
 # -- --draft auto: models.toml's drafts, by family and the tokenizer check ---------------------------------------
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 USER_PAIRS = """
 [[pair]]
 name = "tiny"
@@ -304,17 +315,6 @@ license = "mit"
 """
 
 
-def _cache(hub: Path, repo: str, name: str, source: Path) -> Path:
-    """A file laid out as huggingface_hub caches it (refs/main -> snapshots/<commit>/name)."""
-    folder = hub / ("models--" + repo.replace("/", "--"))
-    (folder / "refs").mkdir(parents=True, exist_ok=True)
-    (folder / "refs" / "main").write_text(COMMIT)
-    (folder / "snapshots" / COMMIT).mkdir(parents=True, exist_ok=True)
-    path = folder / "snapshots" / COMMIT / name
-    path.write_bytes(source.read_bytes())
-    return path
-
-
 @pytest.fixture
 def auto_home(tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     from tests import helpers_gguf as G
@@ -327,9 +327,9 @@ def auto_home(tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.
     target, draft = tiny_pair
     bad = G.rewrite(draft, tmp_path / "bad-draft.gguf", {"tokenizer.ggml.model":
                                                         G.kv("tokenizer.ggml.model", G.STRING, "llama")})
-    return {"target": _cache(hub, "org/tiny-target", "target.gguf", target),
-            "draft": _cache(hub, "org/tiny-draft", "draft.gguf", draft),
-            "bad": _cache(hub, "org/bad-draft", "bad-draft.gguf", bad), "hub": hub, "home": home}
+    return {"target": cache_file(hub, "org/tiny-target", "target.gguf", target.read_bytes()),
+            "draft": cache_file(hub, "org/tiny-draft", "draft.gguf", draft.read_bytes()),
+            "bad": cache_file(hub, "org/bad-draft", "bad-draft.gguf", bad.read_bytes()), "hub": hub, "home": home}
 
 
 def test_draft_auto_picks_the_family_draft_that_passes_the_tokenizer_check(auto_home: dict[str, Path]) -> None:
