@@ -13,6 +13,7 @@ from localspec.fsutil import not_a_file
 from localspec.gguf_header import read_header
 from localspec.llama_ctx import LlamaModel
 from localspec.prompt_cache import PromptCache, limit_bytes
+from localspec.status import Status
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,50 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
         raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)
+
+
+def auto_draft(target: Path) -> Path:
+    """`--draft auto`: a draft for `target` among the pairs' drafts in models.toml (shipped and the user's) that are
+    downloaded, of the target's family (the family models.toml gives the target's file; a file it does not list:
+    the architecture both GGUF headers name), smaller than the target, passing the tokenizer check (compat). A
+    pair naming this target comes first, then a clean tokenizer match, then the smallest file. None: a one-line
+    LocalspecError naming what was tried."""
+    header = read_header(target)
+    pairs = [p for p in registry.load_pairs().values() if not p.builtin]
+    family = next((spec.family for p in pairs for spec in (p.target, p.draft)
+                   if spec is not None and spec.file == target.name), None)
+    size = target.stat().st_size
+    tried: list[str] = []
+    found: list[tuple[bool, bool, int, str, Path]] = []
+    for spec in dict.fromkeys(p.draft for p in pairs if p.draft is not None):
+        path = hub.cached_path(spec)
+        if path is None:
+            if spec.family in (family, header.arch):
+                tried.append(f"{spec.file} (not downloaded)")
+            continue
+        if path.resolve() == target.resolve():
+            continue
+        try:
+            draft = read_header(path)
+            same_family = spec.family == family if family is not None else draft.arch == header.arch
+            if not same_family:
+                continue
+            if path.stat().st_size >= size:
+                tried.append(f"{spec.file} (not smaller than the target)")
+                continue
+            verdict = compat.compare(header, draft)
+        except LocalspecError as exc:
+            tried.append(f"{spec.file} ({exc})")
+            continue
+        if not verdict.compatible:
+            fail = next(f for f in verdict.findings if f.level == Status.FAIL)
+            tried.append(f"{spec.file} (tokenizer: {fail.message})")
+            continue
+        named = any(p.draft == spec and p.target is not None and p.target.file == target.name for p in pairs)
+        found.append((not named, not verdict.tokens_match, path.stat().st_size, str(path), path))
+    if not found:
+        kind = f"family {family}" if family is not None else f"architecture {header.arch}"
+        also = f"; tried {', '.join(tried)}" if tried else ""
+        raise LocalspecError(f"--draft auto: no downloaded draft in models.toml fits {target.name} ({kind}){also}; "
+                             "name one with --draft PATH, or use --draft none")
+    return min(found)[-1]
