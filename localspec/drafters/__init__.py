@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from localspec.drafters import chain, lookup, model
+from localspec.drafters import chain, lookup, model, mtp
 from localspec.drafters.base import Drafter
 from localspec.scores import ScoringModel
 
@@ -16,6 +16,7 @@ REGISTRY: dict[str, Factory] = {
     "lookup": lookup.build,
     "model": model.build,
     "chain": chain.build,  # after both of its parts
+    "mtp": mtp.build,  # the target's own MTP head (a model that has one)
 }
 
 
