@@ -948,6 +948,7 @@ class HybridSpec:
     shared_blocks: int
     scale: float  # the block matrices' fp16 scale (the draft's agreement knob)
     mtp_noise: float = 0.5  # the MTP head's hidden-state input over its token input (the MTP agreement knob)
+    mtp_scale: float | None = None  # the MTP block's matrices (None: `scale`)
     wtype: HybridType = "q4_0"
     seed: int = 1234
     ctx: int = 2048
@@ -1066,6 +1067,8 @@ def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int,
         shared = block < spec.shared_blocks
         reuse = spec.reuse_blocks and not shared and block < sh.n_blocks
         scale = 0.1 if tensor_role == "ssm_conv1d" else spec.scale
+        if block >= sh.n_blocks and spec.mtp_scale is not None:
+            scale = spec.mtp_scale
         key = (spec.shared_blocks if reuse else block, 0 if shared else stream)
         if reuse and (tensor_role, qt) in cache:
             return cache[(tensor_role, qt)]
@@ -1152,7 +1155,10 @@ HYBRID_27B = HybridSpec(
     ctx=4096,
     reuse_blocks=True,
 )
-HYBRID_PRESETS: dict[str, HybridSpec] = {"hybrid-tiny": HYBRID_TINY, "hybrid27b": HYBRID_27B}
+# Both drafters agree almost always: the all-accepted paths.
+HYBRID_TINY_HIGH = replace(HYBRID_TINY, scale=0.0005, mtp_noise=0.0, mtp_scale=0.0005)
+HYBRID_PRESETS: dict[str, HybridSpec] = {"hybrid-tiny": HYBRID_TINY, "hybrid-tiny-high": HYBRID_TINY_HIGH,
+                                         "hybrid27b": HYBRID_27B}
 
 
 # -- measuring agreement -------------------------------------------------------------------------------------

@@ -283,18 +283,7 @@ def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> Non
 
 # -- hybrid pairs: Qwen3.5/3.6-shaped (Gated DeltaNet + full attention), with an MTP block ---------------------------
 
-from synthetic import HYBRID_27B, HYBRID_TINY, HybridSpec, hybrid_tensor_plan, write_hybrid_pair  # noqa: E402
-
-
-def _hybrid(root: Path, spec: HybridSpec, name: str) -> tuple[Path, Path]:
-    target, draft = root / f"{name}-target.gguf", root / f"{name}-draft.gguf"
-    write_hybrid_pair(target, draft, spec)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return _hybrid(tmp_path_factory.mktemp("hyb"), HYBRID_TINY, "tiny")
+from synthetic import HYBRID_27B, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
 
 
 def test_hybrid_layout(hybrid_pair: tuple[Path, Path]) -> None:

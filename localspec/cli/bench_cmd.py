@@ -83,8 +83,9 @@ def bench(
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
-    if files.draft is None and chosen.draft.drafter != "lookup":
-        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup")
+    if files.draft is None and chosen.draft.drafter not in config.MODEL_FREE_DRAFTERS:
+        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup "
+                             "(or mtp, for a target with MTP layers)")
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
 

@@ -186,15 +186,23 @@ def check(
     draft_path: PathArg = None,
     pair: options.PairOpt = None,
 ) -> None:
-    """Tokenizer compatibility of a target and a draft, from GGUF headers only (exit 1: incompatible)."""
-    if (target_path is None) != (draft_path is None):
-        raise LocalspecError("give both TARGET and DRAFT files, or a --pair")
+    """What can draft for a target (its MTP head, recurrent state) and the draft's tokenizer match, from headers.
+
+    Exit 1 when DRAFT cannot draft for TARGET."""
+    if target_path is None and draft_path is not None:
+        raise LocalspecError("give TARGET (and DRAFT), or a --pair")
     files = resolve_files(pair, target_path, draft_path)
+    target = read_header(files.target)
+    console.print(f"target [cyan]{files.target}[/]" + (f"\ndraft  [cyan]{files.draft}[/]" if files.draft else ""))
+    for status, line in doctor.drafting_facts(target):
+        console.print(f"{MARK[status]} {escape(line)}")
     if files.draft is None:
-        raise LocalspecError(f"pair {files.name} has no draft model to check")
-    target, draft = read_header(files.target), read_header(files.draft)
+        return
+    draft = read_header(files.draft)
+    for status, line in doctor.drafting_facts(draft, role="draft"):
+        if status != Status.INFO:
+            console.print(f"{MARK[status]} {escape(line)}")
     verdict = compat.compare(target, draft)
-    console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
     if verdict.tokens_match:
         console.print(f"{MARK[Status.OK]} same tokenizer ({escape(target.arch)} / {escape(draft.arch)}): every token "
                       "id means the same text in both models")

@@ -40,6 +40,9 @@ class _Seq:
     seen: list[int] = field(default_factory=list)  # the target's cells' tokens when its rows were taken
     rows: list[np.ndarray] = field(default_factory=list)  # target hidden rows, positions [rows_from, rows_to)
     rows_from: int = 0
+    # Where the last prompt ended (the target's cells then, where a recurrent target checkpoints) and the target's
+    # row before it: a next prompt that shares that prompt starts the head there with no target row decoded again.
+    anchor: tuple[int, np.ndarray] | None = None
 
     @property
     def rows_to(self) -> int:
@@ -71,30 +74,44 @@ class MtpDrafter:
 
     # -- the target's side ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _kept_cells(st: _Seq, prompt: list[int]) -> int:
+        """The head's cells a new prompt keeps: those still holding its tokens, never the last one (cur: the first
+        draft scores it)."""
+        return min(len(st.tokens), shared_prefix(st.tokens, prompt), len(prompt) - 1)
+
     def target_limit(self, req: DraftRequest, prompt: list[int]) -> int:
         st = self._seqs.get(req.seq, _Seq())
-        m = min(len(st.tokens), shared_prefix(st.tokens, prompt))
+        m = self._kept_cells(st, prompt)
         if m == 0:
             return 0  # from position 0: every target row is needed
         valid = min(st.rows_to, shared_prefix(st.seen, prompt[:-1]))
-        return valid if st.rows_from <= m - 1 < valid else m - 1
+        if st.rows_from <= m - 1 < valid:
+            return valid  # its rows go on from where the target's cells end
+        if st.anchor is not None and 0 < st.anchor[0] <= m:
+            return st.anchor[0]  # the last prompt's end, where a recurrent target keeps its checkpoint
+        return m - 1  # the target decodes again from the position whose row the head needs
 
     def target_kept(self, req: DraftRequest, kept: int) -> None:
         st = self._seqs.setdefault(req.seq, _Seq())
         prompt = req.tokens
-        m = min(len(st.tokens), shared_prefix(st.tokens, prompt), kept + 1)
+        m = min(self._kept_cells(st, prompt), kept + 1)
+        valid = min(st.rows_to, shared_prefix(st.seen, prompt[:-1]), kept)
+        if m == kept + 1 or m == 0:  # the target's rows from `kept` on are all the head needs
+            rows: list[np.ndarray] = []
+            first = kept
+        elif st.rows_from <= m - 1 and valid == kept:
+            rows, first = st.rows[m - 1 - st.rows_from : kept - st.rows_from], m - 1
+        elif st.anchor is not None and st.anchor[0] == kept and kept <= m:
+            m, rows, first = kept, [st.anchor[1]], kept - 1
+        else:  # (the loop keeps the target within `target_limit`)
+            raise UsageError(f"MTP drafter: sequence {req.seq} lost the target's hidden states")
         del st.tokens[m:]
         self.head.truncate(m, req.seq)
-        valid = min(st.rows_to, shared_prefix(st.seen, prompt[:-1]), kept)
-        if m > 0 and st.rows_from <= m - 1 < valid:
-            first = m - 1
-            st.rows = st.rows[first - st.rows_from : valid - st.rows_from]
-            st.rows_from = first
-        else:
-            st.rows, st.rows_from = [], kept
-        if st.rows_to != kept:  # (the loop limits the target to `target_limit`)
-            raise UsageError(f"MTP drafter: sequence {req.seq} lost the target's hidden states")
+        st.rows, st.rows_from = rows, first
         st.seen = list(prompt[:kept])
+        if st.anchor is not None and st.anchor[0] > m:
+            st.anchor = None
 
     def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
         st = self._seqs[req.seq]
@@ -106,6 +123,8 @@ class MtpDrafter:
         if st.rows_to <= committed:
             st.seen.extend(req.tokens[len(st.seen) : st.rows_to])
             self._catch_up(req, st.rows_to - 1)
+            if st.rows_to == committed:  # the prompt is in: the next prompt that shares it starts here
+                st.anchor = (committed, st.rows[-1])
 
     # -- the seam -------------------------------------------------------------------------------------------------
 

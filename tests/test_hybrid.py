@@ -1,0 +1,426 @@
+"""Hybrid and recurrent models (Qwen3.5/3.6: Gated DeltaNet + attention) and MTP heads: the rewind rules, the
+header facts and memory they need, the refusals, and exactness on a tiny Qwen3.5-shaped pair through the real
+llama.cpp (greedy output bit for bit plain decoding's, the target's distribution at T > 0, slots, prompt reuse)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from localspec.config import load_preset
+from localspec.engine import Engine, TokenEvent, collect
+from localspec.errors import RollbackError, UsageError
+from tests.helpers_fake import FakeModel
+from tests.helpers_stats import chi_square, joint_probs
+
+GREEDY = load_preset("greedy")
+
+
+def drafting(k: int, drafter: str = "model", adaptive: bool = False, p_min: float = 0.0):
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, adaptive=adaptive, p_min=p_min)
+
+
+def sampled(seed: int, temperature: float = 0.7, top_k: int = 40):
+    return dataclasses.replace(load_preset("default").sampling, temperature=temperature, top_k=top_k, top_p=1.0,
+                               seed=seed)
+
+
+# -- the rewind rules, on the scripted fake (fast) ------------------------------------------------------------------
+
+
+def fake_pair(depth: int | None, draft_depth: int | None, noise: float = 1.5) -> tuple[FakeModel, FakeModel]:
+    return (FakeModel(vocab=8, rewind_depth=depth),
+            FakeModel(vocab=8, noise=noise, rewind_depth=draft_depth))
+
+
+@pytest.mark.parametrize("draft_depth", [None, 0])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_stays_plain_decoding_with_a_recurrent_target_and_draft(k: int, draft_depth: int | None) -> None:
+    """A target that rewinds only within its last decode (k of them at most) and a draft that rewinds only to a
+    checkpoint: the fakes refuse any other rewind and check every decode's position, so output equal to the
+    table's own greedy continuation means every rewind and catch-up was right."""
+    target, draft = fake_pair(6, draft_depth)
+    engine = Engine(target, draft)
+    reference = FakeModel(vocab=8)
+    for seed in range(6):
+        prompt = np.random.default_rng(seed).integers(0, 8, size=5).tolist()
+        for drafter in ("model", "lookup", "chain"):
+            got = collect(engine.generate(prompt, GREEDY.sampling, drafting(k, drafter), 40)).tokens
+            assert got == reference.greedy(prompt, 40), (seed, drafter)
+    assert draft_depth is None or draft.restores > 0  # the draft went back to its checkpoints
+
+
+def test_a_draft_longer_than_the_target_rewinds_is_refused_before_anything_runs() -> None:
+    target, draft = fake_pair(4, 0)
+    engine = Engine(target, draft)
+    with pytest.raises(RollbackError, match="rolls back at most 4 tokens"):
+        engine.start([1, 2, 3], GREEDY.sampling, drafting(5), 10)
+    assert not target.cells  # nothing was decoded
+    engine.start([1, 2, 3], GREEDY.sampling, drafting(4), 10)  # within the depth: fine
+    engine.start([1, 2, 3], GREEDY.sampling, drafting(0), 10, slot=0)  # plain decoding needs no rewind
+
+
+def test_a_next_prompt_goes_back_to_the_checkpoint_at_the_last_prompt_end() -> None:
+    """A chat's next turn shares the last prompt (not the reply's cells, which the template rewrites): a recurrent
+    target comes back to the checkpoint taken where the prompt ended instead of decoding it all again."""
+    target, draft = fake_pair(6, 0)
+    engine = Engine(target, draft)
+    first = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    done = collect(engine.generate(first, GREEDY.sampling, drafting(3), 12))
+    second = [*first, 3, 3, 3]  # not the reply: its cells cannot be kept, the prompt's can
+    stream = engine.start(second, GREEDY.sampling, drafting(3), 12)
+    assert stream.stats.prompt_tokens_processed == len(second) - len(first)
+    assert done.tokens and collect_stream(engine, stream) == FakeModel(vocab=8).greedy(second, 12)
+
+
+def collect_stream(engine: Engine, stream) -> list[int]:
+    out = []
+    while not stream.finished:
+        engine.step([stream])
+        out += [e.token for e in stream.events() if isinstance(e, TokenEvent)]
+    return out
+
+
+def test_several_slots_with_a_recurrent_target_are_each_what_they_are_alone() -> None:
+    target, draft = (FakeModel(vocab=8, n_seq=3, rewind_depth=5),
+                     FakeModel(vocab=8, noise=1.5, n_seq=3, rewind_depth=0))
+    engine = Engine(target, draft)
+    prompts = [np.random.default_rng(s).integers(0, 8, size=4 + s).tolist() for s in range(3)]
+    streams = [engine.start(p, GREEDY.sampling, drafting(k), 30, slot=i)
+               for i, (p, k) in enumerate(zip(prompts, (5, 2, 0), strict=True))]
+    outs: list[list[int]] = [[] for _ in streams]
+    while not all(s.finished for s in streams):
+        engine.step(streams)
+        for out, s in zip(outs, streams, strict=True):
+            out += [e.token for e in s.events() if isinstance(e, TokenEvent)]
+    reference = FakeModel(vocab=8)
+    assert outs == [reference.greedy(p, 30) for p in prompts]
+
+
+# -- header facts, memory, refusals (no weights) -----------------------------------------------------------------------
+
+
+def test_header_facts_of_a_hybrid_with_an_mtp_block(hybrid_pair) -> None:
+    from localspec.gguf_header import read_header
+
+    target, draft = (read_header(p) for p in hybrid_pair)
+    assert target.nextn_layers == 1 and target.trunk_layers == 4 and draft.nextn_layers == 0
+    rec = target.recurrence
+    assert rec is not None and rec.kind == "hybrid" and rec.rolls_back
+    assert rec.layers == (0, 2) and target.attention_layers == (1, 3)
+    # Per Gated DeltaNet layer: (conv 4 - 1) x (inner 64 + 2 x 2 groups x 16) + 16 x 64 floats.
+    assert rec.state_bytes == 2 * (3 * (64 + 64) + 16 * 64) * 4
+
+
+def test_memory_counts_attention_kv_and_the_recurrent_state(hybrid_pair) -> None:
+    from localspec import memory
+    from localspec.gguf_header import read_header
+
+    target = read_header(hybrid_pair[0])
+    s = memory.Settings(n_ctx=1024, n_draft=6)
+    m = memory.model_memory(target, s, n_outputs=7, n_gpu_layers=-1, snapshots=6)
+    # Two attention layers of 2 KV heads x (32 + 32), f16, 1024 cells; the MTP block and recurrent layers none.
+    assert m.kv == 2 * 2 * 64 * 1024 * 2
+    assert m.state == target.recurrence.state_bytes * (1 + 6 + 1)
+    mtp = memory.model_memory(target, dataclasses.replace(s, drafter="mtp"), n_outputs=7, n_gpu_layers=-1, mtp=True)
+    assert mtp.kv == m.kv * 3 // 2  # its own context: the MTP block's attention too
+
+
+def qwen36_27b_header(tmp_path):
+    """A header with Qwen3.6-27B's text hyperparameters (its config.json as llama.cpp's converter writes it)."""
+    from localspec.gguf_header import read_header
+    from tests import helpers_gguf as G
+    from tests.helpers_vocab import write_vocab
+
+    base = write_vocab(tmp_path / "base.gguf", arch="qwen35", hparams={
+        "block_count": 65, "embedding_length": 5120, "head_count": 24, "head_count_kv": 4, "context_length": 262144})
+    keys = {"attention.key_length": 256, "attention.value_length": 256, "nextn_predict_layers": 1,
+            "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.inner_size": 6144, "ssm.state_size": 128,
+            "ssm.group_count": 16, "ssm.time_step_rank": 48}
+    records = {f"qwen35.{k}": G.kv(f"qwen35.{k}", G.UINT32, v) for k, v in keys.items()}
+    return read_header(G.rewrite(base, tmp_path / "qwen36-27b.gguf", records))
+
+
+def test_qwen3_6_27b_state_and_kv(tmp_path) -> None:
+    """The arithmetic behind models.toml's 27B lines: 48 Gated DeltaNet layers of (4 - 1) x (6144 + 2 x 16 x 128)
+    convolution and 128 x 6144 state floats (llama.cpp's n_embd_r, n_embd_s); KV in the 16 attention layers only,
+    4 KV heads of 256; the MTP block's own KV in the MTP context."""
+    from localspec import memory
+
+    h = qwen36_27b_header(tmp_path)
+    rec = h.recurrence
+    assert rec is not None and len(rec.layers) == 48 and rec.rolls_back
+    assert rec.state_bytes == 48 * (3 * (6144 + 4096) + 128 * 6144) * 4 == 156_893_184  # 149.6 MiB
+    assert h.attention_layers == tuple(range(3, 64, 4))
+    assert memory.kv_bytes(h, 8192, "q8_0") == 16 * 4 * 512 * 8192 * 34 // 32  # 272 MiB
+    s = memory.Settings(n_ctx=8192, n_draft=3, kv_type="q8_0", drafter="mtp")
+    m = memory.model_memory(h, s, n_outputs=4, n_gpu_layers=-1, mtp=True, snapshots=3)
+    assert m.kv == 17 * 4 * 512 * 8192 * 34 // 32
+    assert m.state == 156_893_184 * 5  # the state, 3 snapshots, the checkpoint
+
+
+def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
+    from localspec import llama_ctx
+    from localspec.gguf_header import read_header
+    from localspec.session import check_drafting
+
+    hybrid, plain = read_header(hybrid_pair[0]), read_header(tiny_pair[0])
+    spec = GREEDY.with_overrides(n_draft=4)
+    check_drafting(hybrid, read_header(hybrid_pair[1]), spec)  # fine with this llama-cpp-python
+    check_drafting(hybrid, None, spec.with_overrides(drafter="mtp"))
+    with pytest.raises(UsageError, match="has no MTP layers"):
+        check_drafting(plain, None, spec.with_overrides(drafter="mtp"))
+    monkeypatch.setattr(llama_ctx, "rollback_unsupported", lambda: "llama-cpp-python 0.3.2 cannot roll back")
+    with pytest.raises(RollbackError, match="is a hybrid model: llama-cpp-python 0.3.2 cannot roll back"):
+        check_drafting(hybrid, None, spec)
+    check_drafting(hybrid, None, spec.with_overrides(n_draft=0))  # plain decoding needs no rollback
+    check_drafting(plain, read_header(tiny_pair[1]), spec)  # an attention-only pair does not care
+
+
+def test_an_architecture_without_snapshots_is_refused(hybrid_pair, tmp_path) -> None:
+    """llama.cpp keeps no snapshots for qwen3next: speculation there is refused in one line."""
+    from localspec.gguf_header import read_header
+    from localspec.session import check_drafting
+    from tests.helpers_vocab import write_vocab
+
+    path = write_vocab(tmp_path / "next.gguf", arch="qwen3next", hparams={"block_count": 4})
+    header = read_header(path)
+    assert header.recurrence is not None and not header.recurrence.rolls_back
+    with pytest.raises(RollbackError, match="cannot roll back a qwen3next model's recurrent state"):
+        check_drafting(header, None, GREEDY.with_overrides(n_draft=3))
+
+
+# -- through the real llama.cpp -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_session(hybrid_pair, tmp_path_factory):
+    """The tiny hybrid pair, its target's MTP head reading the hidden state a little (mtp_noise 0.1): at T > 0
+    both drafters' proposals overlap the target's candidates partly (accepted, and resampled)."""
+    from synthetic import HYBRID_TINY, write_hybrid_model
+
+    from localspec.session import ModelFiles, open_session
+
+    target = tmp_path_factory.mktemp("mtp-mid") / "target.gguf"
+    write_hybrid_model(target, dataclasses.replace(HYBRID_TINY, mtp_noise=0.1), "target")
+    with open_session(ModelFiles(target, hybrid_pair[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1)) as s:
+        yield s
+
+
+def prompts(n: int, seed: int = 7, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=length).tolist() for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
+    """llama-cpp-python's declaration of n_rs_seq (and ctx_type, load_mtp) reaches llama.cpp: a context made with
+    them reads them back, and an MTP context (which needs both other fields) runs."""
+    import llama_cpp
+
+    from localspec.llama_ctx import LlamaModel, MtpHead
+
+    for depth in (3, 7):
+        with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=depth) as m:
+            assert llama_cpp.llama_n_rs_seq(m.ctx) == depth == m.rewind_depth
+            assert m.mtp_layers == 1
+            head = MtpHead(m, n_ctx=256, n_threads=1)
+            row = np.zeros(head.n_embd, dtype=np.float32)
+            (logits, hidden), = head.decode([(0, 5, 0, row, True)])
+            assert logits.shape == (m.n_vocab,) and hidden.shape == (head.n_embd,) and np.isfinite(logits).all()
+            head.close()
+
+
+@pytest.mark.slow
+def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
+    """Within the last decode: bit for bit a fresh context's logits. Past it (where llama.cpp's own seq_rm says yes
+    and is wrong): back to the checkpoint, or to nothing, and the re-decoded logits are again a fresh context's."""
+    from localspec.llama_ctx import LlamaModel
+
+    tokens = prompts(1, seed=3, length=30)[0]
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+        ref = fresh.decode(tokens, 0, all_logits=True).logits.copy()
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+        m.decode(tokens[:20], 0)
+        m.decode(tokens[20:26], 20)
+        assert m.truncate(23) == 23  # 3 of the last decode's 6
+        assert np.array_equal(m.decode(tokens[23:25], 23, all_logits=True).logits, ref[23:25])
+        assert m.truncate(24) == 24  # 1 of the last decode's 2
+        m.checkpoint()  # at 24
+        for i in range(24, 27):
+            m.decode([tokens[i]], i)  # one-token decodes: no snapshot can undo them
+        assert m.truncate(26) == 24  # back to the checkpoint
+        assert np.array_equal(m.decode(tokens[24:28], 24, all_logits=True).logits, ref[24:28])
+        assert m.truncate(10) == 0  # before the checkpoint: nothing kept
+        assert np.array_equal(m.decode(tokens[:12], 0, all_logits=True).logits, ref[:12])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_pair_high"])
+def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) -> None:
+    """The draft model (itself hybrid), prompt lookup, the chain and the target's MTP head, at several lengths,
+    fixed and adaptive: the tokens plain greedy decoding gives. Prompts repeat a phrase (lookup matches)."""
+    from localspec.session import ModelFiles, open_session
+
+    files = request.getfixturevalue(pair)
+    with open_session(ModelFiles(files[0], files[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1)) as s:
+        drafted = accepted = 0
+        for base in prompts(3, seed=11, length=8):
+            prompt = base + base
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 48)).tokens
+            for d in (drafting(1, "mtp"), drafting(3, "mtp"), drafting(6, "mtp"), drafting(6, "mtp", adaptive=True),
+                      drafting(2), drafting(6), drafting(6, "lookup"), drafting(6, "chain"),
+                      drafting(6, "mtp", p_min=0.5)):
+                done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 48))
+                assert done.tokens == plain, (d.drafter, d.n_draft)
+                if d.drafter == "mtp":
+                    drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    assert drafted > 0 and accepted > 0
+    if pair == "hybrid_pair":
+        assert accepted < drafted  # rejections: the rewinds ran
+    else:
+        assert accepted > 0.9 * drafted  # the all-accepted path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_a_next_prompt_reuses_the_cached_prompt_and_stays_exact(hybrid_pair, drafter) -> None:
+    """A chat's next turn: the new prompt extends the last one (not its reply). The recurrent target goes back to
+    its checkpoint at the last prompt's end and the MTP head to its row there, so only the new tokens are decoded,
+    and the output is what a fresh engine gives."""
+    from localspec.session import ModelFiles, open_session
+
+    first = prompts(1, seed=13, length=16)[0]
+    second = [*first, *prompts(1, seed=14, length=5)[0]]
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)
+    with open_session(files, preset) as fresh:
+        expected = collect(fresh.engine.generate(second, GREEDY.sampling, drafting(4, drafter), 24)).tokens
+    with open_session(files, preset) as s:
+        collect(s.engine.generate(first, GREEDY.sampling, drafting(4, drafter), 24))
+        stream = s.engine.start(second, GREEDY.sampling, drafting(4, drafter), 24)
+        assert stream.stats.prompt_tokens_processed == len(second) - len(first)
+        out = []
+        while not stream.finished:
+            s.engine.step([stream])
+            out += [e.token for e in stream.events() if isinstance(e, TokenEvent)]
+    assert out == expected
+
+
+@pytest.mark.slow
+def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair) -> None:
+    from localspec.session import ModelFiles, open_session
+    from tests.test_slots import run_together
+
+    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
+            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), (6, 3, 0, 5), ("model", "mtp", "model", "mtp"),
+                                              strict=True))]
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, threads=1)
+    with open_session(files, preset) as alone:
+        expected = []
+        for r in reqs:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_session(files, preset, parallel=4) as s:
+        assert run_together(s.engine, reqs, [0, 0, 1, 3], slots=[2, 0, 3, 1]) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None:
+    """The joint distribution of the first two emitted tokens (both from one speculative round, through its
+    rejections and the rewind) is the target's own, by chi-square at p = 0.001."""
+    s = hybrid_session
+    prompt = prompts(1, seed=23, length=6)[0]
+    sampling = sampled(0, temperature=1.5, top_k=4)
+    s.engine.reset()
+
+    def next_probs(context: list[int]) -> dict[int, float]:
+        from localspec.sampling import candidates
+
+        s.target.clear(0)
+        s.target.use_device_sampler(None)  # the reference p comes from full logits
+        p = candidates(s.target.decode(context, 0).logits, sampling)
+        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+
+    joint = joint_probs(next_probs, prompt, 2)
+    s.engine.reset()
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(1600):
+        for slot in s.engine.slots:  # a fresh cost model: it drafts whatever it measured (not by timing)
+            slot.policies.clear()
+        done = collect(s.engine.generate(prompt, dataclasses.replace(sampling, seed=seed), drafting(3, drafter), 2))
+        counts[tuple(done.tokens)] += 1
+        drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    assert 0 < accepted < drafted
+    assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom at p = 0.001
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_one_line_and_exit_2(tiny_pair) -> None:
+    """Refused from the header, before any weight is read: one line, exit 2."""
+    from tests.test_bench_cli import localspec
+
+    r = localspec("bench", "--target", str(tiny_pair[0]), "--drafter", "mtp", "--threads", "1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"localspec: error: --drafter mtp: {tiny_pair[0].name} has no MTP layers (nextn_predict_layers): use a GGUF "
+        "converted with them, or another drafter"]
+
+
+@pytest.mark.slow
+def test_bench_runs_speculative_with_rollback_on_a_hybrid_target(hybrid_pair, tmp_path) -> None:
+    """`localspec bench` on a hybrid target with its MTP head: speculative rounds with rejections, greedy
+    identical (the bench's own check)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--threads",
+                                      "1", "--repeat", "1", "--warmup", "0", "--max-tokens", "32", "--json",
+                                      str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["greedy_check"]["passed"] is True, report["greedy_check"]
+    assert 0 < report["speculative"]["acceptance_rate"] < 1
+
+
+def test_check_reports_mtp_layers_and_the_recurrent_state(hybrid_pair) -> None:
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    result = CliRunner().invoke(app, ["check", str(hybrid_pair[0])], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "1 MTP layer" in result.output and "--drafter mtp" in result.output
+    assert "is a hybrid model" in result.output and "rolls it back" in result.output
+    result = CliRunner().invoke(app, ["check", str(hybrid_pair[1])], env={"COLUMNS": "200"})
+    assert "no MTP layers" in result.output
+
+
+def test_a_pair_without_a_draft_names_a_drafter_that_needs_none(tmp_path) -> None:
+    from localspec import registry
+    from localspec.errors import ConfigError
+
+    body = ('[[pair]]\nname = "p"\ndescription = "d"\nn_ctx = 4096\nn_draft = 3\n{extra}'
+            '[pair.target]\nrepo = "a/b"\nfile = "t.gguf"\nquant = "Q4_K_M"\nfamily = "qwen3.5"\nlicense = "x"\n')
+    path = tmp_path / "models.toml"
+    path.write_text(body.format(extra='drafter = "mtp"\n'))
+    (pair,) = registry.parse_file(path)
+    assert pair.draft is None and pair.drafter == "mtp"
+    path.write_text(body.format(extra=""))
+    with pytest.raises(ConfigError, match=r"models.toml:1: missing key 'draft' .*drafter = 'lookup' or 'mtp'"):
+        registry.parse_file(path)
+    path.write_text(body.format(extra='drafter = "eagle"\n'))
+    with pytest.raises(ConfigError, match="drafter = 'eagle': choose one of"):
+        registry.parse_file(path)
+
