@@ -424,3 +424,48 @@ def test_a_pair_without_a_draft_names_a_drafter_that_needs_none(tmp_path) -> Non
     with pytest.raises(ConfigError, match="drafter = 'eagle': choose one of"):
         registry.parse_file(path)
 
+
+
+# -- the server ---------------------------------------------------------------------------------------------------
+
+
+def test_speculative_type_mtp_selects_the_mtp_drafter() -> None:
+    from localspec.server.schema import ChatRequest, parse
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for kind in ("mtp", "draft-mtp"):
+        req = parse(ChatRequest, {**body, "speculative": {"type": kind, "n_max": 3}})
+        assert req.preset_overrides()["drafter"] == "mtp"
+
+
+@pytest.mark.slow
+def test_the_server_drafts_with_the_mtp_head_and_refuses_what_it_cannot(hybrid_pair, tiny_pair, tmp_path) -> None:
+    """On a hybrid target with an MTP head, `speculative.type: "mtp"` gives plain greedy decoding's text; a draft
+    longer than the target rolls back, and MTP on a model without an MTP head, are a 400 naming why."""
+    import openai
+
+    from tests.test_serve import Server
+
+    home = tmp_path / "home"
+    home.mkdir()
+    s = Server(home, tmp_path, "--target", str(hybrid_pair[0]), "--draft", "4", "--threads", "1")
+    try:
+        client = s.client()
+
+        def complete(**extra: object) -> str:
+            r = client.completions.create(model="target", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                          extra_body=extra)
+            return r.choices[0].text
+
+        assert complete(**{"speculative.type": "mtp"}) == complete(**{"speculative.type": "none"})
+        with pytest.raises(openai.BadRequestError, match="rolls back at most 4 tokens"):
+            complete(**{"speculative.type": "mtp", "speculative.n_max": 6})
+    finally:
+        s.stop()
+    s = Server(home, tmp_path, "--target", str(tiny_pair[0]), "--threads", "1")
+    try:
+        with pytest.raises(openai.BadRequestError, match="has no MTP layers"):
+            s.client().completions.create(model="target", prompt="Once", max_tokens=4,
+                                          extra_body={"speculative.type": "mtp"})
+    finally:
+        s.stop()

@@ -31,7 +31,7 @@ FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
 # speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
 # it means here: a drafter, or "none" (no drafting).
 SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
-                     "ngram-simple,draft-simple": "chain"}
+                     "ngram-simple,draft-simple": "chain", "draft-mtp": "mtp", "mtp": "mtp"}
 
 
 class RequestError(Exception):
@@ -58,7 +58,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-SpeculativeType = Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple"]
+SpeculativeType = Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple", "draft-mtp", "mtp"]
 
 
 class Speculative(_Strict):
