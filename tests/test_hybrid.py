@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,6 +161,46 @@ def test_qwen3_6_27b_state_and_kv(tmp_path) -> None:
     m = memory.model_memory(h, s, n_outputs=4, n_gpu_layers=-1, mtp=True, snapshots=3)
     assert m.kv == 17 * 4 * 512 * 8192 * 34 // 32
     assert m.state == 156_893_184 * 5  # the state, 3 snapshots, the checkpoint
+
+
+def _qwen36_header(name: str, arch: str, n_layer: int, n_embd: int, n_head: int, n_kv: int, ssm: tuple[int, int],
+                   nextn: int, weights: int):
+    """Header facts of a Qwen3.5/3.6 GGUF (models.toml's config.json facts: heads of 256, linear attention heads of
+    128, a full-attention layer every 4, 248320 tokens); the weights as one tensor of the listed bytes."""
+    from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo
+
+    a = arch
+    meta = {"general.architecture": a, f"{a}.block_count": n_layer + nextn, f"{a}.attention.head_count": n_head,
+            f"{a}.attention.head_count_kv": n_kv, f"{a}.attention.key_length": 256,
+            f"{a}.attention.value_length": 256, f"{a}.embedding_length": n_embd, f"{a}.context_length": 262144,
+            f"{a}.full_attention_interval": 4, f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.inner_size": ssm[1] * 128,
+            f"{a}.ssm.state_size": 128, f"{a}.ssm.group_count": ssm[0], f"{a}.ssm.time_step_rank": ssm[1],
+            f"{a}.nextn_predict_layers": nextn,
+            "tokenizer.ggml.tokens": StringArray(b"", np.zeros(248320, dtype=np.int64))}
+    return GGUFHeader(Path(name), 3, meta, (TensorInfo("weights", (weights,), 0, 0, weights),), 0, weights, 0)
+
+
+def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
+    """The 24 GB lines written in models.toml, from the estimator (a card with 23.5 GiB free, 5% kept back)."""
+    from localspec import memory, registry
+    from tests.test_memory import CARD_24GB, GiB
+
+    pairs = registry.load_pairs()
+    t27m = _qwen36_header("27b-mtp", "qwen35", 64, 5120, 24, 4, (16, 48), 1, int(17.1e9))
+    t27 = _qwen36_header("27b", "qwen35", 64, 5120, 24, 4, (16, 48), 0, pairs["qwen3.6-27b"].target.size)
+    d08 = _qwen36_header("0.8b", "qwen35", 24, 1024, 8, 2, (16, 16), 0, pairs["qwen3.6-27b"].draft.size)
+    t35 = _qwen36_header("35b", "qwen35moe", 40, 2048, 16, 2, (16, 32), 0, 20_408_576_512)
+    expect = {"qwen3.6-27b-mtp": (t27m, None, 18.4, 19.3), "qwen3.6-27b": (t27, d08, 19.4, 20.4),
+              "qwen3.6-35b-a3b": (t35, d08, 21.8, 22.2)}
+    for name, (t, d, at_ctx, at_32k) in expect.items():
+        pair = pairs[name]
+        s = memory.Settings(n_ctx=pair.n_ctx, n_draft=pair.n_draft, kv_type=pair.kv_type,
+                            drafter=pair.drafter or "model")
+        est = memory.estimate(t, d, s, CARD_24GB)
+        assert est.fits and round(est.gpu_bytes / GiB, 1) == at_ctx, (name, est.gpu_bytes / GiB)
+        wide = memory.estimate(t, d, dataclasses.replace(s, n_ctx=32768), CARD_24GB)
+        assert wide.fits and round(wide.gpu_bytes / GiB, 1) == at_32k, (name, wide.gpu_bytes / GiB)
+    assert not memory.estimate(t35, d08, memory.Settings(n_ctx=32768, n_draft=4, kv_type="f16"), CARD_24GB).fits
 
 
 def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
@@ -469,3 +510,58 @@ def test_the_server_drafts_with_the_mtp_head_and_refuses_what_it_cannot(hybrid_p
                                           extra_body={"speculative.type": "mtp"})
     finally:
         s.stop()
+
+
+# -- a pair without a draft model: pull, list, resolve, check ---------------------------------------------------------
+
+MTP_PAIR = """
+[[pair]]
+name = "hyb-mtp"
+description = "a hybrid target with its own MTP head"
+drafter = "mtp"
+n_ctx = 1024
+n_draft = 3
+
+[pair.target]
+repo = "org/hyb-target"
+file = "target.gguf"
+quant = "Q4_0"
+family = "test"
+license = "mit"
+"""
+
+
+def test_a_pair_with_its_own_mtp_head_pulls_one_file_and_resolves_to_the_mtp_drafter(hybrid_pair, tmp_path,
+                                                                                     monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from localspec import registry, session
+    from localspec.cli.app import app
+    from tests.helpers_hub import FakeHub, HubFile
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models.toml").write_text(MTP_PAIR)
+    hub = FakeHub().start()
+    hub.files[("org/hyb-target", "target.gguf")] = HubFile(hybrid_pair[0].read_bytes())
+    for key, value in {"LOCALSPEC_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                       "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    runner = CliRunner()
+    try:
+        result = runner.invoke(app, ["pull", "hyb-mtp", "--yes"])
+        assert result.exit_code == 0, result.output
+        assert len(hub.gets("target.gguf")) == 1 and registry.default_pair_name() == "hyb-mtp"
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        files = session.resolve_files(None, None, None)
+        assert files.draft is None and files.drafter == "mtp"
+        preset = session.settle_preset(load_preset("default"), files)
+        assert preset.draft.drafter == "mtp" and preset.draft.n_draft == 3
+        listing = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+        assert "+ its own mtp drafter" in listing.output and "downloaded" in listing.output
+        check = runner.invoke(app, ["check", "--pair", "hyb-mtp"], env={"COLUMNS": "200"})
+        assert check.exit_code == 0 and "1 MTP layer" in check.output
+    finally:
+        hub.stop()
