@@ -52,15 +52,25 @@ PROMPTS = ["Describe a fictional person as JSON: name, age, city and up to three
            "Return a JSON record for a made-up customer."]
 
 
+# Where the rest of bench finds llama.cpp's vocabulary file: bench/gpu/make_archive.sh takes it from the pinned
+# llama-cpp-python sdist into the carry.
+CARRIED_VOCAB = ROOT / "bench" / "gpu" / "carry" / "ggml-vocab-qwen2.gguf"
+VOCAB_IN_SDIST = Path("vendor/llama.cpp/models/ggml-vocab-qwen2.gguf")
+
+
 def default_vocab() -> Path:
+    """llama.cpp's Qwen2 vocabulary: beside the llama_cpp package when it is a source tree (an editable install of
+    the sdist), else the GPU carry's copy; never a path of one machine."""
     spec = importlib.util.find_spec("llama_cpp")
-    package = Path(spec.origin).parent if spec and spec.origin else ROOT
-    candidates = [package.parent / "vendor/llama.cpp/models/ggml-vocab-qwen2.gguf",
-                  Path("/work/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf")]
+    candidates = [CARRIED_VOCAB]
+    if spec and spec.origin:
+        candidates.insert(0, Path(spec.origin).parent.parent / VOCAB_IN_SDIST)
     for path in candidates:
         if path.is_file():
             return path
-    raise SystemExit("no ggml-vocab-qwen2.gguf found: pass --vocab (llama.cpp's models/ggml-vocab-qwen2.gguf)")
+    raise SystemExit(f"no ggml-vocab-qwen2.gguf found: pass --vocab FILE (the llama-cpp-python sdist's "
+                     f"{VOCAB_IN_SDIST}), or run `bash bench/gpu/make_archive.sh`, which copies it from the pinned "
+                     f"sdist to {CARRIED_VOCAB.relative_to(ROOT)}")
 
 
 def mask(args: argparse.Namespace) -> dict:

@@ -306,9 +306,10 @@ class BenchReport:
                 "expected on a CPU: a small target costs about as much per token as its draft, and verifying "
                 f"{self.n_draft + 1} tokens in one batch costs several single-token steps, so a model draft "
                 "rarely pays here.",
-                "on a GPU a 32B int4 target is read once per verify batch: localspec measured 1.7-2.3x plain "
-                "decoding on an H200 with the card's shapes (a 32B Q4_K_M target, a 0.6B Q8_0 draft; "
-                "docs/performance.md); an RTX 3090/4090 should gain too (a prediction, not measured).",
+                "on a GPU a 32B int4 target is read once per verify batch, which is where a draft model pays: "
+                "on an H200, synthetic models with the recommended pair's shapes and quant types (random weights, "
+                "acceptance set to 70-85%) decoded 1.7-2.3x plain (docs/performance.md); real models on an "
+                "RTX 3090/4090 are not measured yet.",
                 f"next: with an NVIDIA GPU, the README's GPU quick start ({GPU_NEXT}); on this CPU, "
                 f"{SWEEP_NEXT} tries shorter drafts",
             ]

@@ -146,7 +146,7 @@ SMOLLM2 = DemoPair(
     folder="demo-chat",
     target_file=SMOLLM2_FILE,
     draft_file="SmolLM2-135M-Instruct.Q8_0-draft.gguf",
-    # Chosen by measured acceptance x speed (bench/demo_draft_quant.py: greedy, 5 chat prompts through the
+    # Chosen by measured acceptance x speed (bench/lab/demo_draft_quant.py: greedy, 5 chat prompts through the
     # template, 64 tokens each, draft length 6, 1 thread, median of 3 interleaved runs on a shared 2-core EPYC;
     # docs/performance.md): Q8_0 accepted 88% at 13.4 tok/s, Q5_0 59% at 8.9, Q4_0 45% at 7.7, Q2_K 34% at 7.5
     # (plain: 20.8).

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-# The synthetic pair writer lives with its users (tests and the GPU harness), outside the installed package.
+# The synthetic pair writer lives with its users (tests and the GPU harness), outside the installed package; the
+# one-off probes that tests still run live in bench/lab.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "bench" / "lab"))
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """The draft-length cost model with drafting ahead on one GPU, replaying the H200's round profile on a fake clock
-(docs/performance.md, "drafting ahead on one GPU": the card pair, T = 0, k = 6). No model, no clock: each round's
+(docs/lab/2026-12-01-h200-draft-ahead-one-gpu.md: the card pair, T = 0, k = 6). No model, no clock: each round's
 timeline is computed from the measured costs and fed to the policy as the loop would (`observe_ahead`, then
 `observe`), so what the policy chooses is deterministic and can be checked against brute force over the choices.
 

@@ -236,7 +236,7 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
         gated, monkeypatch: pytest.MonkeyPatch) -> None:
     """With fitted bets the cost model answers two questions a round: how many drafts fit beside the verify
     (`best_ahead`) and how many more a kept bet cut short drafts now (`best_continuation`). Asked through numpy
-    arrays they cost ~0.5 ms of host time a round inside the loop on the 2-core CPU (docs/performance.md, "T > 0
+    arrays they cost ~0.5 ms of host time a round inside the loop on the 2-core CPU (docs/lab, "T > 0
     host share"). Counted, not timed: `best_ahead` is asked on the draft-ahead thread (beside the verify, off the
     loop's path) once a bet, the survival and verify tables are built at most once per observation, and nothing
     a fixed-length round asks or tells the cost model reaches for numpy."""

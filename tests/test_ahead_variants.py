@@ -1,4 +1,4 @@
-"""bench/gpu/ahead_variants.py (the GPU run's drafting-ahead variants, one loaded pair) on the tiny pair on the CPU:
+"""bench/lab/ahead_variants.py (the GPU run's drafting-ahead variants, one loaded pair) on the tiny pair on the CPU:
 one `localspec bench` report per temperature and variant, each with its own settings, drafting ahead or not as
 the variant says, and the greedy check passed."""
 
@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "ahead_variants.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "lab" / "ahead_variants.py"
 
 
 def test_each_variant_writes_its_own_bench_report(tiny_pair_high, tmp_path: Path) -> None:

@@ -59,7 +59,12 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     assert lookup["speculative"]["runs"] == 2 and lookup["speedup"] > 0
     said = " ".join(result.output.split())
     assert f"prompt lookup (no draft model) on replies that repeat their prompt: {lookup['speedup']:.2f}x" in said
-    assert said.index("prompt lookup (no draft model)") < said.index("next:")  # the advice comes last
+    # Each part's verdict under its own table; the drafter to use on this machine last.
+    assert said.index("speedup (median speculative") < said.index("next:") < said.index("and prompt lookup")
+    assert said.index("plain vs prompt lookup") < said.index("prompt lookup (no draft model) on replies")
+    last = said[said.rindex("on this machine:"):]  # the last paragraph (rich wraps it at the runner's width)
+    assert said.index("report written to") < said.rindex("on this machine:")
+    assert f"prompt lookup {lookup['speedup']:.2f}x plain" in last and f"{report['speedup']:.2f}x" in last
 
 
 @pytest.mark.slow
@@ -155,3 +160,81 @@ def test_sweep_values_are_checked(use_demo_home, value, message):
 def test_save_preset_needs_sweep(use_demo_home):
     r = localspec("bench", "--save-preset", "x", env={"LOCALSPEC_HOME": str(use_demo_home)})
     assert r.returncode == 2 and "--save-preset needs --sweep" in r.stderr
+
+
+# -- where each verdict is printed (output redirected: no live terminal) ---------------------------------------------
+
+
+def _scripted_bench(speedups: dict[str, float]):
+    """`run_bench` as a script: one plain and one speculative run per part at the given speed-up (by drafter), then
+    the report, so the printing order is tested without minutes of decoding (the real run: the slow test above)."""
+    from localspec.bench import PLAIN, SPEC, BenchReport, GreedyCheck, ModeSummary, RunDone, RunResult
+    from localspec.events import GenerationStats
+
+    def run_bench(session, preset, prompts=None, raw=False):
+        speedup = speedups[preset.draft.drafter]
+        runs = [RunResult(PLAIN, 0, GenerationStats(tokens=200, rounds=200, decode_s=10.0), 0.0, {}),
+                RunResult(SPEC, 0, GenerationStats(tokens=200, rounds=50, drafted=180, accepted=150,
+                                                   decode_s=10.0 / speedup), 0.0, {})]
+        for i, run in enumerate(runs):
+            yield RunDone(run, i + 1, len(runs))
+        yield BenchReport(preset=preset, n_draft=preset.draft.n_draft, max_tokens=preset.bench.max_tokens,
+                          plain=ModeSummary.of(PLAIN, runs[:1]), speculative=ModeSummary.of(SPEC, runs[1:]),
+                          greedy_check=GreedyCheck(exact=True, prompts=[]), runs=runs, environment={})
+
+    return run_bench
+
+
+def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args: str) -> list[str]:
+    from contextlib import contextmanager
+    from pathlib import Path
+
+    from localspec import config
+    from localspec.cli import bench_cmd, options
+    from localspec.session import ModelFiles
+
+    @contextmanager
+    def session(files, preset):
+        yield None
+
+    files = ModelFiles(target=Path("target.gguf"), draft=Path("draft.gguf"), name=pair)
+    monkeypatch.setattr(options, "resolve_run", lambda run, command, **more: (
+        files, config.load_preset().with_overrides(**{k: v for k, v in more.items() if v is not None})))
+    monkeypatch.setattr(bench_cmd, "open_session", session)
+    monkeypatch.setattr(bench_cmd, "placement", lambda s: {"target": "CPU", "draft": "CPU", "draft_ahead": False})
+    monkeypatch.setattr(bench_cmd, "threads_line", lambda s: "1")
+    monkeypatch.setattr(bench_cmd, "prompt_mode", lambda s, raw: "raw completion")
+    monkeypatch.setattr(bench_cmd, "run_bench", _scripted_bench(speedups))
+    result = runner.invoke(app, ["bench", *args], env={"COLUMNS": "200"})  # CliRunner's stdout is no terminal
+    assert result.exit_code == 0, result.output
+    return [line.strip() for line in result.output.splitlines() if line.strip()]
+
+
+def test_each_parts_verdict_sits_under_its_own_table_and_the_last_line_names_the_drafter(monkeypatch):
+    lines = _redirected_bench(monkeypatch, "demo", {"model": 0.4, "lookup": 1.5})
+    text = "\n".join(lines)
+    model_table = text.index("decode tok/s, plain vs speculative")
+    lookup_intro = text.index("and prompt lookup")
+    lookup_table = text.index("decode tok/s, plain vs prompt lookup")
+    # The draft model's verdict, its check and its advice: under its table, before the lookup part starts.
+    for said in ("speedup (median speculative / median plain): 0.40x", "SLOWER than plain decoding",
+                 "✓ greedy", "expected on a CPU", "next: with an NVIDIA GPU"):
+        assert model_table < text.index(said) < lookup_intro, said
+    # Prompt lookup's: under its own table.
+    headline = text.index("prompt lookup (no draft model) on replies that repeat their prompt: 1.50x")
+    assert lookup_table < headline and lookup_table < text.rindex("✓ greedy")
+    # The summary, last: which drafter to use here, with both parts' figures.
+    assert lines[-1].startswith("on this machine: use `--drafter lookup`"), lines[-1]
+    assert "0.40x" in lines[-1] and "1.50x" in lines[-1]
+
+
+@pytest.mark.parametrize(("speedups", "last"), [
+    ({"model": 1.6}, "on this machine: use `--drafter model`"),
+    ({"model": 0.7}, "on this machine: no drafter measured here beats plain decoding"),
+])
+def test_a_one_part_bench_ends_with_the_drafter_to_use(monkeypatch, speedups, last):
+    lines = _redirected_bench(monkeypatch, "mine", speedups)
+    assert lines[-1].startswith(last), lines[-1]
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("speedup (median speculative"))
+    table = next(i for i, line in enumerate(lines) if line.startswith("decode tok/s, plain vs speculative"))
+    assert table < verdict < len(lines) - 1

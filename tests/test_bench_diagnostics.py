@@ -1,5 +1,5 @@
 """The diagnostic scripts of this session's GPU questions run on a real (tiny) pair and report what they promise:
-bench/host_share.py with draft-ahead (`--overlap`, `--ahead-length`) and bench/chain_state.py."""
+bench/lab/host_share.py with draft-ahead (`--overlap`, `--ahead-length`) and bench/lab/chain_state.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The server's engine thread turns each generated token into text (`LlamaModel.pie
 detokenizes too (a native /completion reply's `prompt` field, /detokenize, /tokenize with pieces). With one
 buffer per model shared by both threads, the engine thread read the other thread's text: a two-slot server's
 greedy reply said "... New Haven col plagued ..." (" col" from the other request's prompt) where the tokens were
-"... New Haven was plagued ..." (docs/performance.md).
+"... New Haven was plagued ..." (docs/lab/2026-12-01-slots-ubatches.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Many clients at once (issue #14): `localspec serve --parallel N` plain batched (k = 0) and speculative, against
+# Many clients at once: `localspec serve --parallel N` plain batched (k = 0) and speculative, against
 # llama.cpp's `llama-server -np N` with the same draft model and draft length, all driven by the same client
 # (bench/concurrency.py: streaming openai clients, the same prompts and request bodies) at 1, 4, 8, 16 concurrent
 # clients. Device call on one GPU (kind nvidia-h200), carry ["bench/gpu/carry"] (make_archive.sh), from the repo
 # root:
 #     bash bench/gpu/concurrency.sh
-# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES="" CARD_NOISES=""
-#    so it only builds; it builds llama-server too), then the synthetic 32B pairs (bench/synthetic.py, the files
-#    run.sh writes).
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK; harness.sh): llama.cpp's CUDA build through run.sh
+#    (it builds llama-server too), then the synthetic 32B pairs (bench/synthetic.py, the files run.sh writes).
 # 2. Per scale and per configuration of CONFIGS, one server is started, waited for (/health = 200), measured at
 #    every temperature of TEMPS (the temperature is a request field, so one server serves both) and stopped:
 #      k0     localspec serve --draft DRAFT --draft 0 --parallel P   plain batched decoding (the draft is loaded
@@ -22,25 +21,19 @@
 #    where speculative falls below k = 0 (summary.md, summary.json).
 # Every result is kept in $WORK/concurrency; one that exists is not measured again, so a call that runs out of
 # budget leaves the rest to the next call on the same (warm) machine.
-# Environment (defaults in brackets):
-#   OUT [bench/gpu/work/out]  CARRY [bench/gpu/carry]  WORK [bench/gpu/work]
+# Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, SIZE, VOCAB, RERUN: harness.sh):
 #   SCALES ["8e-5 1.2e-4"]    synthetic block scales: the two acceptance levels of docs/performance.md
 #   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
 #   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
-#   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)  BUDGET_S [570]  RERUN [0]
+#   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)
 #   CLIENT_S [90]             seconds one client run (every level at one T) is given room for in the budget
-#   SIZE [gpu32b] (tiny: a CPU dry run)  VOCAB [carry/ggml-vocab-qwen2.gguf] ('' = synthetic.py's default)
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
 set -uo pipefail
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-CARRY="${CARRY:-$HERE/carry}"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES:-8e-5 1.2e-4}"
 TEMPS="${TEMPS:-0 0.7}"
 CONFIGS="${CONFIGS:-k0 spec llama}"
@@ -53,26 +46,12 @@ CTX="${CTX:-2048}"
 LOCALSPEC_CTX="${LOCALSPEC_CTX:-$CTX}"
 PORT="${PORT:-18080}"
 LOAD_S="${LOAD_S:-240}"
-BUDGET_S="${BUDGET_S:-570}"
 CLIENT_S="${CLIENT_S:-90}"
-SEED=42
-SIZE="${SIZE:-gpu32b}"
-VOCAB="${VOCAB-$CARRY/ggml-vocab-qwen2.gguf}"
-BIN="$WORK/build/bin"
-MODELS="$WORK/models"
-RES="$WORK/concurrency"
-[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
-mkdir -p "$OUT" "$MODELS" "$RES"
-OUT="$(cd "$OUT" && pwd)"
-
-# shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run
+results_in "$WORK/concurrency"
 finish() {
     stop_server
     python3 "$HERE/concurrency_summary.py" "$RES" --json "$RES/summary.json" 2>&1 | tee "$RES/summary.md"
-    cp "$RES/summary.md" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
-    tar -C "$RES" -czf "$OUT/concurrency-results.tar.gz" .
-    log "done in $(( $(date +%s) - T0 ))s"
+    pack concurrency-results "$RES" "$RES/summary.md" "$RES/summary.json"
 }
 
 # -- the server under test: one at a time, always stopped (also when the budget or the call ends) ----------------
@@ -123,30 +102,14 @@ wait_ready() {  # wait_ready LOG: until /health is 200, the server exits, LOAD_S
     return 1
 }
 
-{ date -u +%FT%TZ; nproc; free -g; df -h "$WORK"
-  nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv 2>&1 || true
-} > "$RES/env.txt" 2>&1
+snapshot_env "$RES/env.txt"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
-if [[ ! -x "$BIN/llama-server" || ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
-    run prepare 330 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
-        bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
-fi
-[[ -e "$BIN/libllama.so" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }
+ensure_build llama-server || { finish; exit 1; }
 [[ -x "$BIN/llama-server" ]] || log "no llama-server in $BIN (see $WORK/results/cmake-build.log): its rows stay empty"
-export PYTHONPATH="$WORK/pyenv/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-# COLUMNS: rich wraps serve's help and status lines at 80 columns when not on a terminal
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 COLUMNS=200
-export LLAMA_CPP_LIB_PATH="$BIN" LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for s in $SCALES; do
-    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
-    [[ -f "$T" && -f "$D" ]] && continue
-    vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
-    run "write-s$s" 60 python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
-        --prefix "$SIZE-s$s-" "${vocab_arg[@]}" > "$RES/write-s$s.log" 2>&1
-done
+export COLUMNS=200  # rich wraps serve's help and status lines at 80 columns when not on a terminal
+for s in $SCALES; do stand_in_pair "$s"; done
 
-LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
 { "${LOCALSPEC[@]}" serve --help; "$BIN/llama-server" --version; } > "$RES/versions.txt" 2>&1
 python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$RES/run.log"
 
@@ -172,7 +135,7 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
 }
 # Configurations rotate within each scale, so a slow spell of the machine does not hit one of them only.
 for s in $SCALES; do
-    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    T="$(stand_in_target "$s")"; D="$(stand_in_draft "$s")"
     [[ -f "$T" && -f "$D" ]] || { log "no pair for scale $s"; continue; }
     mkdir -p "$RES/s$s"
     for config in $CONFIGS; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Drafters, constrained decoding and the draft length by cost on the GPU (issues #19, #20, #21 item 4). Run from
+# Drafters, constrained decoding and the draft length by cost on the GPU. Run from
 # the repo root on the GPU machine after run.sh (it reuses WORK's llama.cpp build and the card pair run.sh wrote):
 #     bash bench/gpu/drafters.sh
 # Every speed number is `localspec bench`'s (or bench/structured.py's, for the constrained modes). Steps, each
@@ -16,31 +16,25 @@
 #      none: lookup alone)
 #   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
 #      only, on draft and target, plain (each under full and device-candidate rows); logprobs on and off
-#   4. the model drafter before and after the drafter seam (issue #19): the first card run's pair (COMPARE_NOISE,
-#      measured on main 7572e82, before the seam) with that run's command, at T = 0
+#   4. the model drafter before and after the drafter seam: the first card run's pair (COMPARE_NOISE, measured on
+#      main 7572e82, before the seam) with that run's command, at T = 0
 #   5. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
 #      ADAPTIVE_TEMPS, to set beside run.sh's fixed-k rows
 #   6. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
-# Environment (defaults in brackets):
-#   WORK [bench/gpu/work]  OUT [WORK/out]  CARRY [bench/gpu/carry]  BUDGET_S [570]  CARD_SIZE [card32b]  VOCAB
+# Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, CARD_SIZE, VOCAB: harness.sh):
 #   CARD_NOISE [0.013]  DRAFTERS ["model lookup chain"]  SETS ["shipped lookup"]  N_PREDICT [128]  REPEAT [3]
 #   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
 #   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
 #   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
 #   SPEAKS_SIZE [card32b]  SPEAKS_DRAFTERS ["lookup model chain"]  SPEAKS_SETS ["lookup shipped code-edit"]
 #   SPEAKS_ARGS (more bench arguments there); a single prompt's greedy reply is kept too (speaks-SET-reply.txt)
-#   SKIP_SPEAKS  BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)  CARRIED_PY [1] (0: this machine's packages)
+#   SKIP_SPEAKS  BENCH_ARGS (more `localspec bench` arguments, e.g. --threads 1)
 # A CPU dry run (card-tiny models in WORK/models, this machine's llama_cpp):
 #   CARRIED_PY=0 CARD_SIZE=card-tiny BENCH_ARGS="--threads 1" N_PREDICT=32 REPEAT=1 WARMUP=1 bash bench/gpu/drafters.sh
 set -uo pipefail
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
-BUDGET_S="${BUDGET_S:-570}"
-CARD_SIZE="${CARD_SIZE:-card32b}"
 CARD_NOISE="${CARD_NOISE:-0.013}"
 DRAFTERS="${DRAFTERS:-model lookup chain}"
 SETS="${SETS:-shipped lookup}"
@@ -58,19 +52,11 @@ ADAPTIVE_REPEAT="${ADAPTIVE_REPEAT:-3}"
 SPEAKS_SIZE="${SPEAKS_SIZE:-card32b}"
 SPEAKS_DRAFTERS="${SPEAKS_DRAFTERS:-lookup model chain}"
 SPEAKS_SETS="${SPEAKS_SETS:-lookup shipped code-edit}"
-# the vocabulary the card pair was written with (run.sh's default)
-if [[ "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-${CARRY:-$HERE/carry}/ggml-vocab-qwen2.gguf}"; else VOCAB="${VOCAB:-}"; fi
-MODELS="$WORK/models"
-RES="$WORK/results"
+results_in "$WORK/results"
 DRES="$RES/drafters"
-mkdir -p "$OUT" "$MODELS" "$DRES"
-OUT="$(cd "$OUT" && pwd)"
-
-# shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run, use_build
+mkdir -p "$DRES"
 use_build
 log "drafters: card-n$CARD_NOISE, drafters '$DRAFTERS', sets '$SETS', adaptive on '$ADAPTIVE_NOISES', budget ${BUDGET_S}s"
-LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")  # llama.cpp before numpy
 TARGET="$MODELS/$CARD_SIZE-target.gguf"
 card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
 bench() {  # bench JSON NEED_S ARGS...: one `localspec bench` run unless its JSON exists; T = 0 unless ARGS say
@@ -179,10 +165,10 @@ fi
 if [[ -n "$COMPARE_NOISE" && -f "$TARGET" ]]; then
     draft="$(card_draft "$COMPARE_NOISE")"
     if [[ ! -f "$draft" ]]; then  # the seeded writer gives the same draft again (~5 s)
-        vocab=(); [[ -n "$VOCAB" ]] && vocab=(--vocab "$VOCAB")
+        vocab_args "$CARD_SIZE"
         run "write-card-n$COMPARE_NOISE" 30 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" --only draft \
             --noise "$COMPARE_NOISE" --out "$MODELS" --prefix "$CARD_SIZE-" --draft-prefix "$CARD_SIZE-n$COMPARE_NOISE-" \
-            "${vocab[@]}" > "$DRES/write-card-n$COMPARE_NOISE.log" 2>&1
+            "${VOCAB_ARGS[@]}" > "$DRES/write-card-n$COMPARE_NOISE.log" 2>&1
     fi
     # the first card run's command: --repeat 3 --warmup 5, 256 tokens
     [[ -f "$draft" ]] && REPEAT=3 WARMUP=5 N_PREDICT=256 bench "$DRES/seam-card-n$COMPARE_NOISE-t0.json" 50 --raw \
@@ -204,6 +190,4 @@ fi
 
 python3 "$HERE/summarize.py" "$RES" > "$RES/summary.txt" 2>&1
 sed -n '/^drafters/,$p' "$RES/summary.txt"
-cp "$RES/summary.txt" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
-tar -C "$RES" -czf "$OUT/drafters-results.tar.gz" drafters
-log "done in $(( $(date +%s) - T0 ))s"
+pack drafters-results "$DRES" "$RES/summary.txt" "$RES/summary.json"

@@ -1,28 +1,147 @@
 # shellcheck shell=bash
-# Shared by the GPU harness scripts (sourced, after T0, RES and BUDGET_S are set): log lines with the seconds since
-# T0, the budget left, and `run`, which runs a command only if the budget still has room for it.
+# The one harness of the GPU benchmarks: every bench/gpu/*.sh (and bench/lab's GPU probes) sources it first, from
+# the repository root, and gets the same folders, time budget, log, steps, llama.cpp build, Python path, synthetic
+# stand-in pairs and prompt files. A script sets what is its own, then calls `results_in DIR`.
+# Shared environment (defaults in brackets):
+#   CARRY [bench/gpu/carry]   make_archive.sh's output (the pinned llama.cpp source, Python packages, Qwen2 vocab)
+#   WORK [bench/gpu/work]     source, build, models, results: kept on a warm machine, so a later call resumes
+#   OUT [WORK/out]            what comes back from a call
+#   BUDGET_S [570]            wall-clock budget: a step that would not fit is skipped and says so
+#   CARRIED_PY [1]            0 = this machine's Python packages instead of the carried ones (a CPU dry run)
+#   SIZE [gpu32b]             the old stand-in pair's preset (tiny: a CPU dry run)
+#   CARD_SIZE [card32b]       the card pair's preset (card-tiny: a CPU dry run)
+#   VOCAB                     tokenizer of the synthetic pairs ('' = synthetic.py's own); unset: the carried Qwen2
+#                             vocabulary for the 32B-shaped presets (gpu32b, card32b), synthetic.py's own for the rest
+#   RERUN [0]                 1 = forget this script's earlier results
+T0=$(date +%s)
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HERE="$REPO/bench/gpu"
+CARRY="${CARRY:-$HERE/carry}"
+WORK="${WORK:-$HERE/work}"
+OUT="${OUT:-$WORK/out}"
+BUDGET_S="${BUDGET_S:-570}"
+SIZE="${SIZE:-gpu32b}"
+CARD_SIZE="${CARD_SIZE:-card32b}"
+BIN="$WORK/build/bin"
+MODELS="$WORK/models"
+SEED=42
+# localspec's CLI with llama.cpp imported before numpy (docs/gpu.md: the CUDA build segfaults the other way round)
+LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
 exec 3>&1  # log lines go to the call's stdout even from inside a step whose output is redirected to a file
+
+# results_in DIR: this script's results folder (RES; steps.tsv records each step), OUT made absolute.
+results_in() {
+    RES="$1"
+    [[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
+    mkdir -p "$OUT" "$MODELS" "$RES"
+    OUT="$(cd "$OUT" && pwd)"
+    touch "$RES/steps.tsv"
+}
 log() { printf '[%4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*" | tee -a "$RES/run.log" >&3; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-# run NAME NEED_S CMD...: CMD if NEED_S seconds remain (capped at what remains); its rc.
+# run NAME NEED_S CMD...: CMD if NEED_S seconds remain (capped at what remains), its rc recorded in steps.tsv.
+# CMD may be a shell function (exported with `export -f`: it runs through bash -c, since timeout needs a program).
 run() {
     local name="$1" need="$2"; shift 2
     local remain; remain=$(left)
-    if (( remain < need )); then log "SKIP $name: ${remain}s left, needs ~${need}s"; return 99; fi
-    log "START $name"
-    local t; t=$(date +%s)
-    timeout --kill-after=10 "$remain" "$@"; local rc=$?
+    if (( remain < need )); then
+        log "SKIP $name: ${remain}s left, needs ~${need}s"
+        printf '%s\tskipped\t0\tbudget\n' "$name" >> "$RES/steps.tsv"
+        return 99
+    fi
+    log "START $name (${remain}s left)"
+    local t rc=0; t=$(date +%s)
+    if declare -F "$1" > /dev/null; then
+        timeout --kill-after=10 "$remain" bash -c '"$@"' _ "$@" || rc=$?
+    else
+        timeout --kill-after=10 "$remain" "$@" || rc=$?
+    fi
     log "END $name rc=$rc $(( $(date +%s) - t ))s"
+    printf '%s\t%s\t%s\t\n' "$name" "$rc" "$(( $(date +%s) - t ))" >> "$RES/steps.tsv"
     return $rc
 }
-# use_build: Python finds the carried packages (WORK/pyenv, unless CARRIED_PY=0: a CPU dry run) and localspec
-# (REPO); llama_cpp loads WORK's llama.cpp build when there is one.
+# use_build: Python finds the carried packages (WORK/pyenv, unless CARRIED_PY=0) and localspec (REPO); llama_cpp
+# loads WORK's llama.cpp build when there is one.
 use_build() {
     if [[ "${CARRIED_PY:-1}" == 1 ]]; then export PYTHONPATH="$WORK/pyenv/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
     else export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"; fi
     export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-    if [[ -e "$WORK/build/bin/libllama.so" ]]; then
-        export LLAMA_CPP_LIB_PATH="$WORK/build/bin"
-        export LD_LIBRARY_PATH="$WORK/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    if [[ -e "$BIN/libllama.so" ]]; then
+        export LLAMA_CPP_LIB_PATH="$BIN"
+        export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
+}
+# have_build [llama-server]: the shared libraries and llama.cpp's tools (and llama-server when asked) are built.
+have_build() {
+    [[ -e "$BIN/libllama.so" && -x "$BIN/llama-speculative-simple" ]] || return 1
+    [[ "${1:-}" != llama-server || -x "$BIN/llama-server" ]]
+}
+# ensure_build [llama-server]: build llama.cpp through run.sh (measuring nothing) unless WORK has it; then
+# use_build. The scripts after run.sh on a warm machine find it there.
+ensure_build() {
+    if ! have_build "${1:-}"; then
+        run prepare 330 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
+            BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
+    fi
+    use_build
+    have_build || { log "no llama.cpp build in $BIN (see $RES/prepare.log)"; return 1; }
+}
+# snapshot_env FILE: the machine, its GPUs and the tools, for the record.
+snapshot_env() {
+    { date -u +%FT%TZ; uname -a; nproc; free -g; df -h "$WORK"
+      nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.max.sm --format=csv 2>&1 || true
+      nvidia-smi topo -m 2>&1 || true
+      nvcc --version 2>&1 | tail -2 || true
+      cmake --version 2>&1 | head -1; python3 --version
+      cat "$CARRY/MANIFEST.txt" 2>/dev/null
+    } > "$1" 2>&1
+}
+# vocab_args PRESET: VOCAB_ARGS, the writer's --vocab for a synthetic pair of that preset (see VOCAB above).
+vocab_args() {
+    local vocab=""
+    if [[ -n "${VOCAB+set}" ]]; then vocab="$VOCAB"
+    elif [[ "$1" == gpu32b || "$1" == card32b ]]; then vocab="$CARRY/ggml-vocab-qwen2.gguf"; fi
+    VOCAB_ARGS=(); [[ -n "$vocab" ]] && VOCAB_ARGS=(--vocab "$vocab")
+    return 0
+}
+# stand_in_pair SCALE: the old stand-in pair at a block scale (a Q4_0 32B target, a 2-block draft of its width),
+# written unless it exists; prints "TARGET DRAFT".
+stand_in_target() { echo "$MODELS/$SIZE-s$1-target.gguf"; }
+stand_in_draft() { echo "$MODELS/$SIZE-s$1-draft.gguf"; }
+stand_in_pair() {
+    local s="$1"; vocab_args "$SIZE"
+    if [[ ! -f "$(stand_in_target "$s")" || ! -f "$(stand_in_draft "$s")" ]]; then
+        run "write-s$s" 60 python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
+            --prefix "$SIZE-s$s-" "${VOCAB_ARGS[@]}" > "$RES/write-s$s.log" 2>&1
+    fi
+    [[ -f "$(stand_in_target "$s")" && -f "$(stand_in_draft "$s")" ]]
+}
+# write_prompts DIR: the bench's shipped prompts as files for llama.cpp's -f, which drops one trailing newline: one
+# is added, so both sides tokenize exactly the text localspec does. Also proves the bindings load the build.
+write_prompts() {
+    mkdir -p "$1"
+    python3 - "$1" <<'EOF' 2>&1 | tee -a "$RES/run.log"
+import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
+import sys
+from pathlib import Path
+
+from localspec.bench import PROMPTS
+from localspec.llama_ctx import gpu_devices
+
+print("llama_cpp", llama_cpp.__version__, "python", sys.version.split()[0], "GPUs:",
+      ", ".join(f"{d.name} ({d.description})" for d in gpu_devices()) or "none")
+for name, text in PROMPTS:
+    (Path(sys.argv[1]) / f"{name}.txt").write_text(text + "\n")
+print("prompts:", ", ".join(name for name, _ in PROMPTS))
+EOF
+    mapfile -t PROMPT_FILES < <(ls "$1"/*.txt 2>/dev/null)
+    (( ${#PROMPT_FILES[@]} ))
+}
+# pack NAME DIR FILES...: what comes back: FILES (those that exist), the run log and the steps in OUT, and DIR as
+# OUT/NAME.tar.gz.
+pack() {
+    local name="$1" dir="$2"; shift 2
+    cp "$@" "$RES/run.log" "$RES/steps.tsv" "$OUT/" 2>/dev/null
+    tar -C "$dir" -czf "$OUT/$name.tar.gz" .
+    log "done in $(( $(date +%s) - T0 ))s"
 }

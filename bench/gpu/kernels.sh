@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The verify kernel experiment (issue #21, item 3): what a verify batch of 1..8 tokens costs on each weight type
+# The verify kernel experiment: what a verify batch of 1..8 tokens costs on each weight type
 # (Q4_K, Q6_K, Q4_0) under each runtime setting of ggml-cuda, with flash attention on and off. Run from the repo
 # root on the GPU machine, after run.sh (it reuses WORK's build; without one it builds through run.sh first):
 #     bash bench/gpu/kernels.sh
@@ -15,51 +15,34 @@
 #      process of its own (the variables are read once per process) -> WORK/results/kernels/<model>-<variant>-fa<on|off>.json
 #   3. summarize.py: the kernel table (ms per width and the cost of each extra token), in $OUT/summary.txt
 # Environment (defaults in brackets):
-#   MIXES ["q4_k q6_k q4_0"]  KERNEL_BLOCKS [16]  CARD_SIZE [card32b] (card-tiny: CPU dry run)  CALLS [30]
+#   (CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, CARD_SIZE, VOCAB: harness.sh)
+#   MIXES ["q4_k q6_k q4_0"]  KERNEL_BLOCKS [16]  CALLS [30]
 #   VARIANTS ["default graph-opt no-fusion no-graphs"]: default (nothing set), graph-opt (GGML_CUDA_GRAPH_OPT=1),
 #       no-fusion (GGML_CUDA_DISABLE_FUSION=1), no-pdl (GGML_CUDA_PDL=0), no-graphs (GGML_CUDA_DISABLE_GRAPHS=1),
 #       mmvq<N> (patched build only: MMVQ up to N columns, MMQ above)
 #   FA_MODES ["on off"]  BUILDS [""]: "mmvq-env" = also build a patched ggml-cuda (WORK/build-mmvq-env, ~300 s)
 #   whose MMVQ threshold comes from GGML_CUDA_MMVQ_MAX_BATCH, and run the mmvq<N> VARIANTS on it
-#   WORK  OUT  CARRY  BUDGET_S [570]  VOCAB  WIDTHS_ARGS (extra verify_widths.py arguments, e.g. --threads 1)
+#   WIDTHS_ARGS (extra verify_widths.py arguments, e.g. --threads 1)
 set -uo pipefail
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-CARRY="${CARRY:-$HERE/carry}"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
 MIXES="${MIXES-q4_k q6_k q4_0}"
 KERNEL_BLOCKS="${KERNEL_BLOCKS:-16}"
-CARD_SIZE="${CARD_SIZE:-card32b}"
 CALLS="${CALLS:-30}"
 VARIANTS="${VARIANTS:-default graph-opt no-fusion no-graphs}"
 FA_MODES="${FA_MODES:-on off}"
 BUILDS="${BUILDS:-}"
-BUDGET_S="${BUDGET_S:-570}"
-if [[ "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-$CARRY/ggml-vocab-qwen2.gguf}"; else VOCAB="${VOCAB:-}"; fi
-MODELS="$WORK/models"
-RES="$WORK/results"
+results_in "$WORK/results"
 KRES="$RES/kernels"
-BIN="$WORK/build/bin"
-mkdir -p "$OUT" "$MODELS" "$KRES"
-OUT="$(cd "$OUT" && pwd)"
-
-# shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run
+mkdir -p "$KRES"
 log "kernels: mixes '$MIXES', $KERNEL_BLOCKS blocks, variants '$VARIANTS', flash attention '$FA_MODES', budget ${BUDGET_S}s"
 
 # -- 1. the build (run.sh's, measuring nothing) and the Python path ---------------------------------------------
-if [[ ! -e "$BIN/libllama.so" ]]; then
-    run prepare 330 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
-        BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/kernels-prepare.log" 2>&1
-fi
-[[ -e "$BIN/libllama.so" ]] || { log "no llama.cpp build in $BIN: stopping"; exit 1; }
-use_build  # (each run below names its own LLAMA_CPP_LIB_PATH: the patched build is another)
+ensure_build || exit 1  # (each run below names its own LLAMA_CPP_LIB_PATH: the patched build is another)
 
 # -- 2. the models -------------------------------------------------------------------------------------------------
-vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
+vocab_args "$CARD_SIZE"
 free_gb() { df -Pk "$MODELS" | awk 'NR==2 {print int($4 / 1048576)}'; }
 need_gb() {  # need_gb MIX: the 32B-shaped file's size (GB per block, embedding + output), rounded up, plus 2
     [[ "$CARD_SIZE" == card32b ]] || { echo 1; return; }
@@ -73,7 +56,7 @@ for mix in $MIXES; do
         log "SKIP the $mix model: $(free_gb) GB free, needs ~$(need_gb "$mix")"
     elif [[ ! -f "$f" ]]; then
         run "write-kern-$mix" 60 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" --only target --mix "$mix" \
-            --target-blocks "$KERNEL_BLOCKS" --out "$MODELS" --prefix "kern-$mix-b$KERNEL_BLOCKS-" "${vocab_arg[@]}" \
+            --target-blocks "$KERNEL_BLOCKS" --out "$MODELS" --prefix "kern-$mix-b$KERNEL_BLOCKS-" "${VOCAB_ARGS[@]}" \
             > "$KRES/write-$mix.log" 2>&1
     fi
     [[ -f "$f" ]] && KMODELS+=("$mix:$f")
@@ -141,6 +124,4 @@ done
 
 python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt" > /dev/null
 sed -n '/^verify kernels/,$p' "$RES/summary.txt"
-cp "$RES/summary.txt" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
-tar -C "$RES" -czf "$OUT/kernels-results.tar.gz" kernels
-log "done in $(( $(date +%s) - T0 ))s"
+pack kernels-results "$KRES" "$RES/summary.txt" "$RES/summary.json"

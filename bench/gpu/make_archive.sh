@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Packs what the GPU machine lacks into bench/gpu/carry/ (git-ignored; the device call carries it). Everything comes
-# from PyPI through pip, at the versions pinned here and in pyproject.toml, so any machine with pip makes the same:
+# Packs what the GPU machine lacks into bench/gpu/carry/ (or CARRY; git-ignored; the GPU machine gets a copy).
+# Everything comes from PyPI through pip, at the versions pinned here and in pyproject.toml, so any machine with pip
+# makes the same:
 #   llama.cpp.tar.gz       the llama.cpp vendored in the llama-cpp-python sdist (the project's pin), trimmed to what
 #                          CMake needs for llama-bench, llama-speculative-simple, llama-server (without its web UI)
 #                          and the shared libllama/ggml libraries
@@ -15,9 +16,8 @@
 # Run here (any machine with Python and pip, network to PyPI), from anywhere:  bash bench/gpu/make_archive.sh
 # Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep pip's downloads there to rerun offline.
 set -euo pipefail
-
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CARRY="$HERE/carry"
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"  # HERE, CARRY (bench/gpu/carry unless set)
 PYTHON="${PYTHON:-python3}"
 LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"  # = pyproject.toml's pin: the bindings must match the library's ABI
 # Pure-Python packages for the device's Python 3.12, the versions localspec is tested with; pydantic-core is the one

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Two GPUs (issue #12): the draft on a GPU of its own, drafting the next round while the target verifies, against
+# Two GPUs: the draft on a GPU of its own, drafting the next round while the target verifies, against
 # one GPU and llama.cpp's speculative-simple; and the 48 GB case (the target split over both GPUs). Device call on a
 # machine with two GPUs (kind nvidia-h200-x2), carry ["bench/gpu/carry"] (make_archive.sh), from the repo root:
 #     bash bench/gpu/multi_gpu.sh
-# 1. Prepare what this machine lacks (a warm machine keeps $WORK): llama.cpp's CUDA build through run.sh (SCALES="" CARD_NOISES=""
-#    so it only builds), then the synthetic 32B pairs (bench/synthetic.py, the same files run.sh writes).
+# 1. Prepare what this machine lacks (a warm machine keeps $WORK; harness.sh): llama.cpp's CUDA build through run.sh,
+#    then the synthetic 32B pairs (bench/synthetic.py, the same files run.sh writes).
 # 2. Per scale and temperature, `localspec bench` (warm-up, REPEAT interleaved plain/speculative runs over its three
 #    prompts, medians, greedy check, JSON) in each placement of CONFIGS:
 #      one-gpu    --split-mode none --draft-device 0               target and draft on GPU 0 (draft-ahead: auto = off)
@@ -17,21 +17,17 @@
 # 3. bench/gpu/multi_summary.py: medians and ratios as a Markdown table (summary.md) and JSON (summary.json).
 # Every result is kept in $WORK/multi; one that exists is not measured again, so a call that runs out of budget
 # leaves the rest to the next call on the same (warm) machine.
-# Environment (defaults in brackets):
-#   OUT [bench/gpu/work/out]  CARRY [bench/gpu/carry]  WORK [bench/gpu/work]
+# Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, RERUN: harness.sh):
 #   SCALES ["8e-5 1.2e-4"]    synthetic block scales: the two acceptance levels of docs/performance.md
 #   TEMPS ["0 0.7"]  CONFIGS ["ahead no-ahead one-gpu split"]  N_PREDICT [256]  DRAFT_MAX [6]
 #   REPEAT [5]  WARMUP [5]    `localspec bench --repeat/--warmup`
 #   LLAMA_REPS [5]            llama-speculative-simple runs per prompt and placement (the summary takes medians)
-#   BUDGET_S [570]  RERUN [0] (1 = forget earlier results)  LOCALSPEC_ARGS (extra `localspec bench` arguments)
+#   LOCALSPEC_ARGS (extra `localspec bench` arguments)
 set -uo pipefail
+SIZE=gpu32b
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-CARRY="${CARRY:-$HERE/carry}"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES:-8e-5 1.2e-4}"
 TEMPS="${TEMPS:-0 0.7}"
 CONFIGS="${CONFIGS:-ahead no-ahead one-gpu split}"
@@ -40,62 +36,21 @@ DRAFT_MAX="${DRAFT_MAX:-6}"
 REPEAT="${REPEAT:-5}"
 WARMUP="${WARMUP:-5}"
 LLAMA_REPS="${LLAMA_REPS:-5}"
-BUDGET_S="${BUDGET_S:-570}"
-SEED=42
-SIZE=gpu32b
-BIN="$WORK/build/bin"
-MODELS="$WORK/models"
-RES="$WORK/multi"
-[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
-mkdir -p "$OUT" "$MODELS" "$RES/prompts"
-OUT="$(cd "$OUT" && pwd)"
-
-# shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run
+results_in "$WORK/multi"
 finish() {
     python3 "$HERE/multi_summary.py" "$RES" --json "$RES/summary.json" 2>&1 | tee "$RES/summary.md"
-    cp "$RES/summary.md" "$RES/summary.json" "$RES/run.log" "$OUT/" 2>/dev/null
-    tar -C "$RES" -czf "$OUT/multi-results.tar.gz" .
-    log "done in $(( $(date +%s) - T0 ))s"
+    pack multi-results "$RES" "$RES/summary.md" "$RES/summary.json"
 }
 
-{ date -u +%FT%TZ; nproc; free -g; df -h "$WORK"
-  nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv 2>&1 || true
-  nvidia-smi topo -m 2>&1 || true; } > "$RES/env.txt" 2>&1
+snapshot_env "$RES/env.txt"
 (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )) || log "WARNING: fewer than two GPUs: the two-GPU rows will fail"
 
-# -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
-if [[ ! -x "$BIN/llama-speculative-simple" || ! -e "$BIN/libllama.so" ]]; then
-    run prepare 300 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" BUDGET_S="$(left)" \
-        bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
-fi
-[[ -x "$BIN/llama-speculative-simple" ]] || { log "no llama.cpp build in $BIN (see prepare.log)"; finish; exit 1; }
-export PYTHONPATH="$WORK/pyenv/py:$WORK/pyenv/extra:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-export LLAMA_CPP_LIB_PATH="$BIN" LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for s in $SCALES; do
-    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
-    [[ -f "$T" && -f "$D" ]] && continue
-    run "write-s$s" 60 python3 "$REPO/bench/synthetic.py" --size "$SIZE" --scale "$s" --out "$MODELS" \
-        --prefix "$SIZE-s$s-" --vocab "$CARRY/ggml-vocab-qwen2.gguf" > "$RES/write-s$s.log" 2>&1
-done
-# localspec's prompt set, as files for llama.cpp (its -f drops one trailing newline: add one)
-python3 - "$RES/prompts" <<'EOF' 2>&1 | tee -a "$RES/run.log"
-import llama_cpp  # noqa: I001  -- before numpy (docs/architecture.md)
-import sys
-from pathlib import Path
-
-from localspec.bench import PROMPTS
-from localspec.llama_ctx import gpu_devices
-
-for name, text in PROMPTS:
-    (Path(sys.argv[1]) / f"{name}.txt").write_text(text + "\n")
-print("llama.cpp GPUs:", ", ".join(f"{d.name} ({d.description})" for d in gpu_devices()) or "none")
-EOF
-mapfile -t PROMPT_FILES < <(ls "$RES"/prompts/*.txt)
+# -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs, the prompts ---------
+ensure_build || { finish; exit 1; }
+for s in $SCALES; do stand_in_pair "$s"; done
+write_prompts "$RES/prompts" || { log "no prompts written: stopping"; finish; exit 1; }
 
 # -- 2. measure ----------------------------------------------------------------------------------------------------
-LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
 placement() {
     case "$1" in
         one-gpu) echo "--split-mode none --main-gpu 0 --draft-device 0" ;;
@@ -107,7 +62,7 @@ placement() {
 }
 # Rotate through the configurations within each (scale, temperature): a slow spell of the machine then hits all.
 for s in $SCALES; do
-    T="$MODELS/$SIZE-s$s-target.gguf"; D="$MODELS/$SIZE-s$s-draft.gguf"
+    T="$(stand_in_target "$s")"; D="$(stand_in_draft "$s")"
     [[ -f "$T" && -f "$D" ]] || { log "no pair for scale $s"; continue; }
     for temp in $TEMPS; do
         for config in $CONFIGS; do

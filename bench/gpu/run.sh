@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark, end to end (issue #11; facts and reference numbers in docs/gpu.md). Run from the repo root:
+# GPU benchmark, end to end (facts and reference numbers in docs/gpu.md). Run from the repo root:
 #     bash bench/gpu/run.sh
 # with bench/gpu/carry/ carried (make_archive.sh). Steps, each timed, logged, skippable and resumable:
 #   1. in the background, write the synthetic pairs (bench/synthetic.py needs only numpy and gguf, so it starts
@@ -17,13 +17,9 @@
 #   4. bench/gpu/summarize.py: medians, ratios, the greedy-fidelity comparison; summary.txt and summary.json
 # Results live in $WORK/results (kept on a warm machine) and are copied to $OUT at the end: a call that runs out of
 # budget leaves the rest to the next call on the same machine, which skips every step whose output exists.
-# Environment (defaults in brackets):
-#   OUT [bench/gpu/work/out]     what comes back (summary, logs, results.tar.gz)
-#   CARRY [bench/gpu/carry]      make_archive.sh's output
-#   WORK [bench/gpu/work]        source, build, models, results (git-ignored)
+# Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, SIZE, CARD_SIZE, VOCAB, RERUN: harness.sh):
 #   CARD_NOISES ["0.013 0.03"]   the card pair's draft noise: ~85% and ~70% acceptance at k = 6 (docs/gpu.md);
 #                                pairs card-n<NOISE>, measured first
-#   CARD_SIZE [card32b]          the card pair's preset (card-tiny: CPU dry run)
 #   SCALES ["8e-5"]              the old stand-in's block scales (pairs s<SCALE>; "" = none): the comparison row
 #   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  REPEAT [5] (localspec bench --repeat)  WARMUP [10]
 #   LLAMA_REPS [5]               llama-speculative-simple runs per configuration (each run = every prompt once)
@@ -31,26 +27,17 @@
 #   BENCH_REPS [3]               llama-bench repetitions
 #   REAL_PAIR                    "NAME:TARGET.gguf:DRAFT.gguf", a real pair for the greedy-fidelity check
 #                                (greedy only, REAL_REPEAT [1] localspec runs, one llama.cpp run per sampling mode)
-#   SIZE [gpu32b]                the old stand-in's preset (tiny: CPU dry run); VOCAB [carry/ggml-vocab-qwen2.gguf]
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
-#   CARRIED_PY [1]               0 = this machine's Python packages, not the carried ones (CPU dry run)
 #   BUILD_SERVER [1]             0 = leave llama-server out of the build (only concurrency.sh needs it)
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
-#   RERUN [0]                    1 = forget earlier results (else finished steps are skipped)
 #   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
-#   BUDGET_S [570]               wall-clock budget: steps that would not fit are skipped and say so
 #   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-CARRY="${CARRY:-$HERE/carry}"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
 SCALES="${SCALES-8e-5}"
 CARD_NOISES="${CARD_NOISES-0.013 0.03}"
-CARD_SIZE="${CARD_SIZE:-card32b}"
 TEMPS="${TEMPS:-0 0.7}"
 N_PREDICT="${N_PREDICT:-256}"
 DRAFT_MAX="${DRAFT_MAX:-6}"
@@ -61,66 +48,21 @@ LLAMA_SAMPLING="${LLAMA_SAMPLING:-host backend}"
 BENCH_REPS="${BENCH_REPS:-3}"
 REAL_PAIR="${REAL_PAIR:-}"
 REAL_REPEAT="${REAL_REPEAT:-1}"
-SEED=42
-SIZE="${SIZE:-gpu32b}"
 CUDA="${CUDA:-1}"
 JOBS="${JOBS:-$(nproc)}"
 BUILD_SERVER="${BUILD_SERVER:-1}"
-BUDGET_S="${BUDGET_S:-570}"
 KEEP_MODELS="${KEEP_MODELS:-0}"
-if [[ "$SIZE" == gpu32b || "$CARD_SIZE" == card32b ]]; then VOCAB="${VOCAB:-$CARRY/ggml-vocab-qwen2.gguf}"
-else VOCAB="${VOCAB:-}"; fi
 SRC="$WORK/llama.cpp"
 BUILD="$WORK/build"
-BIN="$BUILD/bin"
-MODELS="$WORK/models"
 PYDIR="$WORK/pyenv"
-RES="$WORK/results"
-[[ "${RERUN:-0}" == 1 ]] && rm -rf "$RES"
-mkdir -p "$OUT" "$WORK" "$MODELS" "$RES"
-OUT="$(cd "$OUT" && pwd)"
+results_in "$WORK/results"
 STEPS="$RES/steps.tsv"
-touch "$STEPS"
-
-# shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run
-# step NAME NEED_S CMD...: run CMD if NEED_S seconds remain, capped at what remains; record rc and time.
-# CMD may be a shell function defined here (exported and run through bash -c, since timeout needs a program).
-step() {
-    local name="$1" need="$2"; shift 2
-    local remain; remain=$(left)
-    if (( remain < need )); then
-        log "SKIP $name: ${remain}s left, needs ~${need}s"
-        printf '%s\tskipped\t0\tbudget\n' "$name" >> "$STEPS"
-        return 99
-    fi
-    log "START $name (${remain}s left)"
-    local t rc=0; t=$(date +%s)
-    if declare -F "$1" > /dev/null; then
-        timeout --kill-after=10 "$remain" bash -c '"$@"' _ "$@" || rc=$?
-    else
-        timeout --kill-after=10 "$remain" "$@" || rc=$?
-    fi
-    local dt=$(( $(date +%s) - t ))
-    log "END $name rc=$rc ${dt}s"
-    printf '%s\t%s\t%s\t\n' "$name" "$rc" "$dt" >> "$STEPS"
-    return $rc
-}
 finish() {  # everything that comes back: the summary, the logs, all results in one archive
     python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt"
-    cp "$RES/summary.txt" "$RES/summary.json" "$RES/run.log" "$RES/steps.tsv" "$OUT/" 2>/dev/null
-    tar -C "$RES" -czf "$OUT/results.tar.gz" .
-    log "done in $(( $(date +%s) - T0 ))s"
+    pack results "$RES" "$RES/summary.txt" "$RES/summary.json"
 }
 
-# -- environment -------------------------------------------------------------------------------------------------
-{
-    date -u +%FT%TZ; uname -a; nproc; free -g; df -h "$WORK"
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true
-    nvcc --version 2>&1 | tail -2 || true
-    cmake --version | head -1; python3 --version
-    cat "$CARRY/MANIFEST.txt" 2>/dev/null
-} > "$RES/env.txt" 2>&1
+snapshot_env "$RES/env.txt"
 log "env: $(python3 --version 2>&1), $(nproc) cores, budget ${BUDGET_S}s, card noises: $CARD_NOISES, scales: $SCALES"
 
 # -- Python: the carried packages (llama_cpp bindings, gguf, typer, ...) first on the path ------------------------
@@ -132,12 +74,7 @@ if [[ "$(cat "$PYDIR/.stamp" 2>/dev/null)" != "$(sum_of "$CARRY/py.tar.gz")" ]];
         && sum_of "$CARRY/py.tar.gz" > "$PYDIR/.stamp"
 fi
 # CARRIED_PY=0 uses this machine's own packages instead (the CPU dry run: its Python need not be 3.12).
-if [[ "${CARRIED_PY:-1}" == 1 ]]; then
-    export PYTHONPATH="$PYDIR/py:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+use_build
 log "python packages: $(python3 -c 'import gguf, numpy, rich, typer; from importlib.metadata import version as v
 print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), sep=", ")' 2>&1 | tail -1)"
 
@@ -146,8 +83,8 @@ print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), 
 # "s<SCALE>" (an old-stand-in pair). The writer renames a finished file into place, so one that exists is whole.
 card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }
 card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
-target_of() { echo "$MODELS/$SIZE-s$1-target.gguf"; }
-draft_of() { echo "$MODELS/$SIZE-s$1-draft.gguf"; }
+target_of() { stand_in_target "$1"; }
+draft_of() { stand_in_draft "$1"; }
 writer_files() {  # writer_files ID: the files the writer makes
     case "$1" in
         card-target) card_target ;;
@@ -169,16 +106,19 @@ start_writer() {  # start_writer ID: background write unless its files exist
     if (( ! missing )); then log "models of $id exist: reusing"; return 0; fi
     [[ -n "${WRITER_PID[$id]:-}" ]] && return 0
     [[ "${SKIP_WRITE:-0}" == 1 ]] && { log "SKIP_WRITE=1 but no models for $id"; return 1; }
-    local args=() vocab_arg=(); [[ -n "$VOCAB" ]] && vocab_arg=(--vocab "$VOCAB")
+    local args=()
     case "$id" in
-        card-target) args=(--size "$CARD_SIZE" --only target --prefix "$CARD_SIZE-") ;;
-        card-n*) args=(--size "$CARD_SIZE" --only draft --noise "${id#card-n}" --prefix "$CARD_SIZE-"
+        card-target) vocab_args "$CARD_SIZE"
+                     args=(--size "$CARD_SIZE" --only target --prefix "$CARD_SIZE-") ;;
+        card-n*) vocab_args "$CARD_SIZE"
+                 args=(--size "$CARD_SIZE" --only draft --noise "${id#card-n}" --prefix "$CARD_SIZE-"
                        --draft-prefix "$CARD_SIZE-n${id#card-n}-") ;;
-        s*) args=(--size "$SIZE" --scale "${id#s}" --prefix "$SIZE-s${id#s}-") ;;
+        s*) vocab_args "$SIZE"
+            args=(--size "$SIZE" --scale "${id#s}" --prefix "$SIZE-s${id#s}-") ;;
     esac
     log "writing $id (background)"
     ( t=$(date +%s)
-      nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" "${args[@]}" --out "$MODELS" "${vocab_arg[@]}" \
+      nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" "${args[@]}" --out "$MODELS" "${VOCAB_ARGS[@]}" \
           > "$RES/write-$id.log" 2>&1
       rc=$?; printf 'write-%s\t%s\t%s\tbackground\n' "$id" "$rc" "$(( $(date +%s) - t ))" >> "$STEPS"; exit $rc
     ) &
@@ -251,37 +191,17 @@ build_current() {
 }
 if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current; }; then
     log "build: reusing $BIN"
-elif ! step build 200 build; then
+elif ! run build 200 build; then
     log "build failed: $(tail -20 "$RES/cmake-build.log" 2>/dev/null || tail -20 "$RES/cmake-configure.log")"
 fi
 have_bins || { log "no llama.cpp binaries in $BIN: stopping"; wait; finish; exit 1; }
 ls -l "$BIN" > "$RES/bin-ls.txt" 2>&1
-export LLAMA_CPP_LIB_PATH="$BIN"
-export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+use_build  # now with the build's libllama
 
-# llama_cpp before numpy (docs/gpu.md); this also proves the bindings load the build, and writes the prompts.
-PROMPTS="$RES/prompts"
-mkdir -p "$PROMPTS"
-python3 - "$PROMPTS" <<'EOF' 2>&1 | tee -a "$RES/run.log"
-import llama_cpp  # noqa: I001
-import sys
-from pathlib import Path
-
-from localspec.bench import PROMPTS
-
-print("llama_cpp", llama_cpp.__version__, "gpu offload:", bool(llama_cpp.llama_supports_gpu_offload()),
-      "python", sys.version.split()[0])
-for name, text in PROMPTS:
-    # llama.cpp's -f drops one trailing newline: add one, so it reads exactly the text localspec tokenizes.
-    (Path(sys.argv[1]) / f"{name}.txt").write_text(text + "\n")
-print("prompts:", ", ".join(name for name, _ in PROMPTS))
-EOF
-mapfile -t PROMPT_FILES < <(ls "$PROMPTS"/*.txt)
-(( ${#PROMPT_FILES[@]} )) || { log "no prompts written: stopping"; finish; exit 1; }
+write_prompts "$RES/prompts" || { log "no prompts written: stopping"; finish; exit 1; }
 
 NGL=99
 SAMPLING_EXTRA=(--top-k 40 --top-p 0.9 --min-p 0)  # the preset `default` (temperature 0.7, top-k 40, top-p 0.9)
-LOCALSPEC=(python3 -c "import llama_cpp; from localspec.cli.app import main; main()")
 
 # -- one pair ------------------------------------------------------------------------------------------------------
 done_ok() { [[ -s "$1" ]]; }
@@ -290,7 +210,7 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and
     local D="$RES/$name"; mkdir -p "$D"
     if [[ "${SKIP_LLAMA_BENCH:-0}" != 1 ]] && ! done_ok "$D/llama-bench.json"; then
         # Plain decoding speed: tg only (-p 0), flash attention, all layers on the GPU; JSON on stdout.
-        step "llama-bench-$name" 40 "$BIN/llama-bench" -m "$T" -m "$DR" -p 0 -n 128 -fa 1 -ngl $NGL \
+        run "llama-bench-$name" 40 "$BIN/llama-bench" -m "$T" -m "$DR" -p 0 -n 128 -fa 1 -ngl $NGL \
             -r "$BENCH_REPS" -o json > "$D/llama-bench.json.tmp" 2> "$D/llama-bench.log" \
             && mv "$D/llama-bench.json.tmp" "$D/llama-bench.json"
     fi
@@ -302,7 +222,7 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and
         # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
         # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there).
         # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-        step "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" --temp "$temp" \
+        run "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" --temp "$temp" \
             --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
             --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
     done
@@ -323,7 +243,7 @@ llama_pair() {  # llama_pair NAME TARGET DRAFT TEMPS REPS: llama-speculative-sim
                     [[ "$mode" == backend ]] && extra+=(--backend-sampling)
                     # stdout: the prompt and the generated text (the greedy-fidelity comparison reads it);
                     # stderr: the log with the timings.
-                    step "llama-$name-$(basename "$base")" 15 "$BIN/llama-speculative-simple" -m "$T" -md "$DR" \
+                    run "llama-$name-$(basename "$base")" 15 "$BIN/llama-speculative-simple" -m "$T" -md "$DR" \
                         -ngl $NGL -ngld $NGL -fa on -c 4096 -n "$N_PREDICT" -f "$p" --seed "$SEED" --temp "$temp" \
                         "${extra[@]}" --spec-type draft-simple --spec-draft-n-max "$DRAFT_MAX" \
                         --spec-draft-n-min 0 --spec-draft-p-min 0 > "$base.out" 2> "$base.log" || true
@@ -338,7 +258,7 @@ widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, bat
     [[ "${SKIP_WIDTHS:-0}" == 1 ]] || done_ok "$json" && return 0
     mkdir -p "$RES/$name"
     # shellcheck disable=SC2086  # WIDTHS_ARGS is a word list on purpose
-    step "widths-$name" 45 python3 "$HERE/verify_widths.py" --model "$model" --json "$json" "$@" ${WIDTHS_ARGS:-} \
+    run "widths-$name" 45 python3 "$HERE/verify_widths.py" --model "$model" --json "$json" "$@" ${WIDTHS_ARGS:-} \
         > "$RES/$name/verify-widths.log" 2>&1
 }
 

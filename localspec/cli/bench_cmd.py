@@ -33,7 +33,7 @@ from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
 from localspec.registry import DEMO
 from localspec.session import open_session
-from localspec.ui.bench_view import live_view, summary, sweep_table
+from localspec.ui.bench_view import drafter_choice, live_view, lookup_summary, summary, sweep_table
 
 SweepOpt = Annotated[
     str | None,
@@ -103,11 +103,11 @@ def bench(
         return
     lookup = _lookup_demo(files, chosen, prompt_set)
     report, lookup_report = _run(console, files, chosen, prompt_set, raw, lookup)
-    console.line()  # a live display that is not on a terminal ends without a newline
-    console.print(summary(report, lookup_report))
     if json_path is not None:
         _write_json(json_path, report, lookup_report)
         console.print(f"report written to {json_path}")
+    console.line()
+    console.print(drafter_choice(report, lookup_report))  # last: the answer to "what do I use here?"
     if not report.greedy_check.passed or (lookup_report is not None and not lookup_report.greedy_check.passed):
         raise typer.Exit(1)
 
@@ -123,12 +123,15 @@ def _lookup_demo(files, chosen: config.Preset, prompt_set: list[BenchPrompt] | N
 
 def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,
          lookup: config.Preset | None = None) -> tuple[BenchReport, BenchReport | None]:
-    """The bench on one session; with `lookup`, then the same bench with that preset on the lookup prompt set."""
+    """The bench on one session; with `lookup`, then the same bench with that preset on the lookup prompt set.
+    Each part's verdict is printed under its own table, as soon as the part ends."""
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
         _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
         report = _measure(console, session, chosen, prompt_set, raw, title)
+        console.line()  # a live display that is not on a terminal ends without a newline
+        console.print(summary(report))
         if lookup is None:
             return report, None
         console.line()
@@ -136,8 +139,11 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
                       "their prompt:")
         lookup_prompts = shipped_prompts("lookup")
         _say_prompts(console, session, lookup_prompts, raw)
-        return report, _measure(console, session, lookup, lookup_prompts, raw,
-                                "decode tok/s, plain vs prompt lookup (prompt processing excluded)")
+        lookup_report = _measure(console, session, lookup, lookup_prompts, raw,
+                                 "decode tok/s, plain vs prompt lookup (prompt processing excluded)")
+        console.line()
+        console.print(lookup_summary(lookup_report))
+        return report, lookup_report
 
 
 def _measure(console: Console, session, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,

@@ -52,20 +52,38 @@ def live_table(runs: list[RunResult], repeat: int, title: str) -> Table:
     return table
 
 
-def summary(report: BenchReport, lookup: BenchReport | None = None) -> Group:
-    """The verdict, the greedy check and what to run next; with the built-in demo's prompt-lookup part (`lookup`),
-    its speedup and check too, and its line first in the advice."""
-    lines = _outcome(report)
-    if lookup is not None:
-        lines.append(Text(f"prompt lookup (no draft model) on replies that repeat their prompt: "
-                          f"{lookup.speedup:.2f}x plain decoding", style="bold green" if lookup.speedup >= 1
-                          else "bold yellow"))
-        lines.extend(line for line in _outcome(lookup)[2:])  # its checks; the headline is the line above
-        lines.append(Text(f"{'there' if lookup.speedup >= 1 else 'even there'}, speculation "
-                          f"{'wins' if lookup.speedup >= 1 else 'does not win'} on this machine: drafting by "
-                          "lookup costs ~nothing; try it with `localspec chat --drafter lookup` on a code edit"))
-    lines.extend(Text(line) for line in report.advice)  # last: it ends with the command to run next
+def summary(report: BenchReport) -> Group:
+    """One part's verdict, its greedy check and what to run next, printed under that part's own table."""
+    return Group(*_outcome(report), *(Text(line) for line in report.advice))
+
+
+def lookup_summary(lookup: BenchReport) -> Group:
+    """The built-in demo's prompt-lookup part, under its own table: its speedup, its check, what it means."""
+    wins = lookup.speedup >= 1
+    lines = [Text(f"prompt lookup (no draft model) on replies that repeat their prompt: {lookup.speedup:.2f}x plain "
+                  "decoding", style="bold green" if wins else "bold yellow")]
+    lines.extend(_outcome(lookup)[2:])  # its checks; the headline is the line above
+    lines.append(Text(f"{'there' if wins else 'even there'}, speculation {'wins' if wins else 'does not win'} on "
+                      "this machine: drafting by lookup costs ~nothing; try it with `localspec chat --drafter lookup` "
+                      "on a code edit"))
     return Group(*lines)
+
+
+DRAFTER_NAMES = {"model": "the draft model", "lookup": "prompt lookup", "chain": "lookup chained with the model"}
+
+
+def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Text:
+    """The last line: which drafter to use on this machine, from every part measured (a part whose greedy check
+    failed is never recommended)."""
+    parts = [(report, "")] + ([(lookup, " on replies that repeat their prompt")] if lookup is not None else [])
+    measured = "; ".join(f"{DRAFTER_NAMES.get(r.preset.draft.drafter, r.preset.draft.drafter)} {r.speedup:.2f}x "
+                         f"plain{where}" for r, where in parts)
+    paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed]
+    if not paying:
+        return Text(f"on this machine: no drafter measured here beats plain decoding ({measured}); plain decoding "
+                    "(`--draft 0`) is the faster choice here", style="bold yellow")
+    best = max(paying, key=lambda r: r.speedup)
+    return Text(f"on this machine: use `--drafter {best.preset.draft.drafter}` ({measured})", style="bold green")
 
 
 def _outcome(report: BenchReport) -> list[Text]:

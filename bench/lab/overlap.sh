@@ -1,35 +1,27 @@
 #!/usr/bin/env bash
-# Drafting ahead on ONE GPU (issue #21): the card pair's `localspec bench` with the draft model drafting the next
+# Drafting ahead on ONE GPU (a probe; its finding, fitted bets by default, is in docs/lab): the card pair's `localspec bench` with the draft model drafting the next
 # round on its own CUDA stream while the target verifies, against rounds one after the other and the drafting-ahead
-# variants, one after the other per cell (level x temperature), one loaded pair per level (bench/gpu/ahead_variants.py:
+# variants, one after the other per cell (level x temperature), one loaded pair per level (bench/lab/ahead_variants.py:
 # `localspec bench`'s own measurement per variant, as `--json` writes it). Device call on a warm machine where run.sh
 # has built llama.cpp and written the card pair ($WORK/build, $WORK/models), from the repo root:
-#     bash bench/gpu/overlap.sh
-# Environment (defaults in brackets): WORK [bench/gpu/work]  OUT [WORK/out]  NOISES ["0.013 0.03"]  TEMPS ["0"]
-#   MODES ["on off"]  REPEAT [3]  WARMUP [3]  N_PREDICT [256]  BUDGET_S [570]  CARD_SIZE [card32b]
-#   NEED_S [75]: the budget a level needs left to start
+#     bash bench/lab/overlap.sh
+# Environment (defaults in brackets; WORK, OUT, BUDGET_S, CARD_SIZE: bench/gpu/harness.sh): NOISES ["0.013 0.03"]
+#   TEMPS ["0"]  MODES ["on off"]  REPEAT [3]  WARMUP [3]  N_PREDICT [256]  NEED_S [75]: the budget a level needs
+#   left to start
 # MODES: on, off (--overlap), fit (drafting ahead with --ahead-length fit: the bet stops when the verify ends, the
 # rest drafted by cost), adaptive (drafting ahead with --adaptive: the draft length by the cost model that knows the
 # bet), fit+adaptive (both).
 # Results: $WORK/overlap/n<NOISE>-t<T>-<MODE>.json (one that exists is not measured again) and a table on stdout.
 set -uo pipefail
-T0=$(date +%s)
-REPO="$(pwd)"
-HERE="$REPO/bench/gpu"
-WORK="${WORK:-$HERE/work}"
-OUT="${OUT:-$WORK/out}"
-RES="$WORK/overlap"
-BUDGET_S="${BUDGET_S:-570}"
-CARD_SIZE="${CARD_SIZE:-card32b}"
-mkdir -p "$RES" "$OUT"
 # shellcheck source=bench/gpu/harness.sh
-source "$HERE/harness.sh"  # log, left, run, use_build
+source "$(dirname "${BASH_SOURCE[0]}")/../gpu/harness.sh"
+results_in "$WORK/overlap"
 use_build
 T="$WORK/models/$CARD_SIZE-target.gguf"
 for n in ${NOISES:-0.013 0.03}; do
     D="$WORK/models/$CARD_SIZE-n$n-draft.gguf"
     [[ -f "$T" && -f "$D" ]] || { log "no card pair at noise $n in $WORK/models (run.sh writes it)"; continue; }
-    run "n$n-overlap-t${TEMPS:-0}-${MODES:-on off}" "${NEED_S:-75}" python3 "$HERE/ahead_variants.py" --target "$T" \
+    run "n$n-overlap-t${TEMPS:-0}-${MODES:-on off}" "${NEED_S:-75}" python3 "$REPO/bench/lab/ahead_variants.py" --target "$T" \
         --draft "$D" --temps "${TEMPS:-0}" --out-prefix "$RES/n$n" --variants "${MODES:-on off}" \
         --max-tokens "${N_PREDICT:-256}" --repeat "${REPEAT:-3}" --warmup "${WARMUP:-3}" > "$RES/n$n.log" 2>&1
 done
@@ -56,6 +48,5 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
           f"{spec['max_tps']:.1f}) | {spec['acceptance_rate']:.1%} | {drafted:.2f} | {kept}/{made} | "
           + " / ".join(f"{x:.2f}" for x in ms) + f" | {d.get('greedy_check', {}).get('passed')} |")
 PY
-tar -C "$RES" -czf "$OUT/overlap-results.tar.gz" .
-cp "$RES/summary.txt" "$OUT/overlap-summary.txt"
-log "done in $(( $(date +%s) - T0 ))s"
+cp "$RES/summary.txt" "$RES/overlap-summary.txt"
+pack overlap-results "$RES" "$RES/overlap-summary.txt"

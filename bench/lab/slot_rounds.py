@@ -1,6 +1,6 @@
 """Rounds per second and llama.cpp ubatches per round with N busy slots (issue #18), through the engine.
 
-    python bench/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
+    python bench/lab/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
         [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed

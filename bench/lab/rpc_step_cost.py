@@ -1,7 +1,7 @@
 """What one decode step costs over llama.cpp RPC: plain greedy decoding of one model (argmax on the device, as
 localspec decodes), all local and with its layers on a `localspec rpc-server` on this machine, interleaved.
 
-    python bench/rpc_step_cost.py [MODEL.gguf] [--port 50953] [--reps 7] [--tokens 64] [--threads 1]
+    python bench/lab/rpc_step_cost.py [MODEL.gguf] [--port 50953] [--reps 7] [--tokens 64] [--threads 1]
 
 Without a model it uses the demo target. Prints tok/s (median, min, max) and ms per token for each side, and
 whether both produced the same tokens (docs/performance.md).
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a plain checkout
 
 from localspec import demo, llama_ctx, rpc  # noqa: E402
 from localspec.errors import LocalspecError  # noqa: E402

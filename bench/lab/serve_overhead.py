@@ -1,6 +1,6 @@
 """What `localspec serve` costs over `localspec generate`, and what prefix reuse buys a chat, on one machine.
 
-    python bench/serve_overhead.py [--repeat 5] [--max-tokens 128] [--pair demo] [-- extra serve/generate options]
+    python bench/lab/serve_overhead.py [--repeat 5] [--max-tokens 128] [--pair demo] [-- extra serve/generate options]
 
 Starts `localspec serve` on a free loopback port, then alternates, `--repeat` times each:
   - `localspec generate PROMPT --temp 0 --json` (its own prefill + decode seconds, from its stats), and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What llama.cpp RPC costs with no network at all: `localspec bench` on one pair, all local, then with the target's
 # layers on a `localspec rpc-server` on this machine (docs/performance.md). Run from the repo root:
-#     bash bench/rpc_localhost.sh [extra localspec bench arguments, e.g. --target T.gguf --draft D.gguf]
+#     bash bench/lab/rpc_localhost.sh [extra localspec bench arguments, e.g. --target T.gguf --draft D.gguf]
 # Environment: OUT [rpc-localhost] (logs and JSON), PORT [50952], ARGS ["--repeat 5 --warmup 3 --max-tokens 64
 # --temp 0"], SERVER_ARGS [""] (e.g. "--threads 1"), LOCALSPEC [localspec]. The RPC run is made with draft-ahead
 # on (auto: the draft computes here while the server verifies) and off.

@@ -1,9 +1,9 @@
 """Drafting-ahead variants one after the other on ONE loaded pair: `localspec bench`'s own measurement
 (`localspec.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per variant,
 each report written as `localspec bench --json` writes it. One process per pair instead of one per cell and variant:
-on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/gpu/overlap.sh).
+on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/lab/overlap.sh).
 
-    python bench/gpu/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
+    python bench/lab/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
 
 Variants: on (drafting ahead, whole bets: `ahead_length = "full"`), off (rounds one after the other), fit

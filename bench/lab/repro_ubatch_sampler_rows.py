@@ -1,7 +1,7 @@
 """Minimal reproduction for llama.cpp: backend (device) sampler rows of one `llama_decode` that llama.cpp splits
 into several ubatches come back holding another row's candidates.
 
-    python bench/repro_ubatch_sampler_rows.py [--order 1,0] [--rows 2] [--gpu-layers 0] [--top-k 8]
+    python bench/lab/repro_ubatch_sampler_rows.py [--order 1,0] [--rows 2] [--gpu-layers 0] [--top-k 8]
 
 Self-contained on purpose (it is meant for an upstream report): it needs only llama-cpp-python (0.3.36 vendors
 the llama.cpp tree where this was found), numpy and gguf, and writes its own tiny random-weight GGUF (a 2-block

@@ -4,7 +4,8 @@ Greedy decoding of five chat prompts (through the model's own template), plain a
 runs interleaved (the order flips every repeat), medians reported. The result is written next to the choice in
 localspec/demo.py.
 
-    python bench/demo_draft_quant.py --out /tmp/drafts --types Q4_0,Q5_0,Q8_0,Q2_K --tokens 64 --threads 1 --repeat 3
+    python bench/lab/demo_draft_quant.py --out /tmp/drafts --types Q4_0,Q5_0,Q8_0,Q2_K --tokens 64 --threads 1 \\
+        --repeat 3
 """
 
 from __future__ import annotations

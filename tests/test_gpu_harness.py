@@ -1,0 +1,86 @@
+"""bench/gpu/harness.sh is the GPU benchmarks' one harness: every script that runs on the GPU machine sources it and
+copies none of its setup; its steps keep to the time budget and record what they did (bash, no GPU, no model)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "bench" / "gpu" / "harness.sh"
+# What only the harness may define: the folders and budget, the log and steps, the Python path and llama.cpp build,
+# the machine snapshot, the stand-in pairs' writer, the prompt files, localspec's command line.
+SETUP = {
+    "the start time": r"^\s*T0=",
+    "the repository root": r"^\s*REPO=",
+    "the default folders": r"^\s*(CARRY|WORK|OUT)=\"\$\{(CARRY|WORK|OUT):-",
+    "the budget's default": r"^\s*BUDGET_S=\"\$\{BUDGET_S:-",
+    "log/left/run": r"^\s*(log|left|run|step)\(\)",
+    "the Python path": r"export PYTHONPATH=",
+    "the llama.cpp library path": r"export (LLAMA_CPP_LIB_PATH|LD_LIBRARY_PATH)=",
+    "the machine snapshot": r"nvidia-smi --query-gpu",
+    "localspec's command line": r"^\s*LOCALSPEC=\(",
+    "the prompt files": r"from localspec\.bench import PROMPTS",
+    "the build through run.sh": r"SCALES=\"\" CARD_NOISES=\"\"",
+}
+
+
+def gpu_scripts() -> list[Path]:
+    """Every shell script that runs on the GPU machine: bench/gpu's and the lab's probes that use its build."""
+    scripts = [p for p in sorted((ROOT / "bench" / "gpu").glob("*.sh")) if p != HARNESS]
+    scripts += [p for p in sorted((ROOT / "bench" / "lab").glob("*.sh")) if "WORK" in p.read_text()]
+    return scripts
+
+
+def test_there_are_gpu_scripts() -> None:
+    names = {p.name for p in gpu_scripts()}
+    assert {"run.sh", "concurrency.sh", "drafters.sh", "multi_gpu.sh", "make_archive.sh"} <= names
+
+
+@pytest.mark.parametrize("script", gpu_scripts(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_gpu_script_sources_the_harness_and_copies_none_of_it(script: Path) -> None:
+    text = script.read_text()
+    assert re.search(r'^source "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/(\.\./gpu/)?harness\.sh"', text, re.M), \
+        f"{script.name} does not source bench/gpu/harness.sh"
+    copied = [what for what, pattern in SETUP.items() if re.search(pattern, text, re.M)]
+    assert not copied, f"{script.name} copies the harness's {', '.join(copied)}"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def bash(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -uo pipefail; source {HARNESS}; {script}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"), **env})
+
+
+def test_a_step_runs_when_the_budget_has_room_and_is_skipped_and_recorded_when_not(tmp_path: Path) -> None:
+    r = bash('results_in "$WORK/res"; hello() { echo "hi $1"; }; export -f hello; run greet 5 hello there; '
+             'echo "rc=$?"; run late 999 true; echo "rc=$?"', tmp_path, BUDGET_S="100")
+    assert "hi there" in r.stdout and "rc=0" in r.stdout and "rc=99" in r.stdout, r.stdout + r.stderr
+    assert "SKIP late: " in r.stdout and "needs ~999s" in r.stdout
+    steps = [line.split("\t")[:2] for line in (tmp_path / "work" / "res" / "steps.tsv").read_text().splitlines()]
+    assert steps == [["greet", "0"], ["late", "skipped"]]
+    assert (tmp_path / "work" / "out").is_dir()  # OUT defaults inside WORK
+
+
+def test_the_synthetic_pairs_vocabulary_follows_their_size(tmp_path: Path) -> None:
+    show = 'vocab_args {}; echo "[${{VOCAB_ARGS[*]}}]"'
+    r = bash("; ".join(show.format(size) for size in ("card32b", "gpu32b", "card-tiny", "tiny")), tmp_path,
+             CARRY="/c")
+    assert r.stdout.split() == ["[--vocab", "/c/ggml-vocab-qwen2.gguf]"] * 2 + ["[]", "[]"], r.stdout + r.stderr
+    mine = bash("vocab_args card32b; echo \"[${VOCAB_ARGS[*]}]\"", tmp_path, VOCAB="/v.gguf")
+    assert mine.stdout.strip() == "[--vocab /v.gguf]"
+    none = bash("vocab_args card32b; echo \"[${VOCAB_ARGS[*]}]\"", tmp_path, VOCAB="")
+    assert none.stdout.strip() == "[]"
+
+
+def test_use_build_puts_the_carried_packages_and_the_build_first(tmp_path: Path) -> None:
+    (tmp_path / "work" / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "work" / "build" / "bin" / "libllama.so").touch()
+    r = bash('use_build; echo "$PYTHONPATH|$LLAMA_CPP_LIB_PATH"', tmp_path)
+    assert r.stdout.strip() == f"{tmp_path}/work/pyenv/py:{ROOT}|{tmp_path}/work/build/bin", r.stderr
+    local = bash('use_build; echo "$PYTHONPATH"', tmp_path, CARRIED_PY="0")
+    assert local.stdout.strip() == str(ROOT)
