@@ -1078,11 +1078,15 @@ class LlamaModel:
     def want_hidden(self, seq: int, on: bool) -> None:
         """Whether sequence `seq`'s decodes return the hidden state after each token (`Scores.hidden`: what an MTP
         head drafts from; llama.cpp's nextn embeddings, the final norm's output, one row per token)."""
+        was = bool(self._hidden_seqs)
         if on:
+            if llama_cpp_ext is None:
+                raise ModelLoadError(mtp_unsupported() or "no nextn embeddings in this llama-cpp-python")
             self._hidden_seqs.add(seq)
         else:
             self._hidden_seqs.discard(seq)
-        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, bool(self._hidden_seqs), False)
+        if bool(self._hidden_seqs) != was:  # (a context-wide switch: only when it changes)
+            llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, bool(self._hidden_seqs), False)
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 
