@@ -1228,7 +1228,10 @@ class MtpHead:
         if not self.ctx:
             raise ModelLoadError(f"{target.path.name}: llama.cpp could not create the MTP head's context (was the "
                                  "model loaded without its MTP layers?)")
-        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, True)  # its own hidden rows, for scored entries
+        # Its own hidden rows, every entry's, by batch index: "masked" (scored entries' rows only) hands back the
+        # batch's first rows instead of its scored ones, as the MTP graph takes them before it picks the outputs
+        # (docs/upstream.md); at most n_batch rows each decode.
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, False)
         self._batch = llama_cpp.llama_batch_ext_init(self.ctx)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = target.n_vocab

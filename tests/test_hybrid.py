@@ -277,6 +277,80 @@ def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
 
 
 @pytest.mark.slow
+def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -> None:
+    """A head decode of several entries, the last scored, hands back the last entry's own hidden state (what the
+    next chained step reads), as decoding the others first and the last alone does. (llama.cpp's "masked" rows
+    give the batch's first row there: docs/upstream.md.)"""
+    from localspec.llama_ctx import LlamaModel, MtpHead
+
+    tokens = prompts(1, seed=5, length=6)[0]
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3) as m:
+        m.want_hidden(0, True)
+        h = m.decode(tokens, 0, all_logits=True).hidden
+        zeros = np.zeros(h.shape[1], dtype=np.float32)
+        entries = [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(6)]
+        head = MtpHead(m, n_ctx=256, n_threads=1)
+        (batched_logits, batched), = head.decode(entries)
+        head.clear()
+        head.decode([(*e[:4], False) for e in entries[:-1]])
+        (alone_logits, alone), = head.decode(entries[-1:])
+        head.clear()
+        (_, first), = head.decode([(*entries[0][:4], True)])
+        head.close()
+    assert np.allclose(batched, alone, atol=1e-4) and np.allclose(batched_logits, alone_logits, atol=1e-3)
+    assert not np.allclose(batched, first, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_mtp_drafts_are_the_heads_chain_over_the_targets_rows(hybrid_session, monkeypatch) -> None:
+    """Every round's drafts at T = 0 are what the head gives fed the final sequence's own target rows, one entry a
+    step as llama.cpp's draft-mtp feeds it: the first draft from (cur, the target's row before it), each next from
+    (the last draft, the head's own row)."""
+    from localspec.drafters import mtp
+    from localspec.llama_ctx import MtpHead
+
+    s = hybrid_session
+    log: list[tuple[list[int], list[int]]] = []
+    real = mtp.MtpDrafter.draft
+
+    def draft(self, jobs):
+        out = real(self, jobs)
+        log.extend((list(req.tokens), list(p.tokens)) for (req, _), p in zip(jobs, out, strict=True))
+        return out
+
+    monkeypatch.setattr(mtp.MtpDrafter, "draft", draft)
+    s.engine.reset()
+    prompt = prompts(1, seed=29, length=10)[0]
+    done = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(3, "mtp"), 48))
+    assert 0 < done.stats.accepted < done.stats.drafted
+    full = prompt + done.tokens
+    t = s.target
+    s.engine.reset()
+    t.want_hidden(0, True)
+    h = t.decode(full, 0, all_logits=True).hidden
+    t.want_hidden(0, False)
+    s.engine.reset()
+    zeros = np.zeros(h.shape[1], dtype=np.float32)
+    head = MtpHead(t, n_ctx=256, n_threads=1)
+    rounds = 0
+    for tokens, drafts in log:
+        if not drafts:
+            continue
+        cur = len(tokens) - 1
+        head.clear()
+        head.decode([(0, full[p], p, zeros if p == 0 else h[p - 1], False) for p in range(cur)])
+        (logits, own), = head.decode([(0, full[cur], cur, h[cur - 1], True)])
+        chain = [int(np.argmax(logits))]
+        while len(chain) < len(drafts):
+            (logits, own), = head.decode([(0, chain[-1], cur + len(chain), own, True)])
+            chain.append(int(np.argmax(logits)))
+        assert drafts == chain, (cur, drafts, chain)
+        rounds += 1
+    head.close()
+    assert rounds > 5
+
+
+@pytest.mark.slow
 def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
     """Within the last decode: bit for bit a fresh context's logits. Past it (where llama.cpp's own seq_rm says yes
     and is wrong): back to the checkpoint, or to nothing, and the re-decoded logits are again a fresh context's."""
