@@ -67,13 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        path = a.model
-        if path is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from synthetic import HYBRID_TINY, write_hybrid_model
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from synthetic import hybrid_model_or_tiny
 
-            path = Path(tmp) / "hybrid-mtp.gguf"
-            write_hybrid_model(path, HYBRID_TINY, "target")
+        path = hybrid_model_or_tiny(a.model, tmp)
         L.llama_backend_init()
         log = L.llama_log_callback(lambda level, text, data: None)
         L.llama_log_set(log, ctypes.c_void_p(0))

@@ -78,13 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        path = a.model
-        if path is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from synthetic import HYBRID_TINY, write_hybrid_model
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from synthetic import hybrid_model_or_tiny
 
-            path = Path(tmp) / "hybrid.gguf"
-            write_hybrid_model(path, HYBRID_TINY, "target")
+        path = hybrid_model_or_tiny(a.model, tmp)
         results = run(Runner(path, a.threads), a.rs)
     silent = sum(removed and not right for _, removed, right in results)
     print(f"{silent} case(s) where seq_rm reported success and the state was wrong")

@@ -798,43 +798,57 @@ def write_card_model(
     else:
         ftype = _MIX_FILE_TYPE[spec.target_mix]
     tag = (f"noise {spec.noise:g} " if is_draft else "") + f"block_noise {spec.block_noise:g} seed {spec.seed}"
-    with atomic_path(path, f"synthetic {role}", parents=True) as tmp, \
-            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        w = gguf.GGUFWriter(tmp, "qwen3")
+
+    def add_kv(w: gguf.GGUFWriter) -> None:
         _add_kv(w, sh, arch="qwen3", file_type=int(ftype), ctx=spec.ctx, rope_freq_base=spec.rope_freq_base,
                 rms_eps=spec.rms_eps, name=f"localspec synthetic card {role} ({tag})", vocab_kv=vocab_kv)
+
+    cache: dict[tuple[str, CardQType], np.ndarray] = {}
+    embedding: np.ndarray | None = None
+    ffn0 = _ffn0_ints(spec, sh)
+
+    def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        nonlocal embedding
+        if name.endswith("norm.weight"):
+            return _card_norm(name, shape, spec, sc)
+        if name in ("token_embd.weight", "output.weight"):
+            if embedding is None:  # the target's output holds exactly its token_embd's values
+                embedding = _embedding_ints(spec, n_vocab, special, sh.n_embd, is_draft, pool)
+            return _encode_parallel(embedding, emb_scale, qt, pool)
+        block, tensor_role = int(name.split(".")[1]), name.split(".")[2]
+        if block == 0 and tensor_role in ffn0:
+            scale = {"ffn_gate": 1.0, "ffn_up": 1.0, "ffn_down": sc.down}[tensor_role]
+            return _encode_parallel(ffn0[tensor_role], scale, qt, pool)
+        key = (tensor_role, qt)
+        data = cache.get(key) if spec.reuse_blocks else None
+        if data is None:
+            ints = _noise_ints(spec.seed, (_NOISE_ROLES.index(tensor_role), 0 if spec.reuse_blocks else block,
+                                          1 if is_draft else 0), shape, pool)
+            data = _encode_parallel(ints, sc.block, qt, pool)
+            if spec.reuse_blocks:
+                cache[key] = data
+        return data
+
+    _write_planned(path, f"synthetic {role}", "qwen3", plan, add_kv, tensor, t0, log)
+
+
+def _write_planned(path: Path, what: str, arch: str, plan: list[tuple[str, tuple[int, ...], CardQType]],
+                   add_kv: Callable[[gguf.GGUFWriter], None],
+                   tensor: Callable[[str, tuple[int, ...], CardQType, ThreadPoolExecutor], np.ndarray],
+                   t0: float, log: Callable[[str], None] | None) -> None:
+    """Write a GGUF (atomically) from its key-values and its tensor plan, each tensor's data made in plan order on
+    a thread pool."""
+    with atomic_path(path, what, parents=True) as tmp, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        w = gguf.GGUFWriter(tmp, arch)
+        add_kv(w)
         for name, shape, qt in plan:
             # Element shape, not byte shape: gguf converts only shapes given with dtype uint8.
             w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qt), raw_dtype=_GGML_TYPE[qt])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        cache: dict[tuple[str, CardQType], np.ndarray] = {}
-        embedding: np.ndarray | None = None
-        ffn0 = _ffn0_ints(spec, sh)
         for name, shape, qt in plan:
-            if name.endswith("norm.weight"):
-                w.write_tensor_data(_card_norm(name, shape, spec, sc))
-                continue
-            if name in ("token_embd.weight", "output.weight"):
-                if embedding is None:  # the target's output holds exactly its token_embd's values
-                    embedding = _embedding_ints(spec, n_vocab, special, sh.n_embd, is_draft, pool)
-                w.write_tensor_data(_encode_parallel(embedding, emb_scale, qt, pool))
-                continue
-            block, tensor_role = int(name.split(".")[1]), name.split(".")[2]
-            if block == 0 and tensor_role in ffn0:
-                scale = {"ffn_gate": 1.0, "ffn_up": 1.0, "ffn_down": sc.down}[tensor_role]
-                w.write_tensor_data(_encode_parallel(ffn0[tensor_role], scale, qt, pool))
-                continue
-            key = (tensor_role, qt)
-            data = cache.get(key) if spec.reuse_blocks else None
-            if data is None:
-                ints = _noise_ints(spec.seed, (_NOISE_ROLES.index(tensor_role), 0 if spec.reuse_blocks else block,
-                                              1 if is_draft else 0), shape, pool)
-                data = _encode_parallel(ints, sc.block, qt, pool)
-                if spec.reuse_blocks:
-                    cache[key] = data
-            w.write_tensor_data(data)
+            w.write_tensor_data(tensor(name, shape, qt, pool))
         w.close()
     if log:
         log(f"wrote {path} ({Path(path).stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
@@ -1094,9 +1108,8 @@ def write_hybrid_model(
     plan = hybrid_tensor_plan(spec, n_vocab, role)
     arch = "qwen35"
     tag = f"scale {spec.scale:g} mtp_noise {spec.mtp_noise:g} seed {spec.seed}"
-    with atomic_path(path, f"synthetic hybrid {role}", parents=True) as tmp, \
-            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        w = gguf.GGUFWriter(tmp, arch)
+
+    def add_kv(w: gguf.GGUFWriter) -> None:
         trunk = Shape(sh.n_embd, sh.n_head, sh.n_head_kv, sh.head_dim, sh.n_ff, sh.n_blocks + sh.nextn)
         _add_kv(w, trunk, arch=arch, file_type=int(_HYBRID_FILE_TYPE[spec.wtype]), ctx=spec.ctx,
                 rope_freq_base=spec.rope_freq_base, rms_eps=spec.rms_eps, vocab_kv=vocab_kv,
@@ -1110,18 +1123,14 @@ def write_hybrid_model(
         w.add_uint32(f"{arch}.full_attention_interval", sh.full_attention_interval)
         if sh.nextn:
             w.add_uint32(f"{arch}.nextn_predict_layers", sh.nextn)
-        for name, shape, qt in plan:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qt), raw_dtype=_GGML_TYPE[qt])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        cache: dict[tuple[str, CardQType], np.ndarray] = {}
-        stream = 1 if role == "target" else 2
-        for name, shape, qt in plan:
-            w.write_tensor_data(_hybrid_data(spec, sh, name, shape, qt, stream, pool, cache))
-        w.close()
-    if log:
-        log(f"wrote {path} ({Path(path).stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+
+    cache: dict[tuple[str, CardQType], np.ndarray] = {}
+    stream = 1 if role == "target" else 2
+
+    def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        return _hybrid_data(spec, sh, name, shape, qt, stream, pool, cache)
+
+    _write_planned(path, f"synthetic hybrid {role}", arch, plan, add_kv, tensor, t0, log)
 
 
 def write_hybrid_pair(target_path: Path, draft_path: Path, spec: HybridSpec, vocab_source: Path | None = None,
@@ -1159,6 +1168,15 @@ HYBRID_27B = HybridSpec(
 HYBRID_TINY_HIGH = replace(HYBRID_TINY, scale=0.0005, mtp_noise=0.0, mtp_scale=0.0005)
 HYBRID_PRESETS: dict[str, HybridSpec] = {"hybrid-tiny": HYBRID_TINY, "hybrid-tiny-high": HYBRID_TINY_HIGH,
                                          "hybrid27b": HYBRID_27B}
+
+
+def hybrid_model_or_tiny(path: Path | None, folder: str | Path) -> Path:
+    """`path`, or HYBRID_TINY's target (with its MTP block) written into `folder`: the upstream repros' model."""
+    if path is not None:
+        return path
+    tiny = Path(folder) / "hybrid-tiny.gguf"
+    write_hybrid_model(tiny, HYBRID_TINY, "target")
+    return tiny
 
 
 # -- measuring agreement -------------------------------------------------------------------------------------
