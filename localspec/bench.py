@@ -155,22 +155,30 @@ def prompt_mode(session: Session, raw: bool) -> str:
 
 def tokenize_prompts(session: Session, prompts: list[BenchPrompt] | None = None,
                      raw: bool = False) -> list[tuple[str, list[int]]]:
+    return [(name, tokens) for name, _, tokens in render_prompts(session, prompts, raw)]
+
+
+def render_prompts(session: Session, prompts: list[BenchPrompt] | None = None,
+                   raw: bool = False) -> list[tuple[str, str, list[int]]]:
+    """Each prompt's name, the text the target reads (the chat template rendered, or the plain text) and its tokens;
+    a prompt that does not fit the context is refused."""
     prompts = shipped_prompts() if prompts is None else prompts
     mode = prompt_mode(session, raw)
     template: ChatTemplate | None = None
-    out: list[tuple[str, list[int]]] = []
+    out: list[tuple[str, str, list[int]]] = []
     for p in prompts:
         if p.messages is None and mode == RAW:
             assert p.text is not None
-            out.append((p.name, session.target.tokenize(p.text, add_special=True)))
+            out.append((p.name, p.text, session.target.tokenize(p.text, add_special=True)))
             continue
         if p.messages is not None and raw:
             raise UsageError(f"prompt {p.name!r} is a conversation (messages): it needs the chat template, "
                                  "so it cannot run with --raw")
         template = template or ChatTemplate.for_model(session.target)
         messages = list(p.messages) if p.messages is not None else [{"role": "user", "content": p.text or ""}]
-        out.append((p.name, encode_chat(session.target, template.render(messages))))
-    too_long = [name for name, tokens in out if len(tokens) >= session.engine.n_ctx]
+        text = template.render(messages)
+        out.append((p.name, text, encode_chat(session.target, text)))
+    too_long = [name for name, _, tokens in out if len(tokens) >= session.engine.n_ctx]
     if too_long:
         raise UsageError(f"prompt {too_long[0]!r} does not fit the context of {session.engine.n_ctx} tokens "
                              "(--ctx raises it)")
@@ -515,7 +523,7 @@ def environment(session: Session) -> dict[str, Any]:
         "llama_cpp_python": version("llama-cpp-python"),
         "llama_cpp_system_info": system_info(),
         "gpu_offload": supports_gpu_offload(),
-        "gpus": [gpu.name for gpu in machine.nvidia_gpus()],
+        **gpus(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": machine.cpu_name(),
@@ -528,6 +536,14 @@ def environment(session: Session) -> dict[str, Any]:
         "draft": model(session.draft),
         "placement": placement(session),
     }
+
+
+def gpus() -> dict[str, Any]:
+    """The report's `gpus`: each NVIDIA GPU's name, driver and VRAM (NVML), and `gpu_notes`: why none was read."""
+    notes: list[str] = []
+    found = [{"index": g.index, "name": g.name, "driver": g.driver, "vram_total_bytes": g.total,
+              "vram_free_bytes": g.free} for g in machine.nvidia_gpus(notes)]
+    return {"gpus": found, "gpu_notes": notes}
 
 
 def threads_line(session: Session) -> str:

@@ -78,6 +78,12 @@ def _model_names(text: str) -> object:
     return names
 
 
+def _any_path(text: str) -> object:
+    if "\n" in text or "\0" in text:
+        raise ValueError("a path on one line")
+    return text.strip()
+
+
 def _draft_device(text: str) -> object:
     text = text.strip()
     if text == "auto" or text.isdigit():
@@ -140,6 +146,10 @@ class BenchSettings:
     warmup: int = field(metadata=_rng(0, 1000, int))
     repeat: int = field(metadata=_rng(1, 1000, int))
     max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+    # After the bench, llama.cpp's own speculative loop on the same files and prompts (localspec.versus)
+    against: str = field(metadata={"kind": str, "choices": ("none", "llama.cpp")})
+    # Its llama-speculative-simple, or the folder holding it ("": $LOCALSPEC_LLAMA_BIN, then PATH)
+    llama_bin: str = field(metadata=_text(_any_path, "a path to llama-speculative-simple or its folder"))
 
 
 @dataclass(frozen=True)

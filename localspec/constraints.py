@@ -9,11 +9,15 @@ rejection sampling compares the masked p and q and its output is exactly the con
 Masking asks llama.cpp's grammar sampler (`llama_ctx.Grammar`) about as few tokens as exactness allows: a row
 sampled with top-k needs only its top_k best legal tokens (and greedy its best one), so the mask is asked about the
 row's best few dozen tokens first and widens only when too few of them are legal; top_k = 0 needs every token.
+Fewer legal tokens than top_k among those checked is enough too when top-p or min-p would cut the row before any
+token left unchecked, whatever those are (`settled`): at a JSON key or a comma a grammar allows a handful of tokens
+in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +26,12 @@ import numpy as np
 from localspec.config import Sampling
 from localspec.errors import GrammarError
 from localspec.llama_ctx import Grammar, LlamaModel, json_object_gbnf, json_schema_gbnf
+from localspec.sampling import NARROW
 from localspec.scores import Scores
 
-FIRST_LOOK = 64  # tokens of a row checked first; each miss widens the look eightfold
+FIRST_LOOK = 64  # tokens of a row checked first (at least 4 x top_k); a miss widens the look eightfold, then to all
+WIDEN = 8
+NARROW_TOP_K = NARROW  # `settled` mirrors the pipeline's Python rows (top-k up to this wide)
 
 
 @dataclass(frozen=True)
@@ -71,34 +78,88 @@ class Constraint:
         return cls.json_schema(schema, str(path))
 
 
-def masked_row(row: np.ndarray, grammar: Grammar, need: int) -> np.ndarray:
-    """The row (logits over a vocabulary) with every token the grammar forbids at -inf, exact for a pipeline that
-    keeps at most `need` tokens (1 for greedy, top_k; 0 = no top-k: every token is checked).
+def masked_row(row: np.ndarray, grammar: Grammar, sampling: Sampling) -> np.ndarray:
+    """The row (logits over a vocabulary) with every token the grammar forbids at -inf (see `kept_ids`)."""
+    out = np.full(len(row), -np.inf, dtype=np.float32)
+    keep = kept_ids(row, grammar, sampling)
+    out[keep] = row[keep]
+    return out
 
-    Only the row's best tokens are checked until `need` legal ones are found: any legal token outside them ranks
-    below all of them, so top-`need` of the masked row is the same. Each widening checks only the tokens it adds.
-    Tokens left unchecked are -inf too."""
+
+def kept_ids(row: np.ndarray, grammar: Grammar, sampling: Sampling) -> np.ndarray:
+    """The legal token ids of a row (logits over a vocabulary) that `sampling`'s pipeline needs, in id order: with
+    every other token at -inf the row samples exactly as the fully masked row (`rows_needed`: 1 for greedy, top_k;
+    0 = no top-k: every token is checked).
+
+    Only the row's best tokens are checked (then eight times as many, then all) until `need` legal ones are
+    found, or until those found settle the top-p/min-p cut (`settled`): any legal token outside them ranks below
+    all of them, so the pipeline keeps the same tokens with the same probabilities. Each widening checks only the
+    tokens it adds."""
+    need = rows_needed(sampling)
     vocab = len(row)
-    look = min(vocab, max(FIRST_LOOK, 4 * need)) if need else vocab
+    look = first = min(vocab, max(FIRST_LOOK, 4 * need)) if need else vocab
     checked = np.zeros(vocab, dtype=bool)
     legal_ids: list[np.ndarray] = []
     found = 0
     while True:
         ids = np.arange(vocab) if look >= vocab else np.argpartition(row, vocab - look)[vocab - look :]
-        ids = ids[~checked[ids]]
-        checked[ids] = True
-        keep = ids[grammar.legal(ids)]
+        fresh = ids[~checked[ids]]
+        checked[fresh] = True
+        keep = fresh[grammar.legal(fresh)]
         legal_ids.append(keep)
         found += len(keep)
         if look >= vocab or found >= need:
             break
-        look = min(vocab, look * 8)
+        if found and settled(np.concatenate(legal_ids), row, float(row[ids].min()), vocab - look, sampling):
+            break
+        # One wider look, then the whole row: each look pays an argpartition of the row (152k logits: a few ms on
+        # the 2-core CPU), and a row whose legal tokens are not in its best thousand is rarely settled later.
+        look = min(vocab, look * WIDEN) if look == first else vocab
     if found == 0:
         raise GrammarError(f"{grammar.source}: the grammar allows no token here (a grammar that cannot end?)")
-    out = np.full(vocab, -np.inf, dtype=np.float32)
-    keep = np.concatenate(legal_ids)
-    out[keep] = row[keep]
-    return out
+    return np.sort(np.concatenate(legal_ids))
+
+
+def settled(legal: np.ndarray, row: np.ndarray, bound: float, unchecked: int, sampling: Sampling) -> bool:
+    """Whether the pipeline's rows are the same whatever the `unchecked` tokens are: `legal` (fewer than top_k ids
+    of `row`) are the legal ones among those checked, every unchecked token's logit is at most `bound`.
+
+    The pipeline (sampling._row) sorts the top-k legal tokens, cuts the smallest prefix whose mass at temperature 1
+    reaches top_p, then the first below min_p of the best, and renormalises what is left. Unchecked legal tokens
+    (at most top_k - len(legal) of them, each of weight at most exp(bound - best)) sort after every checked one and
+    only add to the sum top-p compares with; the cut moves only one way as that sum grows, so when it falls at the
+    same checked token with none of them and with all of them at that weight (the same sums, in the same order, as
+    the pipeline computes them), and that token is above `bound`, the kept tokens and their probabilities are
+    those of the fully checked row."""
+    k = sampling.top_k
+    if sampling.greedy or not 0 < k <= NARROW_TOP_K or (sampling.top_p >= 1.0 and sampling.min_p <= 0.0):
+        return False
+    vals = sorted(row[legal].astype(np.float64).tolist(), reverse=True)
+    top = vals[0]
+    base = [math.exp(v - top) for v in vals]
+    known = len(base)
+    unknown_weight = math.exp(bound - top)
+    cut_min_p = known if sampling.min_p > 0.0 and unknown_weight < sampling.min_p else math.inf
+    if sampling.min_p > 0.0:
+        cut_min_p = next((i for i in range(1, known) if base[i] < sampling.min_p), cut_min_p)
+
+    def cut(total: float) -> float:
+        if sampling.top_p >= 1.0:
+            return cut_min_p
+        running, i = 0.0, 0
+        while i < known:
+            running += base[i]
+            if running >= sampling.top_p * total:  # bisect_left(accumulate(base), top_p * total) == i
+                return min(i + 1, cut_min_p)
+            i += 1
+        return cut_min_p  # top-p's cut falls among the unchecked: only min-p can settle it
+
+    least = sum(base)
+    most = least
+    for _ in range(min(k - known, unchecked)):
+        most += unknown_weight
+    n = cut(least)
+    return n == cut(most) and n <= known and vals[int(n) - 1] > bound
 
 
 def rows_needed(sampling: Sampling) -> int:
@@ -115,9 +176,17 @@ def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling
     legal token outside them ranks below all of them. None when they do not: that row needs its full logits."""
     assert scores.logits is not None and scores.drawn is None, "a constrained row needs logits, not a drawn token"
     if scores.ids is None:
-        return Scores(masked_row(scores.logits[row].reshape(-1), grammar, rows_needed(sampling))[None, :])
+        # Only the kept tokens, as candidates: the pipeline then sorts a few dozen, not a vocabulary of -inf (an
+        # argpartition of such a row took 8 ms on the 2-core CPU, at 49k tokens: 4.4 of 15.8 s of a JSON reply).
+        logits = scores.logits[row].reshape(-1)
+        keep = kept_ids(logits, grammar, sampling)
+        return Scores(logits[keep][None, :].astype(np.float32), keep[None, :])
     need = rows_needed(sampling)
-    legal = grammar.legal(scores.ids[row])
-    if need == 0 or int(legal.sum()) < need:
+    ids, logits = scores.ids[row], scores.logits[row]
+    legal = grammar.legal(ids)
+    found = int(legal.sum())
+    # The device's candidates are a row's best; every other token's logit is at most their least.
+    if need == 0 or found == 0 or (found < need and not settled(
+            np.flatnonzero(legal), logits, float(logits.min()), grammar.n_vocab - len(ids), sampling)):
         return None
-    return Scores(np.where(legal, scores.logits[row], -np.inf)[None, :].astype(np.float32), scores.ids[row][None, :])
+    return Scores(np.where(legal, logits, -np.inf)[None, :].astype(np.float32), ids[None, :])

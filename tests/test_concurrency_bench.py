@@ -121,6 +121,24 @@ def test_summary_finds_the_crossover(tmp_path, capsys):
     assert summary["8e-5"]["0.7"]["compared_with_k0"] == []
 
 
+def test_summary_reads_the_card_pairs_folders_first(tmp_path, capsys):
+    """concurrency.sh's PAIRS: card-n<noise> folders beside the old stand-in's s<scale> ones."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    for name, spec in (("s8e-5", 300.0), ("card-n0.013", 180.0), ("card-n0.03", 150.0)):
+        (tmp_path / name).mkdir()
+        for config, agg in (("k0", 100.0), ("spec", spec), ("llama", 140.0)):
+            (tmp_path / name / f"{config}-t0.json").write_text(json.dumps(_report({1: agg})))
+    out = tmp_path / "summary.json"
+    assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    heads = [line for line in printed.splitlines() if line.startswith("## ") and ", T = " in line]
+    assert heads == ["## pair card-n0.013, T = 0", "## pair card-n0.03, T = 0", "## scale 8e-5, T = 0"]
+    assert "| 1 | 100.0 | 180.0 | 140.0 |" in printed
+    assert set(json.loads(out.read_text())) == {"card-n0.013", "card-n0.03", "8e-5"}
+
+
 def _with_requests(report: dict, acceptances: dict[int, list[float]]) -> dict:
     """`report` whose levels carry requests with these acceptances (draft_n 100 each)."""
     for level in report["levels"]:

@@ -276,12 +276,15 @@ def test_lazy_mask_equals_the_full_mask(tiny_pair):
         for _ in range(20):
             row = rng.normal(size=model.n_vocab).astype(np.float32)
             reference = np.where(legal, row, -np.inf)
-            for need in (1, 6, 40):
+            for need in (1, 6, 40):  # greedy, then top-k alone (no top-p or min-p cut: the top `need` legal)
+                sampling = GREEDY.sampling if need == 1 else dataclasses.replace(
+                    GREEDY.sampling, temperature=1.0, top_k=need, top_p=1.0, min_p=0.0)
                 top = np.argsort(-reference, kind="stable")[:need]
-                masked = masked_row(row, g, need)
+                masked = masked_row(row, g, sampling)
                 assert np.array_equal(np.argsort(-masked, kind="stable")[:need], top)
                 assert np.array_equal(masked[top], row[top])
-            assert np.array_equal(masked_row(row, g, 0), reference)
+            every = dataclasses.replace(GREEDY.sampling, temperature=1.0, top_k=0)
+            assert np.array_equal(masked_row(row, g, every), reference)
 
 
 # -- exactness of the engine -------------------------------------------------------------------------------

@@ -23,71 +23,54 @@ accept    = 83.333%
 """
 
 
-def test_parse_spec_simple_reads_the_summary_and_rejects_unfinished_runs():
-    assert summarize.parse_spec_simple(LOG) == {"tokens": 257, "seconds": 1.25, "drafted": 300, "accepted": 250}
-    assert summarize.parse_spec_simple(LOG.split("n_draft")[0]) is None
+def _against(median: float, greedy: list[dict] | None = None) -> dict:
+    """The `against` section `localspec bench --against llama.cpp` writes (localspec.versus.Comparison.as_json)."""
+    return {"against": "llama.cpp", "modes": [
+        {"mode": "host", "runs": 3, "median_tps": median * 0.9, "min_tps": median * 0.8, "max_tps": median,
+         "acceptance_rate": 0.8},
+        {"mode": "backend", "runs": 3, "median_tps": median, "min_tps": median * 0.9, "max_tps": median * 1.1,
+         "acceptance_rate": 0.81}], "greedy": greedy or [], "runs": []}
 
 
-def test_llama_runs_take_the_median_of_complete_repetitions(tmp_path):
-    for rep, seconds in ((1, 1.0), (2, 2.0), (3, 4.0)):
-        for prompt in ("a", "b"):
-            text = LOG.replace("1.250", f"{seconds:.3f}")
-            (tmp_path / f"t0-host-r{rep}-{prompt}.log").write_text(text)
-    (tmp_path / "t0-host-r4-a.log").write_text(LOG)  # r4 lacks prompt b: left out
-    runs = summarize.llama_runs(tmp_path, ["a", "b"])["0/host"]
-    assert runs["runs"] == 3
-    assert runs["median"] == pytest.approx(257 / 2.0)
-    assert runs["min"] == pytest.approx(257 / 4.0) and runs["max"] == pytest.approx(257.0)
-    assert runs["acceptance"] == pytest.approx(250 / 300)
-
-
-def test_generated_text_keeps_carriage_returns(tmp_path):
-    out = tmp_path / "x.out"
-    out.write_bytes(b"\n\nQuestion: why?\nAnswer: because\r\nso.\n\n")
-    assert summarize.generated_text(out, "Question: why?\nAnswer:") == " because\r\nso."
-
-
-def test_divergence_is_reported_at_the_plain_token_holding_the_first_different_character():
-    plain = {"plain_text": "one two three", "plain_token_ends": [3, 7, 13], "plain_margins": [5.0, 0.2, 1.0]}
-    assert summarize.divergence(plain, "one two three and more") == {"first_divergence": None, "plain_margin": None}
-    assert summarize.divergence(plain, "one too three") == {"first_divergence": 1, "plain_margin": 0.2}
-    assert summarize.divergence(plain, "one") == {"first_divergence": 1, "plain_margin": 0.2}  # stopped early
-
-
-def test_summarize_compares_both_loops_from_a_results_folder(tmp_path):
+def test_summarize_compares_both_loops_from_the_bench_json(tmp_path):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "p.txt").write_text("Hi\n")
     pair = tmp_path / "s1"
-    (pair / "llama").mkdir(parents=True)
+    pair.mkdir()
     check = {"exact": False, "invariant_holds": True, "prompts": [
         {"name": "p", "first_divergence": None, "plain_margin": None, "spec_margin": None,
          "plain_text": " a b", "plain_token_ends": [2, 4], "plain_margins": [1.0, 0.01]}]}
+    greedy = [{"prompt": "p", "mode": "host", "first_divergence": 1, "plain_margin": 0.01, "same_every_run": True},
+              {"prompt": "p", "mode": "backend", "first_divergence": None, "plain_margin": None,
+               "same_every_run": True}]
     doc = {"plain": {"median_tps": 100.0}, "speculative": {"median_tps": 250.0, "acceptance_rate": 0.8,
                                                            "host_fraction": 0.01},
-           "speedup": 2.5, "greedy_check": check, "runs": []}
+           "speedup": 2.5, "greedy_check": check, "runs": [], **{"against": _against(205.6, greedy)}}
     (pair / "localspec-t0.json").write_text(json.dumps(doc))
-    for mode, text in (("host", "Hi a c"), ("backend", "Hi a b")):
-        (pair / "llama" / f"t0-{mode}-r1-p.log").write_text(LOG)
-        (pair / "llama" / f"t0-{mode}-r1-p.out").write_text(f"\n\n{text}\n\n")
+    failed = {**doc, "against": {"error": "llama-speculative-simple failed on prompt 'p'"}}
+    (pair / "localspec-t0.7.json").write_text(json.dumps(failed))
     result = summarize.summarize(tmp_path)
     entry = result["pairs"]["s1"]["temps"]["0"]
-    assert entry["ratio_vs_llama_cpp"] == pytest.approx(250.0 / 205.6)
+    assert entry["ratio_vs_llama_cpp"] == pytest.approx(250.0 / 205.6) and entry["llama_cpp_faster"] == "backend"
+    assert entry["llama_cpp_host"]["median"] == pytest.approx(205.6 * 0.9)
     fid = result["pairs"]["s1"]["fidelity"]
     assert fid["localspec"]["diverged"] == 0
     assert fid["llama_cpp_host"]["prompts"]["p"]["first_divergence"] == 1
     assert fid["llama_cpp_backend"]["diverged"] == 0
-    assert "greedy (T = 0) divergence" in summarize.tables(result)
+    text = summarize.tables(result)
+    assert "greedy (T = 0) divergence" in text
+    assert "s1 T=0.7: llama.cpp did not run: llama-speculative-simple failed on prompt 'p'" in text
+    assert result["pairs"]["s1"]["temps"]["0.7"]["ratio_vs_llama_cpp"] is None
 
 
 def _pair_folder(root: Path, name: str, spec_tps: float, acceptance: float) -> None:
     pair = root / name
-    (pair / "llama").mkdir(parents=True)
+    pair.mkdir(parents=True)
     check = {"exact": True, "invariant_holds": True, "prompts": []}
     doc = {"plain": {"median_tps": 100.0}, "speculative": {"median_tps": spec_tps, "acceptance_rate": acceptance,
                                                            "host_fraction": 0.01},
-           "speedup": spec_tps / 100.0, "greedy_check": check, "runs": []}
+           "speedup": spec_tps / 100.0, "greedy_check": check, "runs": [], "against": _against(205.6)}
     (pair / "localspec-t0.json").write_text(json.dumps(doc))
-    (pair / "llama" / "t0-host-r1-p.log").write_text(LOG)
 
 
 def test_side_by_side_puts_the_card_pair_next_to_the_old_stand_in(tmp_path):

@@ -6,8 +6,8 @@
 # root:
 #     bash bench/gpu/concurrency.sh
 # 1. Prepare what this machine lacks (a warm machine keeps $WORK; harness.sh): llama.cpp's CUDA build through run.sh
-#    (it builds llama-server too), then the synthetic 32B pairs (bench/synthetic.py, the files run.sh writes).
-# 2. Per scale and per configuration of CONFIGS, one server is started, waited for (/health = 200), measured at
+#    (it builds llama-server too), then the pairs of PAIRS (bench/synthetic.py, the files run.sh writes).
+# 2. Per pair and per configuration of CONFIGS, one server is started, waited for (/health = 200), measured at
 #    every temperature of TEMPS (the temperature is a request field, so one server serves both) and stopped:
 #      k0     localspec serve --draft DRAFT --draft 0 --parallel P   plain batched decoding (the draft is loaded
 #                                                                     but not used: the same memory as spec)
@@ -22,7 +22,9 @@
 # Every result is kept in $WORK/concurrency; one that exists is not measured again, so a call that runs out of
 # budget leaves the rest to the next call on the same (warm) machine.
 # Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, SIZE, VOCAB, RERUN: harness.sh):
-#   SCALES ["8e-5 1.2e-4"]    synthetic block scales: the two acceptance levels of docs/performance.md
+#   PAIRS ["card-n0.013"]     card-n<NOISE>: the card's pair (Qwen3-32B-shaped Q4_K_M target, 0.6B-shaped Q8_0
+#                             draft) at that draft noise (0.013: ~85% acceptance, 0.03: ~70%); s<SCALE>: the old
+#                             stand-in (Q4_0 32B target, 2-block draft) at that block scale (8e-5, 1.2e-4)
 #   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
@@ -34,7 +36,7 @@ set -uo pipefail
 # shellcheck source=bench/gpu/harness.sh
 source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-SCALES="${SCALES:-8e-5 1.2e-4}"
+PAIRS="${PAIRS:-card-n0.013}"
 TEMPS="${TEMPS:-0 0.7}"
 CONFIGS="${CONFIGS:-k0 spec llama}"
 CLIENTS="${CLIENTS:-1,4,8,16}"
@@ -108,7 +110,15 @@ snapshot_env "$RES/env.txt"
 ensure_build llama-server || { finish; exit 1; }
 [[ -x "$BIN/llama-server" ]] || log "no llama-server in $BIN (see $WORK/results/cmake-build.log): its rows stay empty"
 export COLUMNS=200  # rich wraps serve's help and status lines at 80 columns when not on a terminal
-for s in $SCALES; do stand_in_pair "$s"; done
+pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unless they exist
+    case "$1" in
+        card-n*) card_pair "${1#card-n}" && echo "$(card_target) $(card_draft "${1#card-n}")" ;;
+        s*) stand_in_pair "${1#s}" && echo "$(stand_in_target "${1#s}") $(stand_in_draft "${1#s}")" ;;
+        *) log "unknown pair $1 (card-n<NOISE> or s<SCALE>)"; return 1 ;;
+    esac
+}
+declare -A FILES=()
+for pair in $PAIRS; do FILES[$pair]="$(pair_files "$pair")"; done
 
 { "${LOCALSPEC[@]}" serve --help; "$BIN/llama-server" --version; } > "$RES/versions.txt" 2>&1
 python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$RES/run.log"
@@ -133,35 +143,35 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
         *) return 1 ;;
     esac
 }
-# Configurations rotate within each scale, so a slow spell of the machine does not hit one of them only.
-for s in $SCALES; do
-    T="$(stand_in_target "$s")"; D="$(stand_in_draft "$s")"
-    [[ -f "$T" && -f "$D" ]] || { log "no pair for scale $s"; continue; }
-    mkdir -p "$RES/s$s"
+# Configurations rotate within each pair, so a slow spell of the machine does not hit one of them only.
+for s in $PAIRS; do
+    read -r T D <<< "${FILES[$s]:-}"
+    [[ -n "${T:-}" && -f "$T" && -f "$D" ]] || { log "no files for pair $s"; continue; }
+    mkdir -p "$RES/$s"
     for config in $CONFIGS; do
         todo=()
-        for temp in $TEMPS; do [[ -s "$RES/s$s/$config-t$temp.json" ]] || todo+=("$temp"); done
+        for temp in $TEMPS; do [[ -s "$RES/$s/$config-t$temp.json" ]] || todo+=("$temp"); done
         (( ${#todo[@]} )) || continue
         [[ "$config" == llama && ! -x "$BIN/llama-server" ]] && continue
-        need=$(( 60 + CLIENT_S * ${#todo[@]} ))  # loading 18 GB from the page cache, then a client run per temperature
-        if (( $(left) < need )); then log "SKIP s$s-$config: $(left)s left, needs ~${need}s"; continue; fi
+        need=$(( 60 + CLIENT_S * ${#todo[@]} ))  # loading ~20 GB from the page cache, then a client run per T
+        if (( $(left) < need )); then log "SKIP $s-$config: $(left)s left, needs ~${need}s"; continue; fi
         server_cmd "$config" "$T" "$D" || { log "unknown configuration $config"; continue; }
-        slog="$RES/s$s/$config.server.log"
-        log "START server s$s-$config: ${SERVER_CMD[*]}"
-        printf '%q ' "${SERVER_CMD[@]}" > "$RES/s$s/$config.cmd"
+        slog="$RES/$s/$config.server.log"
+        log "START server $s-$config: ${SERVER_CMD[*]}"
+        printf '%q ' "${SERVER_CMD[@]}" > "$RES/$s/$config.cmd"
         start_server "$slog" "${SERVER_CMD[@]}"
         if ! wait_ready "$slog"; then stop_server; continue; fi
         for temp in "${todo[@]}"; do
-            json="$RES/s$s/$config-t$temp.json"
+            json="$RES/$s/$config-t$temp.json"
             read -r -a extra <<< "${CLIENT_ARGS:-}"
-            run "client-s$s-$config-t$temp" 60 python3 "$REPO/bench/concurrency.py" \
+            run "client-$s-$config-t$temp" 60 python3 "$REPO/bench/concurrency.py" \
                 --url "http://127.0.0.1:$PORT/v1" --clients "$CLIENTS" --requests-per-client "$REQUESTS" \
                 --max-tokens "$N_PREDICT" --temperature "$temp" --top-k 40 --top-p 0.9 --min-p 0 --seed "$SEED" \
-                --label "$config s$s T=$temp" --json "$json" "${extra[@]}" > "$RES/s$s/$config-t$temp.log" 2>&1
-            tail -8 "$RES/s$s/$config-t$temp.log" | tee -a "$RES/run.log"
+                --label "$config $s T=$temp" --json "$json" "${extra[@]}" > "$RES/$s/$config-t$temp.log" 2>&1
+            tail -8 "$RES/$s/$config-t$temp.log" | tee -a "$RES/run.log"
         done
         stop_server
-        log "END server s$s-$config"
+        log "END server $s-$config"
     done
 done
 finish

@@ -2,9 +2,10 @@
 
     python3 bench/gpu/concurrency_summary.py RESULTS_DIR [--json summary.json]
 
-RESULTS_DIR holds s<scale>/<config>-t<temp>.json, each written by bench/concurrency.py against one server:
+RESULTS_DIR holds <pair>/<config>-t<temp>.json (card-n<noise>, or s<scale> for the old stand-in), each written by
+bench/concurrency.py against one server:
 k0 (`localspec serve`, plain batched decoding), spec (`localspec serve`, speculative) and llama (`llama-server -np N`
-with the same draft model and draft length). Per scale and temperature, one table: aggregate tok/s (all completion
+with the same draft model and draft length). Per pair and temperature, one table: aggregate tok/s (all completion
 tokens / the level's wall time) and median per-request tok/s at each concurrency, speculative's ratio to k = 0 and to
 llama-server, acceptance; then the crossover: the concurrency levels where localspec's speculative aggregate falls
 below its own k = 0 (issue #14's target: none), and where it falls below llama-server's. Then, per configuration
@@ -29,10 +30,27 @@ NAMES = {"k0": "localspec k=0", "spec": "localspec spec", "llama": "llama-server
 _RESULT = re.compile(r"^(?P<config>k0|spec|llama)-t(?P<temp>[\d.]+)\.json$")
 
 
+_SCALE = re.compile(r"^s(?P<scale>[\d.]+(e[-+]?\d+)?)$")
+
+
+def pair_name(folder: str) -> str:
+    """A results folder's pair: the old stand-in's `s<scale>` by its scale ("8e-5"), the card's by its name."""
+    m = _SCALE.match(folder)
+    return m["scale"] if m else folder
+
+
+def pair_order(name: str) -> tuple[int, float, str]:
+    """The card's pairs first (by name), then the old stand-in's scales (by value)."""
+    try:
+        return (1, float(name), "")
+    except ValueError:
+        return (0, 0.0, name)
+
+
 def load(folder: Path) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-    """scale -> temperature -> config -> the client's JSON."""
+    """pair (a scale for the old stand-in) -> temperature -> config -> the client's JSON."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
-    for scale_dir in sorted(folder.glob("s*")):
+    for scale_dir in sorted(folder.iterdir()):
         if not scale_dir.is_dir():
             continue
         for path in sorted(scale_dir.glob("*.json")):
@@ -44,7 +62,7 @@ def load(folder: Path) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
             except (OSError, ValueError) as exc:
                 print(f"skipping {path}: {exc}", file=sys.stderr)
                 continue
-            out.setdefault(scale_dir.name[1:], {}).setdefault(m["temp"], {})[m["config"]] = report
+            out.setdefault(pair_name(scale_dir.name), {}).setdefault(m["temp"], {})[m["config"]] = report
     return out
 
 
@@ -206,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     print("# Concurrent clients (bench/gpu/concurrency.sh)\n")
     print(settings_line(data))
     summary: dict[str, Any] = {}
-    for scale in sorted(data, key=float):
+    for scale in sorted(data, key=pair_order):
+        what = f"scale {scale}" if pair_order(scale)[0] else f"pair {scale}"
         for temp in sorted(data[scale], key=float):
             cmp = compare(data[scale][temp])
             summary.setdefault(scale, {})[temp] = cmp
-            print(f"\n## scale {scale}, T = {temp}\n")
+            print(f"\n## {what}, T = {temp}\n")
             print("\n".join(table(cmp)))
             print(f"\n{crossover_text(cmp)}")
             if cmp["compared_with_llama"]:
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("localspec spec below llama-server at: " + (_list(below) if below else "none") + " clients")
         by_request = acceptance_by_request(data[scale])
         if by_request:
-            print(f"\n## scale {scale}: each request's acceptance against the solo median\n")
+            print(f"\n## {what}: each request's acceptance against the solo median\n")
         for config, temps in by_request.items():
             for temp, found in temps.items():
                 summary.setdefault(scale, {}).setdefault(temp, {}).setdefault("acceptance_by_request", {})[

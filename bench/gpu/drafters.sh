@@ -14,17 +14,23 @@
 #      32B-cost target and a 0.6B-cost draft that write the real model's language): each of SPEAKS_DRAFTERS on each
 #      of SPEAKS_SETS (a shipped set, or one prompt of one by name) through the chat template (lookup with --draft
 #      none: lookup alone)
-#   3. bench/structured.py speed on the card pair: a JSON-schema request unconstrained, constrained on the target
-#      only, on draft and target, plain (each under full and device-candidate rows); logprobs on and off
+#   3. bench/structured.py speed on the card pair at each of STRUCTURED_TEMPS (the default sampling: top_k 40,
+#      top_p 0.9): a JSON-schema request and a tool call (tool_choice required) unconstrained, constrained on the
+#      target only, on draft and target, plain; with the row check's early stop and without (STRUCTURED_ARGS); and
+#      llama.cpp's llama-speculative-simple with the same GBNF as --grammar-file, and without, on the same prompts
 #   4. the model drafter before and after the drafter seam: the first card run's pair (COMPARE_NOISE, measured on
 #      main 7572e82, before the seam) with that run's command, at T = 0
 #   5. the draft length chosen by measured cost (ADAPTIVE_ARGS) on each card level of ADAPTIVE_NOISES at each of
 #      ADAPTIVE_TEMPS, to set beside run.sh's fixed-k rows
-#   6. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
+#   6. bench/lab/hedge_probe.py on the card pair (HEDGE_PROBE [1]): how many rounds hedged bets would save, a
+#      batched draft step's cost, and the round they predict from run.sh's T = 0 profile of the pair
+#   7. bench/gpu/summarize.py: the drafter, structured and adaptive tables too
 # Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, CARD_SIZE, VOCAB: harness.sh):
 #   CARD_NOISE [0.013]  DRAFTERS ["model lookup chain"]  SETS ["shipped lookup"]  N_PREDICT [128]  REPEAT [3]
 #   WARMUP [4]  REAL_TARGET [WORK/models/real.gguf]  REAL_PARTS (files concatenated, in order, into REAL_TARGET)
-#   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
+#   REAL_SHA256 (checked after concatenating)  STRUCTURED [1]  STRUCTURED_TEMPS ["0.7"]  STRUCTURED_RUNS [2]
+#   STRUCTURED_ARGS ["--constraint both --rows full --compare-early-stop --no-logprobs"]  STRUCTURED_LLAMA [1]
+#   STRUCTURED_LLAMA_RUNS [1]  STRUCTURED_NEED [240]  COMPARE_NOISE [0.035] ("": none)  ADAPTIVE_NOISES ["0.013 0.03"]  ADAPTIVE_TEMPS
 #   ["0 0.7"]  ADAPTIVE_ARGS ["--adaptive"]  ADAPTIVE_REPEAT [3]  SKIP_DRAFTERS  SKIP_REAL  SKIP_ADAPTIVE
 #   SPEAKS_SIZE [card32b]  SPEAKS_DRAFTERS ["lookup model chain"]  SPEAKS_SETS ["lookup shipped code-edit"]
 #   SPEAKS_ARGS (more bench arguments there); a single prompt's greedy reply is kept too (speaks-SET-reply.txt)
@@ -44,6 +50,12 @@ WARMUP="${WARMUP:-4}"
 REAL_TARGET="${REAL_TARGET:-$WORK/models/real.gguf}"
 REAL_PARTS="${REAL_PARTS:-}"
 STRUCTURED="${STRUCTURED:-1}"
+STRUCTURED_TEMPS="${STRUCTURED_TEMPS:-0.7}"
+STRUCTURED_ARGS="${STRUCTURED_ARGS---constraint both --rows full --compare-early-stop --no-logprobs}"
+STRUCTURED_RUNS="${STRUCTURED_RUNS:-2}"
+STRUCTURED_LLAMA="${STRUCTURED_LLAMA:-1}"
+STRUCTURED_LLAMA_RUNS="${STRUCTURED_LLAMA_RUNS:-1}"
+STRUCTURED_NEED="${STRUCTURED_NEED:-240}"
 COMPARE_NOISE="${COMPARE_NOISE-0.035}"
 ADAPTIVE_NOISES="${ADAPTIVE_NOISES-0.013 0.03}"
 ADAPTIVE_TEMPS="${ADAPTIVE_TEMPS:-0 0.7}"
@@ -57,8 +69,7 @@ DRES="$RES/drafters"
 mkdir -p "$DRES"
 use_build
 log "drafters: card-n$CARD_NOISE, drafters '$DRAFTERS', sets '$SETS', adaptive on '$ADAPTIVE_NOISES', budget ${BUDGET_S}s"
-TARGET="$MODELS/$CARD_SIZE-target.gguf"
-card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
+TARGET="$(card_target)"
 bench() {  # bench JSON NEED_S ARGS...: one `localspec bench` run unless its JSON exists; T = 0 unless ARGS say
     local json="$1" need="$2"; shift 2
     [[ -s "$json" ]] && return 0
@@ -152,24 +163,27 @@ print(json.dumps({'prompt': texts[sys.argv[1]]}))" "$set" > "$prompts" || { log 
 fi
 
 # -- 3. constrained decoding and logprobs -----------------------------------------------------------------------
+# At each of STRUCTURED_TEMPS, with STRUCTURED_ARGS; and llama.cpp's own grammar path on the same prompt tokens and
+# GBNF (`--against-llama`) where the build has llama-speculative-simple.
 if [[ "$STRUCTURED" == 1 ]]; then
     draft="$(card_draft "$CARD_NOISE")"
-    json="$DRES/structured-card-n$CARD_NOISE.json"
-    if [[ -f "$TARGET" && -f "$draft" && ! -s "$json" ]]; then
-        run structured 90 python3 "$REPO/bench/structured.py" speed --target "$TARGET" --draft "$draft" --runs 3 \
-            --max-tokens "$N_PREDICT" --json "$json.tmp" > "$DRES/structured.log" 2>&1 && mv "$json.tmp" "$json"
-    fi
+    against=(); [[ "$STRUCTURED_LLAMA" == 1 && -x "$BIN/llama-speculative-simple" ]] \
+        && against=(--against-llama "$BIN" --llama-runs "$STRUCTURED_LLAMA_RUNS")
+    for t in $STRUCTURED_TEMPS; do
+        json="$DRES/structured-card-n$CARD_NOISE-t$t.json"
+        [[ -f "$TARGET" && -f "$draft" && ! -s "$json" ]] || continue
+        # shellcheck disable=SC2086  # STRUCTURED_ARGS and BENCH_ARGS are word lists on purpose
+        run "structured-t$t" "$STRUCTURED_NEED" python3 "$REPO/bench/structured.py" speed --target "$TARGET" \
+            --draft "$draft" --runs "$STRUCTURED_RUNS" --max-tokens "$N_PREDICT" --temp "$t" $STRUCTURED_ARGS \
+            "${against[@]}" ${BENCH_ARGS:-} --json "$json.tmp" > "$DRES/structured-t$t.log" 2>&1 \
+            && mv "$json.tmp" "$json"
+    done
 fi
 
 # -- 4. the model drafter on the pair measured before the seam -------------------------------------------------
 if [[ -n "$COMPARE_NOISE" && -f "$TARGET" ]]; then
     draft="$(card_draft "$COMPARE_NOISE")"
-    if [[ ! -f "$draft" ]]; then  # the seeded writer gives the same draft again (~5 s)
-        vocab_args "$CARD_SIZE"
-        run "write-card-n$COMPARE_NOISE" 30 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" --only draft \
-            --noise "$COMPARE_NOISE" --out "$MODELS" --prefix "$CARD_SIZE-" --draft-prefix "$CARD_SIZE-n$COMPARE_NOISE-" \
-            "${VOCAB_ARGS[@]}" > "$DRES/write-card-n$COMPARE_NOISE.log" 2>&1
-    fi
+    [[ -f "$draft" ]] || card_pair "$COMPARE_NOISE"  # the seeded writer gives the same draft again (~5 s)
     # the first card run's command: --repeat 3 --warmup 5, 256 tokens
     [[ -f "$draft" ]] && REPEAT=3 WARMUP=5 N_PREDICT=256 bench "$DRES/seam-card-n$COMPARE_NOISE-t0.json" 50 --raw \
         --target "$TARGET" --draft "$draft" --draft 6
@@ -186,6 +200,20 @@ if [[ "${SKIP_ADAPTIVE:-0}" != 1 ]]; then
                 --target "$TARGET" --draft "$draft" --draft 6 --temp "$t" $ADAPTIVE_ARGS
         done
     done
+fi
+
+# -- 6. hedged bets, before building them: the rounds they would save and what a batched draft step costs -----------
+if [[ "${HEDGE_PROBE:-1}" == 1 ]]; then
+    draft="$(card_draft "$CARD_NOISE")" profile="$RES/card-n$CARD_NOISE/localspec-t0.json"
+    probe="$DRES/hedge-probe-card-n$CARD_NOISE.json"
+    bench_json=(); [[ -s "$profile" ]] && bench_json=(--bench-json "$profile")  # run.sh's round at T = 0, if any
+    if [[ -f "$TARGET" && -f "$draft" && ! -s "$probe" ]]; then
+        # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+        run hedge-probe 60 python3 "$REPO/bench/lab/hedge_probe.py" --target "$TARGET" --draft "$draft" \
+            --max-tokens 256 --hedges 3 "${bench_json[@]}" ${BENCH_ARGS:-} --json "$probe" \
+            > "$DRES/hedge-probe-card-n$CARD_NOISE.log" 2>&1
+        tail -8 "$DRES/hedge-probe-card-n$CARD_NOISE.log" | tee -a "$RES/run.log"
+    fi
 fi
 
 python3 "$HERE/summarize.py" "$RES" > "$RES/summary.txt" 2>&1

@@ -116,6 +116,19 @@ stand_in_pair() {
     fi
     [[ -f "$(stand_in_target "$s")" && -f "$(stand_in_draft "$s")" ]]
 }
+# card_pair NOISE: the card's pair (a Qwen3-32B-shaped Q4_K_M target, written once, and a Qwen3-0.6B-shaped Q8_0
+# draft at that noise), each written unless it exists (run.sh writes them in the background during its build).
+card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }
+card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
+card_pair() {
+    local n="$1"; vocab_args "$CARD_SIZE"
+    [[ -f "$(card_target)" ]] || run write-card-target 90 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" \
+        --only target --prefix "$CARD_SIZE-" --out "$MODELS" "${VOCAB_ARGS[@]}" > "$RES/write-card-target.log" 2>&1
+    [[ -f "$(card_draft "$n")" ]] || run "write-card-n$n" 30 python3 "$REPO/bench/synthetic.py" --size "$CARD_SIZE" \
+        --only draft --noise "$n" --prefix "$CARD_SIZE-" --draft-prefix "$CARD_SIZE-n$n-" --out "$MODELS" \
+        "${VOCAB_ARGS[@]}" > "$RES/write-card-n$n.log" 2>&1
+    [[ -f "$(card_target)" && -f "$(card_draft "$n")" ]]
+}
 # write_prompts DIR: the bench's shipped prompts as files for llama.cpp's -f, which drops one trailing newline: one
 # is added, so both sides tokenize exactly the text localspec does. Also proves the bindings load the build.
 write_prompts() {

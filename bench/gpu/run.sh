@@ -8,10 +8,11 @@
 #      its own width, per scale); meanwhile unpack and build llama.cpp (CUDA sm_90):
 #      llama-bench, llama-speculative-simple, llama-server (for bench/gpu/concurrency.sh) and the shared libraries
 #      that localspec loads too
-#   2. per pair: llama-bench tg128 (target and draft); `localspec bench` at each temperature (the product itself:
-#      warm-up, interleaved plain/speculative runs over its shipped prompt set, medians, greedy check, JSON);
-#      llama.cpp's llama-speculative-simple on the same prompts, LLAMA_REPS times per configuration, with host and
-#      with backend (--backend-sampling) sampling, the repetitions interleaved
+#   2. per pair: llama-bench tg128 (target and draft); `localspec bench --against llama.cpp` at each temperature
+#      (the product itself: warm-up, interleaved plain/speculative runs over its shipped prompt set, medians, greedy
+#      check; then llama.cpp's llama-speculative-simple on the same prompt tokens, REPEAT times, with host and with
+#      backend (--backend-sampling) sampling, the modes alternating; the ratio and llama.cpp's greedy text against
+#      plain decoding's; all in one JSON)
 #   3. bench/gpu/verify_widths.py on the first target of each family (verify cost per width, CUDA graph warmth) and
 #      on the real pair's target, if any (batch vs single-token logits)
 #   4. bench/gpu/summarize.py: medians, ratios, the greedy-fidelity comparison; summary.txt and summary.json
@@ -22,14 +23,13 @@
 #                                pairs card-n<NOISE>, measured first
 #   SCALES ["8e-5"]              the old stand-in's block scales (pairs s<SCALE>; "" = none): the comparison row
 #   TEMPS ["0 0.7"]  N_PREDICT [256]  DRAFT_MAX [6]  REPEAT [5] (localspec bench --repeat)  WARMUP [10]
-#   LLAMA_REPS [5]               llama-speculative-simple runs per configuration (each run = every prompt once)
-#   LLAMA_SAMPLING ["host backend"]  llama.cpp's sampling: on the host, and with --backend-sampling
 #   BENCH_REPS [3]               llama-bench repetitions
 #   REAL_PAIR                    "NAME:TARGET.gguf:DRAFT.gguf", a real pair for the greedy-fidelity check
-#                                (greedy only, REAL_REPEAT [1] localspec runs, one llama.cpp run per sampling mode)
+#                                (greedy only, REAL_REPEAT [1] runs of each loop)
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
 #   BUILD_SERVER [1]             0 = leave llama-server out of the build (only concurrency.sh needs it)
-#   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_LLAMA  SKIP_WIDTHS
+#   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_WIDTHS
+#   SKIP_LLAMA [0]               1 = `localspec bench` without --against llama.cpp
 #   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
 #   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
@@ -43,8 +43,6 @@ N_PREDICT="${N_PREDICT:-256}"
 DRAFT_MAX="${DRAFT_MAX:-6}"
 REPEAT="${REPEAT:-5}"
 WARMUP="${WARMUP:-10}"
-LLAMA_REPS="${LLAMA_REPS:-5}"
-LLAMA_SAMPLING="${LLAMA_SAMPLING:-host backend}"
 BENCH_REPS="${BENCH_REPS:-3}"
 REAL_PAIR="${REAL_PAIR:-}"
 REAL_REPEAT="${REAL_REPEAT:-1}"
@@ -81,8 +79,6 @@ print(*(f"{d} {v(d)}" for d in ("numpy", "gguf", "typer", "rich", "pydantic")), 
 # -- models: written in the background while llama.cpp builds ---------------------------------------------------
 # One writer per file set: "card-target" (the card's target, shared by its levels), "card-n<NOISE>" (a draft),
 # "s<SCALE>" (an old-stand-in pair). The writer renames a finished file into place, so one that exists is whole.
-card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }
-card_draft() { echo "$MODELS/$CARD_SIZE-n$1-draft.gguf"; }
 target_of() { stand_in_target "$1"; }
 draft_of() { stand_in_draft "$1"; }
 writer_files() {  # writer_files ID: the files the writer makes
@@ -201,11 +197,10 @@ use_build  # now with the build's libllama
 write_prompts "$RES/prompts" || { log "no prompts written: stopping"; finish; exit 1; }
 
 NGL=99
-SAMPLING_EXTRA=(--top-k 40 --top-p 0.9 --min-p 0)  # the preset `default` (temperature 0.7, top-k 40, top-p 0.9)
 
 # -- one pair ------------------------------------------------------------------------------------------------------
 done_ok() { [[ -s "$1" ]]; }
-measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and `localspec bench`
+measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench, then `localspec bench --against`
     local name="$1" T="$2" DR="$3" temps="$4" repeat="$5"
     local D="$RES/$name"; mkdir -p "$D"
     if [[ "${SKIP_LLAMA_BENCH:-0}" != 1 ]] && ! done_ok "$D/llama-bench.json"; then
@@ -215,41 +210,22 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench and
             && mv "$D/llama-bench.json.tmp" "$D/llama-bench.json"
     fi
     [[ "${SKIP_LOCALSPEC:-0}" == 1 ]] && return 0
+    # The comparison is the product's own: llama.cpp's loop on the same prompt tokens after localspec's runs
+    # (localspec.versus), each of its runs a process that loads the pair again: 5-8 s a prompt on the H200, two
+    # sampling modes, three prompts; localspec's own runs ~12 s a repetition at 256 tokens.
+    local against=(--against llama.cpp --llama-bin "$BIN") need=$(( 20 + 55 * repeat ))
+    [[ "${SKIP_LLAMA:-0}" == 1 ]] && { against=(); need=$(( 20 + 12 * repeat )); }
     local temp
     for temp in $temps; do
         local json="$D/localspec-t$temp.json"
         done_ok "$json" && continue
-        # The product's own benchmark; exit 1 means its greedy check failed: the JSON says why, keep going.
+        # Exit 1: its greedy check failed; 2: llama.cpp did not run (the JSON says why either way): keep going.
         # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there).
         # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
-        run "localspec-$name-t$temp" 60 "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" --temp "$temp" \
-            --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
-            --seed "$SEED" --ctx 4096 --json "$json" ${LOCALSPEC_ARGS:-} > "$D/localspec-t$temp.log" 2>&1
-    done
-}
-llama_pair() {  # llama_pair NAME TARGET DRAFT TEMPS REPS: llama-speculative-simple, repetitions interleaved
-    local name="$1" T="$2" DR="$3" temps="$4" reps="$5"
-    [[ "${SKIP_LLAMA:-0}" == 1 ]] && return 0
-    local D="$RES/$name/llama"; mkdir -p "$D"
-    local rep temp mode p
-    for rep in $(seq 1 "$reps"); do
-        for temp in $temps; do
-            for mode in $LLAMA_SAMPLING; do
-                for p in "${PROMPT_FILES[@]}"; do
-                    local base; base="$D/t$temp-$mode-r$rep-$(basename "$p" .txt)"
-                    grep -q "decoded" "$base.log" 2>/dev/null && continue
-                    (( $(left) < 15 )) && { log "SKIP the rest of llama-$name: budget"; return 0; }
-                    local extra=(); [[ "$temp" != 0 ]] && extra=("${SAMPLING_EXTRA[@]}")
-                    [[ "$mode" == backend ]] && extra+=(--backend-sampling)
-                    # stdout: the prompt and the generated text (the greedy-fidelity comparison reads it);
-                    # stderr: the log with the timings.
-                    run "llama-$name-$(basename "$base")" 15 "$BIN/llama-speculative-simple" -m "$T" -md "$DR" \
-                        -ngl $NGL -ngld $NGL -fa on -c 4096 -n "$N_PREDICT" -f "$p" --seed "$SEED" --temp "$temp" \
-                        "${extra[@]}" --spec-type draft-simple --spec-draft-n-max "$DRAFT_MAX" \
-                        --spec-draft-n-min 0 --spec-draft-p-min 0 > "$base.out" 2> "$base.log" || true
-                done
-            done
-        done
+        run "localspec-$name-t$temp" "$need" "${LOCALSPEC[@]}" bench --raw --target "$T" --draft "$DR" \
+            --temp "$temp" --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
+            --seed "$SEED" --ctx 4096 --json "$json" "${against[@]}" ${LOCALSPEC_ARGS:-} \
+            > "$D/localspec-t$temp.log" 2>&1
     done
 }
 widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, batch vs single logits
@@ -268,7 +244,6 @@ if [[ -n "$REAL_PAIR" ]]; then
     if [[ -f "$real_target" && -f "$real_draft" ]]; then
         measure_pair "$real_name" "$real_target" "$real_draft" 0 "$REAL_REPEAT"
         widths "$real_name" "$real_target" --logits
-        llama_pair "$real_name" "$real_target" "$real_draft" 0 1
     else
         log "REAL_PAIR: $real_target or $real_draft missing"
     fi
@@ -285,7 +260,6 @@ for i in "${!PAIRS[@]}"; do
     measure_pair "$name" "$T" "$DR" "$TEMPS" "$REPEAT"
     # The verify-width table once per target file: the card's Q4_K_M and the old Q4_0.
     [[ -z "${WIDTHS_DONE[$T]:-}" ]] && { WIDTHS_DONE[$T]=1; widths "$name" "$T"; }
-    llama_pair "$name" "$T" "$DR" "$TEMPS" "$LLAMA_REPS"
 
     # Make room for the next pair's target unless it is written, the disk holds it, or a later pair needs this one.
     if (( i + 1 < ${#PAIRS[@]} )) && [[ "$KEEP_MODELS" != 1 ]]; then

@@ -1,41 +1,23 @@
-"""Read one GPU run's results (bench/gpu/run.sh) and print the comparison: llama-bench, `localspec bench`'s JSON,
-llama.cpp's llama-speculative-simple (medians over repetitions, host and backend sampling), the greedy fidelity of
-both speculative loops against single-token decoding, and the verify-width timings. Standard library only: it runs
-on the GPU image as is, and here on a copy of the results.
+"""Read one GPU run's results (bench/gpu/run.sh) and print the comparison: llama-bench, `localspec bench --against
+llama.cpp`'s JSON (localspec plain and speculative, and llama.cpp's llama-speculative-simple on the same prompts:
+medians over repetitions, host and backend sampling), the greedy fidelity of both speculative loops against
+single-token decoding, and the verify-width timings. Standard library only: it runs on the GPU image as is, and
+here on a copy of the results.
 
     python3 bench/gpu/summarize.py RESULTS_DIR        # writes RESULTS_DIR/summary.json, prints the tables
 
-RESULTS_DIR holds one folder per pair (card-n0.2, s8e-5, smollm2, ...) with llama-bench.json, localspec-t<T>.json,
-llama/t<T>-<host|backend>-r<rep>-<prompt>.{out,log} and verify-widths.json, and prompts/<prompt>.txt; kernels/
-holds bench/gpu/kernels.sh's verify_widths.py runs (<type>-<variant>-fa<on|off>.json).
+RESULTS_DIR holds one folder per pair (card-n0.2, s8e-5, smollm2, ...) with llama-bench.json, localspec-t<T>.json
+and verify-widths.json, and prompts/<prompt>.txt; kernels/ holds bench/gpu/kernels.sh's verify_widths.py runs
+(<type>-<variant>-fa<on|off>.json); drafters/ holds bench/gpu/drafters.sh's.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
-import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-_SPEC_PATTERNS = {
-    "decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
-    "n_drafted": r"n_drafted\s+=\s+(\d+)",
-    "n_accept": r"n_accept\s+=\s+(\d+)",
-}
-_RUN_NAME = re.compile(r"t(?P<temp>[\d.]+)-(?P<mode>host|backend)-r(?P<rep>\d+)-(?P<prompt>.+)\.log$")
-
-
-def parse_spec_simple(text: str) -> dict[str, Any] | None:
-    """The summary llama-speculative-simple prints at the end; None if the run did not finish."""
-    found = {key: re.search(pat, text) for key, pat in _SPEC_PATTERNS.items()}
-    if not all(found.values()):
-        return None
-    return {"tokens": int(found["decoded"][1]), "seconds": float(found["decoded"][2]),
-            "drafted": int(found["n_drafted"][1]), "accepted": int(found["n_accept"][1])}
 
 
 def parse_llama_bench(text: str) -> dict[str, Any]:
@@ -57,76 +39,27 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
     return out
 
 
-def llama_runs(folder: Path, prompts: list[str]) -> dict[str, dict[str, Any]]:
-    """Per "<temp>/<mode>": each complete repetition's tok/s (all prompts' tokens over all their decode time) and
-    acceptance; the median, min and max over repetitions."""
-    parts: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
-    for log in sorted(folder.glob("*.log")):
-        m = _RUN_NAME.match(log.name)
-        parsed = parse_spec_simple(log.read_text(errors="replace")) if m else None
-        if m and parsed:
-            parts.setdefault((m["temp"], m["mode"], int(m["rep"])), {})[m["prompt"]] = parsed
-    by_config: dict[str, dict[str, Any]] = {}
-    for (temp, mode, rep), runs in sorted(parts.items()):
-        if set(runs) != set(prompts):
-            continue  # an unfinished repetition (budget): left out
-        tokens = sum(r["tokens"] for r in runs.values())
-        seconds = sum(r["seconds"] for r in runs.values())
-        drafted = sum(r["drafted"] for r in runs.values())
-        entry = by_config.setdefault(f"{float(temp):g}/{mode}", {"reps": []})
-        entry["reps"].append({"rep": rep, "tok_s": tokens / seconds if seconds else None,
-                              "acceptance": sum(r["accepted"] for r in runs.values()) / drafted if drafted else None})
-    for entry in by_config.values():
-        tps = [r["tok_s"] for r in entry["reps"] if r["tok_s"]]
-        acc = [r["acceptance"] for r in entry["reps"] if r["acceptance"] is not None]
-        entry.update(runs=len(tps), median=statistics.median(tps) if tps else None, min=min(tps, default=None),
-                     max=max(tps, default=None), acceptance=statistics.median(acc) if acc else None)
-    return by_config
+def llama_modes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """llama.cpp's side of one `localspec bench --against llama.cpp` run (its JSON's `against` section, written by
+    localspec.versus): per sampling mode ("host", "backend"), the median tok/s over complete repetitions, min, max,
+    acceptance and the repetitions counted."""
+    return {m["mode"]: {"median": m["median_tps"], "min": m["min_tps"], "max": m["max_tps"],
+                        "acceptance": m["acceptance_rate"], "runs": m["runs"]}
+            for m in (doc.get("against") or {}).get("modes", [])}
 
 
-def generated_text(out_file: Path, prompt: str) -> str | None:
-    """llama-speculative-simple's stdout: the prompt's pieces, the generated text, then a blank line."""
-    text = out_file.read_bytes().decode("utf-8", errors="replace")  # as written: read_text() would turn \r\n into \n
-    at = text.find(prompt)
-    if at < 0:
-        return None
-    text = text[at + len(prompt):]
-    return text[:-2] if text.endswith("\n\n") else text
-
-
-def divergence(plain: dict[str, Any], other: str) -> dict[str, Any]:
-    """Where `other` (another loop's greedy text) first differs from localspec's plain decoding, in plain tokens."""
-    ref, ends = plain["plain_text"], plain["plain_token_ends"]
-    n = min(len(ref), len(other))
-    first_char = next((i for i in range(n) if ref[i] != other[i]), None)
-    if first_char is None and len(other) < len(ref):
-        first_char = len(other)  # it stopped (end of generation) where plain decoding went on
-    if first_char is None:
-        return {"first_divergence": None, "plain_margin": None}
-    token = min(bisect.bisect_right(ends, first_char), len(ends) - 1)  # the plain token holding that character
-    margins = plain["plain_margins"]
-    return {"first_divergence": token, "plain_margin": margins[token] if token < len(margins) else None}
-
-
-def fidelity(pair_dir: Path, check: dict[str, Any], prompt_texts: dict[str, str]) -> dict[str, Any]:
-    """Greedy divergence from single-token decoding: localspec (its bench's check) and llama.cpp (its T = 0 runs,
-    compared as text with localspec's plain output of the same prompts)."""
+def fidelity(check: dict[str, Any], against: dict[str, Any]) -> dict[str, Any]:
+    """Greedy divergence from single-token decoding: localspec (its bench's check) and llama.cpp (where its T = 0
+    text first left localspec's plain output of the same prompts, as the bench's comparison found it)."""
     prompts = {p["name"]: p for p in check["prompts"]}
     result: dict[str, Any] = {"localspec": {
         "invariant_holds": check["invariant_holds"], "exact": check["exact"],
         "prompts": {name: {"first_divergence": p["first_divergence"], "plain_margin": p["plain_margin"],
                            "spec_margin": p["spec_margin"]} for name, p in prompts.items()}}}
     for mode in ("host", "backend"):
-        per_prompt: dict[str, Any] = {}
-        for name, plain in prompts.items():
-            texts = []
-            for out in sorted((pair_dir / "llama").glob(f"t0-{mode}-r*-{name}.out")):
-                text = generated_text(out, prompt_texts.get(name, ""))
-                if text is not None:
-                    texts.append(text)
-            if texts:
-                per_prompt[name] = divergence(plain, texts[0]) | {"runs": len(texts),
-                                                                   "same_text_every_run": len(set(texts)) == 1}
+        per_prompt = {g["prompt"]: {"first_divergence": g["first_divergence"], "plain_margin": g["plain_margin"],
+                                    "same_text_every_run": g["same_every_run"]}
+                      for g in against.get("greedy", []) if g["mode"] == mode}
         if per_prompt:
             result[f"llama_cpp_{mode}"] = {"prompts": per_prompt}
     for entry in result.values():
@@ -176,7 +109,6 @@ def summarize(res: Path) -> dict[str, Any]:
         pair: dict[str, Any] = {"temps": {}}
         bench = pair_dir / "llama-bench.json"
         pair["llama_bench"] = parse_llama_bench(bench.read_text()) if bench.is_file() else {}
-        llama = llama_runs(pair_dir / "llama", sorted(prompt_texts)) if (pair_dir / "llama").is_dir() else {}
         widths = _load(pair_dir / "verify-widths.json")
         if widths:
             pair["verify_widths"] = widths
@@ -190,12 +122,13 @@ def summarize(res: Path) -> dict[str, Any]:
                 continue
             temp = f"{float(js.stem.removeprefix('localspec-t')):g}"
             ls_plain, ls_spec = doc["plain"], doc["speculative"]
-            host, backend = llama.get(f"{temp}/host"), llama.get(f"{temp}/backend")
+            llama = llama_modes(doc)
+            host, backend = llama.get("host"), llama.get("backend")
             faster = max((c for c in (host, backend) if c and c.get("median")), key=lambda c: c["median"],
                          default=None)
             pair["temps"][temp] = {
                 "localspec_plain": ls_plain, "localspec_spec": ls_spec, "llama_cpp_host": host,
-                "llama_cpp_backend": backend,
+                "llama_cpp_backend": backend, "llama_cpp_error": (doc.get("against") or {}).get("error"),
                 "ratio_vs_llama_cpp": ls_spec["median_tps"] / faster["median"] if faster else None,
                 "llama_cpp_faster": ("host" if faster is host else "backend") if faster else None,
                 "ratio_plain_vs_llama_bench": ls_plain["median_tps"] / tg if tg else None,
@@ -204,7 +137,7 @@ def summarize(res: Path) -> dict[str, Any]:
                 "environment": {k: doc.get("environment", {}).get(k) for k in ("gpus", "llama_cpp_python", "python")},
             }
             if temp == "0" or "fidelity" not in pair:
-                pair["fidelity"] = fidelity(pair_dir, doc["greedy_check"], prompt_texts)
+                pair["fidelity"] = fidelity(doc["greedy_check"], doc.get("against") or {})
         result["pairs"][pair_dir.name] = pair
     return result
 
@@ -233,9 +166,11 @@ def drafter_runs(folder: Path) -> list[dict[str, Any]]:
         doc = _load(js)
         if not doc:
             continue
-        if "table" in doc:  # bench/structured.py speed
-            rows += [{"run": js.stem, "mode": mode, "tok_s": r["tok_s_total"], "acceptance": r["acceptance"],
-                      "tokens": r["tokens"]} for mode, r in doc["table"].items()]
+        if "table" in doc:  # bench/structured.py speed (a llama.cpp row that failed holds its error instead)
+            rows += [{"run": js.stem, "mode": mode, "tok_s": r.get("tok_s_total"), "acceptance": r.get("acceptance"),
+                      "tokens": r.get("tokens", r.get("error"))} for mode, r in doc["table"].items()]
+            continue
+        if "plain" not in doc:  # not a bench report (bench/lab/hedge_probe.py's JSON prints its own table)
             continue
         plain, spec = doc.get("plain") or {}, doc.get("speculative") or {}
         rows.append({"run": js.stem, "drafter": (doc.get("preset", {}).get("draft") or {}).get("drafter"),
@@ -299,6 +234,8 @@ def tables(result: dict[str, Any]) -> str:
     out = [_table(rows) if len(rows) > 1 else "(no localspec results)"]
     out.append("tok/s, medians; llama.cpp: median [min-max] (acceptance, complete runs); ls/llama.cpp = localspec "
                "speculative / the faster llama.cpp column; host = localspec's share of a round outside llama_decode")
+    out += [f"{name} T={temp}: llama.cpp did not run: {r['llama_cpp_error']}" for name, pair in result["pairs"].items()
+            for temp, r in pair["temps"].items() if r.get("llama_cpp_error")]
 
     side = side_by_side(result)
     if side:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from localspec import config
+from localspec import config, versus
 from localspec.bench import (
     BenchPrompt,
     BenchReport,
@@ -33,7 +33,7 @@ from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
 from localspec.registry import DEMO
 from localspec.session import open_session
-from localspec.ui.bench_view import drafter_choice, live_view, lookup_summary, summary, sweep_table
+from localspec.ui.bench_view import drafter_choice, live_view, lookup_summary, summary, sweep_table, versus_view
 
 SweepOpt = Annotated[
     str | None,
@@ -66,6 +66,8 @@ def bench(
     repeat: options.repeat = None,
     warmup: options.warmup = None,
     max_tokens: options.max_tokens = None,
+    against: options.against = None,
+    llama_bin: options.llama_bin = None,
     json_path: JsonOpt = None,
     prompts: PromptsOpt = None,
     raw: RawFlag = False,
@@ -82,12 +84,17 @@ def bench(
         check_writable(json_path, "bench report")
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
-    files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens)
+    files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens,
+                                        against=against, llama_bin=llama_bin)
     if files.draft is None and chosen.draft.drafter not in config.MODEL_FREE_DRAFTERS:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup "
                              "(or mtp, for a target with MTP layers)")
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
+    tool = None
+    if chosen.bench.against == versus.LLAMA_CPP:  # found and started once before minutes of measuring
+        versus.check_comparable(chosen, files.draft is not None, sweep=lengths is not None)
+        tool = versus.probe_tool(versus.find_tool(chosen.bench.llama_bin))
 
     console = Console()
     s = chosen.sampling
@@ -102,10 +109,20 @@ def bench(
         _sweep(console, files, chosen, lengths, json_path, save_preset, prompt_set, raw)
         return
     lookup = _lookup_demo(files, chosen, prompt_set)
-    report, lookup_report = _run(console, files, chosen, prompt_set, raw, lookup)
+    report, lookup_report, llama_plan = _run(console, files, chosen, prompt_set, raw, lookup, tool)
+    comparison: versus.Comparison | None = None
+    failure: LocalspecError | None = None
+    if llama_plan is not None:  # after the session closed: both loops' models need not fit at once
+        try:
+            comparison = _against(console, llama_plan, report)
+        except LocalspecError as exc:  # localspec's own minutes of measuring are kept (printed, and in the JSON)
+            failure = exc
     if json_path is not None:
-        _write_json(json_path, report, lookup_report)
+        _write_json(json_path, report, lookup_report,
+                    comparison.as_json() if comparison else {"error": str(failure)} if failure else None)
         console.print(f"report written to {json_path}")
+    if failure is not None:
+        raise failure
     console.line()
     console.print(drafter_choice(report, lookup_report))  # last: the answer to "what do I use here?"
     if not report.greedy_check.passed or (lookup_report is not None and not lookup_report.greedy_check.passed):
@@ -122,9 +139,11 @@ def _lookup_demo(files, chosen: config.Preset, prompt_set: list[BenchPrompt] | N
 
 
 def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,
-         lookup: config.Preset | None = None) -> tuple[BenchReport, BenchReport | None]:
+         lookup: config.Preset | None = None, tool: versus.Tool | None = None,
+         ) -> tuple[BenchReport, BenchReport | None, versus.Plan | None]:
     """The bench on one session; with `lookup`, then the same bench with that preset on the lookup prompt set.
-    Each part's verdict is printed under its own table, as soon as the part ends."""
+    Each part's verdict is printed under its own table, as soon as the part ends. With `tool`, also what llama.cpp
+    must run to decode the same prompt tokens."""
     title = "decode tok/s, plain vs speculative (prompt processing excluded)"
     with open_session(files, chosen) as session:
         _print_placement(console, session)
@@ -132,8 +151,9 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
         report = _measure(console, session, chosen, prompt_set, raw, title)
         console.line()  # a live display that is not on a terminal ends without a newline
         console.print(summary(report))
+        llama_plan = versus.plan(session, chosen, tool, prompt_set, raw) if tool is not None else None
         if lookup is None:
-            return report, None
+            return report, None, llama_plan
         console.line()
         console.print("[bold]and prompt lookup[/] (drafter lookup: no draft model), greedy, on replies that repeat "
                       "their prompt:")
@@ -143,7 +163,28 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
                                  "decode tok/s, plain vs prompt lookup (prompt processing excluded)")
         console.line()
         console.print(lookup_summary(lookup_report))
-        return report, lookup_report
+        return report, lookup_report, llama_plan
+
+
+def _against(console: Console, plan: versus.Plan, report: BenchReport) -> versus.Comparison:
+    """llama.cpp's speculative loop on the same prompts, each run's rate shown as it ends; then the comparison."""
+    console.line()
+    console.print(f"[bold]against llama.cpp[/]: {plan.tool.path} ({plan.tool.version or 'version unknown'}), "
+                  f"{', '.join(plan.modes)} sampling, {plan.preset.bench.repeat} runs of {len(plan.prompts)} "
+                  "prompt(s) each (one process per prompt: every run loads the models again)")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True) as progress:
+        task = None
+        for event in versus.run_against(plan, report):
+            if isinstance(event, versus.Comparison):
+                comparison = event
+                break
+            task = task if task is not None else progress.add_task("llama.cpp", total=event.total)
+            t = event.run.timings
+            progress.update(task, completed=event.done, description=f"llama.cpp {event.run.mode} "
+                            f"{event.run.prompt}: {t.tokens / t.seconds if t.seconds else 0:.1f} tok/s")
+    console.print(versus_view(comparison))
+    return comparison
 
 
 def _measure(console: Console, session, chosen: config.Preset, prompt_set: list[BenchPrompt] | None, raw: bool,
@@ -236,10 +277,13 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
         console.print(f"saved draft length {best.n_draft} to preset {save_preset!r} ({path})")
 
 
-def _write_json(path: Path, report: BenchReport | SweepReport, lookup: BenchReport | None = None) -> None:
+def _write_json(path: Path, report: BenchReport | SweepReport, lookup: BenchReport | None = None,
+                against: dict | None = None) -> None:
     data = report.as_json()
     if lookup is not None:
         data["lookup_demo"] = lookup.as_json()  # the built-in demo's second part: prompt lookup, same keys
+    if against is not None:
+        data["against"] = against  # llama.cpp's loop on the same prompts (or why it could not run)
     text = json.dumps(data, indent=2) + "\n"
     try:
         atomic_write(path, text, what="bench report")

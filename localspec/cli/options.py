@@ -154,6 +154,12 @@ lookup_max = _setting("lookup_max", "--lookup-max", "Prompt lookup: the longest 
 repeat = _setting("repeat", "--repeat", "Measured runs of each mode (median).")
 warmup = _setting("warmup", "--warmup", "Short warm-up generations first.")
 max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate per prompt and run.", section="bench")
+against = _setting("against", "--against",
+                   "Then run llama.cpp's own speculative loop (llama-speculative-simple) on the same files, prompts "
+                   "and settings, and print the ratio.")
+llama_bin = _setting("llama_bin", "--llama-bin",
+                     "llama-speculative-simple, or the folder holding it (a llama.cpp build's build/bin); unset: "
+                     "$LOCALSPEC_LLAMA_BIN, then PATH.")
 generate_max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate at most.", section="generate")
 chat_max_tokens = _setting("max_tokens", "--max-tokens", "Reply limit in tokens, per turn.", section="chat")
 host = _setting("host", "--host", "Address to listen on.", section="server")

@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
+from localspec.versus import TOOL, Comparison
 
 # The table's short headers, said in full once (they must stay short to fit 80 columns).
 LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "
@@ -129,3 +130,38 @@ def sweep_table(report: SweepReport) -> Table:
             Text(bar, style=style or "cyan"),
         )
     return table
+
+
+def versus_view(comparison: Comparison) -> Group:
+    """llama.cpp's speculative loop beside localspec's: its modes' medians, the ratio, its greedy text at T = 0."""
+    table = Table(title=f"decode tok/s, llama.cpp's {TOOL} on the same files and prompts", title_justify="left")
+    for name in ("loop", "runs", "median", "min", "max", "accept"):
+        table.add_column(name, justify="left" if name == "loop" else "right", no_wrap=name == "loop")
+    best = comparison.best
+    for m in comparison.modes:
+        table.add_row(f"llama.cpp, {m.mode} sampling", str(m.runs), f"{m.median_tps:.1f}", f"{m.min_tps:.1f}",
+                      f"{m.max_tps:.1f}", f"{m.acceptance_rate:.1%}" if m.acceptance_rate is not None else "—",
+                      style="bold" if m is best else "")
+    table.add_row("localspec speculative", "", f"{comparison.localspec_tps:.1f}", "", "", "", style="bold")
+    lines: list[Table | Text] = [table]
+    ratio = comparison.ratio
+    if ratio is None or best is None:
+        lines.append(Text("no complete llama.cpp run to compare with", style="bold yellow"))
+    else:
+        lines.append(Text(f"localspec / llama.cpp: {ratio:.2f}x (llama.cpp's faster mode: {best.mode} sampling; "
+                          f"temperature {comparison.temperature:g})",
+                          style="bold green" if ratio >= 1 else "bold yellow"))
+    for mode in dict.fromkeys(g.mode for g in comparison.greedy):
+        mine = [g for g in comparison.greedy if g.mode == mode]
+        off = [g for g in mine if g.first_divergence is not None]
+        if not off:
+            lines.append(Text(f"llama.cpp's greedy text ({mode} sampling) is plain decoding's on {len(mine)} of "
+                              f"{len(mine)} prompts"))
+        else:
+            where = ", ".join(f"{g.prompt!r} at token {g.first_divergence}"
+                              + (f" (top-2 margin {g.plain_margin:.3f})" if g.plain_margin is not None else "")
+                              for g in off)
+            lines.append(Text(f"llama.cpp's greedy text ({mode} sampling) leaves plain decoding's on {len(off)} of "
+                              f"{len(mine)} prompts: {where}", style="yellow"))
+    lines.extend(Text(f"⚠ {warning}", style="yellow") for warning in comparison.warnings)
+    return Group(*lines)

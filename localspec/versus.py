@@ -1,0 +1,422 @@
+"""`localspec bench --against llama.cpp`: llama.cpp's own speculative loop, `llama-speculative-simple`, on the same
+model files, prompt tokens, draft length, token count and sampling as the bench that just ran, as data: its runs,
+their medians, the ratio to localspec's speculative median, and where its greedy text leaves plain decoding's.
+
+llama-speculative-simple decodes one prompt per process (a model load each time; its decode timer starts after the
+load and the prompt), prints the prompt and the generated text on stdout and its timings on stderr. It has no chat
+template, so each prompt is written as the text localspec's target reads, with one extra trailing newline because
+its `-f` drops one, and the prompt tokens it reports are checked against localspec's. On a GPU it runs with its
+sampling on the host and with `--backend-sampling`, and the faster one is the comparison, as the GPU benchmarks have
+always compared. Runs alternate modes across repetitions; a repetition's tok/s is all its prompts' tokens over all
+their decode seconds, the same measure as a bench run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from localspec.errors import LocalspecError, UsageError
+
+if TYPE_CHECKING:
+    from localspec.bench import BenchPrompt, BenchReport
+    from localspec.config import Preset
+    from localspec.session import Session
+
+LLAMA_CPP = "llama.cpp"  # `--against`'s one choice besides none
+TOOL = "llama-speculative-simple"
+BIN_ENV = "LOCALSPEC_LLAMA_BIN"  # where to look when neither --llama-bin nor the preset's bench.llama_bin says
+HOST, BACKEND = "host", "backend"  # llama.cpp's sampling: on the CPU after each decode, or in the device graph
+INSTALL = (f"build llama.cpp's {TOOL} (cmake -B build && cmake --build build --target {TOOL}) and pass "
+           f"--llama-bin build/bin, set {BIN_ENV}, or put it on PATH")
+PROBE_TIMEOUT_S = 60
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_TIMINGS = {
+    "encoded": re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
+    "decoded": re.compile(r"decoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
+    # (this llama.cpp prefixes its log lines with a timestamp and a level: "0.00.514.348 I n_drafted = 54")
+    "n_drafted": re.compile(r"\bn_drafted\s*=\s*(\d+)"),
+    "n_accept": re.compile(r"\bn_accept\s*=\s*(\d+)"),
+}
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What one run of the tool reports at its end."""
+
+    prompt_tokens: int  # "encoded N tokens": the prompt as it tokenized it
+    tokens: int  # "decoded N tokens in S seconds": generated tokens (it may overshoot -n by a round)
+    seconds: float
+    drafted: int
+    accepted: int
+
+
+def parse_timings(log: str) -> Timings | None:
+    """The summary llama-speculative-simple prints on stderr when it finishes; None when it did not get there.
+    Colour codes and log prefixes are ignored; the last of each line counts."""
+    text = _ANSI.sub("", log)
+    found = {key: pattern.findall(text) for key, pattern in _TIMINGS.items()}
+    if not all(found.values()):
+        return None
+    encoded, decoded = found["encoded"][-1], found["decoded"][-1]
+    return Timings(prompt_tokens=int(encoded[0]), tokens=int(decoded[0]), seconds=float(decoded[1]),
+                   drafted=int(found["n_drafted"][-1]), accepted=int(found["n_accept"][-1]))
+
+
+def generated_text(stdout: str, prompt: str) -> str | None:
+    """The tool's stdout is the prompt's pieces (a BOS piece first where the model has one), the generated text,
+    then two blank lines (one before its timings, one at its end): the text after the prompt, or None when the
+    prompt is not there."""
+    at = stdout.find(prompt)
+    if at < 0:
+        return None
+    text = stdout[at + len(prompt):]
+    for trailer in ("\n\n\n\n", "\n\n"):
+        if text.endswith(trailer):
+            return text[: -len(trailer)]
+    return text
+
+
+def first_divergence(plain_text: str, token_ends: list[int], other: str) -> int | None:
+    """Where `other` (another loop's greedy text) first leaves plain decoding's text, as the index of the plain token
+    holding the first differing character; None when it does not (a longer `other` that starts with the plain text
+    went on where plain decoding stopped)."""
+    n = min(len(plain_text), len(other))
+    first_char = next((i for i in range(n) if plain_text[i] != other[i]), None)
+    if first_char is None and len(other) < len(plain_text):
+        first_char = len(other)  # it stopped (end of generation) where plain decoding went on
+    if first_char is None or not token_ends:
+        return None
+    return min(bisect.bisect_right(token_ends, first_char), len(token_ends) - 1)
+
+
+# -- the tool ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tool:
+    path: Path
+    version: str  # its --version line ("version: 1 (abc123)"), or "" when it printed none
+    backend_sampling: bool  # it has --backend-sampling
+
+
+def find_tool(given: str = "", env: dict[str, str] | None = None) -> Path:
+    """llama-speculative-simple: `given` (the option or the preset's `bench.llama_bin`), else $LOCALSPEC_LLAMA_BIN,
+    else PATH; each may name the program or the folder that holds it (a llama.cpp build's `build/bin`)."""
+    env = os.environ if env is None else env
+    for where, value in (("--llama-bin", given), (BIN_ENV, env.get(BIN_ENV, ""))):
+        if not value.strip():
+            continue
+        path = Path(value.strip()).expanduser()
+        program = path / TOOL if path.is_dir() else path
+        if not program.is_file():
+            raise UsageError(f"{where} {value}: no {TOOL} there; {INSTALL}")
+        if not os.access(program, os.X_OK):
+            raise UsageError(f"{where} {value}: {program} is not executable")
+        return program
+    found = shutil.which(TOOL, path=env.get("PATH"))
+    if found is None:
+        raise UsageError(f"--against {LLAMA_CPP} needs {TOOL}, and none was found on PATH: {INSTALL}")
+    return Path(found)
+
+
+def probe_tool(path: Path) -> Tool:
+    """Run it once with --help (cheap: no model) before minutes of measuring: a build that cannot start (missing
+    libraries) or predates the draft flags used here is refused now, in one line."""
+    try:
+        helped = subprocess.run([str(path), "--help"], capture_output=True, text=True, errors="replace",
+                                timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        versioned = subprocess.run([str(path), "--version"], capture_output=True, text=True, errors="replace",
+                                   timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError(f"{path}: does not run ({exc.__class__.__name__}: {exc})") from None
+    usage = helped.stdout + helped.stderr
+    if "--spec-draft-n-max" not in usage or "draft-simple" not in usage:
+        last = _last_line(usage) or f"exit {helped.returncode}"
+        raise UsageError(f"{path}: not a {TOOL} with --spec-type draft-simple and --spec-draft-n-max (an older "
+                         f"llama.cpp, or not the tool: {last}); build a current llama.cpp")
+    version = next((line.strip() for line in (versioned.stderr + versioned.stdout).splitlines()
+                    if line.strip().startswith("version:")), "")
+    return Tool(path=path, version=version, backend_sampling="--backend-sampling" in usage)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# -- the plan: what both sides run ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaPrompt:
+    name: str
+    text: str  # what llama.cpp tokenizes (special tokens parsed, BOS added where the model wants one)
+    tokens: int  # how many tokens localspec's target read for it
+
+
+@dataclass(frozen=True)
+class Plan:
+    tool: Tool
+    target: Path
+    draft: Path
+    preset: Preset
+    threads: int
+    prompts: tuple[LlamaPrompt, ...]
+    modes: tuple[str, ...]
+    extra: tuple[str, ...] = ()  # more of the tool's options (bench/structured.py: --grammar-file)
+
+    def command(self, prompt_file: Path, mode: str) -> list[str]:
+        """The tool's command line for one prompt: the bench's files, lengths, context, threads and sampling."""
+        s, d, load = self.preset.sampling, self.preset.draft, self.preset.load
+        layers = lambda n: "all" if n < 0 else str(n)  # noqa: E731 -- localspec's -1 is llama.cpp's "all"
+        cmd = [str(self.tool.path), "-m", str(self.target), "-md", str(self.draft),
+               "-ngl", layers(load.n_gpu_layers), "-ngld", layers(load.draft_n_gpu_layers),
+               "-c", str(load.n_ctx), "-b", str(load.n_ctx), "-ctk", load.kv_type, "-ctv", load.kv_type,
+               "-ctkd", load.kv_type, "-ctvd", load.kv_type, "-t", str(self.threads), "-td", str(self.threads),
+               "-fa", "auto", "-n", str(self.preset.bench.max_tokens), "-f", str(prompt_file),
+               "--seed", str(s.seed), "--temp", f"{s.temperature:g}", "--top-k", str(s.top_k),
+               "--top-p", f"{s.top_p:g}", "--min-p", f"{s.min_p:g}", "--repeat-penalty", f"{s.repeat_penalty:g}",
+               "--repeat-last-n", str(s.repeat_last_n), "--presence-penalty", f"{s.presence_penalty:g}",
+               "--frequency-penalty", f"{s.frequency_penalty:g}",
+               "--spec-type", "draft-simple", "--spec-draft-n-max", str(d.n_draft), "--spec-draft-n-min", "0",
+               "--spec-draft-p-min", f"{d.p_min:g}"]
+        if load.split_mode != "layer" or load.tensor_split or load.main_gpu:
+            cmd += ["-sm", load.split_mode, "-mg", str(load.main_gpu)]
+            cmd += ["-ts", load.tensor_split] if load.tensor_split else []
+        if load.rpc:
+            cmd += ["--rpc", load.rpc]
+        if mode == BACKEND:
+            cmd.append("--backend-sampling")
+        return cmd + list(self.extra)
+
+
+def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None:
+    """What llama-speculative-simple cannot run alike is refused before anything loads."""
+    if sweep:
+        raise UsageError(f"--against {LLAMA_CPP} compares one draft length; leave out --sweep")
+    if not has_draft_model or preset.draft.drafter != "model":
+        raise UsageError(f"--against {LLAMA_CPP} compares the draft model's loop with {TOOL}'s: it needs a draft "
+                         f"model and --drafter model (not {preset.draft.drafter})")
+    if preset.draft.adaptive:
+        raise UsageError(f"--against {LLAMA_CPP}: {TOOL} drafts a fixed length; leave out --adaptive")
+    if preset.load.draft_device != "auto":
+        raise UsageError(f"--against {LLAMA_CPP}: --draft-device {preset.load.draft_device} has no counterpart in "
+                         f"{TOOL} here; compare with the default placement")
+
+
+def plan(session: Session, preset: Preset, tool: Tool, prompts: list[BenchPrompt] | None, raw: bool) -> Plan:
+    """The prompts as llama.cpp must read them to see localspec's tokens: the rendered text, without a BOS the
+    template wrote where llama.cpp adds one itself."""
+    from localspec.bench import render_prompts
+
+    texts = [llama_prompt(session, name, text, tokens) for name, text, tokens in render_prompts(session, prompts, raw)]
+    return plan_for(session, preset, tool, texts)
+
+
+def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPrompt],
+             extra: tuple[str, ...] = ()) -> Plan:
+    """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
+    device sampling too."""
+    assert session.draft is not None
+    target = session.target
+    return Plan(tool=tool, target=target.path, draft=session.draft.path, preset=preset, threads=target.n_threads,
+                prompts=tuple(prompts), modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,),
+                extra=extra)
+
+
+def llama_prompt(session: Session, name: str, text: str, tokens: list[int]) -> LlamaPrompt:
+    """A prompt as llama.cpp must read it to see `tokens`: llama.cpp adds the BOS the model wants itself, so a BOS
+    that a chat template wrote into `text` is left out."""
+    target = session.target
+    bos_text = target.piece(target.bos, special=True).decode("utf-8", "replace") if target.bos >= 0 else ""
+    if target.add_bos and bos_text and tokens[:1] == [target.bos] and text.startswith(bos_text):
+        text = text[len(bos_text):]
+    return LlamaPrompt(name, text, len(tokens))
+
+
+# -- running it ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaRun:
+    prompt: str
+    mode: str
+    repetition: int
+    timings: Timings
+    text: str | None = field(repr=False)  # the generated text (None: the prompt was not found on stdout)
+
+    def as_dict(self) -> dict[str, Any]:
+        t = self.timings
+        return {"prompt": self.prompt, "mode": self.mode, "repetition": self.repetition,
+                "prompt_tokens": t.prompt_tokens, "tokens": t.tokens, "seconds": t.seconds, "drafted": t.drafted,
+                "accepted": t.accepted, "text": self.text}
+
+
+@dataclass(frozen=True)
+class LlamaRunDone:
+    """A run finished: bench's progress event for the llama.cpp part."""
+
+    run: LlamaRun
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    mode: str
+    runs: int  # complete repetitions (every prompt once)
+    median_tps: float
+    min_tps: float
+    max_tps: float
+    acceptance_rate: float | None  # accepted over drafted, all runs (None: nothing drafted)
+
+    @classmethod
+    def of(cls, mode: str, runs: list[LlamaRun], prompts: int) -> ModeResult | None:
+        by_rep: dict[int, list[LlamaRun]] = {}
+        for run in runs:
+            if run.mode == mode:
+                by_rep.setdefault(run.repetition, []).append(run)
+        complete = [rep for rep in by_rep.values() if len(rep) == prompts]
+        tps = [sum(r.timings.tokens for r in rep) / s for rep in complete
+               if (s := sum(r.timings.seconds for r in rep)) > 0]
+        if not tps:
+            return None
+        drafted = sum(r.timings.drafted for rep in complete for r in rep)
+        accepted = sum(r.timings.accepted for rep in complete for r in rep)
+        return cls(mode=mode, runs=len(tps), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
+                   acceptance_rate=accepted / drafted if drafted else None)
+
+
+@dataclass(frozen=True)
+class GreedyMatch:
+    """At temperature 0: where llama.cpp's greedy text of a prompt leaves localspec's plain decoding."""
+
+    prompt: str
+    mode: str
+    first_divergence: int | None  # the plain token where it first differs; None: the same text
+    plain_margin: float | None  # plain decoding's top-1 minus top-2 logit there: how close the call was
+    same_every_run: bool
+
+
+@dataclass
+class Comparison:
+    tool: str
+    version: str
+    command: list[str]  # the command line in the first mode, PROMPT.txt for each prompt's file, for the record
+    temperature: float
+    modes: list[ModeResult]
+    localspec_tps: float  # localspec's speculative median, same prompts
+    runs: list[LlamaRun]
+    greedy: list[GreedyMatch]
+    warnings: list[str]
+
+    @property
+    def best(self) -> ModeResult | None:
+        return max(self.modes, key=lambda m: m.median_tps, default=None)
+
+    @property
+    def ratio(self) -> float | None:
+        """localspec's speculative median over llama.cpp's faster mode's."""
+        best = self.best
+        return self.localspec_tps / best.median_tps if best and best.median_tps else None
+
+    def as_json(self) -> dict[str, Any]:
+        best = self.best
+        return {"against": LLAMA_CPP, "tool": self.tool, "version": self.version, "command": self.command,
+                "temperature": self.temperature, "modes": [dataclasses.asdict(m) for m in self.modes],
+                "best_mode": best.mode if best else None, "localspec_tps": self.localspec_tps, "ratio": self.ratio,
+                "greedy": [dataclasses.asdict(g) for g in self.greedy], "warnings": self.warnings,
+                "runs": [r.as_dict() for r in self.runs]}
+
+
+def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
+                timeout_s: float | None = None) -> Iterator[LlamaRunDone | Comparison]:
+    """`repeat` repetitions (the bench's) of every prompt in each mode, modes alternating; then the comparison.
+
+    Run after localspec's session has closed: on a 24 GB card the two loops' models do not fit together."""
+    if timeout_s is None:  # a generous multiple of what localspec's plain decoding took, plus loading
+        slowest = max(report.plain.min_tps, 1e-3)
+        timeout_s = 120.0 + 20.0 * plan.preset.bench.max_tokens / slowest
+    runs: list[LlamaRun] = []
+    for done in run_prompts(plan, repeat or plan.preset.bench.repeat, timeout_s):
+        runs.append(done.run)
+        yield done
+    yield compare(plan, report, runs, plan.command(Path("PROMPT.txt"), plan.modes[0]))
+
+
+def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[LlamaRunDone]:
+    """Every prompt once per mode and repetition, the modes' order alternating between repetitions."""
+    total = repeat * len(plan.modes) * len(plan.prompts)
+    done = 0
+    with tempfile.TemporaryDirectory(prefix="localspec-llama-") as folder:
+        files = {}
+        for i, p in enumerate(plan.prompts):
+            files[p.name] = Path(folder) / f"prompt-{i}.txt"
+            files[p.name].write_text(p.text + "\n", encoding="utf-8")  # its -f drops one trailing newline
+        for rep in range(repeat):
+            for mode in plan.modes if rep % 2 == 0 else tuple(reversed(plan.modes)):
+                for p in plan.prompts:
+                    done += 1
+                    yield LlamaRunDone(_one_run(plan.command(files[p.name], mode), p, mode, rep, timeout_s), done,
+                                       total)
+
+
+def _one_run(cmd: list[str], prompt: LlamaPrompt, mode: str, rep: int, timeout_s: float) -> LlamaRun:
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise LocalspecError(f"{TOOL} did not finish prompt {prompt.name!r} ({mode} sampling) in {timeout_s:.0f} s; "
+                             f"command: {' '.join(cmd)}") from None
+    except OSError as exc:
+        raise LocalspecError(f"{cmd[0]}: could not run it ({exc.strerror or exc})") from None
+    stderr = done.stderr.decode("utf-8", "replace")
+    timings = parse_timings(stderr)
+    if done.returncode != 0 or timings is None:
+        said = _last_line(stderr) or "no output"
+        raise LocalspecError(f"{TOOL} failed on prompt {prompt.name!r} ({mode} sampling, exit {done.returncode} "
+                             f"after {time.perf_counter() - start:.0f} s): {said}")
+    # The generated text, as written: \r\n stays (decoding the bytes, not a text-mode read).
+    text = generated_text(done.stdout.decode("utf-8", "replace"), prompt.text)
+    return LlamaRun(prompt.name, mode, rep, timings, text)
+
+
+def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun], command: list[str]) -> Comparison:
+    """The medians per mode, the ratio, the prompt-token check and, at temperature 0, the greedy texts against
+    plain decoding's (the bench's greedy check holds plain decoding's text)."""
+    modes = [m for mode in plan.modes if (m := ModeResult.of(mode, runs, len(plan.prompts))) is not None]
+    warnings = []
+    for p in plan.prompts:
+        seen = sorted({r.timings.prompt_tokens for r in runs if r.prompt == p.name})
+        if seen and seen != [p.tokens]:
+            warnings.append(f"prompt {p.name!r}: {TOOL} read {', '.join(map(str, seen))} prompt tokens where "
+                            f"localspec read {p.tokens}: the two did not decode the same prompt")
+    greedy = []
+    temperature = plan.preset.sampling.temperature
+    if temperature == 0:
+        plain = {c.name: c for c in report.greedy_check.prompts}
+        for mode in plan.modes:
+            for p in plan.prompts:
+                texts = [r.text for r in runs if r.prompt == p.name and r.mode == mode and r.text is not None]
+                check = plain.get(p.name)
+                if not texts or check is None:
+                    continue
+                first = first_divergence(check.plain_text, check.plain_token_ends, texts[0])
+                margin = check.plain_margins[first] if first is not None and first < len(check.plain_margins) \
+                    else None
+                greedy.append(GreedyMatch(p.name, mode, first, margin, len(set(texts)) == 1))
+    return Comparison(tool=str(plan.tool.path), version=plan.tool.version, command=command,
+                      temperature=temperature, modes=modes, localspec_tps=report.speculative.median_tps, runs=runs,
+                      greedy=greedy, warnings=warnings)

@@ -1,0 +1,78 @@
+"""A stand-in for llama.cpp's `llama-speculative-simple` (beside the real one: tests/test_versus.py runs that too
+when a build is there): the same command-line surface that localspec.versus uses, its stdout (the prompt, then the
+generated text, then a blank line) and its end-of-run timing lines on stderr, in the format the real tool prints
+(tests/data/llama-speculative-simple/ holds a recorded run). It appends each command line it ran to a JSON-lines
+log, so a test can check what localspec asked of it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = r'''
+import json, os, sys
+
+USAGE = """----- common params -----
+-m,    --model FNAME            model path
+-f,    --file FNAME             a file containing the prompt (default: none)
+-bs,   --backend-sampling       enable backend sampling (experimental) (default: disabled)
+----- example-specific params -----
+--spec-type [none|draft-simple|draft-eagle3|draft-mtp|ngram-simple]
+--spec-draft-n-max, --draft-max N
+"""
+args = sys.argv[1:]
+if "--help" in args:
+    print(os.environ.get("STANDIN_USAGE", USAGE))
+    sys.exit(0)
+if "--version" in args:
+    print("version: 4242 (standin)\nbuilt with cc for x86_64-linux-gnu", file=sys.stderr)
+    sys.exit(0)
+opts = {}
+i = 0
+while i < len(args):
+    if args[i].startswith("-") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+        opts[args[i]] = args[i + 1]
+        i += 2
+    else:
+        opts[args[i]] = True
+        i += 1
+with open(os.environ["STANDIN_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\n")
+if os.environ.get("STANDIN_FAIL"):
+    print("main: error: " + os.environ["STANDIN_FAIL"], file=sys.stderr)
+    sys.exit(1)
+with open(opts["-f"], encoding="utf-8") as fh:
+    prompt = fh.read()
+if prompt.endswith("\n"):
+    prompt = prompt[:-1]  # as llama.cpp's -f does
+reply = json.loads(os.environ.get("STANDIN_REPLIES", "{}")).get(prompt, " and so on")
+n = int(opts["-n"])
+seconds = float(os.environ.get("STANDIN_SECONDS", "0.5"))
+if "--backend-sampling" in opts:
+    seconds *= float(os.environ.get("STANDIN_BACKEND_FACTOR", "1.0"))
+tokens = os.environ.get("STANDIN_PROMPT_TOKENS")
+prompt_tokens = int(tokens) if tokens else len(prompt.split())
+sys.stdout.write("\n\n" + prompt + reply + "\n\n\n\n")
+sys.stderr.write(
+    "\n\n0.00.514.274 I encoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n"
+    % (prompt_tokens, 0.05, prompt_tokens / 0.05)
+    + "decoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n" % (n + 1, seconds, (n + 1) / seconds)
+    + "\nn_draft   = %s\nn_predict = %d\nn_drafted = %d\nn_accept  = %d\naccept    = %.3f%%\n"
+    % (opts["--spec-draft-n-max"], n + 1, 60, 45, 75.0)
+    + "\ndraft:\n\nllama_perf_context_print:        load time =      12.34 ms\n"
+)
+'''
+
+
+def write_tool(folder: Path, name: str = "llama-speculative-simple") -> Path:
+    """An executable stand-in in `folder`; set STANDIN_LOG (the command lines it ran) in its environment."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\n{SCRIPT}")
+    path.chmod(0o755)
+    return path
+
+
+def commands(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
