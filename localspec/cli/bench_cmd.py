@@ -94,7 +94,8 @@ def bench(
     tool = None
     if chosen.bench.against == versus.LLAMA_CPP:  # found and started once before minutes of measuring
         versus.check_comparable(chosen, files.draft is not None, sweep=lengths is not None)
-        tool = versus.probe_tool(versus.find_tool(chosen.bench.llama_bin))
+        tool = versus.probe_tool(versus.find_tool(chosen.bench.llama_bin),
+                                 versus.SPEC_TYPES[chosen.draft.drafter])
 
     console = Console()
     s = chosen.sampling
