@@ -403,6 +403,32 @@ def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rows", ["full", "device"])
+def test_constrained_greedy_with_every_drafter_is_constrained_plain_decoding(hybrid_pair, rows) -> None:
+    """A JSON schema and a GBNF grammar on the hybrid target: each drafter's constrained greedy text is constrained
+    plain decoding's, token for token. With `constrained_rows = "device"` too: a recurrent target reads its
+    constrained rows whole (it cannot go back into a verify to decode one row again)."""
+    from localspec.constraints import Constraint
+    from localspec.session import ModelFiles, open_session
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    constraints = [Constraint.json_schema(schema, "test"), Constraint('root ::= [a-z]+ "."', "letters")]
+    with open_session(ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1, constrained_rows=rows)) as s:
+        drafted = 0
+        for constraint, prompt in zip(constraints, prompts(2, seed=31, length=10), strict=True):
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 32,
+                                              grammar=constraint.grammar(s.target))).tokens
+            for d in (drafting(3, "mtp"), drafting(6), drafting(6, "chain")):
+                done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 32,
+                                                 grammar=constraint.grammar(s.target)))
+                assert done.tokens == plain, (constraint.source, d.drafter)
+                drafted += done.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["model", "mtp"])
 def test_a_next_prompt_reuses_the_cached_prompt_and_stays_exact(hybrid_pair, drafter) -> None:
     """A chat's next turn: the new prompt extends the last one (not its reply). The recurrent target goes back to
