@@ -230,13 +230,15 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str, body: dict[str, Any], req: Request,
-                     t0: float) -> None:
-    """Send one streaming chat completion and fill `req` in; an error is recorded, not raised."""
+async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str | list[dict[str, str]],
+                     body: dict[str, Any], req: Request, t0: float) -> None:
+    """Send one streaming chat completion (a user message, or a whole conversation) and fill `req` in; an error is
+    recorded, not raised."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     req.sent = time.perf_counter() - t0
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], stream=True,
+            model=model, messages=messages, stream=True,  # type: ignore[arg-type]
             stream_options={"include_usage": True}, **body)
         async with stream:  # closes the connection also when the stream fails halfway
             await _read(stream, req, t0)
@@ -307,6 +309,14 @@ async def fetch_models(client: openai.AsyncOpenAI, url: str) -> tuple[Any, list[
     return answer, ids
 
 
+async def served_model(client: openai.AsyncOpenAI, url: str, given: str | None) -> tuple[Any, str]:
+    """The server's /models answer and the model id to send: `given`, else the first it lists."""
+    models, ids = await fetch_models(client, url)
+    if given is None and not ids:
+        raise BenchError(f"{url}/models lists no model: pass --model")
+    return models, given or ids[0]
+
+
 def server_health(url: str, api_key: str) -> Any:
     """GET /health beside the API root (llama-server's and localspec's: status, slots, counters), recorded in the
     JSON as the server described itself; None where there is none."""
@@ -350,10 +360,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     url = args.url.rstrip("/")
     client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
     try:
-        models, ids = await fetch_models(client, url)
-        if args.model is None and not ids:
-            raise BenchError(f"{url}/models lists no model: pass --model")
-        model = args.model or ids[0]
+        models, model = await served_model(client, url, args.model)
         health_before = await asyncio.to_thread(server_health, url, args.api_key)
         started = datetime.now(UTC).isoformat(timespec="seconds")
         levels: list[Level] = []
@@ -402,25 +409,35 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
                        for s, lv in zip(summaries, levels, strict=True)],
             "prompts": prompts,
         }
-        try:  # atomic: a JSON that exists is whole (the GPU harness skips what exists)
-            atomic_write(args.json_out, json.dumps(record, indent=1) + "\n", what="--json")
-        except WriteError as exc:
-            raise BenchError(str(exc)) from None
+        write_json(args.json_out, record)
     return 1 if errors else 0
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """The run's record, atomically: a JSON that exists is whole (the GPU harness skips what exists)."""
+    try:
+        atomic_write(path, json.dumps(record, indent=1, default=str) + "\n", what="--json")
+    except WriteError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def guarded(prog: str, body: Callable[[], int]) -> int:
+    """A client's exit status: `body`'s, or 1 with one line on stderr for a BenchError, 130 for Ctrl-C."""
+    try:
+        return body()
+    except BenchError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     # The JSON records the command line as run; called as a function, this file stands in for the program name.
     full = list(sys.argv) if argv is None else [__file__, *argv]
     args = build_parser().parse_args(full[1:])
-    try:
-        return asyncio.run(run(args, full))
-    except BenchError as exc:
-        print(f"concurrency.py: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("concurrency.py: interrupted", file=sys.stderr)
-        return 130
+    return guarded("concurrency.py", lambda: asyncio.run(run(args, full)))
 
 
 if __name__ == "__main__":

@@ -27,14 +27,15 @@ import dataclasses
 import json
 import re
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localspec import __version__
-from localspec.config import Preset, load_preset
+from localspec import __version__, slot_file
+from localspec.config import ContextSettings, Preset, load_preset
 from localspec.engine import (
     STOP_CONTEXT_FULL,
     DoneEvent,
@@ -45,7 +46,7 @@ from localspec.engine import (
     shared_prefix,
 )
 from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
-from localspec.fsutil import atomic_write
+from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
@@ -301,7 +302,8 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "temp": ("X", "sampling temperature (0 = greedy)"),
     "think": (None, "let a thinking model (Qwen3) think before it answers (its template's enable_thinking)"),
     "nothink": (None, "answer without thinking"),
-    "save": ("FILE", "write the transcript and per-turn stats as JSON"),
+    "save": ("FILE", "write the transcript and per-turn stats as JSON, and both models' KV cells to FILE.kv"),
+    "load": ("FILE", "resume a conversation /save wrote: its messages and KV cells (nothing is read again)"),
     "color": (None, "toggle the colour of tokens that came from accepted drafts"),
     "exit": (None, "leave (Ctrl-D does too)"),
 }
@@ -449,7 +451,7 @@ class ChatSession:
         tokens: list[int] = []
         from_draft = 0
         done: DoneEvent | None = None
-        stream = self.engine.generate(prompt, sampling, drafting, limit)
+        stream = self.engine.generate(prompt, sampling, drafting, limit, context=self._context(prompt))
         try:
             if dropped:
                 yield TrimEvent(dropped_turns=dropped, prompt_tokens=len(prompt))
@@ -489,10 +491,26 @@ class ChatSession:
         # alternating as templates require.
         self.messages = [*messages, {"role": "assistant", "content": reply}] if reply else messages[:-1]
 
+    def _context(self, prompt: list[int]) -> ContextSettings:
+        """The preset's context shift; with n_keep 0 (the default) a chat keeps its system prompt."""
+        context = self.preset.context
+        if not context.context_shift or context.n_keep != 0 or not self.system:
+            return context
+        alone = self.prompt_tokens([{"role": "system", "content": self.system}])
+        kept = shared_prefix(alone, prompt)
+        bos = 1 if self.model.add_bos and prompt and prompt[0] == self.model.bos else 0
+        return dataclasses.replace(context, n_keep=max(0, kept - bos))
+
+    @property
+    def drops_turns(self) -> bool:
+        """Whether a conversation that outgrows the context loses its oldest turns (--drop-oldest, and context
+        shift: a reply that shifted leaves a history longer than the context)."""
+        return self.drop_oldest or self.preset.context.context_shift
+
     def _fit(self, messages: list[Message]) -> tuple[list[Message], list[int], int]:
         """The messages to send, their tokens, and how many oldest turns were dropped to make them fit."""
         prompt = self.prompt_tokens(messages)
-        if not self.drop_oldest:
+        if not self.drops_turns:
             if len(prompt) >= self.n_ctx:
                 raise ContextFullError(
                     f"the conversation needs {len(prompt)} tokens and the context holds {self.n_ctx}: "
@@ -519,9 +537,9 @@ class ChatSession:
     # -- settings (the slash commands) ----------------------------------------------------------------------
 
     def set_preset(self, name: str) -> None:
-        """Sampling and drafting from another preset; the loaded models keep their load settings."""
+        """Sampling and drafting from another preset; the loaded models keep their load and context settings."""
         chosen = load_preset(name)
-        self.preset = dataclasses.replace(chosen, load=self.preset.load)
+        self.preset = dataclasses.replace(chosen, load=self.preset.load, context=self.preset.context)
 
     def set_draft(self, n_draft: int) -> None:
         if n_draft > 0 and self.preset.draft.drafter not in self.engine.drafters:
@@ -580,10 +598,78 @@ class ChatSession:
             "totals": self.totals(),
         }
 
-    def save(self, path: Path) -> Path:
-        """Write the transcript as JSON atomically (fsutil.atomic_write: a temporary file, then a rename)."""
-        data = json.dumps(self.transcript(), indent=2, ensure_ascii=False) + "\n"
-        return atomic_write(Path(path).expanduser(), data, what="transcript")
+    def save(self, path: Path) -> SavedChat:
+        """Write both models' KV cells to PATH.kv (slot_file.py), then the transcript as JSON to PATH, naming the
+        state file and the id both carry; each write atomic (fsutil: a temporary file, then a rename)."""
+        path = Path(path).expanduser()
+        kv = kv_path(path)
+        check_writable(path, what="transcript")
+        save_id = uuid.uuid4().hex
+        state = self.engine.snapshot(0)
+        kv_bytes = slot_file.write(kv, state, self._identities(), {"chat": save_id}, what="KV state")
+        transcript = {**self.transcript(), "kv": {"file": kv.name, "id": save_id, "tokens": state.models[0].n_tokens}}
+        atomic_write(path, json.dumps(transcript, indent=2, ensure_ascii=False) + "\n", what="transcript")
+        return SavedChat(path, kv, state.models[0].n_tokens, kv_bytes)
+
+    def load(self, path: Path) -> SavedChat:
+        """Resume a conversation `save` wrote: its system prompt and messages, and both models' KV cells restored
+        into the engine, so the next message reads only itself. Every check (the transcript's shape, the state
+        file's model, versions, checksum, that it belongs to this transcript) passes before anything changes; a
+        LocalspecError names what failed and the session is as it was."""
+        path = Path(path).expanduser()
+        data = _transcript(path)
+        messages, system = data["messages"], data["system"]
+        kv = data.get("kv")
+        if kv is None:
+            raise LocalspecError(f"{path}: no KV state was saved with this transcript (an older /save)")
+        if not isinstance(kv, dict) or not isinstance(kv.get("file"), str) or not isinstance(kv.get("id"), str):
+            raise LocalspecError(f"{path}: its kv entry is malformed")
+        state_path = path.with_name(kv["file"])
+        loaded = slot_file.read(state_path, self._identities(), n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
+        if loaded.extra.get("chat") != kv["id"]:
+            raise LocalspecError(f"{state_path}: belongs to another save than {path} (saved again since?)")
+        if not self.engine.restore(0, loaded.state):
+            self.engine.reset()
+            raise LocalspecError(f"{state_path}: llama.cpp refused the state (the KV caches are empty now)")
+        self.system = system
+        self.messages = messages
+        self.turns = []
+        return SavedChat(path, state_path, loaded.state.models[0].n_tokens, loaded.nbytes)
+
+    def _identities(self) -> list[slot_file.ModelIdentity]:
+        return [slot_file.identity(m) for m in self.engine.state_models()]
+
+
+@dataclass(frozen=True)
+class SavedChat:
+    """What /save wrote or /load read: the transcript, the state file beside it, the tokens its cells hold."""
+
+    transcript: Path
+    kv: Path
+    tokens: int
+    kv_bytes: int
+
+
+def kv_path(transcript: Path) -> Path:
+    """Where /save puts the KV cells of the transcript at `transcript`: beside it, `.kv` added to its name."""
+    return transcript.with_name(transcript.name + ".kv")
+
+
+def _transcript(path: Path) -> dict[str, Any]:
+    """A transcript /save wrote, its messages and system prompt checked."""
+    try:
+        data = json.loads(read_text(path))
+    except ValueError as exc:
+        raise LocalspecError(f"{path}: not a transcript /save wrote (not JSON: {exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise LocalspecError(f"{path}: not a transcript /save wrote (no messages)")
+    for i, m in enumerate(data["messages"]):
+        if (not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+                or m["role"] not in ("system", "user", "assistant")):
+            raise LocalspecError(f"{path}: messages[{i}] is not a role and its content")
+    if data.get("system") is not None and not isinstance(data["system"], str):
+        raise LocalspecError(f"{path}: its system prompt is not text")
+    return data
 
 
 def context_full(record: TurnRecord) -> bool:

@@ -78,6 +78,13 @@ def _model_names(text: str) -> object:
     return names
 
 
+def _cache_ram(text: str) -> object:
+    """`auto` (a quarter of the RAM available at start), or whole MiB (0 = no prompt cache)."""
+    if text.strip() != "auto" and not text.strip().isdigit():
+        raise ValueError("expected auto or a whole number of MiB, e.g. 8192 (0 = off)")
+    return text.strip()
+
+
 def _any_path(text: str) -> object:
     if "\n" in text or "\0" in text:
         raise ValueError("a path on one line")
@@ -214,10 +221,25 @@ class ServerSettings:
     metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
     # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
     model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
+    # Finished slots' KV cells kept in host RAM for later requests that share their prefix (llama-server's
+    # --cache-ram): "auto" (a quarter of the RAM available at start), or MiB (0 = off).
+    cache_ram: str = field(metadata=_text(_cache_ram, "auto or MiB"))
+    # Where POST /slots/{id}?action=save|restore keeps its files ("" = those actions are off; llama-server's
+    # --slot-save-path).
+    slot_save_path: str = field(metadata=_text(_any_path, "a folder"))
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:
         return _model_names(self.model_aliases)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """What a generation does when it fills its context (llama-server's --context-shift, n_keep, n_discard)."""
+
+    context_shift: bool = field(metadata={"kind": bool})  # drop a block after the kept beginning and go on
+    n_keep: int = field(metadata=_rng(-1, 1 << 20, int))  # tokens kept at the start (-1 = the whole prompt)
+    n_discard: int = field(metadata=_rng(0, 1 << 20, int))  # tokens dropped per shift (0 = half of the rest)
 
 
 _SECTIONS: dict[str, type] = {
@@ -228,6 +250,7 @@ _SECTIONS: dict[str, type] = {
     "generate": GenerateSettings,
     "load": LoadSettings,
     "server": ServerSettings,
+    "context": ContextSettings,
     "rpc_server": RpcServerSettings,  # after server: an unqualified host or port means `localspec serve`'s
 }
 
@@ -242,6 +265,7 @@ class Preset:
     generate: GenerateSettings
     load: LoadSettings
     server: ServerSettings
+    context: ContextSettings
     rpc_server: RpcServerSettings
 
     def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,

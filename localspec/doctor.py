@@ -12,6 +12,7 @@ from localspec import compat, machine, memory, placement
 from localspec.config import Preset
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader, read_header
+from localspec.prompt_cache import limit_bytes
 from localspec.status import Status
 
 GiB = float(1 << 30)
@@ -205,6 +206,21 @@ def threads_check(threads: int, choice: machine.ThreadChoice) -> Check:
     return Check(Status.OK, name, f"{threads} set; {choice.describe()}")
 
 
+def prompt_cache_check(cache_ram: str, ram_available: int) -> Check:
+    """What `serve` keeps finished slots' KV cells in: `[server] cache_ram` in bytes, against the RAM free now."""
+    name = "prompt cache (serve)"
+    limit = limit_bytes(cache_ram, ram_available)
+    if limit == 0:
+        return Check(Status.INFO, name, "off (cache_ram = 0): a slot given to another conversation reads it "
+                     "again when it returns", "--cache-ram auto, or cache_ram under [server]")
+    how = (f"auto: a quarter of the {ram_available / GiB:.1f} GiB RAM available" if cache_ram == "auto"
+           else f"{cache_ram} MiB set")
+    if limit > ram_available:
+        return Check(Status.WARN, name, f"{limit / GiB:.1f} GiB ({how}), more than the {ram_available / GiB:.1f} "
+                     "GiB available: the machine would swap before the cache fills", "--cache-ram auto")
+    return Check(Status.OK, name, f"up to {limit / GiB:.2f} GiB of host RAM ({how}) for finished slots' KV cells")
+
+
 def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices,
                      parallel: int = 1) -> tuple[Check, memory.Settings]:
     s = memory.settings_from_preset(preset, n_ctx=n_ctx, n_seq=parallel)
@@ -262,6 +278,7 @@ def run_checks(
     checks.extend(_settings_checks(preset, ctx))
     checks.extend(_machine_checks(dev, servers))
     checks.append(threads_check(preset.load.threads, threads or machine.thread_choice()))
+    checks.append(prompt_cache_check(preset.server.cache_ram, dev.ram_available))
     placed, settings = _placement_check(preset, ctx, dev, parallel)
     checks.append(placed)
     if t is not None and placed.status != Status.FAIL:

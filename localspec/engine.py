@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localspec import drafters
-from localspec.config import Drafting, Sampling
+from localspec import context_shift, drafters
+from localspec.config import ContextSettings, Drafting, Sampling
 from localspec.constraints import masked_scores
 from localspec.drafters.base import (
     NO_PROPOSAL,
@@ -63,6 +63,7 @@ from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
 from localspec.llama_ctx import Grammar
 from localspec.policies import DraftCost, DraftLength, LoadPolicy
+from localspec.prompt_cache import ModelState, PromptCache, SlotState
 from localspec.sampling import accept_drafts, accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
 
@@ -122,8 +123,11 @@ class Stream:
 
     def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
-                 constrain_draft: bool = True, logprobs: int | None = None) -> None:
+                 constrain_draft: bool = True, logprobs: int | None = None,
+                 context: ContextSettings | None = None) -> None:
         self.slot = slot
+        # With context shift on: what a full context keeps (n_keep, n_discard); None: the generation stops there.
+        self.shift = context if context is not None and context.context_shift else None
         # The grammar's state after the committed tokens (advanced only by emitted ones); each round the drafter
         # gets a copy in its request. constrain_draft=False masks the verify rows only (to measure the difference).
         self.grammar = grammar
@@ -201,8 +205,12 @@ class Engine:
     tokenizer), for as many concurrent generations as the models have sequences (slots)."""
 
     def __init__(self, target: ScoringModel, draft: ScoringModel | None, *, constant_width: bool | None = None,
-                 draft_ahead: bool = False, constrained_rows: str = "full") -> None:
+                 draft_ahead: bool = False, constrained_rows: str = "full",
+                 prompt_cache: PromptCache | None = None) -> None:
         self.target = target
+        # Slots' states kept in host RAM: a slot given to another prompt is saved there first, and a prompt that
+        # an entry serves better than its slot is restored from there (`_from_cache`).
+        self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.limit > 0 else None
         self.draft = draft
         # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
         # the last round before max_tokens): on CUDA a width change re-captures graphs, which costs more than the
@@ -217,6 +225,9 @@ class Engine:
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
         self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
+        # Per (model, sequence) whose cells were restored from a state: the shortest length they may be cut back to
+        # (`prompt_cache.ModelState.floor`); a prompt that shares less starts that model's cells afresh.
+        self._floors: dict[tuple[int, int], int] = {}
         self.load = LoadPolicy()
         self._starts = 0
         # A token's text and whether it ends a generation are the vocabulary's: one llama.cpp call per token id,
@@ -231,6 +242,7 @@ class Engine:
         for drafter in self._distinct_drafters():
             drafter.reset()
         self.target.clear()
+        self._floors.clear()
         for slot in self.slots:
             slot.tokens, slot.target_kv, slot.busy = [], [], False
 
@@ -283,7 +295,7 @@ class Engine:
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
                  grammar: Grammar | None = None, constrain_draft: bool = True,
-                 logprobs: int | None = None) -> Iterator[Event]:
+                 logprobs: int | None = None, context: ContextSettings | None = None) -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped: the one-slot
         case of `start` + `step` + `events`.
 
@@ -294,7 +306,7 @@ class Engine:
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
         stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot,
-                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs)
+                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs, context=context)
         try:
             while True:
                 self.step([stream])
@@ -307,7 +319,7 @@ class Engine:
     def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
               should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
               prefill_in_rounds: bool = False, grammar: Grammar | None = None, constrain_draft: bool = True,
-              logprobs: int | None = None) -> Stream:
+              logprobs: int | None = None, context: ContextSettings | None = None) -> Stream:
         """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
         hold) and return its Stream, ready for `step`. With `prefill_in_rounds` the prompt is decoded one batch
         per model per round instead (`step` does it), so the streams already running keep going meanwhile; the
@@ -318,7 +330,10 @@ class Engine:
         target's device sampler is off for that stream. A grammar masks full rows, the target's and the drafter's
         models' alike (they see `req.grammar`); with `constrained_rows = "device"` the models keep their top
         candidates on the device (greedy, top-k) and the target reads a row in full only where they hold too few
-        legal tokens."""
+        legal tokens.
+
+        `context` with `context_shift` on: a generation that fills the context drops tokens after the first n_keep
+        and goes on (`_shift`); off or None, it stops there."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
@@ -330,9 +345,11 @@ class Engine:
             raise RollbackError(
                 f"draft length {drafting.n_draft}: this model's recurrent state rolls back at most {depth} tokens "
                 f"(loaded for that draft length); ask for n_draft <= {depth}, or load it with a longer one")
+        if context is not None and context.context_shift:
+            self.check_context_shift()
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
-                        logprobs)
+                        logprobs, context)
         seq = chosen.seq
         self.target.want_hidden(seq, isinstance(stream.drafter, ReadsTarget))
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
@@ -351,6 +368,8 @@ class Engine:
             if model.n_seq > 1 and id(model) not in drafting_models:
                 model.use_device_sampler(None, seq)
         stream.stats.prompt_tokens = len(prompt)
+        if self.prompt_cache is not None:
+            self._from_cache(chosen, prompt)
         stream.prefill = self._prefill(stream, list(prompt))
         if not prefill_in_rounds:
             self._prefill_some(stream, whole=True)
@@ -358,6 +377,102 @@ class Engine:
         chosen.used, chosen.busy = self._starts, True
         stream.t_start = time.perf_counter()
         return stream
+
+    def check_context_shift(self) -> None:
+        """Context shift drops tokens from the middle of a sequence: a recurrent state cannot (UsageError)."""
+        for i, model in enumerate(self._state_models()):
+            if model.recurrent:
+                raise UsageError(f"context shift: the {'target' if i == 0 else 'draft'} has a recurrent state, which "
+                                 "cannot drop tokens from its middle (turn context_shift off)")
+
+    # -- a slot's cells as a state: the prompt cache, slot files ---------------------------------------------
+
+    def snapshot(self, slot: int) -> SlotState:
+        """Slot `slot`'s cells in every model, each rolled back to a prefix of its committed tokens (a draft's
+        cells may hold drafted tokens past them), as llama.cpp serialises them. The slot must be idle."""
+        s = self.slots[slot]
+        assert not s.busy, "snapshot of a busy slot"
+        models = []
+        for model, kv in self._cells(slot):
+            keep = shared_prefix(kv, s.tokens)
+            if len(kv) > keep:
+                del kv[keep:]  # bookkeeping first, as everywhere
+                del kv[model.truncate(keep, slot):]  # (a recurrent state may keep less: a checkpoint, or nothing)
+            models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
+        held = max(m.n_tokens for m in models)
+        return SlotState(tuple(s.tokens[:held]), tuple(models))
+
+    def restore(self, slot: int, state: SlotState) -> bool:
+        """Put `state` (one ModelState per model of `state_models`, in its order) into idle slot `slot`; its earlier
+        cells go. False when llama.cpp refuses a model's state: the slot is then empty."""
+        s = self.slots[slot]
+        assert not s.busy, "restore into a busy slot"
+        cells = self._cells(slot)
+        assert len(cells) == len(state.models), "one state per model"
+        for (model, kv), saved in zip(cells, state.models, strict=True):
+            kv.clear()
+            self._floors.pop((id(model), slot), None)
+            if saved.n_tokens == 0:
+                model.clear(slot)
+                continue
+            if not model.load_state(saved.data, slot):
+                self.erase(slot)
+                return False
+            kv.extend(state.tokens[: saved.n_tokens])
+            if saved.floor:
+                self._floors[(id(model), slot)] = saved.floor
+        s.tokens[:] = state.tokens
+        return True
+
+    def erase(self, slot: int) -> int:
+        """Empty slot `slot`'s cells in every model; returns how many tokens the target's held."""
+        s = self.slots[slot]
+        assert not s.busy, "erase of a busy slot"
+        held = len(s.target_kv)
+        for model, kv in self._cells(slot):
+            kv.clear()
+            model.clear(slot)
+            self._floors.pop((id(model), slot), None)
+        s.tokens.clear()
+        return held
+
+    def state_models(self) -> list[ScoringModel]:
+        """The models whose cells a slot's state holds, in `SlotState.models`' order: the target first."""
+        return self._state_models()
+
+    def _state_models(self) -> list[ScoringModel]:
+        return [model for model, _ in self._cells(0)]
+
+    def _cells(self, slot: int) -> list[tuple[ScoringModel, list[int]]]:
+        """Every model's cells of a slot with their bookkeeping: the target's, then each drafter's own models'."""
+        cells = [(self.target, self.slots[slot].target_kv)]
+        for drafter in self._distinct_drafters():
+            for model, kv in drafter.cells(slot):
+                if all(model is not m for m, _ in cells):
+                    cells.append((model, kv))
+        return cells
+
+    def _reuse(self, slot: int, model: ScoringModel, kv: list[int], body: Sequence[int]) -> int:
+        """How much of `body` a model's cells of the slot can keep: the shared prefix, or nothing where that is
+        shorter than a restored state may be cut back to."""
+        n = shared_prefix(kv, body)
+        return n if n >= self._floors.get((id(model), slot), 0) else 0
+
+    def _from_cache(self, slot: _Slot, prompt: Sequence[int]) -> None:
+        """llama-server's prompt cache: when the slot would keep less than half of what its cells hold (it is
+        given to another prompt), its state goes to the cache first; then an entry that serves more of the
+        prompt than the slot does is restored into it."""
+        cache = self.prompt_cache
+        assert cache is not None
+        body = prompt[:-1]
+        kept = self._reuse(slot.seq, self.target, slot.target_kv, body)
+        if slot.target_kv and 2 * kept >= len(slot.target_kv):
+            return  # the conversation it holds goes on
+        if slot.target_kv:
+            cache.put(self.snapshot(slot.seq))
+        found = cache.best(body, better_than=kept)
+        if found is not None:
+            self.restore(slot.seq, found[0])
 
     def step(self, streams: Sequence[Stream]) -> None:
         """One round for every stream that goes on: plan, draft (each drafter for its streams together), verify
@@ -410,8 +525,18 @@ class Engine:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
         slot = s.slot
+        for model, kv in self._cells(slot.seq):  # restored cells shorter than their floor start afresh
+            if (id(model), slot.seq) in self._floors and not self._reuse(slot.seq, model, kv, prompt[:-1]):
+                del self._floors[(id(model), slot.seq)]
+                kv.clear()
+                model.clear(slot.seq)
         reader = s.drafter if isinstance(s.drafter, ReadsTarget) else None
         limit = reader.target_limit(s.req, prompt) if reader is not None else None
+        if limit is not None and self._floors.get((id(self.target), slot.seq), 0) > limit:
+            # Its reader needs rows from below the floor of a restored state: the target starts afresh.
+            del self._floors[(id(self.target), slot.seq)]
+            slot.target_kv.clear()
+            self.target.clear(slot.seq)
         work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq, limit)]
         s.stats.prompt_tokens_processed = len(work[0][2])
         slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
@@ -424,6 +549,14 @@ class Engine:
     def _prefill_some(self, s: Stream, whole: bool = False) -> bool:
         """Decode the stream's prompt into every model: all of it, or one batch of each; True when it is in."""
         t0 = time.perf_counter()
+        self._decode_work(s, whole)
+        now = time.perf_counter()
+        s.stats.prefill_s += now - t0
+        s.t_start = now
+        return not s.prefill
+
+    def _decode_work(self, s: Stream, whole: bool) -> None:
+        """Decode the stream's pending prompt work into every model: all of it, or one batch of each."""
         for model, kv, todo in s.prefill:
             take = todo if whole else todo[: model.n_batch]
             scores = model.decode(take, len(kv), seq=s.slot.seq)
@@ -437,10 +570,20 @@ class Engine:
                 # turn); it cannot be rolled back that far otherwise.
                 model.checkpoint(s.slot.seq)
         s.prefill = [t for t in s.prefill if t[2]]
-        now = time.perf_counter()
-        s.stats.prefill_s += now - t0
-        s.t_start = now
-        return not s.prefill
+
+    def _shift(self, s: Stream) -> None:
+        """Context shift (context_shift.py): keep the first n_keep tokens, drop the next n_discard, and decode the
+        rest again at their new positions in every model, as a fresh context holding the shifted tokens would."""
+        assert s.shift is not None
+        tokens = s.slot.tokens
+        shift = context_shift.plan(len(tokens) - 1, self.n_ctx, s.stats.prompt_tokens, s.shift.n_keep,
+                                   s.shift.n_discard, self.target.add_bos)
+        processed = s.stats.prompt_tokens_processed
+        s.prefill = self._prefill(s, context_shift.shifted(tokens, shift))
+        s.stats.prompt_tokens_processed = processed
+        s.stats.context_shifts += 1
+        s.stats.shift_tokens += sum(len(todo) for model, _, todo in s.prefill if model is self.target)
+        self._decode_work(s, whole=True)
 
     def _begin(self, s: Stream) -> bool:
         """Whether the stream goes on this round (else it finishes here)."""
@@ -455,6 +598,10 @@ class Engine:
             return False
         if s.prefill and not self._prefill_some(s):
             return False  # more of its prompt next round; the round that decodes the last batch is its first
+        if s.shift is not None and len(s.slot.tokens) >= self.n_ctx:
+            # One cell is left (cur's): every round stops here (`_room`), so plain and speculative decoding shift
+            # at the same token and keep the same ones.
+            self._shift(s)
         if len(s.slot.tokens) > self.n_ctx:  # verify needs cur + k cells after the cached prefix
             s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")
             return False
@@ -466,17 +613,21 @@ class Engine:
         plans = []
         for s in live:
             k_round = s.chooser.next() if s.use_draft else 0
-            room = self.n_ctx - len(s.slot.tokens)
-            width = min(k_round, room) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
+            width = min(k_round, self._room(s)) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
             plans.append(_Plan(k_round, self._length(s, k_round), width))
         share = self.load.share(len(live)) if any(p.k for p in plans) else 1.0
         if share < 1.0:
             plans = [_Plan(p.k_round, k := round(p.k * share), k + 1 if self.constant_width else 0) for p in plans]
         return plans, share
 
+    def _room(self, s: Stream) -> int:
+        """How many drafts the context leaves room for this round. With context shift, a round ends at most at
+        n_ctx tokens, where the next one shifts (`_begin`): one cell short of full, as llama-server shifts."""
+        return self.n_ctx - len(s.slot.tokens) - (1 if s.shift is not None else 0)
+
     def _length(self, s: Stream, k_round: int, ahead: int = 0) -> int:
         """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
-        return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self.n_ctx - len(s.slot.tokens) - ahead)
+        return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self._room(s) - ahead)
 
     def _draft(self, live: Sequence[Stream], plans: Sequence[_Plan]) -> list[Proposal]:
         """Each stream's proposal: every drafter drafts for its streams together (k = 0 included: a drafter may

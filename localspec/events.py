@@ -45,6 +45,8 @@ class GenerationStats:
     ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
     ahead_wait_s: float = 0.0  # after a verify, waiting for the draft-ahead beside it to finish (on the path)
     full_rows: int = 0  # constrained verify rows whose device candidates held too few legal tokens: decoded again
+    context_shifts: int = 0  # times the context filled and a block of tokens was dropped (context shift)
+    shift_tokens: int = 0  # ... tokens decoded again at their new positions then (in decode_s)
     draft_lengths: list[int] = field(default_factory=list)
 
     def __add__(self, other: GenerationStats) -> GenerationStats:
@@ -92,7 +94,7 @@ class GenerationStats:
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
-                "ahead_wait_s", "ahead_hit_rate", "full_rows")
+                "ahead_wait_s", "ahead_hit_rate", "full_rows", "context_shifts", "shift_tokens")
         return {k: getattr(self, k) for k in keys}
 
 

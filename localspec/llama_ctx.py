@@ -475,6 +475,11 @@ class _Memory:
                                     "typestr": typestr, "version": 3}
 
 
+def _buffer(data: bytearray) -> ctypes.Array:
+    """A bytearray as the uint8 array llama.cpp's state calls take, without a copy."""
+    return (ctypes.c_uint8 * len(data)).from_buffer(data)
+
+
 def _joined(pieces: list[np.ndarray | TopK | Sampled]) -> np.ndarray | TopK | Sampled | None:
     """One item's scores from the decodes its rows came from, in row order."""
     if len(pieces) < 2:
@@ -605,6 +610,9 @@ class LlamaModel:
         self._hidden: list[np.ndarray | None] = []  # per item of the last _decode_batched: its hidden rows
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
+        # `recurrent` (above) also decides what a saved state may serve once restored, and whether a context shift
+        # can drop tokens (restore_floor).
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
         self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
@@ -1087,6 +1095,41 @@ class LlamaModel:
             self._hidden_seqs.discard(seq)
         if bool(self._hidden_seqs) != was:  # (a context-wide switch: only when it changes)
             llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, bool(self._hidden_seqs), False)
+
+    # -- a sequence's state: the prompt cache and slot files -------------------------------------------------
+
+    def save_state(self, seq: int = 0) -> bytearray:
+        """Sequence `seq`'s cells as llama.cpp serialises them (`llama_state_seq_get_data`): positions, keys and
+        values (of sliding-window layers only the window's last positions), or a recurrent state as it is now."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
+        data = bytearray(size)
+        if size and llama_cpp.llama_state_seq_get_data(self.ctx, _buffer(data), size, seq) != size:
+            raise DecodeError(f"{self.path.name}: llama.cpp could not save sequence {seq}'s state")
+        return data
+
+    def load_state(self, data: bytearray, seq: int = 0) -> bool:
+        """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
+        False when llama.cpp refuses it, and the sequence is then empty."""
+        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, _buffer(data), len(data), seq) == len(data)
+        # A recurrent state's snapshots and checkpoint belonged to the cells it replaced: none serves any more.
+        self._pending.discard(seq)
+        self._last_run.pop(seq, None)
+        self._checkpoints.pop(seq, None)
+        if not ok:
+            self.clear(seq)
+        return ok
+
+    def restore_floor(self, n_tokens: int) -> int:
+        """The shortest length that a state of `n_tokens` from `save_state` may be cut back to once restored
+        (`prompt_cache.ModelState.floor`): any for full attention; one token for sliding-window layers once the
+        state is longer than the window (llama.cpp saves only the positions the last one can see: with the older
+        ones missing, a shorter prefix would attend to less than a fresh decode does); none for a recurrent
+        state (a summary of every token before it)."""
+        if self.recurrent:
+            return n_tokens
+        if self.n_swa and n_tokens > self.n_swa:
+            return n_tokens - 1
+        return 0
 
     # -- vocabulary -----------------------------------------------------------------------------------------
 

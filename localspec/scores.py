@@ -102,6 +102,8 @@ class ScoringModel(Protocol):
     # state (llama.cpp's snapshots: at most N tokens of its last decode; further back, `truncate` keeps less and
     # says how much: a checkpoint's length, or nothing).
     rewind_depth: int | None
+    recurrent: bool  # a recurrent or hybrid model: no prefix of a state is valid, and a context cannot shift
+    add_bos: bool  # the tokenizer starts a text with BOS (a context shift keeps it besides n_keep)
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
                seq: int = 0) -> Scores | None: ...
@@ -120,6 +122,14 @@ class ScoringModel(Protocol):
     def clear(self, seq: int | None = None) -> None: ...
 
     def want_hidden(self, seq: int, on: bool) -> None: ...
+
+    # A slot's cells saved and restored (the prompt cache, slot files): llama_ctx.LlamaModel's docstrings.
+
+    def save_state(self, seq: int = 0) -> bytearray: ...
+
+    def load_state(self, data: bytearray, seq: int = 0) -> bool: ...
+
+    def restore_floor(self, n_tokens: int) -> int: ...
 
     def use_device_sampler(self, mode: Any, seq: int = 0) -> bool: ...
 

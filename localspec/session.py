@@ -12,6 +12,7 @@ from localspec.errors import IncompatiblePairError, LocalspecError, RollbackErro
 from localspec.fsutil import not_a_file
 from localspec.gguf_header import GGUFHeader, read_header
 from localspec.llama_ctx import LlamaModel
+from localspec.prompt_cache import PromptCache, limit_bytes
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,10 @@ class Session:
         self.close()
 
 
-def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Session:
+def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_cache: bool = False) -> Session:
     """Check the pair from its headers (no weights read), then load both models and wire up an Engine with
-    `parallel` slots (each a sequence of n_ctx cells in both models)."""
+    `parallel` slots (each a sequence of n_ctx cells in both models); with `prompt_cache`, finished slots' cells
+    are kept in host RAM up to `[server] cache_ram` (the server)."""
     plan = preflight(files, preset, parallel=parallel).estimate.plan
     load = preset.load
     n_ctx = load.n_ctx
@@ -203,7 +205,17 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1) -> Sessio
             draft.close()
         target.close()
         raise
+    cache = PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available())) if prompt_cache else None
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
-                    constrained_rows=load.constrained_rows)
+                    constrained_rows=load.constrained_rows, prompt_cache=cache)
+    if preset.context.context_shift:
+        try:
+            engine.check_context_shift()
+        except BaseException:
+            engine.close()
+            for model in (draft, target):
+                if model is not None:
+                    model.close()
+            raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)

@@ -25,7 +25,8 @@ from localspec.scores import DeviceDist, Scores
 class FakeModel:
     def __init__(self, vocab: int = 8, *, seed: int = 0, scale: float = 2.5, noise: float = 0.0,
                  noise_seed: int = 1, n_ctx: int = 512, n_seq: int = 1, device_top_k: int = 0,
-                 eog: int | None = None, rewind_depth: int | None = None) -> None:
+                 eog: int | None = None, rewind_depth: int | None = None, recurrent: bool = False,
+                 window: int = 0) -> None:
         table = np.random.default_rng(seed).normal(0.0, scale, size=(vocab, vocab, vocab))
         if noise:
             table = table + np.random.default_rng(noise_seed).normal(0.0, noise, size=table.shape)
@@ -39,7 +40,14 @@ class FakeModel:
         self.device_top_k = device_top_k
         self.unknown_token = 0
         self.eog = eog
+        self.add_bos = False
+        # What a saved state may serve (`restore_floor`): a recurrent model none of its prefixes; a sliding window
+        # of `window` tokens: its state keeps only that many last positions (the rest restore as missing, -1).
+        self.recurrent = recurrent or rewind_depth is not None
+        self.window = window
         self.cells: dict[int, list[int]] = {}
+        self.floors: dict[int, int] = {}  # per sequence restored from a state: how short it may be cut back (checked)
+        self.loads = 0  # states restored
         self.decodes = 0
         self.rewind_depth = rewind_depth
         self._last: dict[int, int] = {}  # recurrent: each sequence's tokens in its last decode
@@ -73,11 +81,17 @@ class FakeModel:
                 out.append(None)
                 continue
             first = len(cells) - (len(tokens) if all_logits else 1)
+            seen = cells[max(0, first - self.window + 1) :] if self.window else cells  # what the rows attend to
+            assert -1 not in seen, f"sequence {seq} attends to a cell its restored state lacks"
             rows = np.stack([self.logits_after(cells[: i + 1]) for i in range(first, len(cells))])
             out.append(self._as_mode(rows, seq))
         return out
 
     def truncate(self, n_keep: int, seq: int = 0) -> int:
+        floor = self.floors.get(seq, 0)
+        assert n_keep == 0 or n_keep >= floor, f"sequence {seq}: cut to {n_keep}, below its restored floor {floor}"
+        if n_keep == 0:
+            self.floors.pop(seq, None)
         cells = self.cells.setdefault(seq, [])
         if self.rewind_depth is None or n_keep >= len(cells):
             del cells[n_keep:]
@@ -107,10 +121,38 @@ class FakeModel:
     def clear(self, seq: int | None = None) -> None:
         if seq is None:
             self.cells.clear()
+            self.floors.clear()
             self._saved.clear()
             self._pending.clear()
+            self._last.clear()
         else:
-            self.truncate(0, seq)
+            self.cells.pop(seq, None)
+            self.floors.pop(seq, None)
+            self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        """A recurrent sequence's snapshots and checkpoint no longer follow from its cells."""
+        self._saved.pop(seq, None)
+        self._pending.discard(seq)
+        self._last.pop(seq, None)
+
+    def save_state(self, seq: int = 0) -> bytearray:
+        cells = self.cells.get(seq, [])
+        if self.window and len(cells) > self.window:  # as llama.cpp: the positions before the window are not saved
+            cells = [-1] * (len(cells) - self.window) + cells[-self.window :]
+        return bytearray(np.array(cells, dtype=np.int32).tobytes())
+
+    def load_state(self, data: bytearray, seq: int = 0) -> bool:
+        self.cells[seq] = np.frombuffer(bytes(data), dtype=np.int32).tolist()
+        self.floors[seq] = self.restore_floor(len(self.cells[seq]))
+        self._forget(seq)
+        self.loads += 1
+        return True
+
+    def restore_floor(self, n_tokens: int) -> int:
+        if self.recurrent:
+            return n_tokens
+        return n_tokens - 1 if self.window and n_tokens > self.window else 0
 
     def use_device_sampler(self, mode: Any, seq: int = 0) -> bool:
         if not self.device_top_k:

@@ -287,14 +287,16 @@ def test_save_writes_transcript_and_stats_atomically(demo_session, tmp_path: Pat
     chat = _chat(demo_session, system="Be brief.", max_tokens=6, info={"pair": "demo"})
     reply(chat, USER_TURNS[0])
     reply(chat, USER_TURNS[1])
-    path = chat.save(tmp_path / "chat.json")
+    saved = chat.save(tmp_path / "chat.json")
+    path = saved.transcript
     data = json.loads(path.read_text())
     assert [t["user"] for t in data["turns"]] == USER_TURNS
     assert data["system"] == "Be brief." and data["model"] == {"pair": "demo"}
     assert data["messages"][0] == {"role": "system", "content": "Be brief."} and len(data["messages"]) == 5
     assert data["turns"][1]["stats"]["prompt_tokens_processed"] == data["turns"][1]["prompt_tokens_processed"]
     assert data["totals"]["turns"] == 2 and data["settings"]["max_tokens"] == 6
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json"]  # no temporary file left behind
+    assert data["kv"]["file"] == "chat.json.kv" and data["kv"]["tokens"] == saved.tokens > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.json.kv"]  # no temporary file left
     chat.save(path)  # overwriting is fine
     with pytest.raises(LocalspecError, match="does not exist"):
         chat.save(tmp_path / "missing" / "chat.json")

@@ -230,3 +230,24 @@ def test_chat_with_no_arguments_talks_offline(tmp_path: Path) -> None:
         child.close()
     assert child.exitstatus == 0
     assert (home / "cache" / "demo-chat").is_dir()  # the draft was built on first use
+
+
+def test_save_and_load_resume_a_conversation(demo_home: Path, tmp_path: Path) -> None:
+    """/save, /reset, /load: the next message reads only itself; a file that is not a transcript is one red line
+    and the chat goes on."""
+    child = spawn(demo_home, "--pair", "demo", "--max-tokens", "8", "--temp", "0")
+    try:
+        turn(child, "Name a large city in France.")
+        saved = tmp_path / "chat.json"
+        command(child, f"/save {saved}", r"saved 1 turns to .*chat\.json and the KV cells \(\d+ tokens")
+        command(child, "/reset", "conversation cleared")
+        command(child, f"/load {saved}", r"loaded 2 messages .*; \d+ tokens of KV cells restored")
+        _, stats = turn(child, "And one in Germany?")
+        assert int(stats[3]) < 20 < int(stats[4])  # only the new message is read
+        (tmp_path / "bad.json").write_text("[]")
+        printed = command(child, f"/load {tmp_path / 'bad.json'}", r"not a transcript /save wrote")
+        assert "Traceback" not in printed
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

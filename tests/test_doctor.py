@@ -26,6 +26,7 @@ NAMES = [
     "GPU",
     "RAM",
     "CPU threads",
+    "prompt cache (serve)",
     "placement",
     "the pair fits",
 ]
@@ -51,6 +52,15 @@ def test_every_item_of_the_checklist_is_there(gemma: Path) -> None:
     for c in checks:
         if c.status in (Status.WARN, Status.FAIL):
             assert c.fix, c  # every problem comes with a fix
+
+
+def test_prompt_cache_line_says_what_auto_means_here() -> None:
+    auto = doctor.prompt_cache_check("auto", 8 << 30)
+    assert auto.status == Status.OK and "2.00 GiB" in auto.detail and "a quarter of the 8.0 GiB" in auto.detail
+    off = doctor.prompt_cache_check("0", 8 << 30)
+    assert off.status == Status.INFO and "off" in off.detail
+    too_much = doctor.prompt_cache_check("16384", 8 << 30)
+    assert too_much.status == Status.WARN and too_much.fix == "--cache-ram auto"
 
 
 def test_incompatible_pair_fails_with_the_reason(gemma: Path, smollm2_path: Path) -> None:

@@ -375,6 +375,26 @@ def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
 
 
 @pytest.mark.slow
+def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_replaced(hybrid_pair) -> None:
+    """load_state (the prompt cache, slot files) replaces a sequence's cells: a rewind afterwards must not use the
+    replaced cells' last decode (llama.cpp's snapshots) or their checkpoint; it goes to nothing, and the
+    re-decoded logits are a fresh context's."""
+    from localspec.llama_ctx import LlamaModel
+
+    a, b = prompts(2, seed=5, length=30)
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+        ref = fresh.decode(b, 0, all_logits=True).logits.copy()
+        saved_b = fresh.save_state(0)
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+        m.decode(a[:20], 0)
+        m.checkpoint()  # at 20: a's
+        m.decode(a[20:25], 20)  # a last decode of 5: a's snapshots
+        assert m.load_state(saved_b, 0)
+        assert m.truncate(25) == 0  # neither a's snapshots nor a's checkpoint at 20
+        assert np.array_equal(m.decode(b[:27], 0, all_logits=True).logits, ref[:27])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_pair_high"])
 def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) -> None:
     """The draft model (itself hybrid), prompt lookup, the chain and the target's MTP head, at several lengths,
@@ -451,6 +471,33 @@ def test_a_next_prompt_reuses_the_cached_prompt_and_stays_exact(hybrid_pair, dra
             s.engine.step([stream])
             out += [e.token for e in stream.events() if isinstance(e, TokenEvent)]
     assert out == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, drafter) -> None:
+    """Two conversations take turns on one slot with the prompt cache: each turn restores the hybrid target's state
+    (and the draft's) from host RAM, and every reply is what a fresh engine gives. The MTP head's cells are not
+    part of a slot's state: it needs the target's rows again, below a restored recurrent state's floor, so the
+    target reads the prompt afresh (exact, without the cache's saving)."""
+    from localspec.session import ModelFiles, open_session
+
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)
+    history = {0: prompts(1, seed=21, length=14)[0], 1: prompts(1, seed=22, length=14)[0]}
+    with open_session(files, preset, prompt_cache=True) as cached, open_session(files, preset) as fresh:
+        for turn_no in range(2):
+            for who in (0, 1):
+                p = history[who]
+                got = collect(cached.engine.generate(p, GREEDY.sampling, drafting(4, drafter), 12))
+                fresh.engine.reset()
+                ref = collect(fresh.engine.generate(p, GREEDY.sampling, drafting(4, drafter), 12))
+                assert got.tokens == ref.tokens
+                if turn_no and drafter == "model":
+                    assert got.stats.prompt_tokens_processed < len(p) - 1  # restored, not read again
+                history[who] = [*p, *got.tokens, *prompts(1, seed=30 + who, length=3)[0]]
+        if drafter == "model":
+            assert cached.engine.prompt_cache.counters().hits == 2  # type: ignore[union-attr]
 
 
 @pytest.mark.slow

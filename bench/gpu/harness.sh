@@ -158,3 +158,49 @@ pack() {
     tar -C "$dir" -czf "$OUT/$name.tar.gz" .
     log "done in $(( $(date +%s) - T0 ))s"
 }
+# A server under test (serving benchmarks: concurrency.sh, agent_loop.sh), one at a time; a script that starts one
+# traps EXIT to stop_server. wait_ready reads PORT and LOAD_S.
+SERVER_PID=""
+start_server() {  # start_server LOG CMD...: in the background, in a process group of its own
+    local logf="$1"; shift
+    setsid "$@" > "$logf" 2>&1 < /dev/null &
+    SERVER_PID=$!
+}
+stop_server() {
+    [[ -n "$SERVER_PID" ]] || return 0
+    # SIGINT: both servers then cancel their requests, free the models and exit (localspec in ~1 s)
+    kill -INT "$SERVER_PID" 2>/dev/null
+
+    for _ in $(seq 1 60); do
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+        log "server $SERVER_PID still running after 60 s: killing its process group"
+        kill -KILL -- "-$SERVER_PID" 2>/dev/null
+    fi
+    wait "$SERVER_PID" 2>/dev/null
+    SERVER_PID=""
+}
+health_ok() {  # 0 when GET URL answers 200 (both servers: 503 while loading)
+    python3 - "$1" <<'EOF'
+import sys
+import urllib.request
+
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
+        sys.exit(0 if r.status == 200 else 1)
+except Exception:
+    sys.exit(1)
+EOF
+}
+wait_ready() {  # wait_ready LOG: until /health is 200, the server exits, LOAD_S passes or the budget ends
+    local logf="$1" t; t=$(date +%s)
+    while (( $(date +%s) - t < LOAD_S && $(left) > 5 )); do
+        kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited while loading: $(tail -3 "$logf")"; return 1; }
+        health_ok "http://127.0.0.1:$PORT/health" && { log "ready in $(( $(date +%s) - t ))s"; return 0; }
+        sleep 1
+    done
+    log "server not ready after $(( $(date +%s) - t ))s: $(tail -3 "$logf")"
+    return 1
+}

@@ -215,8 +215,13 @@ class ChatView:
             chat.set_temperature(float(arg))
             out(f"[dim]{escape(self._settings_text())}[/]")
         elif name == "save":
-            path = chat.save(Path(str(arg)))
-            out(f"[dim]saved {len(chat.turns)} turns to {escape(str(path))}[/]")
+            saved = chat.save(Path(str(arg)))
+            out(f"[dim]saved {len(chat.turns)} turns to {escape(str(saved.transcript))} and the KV cells "
+                f"({saved.tokens} tokens, {saved.kv_bytes / 2**20:.1f} MiB) to {escape(saved.kv.name)}[/]")
+        elif name == "load":
+            loaded = chat.load(Path(str(arg)))
+            out(f"[dim]loaded {len(chat.messages)} messages from {escape(str(loaded.transcript))}; "
+                f"{loaded.tokens} tokens of KV cells restored (not read again)[/]")
         elif name == "color":
             self.color = not self.color
             out(f"[dim]draft-token colour {'on' if self.color else 'off'}[/]")
@@ -278,7 +283,7 @@ class ChatView:
             console.print(f"[yellow]reply cut at the limit of {turn.max_tokens} tokens[/] [dim](--max-tokens, or "
                           "max_tokens under \\[chat] in a preset, raises it)[/]")
         if done.stop_reason == STOP_CONTEXT_FULL:
-            hint = ("the oldest turns will be dropped next turn" if self.chat.drop_oldest
+            hint = ("the oldest turns will be dropped next turn" if self.chat.drops_turns
                     else "/reset starts a new conversation")
             console.print(f"[yellow]context full ({self.chat.n_ctx} tokens): {hint}[/]")
 
@@ -345,10 +350,13 @@ def chat(
     max_tokens: options.chat_max_tokens = None,
     drop_oldest: DropOldestOpt = False,
     no_think: NoThinkFlag = False,
+    context_shift: options.context_shift = None,
+    n_keep: options.n_keep = None,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
     # --max-tokens goes to the session, not the preset: /preset switches keep the user's limit.
-    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name)
+    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name,
+                                        context_shift=context_shift, n_keep=n_keep)
     chosen.with_overrides(prefer="chat", flags=options.FLAGS, max_tokens=max_tokens)  # its range, checked now
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
@@ -382,6 +390,8 @@ def generate(
     json_out: JsonFlag = False,
     json_schema: JsonSchemaFile = None,
     grammar_file: GrammarFile = None,
+    context_shift: options.context_shift = None,
+    n_keep: options.n_keep = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
     constraint = Constraint.from_files(json_schema, grammar_file)  # a bad file fails before any model loads
@@ -393,7 +403,8 @@ def generate(
     # A chat-templated prompt wants the instruct demo (a base model continues the text instead of answering);
     # plain completion keeps the base demo, which continues text well.
     fallback = registry.DEMO_CHAT.name if chat_template else None
-    files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens)
+    files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens,
+                                        context_shift=context_shift, n_keep=n_keep)
     limit = chosen.generate.max_tokens
     with open_session(files, chosen) as session:
         model = session.target
@@ -413,7 +424,8 @@ def generate(
         done: DoneEvent | None = None
         try:
             grammar = constraint.grammar(model) if constraint is not None else None
-            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit, grammar=grammar)
+            events = session.engine.generate(tokens, chosen.sampling, chosen.draft, limit, grammar=grammar,
+                                             context=chosen.context)
             for event in events:
                 if isinstance(event, TokenEvent):
                     out.append(event.token)

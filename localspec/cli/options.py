@@ -171,6 +171,17 @@ control_tokens = _setting("control_tokens", "--control-tokens/--no-control-token
                           "Let chat message content carry the model's control tokens (<|im_end|>, ...).")
 parallel = _setting("parallel", "--parallel",
                     "Slots: requests generated together, batched (each with --ctx tokens of KV cache).")
+cache_ram = _setting("cache_ram", "--cache-ram",
+                     "Host RAM for finished slots' KV cells, reused by later requests that share their prefix "
+                     "(auto = a quarter of the RAM available at start; MiB; 0 = off).")
+slot_save_path = _setting("slot_save_path", "--slot-save-path",
+                          "Folder for the files of llama-server's slot save and restore actions (POST /slots/ID; '' = "
+                          "off).")
+context_shift = _setting("context_shift", "--context-shift/--no-context-shift",
+                         "When a generation fills --ctx, drop tokens after the first --keep and go on (both models, "
+                         "still exact); off: it stops there. Not on recurrent/hybrid models.", panel=LOADING)
+n_keep = _setting("n_keep", "--keep", "Context shift: tokens kept at the start besides a BOS token (-1 = the whole "
+                  "prompt).", panel=LOADING)
 
 
 NO_DRAFT_MODEL = Path("none")  # `--draft none`: no draft model, even where the pair names one

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -22,6 +23,7 @@ from rich.text import Text
 from localspec import registry
 from localspec.cli import options
 from localspec.errors import LocalspecError, UsageError
+from localspec.fsutil import check_writable
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
@@ -68,6 +70,10 @@ def serve(
     model_alias: ModelAliasOpt = None,
     max_tokens: ServeMaxTokensOpt = None,
     metrics: MetricsOpt = None,
+    cache_ram: options.cache_ram = None,
+    slot_save_path: options.slot_save_path = None,
+    context_shift: options.context_shift = None,
+    n_keep: options.n_keep = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
@@ -87,9 +93,11 @@ def serve(
                                         queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
                                         control_tokens=control_tokens,
                                         model_aliases=",".join(model_alias) if model_alias else None,
-                                        metrics=metrics)
+                                        metrics=metrics, cache_ram=cache_ram, slot_save_path=slot_save_path,
+                                        context_shift=context_shift, n_keep=n_keep)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
+    saves = _slot_folder(settings.slot_save_path)
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     guard = GuardSettings(bound_host=sock.getsockname()[0], max_requests=settings.max_requests,
@@ -97,7 +105,7 @@ def serve(
                           read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
                         max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
-                        metrics=settings.metrics)
+                        metrics=settings.metrics, slot_save_path=saves)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
@@ -127,7 +135,7 @@ def serve(
 
     def load() -> None:
         try:
-            session = open_session(files, chosen, parallel=settings.parallel)
+            session = open_session(files, chosen, parallel=settings.parallel, prompt_cache=True)
             loaded["session"] = session
             state.attach(Backend.build(session.engine, session.target, chosen, settings.queue))
             if server.should_exit:  # Ctrl-C while loading
@@ -153,6 +161,17 @@ def serve(
         sock.close()
     if "error" in loaded:
         raise loaded["error"]
+
+
+def _slot_folder(text: str) -> Path | None:
+    """`--slot-save-path`'s folder, made if missing and proven writable before the port is taken (None: off)."""
+    if not text:
+        return None
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise LocalspecError(f"--slot-save-path {text}: is not a folder")
+    check_writable(folder / ".localspec-probe", what="--slot-save-path", parents=True)
+    return folder.resolve()
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -272,6 +291,10 @@ def _status(state: ServerState, files: ModelFiles) -> Text:
         line.append(f" · cancelled {stats.cancelled}")
     if stats.rejected:
         line.append(f" · turned away {stats.rejected} (queue full)")
+    cache = worker.engine.prompt_cache
+    if cache is not None and len(cache):
+        line.append(f" · prompt cache {_plural(len(cache), 'prompt')}, {cache.nbytes / 2**30:.2f} of "
+                    f"{cache.limit / 2**30:.1f} GiB")
     if stats.last is not None:
         last = stats.last.stats
         accepted = f"acceptance {last.acceptance_rate:.0%}" if last.drafted else "no drafting"

@@ -19,6 +19,7 @@ from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
 from localspec.llama_ctx import Grammar
 from localspec.policies import DraftLength
+from localspec.prompt_cache import shared_prefix as shared_prefix
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
 
@@ -113,6 +114,12 @@ class Drafter(Protocol):
         committed tokens. Learn from it and rewind whatever state went past them."""
         ...
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        """Per model of its own (none that another drafter in the registry owns), the tokens its cells hold for
+        `seq`: the live bookkeeping list, which the loop rewrites in place when it restores or erases the slot's
+        cells (the prompt cache, slot files)."""
+        ...
+
     def reset(self) -> None:
         """Forget every sequence's state (the models' KV cells included)."""
         ...
@@ -120,16 +127,6 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Stop any worker; the drafter is not used again."""
         ...
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int,

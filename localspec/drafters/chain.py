@@ -79,6 +79,9 @@ class ChainDrafter:
     def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         self.model.accept(req, proposal, accepted)
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        return []  # its parts are the registry's too, and answer there
+
     def reset(self) -> None:
         pass  # its parts are the registry's too, and reset there
 

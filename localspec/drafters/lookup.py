@@ -142,6 +142,9 @@ class LookupDrafter:
         held[1].extend(req.tokens)
         return held[1]
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        return []  # no model
+
     def reset(self) -> None:
         self._indexes.clear()
 

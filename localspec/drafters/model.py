@@ -175,6 +175,9 @@ class ModelDrafter:
         """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
         return len(req.tokens) - len(self._kv.get(req.seq, ()))
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        return [(self.model, self._kv.setdefault(seq, []))]
+
     def reset(self) -> None:
         self._wait()
         self.model.clear()

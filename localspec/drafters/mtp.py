@@ -195,6 +195,11 @@ class MtpDrafter:
         st.seen.extend(req.tokens[len(st.seen) : cells])
         del st.seen[cells:]
 
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        """None of a model's: the head's cells stay out of slot states (a restored target hands it no rows, and its
+        bookkeeping by tokens keeps what still matches the next prompt, and decodes the target again where not)."""
+        return []
+
     def reset(self) -> None:
         if self._head is not None:
             self._head.clear()

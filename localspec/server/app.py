@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -42,6 +43,7 @@ from localspec.server.fim import fim_prompt
 from localspec.server.guard import MIN_BODY_BYTES, Guard, GuardSettings, PromptLimits, context_exceeded, error_body
 from localspec.server.schema import (
     FIELD_OF_KEY,
+    MAX_TOKENS_LIMIT,
     ChatRequest,
     CompletionRequest,
     RequestError,
@@ -131,6 +133,7 @@ class ServerState:
     control_tokens: bool = False  # chat content may carry control tokens (off: tokenized as text)
     guard: GuardSettings = field(default_factory=GuardSettings)
     metrics: bool = False  # serve /metrics (llama-server's --metrics)
+    slot_save_path: Path | None = None  # where POST /slots/{id}?action=save|restore keeps files (None: refused)
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -178,6 +181,9 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     from localspec.server.llama_routes import add_llama_routes
 
     add_llama_routes(app, state)
+    from localspec.server.slot_routes import add_slot_routes
+
+    add_slot_routes(app, state)
 
     async def health() -> JSONResponse:
         if state.backend is None:
@@ -371,7 +377,9 @@ def _job_settings(state: ServerState, backend: Backend,
         preset = backend.preset.with_overrides(seed=seed, flags=names, **overrides)
     except ConfigError as exc:  # the schema checks the same ranges; this is the backstop
         raise ApiError(400, str(exc), code="invalid_value") from None
-    room = backend.n_ctx  # the engine stops at a full context by itself
+    # The engine stops at a full context by itself; with context shift a reply goes on past it (llama-server's
+    # n_predict -1 too), until the end of its turn or a limit.
+    room = MAX_TOKENS_LIMIT if preset.context.context_shift else backend.n_ctx
     limits = [n for n in (req.limit(), state.max_tokens) if n is not None]
     return preset, min([*limits, room])
 
@@ -421,7 +429,8 @@ async def _run(state: ServerState, backend: Backend, request: Request, req: Chat
     jobs = [Job(prompt=prompt, sampling=dataclasses.replace(preset.sampling,
                                                             seed=(preset.sampling.seed + i) % seed_limit),
                 drafting=preset.draft, max_tokens=max_tokens, stops=req.stop, sink=sink_of(i), slot=req.slot,
-                timings_per_token=bool(req.timings_per_token), grammar=grammars[i], logprobs=logprobs)
+                timings_per_token=bool(req.timings_per_token), grammar=grammars[i], logprobs=logprobs,
+                context=preset.context)
             for i in range(n)]
     try:
         worker.submit_all(jobs)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from localspec import __version__
-from localspec.config import Drafting, Preset, Sampling
+from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
 from localspec.llama_ctx import LlamaModel
 from localspec.server.app import (
@@ -98,7 +98,8 @@ def _validate(cls: type[BaseModel], data: Any) -> Any:
 # -- llama-server's shapes -----------------------------------------------------------------------------------
 
 
-def generation_params(s: Sampling, d: Drafting, max_tokens: int | None, seed: int) -> dict[str, Any]:
+def generation_params(s: Sampling, d: Drafting, max_tokens: int | None, seed: int,
+                      context: ContextSettings | None = None) -> dict[str, Any]:
     """llama-server's `params` object (its `generation_settings`), for the settings localspec has; the samplers
     it lacks show their off value, which is all a request may ask of them. `seed` -1: a random one each."""
     n_predict = -1 if max_tokens is None else max_tokens
@@ -108,7 +109,8 @@ def generation_params(s: Sampling, d: Drafting, max_tokens: int | None, seed: in
         "repeat_last_n": s.repeat_last_n, "repeat_penalty": s.repeat_penalty,
         "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
         "typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
-        "xtc_probability": 0.0, "dry_multiplier": 0.0, "mirostat": 0, "n_keep": 0, "n_discard": 0,
+        "xtc_probability": 0.0, "dry_multiplier": 0.0, "mirostat": 0, "n_keep": context.n_keep if context else 0,
+        "n_discard": context.n_discard if context else 0,
         "ignore_eos": False, "n_probs": 0, "min_keep": 0, "samplers": SAMPLERS,
         "speculative.n_max": d.n_draft, "speculative.n_min": 0, "speculative.p_min": d.p_min,
         "speculative.type": speculative_type(d),
@@ -144,7 +146,8 @@ class NativeReply(_Reply):
         self.settings: dict[str, Any] = {}
 
     def settle(self, preset: Preset, max_tokens: int) -> None:
-        self.settings = generation_params(preset.sampling, preset.draft, max_tokens, preset.sampling.seed)
+        self.settings = generation_params(preset.sampling, preset.draft, max_tokens, preset.sampling.seed,
+                                          preset.context)
 
     def chunk(self, payload: dict[str, Any] | str, timings: dict[str, Any] | None = None, index: int = 0,
               logprobs: Sequence[Any] = ()) -> str:  # no logprobs: refused on these routes (_native_request)
@@ -168,7 +171,8 @@ class NativeReply(_Reply):
             "model": self.model_id, "tokens_predicted": s.tokens, "tokens_evaluated": s.prompt_tokens,
             "generation_settings": {"n_ctx": self.model.n_ctx, **self.settings},
             "prompt": self.model.detokenize(self.prompt, special=True), "has_new_line": "\n" in result.text,
-            "truncated": False, "stop_type": _stop_type(result), "stopping_word": result.stop_string or "",
+            "truncated": s.context_shifts > 0, "stop_type": _stop_type(result),
+            "stopping_word": result.stop_string or "",
             "tokens_cached": s.prompt_tokens - result.prompt_n, "timings": result.timings(),
         }
 
@@ -298,7 +302,7 @@ def _props(state: ServerState, backend: Backend) -> dict[str, Any]:
             "id": 0, "id_task": -1, "n_ctx": backend.n_ctx, "speculative": speculates,
             "is_processing": False,
             "params": generation_params(backend.preset.sampling, backend.preset.draft, state.max_tokens,
-                                        -1 if state.seed is None else state.seed),
+                                        -1 if state.seed is None else state.seed, backend.preset.context),
         },
         "total_slots": worker.slots,
         "model_alias": state.model_id,
@@ -344,7 +348,7 @@ def _slot(backend: Backend, view: SlotView) -> dict[str, Any]:
         "n_prompt_tokens": s.prompt_tokens,
         "n_prompt_tokens_processed": processed,
         "n_prompt_tokens_cache": s.prompt_tokens - processed,
-        "params": {**generation_params(job.sampling, job.drafting, job.max_tokens, job.sampling.seed),
+        "params": {**generation_params(job.sampling, job.drafting, job.max_tokens, job.sampling.seed, job.context),
                    "stop": list(job.stops), "timings_per_token": job.timings_per_token},
         "next_token": [{"has_next_token": view.busy, "n_remain": max(0, job.max_tokens - s.tokens),
                         "n_decoded": s.tokens}],
@@ -384,6 +388,10 @@ def _prometheus(backend: Backend) -> str:
         ("localspec:slots", "Slots (--parallel)", worker.slots),
         ("localspec:slots_busy", "Slots generating now", stats.running),
     ]
+    from localspec.server.slot_routes import prompt_cache_metrics
+
+    for name, help_text, kind, value in prompt_cache_metrics(backend):
+        (counters if kind == "counter" else gauges).append((name, help_text, value))
     lines = []
     for kind, items in (("counter", counters), ("gauge", gauges)):
         for name, help_text, value in items:

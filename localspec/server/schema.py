@@ -85,12 +85,9 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 # llama-server's native fields (tools/server/README.md, `/completion`) whose feature localspec does not have:
 # accepted when they ask for nothing (llama.cpp front-ends send them all, at their defaults), else refused by name.
 _NO_LOGPROBS = "llama-server's token probabilities are not supported here (OpenAI's logprobs are)"
-_NO_SHIFT = "there is no context shift here: a reply ends when the context is full"
 _LLAMA_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n_probs": (_neutral(None, 0), _NO_LOGPROBS),
     "post_sampling_probs": (_neutral(None, False), _NO_LOGPROBS),
-    "n_keep": (_neutral(None, 0, -1), _NO_SHIFT),
-    "n_discard": (_neutral(None, 0), _NO_SHIFT),
     "n_cache_reuse": (_neutral(None, 0), "KV shifting is not supported (a cached prefix is reused as it is)"),
     "n_indent": (_neutral(None, 0), "n_indent is not supported"),
     "ignore_eos": (_neutral(None, False), "ignore_eos is not supported"),
@@ -164,6 +161,10 @@ class _Generation(_Strict):
     id_slot: int | None = Field(None, ge=-1)  # -1: any free slot
     cache_prompt: bool | None = None  # the cached prefix is always reused: here it changes no output bit
     timings_per_token: bool | None = None
+    # Context shift (the server's --context-shift for this request; llama-server's n_keep and n_discard).
+    context_shift: bool | None = None
+    n_keep: int | None = Field(None, **_limits("n_keep"))
+    n_discard: int | None = Field(None, **_limits("n_discard"))
     # Bookkeeping fields of the OpenAI API that change nothing about the generation.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -232,7 +233,7 @@ class _Generation(_Strict):
     def preset_overrides(self) -> dict[str, Any]:
         """Preset keys this request sets (seed not included: the server draws one when absent or -1)."""
         keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                "frequency_penalty")
+                "frequency_penalty", "context_shift", "n_keep", "n_discard")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         nested = self.speculative or Speculative()
         for key, flat, inner in (("n_draft", self.speculative_n_max, nested.n_max),

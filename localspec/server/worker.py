@@ -18,6 +18,7 @@ whenever the event loop next looks.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -27,8 +28,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from localspec.config import Drafting, Sampling
+from localspec.config import ContextSettings, Drafting, Sampling
 from localspec.engine import (
     STOP_CONTEXT_FULL,
     STOP_MAX_TOKENS,
@@ -132,6 +134,7 @@ class Job:
     logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
     slot: int | None = None  # the slot it must run in (llama-server's `id_slot`); None: the best free one
     timings_per_token: bool = False  # each Delta carries the timings so far
+    context: ContextSettings | None = None  # context shift (None: the generation stops at a full context)
     task_id: int = -1  # numbered by `submit` (llama-server's `id_task`)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -238,6 +241,9 @@ class Worker:
         self._running: list[_Running] = []
         self._task_ids = itertools.count()
         self._last: dict[int, tuple[Job, GenerationStats]] = {}  # each slot's last job, for /slots
+        # Work on one slot's cells (save, restore, erase: `in_slot`), run on this thread when that slot is idle.
+        self._actions: collections.deque[tuple[int, Callable[[], Any], concurrent.futures.Future]] = \
+            collections.deque()
         self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
 
     # -- the interface ----------------------------------------------------------------------------------------
@@ -266,6 +272,17 @@ class Worker:
                 job.task_id = next(self._task_ids)
                 self._pending.append(job)
             self._cond.notify()
+
+    def in_slot(self, slot: int, action: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `action` on the engine thread as soon as slot `slot` is idle, before any waiting job can take it
+        (llama-server defers a slot action on a busy slot the same way); its result or exception in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            self._actions.append((slot, action, future))
+            self._cond.notify()
+        return future
 
     def cancel(self, job: Job) -> None:
         """Stop `job`: dropped if still queued (its sink hears nothing more), else stopped at the next check."""
@@ -299,7 +316,10 @@ class Worker:
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
             running = list(self._running)
+            actions, self._actions = list(self._actions), collections.deque()
             self._cond.notify_all()
+        for _, _, future in actions:
+            future.set_exception(QueueFull("the server is shutting down"))
         for r in running:
             r.job._cancelled.set()
         for job in pending:
@@ -313,15 +333,35 @@ class Worker:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._running and not self._closed:
+                while not self._pending and not self._running and not self._actions and not self._closed:
                     self._cond.wait()
                 if self._closed and not self._running:
                     return
+                due = self._due_actions()
+            for _, action, future in due:
+                self._act(action, future)
+            with self._cond:
                 joining = self._admit()
             for r in joining:
                 self._start(r)
             if self._running:
                 self._round()
+
+    def _due_actions(self) -> list[tuple[int, Callable[[], Any], concurrent.futures.Future]]:
+        """The slot actions whose slot is idle now, taken from the queue (called holding the lock)."""
+        busy = {r.slot for r in self._running}
+        due = [a for a in self._actions if a[0] not in busy]
+        for a in due:
+            self._actions.remove(a)
+        return due
+
+    def _act(self, action: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(action())
+        except Exception as exc:  # told to the caller (a bad file is a 400 there); the slot itself is consistent
+            future.set_exception(exc)
 
     def _admit(self) -> list[_Running]:
         """Waiting jobs into free slots, in order (called holding the lock). A job pinned to a busy slot waits
@@ -358,7 +398,7 @@ class Worker:
             # The prompt goes in one batch a round: the requests already running do not stall behind it.
             r.stream = self.engine.start(job.prompt, job.sampling, job.drafting, job.max_tokens, r.should_stop,
                                          slot=slot, prefill_in_rounds=True, grammar=job.grammar,
-                                         logprobs=job.logprobs)
+                                         logprobs=job.logprobs, context=job.context)
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
             self._end(r, Failed(str(exc), "invalid_request"))
         except Exception as exc:

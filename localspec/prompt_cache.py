@@ -1,0 +1,192 @@
+"""Slot states, and the host-RAM cache of them (llama-server's `--cache-ram`): what a slot's models held, kept so
+that a later request sharing a long prefix with it is restored instead of read again.
+
+A `SlotState` is a slot's cells as llama.cpp serialises them (`llama_state_seq_get_data`), one `ModelState` per
+model (the target first, then the drafter's models), each rolled back to a prefix of the same committed tokens (a
+draft's cells may hold drafted tokens past them; those are dropped). What a restored state may serve depends on
+the model, and `ModelState.floor` says it: the shortest length its cells may be cut back to and still hold what a
+fresh decode of that prefix would.
+- A KV cache of full attention keeps each position's keys and values for themselves: any prefix is valid (floor 0).
+- Sliding-window attention (Gemma 3): llama.cpp saves only the window's last positions of those layers, so after a
+  restore the cells before them are missing; the state is valid only cut back by at most one token.
+- A recurrent or hybrid model's state (Mamba, Gated DeltaNet) is a running summary of every token before it:
+  valid at exactly its length and at no prefix of it (floor = its length).
+`SlotState.reusable` applies that rule, the one place it is written: the engine restores a state only where it
+serves at least that many tokens, and the model's own `truncate` cuts the rest.
+
+`PromptCache` keeps states within a byte budget, the least recently used leaving first (llama-server's order); a
+state larger than the whole budget is not kept, one that an entry already serves (its tokens a prefix of that
+entry's, on models whose prefixes are valid) is not kept twice, and a new state replaces the entries it serves.
+An entry stays cached when it is restored (a restore copies it into the slot), so a conversation that two slots
+pass back and forth is never lost to one of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# `[server] cache_ram = "auto"`: this share of the RAM available when the server starts. llama-server's default is
+# a fixed 8 GiB; a share keeps a small machine usable and lets a large one keep many conversations.
+AUTO_SHARE = 0.25
+MIB = 1 << 20
+# An entry is restored only for at least this share of what it holds (llama-server's f_keep >= 0.25): copying a
+# long conversation's state in to reuse its first tokens (a BOS, a common system prompt) costs more than it saves.
+KEEP_SHARE = 0.25
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def auto_limit(ram_available: int) -> int:
+    """The cache's byte budget for `cache_ram = "auto"`: a quarter of the RAM available now."""
+    return int(max(0, ram_available) * AUTO_SHARE)
+
+
+def limit_bytes(cache_ram: str, ram_available: int) -> int:
+    """`[server] cache_ram` as bytes: "auto", or whole MiB ("0": no cache). The preset checked the form."""
+    return auto_limit(ram_available) if cache_ram == "auto" else int(cache_ram) * MIB
+
+
+@dataclass(eq=False)
+class ModelState:
+    """One model's cells of a slot: the first `n_tokens` of the slot's tokens, as llama.cpp serialised them."""
+
+    n_tokens: int
+    data: bytearray  # llama.cpp's sequence state (opaque here)
+    floor: int = 0  # restored, the cells are valid cut back to any length in floor..n_tokens (module docstring)
+
+    def reusable(self, tokens: Sequence[int], body: Sequence[int]) -> int:
+        """How many leading tokens of `body` this state holds once restored and cut back (0: none)."""
+        n = min(self.n_tokens, shared_prefix(tokens[: self.n_tokens], body))
+        return n if n >= self.floor else 0
+
+
+@dataclass(eq=False)
+class SlotState:
+    """A slot's models' cells: `tokens` is what the most complete of them holds; each model holds a prefix."""
+
+    tokens: tuple[int, ...]
+    models: tuple[ModelState, ...]  # the engine's models in its order: the target first
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(m.data) for m in self.models)
+
+    def reusable(self, body: Sequence[int]) -> int:
+        """How many of `body`'s leading tokens the target need not decode after this state is restored."""
+        return self.models[0].reusable(self.tokens, body) if self.models else 0
+
+    def covers(self, other: SlotState) -> bool:
+        """Whether this state serves every prompt `other` serves, and as far: each model holds at least as much of
+        the same tokens, and a model whose prefixes are not all valid holds exactly as much."""
+        if len(self.models) != len(other.models):
+            return False
+        for mine, theirs in zip(self.models, other.models, strict=True):
+            if (mine.floor or theirs.floor) and (mine.n_tokens, mine.floor) != (theirs.n_tokens, theirs.floor):
+                return False
+            if mine.n_tokens < theirs.n_tokens:
+                return False
+        held = max((m.n_tokens for m in other.models), default=0)
+        return len(self.tokens) >= held and self.tokens[:held] == other.tokens[:held]
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """What /metrics reports: lookups that restored a state (hits) or found none that helps (misses), and what the
+    cache holds."""
+
+    hits: int
+    misses: int
+    stored: int  # states kept
+    evicted: int  # ... removed to make room within the budget
+    skipped: int  # states larger than the whole budget, not kept
+    restored_tokens: int  # prompt tokens restored instead of decoded, over all hits
+    entries: int
+    tokens: int
+    nbytes: int
+    limit: int
+
+
+class PromptCache:
+    """Slot states in host RAM within `limit` bytes (module docstring). The engine thread stores and looks up;
+    other threads read `counters()`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(0, limit)
+        self._entries: list[SlotState] = []  # least recently used first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._stored = self._evicted = self._skipped = self._restored = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def put(self, state: SlotState) -> bool:
+        """Keep `state` (True), unless it holds nothing, is larger than the budget, or an entry serves all it
+        does (that entry becomes the most recently used). Entries it serves leave; then the least recently used
+        until it fits."""
+        if not state.models or state.models[0].n_tokens == 0:
+            return False
+        with self._lock:
+            if state.nbytes > self.limit:
+                self._skipped += 1
+                return False
+            for i, entry in enumerate(self._entries):
+                if entry.covers(state):
+                    self._entries.append(self._entries.pop(i))
+                    return False
+            kept = [e for e in self._entries if not state.covers(e)]
+            self._bytes -= sum(e.nbytes for e in self._entries if state.covers(e))
+            self._entries = kept
+            while self._entries and self._bytes + state.nbytes > self.limit:
+                self._bytes -= self._entries.pop(0).nbytes
+                self._evicted += 1
+            self._entries.append(state)
+            self._bytes += state.nbytes
+            self._stored += 1
+            return True
+
+    def best(self, body: Sequence[int], better_than: int = 0) -> tuple[SlotState, int] | None:
+        """The entry that serves most of `body` (the most recently used on a tie), if it serves more than
+        `better_than` tokens (what the slot holds already) and at least a quarter of what it holds (`KEEP_SHARE`),
+        with how many; it becomes the most recently used.
+        Counts a hit, or a miss when none does."""
+        with self._lock:
+            found, reuse = None, better_than
+            for entry in reversed(self._entries):
+                n = entry.reusable(body)
+                if n > reuse and n >= KEEP_SHARE * entry.models[0].n_tokens:
+                    found, reuse = entry, n
+            if found is None:
+                self._misses += 1
+                return None
+            self._entries.remove(found)
+            self._entries.append(found)
+            self._hits += 1
+            self._restored += reuse
+            return found, reuse
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def counters(self) -> CacheCounters:
+        with self._lock:
+            return CacheCounters(hits=self._hits, misses=self._misses, stored=self._stored, evicted=self._evicted,
+                                 skipped=self._skipped, restored_tokens=self._restored, entries=len(self._entries),
+                                 tokens=sum(len(e.tokens) for e in self._entries), nbytes=self._bytes,
+                                 limit=self.limit)

@@ -1,0 +1,160 @@
+"""llama-server's slot actions (`POST /slots/{id_slot}?action=save|restore|erase`, with `--slot-save-path`) and the
+host-RAM prompt cache's lines in /metrics.
+
+Request and reply shapes are llama-server's (tools/server/README.md): `{"filename": NAME}` in, `{id_slot, filename,
+n_saved, n_written, timings: {save_ms}}`, `{id_slot, filename, n_restored, n_read, timings: {restore_ms}}` and
+`{id_slot, n_erased}` out. As there, an action on a busy slot waits until its generation ends (`Worker.in_slot`).
+Both models' cells are saved (`Engine.snapshot`), in localspec's checked format (slot_file.py): a file another
+model, KV type, slot count or version wrote, a damaged one and a name that is not one file in the save folder are a
+400 naming what differs, and the slot is left as it was. Files are read and written off the engine thread; only
+the copy into or out of the models' cells runs there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from localspec.errors import WriteError
+from localspec.prompt_cache import SlotState
+from localspec.server.app import ApiError, Backend, ServerState, _authorize, _guarded, _read_body
+from localspec.server.llama_routes import _validate
+from localspec.server.schema import RequestError, _Strict, parse_body
+from localspec.server.worker import QueueFull
+from localspec.slot_file import ModelIdentity, SlotFileError, identity, path_in
+from localspec.slot_file import read as read_slot_file
+from localspec.slot_file import write as write_slot_file
+
+ACTIONS = ("save", "restore", "erase")
+
+
+class SlotFileRequest(_Strict):
+    filename: str
+
+
+def add_slot_routes(app: FastAPI, state: ServerState) -> None:
+    async def slot_action(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        backend = state.ready()
+        if state.slot_save_path is None:
+            raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
+                                "(preset key server.slot_save_path)", kind="not_supported_error",
+                           code="slot_save_disabled")
+        slot = _slot_id(request.path_params["id_slot"], backend.worker.slots)
+        action = request.query_params.get("action")
+        if action not in ACTIONS:
+            raise RequestError(f"Invalid action {action!r}: ?action= one of {', '.join(ACTIONS)}", param="action",
+                               code="invalid_value")
+        body = await _read_body(request)
+        if action == "erase":  # (llama-server reads no body for it)
+            return await _erase(backend, slot)
+        data = parse_body(body)
+        if not isinstance(data, dict):
+            raise RequestError("the request body must be a JSON object with a filename")
+        name = _validate(SlotFileRequest, data).filename
+        try:
+            path = path_in(state.slot_save_path, name)
+        except SlotFileError as exc:
+            raise RequestError(f"Invalid filename: {exc}", param="filename", code="invalid_value") from None
+        if action == "save":
+            return await _save(backend, slot, name, path)
+        return await _restore(backend, slot, name, path)
+
+    app.add_api_route("/slots/{id_slot}", _guarded(slot_action), methods=["POST"])
+
+
+def _slot_id(text: str, slots: int) -> int:
+    if not text.isdigit() or int(text) >= slots:
+        raise RequestError(f"Invalid slot ID {text!r}: this server has {slots} slot(s), 0..{slots - 1}",
+                           param="id_slot", code="invalid_value")
+    return int(text)
+
+
+async def _in_slot(backend: Backend, slot: int, action: Any) -> Any:
+    try:
+        future = backend.worker.in_slot(slot, action)
+    except QueueFull as exc:
+        raise ApiError(503, str(exc), kind="server_error", code="shutdown") from None
+    try:
+        return await asyncio.wrap_future(future)
+    except QueueFull as exc:
+        raise ApiError(503, str(exc), kind="server_error", code="shutdown") from None
+
+
+def identities(backend: Backend) -> list[ModelIdentity]:
+    """The served models' identities, in the engine's state order (each file fingerprinted once: slot_file)."""
+    return [identity(m) for m in backend.worker.engine.state_models()]
+
+
+async def _save(backend: Backend, slot: int, name: str, path: Path) -> JSONResponse:
+    t0 = time.perf_counter()
+    models = await anyio.to_thread.run_sync(identities, backend)
+    state: SlotState = await _in_slot(backend, slot, lambda: backend.worker.engine.snapshot(slot))
+    try:
+        written = await anyio.to_thread.run_sync(functools.partial(write_slot_file, path, state, models))
+    except WriteError as exc:
+        raise ApiError(500, f"Unable to save slot: {exc}", kind="server_error", code="write_failed") from None
+    return JSONResponse({"id_slot": slot, "filename": name, "n_saved": state.models[0].n_tokens,
+                         "n_written": written, "timings": {"save_ms": _ms(t0)}})
+
+
+async def _restore(backend: Backend, slot: int, name: str, path: Path) -> JSONResponse:
+    t0 = time.perf_counter()
+    engine, model = backend.worker.engine, backend.model
+    models = await anyio.to_thread.run_sync(identities, backend)
+    try:
+        loaded = await anyio.to_thread.run_sync(functools.partial(
+            read_slot_file, path, models, n_vocab=model.n_vocab, n_ctx=engine.n_ctx))
+    except SlotFileError as exc:
+        # The path inside the save folder is the server's business: the client named the file.
+        message = str(exc).replace(str(path), name)
+        raise RequestError(f"Unable to restore slot: {message}", param="filename", code="invalid_value") from None
+    if not await _in_slot(backend, slot, lambda: engine.restore(slot, loaded.state)):
+        raise RequestError(f"Unable to restore slot: llama.cpp refused the state in {name} (the slot is empty now)",
+                           param="filename", code="invalid_value")
+    return JSONResponse({"id_slot": slot, "filename": name, "n_restored": loaded.state.models[0].n_tokens,
+                         "n_read": loaded.nbytes, "timings": {"restore_ms": _ms(t0)}})
+
+
+async def _erase(backend: Backend, slot: int) -> JSONResponse:
+    erased = await _in_slot(backend, slot, lambda: backend.worker.engine.erase(slot))
+    return JSONResponse({"id_slot": slot, "n_erased": erased})
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def prompt_cache_metrics(backend: Backend) -> list[tuple[str, str, str, float]]:
+    """The prompt cache's lines for /metrics: (name, help, counter|gauge, value); zeros when it is off."""
+    cache = backend.worker.engine.prompt_cache
+    if cache is None:
+        values = dict.fromkeys(("hits", "misses", "restored_tokens", "stored", "evicted", "skipped", "entries",
+                                "tokens", "nbytes", "limit"), 0)
+    else:
+        values = vars(cache.counters())
+    return [
+        ("localspec:prompt_cache_hits_total", "Prompts restored from the host-RAM prompt cache", "counter",
+         values["hits"]),
+        ("localspec:prompt_cache_misses_total", "Slots given to another prompt with no cached state that serves it",
+         "counter", values["misses"]),
+        ("localspec:prompt_cache_tokens_restored_total", "Prompt tokens restored from the cache instead of decoded",
+         "counter", values["restored_tokens"]),
+        ("localspec:prompt_cache_stored_total", "Slot states kept in the cache", "counter", values["stored"]),
+        ("localspec:prompt_cache_evicted_total", "Cached states removed to stay within the budget", "counter",
+         values["evicted"]),
+        ("localspec:prompt_cache_skipped_total", "Slot states larger than the whole budget, not kept", "counter",
+         values["skipped"]),
+        ("localspec:prompt_cache_entries", "Slot states in the cache", "gauge", values["entries"]),
+        ("localspec:prompt_cache_tokens", "Tokens the cached states hold", "gauge", values["tokens"]),
+        ("localspec:prompt_cache_bytes", "Host RAM the cached states take", "gauge", values["nbytes"]),
+        ("localspec:prompt_cache_limit_bytes", "The cache's budget (server.cache_ram; 0 = off)", "gauge",
+         values["limit"]),
+    ]
