@@ -539,6 +539,7 @@ class ChatSession:
     def set_preset(self, name: str) -> None:
         """Sampling and drafting from another preset; the loaded models keep their load and context settings."""
         chosen = load_preset(name)
+        self.engine.check_drafter(chosen.draft)  # refused here, not at the next reply (never plain in its place)
         self.preset = dataclasses.replace(chosen, load=self.preset.load, context=self.preset.context)
 
     def set_draft(self, n_draft: int) -> None:

@@ -219,8 +219,11 @@ class ServerSettings:
     max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
     read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
     metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
-    # Other names requests may give as `model` (front-ends that insist on their own); any other name is a 404.
+    slots: bool = field(metadata={"kind": bool})  # serve /slots (llama-server's --slots / --no-slots)
+    # Other names requests may give as `model` (front-ends that insist on their own); with strict_model any other
+    # name is a 404, without it any name means the one model served.
     model_aliases: str = field(metadata=_text(_model_names, "NAME[,NAME...]"))
+    strict_model: bool = field(metadata={"kind": bool})
     # Finished slots' KV cells kept in host RAM for later requests that share their prefix (llama-server's
     # --cache-ram): "auto" (a quarter of the RAM available at start), or MiB (0 = off).
     cache_ram: str = field(metadata=_text(_cache_ram, "auto or MiB"))

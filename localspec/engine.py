@@ -38,7 +38,7 @@ import numpy as np
 
 from localspec import context_shift, drafters
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.constraints import masked_scores
+from localspec.constraints import masked_row, masked_scores
 from localspec.drafters.base import (
     NO_PROPOSAL,
     Drafter,
@@ -137,8 +137,8 @@ class Stream:
         self.drafting = drafting
         self.max_tokens = max_tokens
         self.should_stop = should_stop
-        chosen = engine.drafters.get(drafting.drafter)
-        self.drafter: Drafter | None = chosen if chosen is not None and drafting.n_draft > 0 else None
+        # (Engine.start has checked that these models can run it.)
+        self.drafter: Drafter | None = engine.drafters[drafting.drafter] if drafting.n_draft > 0 else None
         self.trace = trace and sampling.greedy
         self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
         self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
@@ -222,6 +222,10 @@ class Engine:
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
         # A recurrent target cannot go back into a verify to read a row again: full rows there.
         self.constrained_rows = constrained_rows if target.rewind_depth is None else "full"
+        # Plain decoding at T > 0 may draw its tokens on the device (one slot only, `start`): llama.cpp's random
+        # stream, not the host's, so a seed's text depends on the slot count. The server turns it off, so that a
+        # seed gives the same text whatever --parallel is.
+        self.draw_on_device = True
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
         self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
@@ -249,6 +253,15 @@ class Engine:
     def close(self) -> None:
         for drafter in self._distinct_drafters():
             drafter.close()
+
+    def check_drafter(self, drafting: Drafting) -> None:
+        """A drafter these models cannot run is a UsageError naming the ones they can (from the registry), never
+        plain decoding in its place."""
+        if drafting.n_draft > 0 and drafting.drafter not in self.drafters:
+            why = drafters.unavailable(drafting.drafter, self.target, self.draft)
+            why = f" ({why})" if why else ""
+            raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
+                             f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
 
     def _distinct_drafters(self) -> list[Drafter]:
         return list({id(d): d for d in self.drafters.values()}.values())
@@ -338,10 +351,9 @@ class Engine:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
-        if drafting.n_draft > 0 and drafting.drafter == "mtp" and "mtp" not in self.drafters:
-            raise UsageError(f"--drafter mtp: {drafters.mtp.unavailable(self.target)}")
+        self.check_drafter(drafting)
         depth = self.target.rewind_depth
-        if depth is not None and drafting.n_draft > depth and drafting.drafter in self.drafters:
+        if depth is not None and drafting.n_draft > depth:
             raise RollbackError(
                 f"draft length {drafting.n_draft}: this model's recurrent state rolls back at most {depth} tokens "
                 f"(loaded for that draft length); ask for n_draft <= {depth}, or load it with a longer one")
@@ -354,7 +366,7 @@ class Engine:
         self.target.want_hidden(seq, isinstance(stream.drafter, ReadsTarget))
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
-        plain = not stream.use_draft and self.target.n_seq == 1
+        plain = not stream.use_draft and self.target.n_seq == 1 and self.draw_on_device
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
         # (`constrained_rows`, `_accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
@@ -599,10 +611,10 @@ class Engine:
         if s.prefill and not self._prefill_some(s):
             return False  # more of its prompt next round; the round that decodes the last batch is its first
         if s.shift is not None and len(s.slot.tokens) >= self.n_ctx:
-            # One cell is left (cur's): every round stops here (`_room`), so plain and speculative decoding shift
-            # at the same token and keep the same ones.
+            # Every round ends at most at n_ctx tokens (`_room`), so plain and speculative decoding shift at the
+            # same token and keep the same ones.
             self._shift(s)
-        if len(s.slot.tokens) > self.n_ctx:  # verify needs cur + k cells after the cached prefix
+        if len(s.slot.tokens) >= self.n_ctx:  # prompt + reply never exceed the context (one more would)
             s._finish(STOP_CONTEXT_FULL, f"context full ({self.n_ctx} tokens): start a new conversation")
             return False
         return True
@@ -613,7 +625,8 @@ class Engine:
         plans = []
         for s in live:
             k_round = s.chooser.next() if s.use_draft else 0
-            width = min(k_round, self._room(s)) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
+            room = self.n_ctx - len(s.slot.tokens)  # cells left past the cached prefix (cur's included)
+            width = min(k_round, room) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
             plans.append(_Plan(k_round, self._length(s, k_round), width))
         share = self.load.share(len(live)) if any(p.k for p in plans) else 1.0
         if share < 1.0:
@@ -621,9 +634,9 @@ class Engine:
         return plans, share
 
     def _room(self, s: Stream) -> int:
-        """How many drafts the context leaves room for this round. With context shift, a round ends at most at
-        n_ctx tokens, where the next one shifts (`_begin`): one cell short of full, as llama-server shifts."""
-        return self.n_ctx - len(s.slot.tokens) - (1 if s.shift is not None else 0)
+        """How many drafts the context leaves room for this round: a round emits its drafts and one token more, and
+        prompt + reply stay within n_ctx (with context shift the next round shifts there: `_begin`)."""
+        return self.n_ctx - len(s.slot.tokens) - 1
 
     def _length(self, s: Stream, k_round: int, ahead: int = 0) -> int:
         """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
@@ -702,9 +715,13 @@ class Engine:
                 verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
                 if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
                     spent += time.perf_counter() - t_accept
-            if s.logprobs is not None:
+            if s.logprobs is not None and s.grammar is None:  # (a constrained stream's: _accept_constrained)
                 assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
-                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(rows.logits[i], t, s.logprobs)
+                # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+                history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
+                seen = penalized(rows, history, s.sampling).logits
+                assert seen is not None
+                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, s.logprobs)
                                                                  for i, t in enumerate(verdict.emitted)])
             if wait is not None:
                 verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
@@ -746,8 +763,15 @@ class Engine:
         scored = penalized(scores, history, sampling)
         state = s.grammar.clone()
         emitted: list[int] = []
+        logprob_rows: list[np.ndarray] = []
+        # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
+        # without top-k, top-p or min-p needs them all.
+        every = dataclasses.replace(sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         try:
             for i in range(len(drafts) + 1):
+                if s.logprobs is not None:
+                    assert scored.logits is not None  # full rows: logprobs turn the device sampler off (start)
+                    logprob_rows.append(masked_row(scored.logits[i], state, every))
                 row = masked_scores(scored, i, state, sampling)
                 last = row is None
                 if row is None:  # (no penalty here: a penalised stream has full rows)
@@ -774,7 +798,10 @@ class Engine:
             raise
         s.grammar.close()
         s.grammar = state
-        return _Verdict(emitted, len(emitted) - 1, [], width)
+        n_top = s.logprobs
+        chosen = [] if n_top is None else [token_logprobs(row, token, n_top)
+                                           for row, token in zip(logprob_rows, emitted, strict=True)]
+        return _Verdict(emitted, len(emitted) - 1, [], width, chosen)
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the

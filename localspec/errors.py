@@ -43,9 +43,8 @@ class DecodeError(LocalspecError):
 
 
 class IncompatiblePairError(LocalspecError):
-    """Target and draft cannot be used together (tokenizer mismatch)."""
-
-    exit_code = 1
+    """Target and draft cannot be used together (tokenizer mismatch). An error like any other (exit 2); `localspec
+    check`'s verdict "incompatible" is an answer, not an error, and exits 1."""
 
 
 class ContextFullError(LocalspecError):

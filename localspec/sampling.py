@@ -287,15 +287,18 @@ def distributions(scores: Scores, history: list[int], cfg: Sampling) -> Candidat
 
 
 def token_logprobs(row: np.ndarray, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """OpenAI's logprobs of one emitted token: its log-probability under the model's full distribution at
-    temperature 1 (the raw logits: before penalties, the sampling pipeline or a grammar), and the `n_top` most
-    likely tokens with theirs, best first. Computed in float64 over every logit of the row."""
+    """OpenAI's logprobs of one emitted token: its log-probability under the row's distribution at temperature 1,
+    and the `n_top` most likely tokens with theirs, best first (ties: the lower id, as the greedy choice breaks
+    them). The engine passes the row the token was chosen from: the target's logits after the penalties and a
+    grammar's mask (-inf: probability 0), before top-k, top-p, min-p and temperature, so a greedy token is always
+    the first of its alternatives. Computed in float64 over every logit of the row."""
     logits = row.astype(np.float64)
     top = float(logits.max())
     log_z = top + float(np.log(np.exp(logits - top).sum()))
     best: tuple[tuple[int, float], ...] = ()
     if n_top:
-        idx = np.argpartition(logits, len(logits) - n_top)[len(logits) - n_top :]
-        idx = idx[np.lexsort((idx, -logits[idx]))]  # best first; ties by lower id
+        floor = logits[np.argpartition(logits, len(logits) - n_top)[len(logits) - n_top :]].min()
+        idx = np.flatnonzero((logits >= floor) & np.isfinite(logits))  # every tie at the floor, none masked out
+        idx = idx[np.lexsort((idx, -logits[idx]))][:n_top]  # best first; ties by lower id
         best = tuple((int(i), float(logits[i] - log_z)) for i in idx)
     return float(logits[token] - log_z), best

@@ -104,6 +104,7 @@ class ScoringModel(Protocol):
     rewind_depth: int | None
     recurrent: bool  # a recurrent or hybrid model: no prefix of a state is valid, and a context cannot shift
     add_bos: bool  # the tokenizer starts a text with BOS (a context shift keeps it besides n_keep)
+    decodes: int  # llama_decode calls so far (the server's n_decode_total)
 
     def decode(self, tokens: Sequence[int], start_pos: int, all_logits: bool = False,
                seq: int = 0) -> Scores | None: ...

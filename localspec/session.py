@@ -136,13 +136,9 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
                                 "which speculative decoding needs (plain decoding works: --n-draft 0)")
     if draft is not None and draft.recurrence is not None and (why := llama_ctx.rollback_unsupported()):
         raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
-    if drafting.drafter == "mtp":
-        if not target.nextn_layers:
-            raise UsageError(f"--drafter mtp: {target.name} has no MTP layers (nextn_predict_layers): use a GGUF "
-                             "converted with them, or another drafter")
-        why = llama_ctx.mtp_unsupported()
-        if why is not None:
-            raise UsageError(f"--drafter mtp: {why}")
+    # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
+    if drafting.drafter == "mtp" and target.nextn_layers and (why := llama_ctx.mtp_unsupported()):
+        raise UsageError(f"--drafter mtp: {why}")
 
 
 def _placed(p: placement.ModelPlacement) -> dict[str, object]:
@@ -208,14 +204,15 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     cache = PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available())) if prompt_cache else None
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
                     constrained_rows=load.constrained_rows, prompt_cache=cache)
-    if preset.context.context_shift:
-        try:
+    try:
+        engine.check_drafter(preset.draft)  # before any work: never plain decoding in a drafter's place
+        if preset.context.context_shift:
             engine.check_context_shift()
-        except BaseException:
-            engine.close()
-            for model in (draft, target):
-                if model is not None:
-                    model.close()
-            raise
+    except BaseException:
+        engine.close()
+        for model in (draft, target):
+            if model is not None:
+                model.close()
+        raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)

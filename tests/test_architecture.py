@@ -67,6 +67,70 @@ def test_imports_point_down_the_layers() -> None:
     assert wrong == []
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """Each module's imports of other localspec modules, wherever they sit (a function's body included: an import
+    hidden inside a function is still a cycle). `from a import b` names a.b when b is a module, else a."""
+    modules = {_module_name(path): tree for path, tree in _modules().items()}
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else node.module)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each as a closed path through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles_even_within_a_layer() -> None:
+    """A cycle hides in a function-level import until the day it breaks an import order; one module both import
+    is the way out (as server/handling.py is for app.py and llama_routes.py)."""
+    assert import_cycles(_import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_hidden_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"x": {"y"}, "y": {"x"}}) == [["x", "y"]]
+    hidden = ast.parse("def f():\n    from localspec.server.app import create_app\n")
+    assert "localspec.server.app" in _imports(hidden)
+
+
 def test_llama_cpp_is_imported_only_behind_the_wall() -> None:
     offenders = [path for path, tree in _modules().items()
                  if path not in LLAMA_WALL and any(n.split(".")[0] == "llama_cpp" for n in _imports(tree))]

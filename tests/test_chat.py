@@ -273,7 +273,8 @@ def test_settings_commands(demo_session) -> None:
 @pytest.mark.slow
 def test_draft_needs_a_draft_model(demo_home: Path) -> None:
     files = ModelFiles(target=demo_home / "cache" / "demo" / demo.TARGET_FILE, draft=None, name="solo")
-    with open_session(files, load_preset("greedy").with_overrides(n_ctx=256)) as session:
+    # (A preset that drafts with the draft model is refused without one: test_promises.py.)
+    with open_session(files, load_preset("greedy").with_overrides(n_ctx=256, n_draft=0)) as session:
         chat = _chat(session, max_tokens=4)
         with pytest.raises(LocalspecError, match="/draft 2: no draft model is loaded"):
             chat.set_draft(2)

@@ -241,7 +241,7 @@ def test_context_full_stops_cleanly(tiny_pair):
         assert spec == plain
         n_ctx = s.engine.n_ctx  # what was asked for; llama.cpp pads its own context to 256, unused beyond 64
         assert n_ctx == 64
-        assert len(plain) == n_ctx - len(prompt) + 1  # the last token comes from the last cell's logits
+        assert len(plain) == n_ctx - len(prompt)  # prompt + reply fill the context, never one past (test_promises)
         too_long = n_ctx + 6
         with pytest.raises(ContextFullError, match=f"the prompt has {too_long} tokens; the context holds {n_ctx}"):
             run(s.engine, prompts(1, length=too_long)[0], GREEDY.sampling, drafting(6), 5)
@@ -362,7 +362,7 @@ def test_plain_sampling_on_the_device_follows_the_target_distribution(smollm2_pa
     pipeline's distribution p (from full logits of the same sequence) must be uniform: a wrong pipeline, or one
     uniform number reused for every draw, fails this."""
     preset = GREEDY.with_overrides(temperature=0.9, top_k=40, top_p=0.95, seed=13)
-    with open_pair(smollm2_path, None) as s:
+    with open_pair(smollm2_path, None, n_draft=0) as s:  # (no draft model: plain decoding, asked for)
         prompt = s.target.tokenize("Once upon a time, in a small village by the sea,")
         assert _device_scores(s, prompt, preset).drawn is not None
         s.engine.reset()

@@ -70,8 +70,9 @@ def test_model_aliases_reach_the_preset_and_bad_ones_name_the_flag(captured: dic
     assert config.load_preset().server.model_alias_names == ()  # the default: only the pair's own id
 
 
-def test_an_unknown_model_is_a_404_that_lists_what_is_served() -> None:
-    state = ServerState(model_id="demo-chat", aliases=("gpt-4o",))  # not loaded: the model check comes first
+def test_an_unknown_model_is_a_404_that_lists_what_is_served_with_strict_model() -> None:
+    # (Without --strict-model any name means the one model served: tests/test_serve_fast.py.)
+    state = ServerState(model_id="demo-chat", aliases=("gpt-4o",), strict_model=True)  # not loaded: checked first
     with TestClient(create_app(state), base_url="http://localhost") as client:
         for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                             ("/v1/completions", {"prompt": "hi"})):

@@ -51,7 +51,19 @@ def test_host_header_without_a_key(host: str, allowed: bool) -> None:
 def test_allowed_hosts_and_a_key_widen_it() -> None:
     assert client(State(allowed_hosts=("lan-box",)), "lan-box:9").get("/v1/models").status_code == 200
     assert client(State(allowed_hosts=("*",)), "anything").get("/v1/models").status_code == 200
-    assert client(State(api_key="k"), "anything").get("/v1/models").status_code == 200
+    keyed = client(State(api_key="k"), "anything")
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert keyed.get("/v1/models").status_code == 401  # any Host, but the key
+
+
+def test_the_key_is_checked_before_the_type_and_size_of_the_body() -> None:
+    c = client(State(api_key="k"))
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        r = c.post("/echo", content=b"x" * 500, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+    assert c.post("/echo", content=b"x" * 500, headers={"X-Api-Key": "k", "Content-Type": "application/json"}
+                  ).status_code == 413
+    assert c.options("/echo").status_code != 401  # a CORS preflight carries no credentials
 
 
 @pytest.mark.parametrize(("content_type", "status"), [

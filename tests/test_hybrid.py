@@ -212,8 +212,7 @@ def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, mo
     spec = GREEDY.with_overrides(n_draft=4)
     check_drafting(hybrid, read_header(hybrid_pair[1]), spec)  # fine with this llama-cpp-python
     check_drafting(hybrid, None, spec.with_overrides(drafter="mtp"))
-    with pytest.raises(UsageError, match="has no MTP layers"):
-        check_drafting(plain, None, spec.with_overrides(drafter="mtp"))
+    check_drafting(plain, None, spec.with_overrides(drafter="mtp"))  # refused by Engine.check_drafter, as every drafter
     monkeypatch.setattr(llama_ctx, "rollback_unsupported", lambda: "llama-cpp-python 0.3.2 cannot roll back")
     with pytest.raises(RollbackError, match="is a hybrid model: llama-cpp-python 0.3.2 cannot roll back"):
         check_drafting(hybrid, None, spec)
@@ -551,15 +550,32 @@ def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None
     assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom at p = 0.001
 
 
+def test_mtp_without_mtp_layers_is_refused_as_every_drafter_the_models_cannot_run() -> None:
+    """Engine.check_drafter, the one refusal of a drafter the models cannot run: it says why (the target's missing
+    MTP layers) and names those they can run, before anything is decoded."""
+    target, draft = fake_pair(None, None)
+    for d, can in ((draft, "lookup, model, chain"), (None, "lookup")):
+        engine = Engine(target, d)
+        with pytest.raises(UsageError) as err:
+            engine.start([1, 2, 3], GREEDY.sampling, drafting(4, "mtp"), 8)
+        assert str(err.value) == (
+            "drafter 'mtp' cannot run with these models (the target has no MTP layers: its GGUF has no "
+            f"nextn_predict_layers; an MTP GGUF of the model has them); they can run: {can} (or draft length 0: "
+            "plain decoding)")
+        assert target.decodes == 0
+        engine.check_drafter(drafting(0, "mtp"))  # plain decoding needs no drafter
+
+
 def test_mtp_on_a_model_without_mtp_layers_is_one_line_and_exit_2(tiny_pair) -> None:
-    """Refused from the header, before any weight is read: one line, exit 2."""
+    """Through the engine's check, before any prompt is decoded: one line, exit 2."""
     from tests.test_bench_cli import localspec
 
     r = localspec("bench", "--target", str(tiny_pair[0]), "--drafter", "mtp", "--threads", "1")
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        f"localspec: error: --drafter mtp: {tiny_pair[0].name} has no MTP layers (nextn_predict_layers): use a GGUF "
-        "converted with them, or another drafter"]
+        f"localspec: error: drafter 'mtp' cannot run with these models ({tiny_pair[0].name} has no MTP layers: its "
+        "GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup (or draft "
+        "length 0: plain decoding)"]
 
 
 @pytest.mark.slow
@@ -652,9 +668,15 @@ def test_the_server_drafts_with_the_mtp_head_and_refuses_what_it_cannot(hybrid_p
         s.stop()
     s = Server(home, tmp_path, "--target", str(tiny_pair[0]), "--threads", "1")
     try:
-        with pytest.raises(openai.BadRequestError, match="has no MTP layers"):
-            s.client().completions.create(model="target", prompt="Once", max_tokens=4,
-                                          extra_body={"speculative.type": "mtp"})
+        for spelling in ("mtp", "draft-mtp"):
+            with pytest.raises(openai.BadRequestError) as err:
+                s.client().completions.create(model="target", prompt="Once", max_tokens=4,
+                                              extra_body={"speculative.type": spelling})
+            assert err.value.status_code == 400 and err.value.body["param"] == "speculative.type"  # type: ignore[index]
+            assert err.value.body["message"] == (  # type: ignore[index]
+                f"speculative.type: 'draft-mtp' (drafter 'mtp') is not available: {tiny_pair[0].name} has no MTP "
+                "layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them; this server can "
+                "run ngram-simple (lookup), none")
     finally:
         s.stop()
 

@@ -47,7 +47,7 @@ def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
     assert set(drafters.REGISTRY) == set(DRAFTERS)
     target, draft = pair()
     assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp"}  # (a fake has no MTP layers)
-    assert set(drafters.build(target, None)) == {"lookup", "chain"}  # the chain is lookup alone there
+    assert set(drafters.build(target, None)) == {"lookup"}  # the chain would be lookup alone: not offered
 
 
 def test_lookup_takes_the_longest_match_and_the_latest_on_a_tie() -> None:
@@ -84,13 +84,13 @@ def test_lookup_drafts_a_repeated_reply_and_needs_no_draft_model(monkeypatch: py
     target = TimedFake(Clock().install(monkeypatch), 0.011, 0.006, seed=3)
     prompt = repetitive(1, 16)
     reference = target.greedy(prompt, 60)
-    engine = Engine(target, None)  # one model: "lookup" and "chain" both draft by lookup, "model" is plain
+    engine = Engine(target, None)  # one model: lookup drafts; "model" and "chain" cannot run (test_promises.py)
     lookup = collect(engine.generate(prompt, GREEDY.sampling, drafting(6, "lookup", lookup_min=2), 60))
     plain_decodes = target.decodes
     assert lookup.tokens == reference
     # A greedy Markov chain over 8 tokens soon cycles: lookup then drafts it whole.
     assert lookup.stats.accepted > 30 and lookup.stats.rounds < 30
-    model = collect(engine.generate(prompt, GREEDY.sampling, drafting(6, "model"), 60))
+    model = collect(engine.generate(prompt, GREEDY.sampling, drafting(0, "model"), 60))  # plain decoding
     assert model.tokens == reference and model.stats.drafted == 0
     assert target.decodes - plain_decodes > lookup.stats.rounds + 20
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -238,6 +239,22 @@ def test_a_client_that_disconnects_frees_the_engine(server):
     assert after["cancelled"] == before + 1
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+def test_a_json_client_that_gives_up_is_cancelled_within_2_s(server, path):
+    """Before: `curl -m 3` on a 3000-token request left it running to the end (a core busy, /health running 1)."""
+    before = server.wait_idle()["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):  # as curl -m 3: the client closes its socket
+        httpx.post(f"{server.root}{path}", json={"prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "temperature": 0},
+                   timeout=3)
+    t0 = time.monotonic()
+    deadline = t0 + 60
+    while server.health()["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert server.health()["cancelled"] == before + 1 and took < 2.0, f"cancelled after {took:.1f} s"
+    assert not server.wait_idle()["busy"]
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 65}, "n"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
@@ -424,9 +441,9 @@ def test_json_schema_replies_parse_and_follow_the_schema(chat_server):
 def test_logprobs_come_with_every_token_streamed_or_not(chat_server):
     client = chat_server.client()
     model = client.models.list().data[0].id
-    # No repeat penalty (smollm2-chat's preset has one): greedy then picks the raw argmax, which logprobs describe.
+    # (smollm2-chat's preset has a repeat penalty: logprobs describe the penalised row the token was chosen from.)
     ask = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24,
-               temperature=0, logprobs=True, top_logprobs=2, extra_body={"repeat_penalty": 1.0})
+               temperature=0, logprobs=True, top_logprobs=2)
     whole = client.chat.completions.create(**ask)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
@@ -437,11 +454,73 @@ def test_logprobs_come_with_every_token_streamed_or_not(chat_server):
     streamed = [t for chunk in client.chat.completions.create(**ask, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
     assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
-    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1,
-                                     extra_body={"repeat_penalty": 1.0})
+    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
     assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+
+
+def _reference_greedy(prompt: str, n: int, preset) -> list[tuple[str, np.ndarray]]:
+    """Plain greedy decoding in a second context of the served model, one token a decode with full logits,
+    penalised here (not by the engine's code) as the preset says: each token's text and its row's
+    log-probabilities."""
+    from localspec.demo import smollm2_source_path
+    from localspec.llama_ctx import LlamaModel
+
+    s = preset.sampling
+    out = []
+    with LlamaModel(smollm2_source_path(), n_ctx=512, n_gpu_layers=0, n_threads=1) as model:
+        tokens = model.tokenize(prompt, add_special=True, parse_special=True)
+        model.decode(tokens[:-1], 0)
+        for _ in range(n):
+            row = model.decode(tokens[-1:], len(tokens) - 1).logits[-1].astype(np.float64)
+            window = tokens[-s.repeat_last_n :]
+            for token in set(window):
+                v = row[token]
+                row[token] = (v / s.repeat_penalty if v > 0 else v * s.repeat_penalty) - \
+                    window.count(token) * s.frequency_penalty - s.presence_penalty
+            row -= row.max() + np.log(np.exp(row - row.max()).sum())
+            chosen = int(np.argmax(row))
+            if model.is_eog(chosen):
+                break
+            out.append((model.piece(chosen).decode("utf-8", errors="replace"), row))
+            tokens.append(chosen)
+    return out
+
+
+@pytest.mark.parametrize("n_max", [0, 6], ids=["plain", "speculative"])
+def test_a_greedy_tokens_logprob_is_the_top_of_its_alternatives_as_a_second_context_says(chat_server, n_max):
+    """Before: with demo-chat's repeat penalty a chosen token ranked below its own alternatives ("Say a colour.":
+    -2.815 chosen, -2.527 top): logprobs came from the raw row, the choice from the penalised one. The reference
+    is plain greedy decoding in a context of its own, penalised by this test."""
+    from localspec.config import load_preset
+
+    body = {"prompt": "Say a colour.", "max_tokens": 16, "temperature": 0, "logprobs": 3,
+            "speculative.n_max": n_max}
+    reply = httpx.post(f"{chat_server.url}/completions", json=body, timeout=600).json()
+    lp = reply["choices"][0]["logprobs"]
+    ref = _reference_greedy(body["prompt"], 16, load_preset("smollm2-chat"))
+    assert [text for text, _ in ref] == lp["tokens"]
+    assert reply["timings"]["draft_n"] > 0 or n_max == 0
+    for (text, row), chosen, top in zip(ref, lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert chosen == max(top.values()) and list(top)[0] == text, (text, chosen, top)
+        assert chosen == pytest.approx(row.max(), abs=1e-3)
+        assert list(top.values()) == pytest.approx(np.sort(row)[::-1][:3].tolist(), abs=1e-3)
+
+
+def test_with_a_grammar_a_greedy_token_is_still_the_first_of_its_alternatives(chat_server):
+    """The row a constrained token was chosen from is the grammar-masked one: its alternatives are tokens the
+    grammar allowed there (greedy: the best legal token is the first)."""
+    client = chat_server.client()
+    reply = client.chat.completions.create(
+        model="demo-chat", messages=[{"role": "user", "content": "Describe a fictional person as JSON."}],
+        max_tokens=24, temperature=0, logprobs=True, top_logprobs=3, response_format={"type": "json_object"})
+    content = reply.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == reply.choices[0].message.content
+    assert content[0].token.lstrip().startswith("{")  # the first token the grammar allows
+    for c in content:
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert all(np.isfinite(a.logprob) for a in c.top_logprobs)
 
 
 WEATHER = [{"type": "function", "function": {

@@ -118,8 +118,8 @@ def peak_rss_during(pid: int, action) -> tuple[int, int, object]:
 
 def test_a_50_mb_prompt_is_refused_without_reading_it_whole(chat):
     """Before: 97.8 s and RSS 419 -> 3,105 MB (the whole text tokenized into a Python list before the length
-    check). Now a declared length past the limit is refused before a byte of the body is read, and a chunked body
-    (no declared length) is read only up to the limit."""
+    check). Now a declared length past the limit is refused before a byte of the body is kept, and a chunked body
+    (no declared length) is kept only up to the limit; the rest is read and dropped, so the client sees the 413."""
     size = 50 << 20
     head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {size}\r\n\r\n").encode()
@@ -135,13 +135,23 @@ def test_a_50_mb_prompt_is_refused_without_reading_it_whole(chat):
             try:
                 for _ in range(50):
                     sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            except OSError:  # the server answered 413 and closed: what it had not read is dropped
+            except OSError:  # past the drain's bounds the server closes: a reset
                 pass
 
     idle2, peak2, _ = peak_rss_during(chat.proc.pid, chunked)
     print(f"idle RSS {idle / 1e6:.0f} MB, peak {peak / 1e6:.0f} MB; chunked: {idle2 / 1e6:.0f} -> {peak2 / 1e6:.0f} MB")
     assert peak < 2 * idle and peak2 < 2 * idle2
     assert chat.health()["status"] == "ok"
+
+
+def test_a_reply_that_fills_the_context_ends_at_it(chat):
+    """Before: prompt 386 + completion 127 = 513 tokens in a context of 512."""
+    r = post(chat, "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10," * 12, "max_tokens": 5000,
+                                       "temperature": 0, "speculative.type": "ngram-simple"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] > 300 and usage["total_tokens"] == 512, usage
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_prompt_past_the_byte_bound_is_refused_before_tokenizing(chat):

@@ -172,6 +172,11 @@ def test_metrics_count_tokens_drafts_and_requests(server):
     after = metrics_of(server)
     timings = done.model_extra["timings"]
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == N
+    # The prompt as the reply's timings count it (the real model's side of test_serve_fast's metrics test).
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == timings["prompt_n"]
+    assert (after["llamacpp:prompt_tokens_cached_total"]
+            - before["llamacpp:prompt_tokens_cached_total"]) == timings["cache_n"]
+    assert after["llamacpp:n_decode_total"] > before["llamacpp:n_decode_total"]
     assert (after["llamacpp:spec_decode_num_draft_tokens_total"]
             - before["llamacpp:spec_decode_num_draft_tokens_total"]) == timings["draft_n"]
     assert (after["llamacpp:spec_decode_num_accepted_tokens_total"]

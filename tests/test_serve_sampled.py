@@ -71,3 +71,25 @@ def test_sixteen_sampled_requests_at_once_keep_their_solo_acceptance(slots16):
     assert not collapsed, f"acceptance collapsed (alone, together): {collapsed}"
     assert statistics.median(both.values()) >= statistics.median(solo.values()) - 0.1
     assert slots16.wait_idle()["failed"] == 0
+
+
+@pytest.mark.parametrize("n_max", [0, 4], ids=["plain", "draft-model"])
+def test_a_seed_gives_the_same_reply_with_one_slot_or_several(demo_home, tmp_path, n_max):
+    """Before: plain decoding at T > 0 drew on llama.cpp's device sampler with one slot and on the host with
+    several: `--parallel 1` and `--parallel 3` gave other text for the same seed (a request alone)."""
+    replies = []
+    for parallel in (1, 3):
+        (tmp_path / f"p{parallel}").mkdir()
+        s = Server(demo_home, tmp_path / f"p{parallel}", "--parallel", str(parallel), "--pair", "demo-chat",
+                   "--ctx", "512", "--threads", "1")
+        try:
+            out = s.client().completions.create(
+                model="demo-chat", prompt="Once upon a time", max_tokens=32, temperature=0.8, seed=4242,
+                # (No repeat penalty: a penalised row is read whole and drawn from on the host either way.)
+                extra_body={"top_k": 40, "repeat_penalty": 1.0, "speculative.n_max": n_max,
+                            "speculative.type": "draft-simple"})
+            replies.append(out.choices[0].text)
+            assert (out.model_extra["timings"]["draft_n"] > 0) == (n_max > 0)
+        finally:
+            s.stop()
+    assert replies[0] == replies[1]

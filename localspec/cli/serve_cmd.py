@@ -27,7 +27,7 @@ from localspec.fsutil import check_writable
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
-    from localspec.server.app import ServerState
+    from localspec.server.handling import ServerState
 
 MAX_TOKENS_RANGE = (1, 1_000_000)  # as every preset's max_tokens
 ApiKeyOpt = Annotated[
@@ -43,10 +43,20 @@ MetricsOpt = Annotated[
                               help="Serve /metrics (Prometheus text, llama-server's names; preset key "
                                    "server.metrics).")
 ]
+SlotsOpt = Annotated[
+    bool | None, typer.Option("--slots/--no-slots", show_default=False,
+                              help="Serve /slots (llama-server's; preset key server.slots, on by default).")
+]
 ModelAliasOpt = Annotated[
     list[str] | None, typer.Option("--model-alias", metavar="NAME", show_default=False,
-                                   help="Also answer requests that name this model (for a front-end that insists "
-                                        "on its own name); other names get 404. Repeatable.")
+                                   help="Another name for the served model in /v1/models (with --strict-model, "
+                                        "the names requests may give). Repeatable.")
+]
+StrictModelOpt = Annotated[
+    bool | None, typer.Option("--strict-model/--any-model", show_default=False,
+                              help="A request's model must be the served id or an alias (else 404); by default any "
+                                   "name means the one model served, as llama-server answers (preset key "
+                                   "server.strict_model).")
 ]
 options.FLAGS["model_aliases"] = "--model-alias"  # a bad name's error names the flag users typed
 ServeMaxTokensOpt = Annotated[
@@ -74,6 +84,8 @@ def serve(
     slot_save_path: options.slot_save_path = None,
     context_shift: options.context_shift = None,
     n_keep: options.n_keep = None,
+    slots: SlotsOpt = None,
+    strict_model: StrictModelOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
@@ -84,8 +96,9 @@ def serve(
     # The HTTP stack loads here, not with the CLI: the other commands start no slower for it.
     from rich.live import Live
 
-    from localspec.server.app import Backend, ServerState, create_app
+    from localspec.server.app import create_app
     from localspec.server.guard import GuardSettings
+    from localspec.server.handling import Backend, ServerState
 
     key = _api_key(api_key)
     # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
@@ -93,7 +106,8 @@ def serve(
                                         queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
                                         control_tokens=control_tokens,
                                         model_aliases=",".join(model_alias) if model_alias else None,
-                                        metrics=metrics, cache_ram=cache_ram, slot_save_path=slot_save_path,
+                                        metrics=metrics, slots=slots, strict_model=strict_model,
+                                        cache_ram=cache_ram, slot_save_path=slot_save_path,
                                         context_shift=context_shift, n_keep=n_keep)
     settings = chosen.server
     preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
@@ -105,7 +119,8 @@ def serve(
                           read_timeout=settings.read_timeout)
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
                         max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
-                        metrics=settings.metrics, slot_save_path=saves)
+                        metrics=settings.metrics, slots=settings.slots, strict_model=settings.strict_model,
+                        slot_save_path=saves)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
@@ -131,7 +146,7 @@ def serve(
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=0)
 
-    server = _uvicorn_server(app, on_exit, settings.read_timeout)
+    server = uvicorn_server(app, on_exit, settings.read_timeout)
 
     def load() -> None:
         try:
@@ -189,14 +204,13 @@ def _api_key(given: str | None) -> str | None:
     return given
 
 
-def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
+def uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
     """uvicorn's server with the guarded connection handling (localspec.server.guard), plus `on_exit` when a
     shutdown signal arrives (uvicorn itself would wait for in-flight requests to finish)."""
     import asyncio
 
     import uvicorn
 
-    from localspec.server.app import SHUTDOWN_GRACE_S
     from localspec.server.guard import (
         ACCEPT_BATCH,
         LISTEN_BACKLOG,
@@ -205,6 +219,7 @@ def _uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
         quiet_accept_errors,
         raise_open_files_limit,
     )
+    from localspec.server.handling import SHUTDOWN_GRACE_S
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

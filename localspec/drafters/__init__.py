@@ -21,10 +21,20 @@ REGISTRY: dict[str, Factory] = {
 
 
 def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter]:
-    """Every drafter these models allow, by name."""
+    """Every drafter these models allow, by name. A factory that hands back a drafter built before under another
+    name (the chain without a draft model is lookup alone) adds no name: asked for by that name, the request would
+    silently get another drafter."""
     built: dict[str, Drafter] = {}
     for name, factory in REGISTRY.items():
         made = factory(target, draft, built)
-        if made is not None:
+        if made is not None and all(made is not other for other in built.values()):
             built[name] = made
     return built
+
+
+def unavailable(name: str, target: ScoringModel, draft: ScoringModel | None) -> str:
+    """Why `build` offers no drafter `name` with these models, as one clause ("" where nothing more specific
+    than "these models cannot run it" applies)."""
+    if name == "mtp":
+        return mtp.unavailable(target) or ""
+    return "no draft model is loaded" if draft is None else ""

@@ -269,7 +269,7 @@ def unavailable(target: ScoringModel) -> str | None:
     if layers > 0:
         return None
     name = getattr(getattr(target, "path", None), "name", "the target")
-    return f"{name} has no MTP layers (nextn_predict_layers): --drafter mtp needs a GGUF converted with them"
+    return f"{name} has no MTP layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them"
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter | None:

@@ -3,17 +3,26 @@ get past. Every route gets them, including routes added later, because they are 
 protocol, not per-route code.
 
 - `Guard` (ASGI middleware): without an API key, a `Host` header must name the bound address or a loopback name
-  (a web page that rebinds its DNS name to 127.0.0.1 sends its own name; `[server] allowed_hosts` adds more); a
-  POST must say `Content-Type: application/json` (a cross-site "simple request" cannot, without a CORS preflight);
-  at most `max_requests` requests are handled at once (more: 503 at once; /health is exempt, it is what a
-  monitor asks when everything else is busy); a body is read whole here within `read_timeout`, refused as soon as
-  it passes what any prompt the context can hold needs (`PromptLimits.body_bytes`), then replayed to the route.
+  (a web page that rebinds its DNS name to 127.0.0.1 sends its own name; `[server] allowed_hosts` adds more); with
+  one, every request but /health and a CORS preflight must carry it (401, before anything else is looked at:
+  its size, its type); a POST must say `Content-Type: application/json` (a cross-site "simple request" cannot,
+  without a CORS preflight); at most `max_requests` requests are handled at once (more: 503 at once; /health is
+  exempt, it is what a monitor asks when everything else is busy); a body is read whole here within
+  `read_timeout`, refused as soon as it passes what any prompt the context can hold needs
+  (`PromptLimits.body_bytes`), then replayed to the route. A refusal sent before the body was read leaves the
+  connection open: uvicorn then reads the rest of the body and drops it (bounded, `guarded_protocol`), so a client
+  that writes its whole body before reading sees the refusal, not a reset.
+- `Cors` (ASGI middleware, outside `Guard`): CORS as llama-server answers it (its pre-routing handler): every
+  OPTIONS request is a 200 with its methods and headers lists and nothing else (no key asked: a browser's preflight
+  carries none), and an allowed `Origin` is echoed on every response, refusals included.
 - `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
-  few seconds, or a silent socket, stays forever), a cap on open connections that closes the longest-idle one
-  when full (uvicorn's `limit_concurrency` counts idle connections too and answers plain-text 503s, so 1,000 idle
-  sockets would make /health a 503), and an answer for half-closed requests (uvicorn closes on EOF, before
-  replying).
+  few seconds, or a silent socket, stays forever) and one for a reply the client does not take (a client that
+  sends nothing and reads nothing kept its connection, the reply's buffers and its job forever), a cap on open
+  connections that closes the longest-idle one when full (uvicorn's `limit_concurrency` counts idle connections
+  too and answers plain-text 503s, so 1,000 idle sockets would make /health a 503), an answer for half-closed
+  requests (uvicorn closes on EOF, before replying), and the question that tells such a client from one that
+  left (`_probe`): TCP shows both as EOF.
 - `raise_open_files_limit`, `quiet_accept_errors`: the soft open-files limit raised to the hard one at start, and
   asyncio's per-event "out of system resource" traceback for a failed accept() logged once instead.
 - `PromptLimits`: the bounds a prompt must pass before it is rendered or tokenized in full.
@@ -23,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import json
 import logging
 import resource
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,7 +46,7 @@ from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS, RequestError
 log = logging.getLogger("localspec.server")
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-UNGUARDED_PATHS = ("/health", "/v1/health")  # answered even when max_requests are running
+UNGUARDED_PATHS = ("/health", "/v1/health")  # answered even when max_requests are running, and without the key
 MIN_BODY_BYTES = 1 << 20  # room for any ordinary request, whatever the context
 UNBOUNDED_BODY_BYTES = 16 << 20  # where a tokenizer can fold long runs into one token (no byte bound per token)
 JSON_ESCAPE = 6  # the most bytes JSON needs for one byte of text (a control character as \u0001)
@@ -49,6 +60,18 @@ ACCEPT_BATCH = 32
 LISTEN_BACKLOG = 1024
 FD_RESERVE = 8 * ACCEPT_BATCH
 MAX_SOFT_NOFILE = 1 << 16
+# A client's EOF during a request is a half-close (it still reads the answer) or a departure; only bytes sent to it
+# tell them apart (a departed client's kernel answers them with a reset). The question is asked this soon after the
+# EOF, and the answer looked for this often, so a departed client's work stops well within 2 s.
+PROBE_AFTER_S = 0.2
+PROBE_EVERY_S = 0.2
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # an interim answer every HTTP/1.1 client must accept and skip
+# A streamed reply's scope names bytes that mean nothing to its client (an SSE comment): the question asked once
+# the response has started.
+PROBE_BYTES_KEY = "localspec.probe_bytes"
+# A body refused before it was read is read and dropped up to this much, within `read_timeout`; past either the
+# connection is closed (a reset, for a client still sending).
+DRAIN_BYTES = 256 << 20
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -134,6 +157,46 @@ class GuardedState(Protocol):
     def body_limit(self) -> int: ...
 
 
+CORS_METHODS = b"GET, POST, DELETE, OPTIONS"  # llama-server's --cors-methods default
+CORS_HEADERS = b"*"  # llama-server's --cors-headers default (browsers never let `*` cover Authorization)
+
+
+class Cors:
+    """llama-server's CORS: `origins` ("*" = any) are echoed in `Access-Control-Allow-Origin` with credentials
+    allowed; another origin gets no such header, so the browser keeps the reply from the page. An OPTIONS request
+    is answered here, 200 and empty, whatever its origin, as llama-server answers it."""
+
+    def __init__(self, app: ASGIApp, origins: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.origins = origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        origin = next((v for k, v in scope["headers"] if k.lower() == b"origin"), None)
+        allowed = origin is not None and ("*" in self.origins or origin.decode("latin-1") in self.origins)
+        echo = [(b"access-control-allow-origin", origin), (b"access-control-allow-credentials", b"true"),
+                (b"vary", b"Origin")] if allowed else []
+        if scope["method"] == "OPTIONS":
+            headers = [*echo[:1], (b"access-control-allow-credentials", b"true"),
+                       (b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
+                       *echo[2:], (b"content-type", b"text/html"), (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if not echo:
+            await self.app(scope, receive, send)
+            return
+
+        async def with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *echo]}
+            await send(message)
+
+        await self.app(scope, receive, with_cors)
+
+
 class Guard:
     """Pure ASGI middleware (not BaseHTTPMiddleware: that would buffer streaming responses)."""
 
@@ -149,7 +212,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await _respond(send, *refusal)
+            await _respond(send, *refusal)  # no `Connection: close`: see the module docstring
             return
         counted = scope["path"] not in UNGUARDED_PATHS
         if counted and self.running >= self.state.guard.max_requests:
@@ -168,21 +231,28 @@ class Guard:
         finally:
             self.running -= counted
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
-        if self.state.api_key is None and "host" in headers and not self._host_allowed(headers["host"]):
+    def _refusal(self, scope: Scope,
+                 headers: dict[str, str]) -> tuple[int, dict[str, Any], dict[str, str] | None] | None:
+        key = self.state.api_key
+        if key is None and "host" in headers and not self._host_allowed(headers["host"]):
             allowed = ", ".join(self._allowed_names())
             return 403, error_body(
                 f"Host {headers['host'][:100]!r} is not this server's address: without an API key only {allowed} "
                 "are answered (a web page can point its own name at this machine); allow more with --allowed-hosts "
                 "or [server] allowed_hosts, or set --api-key", "invalid_request_error", param="Host",
-                code="host_not_allowed")
+                code="host_not_allowed"), None
+        # A browser's CORS preflight carries no credentials (llama-server answers it without the key too).
+        if key is not None and scope["path"] not in UNGUARDED_PATHS and scope["method"] != "OPTIONS" \
+                and not _key_matches(headers, key):
+            return 401, error_body("missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                                   "authentication_error", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"}
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json" and not kind.endswith("+json"):
                 return 415, error_body(
                     f"Content-Type must be application/json (got {kind[:60]!r}): a browser sends other types "
                     "cross-site without asking", "invalid_request_error", param="Content-Type",
-                    code="unsupported_media_type")
+                    code="unsupported_media_type"), None
         return None
 
     def _allowed_names(self) -> list[str]:
@@ -210,7 +280,7 @@ class Guard:
             "needs", "invalid_request_error", code="request_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _respond(send, 413, too_large, {"Connection": "close"})
+            await _respond(send, 413, too_large)  # the connection drains the body: see the module docstring
             return None
         chunks, size = [], 0
         try:
@@ -222,7 +292,7 @@ class Guard:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        await _respond(send, 413, too_large, {"Connection": "close"})
+                        await _respond(send, 413, too_large)
                         return None
                     chunks.append(chunk)
                     if not message.get("more_body", False):
@@ -232,6 +302,15 @@ class Guard:
                 f"the request body did not arrive within {self.state.guard.read_timeout:g} s ([server] "
                 "read_timeout)", "invalid_request_error", code="request_timeout"), {"Connection": "close"})
             return None
+
+
+def _key_matches(headers: dict[str, str], key: str) -> bool:
+    """`X-Api-Key: KEY` or `Authorization: Bearer KEY`, compared in constant time."""
+    given = headers.get("x-api-key")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if given is None and scheme.lower() == "bearer":
+        given = token.strip()
+    return bool(given) and hmac.compare_digest(given.encode(), key.encode())  # type: ignore[union-attr]
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -281,6 +360,7 @@ def max_connections(open_files: int) -> int:
 def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with a header deadline, a connection cap and half-close support (see the module
     docstring for why each is needed beyond what uvicorn and h11 offer)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     # Connections waiting for a request head, longest first (a dict keeps insertion order): shedding is O(1).
@@ -288,6 +368,18 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
     class GuardedH11Protocol(H11Protocol):
         half_closed = False
+        drained = 0  # bytes of a refused body read and dropped
+        stalled: asyncio.TimerHandle | None = None  # the write deadline, while the client takes no bytes
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.response_complete and self.conn.their_state is h11.SEND_BODY:
+                # A body refused before it was read: uvicorn drops it as it comes (keep-alive); bounded here.
+                self.drained += len(data)
+                if self.drained > DRAIN_BYTES:
+                    self.transport.close()
+                    return
+            super().data_received(data)
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -297,7 +389,28 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def connection_lost(self, exc: Exception | None) -> None:
             waiting.pop(self, None)
+            if self.stalled is not None:
+                self.stalled.cancel()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            """The reply's bytes wait on the client (the socket's buffers are full): arm the write deadline."""
+            super().pause_writing()
+            if self.stalled is None:
+                self.stalled = self.loop.call_later(read_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.stalled is not None:
+                self.stalled.cancel()
+                self.stalled = None
+
+        def _stalled(self) -> None:
+            """The client has taken none of its reply for `read_timeout` (a slow-read attack, a hung client): it
+            sends nothing and reads nothing, and would hold the connection, the reply's buffers and its job
+            forever. Dropped (close would wait for the buffer to drain): the request sees the disconnect."""
+            self.stalled = None
+            self.transport.abort()
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -327,6 +440,7 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
             self.transport.close()
 
         def on_response_complete(self) -> None:
+            self.drained = 0
             self._await_head()
             if self.half_closed:  # the client said it sends nothing more: no next request will come
                 self.server_state.total_requests += 1
@@ -336,11 +450,33 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def eof_received(self) -> bool | None:  # type: ignore[override]
             """A client that shuts down its sending side after a request (`nc -N`, some proxies) still waits
-            for the answer: keep the socket open until it is sent."""
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.half_closed = True
-                return True
-            return None
+            for the answer: keep the socket open until it is sent, and ask whether it is still there (`_probe`):
+            one that closed its socket (curl -m, a closed tab) looks the same until then, and its work would run
+            to the end. An HTTP/1.0 client may not be sent the question: its EOF means it left."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.scope.get("http_version") == "1.0":
+                return None
+            self.half_closed = True
+            self.loop.call_later(PROBE_AFTER_S, self._probe, cycle, True)
+            return True
+
+        def _probe(self, cycle: Any, ask: bool) -> None:
+            """Send bytes the client skips (a `100 Continue` before the response, a streamed reply's comment
+            after it starts); a client that closed its socket answers them with a reset, which sets the socket's
+            error: then the connection is dropped, and the request sees the disconnect (its jobs are cancelled).
+            Looked at until the response is complete."""
+            if self.cycle is not cycle or cycle.response_complete or self.transport.is_closing():
+                return
+            if ask:
+                if not cycle.response_started:
+                    self.transport.write(CONTINUE)
+                elif (probe := cycle.scope.get(PROBE_BYTES_KEY)) is not None:
+                    self.transport.write(self.conn.send(h11.Data(data=probe)))
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self.transport.abort()  # connection_lost marks the request disconnected
+                return
+            self.loop.call_later(PROBE_EVERY_S, self._probe, cycle, False)
 
     return GuardedH11Protocol
 

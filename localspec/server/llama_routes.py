@@ -1,9 +1,9 @@
 """llama-server's own endpoints, in its field names and shapes (the pinned llama.cpp's tools/server/README.md):
 /tokenize, /detokenize, /apply-template, /props, /slots, /metrics, the native /completion and /infill.
 
-They go through app.py's guards (API key, body size limit, OpenAI-shaped errors, CORS) and its one path to the
-worker (`_run`); only the reply's shape is llama-server's. Fields are as strict as everywhere else: an unknown
-one is a 400 naming it.
+They go through the same guards as OpenAI's routes (API key, body size limit, OpenAI-shaped errors, CORS) and the
+one path to the worker (handling.run_request); only the reply's shape is llama-server's. Fields are as strict as
+everywhere else: an unknown one is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,23 +21,21 @@ from localspec import __version__
 from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
 from localspec.llama_ctx import LlamaModel
-from localspec.server.app import (
+from localspec.server.fim import fim_prompt
+from localspec.server.handling import (
     ApiError,
     Backend,
+    Reply,
     ServerState,
-    _authorize,
-    _guarded,
-    _json,
-    _prompt,
-    _read_body,
-    _Reply,
-    _run,
+    build_prompt,
     completion_prompt,
     completion_tokens,
+    guarded,
+    json_text,
+    read_body,
+    run_request,
 )
-from localspec.server.fim import fim_prompt
 from localspec.server.schema import (
-    SPECULATIVE_TYPES,
     ChatRequest,
     CompletionRequest,
     RequestError,
@@ -45,6 +43,7 @@ from localspec.server.schema import (
     _Strict,
     parse,
     parse_body,
+    speculative_name,
 )
 from localspec.server.worker import FINISH_LENGTH, JobResult, SlotView, timings
 
@@ -119,10 +118,10 @@ def generation_params(s: Sampling, d: Drafting, max_tokens: int | None, seed: in
 
 
 def speculative_type(d: Drafting) -> str:
-    """Who drafts under these settings, in llama-server's `speculative.type` names (schema's SPECULATIVE_TYPES)."""
+    """Who drafts under these settings, in llama-server's `speculative.type` names."""
     if d.n_draft == 0:
         return "none"
-    return next(name for name, drafter in SPECULATIVE_TYPES.items() if drafter == d.drafter)
+    return speculative_name(d.drafter)
 
 
 def _stop_type(result: JobResult) -> str:
@@ -131,7 +130,7 @@ def _stop_type(result: JobResult) -> str:
     return "limit" if result.finish_reason == FINISH_LENGTH else "eos"
 
 
-class NativeReply(_Reply):
+class NativeReply(Reply):
     """llama-server's /completion shape: `content`, `stop`, `tokens_predicted`, `timings`, ... (no OpenAI
     envelope, no `[DONE]` at the end of a stream)."""
 
@@ -154,10 +153,10 @@ class NativeReply(_Reply):
         out: dict[str, Any] = {"index": index, "content": payload, "tokens": [], "stop": False}
         if timings is not None:
             out["timings"] = timings
-        return _json(out)
+        return json_text(out)
 
     def final_chunk(self, result: JobResult, index: int = 0) -> str:
-        return _json(self._final(result, "", index))  # the text went out in the chunks before
+        return json_text(self._final(result, "", index))  # the text went out in the chunks before
 
     def whole(self, results: list[JobResult]) -> Any:
         """One result as an object; several choices (`n_cmpl`) as an array of them, as llama-server does."""
@@ -182,8 +181,7 @@ class NativeReply(_Reply):
 
 def add_llama_routes(app: FastAPI, state: ServerState) -> None:
     async def body_of(request: Request) -> Any:
-        _authorize(state, request)
-        return parse_body(await _read_body(request))
+        return parse_body(await read_body(request))
 
     async def tokenize(request: Request) -> JSONResponse:
         req = _validate(TokenizeRequest, await body_of(request))
@@ -207,12 +205,13 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"prompt": await _render(backend, req)})
 
     async def props(request: Request) -> JSONResponse:
-        _authorize(state, request)
         backend = state.ready()
         return JSONResponse(_props(state, backend))
 
     async def slots(request: Request) -> JSONResponse:
-        _authorize(state, request)
+        if not state.slots:  # llama-server's words and status
+            raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           kind="not_supported_error", code="slots_disabled")
         backend = state.ready()
         views = backend.worker.slot_views()
         if request.query_params.get("fail_on_no_slot") and all(v.busy for v in views):
@@ -220,7 +219,6 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse([_slot(backend, v) for v in views])
 
     async def metrics(request: Request) -> PlainTextResponse:
-        _authorize(state, request)
         if not state.metrics:
             raise ApiError(501, "metrics are off: start the server with --metrics (preset key server.metrics)",
                            kind="not_supported_error", code="metrics_disabled")
@@ -231,7 +229,7 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         req = _native_request(state, parse(CompletionRequest, await body_of(request)))
         backend = state.ready()
         prompt = await completion_prompt(backend, req, request)
-        return await _run(state, backend, request, req, prompt, chat=False,
+        return await run_request(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     async def infill(request: Request) -> Any:
@@ -248,15 +246,15 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         def build(cancelled: Callable[[], bool]) -> list[int]:
             return fim_prompt(backend.model, req.input_prefix, req.input_suffix, req.prompt, extra)
 
-        prompt = await _prompt(backend, build, request)
-        return await _run(state, backend, request, req, prompt, chat=False,
+        prompt = await build_prompt(backend, build, request)
+        return await run_request(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     for path, handler in (("/tokenize", tokenize), ("/detokenize", detokenize), ("/apply-template", apply_template),
                           ("/completion", completion), ("/infill", infill)):
-        app.add_api_route(path, _guarded(handler), methods=["POST"])
+        app.add_api_route(path, guarded(handler), methods=["POST"])
     for path, handler in (("/props", props), ("/slots", slots), ("/metrics", metrics)):
-        app.add_api_route(path, _guarded(handler), methods=["GET"])
+        app.add_api_route(path, guarded(handler), methods=["GET"])
 
 
 def _native_request(state: ServerState, req: CompletionRequest) -> CompletionRequest:
@@ -308,7 +306,7 @@ def _props(state: ServerState, backend: Backend) -> dict[str, Any]:
         "model_alias": state.model_id,
         "model_path": str(model.path),
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": True,
+        "endpoint_slots": state.slots,
         "endpoint_props": False,
         "endpoint_metrics": state.metrics,
         "chat_template": model.metadata("tokenizer.chat_template") or "",
@@ -350,8 +348,10 @@ def _slot(backend: Backend, view: SlotView) -> dict[str, Any]:
         "n_prompt_tokens_cache": s.prompt_tokens - processed,
         "params": {**generation_params(job.sampling, job.drafting, job.max_tokens, job.sampling.seed, job.context),
                    "stop": list(job.stops), "timings_per_token": job.timings_per_token},
-        "next_token": [{"has_next_token": view.busy, "n_remain": max(0, job.max_tokens - s.tokens),
-                        "n_decoded": s.tokens}],
+        # Idle, llama-server's n_remain is -1 (its slot forgets the limit on release); localspec keeps the last
+        # request's other figures until the next one.
+        "next_token": [{"has_next_token": view.busy,
+                        "n_remain": max(0, job.max_tokens - s.tokens) if view.busy else -1, "n_decoded": s.tokens}],
         "timings": timings(s),
     })
     return out
@@ -363,13 +363,16 @@ def _prometheus(backend: Backend) -> str:
     worker = backend.worker
     stats, t = worker.stats, worker.stats.totals
     counters = [
+        # Counted as each reply's timings count them (prompt_n, cache_n): their sums over the served requests.
         ("llamacpp:prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
-         t.prompt_tokens_processed),
-        ("llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
-         t.prompt_tokens - t.prompt_tokens_processed),
+         stats.prompt_n),
+        ("llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", stats.cache_n),
         ("llamacpp:prompt_seconds_total", "Total time spent processing prompts", t.prefill_s),
         ("llamacpp:tokens_predicted_total", "Number of generation tokens processed", t.tokens),
         ("llamacpp:tokens_predicted_seconds_total", "Total time spent generating tokens", t.decode_s),
+        ("llamacpp:n_decode_total",
+         "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+         worker.decodes),
         ("llamacpp:n_tokens_max", "Largest observed sequence length (prompt + generation)", stats.max_sequence),
         ("llamacpp:spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", t.drafted),
         ("llamacpp:spec_decode_num_accepted_tokens_total",
@@ -382,14 +385,14 @@ def _prometheus(backend: Backend) -> str:
         ("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s", t.decode_tps),
         ("llamacpp:requests_processing", "Number of requests processing", stats.running),
         ("llamacpp:requests_deferred", "Number of requests deferred", worker.queued),
+        ("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         stats.busy_slot_decodes / max(worker.decodes, 1)),
         ("localspec:draft_acceptance_ratio", "Accepted draft tokens / drafted tokens, all requests",
          t.acceptance_rate),
         ("localspec:draft_mean_accepted", "Accepted draft tokens per round, all requests", t.mean_accepted),
         ("localspec:slots", "Slots (--parallel)", worker.slots),
         ("localspec:slots_busy", "Slots generating now", stats.running),
     ]
-    from localspec.server.slot_routes import prompt_cache_metrics
-
     for name, help_text, kind, value in prompt_cache_metrics(backend):
         (counters if kind == "counter" else gauges).append((name, help_text, value))
     lines = []
@@ -404,3 +407,31 @@ def _prometheus(backend: Backend) -> str:
 
 def _number(value: float) -> str:
     return str(value) if isinstance(value, int) else repr(float(value))
+
+
+def prompt_cache_metrics(backend: Backend) -> list[tuple[str, str, str, float]]:
+    """The prompt cache's lines for /metrics: (name, help, counter|gauge, value); zeros when it is off."""
+    cache = backend.worker.engine.prompt_cache
+    if cache is None:
+        values = dict.fromkeys(("hits", "misses", "restored_tokens", "stored", "evicted", "skipped", "entries",
+                                "tokens", "nbytes", "limit"), 0)
+    else:
+        values = vars(cache.counters())
+    return [
+        ("localspec:prompt_cache_hits_total", "Prompts restored from the host-RAM prompt cache", "counter",
+         values["hits"]),
+        ("localspec:prompt_cache_misses_total", "Slots given to another prompt with no cached state that serves it",
+         "counter", values["misses"]),
+        ("localspec:prompt_cache_tokens_restored_total", "Prompt tokens restored from the cache instead of decoded",
+         "counter", values["restored_tokens"]),
+        ("localspec:prompt_cache_stored_total", "Slot states kept in the cache", "counter", values["stored"]),
+        ("localspec:prompt_cache_evicted_total", "Cached states removed to stay within the budget", "counter",
+         values["evicted"]),
+        ("localspec:prompt_cache_skipped_total", "Slot states larger than the whole budget, not kept", "counter",
+         values["skipped"]),
+        ("localspec:prompt_cache_entries", "Slot states in the cache", "gauge", values["entries"]),
+        ("localspec:prompt_cache_tokens", "Tokens the cached states hold", "gauge", values["tokens"]),
+        ("localspec:prompt_cache_bytes", "Host RAM the cached states take", "gauge", values["nbytes"]),
+        ("localspec:prompt_cache_limit_bytes", "The cache's budget (server.cache_ram; 0 = off)", "gauge",
+         values["limit"]),
+    ]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from localspec.config import key_metadata
+from localspec.config import DRAFTERS, key_metadata
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -29,9 +29,16 @@ MAX_CHOICES = 64  # n per request (and never more than the server's slots + queu
 FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
                 "drafter": "speculative.type"}  # preset key → request field
 # speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
-# it means here: a drafter, or "none" (no drafting).
-SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
-                     "ngram-simple,draft-simple": "chain", "draft-mtp": "mtp", "mtp": "mtp"}
+# it means here: a drafter, or "none" (no drafting); every drafter also answers to its own name (`[draft] drafter`),
+# so one added to the registry is a type at once.
+LLAMA_SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
+                           "ngram-simple,draft-simple": "chain", "draft-mtp": "mtp"}
+SPECULATIVE_TYPES = {**LLAMA_SPECULATIVE_TYPES, **{name: name for name in DRAFTERS}}
+
+
+def speculative_name(drafter: str | None) -> str:
+    """A drafter's `speculative.type` (llama-server's name where it has one; None: "none")."""
+    return next(name for name, meant in SPECULATIVE_TYPES.items() if meant == drafter)
 
 
 class RequestError(Exception):
@@ -58,7 +65,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-SpeculativeType = Literal["none", "draft-simple", "ngram-simple", "ngram-simple,draft-simple", "draft-mtp", "mtp"]
+SpeculativeType = Literal[tuple(SPECULATIVE_TYPES)]  # type: ignore[valid-type]
 
 
 class Speculative(_Strict):
@@ -319,6 +326,15 @@ class ChatRequest(_Generation):
         if self.max_completion_tokens is not None:
             return self._with_n_predict(self.max_completion_tokens, "max_completion_tokens")
         return super().limit()
+
+    @field_validator("messages")
+    @classmethod
+    def _one_assistant_at_the_end(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """llama-server's rule (server-common.cpp): two assistant turns in a row at the end have no reply to
+        prompt for; templates that alternate roles would break on them."""
+        if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
+            raise ValueError("cannot have 2 or more assistant messages at the end of the list")
+        return messages
 
 
 class CompletionRequest(_Generation):

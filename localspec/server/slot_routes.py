@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from localspec.errors import WriteError
 from localspec.prompt_cache import SlotState
-from localspec.server.app import ApiError, Backend, ServerState, _authorize, _guarded, _read_body
+from localspec.server.handling import ApiError, Backend, ServerState, guarded, read_body
 from localspec.server.llama_routes import _validate
 from localspec.server.schema import RequestError, _Strict, parse_body
 from localspec.server.worker import QueueFull
@@ -41,7 +41,6 @@ class SlotFileRequest(_Strict):
 
 def add_slot_routes(app: FastAPI, state: ServerState) -> None:
     async def slot_action(request: Request) -> JSONResponse:
-        _authorize(state, request)
         backend = state.ready()
         if state.slot_save_path is None:
             raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
@@ -52,7 +51,7 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
         if action not in ACTIONS:
             raise RequestError(f"Invalid action {action!r}: ?action= one of {', '.join(ACTIONS)}", param="action",
                                code="invalid_value")
-        body = await _read_body(request)
+        body = await read_body(request)
         if action == "erase":  # (llama-server reads no body for it)
             return await _erase(backend, slot)
         data = parse_body(body)
@@ -67,7 +66,7 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
             return await _save(backend, slot, name, path)
         return await _restore(backend, slot, name, path)
 
-    app.add_api_route("/slots/{id_slot}", _guarded(slot_action), methods=["POST"])
+    app.add_api_route("/slots/{id_slot}", guarded(slot_action), methods=["POST"])
 
 
 def _slot_id(text: str, slots: int) -> int:
@@ -130,31 +129,3 @@ async def _erase(backend: Backend, slot: int) -> JSONResponse:
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
-
-
-def prompt_cache_metrics(backend: Backend) -> list[tuple[str, str, str, float]]:
-    """The prompt cache's lines for /metrics: (name, help, counter|gauge, value); zeros when it is off."""
-    cache = backend.worker.engine.prompt_cache
-    if cache is None:
-        values = dict.fromkeys(("hits", "misses", "restored_tokens", "stored", "evicted", "skipped", "entries",
-                                "tokens", "nbytes", "limit"), 0)
-    else:
-        values = vars(cache.counters())
-    return [
-        ("localspec:prompt_cache_hits_total", "Prompts restored from the host-RAM prompt cache", "counter",
-         values["hits"]),
-        ("localspec:prompt_cache_misses_total", "Slots given to another prompt with no cached state that serves it",
-         "counter", values["misses"]),
-        ("localspec:prompt_cache_tokens_restored_total", "Prompt tokens restored from the cache instead of decoded",
-         "counter", values["restored_tokens"]),
-        ("localspec:prompt_cache_stored_total", "Slot states kept in the cache", "counter", values["stored"]),
-        ("localspec:prompt_cache_evicted_total", "Cached states removed to stay within the budget", "counter",
-         values["evicted"]),
-        ("localspec:prompt_cache_skipped_total", "Slot states larger than the whole budget, not kept", "counter",
-         values["skipped"]),
-        ("localspec:prompt_cache_entries", "Slot states in the cache", "gauge", values["entries"]),
-        ("localspec:prompt_cache_tokens", "Tokens the cached states hold", "gauge", values["tokens"]),
-        ("localspec:prompt_cache_bytes", "Host RAM the cached states take", "gauge", values["nbytes"]),
-        ("localspec:prompt_cache_limit_bytes", "The cache's budget (server.cache_ram; 0 = off)", "gauge",
-         values["limit"]),
-    ]

@@ -97,9 +97,13 @@ def timings(s: GenerationStats) -> dict[str, float | int]:
         "cache_n": s.prompt_tokens - n,
         "prompt_n": n,
         "prompt_ms": round(s.prefill_s * 1000, 3),
+        "prompt_per_token_ms": round(s.prefill_s * 1000 / n, 3),
         "prompt_per_second": round(n / s.prefill_s, 3) if s.prefill_s > 0 else 0.0,
         "predicted_n": s.tokens,
         "predicted_ms": round(s.decode_s * 1000, 3),
+        # Every predicted token costs decode time here (llama-server's first token comes with the prompt's last
+        # batch; here the first verify round makes it), so per token is the whole time over the tokens.
+        "predicted_per_token_ms": round(s.decode_s * 1000 / s.tokens, 3) if s.tokens else 0.0,
         "predicted_per_second": round(s.decode_tps, 3),
         "draft_n": s.drafted,
         "draft_n_accepted": s.accepted,
@@ -156,8 +160,11 @@ class WorkerStats:
     last: JobResult | None = None
     mean_job_s: float = 0.0  # smoothed wall time of a job, for Retry-After
     totals: GenerationStats = field(default_factory=GenerationStats)  # every served job's, for /metrics
+    prompt_n: int = 0  # prompt tokens evaluated, summed as each reply's timings count them (`prompt_n`)
+    cache_n: int = 0  # ... and reused from the cache (`cache_n`)
     max_sequence: int = 0  # the longest prompt + reply served (llama-server's n_tokens_max)
     draft_rounds: int = 0  # rounds that verified a draft (llama-server's spec_decode_num_drafts_total)
+    busy_slot_decodes: int = 0  # over the target's decodes in rounds: the slots busy in each, summed
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,13 @@ class Worker:
         self._actions: collections.deque[tuple[int, Callable[[], Any], concurrent.futures.Future]] = \
             collections.deque()
         self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
+        self._decodes_at_start = engine.target.decodes  # (loading may have decoded: not the server's work)
+
+    @property
+    def decodes(self) -> int:
+        """The target's llama_decode calls since the server started (llama-server's n_decode_total: the draft
+        model's are not counted)."""
+        return self.engine.target.decodes - self._decodes_at_start
 
     # -- the interface ----------------------------------------------------------------------------------------
 
@@ -407,8 +421,10 @@ class Worker:
     def _round(self) -> None:
         """One engine round for every running job, then each job's tokens to its client."""
         running = [r for r in self._running if r.stream is not None]
+        before = self.engine.target.decodes
         try:
             self.engine.step([r.stream for r in running])
+            self.stats.busy_slot_decodes += (self.engine.target.decodes - before) * len(running)
             for r in running:
                 for event in r.stream.events():
                     if isinstance(event, TokenEvent):
@@ -442,6 +458,8 @@ class Worker:
             self.stats.last = final.result
             # Without the per-round draft lengths: a server's lifetime of rounds would only grow.
             self.stats.totals = self.stats.totals + dataclasses.replace(final.result.stats, draft_lengths=[])
+            self.stats.prompt_n += final.result.prompt_n
+            self.stats.cache_n += final.result.stats.prompt_tokens - final.result.prompt_n
             self.stats.draft_rounds += sum(1 for n in final.result.stats.draft_lengths if n)
             self.stats.max_sequence = max(self.stats.max_sequence,
                                           final.result.stats.prompt_tokens + final.result.engine_tokens)
