@@ -133,7 +133,8 @@ class Sampling:
         return active and self.repeat_last_n > 0
 
 
-DRAFTERS = ("model", "lookup", "chain")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
+DRAFTERS = ("model", "lookup", "chain", "mtp")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
+MODEL_FREE_DRAFTERS = ("lookup", "mtp")  # drafters that need no draft model (a pair may name one and no draft)
 
 
 @dataclass(frozen=True)

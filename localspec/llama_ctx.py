@@ -31,7 +31,9 @@ from localspec.errors import (
     GrammarError,
     LocalspecError,
     ModelLoadError,
+    RollbackError,
     TooManyTokens,
+    UsageError,
 )
 from localspec.gguf_header import read_header
 from localspec.scores import DeviceDist, Scores
@@ -88,6 +90,49 @@ def supports_gpu_offload() -> bool:
     """Whether this build has a local GPU to offload to. Not llama_supports_gpu_offload(): that also counts the
     RPC backend, so a CPU build with -DGGML_RPC=ON says yes."""
     return bool(gpu_devices())
+
+
+# -- what this llama-cpp-python can do for hybrid models and MTP heads (llama_cpp's own declarations) ---------------
+#
+# Everything below is declared by llama-cpp-python 0.3.36 (`llama_cpp.llama_cpp` and the staging `llama_cpp_ext`);
+# an older build lacks some of it, and then the features that need it are refused with one line, never approximated.
+# tests/test_hybrid.py checks the struct fields against the library itself (a context's n_rs_seq reads back).
+
+# A recurrent checkpoint: only the recurrent part of a hybrid's memory, kept in device memory.
+_CHECKPOINT_FLAGS = (getattr(llama_cpp, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
+                     | getattr(llama_cpp, "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE", 2))
+
+
+def _has_field(struct: type, name: str) -> bool:
+    return any(field[0] == name for field in getattr(struct, "_fields_", ()))
+
+
+def rollback_unsupported() -> str | None:
+    """Why this llama-cpp-python cannot roll a recurrent state back (speculation on hybrid models), None if it can."""
+    have = (_has_field(llama_cpp.llama_context_params, "n_rs_seq") and hasattr(llama_cpp, "llama_n_rs_seq")
+            and hasattr(llama_cpp, "llama_state_seq_get_data_ext"))
+    if have:
+        return None
+    return (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot roll back a recurrent state "
+            "(no llama_context_params.n_rs_seq), which speculative decoding on this model needs: install "
+            "llama-cpp-python 0.3.36 or newer, or decode plainly (--n-draft 0)")
+
+
+try:
+    from llama_cpp import llama_cpp_ext
+except (ImportError, AttributeError):  # an older build: no staging API (MTP heads unavailable)
+    llama_cpp_ext = None  # type: ignore[assignment]
+
+
+def mtp_unsupported() -> str | None:
+    """Why this llama-cpp-python cannot run a model's MTP head, None if it can."""
+    have = (llama_cpp_ext is not None and _has_field(llama_cpp.llama_model_params, "load_mtp")
+            and _has_field(llama_cpp.llama_context_params, "ctx_type") and hasattr(llama_cpp, "llama_process")
+            and hasattr(llama_cpp, "llama_batch_ext_set_embd_token"))
+    if have:
+        return None
+    return (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot run MTP heads (no MTP context type "
+            "or nextn embeddings): install llama-cpp-python 0.3.36 or newer")
 
 
 # -- devices: local GPUs and RPC servers (ggml's backend registry, declared from ggml-backend.h) -----------------
@@ -309,13 +354,13 @@ class Sampled:
     tokens: np.ndarray  # (rows,) int32
 
 
-def _as_scores(raw: np.ndarray | TopK | Sampled | None) -> Scores | None:
+def _as_scores(raw: np.ndarray | TopK | Sampled | None, hidden: np.ndarray | None = None) -> Scores | None:
     """What the decode made, as the one type callers see."""
     if raw is None or isinstance(raw, np.ndarray):
-        return None if raw is None else Scores(raw)
+        return None if raw is None else Scores(raw, hidden=hidden)
     if isinstance(raw, TopK):
-        return Scores(raw.logits, ids=raw.ids)
-    return Scores(None, drawn=raw.tokens)
+        return Scores(raw.logits, ids=raw.ids, hidden=hidden)
+    return Scores(None, drawn=raw.tokens, hidden=hidden)
 
 
 DecodeItem = tuple[int, Sequence[int], int, bool]  # (sequence id, tokens, first position, a row for every token)
@@ -333,6 +378,7 @@ class _Run:
     item: int = -1  # the item whose rows these are (-1: padding only)
     rows_at: int = 0  # where in the run the item's rows start
     rows: int = 0
+    real: int | None = None  # how many of the tokens are the item's (None: all; the rest pad a covering call)
 
 
 def ubatch_split(layout: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[Chunk]]:
@@ -358,6 +404,35 @@ def ubatch_split(layout: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[
         for i in chosen:
             left[i] -= take
             done[i] += take
+
+
+def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int) -> list[list[Chunk]]:
+    """`decode_plan` for a model with a recurrent state: every item's tokens in one call (an item longer than
+    n_batch, a prompt, in n_batch chunks of its own), calls of sequences with consecutive ids and as many tokens
+    each. llama.cpp can roll a recurrent state back only within the sequence's last ubatch (its snapshots), so a
+    verify's tokens must never be split; and a ubatch of a recurrent model holds equal runs of consecutive
+    sequences (`split_equal`), so each call is still exactly one ubatch."""
+    live = sorted((i for i, (_, count) in enumerate(layout) if count > 0), key=lambda i: layout[i][0])
+    calls: list[list[Chunk]] = []
+    group: list[int] = []
+
+    def close() -> None:
+        if group:
+            calls.append([(i, 0, layout[i][1]) for i in group])
+            group.clear()
+
+    for i in live:
+        seq, count = layout[i]
+        if count > n_batch:
+            close()
+            calls.extend([[(i, first, min(n_batch, count - first))] for first in range(0, count, n_batch)])
+            continue
+        if group and (seq != layout[group[-1]][0] + 1 or count != layout[group[-1]][1]
+                      or (len(group) + 1) * count > n_batch):
+            close()
+        group.append(i)
+    close()
+    return calls
 
 
 def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) -> list[list[Chunk]]:
@@ -437,9 +512,12 @@ class LlamaModel:
         main_gpu: int = 0,
         n_seq: int = 1,
         flash_attn: str = "auto",
+        rewind: int = 0,
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
-        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
+        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`. `rewind`: how
+        many tokens a recurrent or hybrid model must be able to roll back (the longest draft); llama.cpp keeps that
+        many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError)."""
         _init_backend()
         self.path = Path(path)
         if not self.path.is_file():
@@ -473,6 +551,10 @@ class LlamaModel:
         # logits differ from plain decoding's (by ~0.5 on Gemma 270M) and greedy output would not be lossless.
         # Without them one token and a batch give bit-identical logits (checked in tests/test_engine.py).
         mparams.use_extra_bufts = False
+        header = read_header(self.path)
+        mparams_mtp = bool(header.nextn_layers) and mtp_unsupported() is None
+        if mparams_mtp:
+            mparams.load_mtp = True  # the MTP blocks an `MtpHead` runs (the memory estimate counts them anyway)
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"{self.path}: llama.cpp could not load this model (LOCALSPEC_DEBUG=1 shows why)")
@@ -498,6 +580,14 @@ class LlamaModel:
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model))
+        if self.recurrent and rewind > 0:
+            why = rollback_unsupported()
+            if why is not None:
+                self.close()
+                raise RollbackError(f"{self.path.name}: {why}")
+            cparams.n_rs_seq = rewind
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             self.close()
@@ -505,11 +595,23 @@ class LlamaModel:
                 f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens "
                 "(out of memory? try a smaller --ctx or --kv-type q8_0)"
             )
+        # None: a KV cache rewinds anywhere; a recurrent state only as far as llama.cpp keeps snapshots of it.
+        self.rewind_depth: int | None = None
+        if self.recurrent:
+            self.rewind_depth = int(llama_cpp.llama_n_rs_seq(self.ctx)) if rewind > 0 else 0
+            if self.rewind_depth < rewind:  # llama.cpp clamps n_rs_seq to 0 for the architectures it cannot roll back
+                self.close()
+                raise RollbackError(f"{self.path.name}: llama.cpp cannot roll back a {header.arch} model's recurrent "
+                                    "state, which speculative decoding needs (plain decoding works: --n-draft 0)")
+        self._last_run: dict[int, int] = {}  # per sequence: its tokens in its last llama_decode (recurrent only)
+        self._pending: set[int] = set()  # sequences with a snapshot rollback not yet decoded past (single-use)
+        self._checkpoints: dict[int, tuple[int, ctypes.Array]] = {}  # per sequence: (its length, the saved state)
+        self._hidden_seqs: set[int] = set()  # sequences whose decodes return hidden rows (`want_hidden`)
+        self._hidden: list[np.ndarray | None] = []  # per item of the last _decode_batched: its hidden rows
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        # What a saved state may serve once restored, and whether a context shift can drop tokens (restore_floor)
-        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
-                              or llama_cpp.llama_model_is_hybrid(self.model))
+        # `recurrent` (above) also decides what a saved state may serve once restored, and whether a context shift
+        # can drop tokens (restore_floor).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
@@ -518,6 +620,9 @@ class LlamaModel:
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
         self.n_threads = threads
         self.kv_type = kv_type
+        self.flash_attn = flash_attn
+        # MTP blocks loaded with the model (`MtpHead` runs them): the drafter `mtp` exists only with them.
+        self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if mparams_mtp else 0
         self.n_gpu_layers = n_gpu_layers
         # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
         # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
@@ -541,6 +646,7 @@ class LlamaModel:
         self.replans = 0  # of them, those llama.cpp was made to plan afresh before (`_decode`)
         self._dirty_plan: tuple[int, ...] | None = None  # the last graph's layout, if its plan had freed sampler nodes
         self._n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self._n_embd_out = int(llama_cpp.llama_model_n_embd_out(self.model))
         self._cells_per_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))
 
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
@@ -567,7 +673,8 @@ class LlamaModel:
         into llama.cpp's buffer, valid until the next decode): one row per token with `all_logits`, else one row
         for the last token; None for no tokens. Prompt-sized inputs are split into n_batch chunks.
         """
-        return _as_scores(self._decode_batched([(seq, tokens, start_pos, all_logits)])[0])
+        raw = self._decode_batched([(seq, tokens, start_pos, all_logits)])[0]
+        return _as_scores(raw, self._hidden[0])
 
     def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
@@ -576,12 +683,16 @@ class LlamaModel:
         (`decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
         the items one after another."""
         if self.batches_sequences or len({item[0] for item in items}) < 2:
-            return [_as_scores(r) for r in self._decode_batched(items, cover=True)]
-        results = [self._decode_batched([item])[0] for item in items]
+            raws = self._decode_batched(items, cover=True)
+            return [_as_scores(r, h) for r, h in zip(raws, self._hidden, strict=True)]
+        results, hidden = [], []
+        for item in items:
+            results.append(self._decode_batched([item])[0])
+            hidden.append(self._hidden[0])
         for i, scores in enumerate(results[:-1]):
             if isinstance(scores, np.ndarray) and scores.base is not None:
                 results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
-        return [_as_scores(r) for r in results]
+        return [_as_scores(r, h) for r, h in zip(results, hidden, strict=True)]
 
     def _decode_batched(self, items: Sequence[DecodeItem],
                         cover: bool = False) -> list[np.ndarray | TopK | Sampled | None]:
@@ -595,6 +706,8 @@ class LlamaModel:
         covering = self._covering_calls(items) if cover and self.n_seq > 1 and self._modes else None
         calls, trims = covering or (self._plain_calls(items), [])
         pieces: list[list[np.ndarray | TopK | Sampled]] = [[] for _ in items]
+        hidden: list[list[np.ndarray]] = [[] for _ in items]
+        self._hidden = [None] * len(items)
         views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses
         try:
             for runs in calls:
@@ -618,6 +731,12 @@ class LlamaModel:
                         wanted.append((run.item, run.seq, n + run.rows_at, run.rows))
                     n += take
                 self._decode(n, tuple(outputs.get(seq, 0) for seq in sorted(self._modes)))
+                if self.recurrent:
+                    for run in runs:
+                        self._last_run[run.seq] = len(run.tokens)
+                        self._pending.discard(run.seq)
+                if self._hidden_seqs:
+                    self._copy_hidden(runs, hidden)
                 rows_only = covering is None and (not self._modes or not any(w[1] in self._modes for w in wanted))
                 if wanted and rows_only:
                     # Full logits for all: one buffer, its rows in batch order (each output row is one wanted row).
@@ -634,14 +753,30 @@ class LlamaModel:
         finally:
             for seq, keep in trims:  # the stand-in tokens leave the caches again, like rejected drafts
                 llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)
+        self._hidden = [np.concatenate(h) if h else None for h in hidden]
         return [_joined(p) for p in pieces]
+
+    def _copy_hidden(self, runs: Sequence[_Run], hidden: list[list[np.ndarray]]) -> None:
+        """Each wanted item's hidden rows of this call: one per token (llama.cpp's nextn rows, by batch index)."""
+        base = llama_cpp_ext.llama_get_embeddings_nextn(self.ctx)
+        if not base:
+            raise DecodeError(f"{self.path.name}: llama.cpp returned no hidden states")
+        n = 0
+        for run in runs:
+            take = len(run.tokens)
+            if run.item >= 0 and run.seq in self._hidden_seqs:
+                rows = np.ctypeslib.as_array(base, shape=(n + take, self._n_embd_out))[n : n + take]
+                hidden[run.item].append(rows[: take if run.real is None else run.real].copy())
+            n += take
 
     def _plain_calls(self, items: Sequence[DecodeItem]) -> list[list[_Run]]:
         """`decode_plan`'s calls: each item's tokens, an output on every one of them with `all_logits`, else on
         its last."""
         calls = []
-        for chunks in decode_plan([(seq, len(tokens)) for seq, tokens, _, _ in items], self.n_batch,
-                                  self.n_seq > 1):
+        layout = [(seq, len(tokens)) for seq, tokens, _, _ in items]
+        plan = whole_plan(layout, self.n_batch) if self.recurrent else decode_plan(layout, self.n_batch,
+                                                                                   self.n_seq > 1)
+        for chunks in plan:
             runs = []
             for item, first, take in chunks:
                 seq, tokens, start_pos, all_logits = items[item]
@@ -713,7 +848,8 @@ class LlamaModel:
                     padded = [self.unknown_token] * take
                 if seq in self._modes and not any(outputs):
                     outputs[-1] = True  # a row nobody reads: keeps this sequence's chain active in the graph
-                runs.append(_Run(seq, starts[seq] + t0, padded, outputs, item, rows_at, rows))
+                runs.append(_Run(seq, starts[seq] + t0, padded, outputs, item, rows_at, rows,
+                                 len(real) if item >= 0 else None))
             calls.append(runs)
         trims = [(seq, starts[seq] + (len(items[live[seq]][1]) if seq in live else 0))
                  for seq in range(lo, hi + 1)
@@ -835,7 +971,8 @@ class LlamaModel:
         llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
         decode rebuilds its graph: callers switch per generation, not per round).
         """
-        if not self.device_top_k:
+        if not self.device_top_k or (self.recurrent and self.n_seq > 1):
+            # (Several sequences' chains need covering calls, whose stand-in tokens a recurrent state cannot undo.)
             mode = None
         if mode == self._modes.get(seq):
             return mode is not None
@@ -862,7 +999,9 @@ class LlamaModel:
         (`needs_raw_logits` in llama-context.cpp), so a row the sampler ran on cannot be read whole afterwards.
         Switching the sampler makes llama.cpp plan its graphs again: for the rare row only."""
         mode = self._modes.get(seq)
-        self.truncate(pos, seq)
+        if self.truncate(pos, seq) != pos:
+            raise DecodeError(f"{self.path.name}: a recurrent state cannot rewind to position {pos} to read a row "
+                              "whole (constrained rows are full rows on such a model)")
         self.use_device_sampler(None, seq)
         try:
             scores = self.decode_many([(seq, [token], pos, True)])[0]
@@ -877,17 +1016,85 @@ class LlamaModel:
         if isinstance(self._modes.get(seq), DeviceDist):
             llama_cpp.llama_sampler_reset(self._chains[seq])
 
-    def truncate(self, n_keep: int, seq: int = 0) -> None:
-        """Drop every KV cell of sequence `seq` at position >= n_keep (the one rewind primitive)."""
-        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
-            raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+    def truncate(self, n_keep: int, seq: int = 0) -> int:
+        """Drop every cell of sequence `seq` at position >= n_keep (the one rewind primitive); returns how many
+        cells it kept. A KV cache keeps n_keep. A recurrent state rewinds exactly only through llama.cpp's
+        snapshots: at most `rewind_depth` tokens, fewer than its last decode held, once per decode. Further back it
+        goes to its checkpoint (`checkpoint`) or, without one at or before n_keep, to nothing, and the caller
+        decodes the rest again. (llama.cpp's own seq_rm says yes to a rollback past the last decode and then reads
+        a stale snapshot: docs/upstream.md; hence the bookkeeping here.)"""
+        if not self.recurrent:
+            if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
+                raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+            return n_keep
+        have = int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1
+        if n_keep >= have:
+            return n_keep
+        back = have - n_keep
+        depth = min(self.rewind_depth or 0, self._last_run.get(seq, 0) - 1)
+        if n_keep > 0 and back <= depth and seq not in self._pending:
+            if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
+                raise DecodeError(f"{self.path.name}: llama.cpp refused to roll sequence {seq} back {back} tokens")
+            self._pending.add(seq)
+            kept = n_keep
+        else:
+            kept = self._restore(seq, n_keep)
+        saved = self._checkpoints.get(seq)
+        if saved is not None and saved[0] > kept:
+            del self._checkpoints[seq]  # its cells are gone: what it saved no longer follows from them
+        return kept
+
+    def _restore(self, seq: int, n_keep: int) -> int:
+        """Back to the sequence's checkpoint if it is at or before n_keep (its length), else to nothing."""
+        saved = self._checkpoints.get(seq)
+        self._pending.discard(seq)
+        self._last_run.pop(seq, None)
+        if saved is not None and saved[0] <= n_keep:
+            length, buf = saved
+            # The recurrent part is the checkpoint's; the attention cells after it go (the recurrent part's own
+            # seq_rm is then a no-op: its cell ends at the checkpoint).
+            if (llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(buf), seq, _CHECKPOINT_FLAGS) == len(buf)
+                    and llama_cpp.llama_memory_seq_rm(self.memory, seq, length, -1)):
+                return length
+        llama_cpp.llama_memory_seq_rm(self.memory, seq, 0, -1)
+        self._checkpoints.pop(seq, None)
+        return 0
+
+    def checkpoint(self, seq: int = 0) -> None:
+        """Save a recurrent sequence's state (its recurrent part, kept on its device: llama.cpp's
+        PARTIAL_ONLY | ON_DEVICE) at its current length, replacing the last checkpoint; a KV cache needs none."""
+        if not self.recurrent:
+            return
+        length = int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, _CHECKPOINT_FLAGS)
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        self._checkpoints.pop(seq, None)
+        if length > 0 and size and llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq,
+                                                                         _CHECKPOINT_FLAGS) == size:
+            self._checkpoints[seq] = (length, buf)
 
     def clear(self, seq: int | None = None) -> None:
         """Forget every sequence's KV cells, or only those of `seq`."""
         if seq is None:
             llama_cpp.llama_memory_clear(self.memory, True)
+            self._checkpoints.clear()
+            self._pending.clear()
+            self._last_run.clear()
         else:
             self.truncate(0, seq)
+
+    def want_hidden(self, seq: int, on: bool) -> None:
+        """Whether sequence `seq`'s decodes return the hidden state after each token (`Scores.hidden`: what an MTP
+        head drafts from; llama.cpp's nextn embeddings, the final norm's output, one row per token)."""
+        was = bool(self._hidden_seqs)
+        if on:
+            if llama_cpp_ext is None:
+                raise ModelLoadError(mtp_unsupported() or "no nextn embeddings in this llama-cpp-python")
+            self._hidden_seqs.add(seq)
+        else:
+            self._hidden_seqs.discard(seq)
+        if bool(self._hidden_seqs) != was:  # (a context-wide switch: only when it changes)
+            llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, bool(self._hidden_seqs), False)
 
     # -- a sequence's state: the prompt cache and slot files -------------------------------------------------
 
@@ -904,6 +1111,10 @@ class LlamaModel:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
         False when llama.cpp refuses it, and the sequence is then empty."""
         ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, _buffer(data), len(data), seq) == len(data)
+        # A recurrent state's snapshots and checkpoint belonged to the cells it replaced: none serves any more.
+        self._pending.discard(seq)
+        self._last_run.pop(seq, None)
+        self._checkpoints.pop(seq, None)
         if not ok:
             self.clear(seq)
         return ok
@@ -1020,6 +1231,121 @@ class LlamaModel:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may already be gone
+            self.close()
+
+
+# -- MTP heads: a model's NextN blocks in a context of their own -------------------------------------------------
+
+MtpEntry = tuple[int, int, int, np.ndarray, bool]  # (sequence, token, position, hidden state before it, scored)
+
+
+class MtpHead:
+    """A model's MTP (NextN) blocks in a context of their own: llama.cpp's LLAMA_CONTEXT_TYPE_MTP over the target's
+    own weights (loaded with `load_mtp`). At position p it reads token x_p and the target's hidden state after
+    x_{p-1} (`Scores.hidden`) and scores x_{p+1}; its own hidden state there stands in for the target's at the next
+    step (chained drafts). Its memory is a plain KV cache of its blocks: it rewinds to any position."""
+
+    def __init__(self, target: LlamaModel, *, n_ctx: int, n_batch: int = 512, kv_type: str = "f16",
+                 n_threads: int = 0, n_seq: int = 1, flash_attn: str = "auto") -> None:
+        self.ctx = None
+        self._batch = None
+        why = mtp_unsupported()
+        if why is not None:
+            raise ModelLoadError(why)
+        if not target.model or llama_cpp.llama_model_n_layer_nextn(target.model) <= 0:
+            raise UsageError(f"{target.path.name} has no MTP layers (nextn_predict_layers): --drafter mtp needs a "
+                             "model converted with them (an \"MTP\" GGUF)")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.ctx_type = getattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP", 1)
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False
+        cparams.n_ctx = n_ctx * n_seq
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        threads = n_threads or default_threads()
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+        cparams.no_perf = True
+        self.path = target.path
+        self.ctx = llama_cpp.llama_init_from_model(target.model, cparams)
+        if not self.ctx:
+            raise ModelLoadError(f"{target.path.name}: llama.cpp could not create the MTP head's context (was the "
+                                 "model loaded without its MTP layers?)")
+        # Its own hidden rows, every entry's, by batch index: "masked" (scored entries' rows only) hands back the
+        # batch's first rows instead of its scored ones, as the MTP graph takes them before it picks the outputs
+        # (docs/upstream.md); at most n_batch rows each decode.
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, False)
+        self._batch = llama_cpp.llama_batch_ext_init(self.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = target.n_vocab
+        self.n_embd = int(llama_cpp.llama_model_n_embd_out(target.model))
+        self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
+        self.n_seq = n_seq
+        self.on_gpu = target.on_gpu
+        self._pos = llama_cpp.llama_pos(0)
+        self.decodes = 0
+
+    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Decode the entries (each sequence's positions consecutive after its cells, in ascending sequence order)
+        in n_batch chunks; per scored entry, in order: its logits (n_vocab,) and its own hidden state (n_embd,)."""
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        for first in range(0, len(entries), self.n_batch):
+            out += self._decode_chunk(entries[first : first + self.n_batch])
+        return out
+
+    def _decode_chunk(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+        batch = self._batch
+        llama_cpp.llama_batch_ext_clear(batch)
+        rows = np.ascontiguousarray(np.stack([e[3] for e in entries]), dtype=np.float32)  # alive until processed
+        row_bytes = 4 * self.n_embd
+        base = rows.ctypes.data
+        scored = []
+        for i, (seq, token, pos, _, wanted) in enumerate(entries):
+            idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
+            if idx < 0:
+                raise DecodeError(f"{self.path.name}: the MTP head's batch refused token {token} (code {idx})")
+            self._pos.value = pos
+            llama_cpp.llama_batch_ext_set_pos(batch, idx, ctypes.byref(self._pos))
+            embd = llama_cpp.llama_embd(ctypes.cast(base + i * row_bytes, ctypes.POINTER(ctypes.c_float)), 1,
+                                        self.n_embd)
+            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
+            if wanted:
+                llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
+                scored.append(idx)
+        rc = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
+        self.decodes += 1
+        if rc != 0:
+            raise DecodeError(f"{self.path.name}: the MTP head's decode failed with code {rc}"
+                              + (" (no KV slot: the context is full)" if rc == 1 else ""))
+        out = []
+        for idx in scored:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+            hidden = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx, idx),
+                                           shape=(self.n_embd,))
+            out.append((logits.copy(), hidden.copy()))
+        return out
+
+    def truncate(self, n_keep: int, seq: int = 0) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
+            raise DecodeError(f"{self.path.name}: the MTP head's cells cannot be rewound to position {n_keep}")
+
+    def clear(self, seq: int | None = None) -> None:
+        if seq is None:
+            llama_cpp.llama_memory_clear(self.memory, True)
+        else:
+            self.truncate(0, seq)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
             self.close()
 
 

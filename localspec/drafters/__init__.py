@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from localspec.drafters import chain, lookup, model
+from localspec.drafters import chain, lookup, model, mtp
 from localspec.drafters.base import Drafter
 from localspec.scores import ScoringModel
 
@@ -16,6 +16,7 @@ REGISTRY: dict[str, Factory] = {
     "lookup": lookup.build,
     "model": model.build,
     "chain": chain.build,  # after both of its parts
+    "mtp": mtp.build,  # the target's own MTP head (a model that has one)
 }
 
 
@@ -29,3 +30,11 @@ def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter
         if made is not None and all(made is not other for other in built.values()):
             built[name] = made
     return built
+
+
+def unavailable(name: str, target: ScoringModel, draft: ScoringModel | None) -> str:
+    """Why `build` offers no drafter `name` with these models, as one clause ("" where nothing more specific
+    than "these models cannot run it" applies)."""
+    if name == "mtp":
+        return mtp.unavailable(target) or ""
+    return "no draft model is loaded" if draft is None else ""

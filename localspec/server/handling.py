@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from localspec import __version__
+from localspec import __version__, drafters
 from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
 from localspec.engine import Engine, GenerationStats
@@ -326,7 +326,7 @@ def _check_drafter(engine: Engine, preset: Preset) -> None:
         engine.check_drafter(preset.draft)
     except UsageError:
         asked = preset.draft.drafter
-        why = "no draft model is loaded" if engine.draft is None else "these models cannot run it"
+        why = drafters.unavailable(asked, engine.target, engine.draft) or "these models cannot run it"
         available = [f"{speculative_name(name)}" + (f" ({name})" if speculative_name(name) != name else "")
                      for name in engine.drafters] + [speculative_name(None)]
         raise RequestError(f"speculative.type: {speculative_name(asked)!r} (drafter {asked!r}) is not available: "

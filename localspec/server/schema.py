@@ -32,7 +32,7 @@ FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
 # it means here: a drafter, or "none" (no drafting); every drafter also answers to its own name (`[draft] drafter`),
 # so one added to the registry is a type at once.
 LLAMA_SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
-                           "ngram-simple,draft-simple": "chain"}
+                           "ngram-simple,draft-simple": "chain", "draft-mtp": "mtp"}
 SPECULATIVE_TYPES = {**LLAMA_SPECULATIVE_TYPES, **{name: name for name in DRAFTERS}}
 
 
