@@ -86,6 +86,13 @@ def _cache_ram(text: str) -> object:
     return text.strip()
 
 
+def _models_budget(text: str) -> object:
+    """`auto` (the free memory measured before each load), or whole MiB that the loaded pairs may take together."""
+    if text.strip() != "auto" and not (text.strip().isdigit() and int(text.strip()) > 0):
+        raise ValueError("expected auto or a whole number of MiB above 0, e.g. 20000")
+    return text.strip()
+
+
 def _any_path(text: str) -> object:
     if "\n" in text or "\0" in text:
         raise ValueError("a path on one line")
@@ -137,6 +144,8 @@ def _drafter_names() -> tuple[str, ...]:
 
 
 DRAFTERS = _drafter_names()
+# Drafters that need no draft model (a pair may name one and no draft).
+MODEL_FREE_DRAFTERS = ("lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,16 @@ class ServerSettings:
     # Where POST /slots/{id}?action=save|restore keeps its files ("" = those actions are off; llama-server's
     # --slot-save-path).
     slot_save_path: str = field(metadata=_text(_any_path, "a folder"))
+    # Several pairs (`serve --pair A --pair B`): the memory their estimates may take together ("auto": each load
+    # checks the free VRAM, or RAM on a CPU-only machine), and the seconds an idle pair stays loaded (0 = until
+    # another pair needs its room).
+    models_budget: str = field(metadata=_text(_models_budget, "auto or MiB"))
+    models_idle: float = field(metadata=_rng(0.0, 7 * 86400.0, float))
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """`models_budget` in bytes (None: auto)."""
+        return None if self.models_budget == "auto" else int(self.models_budget) << 20
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:

@@ -36,9 +36,17 @@ from dataclasses import dataclass
 from localspec import context_shift, drafters
 from localspec.config import ContextSettings, Drafting, Sampling
 from localspec.constraints import accept_constrained
-from localspec.drafters.base import NO_PROPOSAL, Drafter, PromptWork, Proposal, device_mode, prompt_work
+from localspec.drafters.base import (
+    NO_PROPOSAL,
+    Drafter,
+    PromptWork,
+    Proposal,
+    ReadsTarget,
+    device_mode,
+    prompt_work,
+)
 from localspec.drafters.base import shared_prefix as shared_prefix
-from localspec.errors import ContextFullError, UsageError
+from localspec.errors import ContextFullError, DecodeError, RollbackError, UsageError
 from localspec.events import STOP_CONTEXT_FULL as STOP_CONTEXT_FULL
 from localspec.events import STOP_EOG as STOP_EOG
 from localspec.events import STOP_MAX_TOKENS as STOP_MAX_TOKENS
@@ -91,7 +99,8 @@ class Engine:
         self.draft_ahead = draft_ahead and draft is not None
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
-        self.constrained_rows = constrained_rows
+        # A recurrent target cannot go back into a verify to read a row again: full rows there.
+        self.constrained_rows = constrained_rows if target.rewind_depth is None else "full"
         # Plain decoding at T > 0 may draw its tokens on the device (one slot only, `start`): llama.cpp's random
         # stream, not the host's, so a seed's text depends on the slot count. The server turns it off, so that a
         # seed gives the same text whatever --parallel is.
@@ -126,7 +135,8 @@ class Engine:
         """A drafter these models cannot run is a UsageError naming the ones they can (from the registry), never
         plain decoding in its place."""
         if drafting.n_draft > 0 and drafting.drafter not in self.drafters:
-            why = " (no draft model is loaded)" if self.draft is None else ""
+            why = drafters.unavailable(drafting.drafter, self.target, self.draft)
+            why = f" ({why})" if why else ""
             raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
                              f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
 
@@ -219,12 +229,18 @@ class Engine:
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         self.check_drafter(drafting)
+        depth = self.target.rewind_depth
+        if depth is not None and drafting.n_draft > depth:
+            raise RollbackError(
+                f"draft length {drafting.n_draft}: this model's recurrent state rolls back at most {depth} tokens "
+                f"(loaded for that draft length); ask for n_draft <= {depth}, or load it with a longer one")
         if context is not None and context.context_shift:
             self.check_context_shift()
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
                         logprobs, context)
         seq = chosen.seq
+        self.target.want_hidden(seq, isinstance(stream.drafter, ReadsTarget))
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
         # intermediate results (llama.ubatch.covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1 and self.draw_on_device
@@ -306,10 +322,14 @@ class Engine:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
         slot = s.slot
-        self.cells.start_afresh_below_floor(slot.seq, prompt[:-1])
-        work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq)]
+        reader = s.drafter if isinstance(s.drafter, ReadsTarget) else None
+        limit = reader.target_limit(s.req, prompt) if reader is not None else None
+        self.cells.start_afresh_below_floor(slot.seq, prompt[:-1], limit)
+        work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq, limit)]
         s.stats.prompt_tokens_processed = len(work[0][2])
         slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
+        if reader is not None:
+            reader.target_kept(s.req, len(slot.target_kv))
         if s.drafter is not None:
             work += s.drafter.begin(s.req, prompt)
         return [w for w in work if w[2]]
@@ -327,9 +347,16 @@ class Engine:
         """Decode the stream's pending prompt work into every model: all of it, or one batch of each."""
         for model, kv, todo in s.prefill:
             take = todo if whole else todo[: model.n_batch]
-            model.decode(take, len(kv), seq=s.slot.seq)
+            scores = model.decode(take, len(kv), seq=s.slot.seq)
+            if model is self.target and isinstance(s.drafter, ReadsTarget):
+                assert scores is not None and scores.hidden is not None
+                s.drafter.target_rows(s.req, len(kv), scores.hidden)
             kv.extend(take)
             del todo[: len(take)]
+            if model is self.target and not todo:
+                # A recurrent state is rewound to here for the next prompt that shares this one (a chat's next
+                # turn); it cannot be rolled back that far otherwise.
+                model.checkpoint(s.slot.seq)
         s.prefill = [t for t in s.prefill if t[2]]
 
     def _shift(self, s: Stream) -> None:
@@ -452,6 +479,9 @@ class Engine:
         verdicts = []
         for s, (_, batch, _, _), rows, proposal, width in zip(live, items, scores, proposals, widths, strict=True):
             assert rows is not None
+            if isinstance(s.drafter, ReadsTarget):
+                assert rows.hidden is not None
+                s.drafter.target_rows(s.req, len(s.slot.target_kv), rows.hidden)
             s.slot.target_kv.extend(batch)
             rows = rows.head(len(proposal.tokens) + 1)
             if s.grammar is None:
@@ -494,7 +524,8 @@ class Engine:
         # Bookkeeping first: if a truncate is interrupted, the next _prefill truncates to what the lists claim.
         if len(slot.target_kv) > keep:
             del slot.target_kv[keep:]
-            self.target.truncate(keep, slot.seq)
+            if self.target.truncate(keep, slot.seq) != keep:  # (`start` keeps k within the target's rewind depth)
+                raise DecodeError(f"the target could not roll back to position {keep} after a verify")
         slot.tokens.extend(verdict.emitted)
         s.verdict = verdict
         if s.drafter is not None:

@@ -55,7 +55,7 @@ class SlotCells:
             keep = shared_prefix(kv, s.tokens)
             if len(kv) > keep:
                 del kv[keep:]  # bookkeeping first, as everywhere
-                model.truncate(keep, slot)
+                del kv[model.truncate(keep, slot):]  # (a recurrent state may keep less: a checkpoint, or nothing)
             models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
         held = max(m.n_tokens for m in models)
         return SlotState(tuple(s.tokens[:held]), tuple(models))
@@ -100,11 +100,16 @@ class SlotCells:
         n = shared_prefix(kv, body)
         return n if n >= self.floors.get((id(model), slot), 0) else 0
 
-    def start_afresh_below_floor(self, slot: int, body: Sequence[int]) -> None:
+    def start_afresh_below_floor(self, slot: int, body: Sequence[int], target_limit: int | None = None) -> None:
         """Before a prompt `body` goes into the slot: restored cells that it shares less of than their floor are
-        emptied (they could not be cut back that far)."""
+        emptied (they could not be cut back that far); so are the target's where the drafter that reads its rows
+        needs them from below that floor (`target_limit`: `ReadsTarget.target_limit`)."""
         for model, kv in self.cells(slot):
-            if (id(model), slot) in self.floors and not self.reuse(slot, model, kv, body):
+            floor = self.floors.get((id(model), slot))
+            if floor is None:
+                continue
+            if not self.reuse(slot, model, kv, body) or (model is self.target and target_limit is not None
+                                                         and floor > target_limit):
                 del self.floors[(id(model), slot)]
                 kv.clear()
                 model.clear(slot)

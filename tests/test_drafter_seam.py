@@ -129,7 +129,9 @@ def test_a_drafter_dropped_into_the_folder_is_registered_chosen_priced_and_run(w
     out = json.loads(done.stdout.splitlines()[-1])
     assert "toy" in out["choices"] and "toy" in out["registry"]
     assert out["preset"] == "toy" and out["request"] == "toy"
-    assert "chain, lookup, model, toy" in out["help"]
+    from localspec.config import DRAFTERS  # (the checkout's: the copy's are these and the toy)
+
+    assert ", ".join(sorted([*DRAFTERS, "toy"])) in out["help"]  # --drafter's choices
     loop = out["loop"]
     assert loop["greedy"] and loop["drafted"] > 0
     assert 0 < loop["seen"] <= loop["rounds"], loop  # the rounds that verified its tokens, in its own source

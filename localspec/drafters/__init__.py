@@ -2,7 +2,8 @@
 drafter, registered under its module name (what `[draft] drafter`, `--drafter` and the server's `speculative.type`
 select). A new drafter is one file: a class with the `base.Drafter` methods and a `build(target, draft, built)`
 factory (None where these models cannot host it); optionally `NEEDS` (drafters built before it, handed in
-`built`) and `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it). Nothing else names it."""
+`built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it) and `unavailable(target, draft)`
+(why these models have none, for the error that names it). Nothing else names it."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter
         if made is not None and all(made is not other for other in built.values()):
             built[name] = made
     return built
+
+
+def unavailable(name: str, target: ScoringModel, draft: ScoringModel | None) -> str:
+    """Why `build` offers no drafter `name` with these models, as one clause ("" where nothing more specific
+    than "these models cannot run it" applies): the drafter's own `unavailable(target, draft)` where it has one."""
+    module = _MODULES.get(name)
+    why = getattr(module, "unavailable", None)
+    return (why(target, draft) or "") if why is not None else ""

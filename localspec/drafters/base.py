@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
@@ -68,6 +70,26 @@ class DraftRequest:
     length: DraftLength | None = None
 
 
+@runtime_checkable
+class ReadsTarget(Protocol):
+    """A drafter that drafts from the target's own hidden states (an MTP head): the loop has the target return
+    them (`LlamaModel.want_hidden`) for its streams and hands it every row the target decodes for them."""
+
+    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int:
+        """A generation starts with `prompt`: how many of the target's cached cells it can follow (it needs the
+        target's hidden state after each token from where its own cells end); the loop decodes the rest again."""
+        ...
+
+    def target_kept(self, req: DraftRequest, kept: int) -> None:
+        """The target's cells now hold the prompt's first `kept` tokens."""
+        ...
+
+    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
+        """The target decoded positions start.. of the sequence (`req.tokens`, plus a verify's drafts, which the
+        next `accept` settles) with these hidden states, one row per token."""
+        ...
+
+
 class Drafter(Protocol):
     """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` (the registry
     finds them there); the loop never knows which one runs."""
@@ -116,14 +138,18 @@ class Drafter(Protocol):
         ...
 
 
-def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int) -> PromptWork:
-    """Cut a sequence's cells back to the longest prefix of `body` they hold; what is left to decode."""
+def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int,
+                limit: int | None = None) -> PromptWork:
+    """Cut a sequence's cells back to the longest prefix of `body` they hold (at most `limit`), or as far as the
+    model can rewind towards it (a recurrent state: a checkpoint, or nothing); what is left to decode."""
     keep = shared_prefix(kv, body)
+    if limit is not None:
+        keep = min(keep, limit)
     # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may have left
-    # cells the bookkeeping never recorded.
+    # cells the bookkeeping never recorded. Bookkeeping first: an interrupted truncate leaves it claiming less.
     del kv[keep:]
-    model.truncate(keep, seq)
-    return model, kv, body[keep:]
+    del kv[model.truncate(keep, seq):]
+    return model, kv, body[len(kv):]
 
 
 def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain: bool = False,

@@ -171,6 +171,11 @@ class ChainDrafter:
         pass  # likewise
 
 
+def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
+    """Why these models have no chain (one clause), None when they have one."""
+    return "no draft model is loaded" if draft is None else None
+
+
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:
     """Without a draft model the chain is lookup alone."""
     lookup, model = built["lookup"], built.get("model")

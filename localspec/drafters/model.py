@@ -219,9 +219,11 @@ class ModelDrafter:
         return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, least_s=job.least_s,
                         ahead=len(kept.drafts))
 
-    def _draft(self, jobs: list[_Job], until: threading.Event | None = None) -> None:
+    def _draft(self, jobs: list[_Job], until: threading.Event | None = None, checkpoint: bool = True) -> None:
         """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
-        no step starts after it is set)."""
+        no step starts after it is set). A recurrent draft model is checkpointed after the first step (the
+        committed tokens: every later rewind goes back at least that far, and its one-token steps cannot be rolled
+        back otherwise); a bet drafted ahead is not (`checkpoint`: its cells may be thrown away whole)."""
         draft = self.model
         todo = []
         for job in jobs:
@@ -242,6 +244,9 @@ class ModelDrafter:
             t = time.perf_counter()
             scores = draft.decode_many([(job.req.seq, feed, len(self._kv[job.req.seq]), False)
                                         for job, feed in todo])
+            if step == 0 and checkpoint and draft.rewind_depth is not None:
+                for job, _ in todo:
+                    draft.checkpoint(job.req.seq)
             spent = time.perf_counter() - t
             going = []
             for (job, feed), row in zip(todo, scores, strict=True):
@@ -310,7 +315,7 @@ class ModelDrafter:
         limit = req.length.rule(ModelCost).ahead_length(k) if verified is not None and req.length is not None else k
         job = _Job(req, k, [*sequence, guess], limit=limit)
         if limit > 0:
-            self._draft([job], verified)
+            self._draft([job], verified, checkpoint=False)
         else:
             job.cut, job.q = True, None if req.sampling.greedy else []
         return _Ahead(guess, k, job.tokens, job.q, state, time.perf_counter() - t, 1 + job.decodes, not job.cut)
@@ -323,10 +328,12 @@ class ModelDrafter:
         self._cut(req.seq, len(req.tokens) - 1)
 
     def _cut(self, seq: int, keep: int) -> None:
+        """Rewind the draft's cells to `keep` (a recurrent draft may keep fewer: the next draft decodes the rest
+        again, as its first step's catch-up)."""
         kv = self._kv.get(seq)
         if kv is not None and len(kv) > keep:
             del kv[keep:]  # bookkeeping first: if a truncate is interrupted, the next begin cuts to what it claims
-            self.model.truncate(keep, seq)
+            del kv[self.model.truncate(keep, seq):]
 
     def _wait(self) -> None:
         """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
@@ -605,6 +612,11 @@ class ModelCost(CostRule):
         """How many of the next round's k drafts to make beside this verify: all of them, or with `ahead_length =
         "fit"` what the cost model says fits (`best_ahead`; the drafter also stops when the verify ends)."""
         return self.best_ahead(k) if self.ahead_fit else k
+
+
+def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
+    """Why these models have no model drafter (one clause), None when they have one."""
+    return "no draft model is loaded" if draft is None else None
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter | None:

@@ -24,6 +24,7 @@ class Run:
     item: int = -1  # the item whose rows these are (-1: padding only)
     rows_at: int = 0  # where in the run the item's rows start
     rows: int = 0
+    real: int | None = None  # how many of the tokens are the item's (None: all; the rest pad a covering call)
 
 
 class Batch:

@@ -3,8 +3,9 @@ and reads its vocabulary.
 
 llama-cpp-python's high-level `Llama` cannot take a second GGUF as a draft and computes logits where we do not need
 them, so the engine drives llama.cpp directly: `llama_decode` on a batch filled through numpy views (`batch`),
-cut into ubatches around an upstream bug (`ubatch`), rows read as the device sampler made them (`samplers`), and
-`llama_memory_seq_rm` to rewind the KV cache.
+cut into ubatches around an upstream bug (`ubatch`), rows read as the device sampler made them (`samplers`), the
+hidden state per token for the drafters that read it (`hidden`), and `llama_memory_seq_rm` to rewind the KV cache
+(a recurrent state through its snapshots and checkpoints: `recurrent`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from pathlib import Path
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
-from localspec.errors import ContextFullError, DecodeError, ModelLoadError, TooManyTokens
+from localspec.errors import ContextFullError, DecodeError, ModelLoadError, RollbackError, TooManyTokens
 from localspec.gguf_header import read_header
 from localspec.llama import backend, ubatch
 from localspec.llama.backend import BackendDevice
 from localspec.llama.batch import Batch, DecodeItem
+from localspec.llama.hidden import HiddenRows, mtp_unsupported
+from localspec.llama.recurrent import RecurrentState, rollback_unsupported
 from localspec.llama.samplers import MAX_OUTPUTS_PER_DECODE, DeviceSamplers, Rows, as_scores, joined
 from localspec.scores import DeviceDist, Scores
 
@@ -64,9 +67,12 @@ class LlamaModel:
         main_gpu: int = 0,
         n_seq: int = 1,
         flash_attn: str = "auto",
+        rewind: int = 0,
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
-        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`."""
+        they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`. `rewind`: how
+        many tokens a recurrent or hybrid model must be able to roll back (the longest draft); llama.cpp keeps that
+        many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError)."""
         backend.init()
         self.path = Path(path)
         if not self.path.is_file():
@@ -79,10 +85,12 @@ class LlamaModel:
         self.ctx = None
         self._batch: Batch | None = None
         self._samplers: DeviceSamplers | None = None
+        self._recurrent: RecurrentState | None = None  # the rewind of a recurrent state (hybrid models)
 
         # The last wall before llama.cpp's loader, which aborts the process (GGML_ASSERT) on some out-of-range
         # hyperparameters instead of failing: such a header stops here with one line (cached, so cheap).
-        read_header(self.path).hparams  # noqa: B018
+        header = read_header(self.path)
+        header.hparams  # noqa: B018
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
@@ -100,6 +108,9 @@ class LlamaModel:
         # logits differ from plain decoding's (by ~0.5 on Gemma 270M) and greedy output would not be lossless.
         # Without them one token and a batch give bit-identical logits (checked in tests/test_engine.py).
         mparams.use_extra_bufts = False
+        load_mtp = bool(header.nextn_layers) and mtp_unsupported() is None
+        if load_mtp:
+            mparams.load_mtp = True  # the MTP blocks an `MtpHead` runs (the memory estimate counts them anyway)
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"{self.path}: llama.cpp could not load this model (LOCALSPEC_DEBUG=1 shows why)")
@@ -122,6 +133,14 @@ class LlamaModel:
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model))
+        if self.recurrent and rewind > 0:
+            why = rollback_unsupported()
+            if why is not None:
+                self.close()
+                raise RollbackError(f"{self.path.name}: {why}")
+            cparams.n_rs_seq = rewind
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             self.close()
@@ -131,9 +150,18 @@ class LlamaModel:
             )
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        # What a saved state may serve once restored, and whether a context shift can drop tokens (restore_floor)
-        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
-                              or llama_cpp.llama_model_is_hybrid(self.model))
+        # None: a KV cache rewinds anywhere; a recurrent state only as far as llama.cpp keeps snapshots of it.
+        self.rewind_depth: int | None = None
+        if self.recurrent:
+            self.rewind_depth = int(llama_cpp.llama_n_rs_seq(self.ctx)) if rewind > 0 else 0
+            if self.rewind_depth < rewind:  # llama.cpp clamps n_rs_seq to 0 for the architectures it cannot roll back
+                self.close()
+                raise RollbackError(f"{self.path.name}: llama.cpp cannot roll back a {header.arch} model's recurrent "
+                                    "state, which speculative decoding needs (plain decoding works: --n-draft 0)")
+            self._recurrent = RecurrentState(self.ctx, self.memory, self.rewind_depth, self.path.name)
+        self._hidden = HiddenRows(self.ctx, int(llama_cpp.llama_model_n_embd_out(self.model)), self.path.name)
+        # `recurrent` (above) also decides what a saved state may serve once restored, and whether a context shift
+        # can drop tokens (restore_floor).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         # llama.cpp pads the context to a multiple of 256; the user's number is the limit they asked for.
@@ -142,6 +170,9 @@ class LlamaModel:
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))  # clamped to n_ctx by llama.cpp
         self.n_threads = threads
         self.kv_type = kv_type
+        self.flash_attn = flash_attn
+        # MTP blocks loaded with the model (`MtpHead` runs them): the drafter `mtp` exists only with them.
+        self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if load_mtp else 0
         self.n_gpu_layers = n_gpu_layers
         # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
         # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
@@ -181,7 +212,8 @@ class LlamaModel:
         into llama.cpp's buffer, valid until the next decode): one row per token with `all_logits`, else one row
         for the last token; None for no tokens. Prompt-sized inputs are split into n_batch chunks.
         """
-        return as_scores(self._decode_batched([(seq, tokens, start_pos, all_logits)])[0])
+        raw, hidden = self._decode_batched([(seq, tokens, start_pos, all_logits)])
+        return as_scores(raw[0], hidden[0])
 
     def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
@@ -190,15 +222,21 @@ class LlamaModel:
         (`ubatch.decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
         the items one after another."""
         if self.batches_sequences or len({item[0] for item in items}) < 2:
-            return [as_scores(r) for r in self._decode_batched(items, cover=True)]
-        results = [self._decode_batched([item])[0] for item in items]
+            raws, hidden = self._decode_batched(items, cover=True)
+            return [as_scores(r, h) for r, h in zip(raws, hidden, strict=True)]
+        results, hidden = [], []
+        for item in items:
+            raw, rows = self._decode_batched([item])
+            results.append(raw[0])
+            hidden.append(rows[0])
         for i, scores in enumerate(results[:-1]):
             if isinstance(scores, np.ndarray) and scores.base is not None:
                 results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
-        return [as_scores(r) for r in results]
+        return [as_scores(r, h) for r, h in zip(results, hidden, strict=True)]
 
     def _decode_batched(self, items: Sequence[DecodeItem],
-                        cover: bool = False) -> list[Rows | None]:
+                        cover: bool = False) -> tuple[list[Rows | None], list[np.ndarray | None]]:
+        """Each item's rows, and its hidden rows where its sequence wants them (`want_hidden`)."""
         for _, tokens, start_pos, all_logits in items:
             if start_pos + len(tokens) > self.n_ctx:
                 raise ContextFullError(
@@ -211,8 +249,9 @@ class LlamaModel:
             items, modes, self.n_batch, self._cells_per_seq,
             lambda seq: int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1, self.unknown_token,
         ) if cover and self.n_seq > 1 and modes else None
-        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1), [])
+        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent), [])
         pieces: list[list[Rows]] = [[] for _ in items]
+        hidden: list[list[np.ndarray]] = [[] for _ in items]
         views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses
         try:
             for runs in calls:
@@ -221,6 +260,10 @@ class LlamaModel:
                 views.clear()
                 n, outputs, wanted = self._batch.fill(runs)
                 self._decode(n, tuple(outputs.get(seq, 0) for seq in sorted(modes)))
+                if self._recurrent is not None:
+                    self._recurrent.decoded(runs)
+                if self._hidden.seqs:
+                    self._hidden.copy(runs, hidden)
                 rows_only = covering is None and (not modes or not any(w[1] in modes for w in wanted))
                 if wanted and rows_only:
                     # Full logits for all: one buffer, its rows in batch order (each output row is one wanted row).
@@ -237,7 +280,7 @@ class LlamaModel:
         finally:
             for seq, keep in trims:  # the stand-in tokens leave the caches again, like rejected drafts
                 llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)
-        return [joined(p) for p in pieces]
+        return [joined(p) for p in pieces], [np.concatenate(h) if h else None for h in hidden]
 
     def _decode(self, n: int, chains: tuple[int, ...]) -> None:
         """llama_decode of the batch's first n entries; `chains` is the output rows of each sequence that has a
@@ -269,9 +312,9 @@ class LlamaModel:
         try:
             alone = []
             for seq, tokens in enumerate(probes):
-                alone.append(self._decode_batched([(seq, tokens, 0, True)])[0].copy())
+                alone.append(self._decode_batched([(seq, tokens, 0, True)])[0][0].copy())
                 self.clear(seq)
-            together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])
+            together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])[0]
             return max(float(np.abs(t - a).max()) for t, a in zip(together, alone, strict=True))
         finally:
             for seq in range(len(probes)):
@@ -292,7 +335,8 @@ class LlamaModel:
         llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
         decode rebuilds its graph: callers switch per generation, not per round).
         """
-        if not self.device_top_k:
+        if not self.device_top_k or (self.recurrent and self.n_seq > 1):
+            # (Several sequences' chains need covering calls, whose stand-in tokens a recurrent state cannot undo.)
             mode = None
         if mode == self._samplers.modes.get(seq):
             return mode is not None
@@ -310,7 +354,9 @@ class LlamaModel:
         (`needs_raw_logits` in llama-context.cpp), so a row the sampler ran on cannot be read whole afterwards.
         Switching the sampler makes llama.cpp plan its graphs again: for the rare row only."""
         mode = self._samplers.modes.get(seq)
-        self.truncate(pos, seq)
+        if self.truncate(pos, seq) != pos:
+            raise DecodeError(f"{self.path.name}: a recurrent state cannot rewind to position {pos} to read a row "
+                              "whole (constrained rows are full rows on such a model)")
         self.use_device_sampler(None, seq)
         try:
             scores = self.decode_many([(seq, [token], pos, True)])[0]
@@ -324,17 +370,38 @@ class LlamaModel:
         """Reseed a `DeviceDist` chain, so each generation with the same seed draws the same tokens."""
         self._samplers.restart(seq)
 
-    def truncate(self, n_keep: int, seq: int = 0) -> None:
-        """Drop every KV cell of sequence `seq` at position >= n_keep (the one rewind primitive)."""
+    def truncate(self, n_keep: int, seq: int = 0) -> int:
+        """Drop every cell of sequence `seq` at position >= n_keep (the one rewind primitive); returns how many
+        cells it kept. A KV cache keeps n_keep. A recurrent state rewinds exactly only through llama.cpp's
+        snapshots: at most `rewind_depth` tokens, fewer than its last decode held, once per decode. Further back it
+        goes to its checkpoint (`checkpoint`) or, without one at or before n_keep, to nothing, and the caller
+        decodes the rest again. (llama.cpp's own seq_rm says yes to a rollback past the last decode and then reads
+        a stale snapshot: docs/upstream.md; hence the bookkeeping in `recurrent`.)"""
+        if self._recurrent is not None:
+            return self._recurrent.truncate(n_keep, seq)
         if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
             raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+        return n_keep
+
+    def checkpoint(self, seq: int = 0) -> None:
+        """Save a recurrent sequence's state (its recurrent part, kept on its device: llama.cpp's
+        PARTIAL_ONLY | ON_DEVICE) at its current length, replacing the last checkpoint; a KV cache needs none."""
+        if self._recurrent is not None:
+            self._recurrent.checkpoint(seq)
 
     def clear(self, seq: int | None = None) -> None:
         """Forget every sequence's KV cells, or only those of `seq`."""
         if seq is None:
             llama_cpp.llama_memory_clear(self.memory, True)
+            if self._recurrent is not None:
+                self._recurrent.clear()
         else:
             self.truncate(0, seq)
+
+    def want_hidden(self, seq: int, on: bool) -> None:
+        """Whether sequence `seq`'s decodes return the hidden state after each token (`Scores.hidden`: what an MTP
+        head drafts from; llama.cpp's nextn embeddings, the final norm's output, one row per token)."""
+        self._hidden.want(seq, on)
 
     # -- a sequence's state: the prompt cache and slot files -------------------------------------------------
 
@@ -351,6 +418,8 @@ class LlamaModel:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
         False when llama.cpp refuses it, and the sequence is then empty."""
         ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, _buffer(data), len(data), seq) == len(data)
+        if self._recurrent is not None:
+            self._recurrent.forget(seq)  # its snapshots and checkpoint belonged to the cells this replaced
         if not ok:
             self.clear(seq)
         return ok

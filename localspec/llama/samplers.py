@@ -37,13 +37,13 @@ class Sampled:
 Rows = np.ndarray | TopK | Sampled  # what a decode made for some rows of one sequence
 
 
-def as_scores(raw: Rows | None) -> Scores | None:
-    """What the decode made, as the one type callers see."""
+def as_scores(raw: Rows | None, hidden: np.ndarray | None = None) -> Scores | None:
+    """What the decode made, as the one type callers see (with the hidden rows, when asked: `hidden`)."""
     if raw is None or isinstance(raw, np.ndarray):
-        return None if raw is None else Scores(raw)
+        return None if raw is None else Scores(raw, hidden=hidden)
     if isinstance(raw, TopK):
-        return Scores(raw.logits, ids=raw.ids)
-    return Scores(None, drawn=raw.tokens)
+        return Scores(raw.logits, ids=raw.ids, hidden=hidden)
+    return Scores(None, drawn=raw.tokens, hidden=hidden)
 
 
 def joined(pieces: list[Rows]) -> Rows | None:

@@ -64,6 +64,35 @@ def ubatch_split(layout: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[
 
 
 
+def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int) -> list[list[Chunk]]:
+    """`decode_plan` for a model with a recurrent state: every item's tokens in one call (an item longer than
+    n_batch, a prompt, in n_batch chunks of its own), calls of sequences with consecutive ids and as many tokens
+    each. llama.cpp can roll a recurrent state back only within the sequence's last ubatch (its snapshots), so a
+    verify's tokens must never be split; and a ubatch of a recurrent model holds equal runs of consecutive
+    sequences (`split_equal`), so each call is still exactly one ubatch."""
+    live = sorted((i for i, (_, count) in enumerate(layout) if count > 0), key=lambda i: layout[i][0])
+    calls: list[list[Chunk]] = []
+    group: list[int] = []
+
+    def close() -> None:
+        if group:
+            calls.append([(i, 0, layout[i][1]) for i in group])
+            group.clear()
+
+    for i in live:
+        seq, count = layout[i]
+        if count > n_batch:
+            close()
+            calls.extend([[(i, first, min(n_batch, count - first))] for first in range(0, count, n_batch)])
+            continue
+        if group and (seq != layout[group[-1]][0] + 1 or count != layout[group[-1]][1]
+                      or (len(group) + 1) * count > n_batch):
+            close()
+        group.append(i)
+    close()
+    return calls
+
+
 def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) -> list[list[Chunk]]:
     """How `LlamaModel` decodes items of (sequence, token count): a list of `llama_decode` calls, each a list of
     (item, first token, tokens). Every call is exactly one llama.cpp ubatch, so no decode depends on how
@@ -94,11 +123,13 @@ def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) 
 
 
 
-def plain_calls(items: Sequence[DecodeItem], n_batch: int, streams: bool) -> list[list[Run]]:
-    """`decode_plan`'s calls: each item's tokens, an output on every one of them with `all_logits`, else on
-    its last."""
+def plain_calls(items: Sequence[DecodeItem], n_batch: int, streams: bool, recurrent: bool = False) -> list[list[Run]]:
+    """`decode_plan`'s calls (`whole_plan`'s for a model with a recurrent state): each item's tokens, an output on
+    every one of them with `all_logits`, else on its last."""
     calls = []
-    for chunks in decode_plan([(seq, len(tokens)) for seq, tokens, _, _ in items], n_batch, streams):
+    layout = [(seq, len(tokens)) for seq, tokens, _, _ in items]
+    plan = whole_plan(layout, n_batch) if recurrent else decode_plan(layout, n_batch, streams)
+    for chunks in plan:
         runs = []
         for item, first, take in chunks:
             seq, tokens, start_pos, all_logits = items[item]
@@ -171,7 +202,8 @@ def covering_calls(items: Sequence[DecodeItem], chained: Collection[int], n_batc
                 padded = [stand_in] * take
             if seq in chained and not any(outputs):
                 outputs[-1] = True  # a row nobody reads: keeps this sequence's chain active in the graph
-            runs.append(Run(seq, starts[seq] + t0, padded, outputs, item, rows_at, rows))
+            runs.append(Run(seq, starts[seq] + t0, padded, outputs, item, rows_at, rows,
+                            len(real) if item >= 0 else None))
         calls.append(runs)
     trims = [(seq, starts[seq] + (len(items[live[seq]][1]) if seq in live else 0))
              for seq in range(lo, hi + 1)
