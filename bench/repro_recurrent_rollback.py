@@ -34,13 +34,17 @@ import llama_cpp as L  # noqa: I001  -- before numpy (a CUDA build of llama.cpp 
 import numpy as np
 
 PROMPT, BATCH = 20, 6
+# llama.cpp keeps the log callback's address for the process: a callback freed with its Runner would leave it
+# pointing at freed memory, and the next model load in the process (a test run's) would crash there.
+_QUIET_LOG = L.llama_log_callback(lambda level, text, data: None)
 
 
 class Runner:
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, quiet: bool = True) -> None:
+        """`quiet`: silence llama.cpp's log (off: whatever log the process set stays, as in a test run)."""
         L.llama_backend_init()
-        self._log = L.llama_log_callback(lambda level, text, data: None)
-        L.llama_log_set(self._log, ctypes.c_void_p(0))
+        if quiet:
+            L.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = False  # repacked CPU weights score a batch differently from one token

@@ -31,7 +31,7 @@ import llama_cpp  # noqa: F401,I001  -- before numpy (docs/gpu.md)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localspec.llama_ctx import LlamaModel  # noqa: E402
+from localspec.llama.model import LlamaModel  # noqa: E402
 
 PROMPT = 512
 

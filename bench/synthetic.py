@@ -1208,7 +1208,7 @@ def measure_agreement(
     made the same measurement take 0.4 s or 24 s. On a CUDA build, call it from a process that imported
     llama_cpp before numpy (docs/performance.md); `python bench/synthetic.py --measure` does not, so it is for CPUs.
     """
-    from localspec.llama_ctx import LlamaModel  # imports llama_cpp (before numpy's heavy use; docs/gpu.md)
+    from localspec.llama.model import LlamaModel  # imports llama_cpp (before numpy's heavy use; docs/gpu.md)
 
     agree = total = ctx_agree = ctx_total = 0
     generated: list[int] = []

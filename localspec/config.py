@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pkgutil
 import re
 import tomllib
 from collections.abc import Callable
@@ -133,8 +134,18 @@ class Sampling:
         return active and self.repeat_last_n > 0
 
 
-DRAFTERS = ("model", "lookup", "chain", "mtp")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
-MODEL_FREE_DRAFTERS = ("lookup", "mtp")  # drafters that need no draft model (a pair may name one and no draft)
+
+def _drafter_names() -> tuple[str, ...]:
+    """The drafters `[draft] drafter` may name: one module each in localspec/drafters/ (`base` and private modules
+    aside), the list the registry imports; read from the folder, so presets need no model code."""
+    folder = Path(__file__).resolve().parent / "drafters"
+    return tuple(sorted(m.name for m in pkgutil.iter_modules([str(folder)])
+                        if m.name != "base" and not m.name.startswith("_")))
+
+
+DRAFTERS = _drafter_names()
+# Drafters that need no draft model (a pair may name one and no draft).
+MODEL_FREE_DRAFTERS = ("lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # the draft model's length by measured cost (policies)
-    # Who drafts (localspec.drafters' registry): the draft model, prompt lookup, or lookup then the model.
+    # Who drafts: a drafter of localspec/drafters/ (the draft model, prompt lookup, lookup then the model, ...).
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
     lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first

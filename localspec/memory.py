@@ -8,7 +8,7 @@ What llama.cpp allocates per model (checked against its own buffer log in tests/
 - output buffer: a row of logits per requested output, the verification window (draft length + 1);
 - recurrent state (hybrid and recurrent models, `GGUFHeader.recurrence`): each sequence's state F32, the
   target's times 1 + the draft length (llama.cpp's snapshots for rewinding rejected drafts, `n_rs_seq`), plus
-  one checkpoint copy each (`llama_ctx`: where a rewind reaches further back; a draft rewinds through it alone);
+  one checkpoint copy each (`llama.recurrent`: where a rewind reaches further back; a draft rewinds through it alone);
   only the attention layers keep KV;
 - an MTP head (`[draft] drafter = "mtp"`): its blocks' KV cache and a second compute buffer (its own context).
 The verification window also needs KV room, reserved out of the context. On a GPU a fixed allowance covers
@@ -199,9 +199,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     nvml_notes: list[str] = []
     nvidia = machine.nvidia_gpus(nvml_notes)
     try:
-        from localspec import llama_ctx
+        from localspec.llama import backend
 
-        found = llama_ctx.gpu_devices()
+        found = backend.gpu_devices()
         # NVML's numbers when they describe the same GPUs in the same order (CUDA's order is NVML's unless
         # CUDA_DEVICE_ORDER or mixed models reorder them); asking llama.cpp instead starts a CUDA context on every
         # GPU, ones this run will not use included.
@@ -210,7 +210,7 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
             free, total = (nvidia[i].free, nvidia[i].total) if same else d.memory()
             gpus.append(DeviceMem(Dev("gpu", i), d.description, free, total))
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
-        llama_ctx = None
+        backend = None
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
     unused: tuple[str, ...] = ()
     if not gpus:
@@ -222,9 +222,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     errors: list[str] = []
     for endpoint in dict.fromkeys(rpc):
         try:
-            if llama_ctx is None:
+            if backend is None:
                 raise LocalspecError(f"RPC server {endpoint}: llama-cpp-python is not importable")
-            for i, d in enumerate(llama_ctx.rpc_devices([endpoint])):
+            for i, d in enumerate(backend.rpc_devices([endpoint])):
                 free, total = d.memory()
                 rpc_devs.append(DeviceMem(Dev("rpc", i, endpoint), d.name, free, total))
         except LocalspecError as exc:

@@ -88,7 +88,7 @@ class DeviceDist:
 
 
 class ScoringModel(Protocol):
-    """The part of `llama_ctx.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
+    """The part of `llama.model.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
 
     n_ctx: int
     n_seq: int
@@ -124,7 +124,7 @@ class ScoringModel(Protocol):
 
     def want_hidden(self, seq: int, on: bool) -> None: ...
 
-    # A slot's cells saved and restored (the prompt cache, slot files): llama_ctx.LlamaModel's docstrings.
+    # A slot's cells saved and restored (the prompt cache, slot files): llama.model.LlamaModel's docstrings.
 
     def save_state(self, seq: int = 0) -> bytearray: ...
 

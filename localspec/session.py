@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, llama_ctx, machine, memory, placement, registry
+from localspec import compat, demo, hub, machine, memory, placement, registry
 from localspec.config import Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.gguf_header import GGUFHeader, read_header
-from localspec.llama_ctx import LlamaModel
+from localspec.llama import backend, hidden, recurrent
+from localspec.llama.model import LlamaModel
 from localspec.prompt_cache import PromptCache, limit_bytes
 from localspec.status import Status
 
@@ -129,23 +130,23 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
         return
     rec = target.recurrence
     if rec is not None:
-        why = llama_ctx.rollback_unsupported()
+        why = recurrent.rollback_unsupported()
         if why is not None:
             raise RollbackError(f"{target.name} is a {rec.kind} model: {why}")
         if not rec.rolls_back:
             raise RollbackError(f"{target.name}: llama.cpp cannot roll back a {target.arch} model's recurrent state, "
                                 "which speculative decoding needs (plain decoding works: --n-draft 0)")
-    if draft is not None and draft.recurrence is not None and (why := llama_ctx.rollback_unsupported()):
+    if draft is not None and draft.recurrence is not None and (why := recurrent.rollback_unsupported()):
         raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
     # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
-    if drafting.drafter == "mtp" and target.nextn_layers and (why := llama_ctx.mtp_unsupported()):
+    if drafting.drafter == "mtp" and target.nextn_layers and (why := hidden.mtp_unsupported()):
         raise UsageError(f"--drafter mtp: {why}")
 
 
 def _placed(p: placement.ModelPlacement) -> dict[str, object]:
     """A placement as LlamaModel's arguments: ggml's device handles, split mode, proportions, main device."""
-    gpus = llama_ctx.gpu_devices()
-    devices = [gpus[d.index] if d.kind == "gpu" else llama_ctx.rpc_devices([d.endpoint])[d.index]
+    gpus = backend.gpu_devices()
+    devices = [gpus[d.index] if d.kind == "gpu" else backend.rpc_devices([d.endpoint])[d.index]
                for d in p.devices]
     return {"devices": devices, "split_mode": p.split_mode, "tensor_split": p.tensor_split, "main_gpu": p.main}
 

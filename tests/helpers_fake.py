@@ -1,4 +1,4 @@
-"""A scripted stand-in for `llama_ctx.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
+"""A scripted stand-in for `llama.model.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
 
 The model is a second-order Markov chain: the logits after a position depend on the last two tokens only, from a
 seeded table, so the exact distribution of any continuation is known in closed form (`FakeModel.next_probs`) and a
@@ -222,15 +222,15 @@ class Clock:
         return self.now
 
     def install(self, monkeypatch: Any) -> Clock:
-        """Be the clock of the loop and of the model drafter (a pytest monkeypatch undoes it)."""
+        """Be the clock of the loop, its streams and the model drafter (a pytest monkeypatch undoes it)."""
         import types
 
-        from localspec import engine
+        from localspec import engine, stream
         from localspec.drafters import model
 
         timing = types.SimpleNamespace(perf_counter=self.perf_counter)
-        monkeypatch.setattr(engine, "time", timing)
-        monkeypatch.setattr(model, "time", timing)
+        for module in (engine, stream, model):
+            monkeypatch.setattr(module, "time", timing)
         return self
 
 
@@ -244,3 +244,14 @@ class TimedFake(FakeModel):
     def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
         self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
         return super().decode_many(items)
+
+
+def draft_policy(cfg: Any, cost: Any = None, padded: bool = False) -> Any:
+    """A stream's draft-length policy for the drafting settings `cfg`, with its drafter's cost rules attached as the
+    engine attaches them (`Drafter.pricing`; the drafters are built on fake models that never run)."""
+    from localspec import drafters
+    from localspec.policies import DraftCost, DraftLength
+
+    cost = cost if cost is not None else DraftCost(cfg.n_draft)
+    drafter = drafters.build(FakeModel(), FakeModel())[cfg.drafter]
+    return DraftLength(cfg, cost, padded, drafter.pricing(cost, cfg))

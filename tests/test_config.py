@@ -147,7 +147,7 @@ def test_without_a_draft_model_the_drafter_is_lookup_unless_given(tmp_path):
 def test_lookup_sizes_are_checked_together():
     with pytest.raises(ConfigError, match="draft.lookup_min = 9 is above draft.lookup_max = 8"):
         load_preset().with_overrides(lookup_min=9)
-    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of model, lookup, chain"):
+    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of chain, lookup, model"):
         load_preset().with_overrides(drafter="medusa", flags={"drafter": "--drafter"})
 
 

@@ -204,8 +204,8 @@ def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
 
 
 def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
-    from localspec import llama_ctx
     from localspec.gguf_header import read_header
+    from localspec.llama import recurrent
     from localspec.session import check_drafting
 
     hybrid, plain = read_header(hybrid_pair[0]), read_header(tiny_pair[0])
@@ -213,7 +213,7 @@ def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, mo
     check_drafting(hybrid, read_header(hybrid_pair[1]), spec)  # fine with this llama-cpp-python
     check_drafting(hybrid, None, spec.with_overrides(drafter="mtp"))
     check_drafting(plain, None, spec.with_overrides(drafter="mtp"))  # refused by Engine.check_drafter, as every drafter
-    monkeypatch.setattr(llama_ctx, "rollback_unsupported", lambda: "llama-cpp-python 0.3.2 cannot roll back")
+    monkeypatch.setattr(recurrent, "rollback_unsupported", lambda: "llama-cpp-python 0.3.2 cannot roll back")
     with pytest.raises(RollbackError, match="is a hybrid model: llama-cpp-python 0.3.2 cannot roll back"):
         check_drafting(hybrid, None, spec)
     check_drafting(hybrid, None, spec.with_overrides(n_draft=0))  # plain decoding needs no rollback
@@ -262,7 +262,8 @@ def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
     them reads them back, and an MTP context (which needs both other fields) runs."""
     import llama_cpp
 
-    from localspec.llama_ctx import LlamaModel, MtpHead
+    from localspec.llama.model import LlamaModel
+    from localspec.llama.mtp_head import MtpHead
 
     for depth in (3, 7):
         with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=depth) as m:
@@ -280,7 +281,8 @@ def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -
     """A head decode of several entries, the last scored, hands back the last entry's own hidden state (what the
     next chained step reads), as decoding the others first and the last alone does. (llama.cpp's "masked" rows
     give the batch's first row there: docs/upstream.md.)"""
-    from localspec.llama_ctx import LlamaModel, MtpHead
+    from localspec.llama.model import LlamaModel
+    from localspec.llama.mtp_head import MtpHead
 
     tokens = prompts(1, seed=5, length=6)[0]
     with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3) as m:
@@ -301,12 +303,31 @@ def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -
 
 
 @pytest.mark.slow
+def test_the_mtp_drafter_prices_its_own_drafts(hybrid_session) -> None:
+    """Its cost rule lives in its own file (`mtp.MtpCost`): the stream's cost model counts the head's acceptance under
+    a source of its own and measures its steps, and adaptive k is chosen by the head's prices: the second epoch
+    drafts k_max / 2 (the verify line's second width), then a length the head's measured costs choose."""
+    from localspec.drafters.mtp import MtpCost
+
+    s = hybrid_session
+    s.engine.reset()
+    d = drafting(6, "mtp", adaptive=True)
+    done = collect(s.engine.generate(prompts(1, seed=37, length=10)[0], GREEDY.sampling, d, 96))
+    policy = next(p for slot in s.engine.slots for (kept, _), p in slot.policies.items() if kept == d)
+    assert isinstance(policy.pricing, MtpCost) and policy.adaptive
+    cost = policy.cost
+    assert set(cost.seen) == {"mtp"} and cost.seen["mtp"] > 0 and cost.step_s is not None and cost.step_s > 0
+    assert policy.rounds > policy.EPOCH and policy.k != 6, (policy.rounds, policy.k)  # (k_max / 2 in epoch 2)
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.slow
 def test_mtp_drafts_are_the_heads_chain_over_the_targets_rows(hybrid_session, monkeypatch) -> None:
     """Every round's drafts at T = 0 are what the head gives fed the final sequence's own target rows, one entry a
     step as llama.cpp's draft-mtp feeds it: the first draft from (cur, the target's row before it), each next from
     (the last draft, the head's own row)."""
     from localspec.drafters import mtp
-    from localspec.llama_ctx import MtpHead
+    from localspec.llama.mtp_head import MtpHead
 
     s = hybrid_session
     log: list[tuple[list[int], list[int]]] = []
@@ -353,7 +374,7 @@ def test_mtp_drafts_are_the_heads_chain_over_the_targets_rows(hybrid_session, mo
 def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
     """Within the last decode: bit for bit a fresh context's logits. Past it (where llama.cpp's own seq_rm says yes
     and is wrong): back to the checkpoint, or to nothing, and the re-decoded logits are again a fresh context's."""
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     tokens = prompts(1, seed=3, length=30)[0]
     with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
@@ -378,7 +399,7 @@ def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_r
     """load_state (the prompt cache, slot files) replaces a sequence's cells: a rewind afterwards must not use the
     replaced cells' last decode (llama.cpp's snapshots) or their checkpoint; it goes to nothing, and the
     re-decoded logits are a fresh context's."""
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     a, b = prompts(2, seed=5, length=30)
     with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:

@@ -107,7 +107,7 @@ def test_a_snapshot_holds_what_a_recurrent_model_kept_when_cut_back() -> None:
     e, target, draft = engine(cache=None, rewind_depth=4)
     p = prompt(1)
     first = turn(e, p)
-    kv = e._cells(0)[1][1]
+    kv = e.cells.cells(0)[1][1]
     committed = len(kv)
     extra = [1, 2, 3, 4, 5, 6]
     draft.decode(extra, len(kv), seq=0)

@@ -77,7 +77,7 @@ def test_spec_validation() -> None:
 
 @pytest.mark.slow
 def test_loads_in_llama_cpp_and_is_not_degenerate(f32_pair: tuple[Path, Path]) -> None:
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     for path in f32_pair:
         with LlamaModel(path, n_ctx=512, n_threads=1) as m:
@@ -213,7 +213,7 @@ def test_card_spec_validation() -> None:
 def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32) -> None:
     """The direct writer's tensor names and types equal what llama.cpp's own quantizer makes of the F32 twin:
     Q4_K_M for the target, Q8_0 for the tied draft (llama_tensor_get_type, src/llama-quant.cpp)."""
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     for ours, f32, ftype in zip(card_pair, card_pair_f32, ("Q4_K_M", "Q8_0"), strict=True):
         theirs = tmp_path / f"{ftype}.gguf"
@@ -227,8 +227,8 @@ def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32)
 def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
     """The qwen3 loader takes both files (it refuses a missing or an extra tensor) and the text is not
     degenerate; forcing flash attention off or on changes nothing the argmax sees."""
-    from localspec.llama_ctx import LlamaModel, ModelLoadError
-
+    from localspec.errors import ModelLoadError
+    from localspec.llama.model import LlamaModel
     text = "The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday."
     for path in card_pair:
         argmax = []
@@ -331,7 +331,7 @@ def test_hybrid_loads_decodes_and_agrees(hybrid_pair: tuple[Path, Path]) -> None
     dependent logits, and a draft that agrees with the target most of the time but not always."""
     import llama_cpp as L
 
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     for path, nextn in zip(hybrid_pair, (1, 0), strict=True):
         with LlamaModel(path, n_ctx=512, n_threads=1) as m:
@@ -350,10 +350,10 @@ def test_recurrent_rollback_in_llama_cpp(hybrid_pair: tuple[Path, Path]) -> None
     """What localspec's rewind relies on, through llama.cpp's own API (bench/repro_recurrent_rollback.py): rolling
     back fewer tokens than the last decode held is bit-exact, and so is restoring a recurrent-state checkpoint.
     Rolling back all of them (or any after a one-token decode) reports success and is wrong: the upstream bug
-    llama_ctx guards against (docs/upstream.md). If this part fails, llama.cpp fixed it: relax the guard."""
+    `llama.recurrent` guards against (docs/upstream.md). If this part fails, llama.cpp fixed it: relax the guard."""
     from repro_recurrent_rollback import BATCH, Runner, run
 
-    results = {what: (removed, right) for what, removed, right in run(Runner(hybrid_pair[0], 1), BATCH)}
+    results = {what: (removed, right) for what, removed, right in run(Runner(hybrid_pair[0], 1, quiet=False), BATCH)}
     for j in range(BATCH):
         assert results[f"{BATCH} in one decode, roll back {j}"] == (True, True), j
     assert results[f"{BATCH} in one decode, roll back {BATCH}"] == (True, False)

@@ -140,8 +140,7 @@ overlap = _setting("overlap", "--overlap",
                    panel=DRAFTING)
 rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
 drafter = _setting("drafter", "--drafter",
-                   "Who drafts: the draft model, prompt lookup (the context's own n-grams), or lookup then the model "
-                   "(lookup when there is no draft model).", panel=DRAFTING)
+                   "Who drafts (docs/drafters.md; lookup when there is no draft model).", panel=DRAFTING)
 adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "Choose the draft length (0..--draft) by measured cost: draft-step and verify seconds and the "
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)

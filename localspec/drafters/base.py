@@ -17,8 +17,8 @@ import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
-from localspec.llama_ctx import Grammar
-from localspec.policies import DraftLength
+from localspec.llama.grammar import Grammar
+from localspec.policies import DraftCost, DraftLength, Pricing
 from localspec.prompt_cache import shared_prefix as shared_prefix
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
@@ -35,9 +35,11 @@ class Proposal:
     # (`sampling.point_mass`): rejection sampling then accepts with p(x) and resamples from p, exact either way.
     q: list[Candidates] | None = None
     seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
-    looked_up: int = 0  # how many of the tokens (the first ones) prompt lookup proposed; the rest are the model's
-    # Of `seconds`, the draft model's first step: it also reads what the model had not seen (tokens committed while
-    # it sat out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
+    # How many of the tokens (the first ones) came from the lead source, at no draft step (prompt lookup's); the
+    # rest are stepped, one draft decode each (a draft model's). The cost model counts each source's acceptance.
+    lead: int = 0
+    # Of `seconds`, the first draft step: it also reads what the drafter had not seen (tokens committed while it sat
+    # out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
     first_s: float = 0.0
     # The least of its later steps (None: fewer than two). On CUDA the two calls after a width change (the first
     # step's catch-up) run the graph uncaptured: a probe's average step was 2.6-2.8 ms where a steady one is 1.35.
@@ -63,7 +65,8 @@ class DraftRequest:
     grammar: Grammar | None = None
     # How its models read rows under that grammar (`device_mode`'s grammar_rows): "full" or "device" candidates.
     grammar_rows: str = "full"
-    # The stream's draft-length policy and cost model: the chain asks it how far the draft model extends lookup.
+    # The stream's draft-length policy and cost model: a drafter asks its own cost rule through it
+    # (`length.rule(ItsCost)`), which keeps what it measured for the stream.
     length: DraftLength | None = None
 
 
@@ -88,10 +91,16 @@ class ReadsTarget(Protocol):
 
 
 class Drafter(Protocol):
-    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` with a line in
-    `REGISTRY`; the loop never knows which one runs."""
+    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` (the registry
+    finds them there); the loop never knows which one runs."""
 
     models: tuple[ScoringModel, ...]  # the models it decodes with: slots and context are sized by them too
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> Pricing | None:
+        """A stream with these settings starts (or goes on) with the measured facts `cost`: attach this drafter's
+        cost rules to them (`CostRule.of`, kept with them) and return the prices `adaptive` chooses k by, or None
+        (k stays the preset's; the drafter may still propose fewer by its own rules)."""
+        ...
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         """A generation starts in `req.seq` with `prompt`: forget the last one's state there and return the

@@ -1,6 +1,6 @@
 """The MTP drafter: the target's own multi-token-prediction head (Qwen3.5/3.6's NextN block) drafts, no draft model.
 
-The head (`llama_ctx.MtpHead`, a context of its own over the target's weights) reads, at position p, the token x_p
+The head (`llama.mtp_head.MtpHead`, a context of its own over the target's weights) reads, at position p, the token x_p
 and the target's hidden state after x_{p-1}, and scores x_{p+1}. So it follows the target: every target decode of
 its streams returns the hidden state after each token (`Scores.hidden`, handed over through `target_rows`), and
 the head decodes the committed tokens paired with them, lazily, in the first decode of the next draft (which also
@@ -12,6 +12,10 @@ rows replace them with the target's. Drafts are the head's argmax at T = 0 and s
 Per sequence it keeps its cells' tokens (positions [0, m)), and the target's hidden rows from position m - 1 to
 where the target's cells end: a new prompt that shares a prefix keeps what still matches, and asks the loop to
 decode the target again from where its rows end (`target_limit`).
+
+Its prices (`MtpCost`): a head step is a draft step, each of its tokens right at the head's own measured rate, so
+the draft model's rule prices it (`model.ModelCost`) under a source of its own; no draft-ahead (`overlap` does
+nothing), so no bets.
 """
 
 from __future__ import annotations
@@ -23,13 +27,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localspec.config import Drafting
 from localspec.constraints import masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, shared_prefix
+from localspec.drafters.model import ModelCost
 from localspec.errors import UsageError
+from localspec.policies import DraftCost
 from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import Scores, ScoringModel
 
 MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
+LLAMA_SERVER_TYPE = "draft-mtp"  # its `speculative.type` (llama-server's name)
+
+
+class MtpCost(ModelCost):
+    """The head's prices: the draft model's rule (a token a step, acceptance per position, probed when judged a
+    loss) over the head's own acceptance and steps."""
+
+    SOURCE = "mtp"
 
 
 @dataclass(eq=False)
@@ -63,7 +78,7 @@ class MtpDrafter:
         """The head's context, made when first used (its KV and compute buffer are counted by the memory
         preflight when the preset drafts with it)."""
         if self._head is None:
-            from localspec.llama_ctx import MtpHead
+            from localspec.llama.mtp_head import MtpHead
 
             t = self.target
             self._head = MtpHead(t, n_ctx=t.n_ctx, n_batch=min(MTP_BATCH, t.n_batch),  # type: ignore[arg-type]
@@ -127,6 +142,10 @@ class MtpDrafter:
                 st.anchor = (committed, st.rows[-1])
 
     # -- the seam -------------------------------------------------------------------------------------------------
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> MtpCost:
+        """The head's cost rule on this stream's facts: it prices the loop's adaptive k."""
+        return MtpCost.of(cost)
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._rng[req.seq] = np.random.default_rng([req.sampling.seed, 2])
@@ -263,8 +282,8 @@ class MtpDrafter:
         return token, confident
 
 
-def unavailable(target: ScoringModel) -> str | None:
-    """Why these models have no MTP drafter (one line), None when they have one."""
+def unavailable(target: ScoringModel, draft: ScoringModel | None = None) -> str | None:
+    """Why these models have no MTP drafter (one clause), None when they have one."""
     layers = getattr(target, "mtp_layers", 0)
     if layers > 0:
         return None

@@ -34,7 +34,7 @@ from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
 from localspec.engine import Engine, GenerationStats
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.server.fim import fim_prompt
 from localspec.server.guard import (
     MIN_BODY_BYTES,

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from localspec import __version__
 from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.server.fim import fim_prompt
 from localspec.server.handling import (
     ApiError,
