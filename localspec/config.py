@@ -7,6 +7,7 @@ object configures the target and the draft, so p and q always go through the sam
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import pkgutil
@@ -135,17 +136,39 @@ class Sampling:
 
 
 
-def _drafter_names() -> tuple[str, ...]:
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What presets, pairs, memory estimates and reports must know of a drafter before any model code loads,
+    declared in the drafter's own file as module constants (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`)."""
+
+    title: str  # how reports name it ("prompt lookup")
+    needs_draft_model: bool = True  # False: a pair may name it and no draft
+    target_head: bool = False  # True: it runs the target's own MTP head in a context of its own (memory, support)
+
+
+def _drafter_facts() -> dict[str, DrafterFacts]:
     """The drafters `[draft] drafter` may name: one module each in localspec/drafters/ (`base` and private modules
-    aside), the list the registry imports; read from the folder, so presets need no model code."""
+    aside), the list the registry imports, with the facts each declares. Read with `ast`, not imported: presets and
+    header checks must not load llama.cpp (a drafter module imports the engine's model code)."""
     folder = Path(__file__).resolve().parent / "drafters"
-    return tuple(sorted(m.name for m in pkgutil.iter_modules([str(folder)])
-                        if m.name != "base" and not m.name.startswith("_")))
+    keys = {"TITLE": "title", "NEEDS_DRAFT_MODEL": "needs_draft_model", "TARGET_HEAD": "target_head"}
+    facts = {}
+    for module in sorted(pkgutil.iter_modules([str(folder)]), key=lambda m: m.name):
+        if module.name == "base" or module.name.startswith("_"):
+            continue
+        declared: dict[str, Any] = {"title": module.name}
+        for node in ast.parse((folder / f"{module.name}.py").read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and node.targets[0].id in keys:
+                declared[keys[node.targets[0].id]] = ast.literal_eval(node.value)
+        facts[module.name] = DrafterFacts(**declared)
+    return facts
 
 
-DRAFTERS = _drafter_names()
+DRAFTER_FACTS = _drafter_facts()
+DRAFTERS = tuple(DRAFTER_FACTS)
 # Drafters that need no draft model (a pair may name one and no draft).
-MODEL_FREE_DRAFTERS = ("lookup", "mtp")
+MODEL_FREE_DRAFTERS = tuple(name for name, facts in DRAFTER_FACTS.items() if not facts.needs_draft_model)
 
 
 @dataclass(frozen=True)

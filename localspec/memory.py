@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from localspec import placement
+from localspec.config import DRAFTER_FACTS
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader
 from localspec.placement import Dev, ModelPlacement, Plan
@@ -67,7 +68,7 @@ class Settings:
     draft_device: str = "auto"
     rpc: tuple[str, ...] = ()  # the target's RPC servers, HOST:PORT
     n_seq: int = 1  # slots (`serve --parallel`): each holds a KV region of n_ctx cells in both models
-    drafter: str = "model"  # "mtp": the target's MTP head runs in a context of its own (KV and compute)
+    drafter: str = "model"  # a drafter with TARGET_HEAD runs the target's MTP head in a context of its own
 
     @property
     def window(self) -> int:
@@ -285,7 +286,8 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
 
 def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
     models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers,
-                           mtp=s.drafter == "mtp", snapshots=s.n_draft)]
+                           mtp=s.drafter in DRAFTER_FACTS and DRAFTER_FACTS[s.drafter].target_head,
+                           snapshots=s.n_draft)]
     if draft is not None:
         models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.draft_n_gpu_layers))
     return tuple(models)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec import compat, demo, hub, machine, memory, placement, registry
-from localspec.config import Preset
+from localspec.config import DRAFTER_FACTS, Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
@@ -139,8 +139,9 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
     if draft is not None and draft.recurrence is not None and (why := recurrent.rollback_unsupported()):
         raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
     # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
-    if drafting.drafter == "mtp" and target.nextn_layers and (why := hidden.mtp_unsupported()):
-        raise UsageError(f"--drafter mtp: {why}")
+    if DRAFTER_FACTS[drafting.drafter].target_head and target.nextn_layers \
+            and (why := hidden.mtp_unsupported()):
+        raise UsageError(f"--drafter {drafting.drafter}: {why}")
 
 
 def _placed(p: placement.ModelPlacement) -> dict[str, object]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from localspec.config import DRAFTER_FACTS
+from localspec.drafters import LLAMA_SERVER_TYPES
 from localspec.errors import LocalspecError, UsageError
 
 if TYPE_CHECKING:
@@ -41,8 +43,10 @@ HOST, BACKEND = "host", "backend"  # llama.cpp's sampling: on the CPU after each
 INSTALL = (f"build llama.cpp's {TOOL} (cmake -B build && cmake --build build --target {TOOL}) and pass "
            f"--llama-bin build/bin, set {BIN_ENV}, or put it on PATH")
 PROBE_TIMEOUT_S = 60
-# The drafters llama.cpp's tool runs alike: the draft model's loop, and the target's own MTP head (no draft model).
-SPEC_TYPES = {"model": "draft-simple", "mtp": "draft-mtp"}
+# The `--spec-type`s of llama.cpp's tool that run as a localspec drafter does (the draft model's loop, the target's
+# own MTP head), by the drafter that declares that type (its LLAMA_SERVER_TYPE).
+TOOL_SPEC_TYPES = ("draft-simple", "draft-mtp")
+SPEC_TYPES = {name: spec for spec, name in LLAMA_SERVER_TYPES.items() if spec in TOOL_SPEC_TYPES}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TIMINGS = {
     "encoded": re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
@@ -133,7 +137,7 @@ def find_tool(given: str = "", env: dict[str, str] | None = None) -> Path:
     return Path(found)
 
 
-def probe_tool(path: Path, spec_type: str = SPEC_TYPES["model"]) -> Tool:
+def probe_tool(path: Path, spec_type: str = TOOL_SPEC_TYPES[0]) -> Tool:
     """Run it once with --help (cheap: no model) before minutes of measuring: a build that cannot start (missing
     libraries) or predates the draft flags or the `--spec-type` used here is refused now, in one line."""
     try:
@@ -211,10 +215,11 @@ def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None
     if sweep:
         raise UsageError(f"--against {LLAMA_CPP} compares one draft length; leave out --sweep")
     drafter = preset.draft.drafter
-    if drafter not in SPEC_TYPES or (drafter == "model" and not has_draft_model):
-        raise UsageError(f"--against {LLAMA_CPP} compares the draft model's loop (a draft model and --drafter "
-                         f"model) or the MTP head's (--drafter mtp) with {TOOL}'s, not --drafter {drafter}"
-                         + ("" if drafter != "model" else " without a draft model"))
+    needs_model = DRAFTER_FACTS[drafter].needs_draft_model
+    if drafter not in SPEC_TYPES or (needs_model and not has_draft_model):
+        alike = " or ".join(f"--drafter {name} ({spec})" for name, spec in SPEC_TYPES.items())
+        raise UsageError(f"--against {LLAMA_CPP} compares {TOOL}'s loops that run as {alike} do, not --drafter "
+                         f"{drafter}" + (" without a draft model" if drafter in SPEC_TYPES else ""))
     if preset.draft.adaptive:
         raise UsageError(f"--against {LLAMA_CPP}: {TOOL} drafts a fixed length; leave out --adaptive")
     if preset.load.draft_device != "auto":
@@ -236,7 +241,8 @@ def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPr
     """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
     device sampling too."""
     target = session.target
-    draft = session.draft.path if session.draft is not None and preset.draft.drafter == "model" else None
+    uses_draft = session.draft is not None and DRAFTER_FACTS[preset.draft.drafter].needs_draft_model
+    draft = session.draft.path if uses_draft else None
     return Plan(tool=tool, target=target.path, draft=draft, preset=preset, threads=target.n_threads,
                 prompts=tuple(prompts), modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,),
                 extra=extra)

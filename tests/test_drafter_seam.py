@@ -29,6 +29,8 @@ from localspec.config import Drafting
 from localspec.policies import CostRule, DraftCost
 from localspec.sampling import point_mass
 
+TITLE = "the toy"  # the facts the rest of localspec reads without importing this file
+NEEDS_DRAFT_MODEL = False
 
 class ToyCost(CostRule):
     """Its tokens' acceptance, counted apart from every other drafter's."""
@@ -92,6 +94,8 @@ from localspec.engine import Engine, collect
 assert Path(localspec.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), localspec.__file__
 out = {"choices": list(config.DRAFTERS), "registry": list(drafters.REGISTRY)}
 out["preset"] = config.load_preset().with_overrides(drafter="toy").draft.drafter
+out["facts"] = dataclasses.asdict(config.DRAFTER_FACTS["toy"])
+out["model_free"] = "toy" in config.MODEL_FREE_DRAFTERS
 out["help"] = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "300"}).output
 body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative.type": "toy"}
 out["request"] = ChatRequest.model_validate(body).preset_overrides()["drafter"]
@@ -129,6 +133,8 @@ def test_a_drafter_dropped_into_the_folder_is_registered_chosen_priced_and_run(w
     out = json.loads(done.stdout.splitlines()[-1])
     assert "toy" in out["choices"] and "toy" in out["registry"]
     assert out["preset"] == "toy" and out["request"] == "toy"
+    assert out["facts"] == {"title": "the toy", "needs_draft_model": False, "target_head": False}
+    assert out["model_free"]  # a pair may name it and no draft: declared in its file, nowhere else
     from localspec.config import DRAFTERS  # (the checkout's: the copy's are these and the toy)
 
     assert ", ".join(sorted([*DRAFTERS, "toy"])) in out["help"]  # --drafter's choices

@@ -236,7 +236,8 @@ def test_what_it_cannot_run_alike_is_refused_before_loading() -> None:
         versus.check_comparable(preset, True, sweep=True)
     with pytest.raises(UsageError, match="not --drafter model without a draft model"):
         versus.check_comparable(preset, False, sweep=False)
-    with pytest.raises(UsageError, match=r"or the MTP head's \(--drafter mtp\).*not --drafter lookup"):
+    alike = r"--drafter model \(draft-simple\) or --drafter mtp \(draft-mtp\) do, not --drafter lookup$"
+    with pytest.raises(UsageError, match=alike):
         versus.check_comparable(preset.with_overrides(drafter="lookup"), True, sweep=False)
     versus.check_comparable(preset.with_overrides(drafter="mtp"), False, sweep=False)  # no draft model needed
     with pytest.raises(UsageError, match="leave out --adaptive"):

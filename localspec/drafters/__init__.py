@@ -2,8 +2,9 @@
 drafter, registered under its module name (what `[draft] drafter`, `--drafter` and the server's `speculative.type`
 select). A new drafter is one file: a class with the `base.Drafter` methods and a `build(target, draft, built)`
 factory (None where these models cannot host it); optionally `NEEDS` (drafters built before it, handed in
-`built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it) and `unavailable(target, draft)`
-(why these models have none, for the error that names it). Nothing else names it."""
+`built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it), `unavailable(target, draft)`
+(why these models have none, for the error that names it), and the facts `config.DRAFTER_FACTS` reads from the file
+without importing it (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`). Nothing else names it."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from localspec.policies import CostRule, DraftCost, DraftLength, Observation, St
 from localspec.sampling import point_mass
 from localspec.scores import ScoringModel
 
+TITLE = "prompt lookup"  # how reports name it
+NEEDS_DRAFT_MODEL = False  # a pair may name it and no draft
 LLAMA_SERVER_TYPE = "ngram-simple"  # its `speculative.type` (llama-server's name)
 
 

@@ -38,6 +38,7 @@ from localspec.policies import CostRule, DraftCost, Observation
 from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import ScoringModel
 
+TITLE = "the draft model"  # how reports name it
 LLAMA_SERVER_TYPE = "draft-simple"  # its `speculative.type` (llama-server's name)
 
 
