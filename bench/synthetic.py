@@ -988,6 +988,10 @@ class HybridSpec:
             raise ValueError("rope_dims must fit a head and be twice the sum of rope_sections")
         if t.full_attention_interval < 2 or t.nextn not in (0, 1):
             raise ValueError("full_attention_interval must be > 1; llama.cpp's qwen35 runs at most one MTP block")
+        if self.draft_blocks < t.full_attention_interval:
+            # llama.cpp aborts on a Gated DeltaNet hybrid without an attention layer (docs/upstream.md)
+            raise ValueError(f"draft_blocks must be >= full_attention_interval ({t.full_attention_interval}): "
+                             "the draft needs an attention block")
         k = {"q4_0": 32, "q4_k_m": QK_K, "f32": 1}[self.wtype]
         for name, dim in (("n_embd", t.n_embd), ("n_head*head_dim", t.n_head * t.head_dim), ("n_ff", t.n_ff),
                           ("ssm inner size", t.ssm_inner)):
@@ -1151,13 +1155,14 @@ HYBRID_TINY = HybridSpec(
 )
 # Qwen3.5/3.6-27B's text shapes (Qwen/Qwen3.5-27B config: 64 blocks, 48 Gated DeltaNet + 16 gated full attention,
 # hidden 5120, 24 query / 4 KV heads of 256, FFN 17408, linear attention 16 key / 48 value heads of 128, conv 4,
-# a quarter of each head rotary with sections 11/11/10, one MTP block) in llama.cpp's Q4_K_M mix; the draft is its
-# first two blocks (the old 32B stand-in's recipe: a cheap draft of the target's width).
+# a quarter of each head rotary with sections 11/11/10, one MTP block) in llama.cpp's Q4_K_M mix; the draft is four
+# blocks of its width sharing its first two (three Gated DeltaNet and one attention block: llama.cpp aborts on a
+# hybrid without an attention layer, so the old 32B stand-in's two-block recipe cannot be used).
 HYBRID_27B = HybridSpec(
     target=HybridShape(n_embd=5120, n_head=24, n_head_kv=4, head_dim=256, n_ff=17408, n_blocks=64, ssm_head_dim=128,
                        ssm_k_heads=16, ssm_v_heads=48, rope_dims=64, rope_sections=(11, 11, 10, 0),
                        full_attention_interval=4, nextn=1),
-    draft_blocks=2,
+    draft_blocks=4,
     shared_blocks=2,
     scale=8e-5,
     wtype="q4_k_m",

@@ -484,7 +484,19 @@ def _check_hparams(h: GGUFHeader) -> HParams:
         raise h.error(f"{h.arch}.expert_used_count = {used} for {n_expert} experts")
     if n_expert and (groups >= n_expert or (groups > 1 and (n_expert % groups or not 0 < groups_used < groups))):
         raise h.error(f"{h.arch}: {n_expert} experts cannot form {groups} groups with {groups_used} used")
-    count("nextn_predict_layers", 0, n_layer, default=0)
+    nextn = count("nextn_predict_layers", 0, n_layer, default=0)
+    if h.arch in _DELTANET_ARCHS:
+        # A Gated DeltaNet hybrid with no attention layer builds a graph without the KV inputs, and llama.cpp
+        # aborts on its first decode (GGML_ASSERT(buffer) in set_inputs: docs/upstream.md).
+        trunk, listed = n_layer - nextn, h.metadata.get(f"{h.arch}.attention.recurrent_layers")
+        interval = count("full_attention_interval", 1, LLAMA_MAX_LAYERS, default=4)
+        if isinstance(listed, np.ndarray) and len(listed) >= trunk:
+            attends = not all(bool(v) for v in listed[:trunk].tolist())
+        else:
+            attends = trunk >= interval
+        if not attends:
+            raise h.error(f"none of its {trunk} layers attends ({h.arch}.full_attention_interval = {interval}): "
+                          "llama.cpp aborts on such a hybrid's first decode")
     scaling = h.metadata.get(f"{h.arch}.rope.scaling.type")
     if scaling is not None and scaling not in ROPE_SCALING_TYPES:
         raise h.error(f"{h.arch}.rope.scaling.type is {_describe(scaling)}, expected one of "

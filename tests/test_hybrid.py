@@ -632,6 +632,32 @@ def test_check_reports_mtp_layers_and_the_recurrent_state(hybrid_pair) -> None:
     assert "no MTP layers" in result.output
 
 
+@pytest.mark.slow
+def test_a_hybrid_without_an_attention_layer_is_refused_before_llama_cpp_aborts_on_it(tmp_path) -> None:
+    """llama.cpp aborts the process on the first decode of a Gated DeltaNet hybrid whose layers are all recurrent
+    (its graph lacks the KV inputs: GGML_ASSERT(buffer) in set_inputs); the header check refuses it first, with one
+    line naming the file, exit 2. The file: a two-block hybrid target, attention every 4th block (none)."""
+    import os
+    import subprocess
+    import sys
+
+    from synthetic import HYBRID_TINY, write_hybrid_model
+
+    tiny = HYBRID_TINY.target
+    spec = dataclasses.replace(HYBRID_TINY, target=dataclasses.replace(tiny, n_blocks=2, nextn=0,
+                                                                       full_attention_interval=4),
+                               draft_blocks=4, shared_blocks=1)
+    crafted = tmp_path / "all-recurrent.gguf"
+    write_hybrid_model(crafted, spec, "target")
+    cli = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
+    done = subprocess.run([*cli, "generate", "hi", "--target", str(crafted), "--draft", "0", "--max-tokens", "2",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "LOCALSPEC_DEBUG"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(crafted) in lines[0] and "none of its 2 layers attends" in lines[0], lines
+
+
 def test_a_pair_without_a_draft_names_a_drafter_that_needs_none(tmp_path) -> None:
     from localspec import registry
     from localspec.errors import ConfigError

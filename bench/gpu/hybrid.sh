@@ -14,7 +14,7 @@
 #   HYBRID_SIZE [hybrid27b] (hybrid-tiny: a CPU dry run)  MTP_NOISE [0.1] (the MTP head's agreement knob)
 #   SCALE [8e-5] (the target's extra blocks)  TEMPS ["0 0.7"]  N_PREDICT [128]  DRAFT_MAX [3] (both tools' MTP
 #   draft length)  REPEAT [5] (both loops)  WARMUP [2]  ROLLBACK_REPS [30]
-#   DRAFT_PAIR [0]  1 = also the 2-block hybrid draft with the draft model (k = 6, against draft-simple)
+#   DRAFT_PAIR [0]  1 = also the 4-block hybrid draft (3 recurrent + 1 attention) with the draft model (k = 6, against draft-simple)
 #   BENCH_ARGS  more `localspec bench` arguments (a CPU dry run: --threads 1)
 # A CPU dry run (run.sh builds a CPU llama.cpp into WORK):
 #   CARRIED_PY=0 CUDA=0 HYBRID_SIZE=hybrid-tiny N_PREDICT=16 REPEAT=1 WARMUP=0 ROLLBACK_REPS=2 \
