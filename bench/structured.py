@@ -5,7 +5,7 @@
                                      [--threads N] [--rows full|device|both] [--temp T] [--constraint schema|tools|both]
                                      [--compare-early-stop] [--no-logprobs] [--json OUT]
 
-`mask`: llama.cpp's grammar sampler (`llama_ctx.Grammar`) on a tiny model written with the vocabulary of --vocab
+`mask`: llama.cpp's grammar sampler (`llama.grammar.Grammar`) on a tiny model written with the vocabulary of --vocab
 (default: llama.cpp's ggml-vocab-qwen2.gguf, 151,936 tokens, from the pinned llama-cpp-python sdist) — the time to
 mask a whole row, and to mask the way the engine does (`constraints.masked_row`: the row's best tokens first) for
 greedy (1 legal token needed), top_k = 40 alone and the default sampling (top_k 40, top_p 0.9: `settled` may stop
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from localspec.llama_ctx import LlamaModel  # noqa: E402,I001  -- llama.cpp before numpy (docs/architecture.md)
+from localspec.llama.model import LlamaModel  # noqa: E402,I001  -- llama.cpp before numpy (docs/architecture.md)
 import numpy as np  # noqa: E402
 
 from localspec.chat import ChatTemplate, encode_chat  # noqa: E402

@@ -318,6 +318,7 @@ def _add_kv(
     name: str,
     vocab_kv: list[_KV],
     fim_tokens: tuple[int, int, int] | None = None,
+    rope_dims: int | None = None,
 ) -> None:
     a = arch
     w.add_name(name)
@@ -332,7 +333,7 @@ def _add_kv(
     # Needed when head_dim != n_embd / n_head (the 32B shape: 64 x 128 = 8192 != 5120).
     w.add_uint32(f"{a}.attention.key_length", sh.head_dim)
     w.add_uint32(f"{a}.attention.value_length", sh.head_dim)
-    w.add_uint32(f"{a}.rope.dimension_count", sh.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", sh.head_dim if rope_dims is None else rope_dims)
     w.add_float32(f"{a}.rope.freq_base", rope_freq_base)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", rms_eps)
     for kv in vocab_kv:
@@ -797,43 +798,57 @@ def write_card_model(
     else:
         ftype = _MIX_FILE_TYPE[spec.target_mix]
     tag = (f"noise {spec.noise:g} " if is_draft else "") + f"block_noise {spec.block_noise:g} seed {spec.seed}"
-    with atomic_path(path, f"synthetic {role}", parents=True) as tmp, \
-            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        w = gguf.GGUFWriter(tmp, "qwen3")
+
+    def add_kv(w: gguf.GGUFWriter) -> None:
         _add_kv(w, sh, arch="qwen3", file_type=int(ftype), ctx=spec.ctx, rope_freq_base=spec.rope_freq_base,
                 rms_eps=spec.rms_eps, name=f"localspec synthetic card {role} ({tag})", vocab_kv=vocab_kv)
+
+    cache: dict[tuple[str, CardQType], np.ndarray] = {}
+    embedding: np.ndarray | None = None
+    ffn0 = _ffn0_ints(spec, sh)
+
+    def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        nonlocal embedding
+        if name.endswith("norm.weight"):
+            return _card_norm(name, shape, spec, sc)
+        if name in ("token_embd.weight", "output.weight"):
+            if embedding is None:  # the target's output holds exactly its token_embd's values
+                embedding = _embedding_ints(spec, n_vocab, special, sh.n_embd, is_draft, pool)
+            return _encode_parallel(embedding, emb_scale, qt, pool)
+        block, tensor_role = int(name.split(".")[1]), name.split(".")[2]
+        if block == 0 and tensor_role in ffn0:
+            scale = {"ffn_gate": 1.0, "ffn_up": 1.0, "ffn_down": sc.down}[tensor_role]
+            return _encode_parallel(ffn0[tensor_role], scale, qt, pool)
+        key = (tensor_role, qt)
+        data = cache.get(key) if spec.reuse_blocks else None
+        if data is None:
+            ints = _noise_ints(spec.seed, (_NOISE_ROLES.index(tensor_role), 0 if spec.reuse_blocks else block,
+                                          1 if is_draft else 0), shape, pool)
+            data = _encode_parallel(ints, sc.block, qt, pool)
+            if spec.reuse_blocks:
+                cache[key] = data
+        return data
+
+    _write_planned(path, f"synthetic {role}", "qwen3", plan, add_kv, tensor, t0, log)
+
+
+def _write_planned(path: Path, what: str, arch: str, plan: list[tuple[str, tuple[int, ...], CardQType]],
+                   add_kv: Callable[[gguf.GGUFWriter], None],
+                   tensor: Callable[[str, tuple[int, ...], CardQType, ThreadPoolExecutor], np.ndarray],
+                   t0: float, log: Callable[[str], None] | None) -> None:
+    """Write a GGUF (atomically) from its key-values and its tensor plan, each tensor's data made in plan order on
+    a thread pool."""
+    with atomic_path(path, what, parents=True) as tmp, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        w = gguf.GGUFWriter(tmp, arch)
+        add_kv(w)
         for name, shape, qt in plan:
             # Element shape, not byte shape: gguf converts only shapes given with dtype uint8.
             w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qt), raw_dtype=_GGML_TYPE[qt])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        cache: dict[tuple[str, CardQType], np.ndarray] = {}
-        embedding: np.ndarray | None = None
-        ffn0 = _ffn0_ints(spec, sh)
         for name, shape, qt in plan:
-            if name.endswith("norm.weight"):
-                w.write_tensor_data(_card_norm(name, shape, spec, sc))
-                continue
-            if name in ("token_embd.weight", "output.weight"):
-                if embedding is None:  # the target's output holds exactly its token_embd's values
-                    embedding = _embedding_ints(spec, n_vocab, special, sh.n_embd, is_draft, pool)
-                w.write_tensor_data(_encode_parallel(embedding, emb_scale, qt, pool))
-                continue
-            block, tensor_role = int(name.split(".")[1]), name.split(".")[2]
-            if block == 0 and tensor_role in ffn0:
-                scale = {"ffn_gate": 1.0, "ffn_up": 1.0, "ffn_down": sc.down}[tensor_role]
-                w.write_tensor_data(_encode_parallel(ffn0[tensor_role], scale, qt, pool))
-                continue
-            key = (tensor_role, qt)
-            data = cache.get(key) if spec.reuse_blocks else None
-            if data is None:
-                ints = _noise_ints(spec.seed, (_NOISE_ROLES.index(tensor_role), 0 if spec.reuse_blocks else block,
-                                              1 if is_draft else 0), shape, pool)
-                data = _encode_parallel(ints, sc.block, qt, pool)
-                if spec.reuse_blocks:
-                    cache[key] = data
-            w.write_tensor_data(data)
+            w.write_tensor_data(tensor(name, shape, qt, pool))
         w.close()
     if log:
         log(f"wrote {path} ({Path(path).stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
@@ -884,6 +899,286 @@ CARD_TINY = CardSpec(
 CARD_PRESETS: dict[str, CardSpec] = {"card32b": CARD_32B, "card-tiny": CARD_TINY}
 
 
+# -- hybrid models: Qwen3.5/3.6-shaped (Gated DeltaNet + full attention), MTP blocks if asked ------------------
+#
+# llama.cpp's `qwen35` architecture (src/models/qwen35.cpp): every `full_attention_interval`-th block is a gated
+# full-attention block (Q projection twice as wide: query and gate), the others are Gated DeltaNet blocks (a fused
+# QKV projection, a gate Z, a short causal convolution, the delta rule with a per-head decay and a gated RMS norm),
+# each followed by a SwiGLU FFN between `attn_norm` / `post_attention_norm`. `nextn` MTP blocks after the trunk
+# (`nextn_predict_layers`) look like a full-attention block fed by `eh_proj([enorm(embed(x_p)); hnorm(h_{p-1})])`.
+#
+# As in the tiny pairs above, target and draft share bit-identical global tensors and their first `shared_blocks`
+# blocks (regenerated from the seed for each file); the target's further blocks, random integers times `scale`,
+# set how often the draft agrees. The MTP block reads the token through an identity (its `eh_proj` times 7 on the
+# token half) and the hidden state through random integers whose share of its input is `mtp_noise`: with small
+# blocks the target's next token is about a function of the last token, which the MTP head then predicts too, and
+# `mtp_noise` sets how often it does. Every matrix holds integers times one fp16 scale (`_encode_ints`), so the same
+# spec in Q4_0, Q4_K_M or F32 is the same model. Q4_0 matrices keep llama.cpp's CPU logits of a position the same in
+# a batch and alone (what the exactness tests need); the GPU preset is in llama.cpp's Q4_K_M mix.
+
+HybridType = Literal["q4_0", "q4_k_m", "f32"]
+_HYBRID_FILE_TYPE = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                     "f32": gguf.LlamaFileType.ALL_F32}
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """One qwen35 model's shape: the trunk's widths, its linear-attention heads, and its MTP blocks."""
+
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # full attention
+    n_ff: int
+    n_blocks: int  # trunk blocks (MTP blocks come after them)
+    ssm_head_dim: int  # linear attention: the key and value head size (linear_key_head_dim = linear_value_head_dim)
+    ssm_k_heads: int  # linear_num_key_heads (llama.cpp: ssm.group_count)
+    ssm_v_heads: int  # linear_num_value_heads (llama.cpp: ssm.time_step_rank)
+    rope_dims: int  # rotary dimensions of a head (Qwen3.5: a quarter)
+    rope_sections: tuple[int, int, int, int]  # interleaved M-RoPE sections (text uses one position for all)
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    nextn: int = 0  # MTP blocks
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_head_dim * self.ssm_v_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.ssm_head_dim * self.ssm_k_heads + self.ssm_inner
+
+    def recurrent(self, block: int) -> bool:
+        """Whether a trunk block is Gated DeltaNet (llama.cpp's rule when no layer list is given)."""
+        return block < self.n_blocks and (block + 1) % self.full_attention_interval != 0
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """A hybrid target (with MTP blocks if `target.nextn`) and a draft of the same widths sharing its first blocks."""
+
+    target: HybridShape
+    draft_blocks: int
+    shared_blocks: int
+    scale: float  # the block matrices' fp16 scale (the draft's agreement knob)
+    mtp_noise: float = 0.5  # the MTP head's hidden-state input over its token input (the MTP agreement knob)
+    mtp_scale: float | None = None  # the MTP block's matrices (None: `scale`)
+    wtype: HybridType = "q4_0"
+    seed: int = 1234
+    ctx: int = 2048
+    embd_d: float = 0.1
+    output_d: float = 0.05
+    reuse_blocks: bool = False  # blocks past the shared ones reuse one random tensor per role (the GPU shape)
+    rope_freq_base: float = 10_000_000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def draft(self) -> HybridShape:
+        return replace(self.target, n_blocks=self.draft_blocks, nextn=0)
+
+    def validate(self) -> None:
+        t = self.target
+        if self.wtype not in _HYBRID_FILE_TYPE:
+            raise ValueError(f"weight type {self.wtype!r}: choose one of {', '.join(_HYBRID_FILE_TYPE)}")
+        if not 0 < self.shared_blocks <= min(t.n_blocks, self.draft_blocks):
+            raise ValueError("shared_blocks must be in 1..min(target blocks, draft_blocks)")
+        if t.n_head % t.n_head_kv or t.ssm_v_heads % t.ssm_k_heads:
+            raise ValueError("heads must share KV heads (and value heads key heads) in equal groups")
+        if t.rope_dims > t.head_dim or 2 * sum(t.rope_sections) != t.rope_dims:
+            raise ValueError("rope_dims must fit a head and be twice the sum of rope_sections")
+        if t.full_attention_interval < 2 or t.nextn not in (0, 1):
+            raise ValueError("full_attention_interval must be > 1; llama.cpp's qwen35 runs at most one MTP block")
+        k = {"q4_0": 32, "q4_k_m": QK_K, "f32": 1}[self.wtype]
+        for name, dim in (("n_embd", t.n_embd), ("n_head*head_dim", t.n_head * t.head_dim), ("n_ff", t.n_ff),
+                          ("ssm inner size", t.ssm_inner)):
+            if dim % k:
+                raise ValueError(f"{name} = {dim} must be a multiple of {k} ({self.wtype} rows)")
+        if self.scale <= 0 or self.mtp_noise < 0:
+            raise ValueError(f"bad spec: scale {self.scale}, mtp_noise {self.mtp_noise}")
+
+
+HybridRole = Literal["target", "draft"]
+# Where a tensor's random integers come from: (role index, block, stream); stream 0 is shared, 1 the target's own
+# blocks (the MTP block included), 2 the draft's own.
+_HYBRID_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha",
+                 "ssm_out", "ssm_conv1d", "ffn_gate", "ffn_up", "ffn_down", "nextn.eh_proj", "token_embd", "output")
+
+
+def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
+                       role: HybridRole) -> list[tuple[str, tuple[int, ...], CardQType]]:
+    """(name, numpy shape, type) of every tensor of one model, in file order: the qwen35 loader's tensors
+    (`load_arch_tensors` in src/models/qwen35.cpp), the MTP blocks last."""
+    sh = spec.target if role == "target" else spec.draft
+    mix = spec.wtype
+
+    def qtype(name: str) -> CardQType:
+        if name.endswith(("norm.weight", ".ssm_a", ".ssm_dt.bias", ".ssm_conv1d.weight")):
+            return "f32"  # llama.cpp keeps these in F32 (the convolution and the decay are not matrix products)
+        if mix == "q4_k_m":
+            return q4_k_m_type(name, sh.n_blocks)
+        return mix
+
+    e, q_dim, kv_dim = sh.n_embd, sh.n_head * sh.head_dim, sh.n_head_kv * sh.head_dim
+    key_dim = sh.ssm_head_dim * sh.ssm_k_heads
+    names: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, e)), ("output_norm.weight", (e,)),
+                                                 ("output.weight", (n_vocab, e))]
+
+    def attention(b: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"blk.{b}.attn_q.weight", (2 * q_dim, e)), (f"blk.{b}.attn_k.weight", (kv_dim, e)),
+                (f"blk.{b}.attn_v.weight", (kv_dim, e)), (f"blk.{b}.attn_output.weight", (e, q_dim)),
+                (f"blk.{b}.attn_q_norm.weight", (sh.head_dim,)), (f"blk.{b}.attn_k_norm.weight", (sh.head_dim,))]
+
+    def ffn(b: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"blk.{b}.ffn_gate.weight", (sh.n_ff, e)), (f"blk.{b}.ffn_up.weight", (sh.n_ff, e)),
+                (f"blk.{b}.ffn_down.weight", (e, sh.n_ff))]
+
+    for b in range(sh.n_blocks + sh.nextn):
+        names += [(f"blk.{b}.attn_norm.weight", (e,)), (f"blk.{b}.post_attention_norm.weight", (e,))]
+        if sh.recurrent(b):
+            names += [(f"blk.{b}.attn_qkv.weight", (2 * key_dim + sh.ssm_inner, e)),
+                      (f"blk.{b}.attn_gate.weight", (sh.ssm_inner, e)),
+                      (f"blk.{b}.ssm_conv1d.weight", (sh.conv_dim, sh.conv_kernel)),
+                      (f"blk.{b}.ssm_dt.bias", (sh.ssm_v_heads,)), (f"blk.{b}.ssm_a", (sh.ssm_v_heads,)),
+                      (f"blk.{b}.ssm_beta.weight", (sh.ssm_v_heads, e)),
+                      (f"blk.{b}.ssm_alpha.weight", (sh.ssm_v_heads, e)),
+                      (f"blk.{b}.ssm_norm.weight", (sh.ssm_head_dim,)),
+                      (f"blk.{b}.ssm_out.weight", (e, sh.ssm_inner))]
+        else:
+            names += attention(b)
+        names += ffn(b)
+        if b >= sh.n_blocks:  # an MTP block
+            names += [(f"blk.{b}.nextn.eh_proj.weight", (e, 2 * e)), (f"blk.{b}.nextn.enorm.weight", (e,)),
+                      (f"blk.{b}.nextn.hnorm.weight", (e,))]
+    return [(n, s, qtype(n)) for n, s in names]
+
+
+_MTP_TOKEN_SCALE = 1 / 16  # eh_proj's fp16 scale on the token half (7 on the diagonal)
+
+
+def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int, ...], qt: CardQType, stream: int,
+                 pool: ThreadPoolExecutor, cache: dict[tuple[str, CardQType], np.ndarray]) -> np.ndarray:
+    """One tensor's bytes (or F32 values)."""
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    if name.endswith(".ssm_a"):  # -exp(A_log) as the converter stores it: every head halves its state in ~1 token
+        return np.full(shape, -1.0, dtype=np.float32)
+    if name.endswith(".ssm_dt.bias"):
+        return np.zeros(shape, dtype=np.float32)
+    parts = name.split(".")
+    tensor_role = parts[0] if parts[0] != "blk" else ".".join(parts[2:-1])
+    block = int(parts[1]) if parts[0] == "blk" else 0
+    if tensor_role == "nextn.eh_proj":  # [token half: 7 I; hidden half: noise], each half with its own scale
+        e = sh.n_embd
+        token = np.zeros((e, e), dtype=np.int8)
+        token[np.arange(e), np.arange(e)] = _CODE_MAX
+        hidden_scale = spec.mtp_noise * _CODE_MAX * _MTP_TOKEN_SCALE / np.sqrt(e * _CODE_VAR)
+        hidden = _noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), block, 1), (e, e), pool)
+        return np.concatenate([_encode_parallel(token, _MTP_TOKEN_SCALE, qt, pool),
+                               _encode_parallel(hidden, max(hidden_scale, 1e-7), qt, pool)], axis=1)
+    if parts[0] != "blk":
+        scale, key = (spec.embd_d if tensor_role == "token_embd" else spec.output_d), (0, 0)
+    else:
+        shared = block < spec.shared_blocks
+        reuse = spec.reuse_blocks and not shared and block < sh.n_blocks
+        scale = 0.1 if tensor_role == "ssm_conv1d" else spec.scale
+        if block >= sh.n_blocks and spec.mtp_scale is not None:
+            scale = spec.mtp_scale
+        key = (spec.shared_blocks if reuse else block, 0 if shared else stream)
+        if reuse and (tensor_role, qt) in cache:
+            return cache[(tensor_role, qt)]
+    data = _encode_parallel(_noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), *key), shape, pool), scale, qt,
+                            pool)
+    if parts[0] == "blk" and spec.reuse_blocks and block >= spec.shared_blocks:
+        cache[(tensor_role, qt)] = data
+    return data
+
+
+def write_hybrid_model(
+    path: Path,
+    spec: HybridSpec,
+    role: HybridRole,
+    vocab_source: Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Write the hybrid target or draft GGUF (atomically); each file regenerates the shared tensors from the seed."""
+    spec.validate()
+    t0 = time.perf_counter()
+    vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
+    sh = spec.target if role == "target" else spec.draft
+    plan = hybrid_tensor_plan(spec, n_vocab, role)
+    arch = "qwen35"
+    tag = f"scale {spec.scale:g} mtp_noise {spec.mtp_noise:g} seed {spec.seed}"
+
+    def add_kv(w: gguf.GGUFWriter) -> None:
+        trunk = Shape(sh.n_embd, sh.n_head, sh.n_head_kv, sh.head_dim, sh.n_ff, sh.n_blocks + sh.nextn)
+        _add_kv(w, trunk, arch=arch, file_type=int(_HYBRID_FILE_TYPE[spec.wtype]), ctx=spec.ctx,
+                rope_freq_base=spec.rope_freq_base, rms_eps=spec.rms_eps, vocab_kv=vocab_kv,
+                name=f"localspec synthetic hybrid {role} ({tag})", rope_dims=sh.rope_dims)
+        w.add_array(f"{arch}.rope.dimension_sections", list(sh.rope_sections))
+        w.add_uint32(f"{arch}.ssm.conv_kernel", sh.conv_kernel)
+        w.add_uint32(f"{arch}.ssm.inner_size", sh.ssm_inner)
+        w.add_uint32(f"{arch}.ssm.state_size", sh.ssm_head_dim)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", sh.ssm_v_heads)
+        w.add_uint32(f"{arch}.ssm.group_count", sh.ssm_k_heads)
+        w.add_uint32(f"{arch}.full_attention_interval", sh.full_attention_interval)
+        if sh.nextn:
+            w.add_uint32(f"{arch}.nextn_predict_layers", sh.nextn)
+
+    cache: dict[tuple[str, CardQType], np.ndarray] = {}
+    stream = 1 if role == "target" else 2
+
+    def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        return _hybrid_data(spec, sh, name, shape, qt, stream, pool, cache)
+
+    _write_planned(path, f"synthetic hybrid {role}", arch, plan, add_kv, tensor, t0, log)
+
+
+def write_hybrid_pair(target_path: Path, draft_path: Path, spec: HybridSpec, vocab_source: Path | None = None,
+                      log: Callable[[str], None] | None = None) -> None:
+    write_hybrid_model(target_path, spec, "target", vocab_source, log)
+    write_hybrid_model(draft_path, spec, "draft", vocab_source, log)
+
+
+# Tiny, for the tests: blocks alternate Gated DeltaNet / full attention (R A R A), one MTP block; the draft is the
+# first two blocks. Q4_0 matrices (CPU logits of a position identical in a batch and alone).
+HYBRID_TINY = HybridSpec(
+    target=HybridShape(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, n_blocks=4, ssm_head_dim=16,
+                       ssm_k_heads=2, ssm_v_heads=4, rope_dims=8, rope_sections=(2, 1, 1, 0),
+                       full_attention_interval=2, nextn=1),
+    draft_blocks=2,
+    shared_blocks=2,
+    scale=0.01,
+)
+# Qwen3.5/3.6-27B's text shapes (Qwen/Qwen3.5-27B config: 64 blocks, 48 Gated DeltaNet + 16 gated full attention,
+# hidden 5120, 24 query / 4 KV heads of 256, FFN 17408, linear attention 16 key / 48 value heads of 128, conv 4,
+# a quarter of each head rotary with sections 11/11/10, one MTP block) in llama.cpp's Q4_K_M mix; the draft is its
+# first two blocks (the old 32B stand-in's recipe: a cheap draft of the target's width).
+HYBRID_27B = HybridSpec(
+    target=HybridShape(n_embd=5120, n_head=24, n_head_kv=4, head_dim=256, n_ff=17408, n_blocks=64, ssm_head_dim=128,
+                       ssm_k_heads=16, ssm_v_heads=48, rope_dims=64, rope_sections=(11, 11, 10, 0),
+                       full_attention_interval=4, nextn=1),
+    draft_blocks=2,
+    shared_blocks=2,
+    scale=8e-5,
+    wtype="q4_k_m",
+    ctx=4096,
+    reuse_blocks=True,
+)
+# Both drafters agree almost always: the all-accepted paths.
+HYBRID_TINY_HIGH = replace(HYBRID_TINY, scale=0.0005, mtp_noise=0.0, mtp_scale=0.0005)
+HYBRID_PRESETS: dict[str, HybridSpec] = {"hybrid-tiny": HYBRID_TINY, "hybrid-tiny-high": HYBRID_TINY_HIGH,
+                                         "hybrid27b": HYBRID_27B}
+
+
+def hybrid_model_or_tiny(path: Path | None, folder: str | Path) -> Path:
+    """`path`, or HYBRID_TINY's target (with its MTP block) written into `folder`: the upstream repros' model."""
+    if path is not None:
+        return path
+    tiny = Path(folder) / "hybrid-tiny.gguf"
+    write_hybrid_model(tiny, HYBRID_TINY, "target")
+    return tiny
+
+
 # -- measuring agreement -------------------------------------------------------------------------------------
 
 
@@ -913,7 +1208,7 @@ def measure_agreement(
     made the same measurement take 0.4 s or 24 s. On a CUDA build, call it from a process that imported
     llama_cpp before numpy (docs/performance.md); `python bench/synthetic.py --measure` does not, so it is for CPUs.
     """
-    from localspec.llama_ctx import LlamaModel  # imports llama_cpp (before numpy's heavy use; docs/gpu.md)
+    from localspec.llama.model import LlamaModel  # imports llama_cpp (before numpy's heavy use; docs/gpu.md)
 
     agree = total = ctx_agree = ctx_total = 0
     generated: list[int] = []
@@ -957,13 +1252,16 @@ def measure_agreement(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/synthetic.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(PRESETS) + sorted(CARD_PRESETS), default="tiny")
+    p.add_argument("--size", choices=sorted(PRESETS) + sorted(CARD_PRESETS) + sorted(HYBRID_PRESETS), default="tiny")
     p.add_argument("--scale", type=float, help="block weight scale (the old pair's agreement knob)")
     p.add_argument("--noise", type=float, help="card pairs: draft embedding noise (the agreement knob)")
     p.add_argument("--block-noise", type=float, help="card pairs: the noise blocks' share of the residual")
-    p.add_argument("--mix", choices=sorted(_MIX_FILE_TYPE), help="card pairs: the target's quant mix")
-    p.add_argument("--only", choices=["target", "draft"], help="card pairs: write one model (one target serves "
-                   "drafts of every --noise)")
+    p.add_argument("--mix", choices=sorted(_MIX_FILE_TYPE), help="card and hybrid pairs: the target's quant mix "
+                   "(hybrid: q4_0, q4_k_m or f32)")
+    p.add_argument("--mtp-noise", type=float, help="hybrid pairs: the MTP head's hidden-state share (its agreement "
+                   "knob)")
+    p.add_argument("--only", choices=["target", "draft"], help="card and hybrid pairs: write one model (one target "
+                   "serves drafts of every --noise)")
     p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
     p.add_argument("--vocab", type=Path, help="GGUF to copy tokenizer metadata from (default: SmolLM2)")
     p.add_argument("--wtype", choices=["f32", "f16", "q4_0"])
@@ -982,7 +1280,17 @@ def main(argv: list[str] | None = None) -> int:
     draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
     log = functools.partial(print, file=sys.stderr)
     measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
-    if a.size in CARD_PRESETS:
+    if a.size in HYBRID_PRESETS:
+        hybrid = HYBRID_PRESETS[a.size]
+        hybrid = replace(hybrid, **{k: v for k, v in {"scale": a.scale, "mtp_noise": a.mtp_noise, "seed": a.seed,
+                                                      "wtype": a.mix}.items() if v is not None})
+        if a.target_blocks is not None:
+            hybrid = replace(hybrid, target=replace(hybrid.target, n_blocks=a.target_blocks))
+        for role, path in (("target", target), ("draft", draft)):
+            if a.only in (None, role):
+                write_hybrid_model(path, hybrid, role, a.vocab, log=log)  # type: ignore[arg-type]
+                print(path)
+    elif a.size in CARD_PRESETS:
         card = CARD_PRESETS[a.size]
         card = replace(card, **{k: v for k, v in {"noise": a.noise, "block_noise": a.block_noise,
                                                   "seed": a.seed, "target_mix": a.mix}.items() if v is not None})

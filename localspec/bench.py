@@ -503,7 +503,7 @@ def contention(threads: int, cores: int, load_before: float | None, load_after: 
 
 def environment(session: Session) -> dict[str, Any]:
     """Versions, hardware and model files, for the JSON report (so numbers can be compared honestly)."""
-    from localspec.llama_ctx import supports_gpu_offload, system_info
+    from localspec.llama.backend import supports_gpu_offload, system_info
 
     def version(dist: str) -> str | None:
         try:

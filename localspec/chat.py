@@ -47,7 +47,8 @@ from localspec.engine import (
 )
 from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
 from localspec.fsutil import atomic_write, check_writable, read_text
-from localspec.llama_ctx import LlamaModel, apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
+from localspec.llama.model import LlamaModel
+from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
 
@@ -80,7 +81,7 @@ class ChatTemplate:
 
     @classmethod
     def from_jinja(cls, template: str, bos_token: str, eos_token: str, source: str = "jinja") -> ChatTemplate:
-        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama_ctx). Extra
+        """A Jinja chat template (HF style), rendered in llama-cpp-python's sandbox (see llama.templates). Extra
         variables reach the template (`enable_thinking`)."""
         return cls(source=source, _render=jinja_chat_renderer(template, bos_token, eos_token, source),
                    thinking_switch="enable_thinking" in template, reads_tools="tools" in template)

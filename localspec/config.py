@@ -7,8 +7,10 @@ object configures the target and the draft, so p and q always go through the sam
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
+import pkgutil
 import re
 import tomllib
 from collections.abc import Callable
@@ -85,6 +87,13 @@ def _cache_ram(text: str) -> object:
     return text.strip()
 
 
+def _models_budget(text: str) -> object:
+    """`auto` (the free memory measured before each load), or whole MiB that the loaded pairs may take together."""
+    if text.strip() != "auto" and not (text.strip().isdigit() and int(text.strip()) > 0):
+        raise ValueError("expected auto or a whole number of MiB above 0, e.g. 20000")
+    return text.strip()
+
+
 def _any_path(text: str) -> object:
     if "\n" in text or "\0" in text:
         raise ValueError("a path on one line")
@@ -126,7 +135,40 @@ class Sampling:
         return active and self.repeat_last_n > 0
 
 
-DRAFTERS = ("model", "lookup", "chain")  # localspec.drafters.REGISTRY's names (a test keeps them equal)
+
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What presets, pairs, memory estimates and reports must know of a drafter before any model code loads,
+    declared in the drafter's own file as module constants (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`)."""
+
+    title: str  # how reports name it ("prompt lookup")
+    needs_draft_model: bool = True  # False: a pair may name it and no draft
+    target_head: bool = False  # True: it runs the target's own MTP head in a context of its own (memory, support)
+
+
+def _drafter_facts() -> dict[str, DrafterFacts]:
+    """The drafters `[draft] drafter` may name: one module each in localspec/drafters/ (`base` and private modules
+    aside), the list the registry imports, with the facts each declares. Read with `ast`, not imported: presets and
+    header checks must not load llama.cpp (a drafter module imports the engine's model code)."""
+    folder = Path(__file__).resolve().parent / "drafters"
+    keys = {"TITLE": "title", "NEEDS_DRAFT_MODEL": "needs_draft_model", "TARGET_HEAD": "target_head"}
+    facts = {}
+    for module in sorted(pkgutil.iter_modules([str(folder)]), key=lambda m: m.name):
+        if module.name == "base" or module.name.startswith("_"):
+            continue
+        declared: dict[str, Any] = {"title": module.name}
+        for node in ast.parse((folder / f"{module.name}.py").read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and node.targets[0].id in keys:
+                declared[keys[node.targets[0].id]] = ast.literal_eval(node.value)
+        facts[module.name] = DrafterFacts(**declared)
+    return facts
+
+
+DRAFTER_FACTS = _drafter_facts()
+DRAFTERS = tuple(DRAFTER_FACTS)
+# Drafters that need no draft model (a pair may name one and no draft).
+MODEL_FREE_DRAFTERS = tuple(name for name, facts in DRAFTER_FACTS.items() if not facts.needs_draft_model)
 
 
 @dataclass(frozen=True)
@@ -134,7 +176,7 @@ class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # the draft model's length by measured cost (policies)
-    # Who drafts (localspec.drafters' registry): the draft model, prompt lookup, or lookup then the model.
+    # Who drafts: a drafter of localspec/drafters/ (the draft model, prompt lookup, lookup then the model, ...).
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
     lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first
@@ -229,6 +271,16 @@ class ServerSettings:
     # Where POST /slots/{id}?action=save|restore keeps its files ("" = those actions are off; llama-server's
     # --slot-save-path).
     slot_save_path: str = field(metadata=_text(_any_path, "a folder"))
+    # Several pairs (`serve --pair A --pair B`): the memory their estimates may take together ("auto": each load
+    # checks the free VRAM, or RAM on a CPU-only machine), and the seconds an idle pair stays loaded (0 = until
+    # another pair needs its room).
+    models_budget: str = field(metadata=_text(_models_budget, "auto or MiB"))
+    models_idle: float = field(metadata=_rng(0.0, 7 * 86400.0, float))
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """`models_budget` in bytes (None: auto)."""
+        return None if self.models_budget == "auto" else int(self.models_budget) << 20
 
     @property
     def model_alias_names(self) -> tuple[str, ...]:

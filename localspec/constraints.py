@@ -6,7 +6,7 @@ the prefix is -inf (mask first, then top-k → top-p → min-p → temperature; 
 masks the draft's rows and the target's verify rows alike, each with the grammar state after its own prefix, so
 rejection sampling compares the masked p and q and its output is exactly the constrained target's.
 
-Masking asks llama.cpp's grammar sampler (`llama_ctx.Grammar`) about as few tokens as exactness allows: a row
+Masking asks llama.cpp's grammar sampler (`llama.grammar.Grammar`) about as few tokens as exactness allows: a row
 sampled with top-k needs only its top_k best legal tokens (and greedy its best one), so the mask is asked about the
 row's best few dozen tokens first and widens only when too few of them are legal; top_k = 0 needs every token.
 Fewer legal tokens than top_k among those checked is enough too when top-p or min-p would cut the row before any
@@ -16,8 +16,10 @@ in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/perfo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +27,9 @@ import numpy as np
 
 from localspec.config import Sampling
 from localspec.errors import GrammarError
-from localspec.llama_ctx import Grammar, LlamaModel, json_object_gbnf, json_schema_gbnf
-from localspec.sampling import NARROW
+from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
+from localspec.llama.model import LlamaModel
+from localspec.sampling import NARROW, Candidates, accept_or_resample, distributions, penalized, token_logprobs
 from localspec.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first (at least 4 x top_k); a miss widens the look eightfold, then to all
@@ -190,3 +193,59 @@ def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling
             np.flatnonzero(legal), logits, float(logits.min()), grammar.n_vocab - len(ids), sampling)):
         return None
     return Scores(np.where(legal, logits, -np.inf)[None, :].astype(np.float32), ids[None, :])
+
+
+def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] | None, scores: Scores,
+                       history: list[int], sampling: Sampling, rng: np.random.Generator,
+                       is_eog: Callable[[int], bool], full_row: Callable[[int], np.ndarray],
+                       logprobs: int | None = None,
+                       ) -> tuple[list[int], Grammar, int, list[tuple[float, tuple[tuple[int, float], ...]]]]:
+    """Acceptance (greedy match, or accept-or-resample against q) on a verify's masked rows: row i is masked with
+    the grammar state after the drafts before it (a copy of `grammar`, advanced by each accepted draft), so p is the
+    constrained target's at every position. `history`: what penalties read. Returns the emitted tokens, the copy
+    (the state after them: it replaces `grammar`, which the caller closes), how many rows were decoded again and,
+    with `logprobs` (N), each emitted token's logprob and its N best legal alternatives on its masked row.
+
+    Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal tokens;
+    a row that does not is read in full (`full_row(i)`: its token decoded again, which drops the cells after it),
+    so the round ends with that row's token (exact either way: it is the constrained target's choice or draw at
+    that position)."""
+    scored = penalized(scores, history, sampling)
+    state = grammar.clone()
+    emitted: list[int] = []
+    redecoded = 0
+    logprob_rows: list[np.ndarray] = []
+    # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
+    # without top-k, top-p or min-p needs them all.
+    every = dataclasses.replace(sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    try:
+        for i in range(len(drafts) + 1):
+            if logprobs is not None:
+                assert scored.logits is not None  # full rows: logprobs turn the device sampler off (Engine.start)
+                logprob_rows.append(masked_row(scored.logits[i], state, every))
+            row = masked_scores(scored, i, state, sampling)
+            last = row is None
+            if row is None:  # (no penalty here: a penalised stream has full rows)
+                row = masked_scores(Scores(full_row(i)[None, :]), 0, state, sampling)
+                assert row is not None
+                redecoded += 1
+            if sampling.greedy:
+                token = int(row.argmax()[0])
+                ok = i < len(drafts) and drafts[i] == token
+            elif i < len(drafts):
+                assert q is not None, "a drafter sampling at T > 0 must say what it drew from"
+                ok, token = accept_or_resample(drafts[i], distributions(row, [], sampling), 0, q[i], rng)
+            else:
+                ok, token = False, distributions(row, [], sampling).sample(0, rng)
+            emitted.append(token)
+            if not is_eog(token):
+                state.accept(token)
+            if not ok or last:
+                break
+    except BaseException:
+        state.close()
+        raise
+    grammar.close()
+    chosen = [] if logprobs is None else [token_logprobs(row, token, logprobs)
+                                          for row, token in zip(logprob_rows, emitted, strict=True)]
+    return emitted, state, redecoded, chosen

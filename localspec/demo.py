@@ -168,7 +168,7 @@ def _requantize(source: Path, final: Path, ftype: str) -> Path:
     """Requantize `source` into `final` once, through llama.cpp's own quantizer."""
     if final.is_file():
         return final
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     with _writing(final, opened=False) as tmp:
         quantize(source, tmp, ftype)

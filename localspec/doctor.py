@@ -46,9 +46,34 @@ DEMO_BY_DESIGN = ("the offline demo's draft is its own target requantized, by de
                   "with no download, not a speed-up")
 
 
+def drafting_facts(h: GGUFHeader, role: str = "target") -> list[tuple[Status, str]]:
+    """What a model's header says about drafting for it (`localspec check`): its MTP head, and whether llama.cpp
+    can roll its recurrent state back (what speculation on a hybrid or recurrent model needs)."""
+    out: list[tuple[Status, str]] = []
+    if role == "target":
+        n = h.nextn_layers
+        out.append((Status.OK, f"{n} MTP layer{'s' * (n > 1)} (nextn_predict_layers): --drafter mtp drafts with the "
+                               "model's own head, no draft model needed") if n else
+                   (Status.INFO, "no MTP layers: --drafter mtp needs a GGUF converted with them"))
+    rec = h.recurrence
+    if rec is not None:
+        amount = (f"{rec.state_bytes / 2**20:.1f} MiB" if rec.state_bytes >= 2**20 else
+                  f"{rec.state_bytes / 2**10:.1f} KiB")
+        size = f"{amount} of recurrent state a sequence" if rec.state_bytes else \
+            "recurrent state of a size the header does not give"
+        what = (f"{role} is a {rec.kind} model ({h.arch}: {len(rec.layers)} recurrent layers, {size})")
+        if rec.rolls_back:
+            out.append((Status.OK, f"{what}; llama.cpp rolls it back for speculation (a snapshot per draft token)"))
+        else:
+            out.append((Status.FAIL, f"{what}; llama.cpp cannot roll it back: no speculation, plain decoding only"))
+    return out
+
+
 def _pair_checks(t: GGUFHeader, d: GGUFHeader | None, demo: bool = False) -> list[Check]:
     """`demo`: the built-in pair, whose draft is its target requantized on purpose; the size and bit-width
     advice cannot apply to it, so it is said as information, not as a warning with a fix nobody can take."""
+    if d is None and t.nextn_layers:
+        return [Check(Status.OK, "drafter", "no draft model: the target's own MTP head drafts (--drafter mtp)")]
     if d is None:
         return [
             Check(

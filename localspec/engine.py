@@ -4,7 +4,7 @@ One generation: `_prefill` the prompt into its slot's KV cells (the target's, an
 reusing whatever prefix they already hold), then rounds of `_plan` (the draft length k: the one place it is
 decided), `_draft` (the request's drafter proposes up to k tokens with their distributions q: `drafters/`),
 `_verify` (one batched target decode with scores at every drafted position), `_accept` (greedy match or rejection
-sampling, a `_Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
+sampling, a `Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
 tell the drafter the verdict, which rewinds its own state). k = 0 is plain decoding through the same code, so
 baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts padded) so llama.cpp's CUDA
 graphs stay captured — but for runs of rounds with nothing drafted, verified narrow when padding them measures dearer
@@ -26,22 +26,27 @@ draft-ahead, drafters/model.py; when it runs: placement.draft_ahead).
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from localspec import context_shift, drafters
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.constraints import masked_row, masked_scores
-from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
+from localspec.constraints import accept_constrained
+from localspec.drafters.base import (
+    NO_PROPOSAL,
+    Drafter,
+    PromptWork,
+    Proposal,
+    ReadsTarget,
+    device_mode,
+    prompt_work,
+)
 from localspec.drafters.base import shared_prefix as shared_prefix
-from localspec.errors import ContextFullError, UsageError
+from localspec.errors import ContextFullError, DecodeError, RollbackError, UsageError
 from localspec.events import STOP_CONTEXT_FULL as STOP_CONTEXT_FULL
 from localspec.events import STOP_EOG as STOP_EOG
 from localspec.events import STOP_MAX_TOKENS as STOP_MAX_TOKENS
@@ -52,11 +57,14 @@ from localspec.events import Generation as Generation
 from localspec.events import GenerationStats as GenerationStats
 from localspec.events import TokenEvent as TokenEvent
 from localspec.events import collect as collect
-from localspec.llama_ctx import Grammar
-from localspec.policies import DraftCost, DraftLength, LoadPolicy
-from localspec.prompt_cache import ModelState, PromptCache, SlotState
-from localspec.sampling import accept_drafts, accept_or_resample, distributions, penalized, token_logprobs
+from localspec.llama.grammar import Grammar
+from localspec.policies import DraftLength, LoadPolicy, kept_length
+from localspec.prompt_cache import PromptCache, SlotState
+from localspec.sampling import accept_rows, penalized, token_logprobs
 from localspec.scores import Scores, ScoringModel
+from localspec.slot_cells import SlotCells
+from localspec.stream import Slot, Verdict
+from localspec.stream import Stream as Stream
 
 # (The events' names are re-exported above: callers have imported them from here since the first release.)
 
@@ -71,126 +79,6 @@ class _Plan:
     width: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    """What verification kept of one stream's round."""
-
-    emitted: list[int]  # the accepted drafts, then one token of the target's own
-    accepted: int
-    rows: list[tuple[int, float]]  # with trace: each emitted token's row (argmax, top-2 margin)
-    width: int  # the verify batch's width
-    # with logprobs: each emitted token's logprob and the best alternatives (sampling.token_logprobs)
-    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
-    ahead_wait_s: float | None = None  # the wait after the verify for the draft-ahead beside it (None: none ran)
-
-
-_NOTHING = _Verdict([], 0, [], 0)
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One sequence of the target (llama.cpp sequence id `seq`) and what its KV cells hold.
-
-    Invariant between rounds: `tokens` is the committed sequence; the target's cells hold all of it but the last
-    token (`cur`, which opens the next verify batch). A drafter's models keep their own cells (a prefix of it)."""
-
-    seq: int
-    tokens: list[int] = field(default_factory=list)
-    target_kv: list[int] = field(default_factory=list)
-    # Per drafting settings recently used here: the draft-length policy and its cost model, kept across
-    # generations (and across others' between them, as bench's interleaved plain runs)
-    policies: dict[tuple, DraftLength] = field(default_factory=dict)
-    used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
-    busy: bool = False
-
-
-class Stream:
-    """One generation in progress in a slot: its request, drafter, random stream and stats, and the last round's
-    verdict.
-
-    Made by `Engine.start`; `Engine.step` runs a round for several streams at once; `events()` then yields that
-    round's TokenEvents (asking `should_stop` after each) and, when the generation has ended, its DoneEvent.
-    """
-
-    def __init__(self, engine: Engine, slot: _Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
-                 should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
-                 constrain_draft: bool = True, logprobs: int | None = None,
-                 context: ContextSettings | None = None) -> None:
-        self.slot = slot
-        # With context shift on: what a full context keeps (n_keep, n_discard); None: the generation stops there.
-        self.shift = context if context is not None and context.context_shift else None
-        # The grammar's state after the committed tokens (advanced only by emitted ones); each round the drafter
-        # gets a copy in its request. constrain_draft=False masks the verify rows only (to measure the difference).
-        self.grammar = grammar
-        self.constrain_draft = constrain_draft
-        self.logprobs = logprobs  # None: off; N: each emitted token's logprob and the N best alternatives
-        self.sampling = sampling
-        self.drafting = drafting
-        self.max_tokens = max_tokens
-        self.should_stop = should_stop
-        # (Engine.start has checked that these models can run it.)
-        self.drafter: Drafter | None = engine.drafters[drafting.drafter] if drafting.n_draft > 0 else None
-        self.trace = trace and sampling.greedy
-        self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
-        self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
-                                            sampling, slot)
-        self.stats = GenerationStats()
-        self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
-                                grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
-                                engine.constrained_rows, self.chooser)
-        self.done: DoneEvent | None = None
-        self._done_sent = False
-        self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
-        self.t_start = 0.0
-        self.verdict = _NOTHING  # the last round's, until events() takes it
-        self._piece = engine.token_piece
-        self._is_eog = engine.token_is_eog
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    @property
-    def use_draft(self) -> bool:
-        return self.drafter is not None
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None
-
-    def _finish(self, stop: str, message: str) -> None:
-        self.stats.decode_s = time.perf_counter() - self.t_start
-        self.done = DoneEvent(self.stats, stop, message)
-        self.slot.busy = False
-        for grammar in (self.grammar, self.req.grammar):
-            if grammar is not None:
-                grammar.close()
-
-    def _stop_requested(self) -> bool:
-        return self.should_stop is not None and self.should_stop()
-
-    def events(self) -> Iterator[Event]:
-        """The last round's tokens, then the DoneEvent if the generation ended (in the round or here)."""
-        verdict, self.verdict = self.verdict, _NOTHING
-        stats = self.stats
-        for i, token in enumerate(verdict.emitted):
-            if self._is_eog(token):
-                self._finish(STOP_EOG, "end of generation")
-                break
-            stats.tokens += 1
-            row_argmax, margin = verdict.rows[i] if verdict.rows else (None, None)
-            logprob, top = verdict.logprobs[i] if verdict.logprobs else (None, None)
-            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < verdict.accepted, row_argmax,
-                             margin, logprob, top)
-            if stats.tokens >= self.max_tokens:
-                self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
-                break
-            if self._stop_requested():
-                # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
-                self._finish(STOP_REQUESTED, "stopped by the caller")
-                break
-        if self.done is not None and not self._done_sent:
-            self._done_sent = True
-            yield self.done
-
-
 class Engine:
     """Speculative decoding over a target `LlamaModel` and the drafters its optional draft model allows (same
     tokenizer), for as many concurrent generations as the models have sequences (slots)."""
@@ -200,7 +88,7 @@ class Engine:
                  prompt_cache: PromptCache | None = None) -> None:
         self.target = target
         # Slots' states kept in host RAM: a slot given to another prompt is saved there first, and a prompt that
-        # an entry serves better than its slot is restored from there (`_from_cache`).
+        # an entry serves better than its slot is restored from there (`SlotCells.from_cache`).
         self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.limit > 0 else None
         self.draft = draft
         # Keep the verify width constant within a generation, padding a short draft (an early stop below p_min,
@@ -211,17 +99,16 @@ class Engine:
         self.draft_ahead = draft_ahead and draft is not None
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
-        self.constrained_rows = constrained_rows
+        # A recurrent target cannot go back into a verify to read a row again: full rows there.
+        self.constrained_rows = constrained_rows if target.rewind_depth is None else "full"
         # Plain decoding at T > 0 may draw its tokens on the device (one slot only, `start`): llama.cpp's random
         # stream, not the host's, so a seed's text depends on the slot count. The server turns it off, so that a
         # seed gives the same text whatever --parallel is.
         self.draw_on_device = True
         self.drafters = drafters.build(target, draft)
         self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
-        self.slots = [_Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
-        # Per (model, sequence) whose cells were restored from a state: the shortest length they may be cut back to
-        # (`prompt_cache.ModelState.floor`); a prompt that shares less starts that model's cells afresh.
-        self._floors: dict[tuple[int, int], int] = {}
+        self.slots = [Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
+        self.cells = SlotCells(target, self._distinct_drafters(), self.slots)  # every model's cells of a slot
         self.load = LoadPolicy()
         self._starts = 0
         # A token's text and whether it ends a generation are the vocabulary's: one llama.cpp call per token id,
@@ -236,7 +123,7 @@ class Engine:
         for drafter in self._distinct_drafters():
             drafter.reset()
         self.target.clear()
-        self._floors.clear()
+        self.cells.floors.clear()
         for slot in self.slots:
             slot.tokens, slot.target_kv, slot.busy = [], [], False
 
@@ -248,7 +135,8 @@ class Engine:
         """A drafter these models cannot run is a UsageError naming the ones they can (from the registry), never
         plain decoding in its place."""
         if drafting.n_draft > 0 and drafting.drafter not in self.drafters:
-            why = " (no draft model is loaded)" if self.draft is None else ""
+            why = drafters.unavailable(drafting.drafter, self.target, self.draft)
+            why = f" ({why})" if why else ""
             raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
                              f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
 
@@ -273,7 +161,7 @@ class Engine:
 
     # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
     # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
-    # (llama_ctx._covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # (llama.ubatch.covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
     # over a reply than re-reading a short prefix once.
     LONG_PREFIX = 256
 
@@ -287,7 +175,7 @@ class Engine:
             return None
         busy = [s.seq for s in self.slots if s.busy or s.seq in exclude]  # the promised ones are about to be
 
-        def key(s: _Slot) -> tuple[int, int, int, int]:
+        def key(s: Slot) -> tuple[int, int, int, int]:
             reuse = shared_prefix(s.target_kv, prompt)
             span = max(busy + [s.seq]) - min(busy + [s.seq])
             return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
@@ -341,17 +229,23 @@ class Engine:
         if len(prompt) > self.n_ctx:
             raise ContextFullError(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         self.check_drafter(drafting)
+        depth = self.target.rewind_depth
+        if depth is not None and drafting.n_draft > depth:
+            raise RollbackError(
+                f"draft length {drafting.n_draft}: this model's recurrent state rolls back at most {depth} tokens "
+                f"(loaded for that draft length); ask for n_draft <= {depth}, or load it with a longer one")
         if context is not None and context.context_shift:
             self.check_context_shift()
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
                         logprobs, context)
         seq = chosen.seq
+        self.target.want_hidden(seq, isinstance(stream.drafter, ReadsTarget))
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep
-        # intermediate results (llama_ctx._covering_calls), so there the host draws from the device's top k.
+        # intermediate results (llama.ubatch.covering_calls), so there the host draws from the device's top k.
         plain = not stream.use_draft and self.target.n_seq == 1 and self.draw_on_device
         # Logprobs read every row whole; a grammar masks full rows or the device's top candidates
-        # (`constrained_rows`, `_accept_constrained`).
+        # (`constrained_rows`, `constraints.accept_constrained`).
         self.target.use_device_sampler(None if logprobs is not None else device_mode(
             self.target, sampling, p_min=0.0, plain=plain, trace=stream.trace,
             grammar_rows=self.constrained_rows if grammar is not None else None), seq)
@@ -364,7 +258,7 @@ class Engine:
                 model.use_device_sampler(None, seq)
         stream.stats.prompt_tokens = len(prompt)
         if self.prompt_cache is not None:
-            self._from_cache(chosen, prompt)
+            self.cells.from_cache(self.prompt_cache, chosen, prompt)
         stream.prefill = self._prefill(stream, list(prompt))
         if not prefill_in_rounds:
             self._prefill_some(stream, whole=True)
@@ -373,108 +267,29 @@ class Engine:
         stream.t_start = time.perf_counter()
         return stream
 
-    def check_context_shift(self) -> None:
-        """Context shift drops tokens from the middle of a sequence: a recurrent state cannot (UsageError)."""
-        for i, model in enumerate(self._state_models()):
-            if model.recurrent:
-                raise UsageError(f"context shift: the {'target' if i == 0 else 'draft'} has a recurrent state, which "
-                                 "cannot drop tokens from its middle (turn context_shift off)")
-
-    # -- a slot's cells as a state: the prompt cache, slot files ---------------------------------------------
+    # -- a slot's cells as a state (`slot_cells`): slot files, the prompt cache; context shift's check ----------
 
     def snapshot(self, slot: int) -> SlotState:
-        """Slot `slot`'s cells in every model, each rolled back to a prefix of its committed tokens (a draft's
-        cells may hold drafted tokens past them), as llama.cpp serialises them. The slot must be idle."""
-        s = self.slots[slot]
-        assert not s.busy, "snapshot of a busy slot"
-        models = []
-        for model, kv in self._cells(slot):
-            keep = shared_prefix(kv, s.tokens)
-            if len(kv) > keep:
-                del kv[keep:]  # bookkeeping first, as everywhere
-                model.truncate(keep, slot)
-            models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
-        held = max(m.n_tokens for m in models)
-        return SlotState(tuple(s.tokens[:held]), tuple(models))
+        return self.cells.snapshot(slot)
 
     def restore(self, slot: int, state: SlotState) -> bool:
-        """Put `state` (one ModelState per model of `state_models`, in its order) into idle slot `slot`; its earlier
-        cells go. False when llama.cpp refuses a model's state: the slot is then empty."""
-        s = self.slots[slot]
-        assert not s.busy, "restore into a busy slot"
-        cells = self._cells(slot)
-        assert len(cells) == len(state.models), "one state per model"
-        for (model, kv), saved in zip(cells, state.models, strict=True):
-            kv.clear()
-            self._floors.pop((id(model), slot), None)
-            if saved.n_tokens == 0:
-                model.clear(slot)
-                continue
-            if not model.load_state(saved.data, slot):
-                self.erase(slot)
-                return False
-            kv.extend(state.tokens[: saved.n_tokens])
-            if saved.floor:
-                self._floors[(id(model), slot)] = saved.floor
-        s.tokens[:] = state.tokens
-        return True
+        return self.cells.restore(slot, state)
 
     def erase(self, slot: int) -> int:
-        """Empty slot `slot`'s cells in every model; returns how many tokens the target's held."""
-        s = self.slots[slot]
-        assert not s.busy, "erase of a busy slot"
-        held = len(s.target_kv)
-        for model, kv in self._cells(slot):
-            kv.clear()
-            model.clear(slot)
-            self._floors.pop((id(model), slot), None)
-        s.tokens.clear()
-        return held
+        return self.cells.erase(slot)
 
     def state_models(self) -> list[ScoringModel]:
-        """The models whose cells a slot's state holds, in `SlotState.models`' order: the target first."""
-        return self._state_models()
+        return self.cells.models()
 
-    def _state_models(self) -> list[ScoringModel]:
-        return [model for model, _ in self._cells(0)]
-
-    def _cells(self, slot: int) -> list[tuple[ScoringModel, list[int]]]:
-        """Every model's cells of a slot with their bookkeeping: the target's, then each drafter's own models'."""
-        cells = [(self.target, self.slots[slot].target_kv)]
-        for drafter in self._distinct_drafters():
-            for model, kv in drafter.cells(slot):
-                if all(model is not m for m, _ in cells):
-                    cells.append((model, kv))
-        return cells
-
-    def _reuse(self, slot: int, model: ScoringModel, kv: list[int], body: Sequence[int]) -> int:
-        """How much of `body` a model's cells of the slot can keep: the shared prefix, or nothing where that is
-        shorter than a restored state may be cut back to."""
-        n = shared_prefix(kv, body)
-        return n if n >= self._floors.get((id(model), slot), 0) else 0
-
-    def _from_cache(self, slot: _Slot, prompt: Sequence[int]) -> None:
-        """llama-server's prompt cache: when the slot would keep less than half of what its cells hold (it is
-        given to another prompt), its state goes to the cache first; then an entry that serves more of the
-        prompt than the slot does is restored into it."""
-        cache = self.prompt_cache
-        assert cache is not None
-        body = prompt[:-1]
-        kept = self._reuse(slot.seq, self.target, slot.target_kv, body)
-        if slot.target_kv and 2 * kept >= len(slot.target_kv):
-            return  # the conversation it holds goes on
-        if slot.target_kv:
-            cache.put(self.snapshot(slot.seq))
-        found = cache.best(body, better_than=kept)
-        if found is not None:
-            self.restore(slot.seq, found[0])
+    def check_context_shift(self) -> None:
+        self.cells.check_context_shift()
 
     def step(self, streams: Sequence[Stream]) -> None:
         """One round for every stream that goes on: plan, draft (each drafter for its streams together), verify
         (one target decode for all), accept per stream, rewind. Each stream's `events()` then yields its tokens."""
         t0 = time.perf_counter()
         for slot in self.slots if len(self.slots) > 1 else ():  # a free slot's chains would run in every decode
-            if not slot.busy:  # (llama_ctx._covering_calls)
+            if not slot.busy:  # (llama.ubatch.covering_calls)
                 for model in self.models:
                     model.use_device_sampler(None, slot.seq)
         live = [s for s in streams if self._begin(s)]
@@ -486,33 +301,20 @@ class Engine:
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             self._rewind(s, proposal, verdict)
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
-                              proposal.looked_up, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
+                              proposal.lead, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
                               proposal.least_s)
-            stats = s.stats
-            stats.draft_s += proposal.seconds
-            stats.verify_s += verify_s
-            stats.rounds += 1
-            stats.drafted += len(proposal.tokens)
-            stats.accepted += verdict.accepted
-            stats.draft_lengths.append(len(proposal.tokens))
+            s.stats.count_round(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s)
         # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
         # epoch and counts.
         if share < 1.0 or any(p.k for p in plans):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
-    KEPT_POLICIES = 8  # per slot: one per drafting settings recently used there
-
-    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: _Slot) -> DraftLength:
-        """A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's generations
-        with the same drafting, and so is the cost model of every chooser: what it measured (costs, acceptance)
-        stays valid for the next prompt, and probing again every generation would cost rounds."""
-        key = (drafting, sampling.greedy)
-        kept = slot.policies.pop(key, None) or DraftLength(
-            drafting, DraftCost(drafting.n_draft, graphs=self.constant_width), self.constant_width)
-        slot.policies[key] = kept  # the most recent last
-        while len(slot.policies) > self.KEPT_POLICIES:
-            del slot.policies[next(iter(slot.policies))]
-        return kept if drafting.adaptive else DraftLength(drafting, kept.cost, self.constant_width)
+    def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: Slot,
+                      drafter: Drafter | None) -> DraftLength:
+        """The generation's draft-length policy, its cost model kept in the slot (`policies.kept_length`), with the
+        drafter's cost rules attached."""
+        return kept_length(slot.policies, drafting, sampling.greedy, self.constant_width,
+                           lambda cost: drafter.pricing(cost, drafting) if drafter is not None else None)
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
@@ -520,14 +322,14 @@ class Engine:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
         slot = s.slot
-        for model, kv in self._cells(slot.seq):  # restored cells shorter than their floor start afresh
-            if (id(model), slot.seq) in self._floors and not self._reuse(slot.seq, model, kv, prompt[:-1]):
-                del self._floors[(id(model), slot.seq)]
-                kv.clear()
-                model.clear(slot.seq)
-        work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq)]
+        reader = s.drafter if isinstance(s.drafter, ReadsTarget) else None
+        limit = reader.target_limit(s.req, prompt) if reader is not None else None
+        self.cells.start_afresh_below_floor(slot.seq, prompt[:-1], limit)
+        work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq, limit)]
         s.stats.prompt_tokens_processed = len(work[0][2])
         slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
+        if reader is not None:
+            reader.target_kept(s.req, len(slot.target_kv))
         if s.drafter is not None:
             work += s.drafter.begin(s.req, prompt)
         return [w for w in work if w[2]]
@@ -545,9 +347,16 @@ class Engine:
         """Decode the stream's pending prompt work into every model: all of it, or one batch of each."""
         for model, kv, todo in s.prefill:
             take = todo if whole else todo[: model.n_batch]
-            model.decode(take, len(kv), seq=s.slot.seq)
+            scores = model.decode(take, len(kv), seq=s.slot.seq)
+            if model is self.target and isinstance(s.drafter, ReadsTarget):
+                assert scores is not None and scores.hidden is not None
+                s.drafter.target_rows(s.req, len(kv), scores.hidden)
             kv.extend(take)
             del todo[: len(take)]
+            if model is self.target and not todo:
+                # A recurrent state is rewound to here for the next prompt that shares this one (a chat's next
+                # turn); it cannot be rolled back that far otherwise.
+                model.checkpoint(s.slot.seq)
         s.prefill = [t for t in s.prefill if t[2]]
 
     def _shift(self, s: Stream) -> None:
@@ -631,7 +440,7 @@ class Engine:
         return proposals
 
     def _verify(self, live: Sequence[Stream], plans: Sequence[_Plan],
-                proposals: Sequence[Proposal]) -> tuple[list[_Verdict], float]:
+                proposals: Sequence[Proposal]) -> tuple[list[Verdict], float]:
         """One target decode of every stream's [cur] + drafts (each padded to its width), then acceptance per
         stream. A stream alone in its round lets its drafter work beside the decode. Returns the verdicts and the
         decode's seconds."""
@@ -664,110 +473,50 @@ class Engine:
             wait = time.perf_counter() - t
             live[0].stats.ahead_wait_s += wait
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
-            # A constrained row may be decoded again (`_accept_constrained`) into the buffer full rows still view.
+            # A constrained row may be decoded again (`accept_constrained`) into the buffer full rows still view.
             scores = [r.with_logits(r.logits.copy()) if r is not None and r.full and r.logits is not None
                       and r.logits.base is not None else r for r in scores]
         verdicts = []
         for s, (_, batch, _, _), rows, proposal, width in zip(live, items, scores, proposals, widths, strict=True):
             assert rows is not None
+            if isinstance(s.drafter, ReadsTarget):
+                assert rows.hidden is not None
+                s.drafter.target_rows(s.req, len(s.slot.target_kv), rows.hidden)
             s.slot.target_kv.extend(batch)
             rows = rows.head(len(proposal.tokens) + 1)
             if s.grammar is None:
                 verdict = self._accept(s, proposal, rows, width)
             else:
-                t_accept, redecoded = time.perf_counter(), s.stats.full_rows
-                verdict = self._accept_constrained(s, proposal, rows, width, batch, len(s.slot.target_kv) - len(batch))
-                if s.stats.full_rows > redecoded:  # a row decoded again is verify time (masking rows aside)
-                    spent += time.perf_counter() - t_accept
-            if s.logprobs is not None and s.grammar is None:  # (a constrained stream's: _accept_constrained)
-                assert rows.logits is not None and rows.full  # logprobs turn the device sampler off (start)
-                # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+                t_accept, start, seq = time.perf_counter(), len(s.slot.target_kv) - len(batch), s.slot.seq
                 history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
-                seen = penalized(rows, history, s.sampling).logits
-                assert seen is not None
-                verdict = dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, s.logprobs)
-                                                                 for i, t in enumerate(verdict.emitted)])
+                emitted, s.grammar, redecoded, chosen = accept_constrained(
+                    s.grammar, proposal.tokens, proposal.q, rows, history, s.sampling, s.rng, self.token_is_eog,
+                    lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq),
+                    s.logprobs)
+                verdict = Verdict(emitted, len(emitted) - 1, [], width, chosen)
+                if redecoded:  # a row decoded again is verify time (masking rows aside)
+                    s.stats.full_rows += redecoded
+                    spent += time.perf_counter() - t_accept
             if wait is not None:
                 verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
             verdicts.append(verdict)
         return verdicts, spent
 
     @staticmethod
-    def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> _Verdict:
-        """gpt-fast's accept/reject over one stream's verify rows."""
-        drafts, sampling = proposal.tokens, s.sampling
-        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens  # (only a penalty reads it)
-        if scores.drawn is not None:  # plain decoding at T > 0: the device drew the token
-            return _Verdict([int(scores.drawn[0])], 0, [], width)
-        if sampling.greedy:
-            scored = penalized(scores, history, sampling)
-            rows = scored.argmax_and_margin() if s.trace else []  # read from the rows, apart from the choice
-            choice = scored.argmax()
-            n = 0
-            while n < len(drafts) and drafts[n] == choice[n]:
-                n += 1
-            return _Verdict([*drafts[:n], int(choice[n])], n, rows, width)
-        assert proposal.q is not None or not drafts, "a drafter sampling at T > 0 must say what it drew from"
-        n, out = accept_drafts(drafts, distributions(scores, history, sampling), proposal.q or [], s.rng)
-        return _Verdict([*drafts[:n], out], n, [], width)
+    def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> Verdict:
+        """gpt-fast's accept/reject over one stream's verify rows (`sampling.accept_rows`)."""
+        history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens  # (a penalty reads it)
+        verdict = Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, s.sampling, s.rng, s.trace), width)
+        if s.logprobs is None:
+            return verdict
+        # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+        assert scores.logits is not None and scores.full  # logprobs turn the device sampler off (start)
+        seen = penalized(scores, history, s.sampling).logits
+        assert seen is not None
+        return dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, s.logprobs)
+                                                      for i, t in enumerate(verdict.emitted)])
 
-    def _accept_constrained(self, s: Stream, proposal: Proposal, scores: Scores, width: int, batch: list[int],
-                            start: int) -> _Verdict:
-        """`_accept` on masked rows: row i is masked with the grammar state after the drafts before it (a copy of
-        the real state, advanced by each accepted draft), so p is the constrained target's at every position. The
-        copy then replaces the real state.
-
-        Rows of the device's top candidates (greedy, top-k) are masked as they are where they hold enough legal
-        tokens; a row that does not is read in full by decoding its token (`batch[i]` at `start + i`) again, which
-        drops the cells after it, so the round ends with that row's token (exact either way: it is the
-        constrained target's choice or draw at that position)."""
-        assert s.grammar is not None
-        drafts, sampling = proposal.tokens, s.sampling
-        history = s.slot.tokens + drafts if sampling.penalized else s.slot.tokens
-        scored = penalized(scores, history, sampling)
-        state = s.grammar.clone()
-        emitted: list[int] = []
-        logprob_rows: list[np.ndarray] = []
-        # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
-        # without top-k, top-p or min-p needs them all.
-        every = dataclasses.replace(sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        try:
-            for i in range(len(drafts) + 1):
-                if s.logprobs is not None:
-                    assert scored.logits is not None  # full rows: logprobs turn the device sampler off (start)
-                    logprob_rows.append(masked_row(scored.logits[i], state, every))
-                row = masked_scores(scored, i, state, sampling)
-                last = row is None
-                if row is None:  # (no penalty here: a penalised stream has full rows)
-                    full = Scores(self.target.full_row(batch[i], start + i, s.slot.seq)[None, :])
-                    row = masked_scores(full, 0, state, sampling)
-                    assert row is not None
-                    s.stats.full_rows += 1
-                if sampling.greedy:
-                    token = int(row.argmax()[0])
-                    ok = i < len(drafts) and drafts[i] == token
-                elif i < len(drafts):
-                    assert proposal.q is not None, "a drafter sampling at T > 0 must say what it drew from"
-                    ok, token = accept_or_resample(drafts[i], distributions(row, [], sampling), 0, proposal.q[i],
-                                                   s.rng)
-                else:
-                    ok, token = False, distributions(row, [], sampling).sample(0, s.rng)
-                emitted.append(token)
-                if not self.token_is_eog(token):
-                    state.accept(token)
-                if not ok or last:
-                    break
-        except BaseException:
-            state.close()
-            raise
-        s.grammar.close()
-        s.grammar = state
-        n_top = s.logprobs
-        chosen = [] if n_top is None else [token_logprobs(row, token, n_top)
-                                           for row, token in zip(logprob_rows, emitted, strict=True)]
-        return _Verdict(emitted, len(emitted) - 1, [], width, chosen)
-
-    def _rewind(self, s: Stream, proposal: Proposal, verdict: _Verdict) -> None:
+    def _rewind(self, s: Stream, proposal: Proposal, verdict: Verdict) -> None:
         """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the
         drafter (which rewinds its own models' cells)."""
         slot = s.slot
@@ -775,7 +524,8 @@ class Engine:
         # Bookkeeping first: if a truncate is interrupted, the next _prefill truncates to what the lists claim.
         if len(slot.target_kv) > keep:
             del slot.target_kv[keep:]
-            self.target.truncate(keep, slot.seq)
+            if self.target.truncate(keep, slot.seq) != keep:  # (`start` keeps k within the target's rewind depth)
+                raise DecodeError(f"the target could not roll back to position {keep} after a verify")
         slot.tokens.extend(verdict.emitted)
         s.verdict = verdict
         if s.drafter is not None:

@@ -64,3 +64,8 @@ class TooManyTokens(LocalspecError):
 class GrammarError(UsageError):
     """A grammar or JSON schema that cannot constrain generation (does not parse, cannot be converted), or a
     token it forbids; the message names the source (file, request field)."""
+
+
+class RollbackError(UsageError):
+    """Speculative decoding on a model whose recurrent state this llama.cpp cannot roll back (too old a library,
+    or an architecture without snapshots): the message says which, and that plain decoding works."""

@@ -49,6 +49,16 @@ class GenerationStats:
     shift_tokens: int = 0  # ... tokens decoded again at their new positions then (in decode_s)
     draft_lengths: list[int] = field(default_factory=list)
 
+    def count_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """One speculative round: `drafted` tokens proposed in `draft_s` (on the path), `accepted` of them, the
+        verify's `verify_s`."""
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_lengths.append(drafted)
+
     def __add__(self, other: GenerationStats) -> GenerationStats:
         return GenerationStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                                   for f in dataclasses.fields(self)})

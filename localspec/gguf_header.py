@@ -260,6 +260,31 @@ class HParams:
     n_vocab: int
 
 
+# Architectures whose memory keeps a recurrent state (llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid), and
+# those of them whose state llama.cpp can roll back through per-token snapshots (llm_arch_supports_rs_rollback;
+# `llama_context_params.n_rs_seq`): src/llama-arch.cpp of llama-cpp-python 0.3.36. Speculation rewinds rejected
+# tokens, so it needs the last kind; the others decode plainly.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+                          "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+                          "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01"})
+ROLLBACK_ARCHS = frozenset({"kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h",
+                            "nemotron_h_moe", "lfm2", "lfm2moe", "bailingmoe3"})
+# Gated DeltaNet hybrids: a full-attention block every `full_attention_interval` (llama.cpp's default 4) unless
+# `attention.recurrent_layers` lists them (src/models/qwen35.cpp, qwen3next.cpp).
+_DELTANET_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """A model whose memory holds a recurrent state beside (hybrid) or instead of (recurrent) a KV cache."""
+
+    kind: str  # "recurrent" or "hybrid"
+    layers: tuple[int, ...]  # the trunk layers with a recurrent state (the others attend)
+    rolls_back: bool  # llama.cpp can roll the state back a few tokens (what speculation needs)
+    state_bytes: int  # one sequence's state (convolution + SSM, F32), 0 when the header does not say
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
     path: Path
@@ -340,6 +365,54 @@ class GGUFHeader:
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
+
+    # -- recurrent state and MTP heads ------------------------------------------------------------------------
+
+    @property
+    def nextn_layers(self) -> int:
+        """MTP (NextN) blocks appended after the trunk (`nextn_predict_layers`): a head that drafts for the model."""
+        value = self.arch_get("nextn_predict_layers", 0)
+        return value if _is_int(value) and 0 <= value <= self.hparams.n_layer else 0
+
+    @property
+    def trunk_layers(self) -> int:
+        """The blocks a decode runs (the MTP blocks only run in an MTP context)."""
+        return self.hparams.n_layer - self.nextn_layers
+
+    @cached_property
+    def recurrence(self) -> Recurrence | None:
+        """The recurrent state's facts, None for an attention-only model."""
+        arch = self.arch
+        if arch not in RECURRENT_ARCHS and arch not in HYBRID_ARCHS:
+            return None
+        n = self.trunk_layers
+
+        def count(suffix: str) -> int:
+            value = self.arch_get(suffix, 0)
+            return value if _is_int(value) and 0 <= value <= MAX_EMBD * 64 else 0
+
+        listed = self.arch_get("attention.recurrent_layers")
+        if arch in RECURRENT_ARCHS:
+            layers = tuple(range(n))
+        elif isinstance(listed, np.ndarray) and len(listed) >= n:
+            layers = tuple(i for i in range(n) if bool(listed[i]))
+        elif arch in _DELTANET_ARCHS:
+            interval = count("full_attention_interval") or 4
+            layers = tuple(i for i in range(n) if (i + 1) % interval)
+        else:  # other hybrids: the layers without KV heads hold the state
+            layers = tuple(i for i in range(n) if self.hparams.n_head_kv[i] == 0)
+        conv, inner, state, groups = (count(f"ssm.{k}") for k in ("conv_kernel", "inner_size", "state_size",
+                                                                     "group_count"))
+        per_layer = (max(conv - 1, 0) * (inner + 2 * groups * state) + state * inner) * 4  # n_embd_r + n_embd_s
+        return Recurrence("recurrent" if arch in RECURRENT_ARCHS else "hybrid", layers, arch in ROLLBACK_ARCHS,
+                          per_layer * len(layers))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The trunk layers with a KV cache."""
+        rec = self.recurrence
+        skip = set(rec.layers) if rec is not None else set()
+        return tuple(i for i in range(self.trunk_layers) if i not in skip and self.hparams.n_head_kv[i] > 0)
 
     # -- what llama.cpp will rely on -------------------------------------------------------------------------
 

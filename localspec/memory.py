@@ -5,7 +5,12 @@ What llama.cpp allocates per model (checked against its own buffer log in tests/
 - KV cache: n_layer × n_kv_heads × (key_length + value_length) × cells × bytes per element, where cells is the
   context padded to 256 (llama.cpp keeps full-size caches for sliding-window layers by default);
 - compute buffer: with flash attention, ≈ n_ubatch × (4·n_vocab + 8·n_embd) bytes (the ubatch's logits);
-- output buffer: a row of logits per requested output, the verification window (draft length + 1).
+- output buffer: a row of logits per requested output, the verification window (draft length + 1);
+- recurrent state (hybrid and recurrent models, `GGUFHeader.recurrence`): each sequence's state F32, the
+  target's times 1 + the draft length (llama.cpp's snapshots for rewinding rejected drafts, `n_rs_seq`), plus
+  one checkpoint copy each (`llama.recurrent`: where a rewind reaches further back; a draft rewinds through it alone);
+  only the attention layers keep KV;
+- an MTP head (`[draft] drafter = "mtp"`): its blocks' KV cache and a second compute buffer (its own context).
 The verification window also needs KV room, reserved out of the context. On a GPU a fixed allowance covers
 the CUDA context and cuBLAS workspace, which the header cannot tell.
 
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from localspec import placement
+from localspec.config import DRAFTER_FACTS
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader
 from localspec.placement import Dev, ModelPlacement, Plan
@@ -41,10 +47,11 @@ class ModelMemory:
     compute: int
     output: int
     gpu_fraction: float  # share of the layers (and their KV) on the GPU
+    state: int = 0  # recurrent state, its rollback snapshots and checkpoint (placed with the layers, like KV)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.output
+        return self.weights + self.kv + self.state + self.compute + self.output
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Settings:
     draft_device: str = "auto"
     rpc: tuple[str, ...] = ()  # the target's RPC servers, HOST:PORT
     n_seq: int = 1  # slots (`serve --parallel`): each holds a KV region of n_ctx cells in both models
+    drafter: str = "model"  # a drafter with TARGET_HEAD runs the target's MTP head in a context of its own
 
     @property
     def window(self) -> int:
@@ -140,26 +148,44 @@ class Estimate:
         return ", ".join(parts)
 
 
-def kv_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
-    """KV cache bytes at this context, from the header's (checked) attention shape."""
+def kv_bytes(header: GGUFHeader, n_ctx: int, kv_type: str, layers: Sequence[int] | None = None) -> int:
+    """KV cache bytes at this context, from the header's (checked) attention shape: the trunk's attention layers
+    (a recurrent layer, an MTP block and a layer without KV heads keep none in the main context), or `layers`."""
     hp = header.hparams
     cells = -(-n_ctx // CTX_PAD) * CTX_PAD
-    per_token = sum(hp.n_head_kv) * (hp.key_length + hp.value_length)  # a layer without attention has 0 KV heads
-    return int(per_token * cells * KV_BYTES[kv_type])
+    heads = sum(hp.n_head_kv[i] for i in (header.attention_layers if layers is None else layers))
+    return int(heads * (hp.key_length + hp.value_length) * cells * KV_BYTES[kv_type])
 
 
-def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layers: int) -> ModelMemory:
+def state_bytes(header: GGUFHeader, snapshots: int) -> int:
+    """One sequence's recurrent state as localspec has llama.cpp hold it: the state, its `snapshots` for
+    rewinding a verify (`n_rs_seq`: the target's, the draft length) and a checkpoint copy; 0 for an
+    attention-only model."""
+    rec = header.recurrence
+    if rec is None:
+        return 0
+    return rec.state_bytes * (1 + (snapshots if rec.rolls_back else 0) + 1)
+
+
+def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layers: int,
+                 mtp: bool = False, snapshots: int = 0) -> ModelMemory:
     hp = header.hparams  # validated: n_layer >= 1, so the GPU share below never divides by zero
     n_ubatch = min(s.n_batch, s.n_ctx)
     frac = 1.0 if n_gpu_layers < 0 else min(n_gpu_layers, hp.n_layer) / hp.n_layer
+    compute = n_ubatch * (4 * hp.n_vocab + 8 * hp.n_embd)
+    kv = kv_bytes(header, s.n_ctx, s.kv_type)
+    if mtp and header.nextn_layers:  # the MTP context: its blocks' KV and a compute buffer of its own
+        kv += kv_bytes(header, s.n_ctx, s.kv_type, range(header.trunk_layers, hp.n_layer))
+        compute *= 2
     return ModelMemory(
         name=header.name,
         n_layer=hp.n_layer,
         weights=header.tensor_bytes,
-        kv=kv_bytes(header, s.n_ctx, s.kv_type) * s.n_seq,
-        compute=n_ubatch * (4 * hp.n_vocab + 8 * hp.n_embd),
+        kv=kv * s.n_seq,
+        compute=compute,
         output=max(1, n_outputs) * hp.n_vocab * 4,
         gpu_fraction=frac,
+        state=state_bytes(header, snapshots) * s.n_seq,
     )
 
 
@@ -174,9 +200,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     nvml_notes: list[str] = []
     nvidia = machine.nvidia_gpus(nvml_notes)
     try:
-        from localspec import llama_ctx
+        from localspec.llama import backend
 
-        found = llama_ctx.gpu_devices()
+        found = backend.gpu_devices()
         # NVML's numbers when they describe the same GPUs in the same order (CUDA's order is NVML's unless
         # CUDA_DEVICE_ORDER or mixed models reorder them); asking llama.cpp instead starts a CUDA context on every
         # GPU, ones this run will not use included.
@@ -185,7 +211,7 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
             free, total = (nvidia[i].free, nvidia[i].total) if same else d.memory()
             gpus.append(DeviceMem(Dev("gpu", i), d.description, free, total))
     except Exception as exc:  # llama_cpp missing or broken: preflight still works on RAM
-        llama_ctx = None
+        backend = None
         notes.append(f"llama-cpp-python not importable ({exc.__class__.__name__})")
     unused: tuple[str, ...] = ()
     if not gpus:
@@ -197,9 +223,9 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
     errors: list[str] = []
     for endpoint in dict.fromkeys(rpc):
         try:
-            if llama_ctx is None:
+            if backend is None:
                 raise LocalspecError(f"RPC server {endpoint}: llama-cpp-python is not importable")
-            for i, d in enumerate(llama_ctx.rpc_devices([endpoint])):
+            for i, d in enumerate(backend.rpc_devices([endpoint])):
                 free, total = d.memory()
                 rpc_devs.append(DeviceMem(Dev("rpc", i, endpoint), d.name, free, total))
         except LocalspecError as exc:
@@ -236,7 +262,7 @@ def _on_devices(m: ModelMemory, p: ModelPlacement, devices: Devices) -> dict[Dev
     """One model's bytes per device: its offloaded weights and KV by share, the compute buffer with the output
     layer (the last device)."""
     shares = [] if p.on_cpu else [(d, w) for d, w in _shares(p, devices) if w > 0]
-    out = {dev: int((m.weights + m.kv) * m.gpu_fraction * share) for dev, share in shares}
+    out = {dev: int((m.weights + m.kv + m.state) * m.gpu_fraction * share) for dev, share in shares}
     if shares:
         out[shares[-1][0]] += m.compute
     return out
@@ -251,7 +277,7 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
         for dev, n in placed.items():
             need[dev] = need.get(dev, 0) + n
         offloaded = m.gpu_fraction if placed else 0.0
-        ram += int((m.weights + m.kv) * (1 - offloaded)) + m.output + (0 if placed else m.compute)
+        ram += int((m.weights + m.kv + m.state) * (1 - offloaded)) + m.output + (0 if placed else m.compute)
     for dev in need:
         if dev.kind == "gpu":
             need[dev] += GPU_RUNTIME_OVERHEAD
@@ -259,7 +285,9 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
 
 
 def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
-    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers)]
+    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers,
+                           mtp=s.drafter in DRAFTER_FACTS and DRAFTER_FACTS[s.drafter].target_head,
+                           snapshots=s.n_draft)]
     if draft is not None:
         models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.draft_n_gpu_layers))
     return tuple(models)
@@ -410,4 +438,5 @@ def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int 
         draft_device=load.draft_device,
         rpc=tuple(str(e) for e in load.rpc_endpoints),
         n_seq=n_seq,
+        drafter=draft.drafter,
     )

@@ -1,7 +1,7 @@
 """Where each model goes: the target over GPUs and RPC servers, the draft on one device.
 
 Pure logic over the load settings and how many devices there are; `memory` turns a placement into bytes per
-device, `session` hands it to `llama_ctx.LlamaModel` as llama.cpp's model params (`devices`, `split_mode`,
+device, `session` hands it to `llama.model.LlamaModel` as llama.cpp's model params (`devices`, `split_mode`,
 `tensor_split`, `main_gpu`). GPU numbers are llama.cpp's device order (CUDA's), as `localspec doctor` lists them.
 
 The target's device list follows llama.cpp's own default order: RPC servers first (fewer activations cross the

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from localspec import demo, paths
+from localspec.config import DRAFTERS, MODEL_FREE_DRAFTERS
 from localspec.errors import ConfigError
 from localspec.fsutil import atomic_write, read_text
 
@@ -33,8 +34,9 @@ _PAIR_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "recommended": (bool, False),
     "preset": (str, False),  # the preset this pair's family wants (sampling, reply limit); --preset wins
     "kv_type": (str, False),  # the KV cache type its n_ctx was sized for (see the memory arithmetic there)
+    "drafter": (str, False),  # who drafts by default: a drafter that needs no draft model ("mtp") allows none
     "target": (dict, True),
-    "draft": (dict, True),
+    "draft": (dict, False),  # required unless the drafter needs no draft model
 }
 _MODEL_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "repo": (str, True),
@@ -93,6 +95,7 @@ class Pair:
     recommended: bool = False
     preset: str | None = None
     kv_type: str | None = None
+    drafter: str | None = None  # the pair's drafter when the preset's would not do (None: the preset's)
 
     @property
     def builtin(self) -> bool:
@@ -275,18 +278,26 @@ def parse_file(path: Path) -> list[Pair]:
             raise ConfigError(
                 f"{path}:{line_of('kv_type')}: kv_type = {table['kv_type']!r}: choose one of {', '.join(_KV_TYPES)}"
             )
+        drafter = table.get("drafter")
+        if drafter is not None and drafter not in DRAFTERS:
+            raise ConfigError(
+                f"{path}:{line_of('drafter')}: drafter = {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if "draft" not in table and drafter not in MODEL_FREE_DRAFTERS:
+            raise ConfigError(f"{path}:{line_of(None)}: missing key 'draft' (a pair without a draft model names a "
+                              f"drafter that needs none: drafter = {' or '.join(map(repr, MODEL_FREE_DRAFTERS))})")
         pairs.append(
             Pair(
                 name=name,
                 description=table["description"],
                 target=_model(str(path), loc, index, "target", table["target"]),
-                draft=_model(str(path), loc, index, "draft", table["draft"]),
+                draft=_model(str(path), loc, index, "draft", table["draft"]) if "draft" in table else None,
                 n_ctx=table["n_ctx"],
                 n_draft=table["n_draft"],
                 source=str(path),
                 recommended=table.get("recommended", False),
                 preset=table.get("preset"),
                 kv_type=table.get("kv_type"),
+                drafter=drafter,
             )
         )
     return pairs

@@ -3,7 +3,7 @@
 ggml's own client aborts the whole process when an endpoint is dead or speaks another protocol version
 (`GGML_ABORT` in its connect), so every endpoint is checked here first — a plain socket connect and the RPC
 HELLO exchange, written from ggml-rpc's wire format — and only an endpoint that passed is handed to ggml
-(`llama_ctx.rpc_devices`). No weight is sent before every endpoint has answered.
+(`llama.backend.rpc_devices`). No weight is sent before every endpoint has answered.
 
 Wire format (ggml-rpc.cpp, protocol 7): a request is | command (1 byte) | size (u64 LE) | payload |, a response
 | size (u64 LE) | payload |. HELLO is command 14 with 24 bytes of transport capabilities (zeros: plain TCP); the

@@ -262,6 +262,28 @@ def accept_drafts(drafts: Sequence[int], p: Candidates, q: Sequence[Candidates],
     return len(drafts), p.sample(len(drafts), rng)
 
 
+def accept_rows(drafts: list[int], q: Sequence[Candidates] | None, scores: Scores, history: list[int], cfg: Sampling,
+                rng: np.random.Generator, trace: bool = False) -> tuple[list[int], int, list[tuple[int, float]]]:
+    """A verify's acceptance over its rows (one more than drafts; penalties by `history` applied here): the token
+    the device drew (plain decoding at T > 0), the greedy match (the drafts up to the first that is not its row's
+    argmax, then that argmax; `trace`: each row's argmax and top-2 margin, read apart from the choice), or rejection
+    sampling against each draft's q (`accept_drafts`). Returns (the emitted tokens, drafts accepted, the traced
+    rows)."""
+    if scores.drawn is not None:  # plain decoding at T > 0: the device drew the token
+        return [int(scores.drawn[0])], 0, []
+    if cfg.greedy:
+        scored = penalized(scores, history, cfg)
+        rows = scored.argmax_and_margin() if trace else []
+        choice = scored.argmax()
+        n = 0
+        while n < len(drafts) and drafts[n] == choice[n]:
+            n += 1
+        return [*drafts[:n], int(choice[n])], n, rows
+    assert q is not None or not drafts, "a drafter sampling at T > 0 must say what it drew from"
+    n, out = accept_drafts(drafts, distributions(scores, history, cfg), q or [], rng)
+    return [*drafts[:n], out], n, []
+
+
 def penalized(scores: Scores, history: list[int], cfg: Sampling) -> Scores:
     """Every row with the penalties applied; row i sees the history plus the rows before it. Penalties are asked
     for full rows (the loop's device modes), so device candidates pass through unchanged."""

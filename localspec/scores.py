@@ -21,6 +21,9 @@ class Scores:
     logits: np.ndarray | None
     ids: np.ndarray | None = None
     drawn: np.ndarray | None = None
+    # The target's hidden state after every token of the decode (what an MTP head drafts from), when a drafter
+    # asked for it (`LlamaModel.want_hidden`): (tokens, n_embd) float32, a copy.
+    hidden: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.drawn) if self.drawn is not None else len(self.logits)  # type: ignore[arg-type]
@@ -33,7 +36,7 @@ class Scores:
     def head(self, n: int) -> Scores:
         """The first n rows (the real tokens of a padded verify batch)."""
         return Scores(None if self.logits is None else self.logits[:n], None if self.ids is None else self.ids[:n],
-                      None if self.drawn is None else self.drawn[:n])
+                      None if self.drawn is None else self.drawn[:n], None if self.hidden is None else self.hidden[:n])
 
     def argmax(self) -> np.ndarray:
         """Each row's greedy token (np.argmax's tie rule: the lower column wins)."""
@@ -66,7 +69,7 @@ class Scores:
         return out
 
     def with_logits(self, logits: np.ndarray) -> Scores:
-        return Scores(logits, self.ids, self.drawn)
+        return Scores(logits, self.ids, self.drawn, self.hidden)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ class DeviceDist:
 
 
 class ScoringModel(Protocol):
-    """The part of `llama_ctx.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
+    """The part of `llama.model.LlamaModel` the loop and the drafters use: what a scripted fake implements."""
 
     n_ctx: int
     n_seq: int
@@ -95,6 +98,11 @@ class ScoringModel(Protocol):
     batches_sequences: bool
     device_top_k: int
     unknown_token: int
+    # How far back a sequence's cells rewind exactly: None for a KV cache (to any position); N for a recurrent
+    # state (llama.cpp's snapshots: at most N tokens of its last decode; further back, `truncate` keeps less and
+    # says how much: a checkpoint's length, or nothing).
+    rewind_depth: int | None
+    recurrent: bool  # a recurrent or hybrid model: no prefix of a state is valid, and a context cannot shift
     add_bos: bool  # the tokenizer starts a text with BOS (a context shift keeps it besides n_keep)
     decodes: int  # llama_decode calls so far (the server's n_decode_total)
 
@@ -103,12 +111,20 @@ class ScoringModel(Protocol):
 
     def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]: ...
 
-    def truncate(self, n_keep: int, seq: int = 0) -> None: ...
+    def truncate(self, n_keep: int, seq: int = 0) -> int:
+        """Drop the sequence's cells from position n_keep on; returns how many it kept (n_keep, or fewer where a
+        recurrent state cannot rewind that far: the caller decodes the rest again)."""
+        ...
+
+    def checkpoint(self, seq: int = 0) -> None:
+        """Remember a recurrent state as it is now, so a later `truncate` can come back to it (a KV cache: no-op)."""
+        ...
 
     def clear(self, seq: int | None = None) -> None: ...
 
-    # A slot's cells saved and restored (the prompt cache, slot files): llama_ctx.LlamaModel's docstrings.
-    recurrent: bool  # a recurrent or hybrid model: no prefix of a state is valid, and a context cannot shift
+    def want_hidden(self, seq: int, on: bool) -> None: ...
+
+    # A slot's cells saved and restored (the prompt cache, slot files): llama.model.LlamaModel's docstrings.
 
     def save_state(self, seq: int = 0) -> bytearray: ...
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, llama_ctx, machine, memory, placement, registry
-from localspec.config import Preset
+from localspec import compat, demo, hub, machine, memory, placement, registry
+from localspec.config import DRAFTER_FACTS, Preset
 from localspec.engine import Engine
-from localspec.errors import IncompatiblePairError, LocalspecError, UsageError
+from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
-from localspec.gguf_header import read_header
-from localspec.llama_ctx import LlamaModel
+from localspec.gguf_header import GGUFHeader, read_header
+from localspec.llama import backend, hidden, recurrent
+from localspec.llama.model import LlamaModel
 from localspec.prompt_cache import PromptCache, limit_bytes
+from localspec.status import Status
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class ModelFiles:
     n_draft: int | None = None
     kv_type: str | None = None
     preset: str | None = None  # the preset the pair names (used when --preset is not given)
+    drafter: str | None = None  # the drafter the pair names (a pair without a draft model: "mtp")
 
 
 def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
@@ -48,16 +51,17 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
         built = demo.DEMOS[chosen.name]
         return ModelFiles(target=built.target_path(), draft=built.draft_path(), name=chosen.name,
                           preset=chosen.preset)
-    if chosen.target is None or chosen.draft is None:  # only the built-in demos have no specs
+    if chosen.target is None:  # only the built-in demos have no specs
         raise LocalspecError(f"pair {chosen.name} names no model files")
     return ModelFiles(
         target=hub.require_cached(chosen.target, chosen.name),
-        draft=hub.require_cached(chosen.draft, chosen.name),
+        draft=hub.require_cached(chosen.draft, chosen.name) if chosen.draft is not None else None,
         name=chosen.name,
         n_ctx=chosen.n_ctx,
         n_draft=chosen.n_draft,
         kv_type=chosen.kv_type,
         preset=chosen.preset,
+        drafter=chosen.drafter,
     )
 
 
@@ -75,12 +79,12 @@ def _check_model_file(path: Path) -> None:
 
 def settle_preset(preset: Preset, files: ModelFiles | None, *, prefer: str | None = None,
                   flags: dict[str, str] | None = None, **overrides: object) -> Preset:
-    """Command-line values win, then what the pair recommends (context, draft length, KV type; without a draft
-    model, prompt lookup as the drafter), then the preset."""
+    """Command-line values win, then what the pair recommends (context, draft length, KV type, drafter; without
+    a draft model, prompt lookup unless the pair names another drafter), then the preset."""
     if files is not None:
-        lookup = "lookup" if files.draft is None else None
+        drafter = files.drafter or ("lookup" if files.draft is None else None)
         for key, recommended in (("n_ctx", files.n_ctx), ("n_draft", files.n_draft), ("kv_type", files.kv_type),
-                                 ("drafter", lookup)):
+                                 ("drafter", drafter)):
             if overrides.get(key) is None:
                 overrides[key] = recommended
     return preset.with_overrides(prefer=prefer, flags=flags, **overrides)
@@ -108,6 +112,7 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
     verdict = compat.compare(target, draft) if draft is not None else None
     if verdict is not None and not verdict.compatible:
         raise IncompatiblePairError(verdict.reason)
+    check_drafting(target, draft, preset)
     settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx, n_seq=parallel)
     # RPC servers are checked here, before any weight is read: a dead one is a one-line error naming it.
     est = memory.estimate(target, draft, settings, devices or memory.probe_devices(placement.rpc_servers(preset.load)))
@@ -117,10 +122,32 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
     return Preflight(verdict=verdict, estimate=est)
 
 
+def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset) -> None:
+    """What speculation needs of hybrid and recurrent models, and of an MTP head, from the headers and the
+    installed llama-cpp-python: refused with one line (never a silent fall back to plain decoding)."""
+    drafting = preset.draft
+    if drafting.n_draft == 0:
+        return
+    rec = target.recurrence
+    if rec is not None:
+        why = recurrent.rollback_unsupported()
+        if why is not None:
+            raise RollbackError(f"{target.name} is a {rec.kind} model: {why}")
+        if not rec.rolls_back:
+            raise RollbackError(f"{target.name}: llama.cpp cannot roll back a {target.arch} model's recurrent state, "
+                                "which speculative decoding needs (plain decoding works: --n-draft 0)")
+    if draft is not None and draft.recurrence is not None and (why := recurrent.rollback_unsupported()):
+        raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
+    # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
+    if DRAFTER_FACTS[drafting.drafter].target_head and target.nextn_layers \
+            and (why := hidden.mtp_unsupported()):
+        raise UsageError(f"--drafter {drafting.drafter}: {why}")
+
+
 def _placed(p: placement.ModelPlacement) -> dict[str, object]:
     """A placement as LlamaModel's arguments: ggml's device handles, split mode, proportions, main device."""
-    gpus = llama_ctx.gpu_devices()
-    devices = [gpus[d.index] if d.kind == "gpu" else llama_ctx.rpc_devices([d.endpoint])[d.index]
+    gpus = backend.gpu_devices()
+    devices = [gpus[d.index] if d.kind == "gpu" else backend.rpc_devices([d.endpoint])[d.index]
                for d in p.devices]
     return {"devices": devices, "split_mode": p.split_mode, "tensor_split": p.tensor_split, "main_gpu": p.main}
 
@@ -161,6 +188,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     target = LlamaModel(
         files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
         kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
+        rewind=preset.draft.n_draft,  # (a recurrent target keeps that many snapshots of its state)
         **_placed(plan.target),
     )
     draft = None
@@ -191,3 +219,50 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
         raise
     return Session(files=files, preset=preset, target=target, draft=draft, engine=engine, plan=plan,
                    threads=choice)
+
+
+def auto_draft(target: Path) -> Path:
+    """`--draft auto`: a draft for `target` among the pairs' drafts in models.toml (shipped and the user's) that are
+    downloaded, of the target's family (the family models.toml gives the target's file; a file it does not list:
+    the architecture both GGUF headers name), smaller than the target, passing the tokenizer check (compat). A
+    pair naming this target comes first, then a clean tokenizer match, then the smallest file. None: a one-line
+    LocalspecError naming what was tried."""
+    header = read_header(target)
+    pairs = [p for p in registry.load_pairs().values() if not p.builtin]
+    family = next((spec.family for p in pairs for spec in (p.target, p.draft)
+                   if spec is not None and spec.file == target.name), None)
+    size = target.stat().st_size
+    tried: list[str] = []
+    found: list[tuple[bool, bool, int, str, Path]] = []
+    for spec in dict.fromkeys(p.draft for p in pairs if p.draft is not None):
+        path = hub.cached_path(spec)
+        if path is None:
+            if spec.family in (family, header.arch):
+                tried.append(f"{spec.file} (not downloaded)")
+            continue
+        if path.resolve() == target.resolve():
+            continue
+        try:
+            draft = read_header(path)
+            same_family = spec.family == family if family is not None else draft.arch == header.arch
+            if not same_family:
+                continue
+            if path.stat().st_size >= size:
+                tried.append(f"{spec.file} (not smaller than the target)")
+                continue
+            verdict = compat.compare(header, draft)
+        except LocalspecError as exc:
+            tried.append(f"{spec.file} ({exc})")
+            continue
+        if not verdict.compatible:
+            fail = next(f for f in verdict.findings if f.level == Status.FAIL)
+            tried.append(f"{spec.file} (tokenizer: {fail.message})")
+            continue
+        named = any(p.draft == spec and p.target is not None and p.target.file == target.name for p in pairs)
+        found.append((not named, not verdict.tokens_match, path.stat().st_size, str(path), path))
+    if not found:
+        kind = f"family {family}" if family is not None else f"architecture {header.arch}"
+        also = f"; tried {', '.join(tried)}" if tried else ""
+        raise LocalspecError(f"--draft auto: no downloaded draft in models.toml fits {target.name} ({kind}){also}; "
+                             "name one with --draft PATH, or use --draft none")
+    return min(found)[-1]

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from localspec.config import DRAFTER_FACTS
+from localspec.drafters import LLAMA_SERVER_TYPES
 from localspec.errors import LocalspecError, UsageError
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ HOST, BACKEND = "host", "backend"  # llama.cpp's sampling: on the CPU after each
 INSTALL = (f"build llama.cpp's {TOOL} (cmake -B build && cmake --build build --target {TOOL}) and pass "
            f"--llama-bin build/bin, set {BIN_ENV}, or put it on PATH")
 PROBE_TIMEOUT_S = 60
+# The `--spec-type`s of llama.cpp's tool that run as a localspec drafter does (the draft model's loop, the target's
+# own MTP head), by the drafter that declares that type (its LLAMA_SERVER_TYPE).
+TOOL_SPEC_TYPES = ("draft-simple", "draft-mtp")
+SPEC_TYPES = {name: spec for spec, name in LLAMA_SERVER_TYPES.items() if spec in TOOL_SPEC_TYPES}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TIMINGS = {
     "encoded": re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
@@ -131,9 +137,9 @@ def find_tool(given: str = "", env: dict[str, str] | None = None) -> Path:
     return Path(found)
 
 
-def probe_tool(path: Path) -> Tool:
+def probe_tool(path: Path, spec_type: str = TOOL_SPEC_TYPES[0]) -> Tool:
     """Run it once with --help (cheap: no model) before minutes of measuring: a build that cannot start (missing
-    libraries) or predates the draft flags used here is refused now, in one line."""
+    libraries) or predates the draft flags or the `--spec-type` used here is refused now, in one line."""
     try:
         helped = subprocess.run([str(path), "--help"], capture_output=True, text=True, errors="replace",
                                 timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
@@ -142,9 +148,9 @@ def probe_tool(path: Path) -> Tool:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UsageError(f"{path}: does not run ({exc.__class__.__name__}: {exc})") from None
     usage = helped.stdout + helped.stderr
-    if "--spec-draft-n-max" not in usage or "draft-simple" not in usage:
+    if "--spec-draft-n-max" not in usage or spec_type not in usage:
         last = _last_line(usage) or f"exit {helped.returncode}"
-        raise UsageError(f"{path}: not a {TOOL} with --spec-type draft-simple and --spec-draft-n-max (an older "
+        raise UsageError(f"{path}: not a {TOOL} with --spec-type {spec_type} and --spec-draft-n-max (an older "
                          f"llama.cpp, or not the tool: {last}); build a current llama.cpp")
     version = next((line.strip() for line in (versioned.stderr + versioned.stdout).splitlines()
                     if line.strip().startswith("version:")), "")
@@ -170,7 +176,7 @@ class LlamaPrompt:
 class Plan:
     tool: Tool
     target: Path
-    draft: Path
+    draft: Path | None  # None: a drafter without a draft model (the MTP head)
     preset: Preset
     threads: int
     prompts: tuple[LlamaPrompt, ...]
@@ -181,16 +187,18 @@ class Plan:
         """The tool's command line for one prompt: the bench's files, lengths, context, threads and sampling."""
         s, d, load = self.preset.sampling, self.preset.draft, self.preset.load
         layers = lambda n: "all" if n < 0 else str(n)  # noqa: E731 -- localspec's -1 is llama.cpp's "all"
-        cmd = [str(self.tool.path), "-m", str(self.target), "-md", str(self.draft),
-               "-ngl", layers(load.n_gpu_layers), "-ngld", layers(load.draft_n_gpu_layers),
+        cmd = [str(self.tool.path), "-m", str(self.target), "-ngl", layers(load.n_gpu_layers),
                "-c", str(load.n_ctx), "-b", str(load.n_ctx), "-ctk", load.kv_type, "-ctv", load.kv_type,
-               "-ctkd", load.kv_type, "-ctvd", load.kv_type, "-t", str(self.threads), "-td", str(self.threads),
-               "-fa", "auto", "-n", str(self.preset.bench.max_tokens), "-f", str(prompt_file),
+               "-t", str(self.threads)]
+        if self.draft is not None:  # (the MTP head's context takes the target's settings)
+            cmd += ["-md", str(self.draft), "-ngld", layers(load.draft_n_gpu_layers), "-ctkd", load.kv_type,
+                    "-ctvd", load.kv_type, "-td", str(self.threads)]
+        cmd += ["-fa", "auto", "-n", str(self.preset.bench.max_tokens), "-f", str(prompt_file),
                "--seed", str(s.seed), "--temp", f"{s.temperature:g}", "--top-k", str(s.top_k),
                "--top-p", f"{s.top_p:g}", "--min-p", f"{s.min_p:g}", "--repeat-penalty", f"{s.repeat_penalty:g}",
                "--repeat-last-n", str(s.repeat_last_n), "--presence-penalty", f"{s.presence_penalty:g}",
                "--frequency-penalty", f"{s.frequency_penalty:g}",
-               "--spec-type", "draft-simple", "--spec-draft-n-max", str(d.n_draft), "--spec-draft-n-min", "0",
+               "--spec-type", SPEC_TYPES[d.drafter], "--spec-draft-n-max", str(d.n_draft), "--spec-draft-n-min", "0",
                "--spec-draft-p-min", f"{d.p_min:g}"]
         if load.split_mode != "layer" or load.tensor_split or load.main_gpu:
             cmd += ["-sm", load.split_mode, "-mg", str(load.main_gpu)]
@@ -206,9 +214,12 @@ def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None
     """What llama-speculative-simple cannot run alike is refused before anything loads."""
     if sweep:
         raise UsageError(f"--against {LLAMA_CPP} compares one draft length; leave out --sweep")
-    if not has_draft_model or preset.draft.drafter != "model":
-        raise UsageError(f"--against {LLAMA_CPP} compares the draft model's loop with {TOOL}'s: it needs a draft "
-                         f"model and --drafter model (not {preset.draft.drafter})")
+    drafter = preset.draft.drafter
+    needs_model = DRAFTER_FACTS[drafter].needs_draft_model
+    if drafter not in SPEC_TYPES or (needs_model and not has_draft_model):
+        alike = " or ".join(f"--drafter {name} ({spec})" for name, spec in SPEC_TYPES.items())
+        raise UsageError(f"--against {LLAMA_CPP} compares {TOOL}'s loops that run as {alike} do, not --drafter "
+                         f"{drafter}" + (" without a draft model" if drafter in SPEC_TYPES else ""))
     if preset.draft.adaptive:
         raise UsageError(f"--against {LLAMA_CPP}: {TOOL} drafts a fixed length; leave out --adaptive")
     if preset.load.draft_device != "auto":
@@ -229,9 +240,10 @@ def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPr
              extra: tuple[str, ...] = ()) -> Plan:
     """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
     device sampling too."""
-    assert session.draft is not None
     target = session.target
-    return Plan(tool=tool, target=target.path, draft=session.draft.path, preset=preset, threads=target.n_threads,
+    uses_draft = session.draft is not None and DRAFTER_FACTS[preset.draft.drafter].needs_draft_model
+    draft = session.draft.path if uses_draft else None
+    return Plan(tool=tool, target=target.path, draft=draft, preset=preset, threads=target.n_threads,
                 prompts=tuple(prompts), modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,),
                 extra=extra)
 

@@ -107,6 +107,32 @@ def tiny_fim_pair(tmp_path_factory) -> tuple[Path, Path]:
     return _write_tiny(tmp_path_factory, TINY, fim_tokens=FIM_TOKENS)
 
 
+def _write_hybrid(tmp_path_factory, spec) -> tuple[Path, Path]:
+    from synthetic import write_hybrid_pair
+
+    folder = tmp_path_factory.mktemp("hybrid")
+    target, draft = folder / "target.gguf", folder / "draft.gguf"
+    write_hybrid_pair(target, draft, spec)  # Q4_0 matrices: a position scores the same in a batch and alone
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def hybrid_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Qwen3.5-shaped hybrid pair (Gated DeltaNet + attention; the target with an MTP block) whose drafts,
+    the draft model's and the MTP head's, are often rejected."""
+    from synthetic import HYBRID_TINY
+
+    return _write_hybrid(tmp_path_factory, HYBRID_TINY)
+
+
+@pytest.fixture(scope="session")
+def hybrid_pair_high(tmp_path_factory) -> tuple[Path, Path]:
+    """The hybrid pair whose drafts (model and MTP) are almost always accepted."""
+    from synthetic import HYBRID_TINY_HIGH
+
+    return _write_hybrid(tmp_path_factory, HYBRID_TINY_HIGH)
+
+
 # -- file systems that refuse writes (tests of every writer) -------------------------------------------------
 
 FAULTS = Path(__file__).resolve().parent / "faults"

@@ -1,9 +1,13 @@
-"""A scripted stand-in for `llama_ctx.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
+"""A scripted stand-in for `llama.model.LlamaModel` (the `scores.ScoringModel` protocol): the loop's fast lane.
 
 The model is a second-order Markov chain: the logits after a position depend on the last two tokens only, from a
 seeded table, so the exact distribution of any continuation is known in closed form (`FakeModel.next_probs`) and a
 sequence scores the same in any batch. Its KV cells are bookkeeping it checks: a decode must start exactly where
 the sequence's cells end, so a missed rewind fails at once. A draft for it is the same table plus noise.
+
+With `rewind_depth` it rewinds like a recurrent state in llama.cpp (`LlamaModel.truncate`): exactly only within
+its last decode and that many tokens, once per decode; further back to its checkpoint or to nothing, saying how
+many cells it kept, so a caller that does not decode the rest again fails the position check at its next decode.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from localspec.scores import DeviceDist, Scores
 class FakeModel:
     def __init__(self, vocab: int = 8, *, seed: int = 0, scale: float = 2.5, noise: float = 0.0,
                  noise_seed: int = 1, n_ctx: int = 512, n_seq: int = 1, device_top_k: int = 0,
-                 eog: int | None = None, recurrent: bool = False, window: int = 0) -> None:
+                 eog: int | None = None, rewind_depth: int | None = None, recurrent: bool = False,
+                 window: int = 0) -> None:
         table = np.random.default_rng(seed).normal(0.0, scale, size=(vocab, vocab, vocab))
         if noise:
             table = table + np.random.default_rng(noise_seed).normal(0.0, noise, size=table.shape)
@@ -38,12 +43,17 @@ class FakeModel:
         self.add_bos = False
         # What a saved state may serve (`restore_floor`): a recurrent model none of its prefixes; a sliding window
         # of `window` tokens: its state keeps only that many last positions (the rest restore as missing, -1).
-        self.recurrent = recurrent
+        self.recurrent = recurrent or rewind_depth is not None
         self.window = window
         self.cells: dict[int, list[int]] = {}
         self.floors: dict[int, int] = {}  # per sequence restored from a state: how short it may be cut back (checked)
         self.loads = 0  # states restored
         self.decodes = 0
+        self.rewind_depth = rewind_depth
+        self._last: dict[int, int] = {}  # recurrent: each sequence's tokens in its last decode
+        self._pending: set[int] = set()  # ... a rollback not yet decoded past
+        self._saved: dict[int, int] = {}  # ... its checkpoint's length
+        self.restores = 0  # rewinds that went back to a checkpoint or to nothing (recurrent)
         self._modes: dict[int, Any] = {}
         self._draws: dict[int, np.random.Generator] = {}
 
@@ -64,6 +74,8 @@ class FakeModel:
             assert start == len(cells), f"sequence {seq}: decode at {start}, but its cells end at {len(cells)}"
             assert all(0 <= t < self.n_vocab for t in tokens), tokens
             cells.extend(tokens)
+            self._last[seq] = len(tokens)
+            self._pending.discard(seq)
             assert len(cells) <= self.n_ctx
             if not tokens:
                 out.append(None)
@@ -75,20 +87,54 @@ class FakeModel:
             out.append(self._as_mode(rows, seq))
         return out
 
-    def truncate(self, n_keep: int, seq: int = 0) -> None:
+    def truncate(self, n_keep: int, seq: int = 0) -> int:
         floor = self.floors.get(seq, 0)
         assert n_keep == 0 or n_keep >= floor, f"sequence {seq}: cut to {n_keep}, below its restored floor {floor}"
         if n_keep == 0:
             self.floors.pop(seq, None)
-        del self.cells.setdefault(seq, [])[n_keep:]
+        cells = self.cells.setdefault(seq, [])
+        if self.rewind_depth is None or n_keep >= len(cells):
+            del cells[n_keep:]
+            return n_keep
+        back = len(cells) - n_keep
+        if n_keep > 0 and back <= min(self.rewind_depth, self._last.get(seq, 0) - 1) and seq not in self._pending:
+            self._pending.add(seq)
+            kept = n_keep
+        else:
+            saved = self._saved.get(seq)
+            kept = saved if saved is not None and saved <= n_keep else 0
+            self._pending.discard(seq)
+            self._last.pop(seq, None)
+            self.restores += 1
+        del cells[kept:]
+        if self._saved.get(seq, 0) > kept:
+            del self._saved[seq]
+        return kept
+
+    def checkpoint(self, seq: int = 0) -> None:
+        if self.rewind_depth is not None:
+            self._saved[seq] = len(self.cells.get(seq, []))
+
+    def want_hidden(self, seq: int, on: bool) -> None:
+        pass
 
     def clear(self, seq: int | None = None) -> None:
         if seq is None:
             self.cells.clear()
             self.floors.clear()
+            self._saved.clear()
+            self._pending.clear()
+            self._last.clear()
         else:
             self.cells.pop(seq, None)
             self.floors.pop(seq, None)
+            self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        """A recurrent sequence's snapshots and checkpoint no longer follow from its cells."""
+        self._saved.pop(seq, None)
+        self._pending.discard(seq)
+        self._last.pop(seq, None)
 
     def save_state(self, seq: int = 0) -> bytearray:
         cells = self.cells.get(seq, [])
@@ -99,6 +145,7 @@ class FakeModel:
     def load_state(self, data: bytearray, seq: int = 0) -> bool:
         self.cells[seq] = np.frombuffer(bytes(data), dtype=np.int32).tolist()
         self.floors[seq] = self.restore_floor(len(self.cells[seq]))
+        self._forget(seq)
         self.loads += 1
         return True
 
@@ -175,15 +222,15 @@ class Clock:
         return self.now
 
     def install(self, monkeypatch: Any) -> Clock:
-        """Be the clock of the loop and of the model drafter (a pytest monkeypatch undoes it)."""
+        """Be the clock of the loop, its streams and the model drafter (a pytest monkeypatch undoes it)."""
         import types
 
-        from localspec import engine
+        from localspec import engine, stream
         from localspec.drafters import model
 
         timing = types.SimpleNamespace(perf_counter=self.perf_counter)
-        monkeypatch.setattr(engine, "time", timing)
-        monkeypatch.setattr(model, "time", timing)
+        for module in (engine, stream, model):
+            monkeypatch.setattr(module, "time", timing)
         return self
 
 
@@ -197,3 +244,14 @@ class TimedFake(FakeModel):
     def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
         self.clock.now += self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items)
         return super().decode_many(items)
+
+
+def draft_policy(cfg: Any, cost: Any = None, padded: bool = False) -> Any:
+    """A stream's draft-length policy for the drafting settings `cfg`, with its drafter's cost rules attached as the
+    engine attaches them (`Drafter.pricing`; the drafters are built on fake models that never run)."""
+    from localspec import drafters
+    from localspec.policies import DraftCost, DraftLength
+
+    cost = cost if cost is not None else DraftCost(cfg.n_draft)
+    drafter = drafters.build(FakeModel(), FakeModel())[cfg.drafter]
+    return DraftLength(cfg, cost, padded, drafter.pricing(cost, cfg))

@@ -14,8 +14,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_file(hub_cache: Path, repo: str, name: str, data: bytes) -> Path:
+    """A file laid out as huggingface_hub caches it (refs/main -> snapshots/<commit>/name), as if pulled."""
+    folder = hub_cache / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    (folder / "snapshots" / COMMIT).mkdir(parents=True, exist_ok=True)
+    path = folder / "snapshots" / COMMIT / name
+    path.write_bytes(data)
+    return path
 
 
 @dataclass

@@ -16,8 +16,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers_fake import draft_policy
 
 from localspec.config import load_preset
+from localspec.drafters.lookup import LookupCost
+from localspec.drafters.model import ModelCost
 from localspec.policies import DraftCost, DraftLength
 
 GREEDY = load_preset("greedy")
@@ -54,7 +57,8 @@ class Timeline:
             k = self.length.next() if self.length is not None else self.k
             if kept is not None and k > 0:
                 self.kept_rounds += 1
-                more = self.length.continuation(kept, k) if self.length is not None and kept < k else k - kept
+                more = (self.length.rule(ModelCost).continuation(kept, k, self.length.padded)
+                        if self.length is not None and kept < k else k - kept)
                 drafted, on_path, ahead = kept + more, more, kept
             else:
                 drafted, on_path, ahead = k, k, 0
@@ -67,7 +71,7 @@ class Timeline:
             wait, kept = None, None
             if beside:
                 limit = self.fixed_ahead if self.fixed_ahead is not None else (
-                    self.length.ahead_length(k) if self.length is not None else k)
+                    self.length.rule(ModelCost).ahead_length(k) if self.length is not None else k)
                 limit = min(limit, k)
                 decodes = 1  # the guess
                 while decodes < 1 + limit and not (self.stop_at_verify and LAG + decodes * AHEAD_STEP >= verify_s):
@@ -78,7 +82,7 @@ class Timeline:
                 could_keep = accepted == drafted
                 came_true = could_keep and bool(right[drafted])
                 if self.length is not None:
-                    self.length.observe_ahead(decodes * AHEAD_STEP, decodes, could_keep, came_true)
+                    self.length.rule(ModelCost).observe_ahead(decodes * AHEAD_STEP, decodes, could_keep, came_true)
                 kept = decodes - 1 if came_true else None
             if self.length is not None:
                 self.length.observe(drafted, accepted, draft_s, verify_s, width, 0, STEP if on_path else 0.0,
@@ -90,7 +94,7 @@ class Timeline:
 
 def policy(k: int = 6, adaptive: bool = False, fit: bool = False) -> DraftLength:
     drafting = dataclasses.replace(GREEDY.draft, n_draft=k, adaptive=adaptive, ahead_length="fit" if fit else "full")
-    return DraftLength(drafting, DraftCost(k, graphs=False), padded=True)
+    return draft_policy(drafting, DraftCost(k, graphs=False), padded=True)
 
 
 def test_the_profile_replays_and_the_cost_model_learns_its_numbers() -> None:
@@ -104,11 +108,11 @@ def test_the_profile_replays_and_the_cost_model_learns_its_numbers() -> None:
     assert 0.0335 < line.seconds / rounds < 0.0355
     assert 0.62 < line.kept_rounds / rounds < 0.76
     assert 168 < speed < 180  # (measured: 176.2 tok/s)
-    cost = length.cost
-    assert cost.ahead_step_s == pytest.approx(AHEAD_STEP)
-    assert cost.ahead_lag_s == pytest.approx(LAG, abs=1e-4)
-    assert cost.guess_rate == pytest.approx(0.948, abs=0.06)
-    assert cost.step_s == pytest.approx(STEP)
+    model = length.rule(ModelCost)
+    assert model.ahead_step_s == pytest.approx(AHEAD_STEP)
+    assert model.ahead_lag_s == pytest.approx(LAG, abs=1e-4)
+    assert model.guess_rate == pytest.approx(0.948, abs=0.06)
+    assert length.cost.step_s == pytest.approx(STEP)
 
 
 @pytest.mark.parametrize("acceptance", [0.948, 0.877])
@@ -119,7 +123,7 @@ def test_fit_drafts_ahead_what_fits_beside_the_verify(acceptance: float) -> None
     length = policy(fit=True)
     fitted = Timeline(length, acceptance, stop_at_verify=True)
     fit_speed = fitted.run(800)
-    assert length.ahead_length(6) == 5
+    assert length.rule(ModelCost).ahead_length(6) == 5
     assert fitted.bet_drafts[-100:] == [5] * 100
     by_bet = {j: Timeline(policy(), acceptance, fixed_ahead=j).run(800) for j in range(7)}
     best = max(by_bet, key=by_bet.__getitem__)
@@ -148,15 +152,16 @@ def test_the_bet_model_charges_long_drafts_for_the_wait() -> None:
     """The model's round time grows with the wait a longer bet causes: with the thread's lag measured, a round of
     k = 6 whole bets is dearer than the same without the lag by the expected wait, 2.2 ms."""
     cost = DraftCost(6)
+    model = ModelCost.of(cost)
     for _ in range(40):
-        cost.observe_ahead(7 * AHEAD_STEP, 7, True, True)
+        model.observe_ahead(7 * AHEAD_STEP, 7, True, True)
         cost.observe(6, 6, 0.0, 0.02917, 7, 0, 0.0, 6, 0.0022)
     cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)  # (a step measured)
     cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)
-    with_lag = 1 / cost.speed(0, 6, 7) * cost.survival("model", 6).sum()
-    cost.ahead_lag_s = 0.0
-    cost._tables = None
-    without = 1 / cost.speed(0, 6, 7) * cost.survival("model", 6).sum()
+    with_lag = 1 / model.speed(0, 6, 7) * cost.survival("model", 6).sum()
+    model.ahead_lag_s = 0.0
+    cost.changed()
+    without = 1 / model.speed(0, 6, 7) * cost.survival("model", 6).sum()
     assert with_lag - without == pytest.approx(0.0022, abs=2e-4)
 
 
@@ -184,7 +189,7 @@ def numpy_verify_costs(cost: DraftCost, widths: np.ndarray) -> np.ndarray:
 
 def numpy_survival(cost: DraftCost, source: str) -> np.ndarray:
     rates = np.empty(cost.k_max + 1)
-    rate = cost.PRIOR[source]
+    rate = cost.prior[source]
     for i in range(1, cost.k_max + 1):
         rate = (cost.ok[source][i] + cost.PRIOR_WEIGHT * rate) / (cost.tried[source][i] + cost.PRIOR_WEIGHT)
         rates[i] = rate
@@ -192,13 +197,14 @@ def numpy_survival(cost: DraftCost, source: str) -> np.ndarray:
     return np.cumprod(rates)
 
 
-def numpy_best_ahead(cost: DraftCost, k: int) -> int:
-    if k <= 0 or cost.ahead_step_s is None or cost.ahead_lag_s is None or cost.step_s is None:
+def numpy_best_ahead(model: ModelCost, k: int) -> int:
+    cost = model.cost
+    if k <= 0 or model.ahead_step_s is None or model.ahead_lag_s is None or cost.step_s is None:
         return k
     verify_s = float(numpy_verify_costs(cost, np.array([k + 1]))[0])
     j = np.arange(k + 1)
-    kept = float(numpy_survival(cost, "model")[k]) * cost.guess_rate
-    wait = np.maximum(0.0, cost.ahead_lag_s + (1 + j) * cost.ahead_step_s - verify_s)
+    kept = float(numpy_survival(cost, "model")[k]) * model.guess_rate
+    wait = np.maximum(0.0, model.ahead_lag_s + (1 + j) * model.ahead_step_s - verify_s)
     return int(k - np.argmin((wait + kept * (k - j) * cost.step_s)[::-1]))
 
 
@@ -222,14 +228,16 @@ def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None
     rng = np.random.default_rng(seed)
     k_max = int(rng.integers(3, 9))
     cost = DraftCost(k_max, graphs=bool(seed % 2))
-    cost.ahead_fit = True
+    LookupCost.of(cost)
+    model = ModelCost.of(cost)
+    model.ahead_fit = True
     checked = 0
     for r in range(100):
         if rng.random() < 0.8:
             decodes = int(rng.integers(1, k_max + 2))
             could_keep = bool(rng.random() < 0.6)
-            cost.observe_ahead(decodes * float(rng.uniform(0.002, 0.005)), decodes, could_keep,
-                               could_keep and bool(rng.random() < 0.8))
+            model.observe_ahead(decodes * float(rng.uniform(0.002, 0.005)), decodes, could_keep,
+                                could_keep and bool(rng.random() < 0.8))
         drafted = int(rng.integers(0, k_max + 1))
         looked_up = int(rng.integers(0, drafted + 1)) if rng.random() < 0.3 else 0
         width = int(rng.choice([drafted + 1, k_max + 1])) if r % 7 else int(rng.integers(1, k_max + 2))
@@ -239,16 +247,16 @@ def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None
                      float(rng.uniform(0.0, 0.003)) if rng.random() < 0.8 else None)
         widths = np.arange(k_max + 5)
         assert cost.verify_costs(widths).tolist() == numpy_verify_costs(cost, widths).tolist()
-        for source in cost.SOURCES:
+        for source in cost.prior:
             assert cost.survival(source, k_max).tolist() == numpy_survival(cost, source).tolist()
         for k in range(k_max + 1):
-            assert cost.best_ahead(k) == numpy_best_ahead(cost, k), (r, k)
+            assert model.best_ahead(k) == numpy_best_ahead(model, k), (r, k)
             for ready in range(k + 1):
                 for padded in (0, k + 1, k_max + 3):
-                    got = cost.best_continuation(ready, k - ready, padded)
+                    got = model.best_continuation(ready, k - ready, padded)
                     assert got == numpy_best_continuation(cost, ready, k - ready, padded), (r, k, ready, padded)
                     checked += 1
-    assert cost.ahead_step_s is not None and cost.ahead_lag_s is not None and cost.step_s is not None
+    assert model.ahead_step_s is not None and model.ahead_lag_s is not None and cost.step_s is not None
     assert checked > 1000
 
 
@@ -260,19 +268,20 @@ def test_a_slow_bet_never_makes_the_model_hopeless() -> None:
     at least, `could_pay` judges drafts on the path (the bet's figures are measured only while the model drafts),
     and a bet after a pause replaces the old figures."""
     cost = DraftCost(6, graphs=False)
+    model = ModelCost.of(cost)
     cost.observe(0, 0, 0.0, 0.0127, 1)  # a plain round
-    cost.observe_ahead(0.3, 2, could_keep=False, kept=False)  # cold
+    model.observe_ahead(0.3, 2, could_keep=False, kept=False)  # cold
     cost.observe(6, 6, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=0.3 + LAG - 0.02713)
-    assert cost.ahead_step_s is None and cost.ahead_lag_s is None
-    assert cost.could_pay(0, 6, 7)
-    cost.ahead_step_s, cost.ahead_lag_s = 0.05, 0.3  # wrong figures, however they came
-    assert cost.could_pay(0, 6, 7)
+    assert model.ahead_step_s is None and model.ahead_lag_s is None
+    assert model.could_pay(0, 6, 7)
+    model.ahead_step_s, model.ahead_lag_s = 0.05, 0.3  # wrong figures, however they came
+    assert model.could_pay(0, 6, 7)
     for _ in range(DraftCost.DECAY + 1):  # the model sits out
         cost.observe(0, 0, 0.0, 0.0127, 1)
-    cost.observe_ahead(0.1, 2, could_keep=False, kept=False)  # a probe's bets: they replace the old figures
+    model.observe_ahead(0.1, 2, could_keep=False, kept=False)  # a probe's bets: they replace the old figures
     cost.observe(6, 0, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=LAG + 0.1 - 0.02713)
-    assert cost.ahead_step_s is None  # (one bet's figure is not yet a step: it might be the slow one)
-    cost.observe_ahead(7 * AHEAD_STEP, 7, could_keep=True, kept=True)
+    assert model.ahead_step_s is None  # (one bet's figure is not yet a step: it might be the slow one)
+    model.observe_ahead(7 * AHEAD_STEP, 7, could_keep=True, kept=True)
     cost.observe(6, 6, 0.0, 0.02713, 7, ahead=6, wait_s=LAG + 7 * AHEAD_STEP - 0.02713)
-    assert cost.ahead_step_s == pytest.approx(AHEAD_STEP)
-    assert cost.ahead_lag_s == pytest.approx(LAG, abs=1e-6)
+    assert model.ahead_step_s == pytest.approx(AHEAD_STEP)
+    assert model.ahead_lag_s == pytest.approx(LAG, abs=1e-6)

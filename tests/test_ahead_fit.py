@@ -20,8 +20,8 @@ from helpers_stats import chi_square, joint_probs
 
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
+from localspec.drafters.model import ModelCost
 from localspec.engine import Engine, collect
-from localspec.policies import DraftLength
 from localspec.scores import Scores
 
 GREEDY = load_preset("greedy")
@@ -116,11 +116,11 @@ def the_rest(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     it lacks (the sequential loop's proposal); the calls, recorded."""
     calls: list[tuple[int, int]] = []
 
-    def continuation(self: DraftLength, ready: int, k: int) -> int:
+    def continuation(self: ModelCost, ready: int, k: int, padded: bool) -> int:
         calls.append((ready, k))
         return k - ready
-    monkeypatch.setattr(DraftLength, "continuation", continuation)
-    monkeypatch.setattr(DraftLength, "ahead_length", lambda self, k: k)
+    monkeypatch.setattr(ModelCost, "continuation", continuation)
+    monkeypatch.setattr(ModelCost, "ahead_length", lambda self, k: k)
     return calls
 
 
@@ -172,11 +172,11 @@ def test_fitted_bets_keep_the_targets_distribution(gated, monkeypatch: pytest.Mo
     p(t1) p(t2 | t1) ... (vocabulary 3: 81 outcomes)."""
     turns = {"n": 0}
 
-    def alternate(self: DraftLength, ready: int, k: int) -> int:
+    def alternate(self: ModelCost, ready: int, k: int, padded: bool) -> int:
         turns["n"] += 1
         return (k - ready) * (turns["n"] % 2)
-    monkeypatch.setattr(DraftLength, "continuation", alternate)
-    monkeypatch.setattr(DraftLength, "ahead_length", lambda self, k: k)
+    monkeypatch.setattr(ModelCost, "continuation", alternate)
+    monkeypatch.setattr(ModelCost, "ahead_length", lambda self, k: k)
     engine, target, _ = gated(1, vocab=3, noise=3.0, seed=5)
     prompt = [0, 1, 2, 1]
     counts: Counter = Counter()
@@ -214,15 +214,16 @@ def test_the_loop_tells_the_cost_model_what_the_bets_cost(ahead_length: str) -> 
     gen = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, ahead_length), 40))
     engine.close()
     assert gen.tokens == target.greedy(list(range(8)), 40)
-    cost = next(iter(engine.slots[0].policies.values())).cost
-    assert cost.ahead_fit is (ahead_length == "fit")
-    assert cost.ahead_step_s is not None and cost.ahead_step_s >= 0.004
-    assert cost.ahead_lag_s is not None and cost.ahead_lag_s >= 0.0
-    assert gen.stats.ahead_kept > 0 and cost.bets >= gen.stats.ahead_kept and cost.bets_kept >= 1
+    model = next(iter(engine.slots[0].policies.values())).rule(ModelCost)
+    assert model.ahead_fit is (ahead_length == "fit")
+    assert model.ahead_step_s is not None and model.ahead_step_s >= 0.004
+    assert model.ahead_lag_s is not None and model.ahead_lag_s >= 0.0
+    assert gen.stats.ahead_kept > 0 and model.bets >= gen.stats.ahead_kept and model.bets_kept >= 1
 
 
 class _NumpyUses:
-    """Stands in for numpy inside `localspec.policies`: records each reach for it (the thread, the name)."""
+    """Stands in for numpy inside the cost model (`localspec.policies`, the model drafter's `ModelCost`): records
+    each reach for it (the thread, the name)."""
 
     def __init__(self) -> None:
         self.uses: list[tuple[str, str]] = []
@@ -241,6 +242,7 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
     loop's path) once a bet, the survival and verify tables are built at most once per observation, and nothing
     a fixed-length round asks or tells the cost model reaches for numpy."""
     from localspec import policies
+    from localspec.drafters import model as model_drafter
 
     asked: dict[str, list[str]] = {"best_ahead": [], "best_continuation": []}
 
@@ -250,7 +252,7 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
             return method(self, *args, **kwargs)
         return question
     for name, calls in asked.items():
-        monkeypatch.setattr(policies.DraftCost, name, recorded(getattr(policies.DraftCost, name), calls))
+        monkeypatch.setattr(ModelCost, name, recorded(getattr(ModelCost, name), calls))
     built, tables = [], policies._Tables
 
     def counted(*args: object) -> object:
@@ -261,6 +263,7 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
     stream = engine.start(list(range(8)), HOT, drafting(5), 150)
     numpy = _NumpyUses()
     monkeypatch.setattr(policies, "np", numpy)  # (after start: a stream's cost model is made with numpy arrays)
+    monkeypatch.setattr(model_drafter, "np", numpy)
     while not stream.finished:
         engine.step([stream])
         list(stream.events())

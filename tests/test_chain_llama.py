@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from localspec.drafters.model import ModelCost
 from localspec.engine import collect
 from localspec.policies import DraftCost, DraftLength
 from tests.test_chain_cost import Clock
@@ -59,6 +60,6 @@ def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, m
             steps += decodes["n"] - before - 1  # its prompt was one decode
     assert (made > 0) is ahead
     if draft_step > 0.01:  # a loss: its warm-up, then probes at most (one per interval, or a generation's start)
-        assert steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_FIRST + 3) * DraftCost.PROBE
+        assert steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_FIRST + 3) * ModelCost.PROBE
     else:
         assert steps >= rounds  # drafting in (nearly) every round, several steps where lookup found nothing

@@ -10,7 +10,7 @@ there; the first draft-ahead decode is slow (300 ms), as a cold first call in a 
 The failure it reproduces (the H200's pattern; whether it was the H200's cause is for the next GPU run with
 bench/chain_state.py; docs/performance.md, "The chain locked out of the model by one slow bet"): one slow draft-
 ahead, taken whole as the thread's lag, made the model a loss "even if every draft were accepted"
-(`DraftCost.could_pay` counted the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in
+(`ModelCost.could_pay` counted the draft-ahead's wait); judged hopeless, it was probed only every 256 rounds and in
 sync, no draft-ahead ran again to correct the figure, and the chain drafted like lookup alone (on the H200: 1.16x
 plain where the model made 1.94x).
 
@@ -45,7 +45,7 @@ STEP, STEP_BESIDE = 0.0019, 0.0041
 
 def requantized(tmp_path_factory: pytest.TempPathFactory, ftype: str) -> Path:
     from localspec.demo import smollm2_source_path
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     dest = tmp_path_factory.mktemp("replay") / f"smollm2-{ftype.lower()}.gguf"
     quantize(smollm2_source_path(), dest, ftype)
@@ -173,8 +173,7 @@ def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, draf
     return {"speed": tokens / seconds, "ahead_made": made, "ahead_kept": kept}
 
 
-def test_the_chain_keeps_up_with_the_better_part_on_real_text_at_the_h200s_costs(monkeypatch, clock,
-                                                                                  q2k_draft) -> None:
+def test_the_chain_mixes_its_parts_on_real_text_at_the_h200s_costs(monkeypatch, clock, q2k_draft) -> None:
     """With a cold first draft-ahead, the chain still drafts with the model (its bets are made) and, mixing its
     parts on this text (lookup where the reply quotes, the model between), beats both; the output is plain greedy.
     On main's code (fd33a21): the chain 1.75x plain with no bet made (lookup alone: 1.76x, the model 1.76x)."""
@@ -191,7 +190,7 @@ def test_the_chain_keeps_the_models_pace_on_the_shipped_prompts(monkeypatch, clo
     often. On the H200 the chain made 0.89x the model (2.01x plain against 2.26x) and kept 21 of 50 bets against 37
     of 61: lookup's short matches came first, and a round with them threw the model's kept bet. On main's code
     (900291a) here: the chain 2.476x plain against the model's 2.547x (0.972x), bets kept 129 of 179 against 135
-    of 180; with a held bet weighed against lookup's match (`DraftLength.prefer_bet`): 2.524x (0.991x), 135 of
+    of 180; with a held bet weighed against lookup's match (`ChainCost.prefer_bet`): 2.524x (0.991x), 135 of
     180. (Lookup alone runs no draft model: 1.059x, not rerun here.)"""
     runs = {drafter: replay(clock, monkeypatch, q8_draft, drafter, prompts="shipped",
                             names=("code", "prose", "qa"), max_tokens=128) for drafter in ("model", "chain")}

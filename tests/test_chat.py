@@ -25,7 +25,7 @@ from localspec.chat import (
 from localspec.config import load_preset
 from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.session import ModelFiles, open_session
 from tests.helpers_chat import reply
 

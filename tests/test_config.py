@@ -147,7 +147,7 @@ def test_without_a_draft_model_the_drafter_is_lookup_unless_given(tmp_path):
 def test_lookup_sizes_are_checked_together():
     with pytest.raises(ConfigError, match="draft.lookup_min = 9 is above draft.lookup_max = 8"):
         load_preset().with_overrides(lookup_min=9)
-    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of model, lookup, chain"):
+    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of chain, lookup, model"):
         load_preset().with_overrides(drafter="medusa", flags={"drafter": "--drafter"})
 
 
@@ -170,3 +170,19 @@ def test_server_section_is_a_preset_like_the_others(tmp_path):
     f = write(tmp_path / "host.toml", "[server]\nhost = \"\"\n")
     with pytest.raises(ConfigError, match=r"server\.host = '': expected a non-empty string"):
         load_preset(str(f))
+
+
+def test_each_drafter_declares_its_own_facts_and_config_reads_them_without_importing_model_code() -> None:
+    import subprocess
+    import sys
+
+    from localspec.config import DRAFTER_FACTS, MODEL_FREE_DRAFTERS
+
+    assert DRAFTER_FACTS["lookup"].title == "prompt lookup" and not DRAFTER_FACTS["lookup"].needs_draft_model
+    assert DRAFTER_FACTS["mtp"].target_head and not DRAFTER_FACTS["mtp"].needs_draft_model
+    assert DRAFTER_FACTS["model"].needs_draft_model and DRAFTER_FACTS["chain"].needs_draft_model
+    assert set(MODEL_FREE_DRAFTERS) == {"lookup", "mtp"}
+    # Presets and header checks must not load llama.cpp: reading the facts imports no drafter module.
+    code = "import sys, localspec.config; print(sorted(m for m in sys.modules if m.startswith('localspec.')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "drafters" not in loaded and "llama_cpp" not in loaded, loaded

@@ -16,7 +16,8 @@ from localspec.config import Drafting, load_preset
 from localspec.constraints import Constraint, masked_row
 from localspec.engine import DoneEvent, TokenEvent
 from localspec.errors import GrammarError
-from localspec.llama_ctx import Grammar, LlamaModel
+from localspec.llama.grammar import Grammar
+from localspec.llama.model import LlamaModel
 from localspec.sampling import candidates
 from localspec.server.schema import RequestError
 from localspec.server.structured import chat_logprobs, completion_logprobs, request_constraint
@@ -339,14 +340,14 @@ def test_constrained_rows_are_full_by_default(tiny_pair):
         assert s.target.device_top_k == 64 and s.engine.constrained_rows == "full"
         for r, want in zip(ROW_REQUESTS, expected, strict=True):
             run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, 8)
-            assert s.target._modes.get(0) == "greedy"  # unconstrained: the device's argmax (the check can fail)
+            assert s.target.device_sampler(0) == "greedy"  # unconstrained: the device's argmax (the check can fail)
             got, _, done = run(s.engine, r["prompt"], r["sampling"], r["drafting"].n_draft, r["max_tokens"],
                                constraint)
             assert got == want
             assert done.stats.full_rows == 0
-            assert 0 not in s.target._modes  # full logits on the target
+            assert s.target.device_sampler(0) is None  # full logits on the target
             if r["drafting"].n_draft:  # and on the draft model where it drafts
-                assert 0 not in s.draft._modes
+                assert s.draft.device_sampler(0) is None
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ class _Cycle:
     """A draft length that changes every round, the same in every generation."""
 
     LENGTHS = (5, 3, 4, 4)
+    padded = False
 
     def __init__(self) -> None:
         self.rounds = 0
@@ -41,13 +42,16 @@ class _Cycle:
     def observe(self, *measured: object) -> None:
         self.rounds += 1
 
+    def rule(self, kind: type) -> _Cycle:  # (it stands in for the model drafter's cost rule too)
+        return self
+
     def observe_ahead(self, *measured: object) -> None:
         pass
 
     def ahead_length(self, k: int) -> int:
         return k  # (with ahead_length = "fit" the bet still stops when the verify ends)
 
-    def continuation(self, ready: int, k: int) -> int:
+    def continuation(self, ready: int, k: int, padded: bool) -> int:
         return k - ready  # a kept bet cut short drafts the rest: the sequential loop's proposal
 
 

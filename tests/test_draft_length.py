@@ -8,14 +8,33 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers_fake import draft_policy
 
 from localspec.config import Drafting, load_preset
+from localspec.drafters.chain import ChainCost
+from localspec.drafters.model import ModelCost
 from localspec.policies import DraftCost
 from localspec.policies import DraftLength as _DraftLength
 
 
 def drafting(n_draft: int, p_min: float, adaptive: bool) -> Drafting:
     return dataclasses.replace(load_preset().draft, n_draft=n_draft, p_min=p_min, adaptive=adaptive)
+
+
+def policy(cfg: Drafting, cost: DraftCost | None = None, padded: bool = False) -> _DraftLength:
+    return draft_policy(cfg, cost, padded)
+
+
+def model_cost(k: int = 6, graphs: bool = False) -> tuple[DraftCost, ModelCost]:
+    """Measured facts with the draft model's rule attached (as a stream of the model drafter has them)."""
+    cost = DraftCost(k, graphs=graphs)
+    return cost, ModelCost.of(cost)
+
+
+def chained(cfg: Drafting, padded: bool = False) -> tuple[_DraftLength, ChainCost]:
+    """A chain stream's policy and the chain's rule."""
+    chooser = policy(dataclasses.replace(cfg, drafter="chain"), padded=padded)
+    return chooser, chooser.rule(ChainCost)
 
 
 def verify_line(base: float, per_token: float) -> Callable[[int], float]:
@@ -44,13 +63,13 @@ def runs(lengths: list[int]) -> Callable[[int], int]:
 
 
 def test_fixed_length_is_the_preset_at_any_temperature():
-    chooser = _DraftLength(drafting(12, 0.0, False))
+    chooser = policy(drafting(12, 0.0, False))
     assert feed(chooser, 40, lambda k: 0, 0.001, 0.01, 0.001) == [12] * 40
 
 
 def test_adaptive_changes_length_only_at_epoch_boundaries():
     """Every width change re-captures CUDA graphs: k holds for whole epochs."""
-    chooser = _DraftLength(drafting(9, 0.0, True))
+    chooser = policy(drafting(9, 0.0, True))
     ks = feed(chooser, 12 * _DraftLength.EPOCH, lambda k: min(k, 2), 0.0008, 0.010, 0.0014)
     changes = [i for i in range(1, len(ks)) if ks[i] != ks[i - 1]]
     assert changes and all(i % _DraftLength.EPOCH == 0 for i in changes)
@@ -61,21 +80,21 @@ def test_adaptive_changes_length_only_at_epoch_boundaries():
 def test_adaptive_picks_plain_decoding_when_a_draft_step_costs_a_verify():
     """The 2-core CPU demo pair: a draft step costs what a one-token verify costs, and a wider verify more; at 70%
     acceptance no length pays, so k = 0 (plain steps)."""
-    chooser = _DraftLength(drafting(6, 0.0, True))
+    chooser = policy(drafting(6, 0.0, True))
     ks = feed(chooser, 10 * _DraftLength.EPOCH, runs([0, 1, 2, 3, 5, 6, 2, 1, 4, 0]), draft_step=0.017,
               verify_base=0.011, verify_per_token=0.006)
     assert ks[-_DraftLength.EPOCH:].count(0) >= _DraftLength.EPOCH - 1 and chooser.k == 0
 
 
 def test_adaptive_keeps_the_longest_length_when_drafts_are_always_right_and_cheap():
-    chooser = _DraftLength(drafting(10, 0.0, True))
+    chooser = policy(drafting(10, 0.0, True))
     ks = feed(chooser, 8 * _DraftLength.EPOCH, lambda k: k, draft_step=0.0005, verify_base=0.010,
               verify_per_token=0.0002)
     assert ks[-1] == 10
 
 
 def test_adaptive_shrinks_k_when_drafts_fail_early():
-    chooser = _DraftLength(drafting(9, 0.0, True))
+    chooser = policy(drafting(9, 0.0, True))
     ks = feed(chooser, 8 * _DraftLength.EPOCH, lambda k: min(k, 1), draft_step=0.0008, verify_base=0.010,
               verify_per_token=0.0014)
     assert ks[-1] in (1, 2)  # the second draft is always wrong: 1 (2 when its prior has not decayed yet)
@@ -83,7 +102,7 @@ def test_adaptive_shrinks_k_when_drafts_fail_early():
 
 def test_adaptive_prefers_the_length_that_covers_the_burst():
     """Drafts right for exactly 6 tokens, then wrong: shorter leaves tokens behind, longer wastes work."""
-    chooser = _DraftLength(drafting(9, 0.0, True))
+    chooser = policy(drafting(9, 0.0, True))
     ks = feed(chooser, 8 * _DraftLength.EPOCH, lambda k: min(k, 6), draft_step=0.0008, verify_base=0.010,
               verify_per_token=0.0014)
     assert ks[-1] == 6
@@ -94,7 +113,7 @@ def test_adaptive_lands_on_the_true_optimum_between_the_ends():
     the chosen k is the one that maximises the true expected tokens per second, and neither 0 nor k_max."""
     lengths = [0, 1, 1, 2, 2, 3, 3, 4, 5, 8]
     step, base, per = 0.0022, 0.0105, 0.0022
-    chooser = _DraftLength(drafting(8, 0.0, True))
+    chooser = policy(drafting(8, 0.0, True))
     feed(chooser, 12 * _DraftLength.EPOCH, runs(lengths), step, base, per)
 
     def true_speed(k: int) -> float:
@@ -112,15 +131,15 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
     warm-up rounds that measure it and the occasional probe); cheap steps: all k - m. (Every draft is right: the
     costly model loses even so.)"""
     for step, want in ((0.017, 0), (0.0005, 4)):
-        chooser = _DraftLength(drafting(6, 0.0, False))
+        chooser, chain = chained(drafting(6, 0.0, False))
         got = []
         for _ in range(40):
-            n = chooser.extension(2, 6)
+            n = chain.extension(2, 6, chooser)
             got.append(n)
-            chooser.observe(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, looked_up=2)
+            chooser.observe(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, lead=2)
         # Measure first: a probe's length until the step is known, then all the room where the model could pay
         # (a probe's two positions would judge the deeper ones on a rejection or two).
-        assert got[:_DraftLength.WARMUP] == [DraftCost.PROBE, DraftCost.PROBE if want == 0 else 4], got
+        assert got[:_DraftLength.WARMUP] == [ModelCost.PROBE, ModelCost.PROBE if want == 0 else 4], got
         tail = got[_DraftLength.WARMUP:]
         assert tail.count(want) >= len(tail) - 2, got
 
@@ -128,33 +147,33 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
 def test_a_padded_verify_makes_model_tokens_cheaper():
     """On a GPU a round with lookup's drafts is padded to k + 1 anyway: the model's tokens after them cost only
     their draft steps there. (A round with nothing drafted is costed narrow: `verify_width` goes narrow.)"""
-    cost = DraftCost(6)
+    cost = policy(dataclasses.replace(drafting(6, 0.0, False), drafter="chain")).cost
+    model = ModelCost.of(cost)
     for width, seconds in ((7, 0.027), (2, 0.015)):
         cost.observe(width - 1, 1, 0.004 * (width - 1), seconds, width)
-    assert cost.best_extension(2, 4, width=0) == 0  # 4 ms a step at modest acceptance: a loss unpadded
-    assert cost.best_extension(2, 4, width=7) > 0  # ... but the padded positions are paid for
+    assert model.best_extension(2, 4, width=0) == 0  # 4 ms a step at modest acceptance: a loss unpadded
+    assert model.best_extension(2, 4, width=7) > 0  # ... but the padded positions are paid for
     # With nothing looked up, drafting nothing is a narrow plain step: the model's first token must pay for the
     # whole padded width, and here it does not (though unpadded it would).
-    assert cost.best_extension(0, 6, width=7) == 0 < cost.best_extension(0, 6, width=0)
+    assert model.best_extension(0, 6, width=7) == 0 < model.best_extension(0, 6, width=0)
 
 
 def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
     """A draft step that costs more than its tokens could ever save (a loss even if every one were accepted) is
     probed at the longest interval only; the probe finds it cheap again within that interval."""
-    chooser = _DraftLength(drafting(6, 0.0, False))
-    cost = chooser.cost
+    chooser, chain = chained(drafting(6, 0.0, False))
     used = []
     for i in range(1200):
         step = 0.017 if i < 200 else 0.0005  # the box was loaded; now it is not
-        n = chooser.extension(0, 6)
+        n = chain.extension(0, 6, chooser)
         used.append(n)
         chooser.observe(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1)
     off = used[_DraftLength.WARMUP:200]
     assert off == [0] * len(off)  # hopeless at any acceptance: not even probed within the longest interval
-    turned_on = next(i for i in range(200, len(used)) if used[i] > DraftCost.PROBE)
+    turned_on = next(i for i in range(200, len(used)) if used[i] > ModelCost.PROBE)
     assert turned_on - 200 <= 2 * DraftCost.PROBE_MAX  # found by a probe within the backed-off interval
     assert all(n > 0 for n in used[turned_on:])
-    assert cost.interval == DraftCost.PROBE_FIRST
+    assert chain.model.interval == DraftCost.PROBE_FIRST
 
 
 def test_a_due_probe_waits_for_the_draft_model_to_be_current_where_catching_up_is_dear():
@@ -162,12 +181,12 @@ def test_a_due_probe_waits_for_the_draft_model_to_be_current_where_catching_up_i
     goes when due (it measures the price); measured cheap (a GPU), due probes go out of sync; measured dear (the
     CPU: a fifth of a target step a token), a due probe waits for a round where the model's cells are current."""
     for catch_up_s, lag, due in ((None, 40, True), (0.00005, 40, True), (0.008, 40, False), (0.008, 1, True)):
-        cost = DraftCost(6)
+        cost, model = model_cost()
         cost.observe(0, 0, 0.0, 0.013, 1)  # a plain step's cost: what the rounds waited are worth
         if catch_up_s is not None:  # measured on a probe 40 tokens out of sync
             cost.catch_ups.append((40, 40 * catch_up_s))
-        probes = [cost.probe(6, lag=lag) for _ in range(DraftCost.PROBE_FIRST)]
-        assert probes == [0] * (DraftCost.PROBE_FIRST - 1) + [DraftCost.PROBE if due else 0], (catch_up_s, lag)
+        probes = [model.probe(6, lag=lag) for _ in range(DraftCost.PROBE_FIRST)]
+        assert probes == [0] * (DraftCost.PROBE_FIRST - 1) + [ModelCost.PROBE if due else 0], (catch_up_s, lag)
 
 
 def test_a_catch_up_measured_at_one_lag_prices_a_longer_one_by_a_line_not_per_token():
@@ -179,11 +198,11 @@ def test_a_catch_up_measured_at_one_lag_prices_a_longer_one_by_a_line_not_per_to
     the probe wait."""
     def due(catch_ups: list[tuple[int, float]], lag: int, idle: int = DraftCost.PROBE_FIRST,
             graphs: bool = True) -> bool:
-        cost = DraftCost(6, graphs=graphs)
+        cost, model = model_cost(graphs=graphs)
         cost.observe(0, 0, 0.0, 0.0133, 1)  # a plain step: 13.3 ms; a probe may spend 5% of the rounds it waited
         cost.catch_ups.extend(catch_ups)
-        cost.interval = idle
-        return [cost.probe(6, lag=lag) for _ in range(idle)][-1] > 0
+        model.interval = idle
+        return [model.probe(6, lag=lag) for _ in range(idle)][-1] > 0
 
     gpu = [(3, 0.0032)]
     assert due(gpu, 33)  # at most 3.2 ms beyond the 3 tokens' (per token: 35 ms > 16 rounds x 0.67 ms)
@@ -207,8 +226,8 @@ def test_adaptive_leaves_lookups_length_alone():
     """Adaptive sets the draft model's length; with lookup, alone or chained, k stays the preset's (lookup's tokens
     cost no draft steps; the chain's model share is decided per round by `extension`)."""
     for drafter in ("lookup", "chain"):
-        chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, True), drafter=drafter))
-        assert not chooser.adaptive
+        chooser = policy(dataclasses.replace(drafting(6, 0.0, True), drafter=drafter))
+        assert not chooser.adaptive and policy(drafting(6, 0.0, True)).adaptive
         assert feed(chooser, 4 * _DraftLength.EPOCH, lambda k: 0, 0.017, 0.011, 0.006) == [6] * 4 * _DraftLength.EPOCH
 
 
@@ -216,7 +235,8 @@ def widths_for(script: list[int], per_token: float, switch: float) -> list[int]:
     """The verify widths the policy picks on a GPU (k = 6: padded width 7) for a scripted sequence of draft
     lengths; each verify costs 12.7 ms + `per_token` a token beyond the first, and the two calls after a width change
     `switch` more between them (CUDA graphs rebuilt and recaptured)."""
-    chooser = _DraftLength(drafting(6, 0.0, False), DraftCost(6, graphs=True), padded=True)
+    chooser = policy(dataclasses.replace(drafting(6, 0.0, False), drafter="lookup"), DraftCost(6, graphs=True),
+                     padded=True)
     widths: list[int] = []
     since = 0
     for drafted in script:
@@ -224,7 +244,7 @@ def widths_for(script: list[int], per_token: float, switch: float) -> list[int]:
         since = since + 1 if widths and width == widths[-1] else 1
         widths.append(width)
         seconds = 0.0127 + per_token * (width - 1) + (switch / 2 if since <= 2 and len(widths) > 1 else 0.0)
-        chooser.observe(drafted, drafted, 0.0, seconds, width, looked_up=drafted)
+        chooser.observe(drafted, drafted, 0.0, seconds, width, lead=drafted)
     return widths
 
 
@@ -254,14 +274,14 @@ def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
     cost = DraftCost(6)
     cost.observe(2, 2, 0.0086 + 0.0024, 0.0273, 7, first_s=0.0086)  # the H200 chain's probe: 5.5 ms a step on average
     assert cost.step_s == pytest.approx(0.0024)
-    plain, ahead = DraftCost(6), DraftCost(6)
+    (plain, plain_model), (ahead, ahead_model) = model_cost(), model_cost()
     for i in range(40):
         plain.observe(6, 3, 6 * 0.004, 0.025, 7, first_s=0.004)
         ahead.observe(6, 3, 0.0 if i % 2 else 6 * 0.004, 0.025, 7, first_s=0.0 if i % 2 else 0.004,
                       ahead=6 if i % 2 else 0)
     assert plain.step_s == ahead.step_s == pytest.approx(0.004)
-    assert 0.3 < ahead.ahead < 0.7 and plain.ahead == 0.0
-    assert ahead.speed(0, 6) > plain.speed(0, 6)
+    assert 0.3 < ahead_model.ahead < 0.7 and plain_model.ahead == 0.0
+    assert ahead_model.speed(0, 6) > plain_model.speed(0, 6)
 
 
 def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
@@ -269,16 +289,16 @@ def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
     number of model tokens beats a plain step even if all were accepted, so probing its acceptance is pointless;
     on the H200's (a 2.4 ms step against a 13-27 ms padded verify) full acceptance would pay, so it is probed."""
     cpu = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}
-    cost = DraftCost(6)
+    cost = policy(dataclasses.replace(drafting(6, 0.0, False), drafter="chain")).cost
     cost.observe(2, 2, 0.072, cpu[3], 3, first_s=0.036)  # a model round: its second step is the steady one
     for width, seconds in cpu.items():
-        cost.observe(width - 1, width - 1, 0.0, seconds, width, looked_up=width - 1)
-    assert not cost.could_pay(0, 6)
-    gpu = DraftCost(6, graphs=True)
+        cost.observe(width - 1, width - 1, 0.0, seconds, width, lead=width - 1)
+    assert not ModelCost.of(cost).could_pay(0, 6)
+    gpu, gpu_model = model_cost(graphs=True)
     for _ in range(3):
         gpu.observe(0, 0, 0.0, 0.01305, 1)
         gpu.observe(2, 1, 0.0048, 0.02728, 7, first_s=0.0024)
-    assert gpu.could_pay(0, 6, width=7)
+    assert gpu_model.could_pay(0, 6, width=7)
 
 
 def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past():
@@ -288,16 +308,16 @@ def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past
     and confirmed the loss. Counts age with the stream's rounds, as the class says: after a long pause a probe is
     judged near the prior and by its own verdict, and a model that is right again drafts again. (On the H200 the
     code edit stayed at lookup's pace after this: something else holds it there too.)"""
-    chooser = _DraftLength(dataclasses.replace(drafting(6, 0.0, False), drafter="chain"), padded=True)
+    chooser, chain = chained(drafting(6, 0.0, False), padded=True)
     cost = chooser.cost
     step, v1, v7 = 0.002, 0.0133, 0.0265  # the chain's figures there: step, verify at widths 1 and 7
     model_rounds, free_rounds, first_probe = 0, 0, None
     for i in range(400):
         if i % 4:  # lookup matched all of k: nothing for the model to do this round
-            chooser.observe(6, 6, 0.0, v7, 7, looked_up=6)
+            chooser.observe(6, 6, 0.0, v7, 7, lead=6)
             continue
-        warm = cost.model_rounds < _DraftLength.WARMUP
-        n = chooser.extension(0, 6)
+        warm = cost.step_rounds < _DraftLength.WARMUP
+        n = chain.extension(0, 6, chooser)
         chooser.observe(n, 0 if warm else n, step * n, v7 if n else v1, 7 if n else 1)
         if n and not warm and first_probe is None:
             first_probe = i
@@ -305,4 +325,4 @@ def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past
             free_rounds += 1
             model_rounds += n > 0
     assert first_probe is not None and first_probe < 100
-    assert cost.model_on and model_rounds >= 0.9 * free_rounds, (model_rounds, free_rounds)
+    assert chain.model.model_on and model_rounds >= 0.9 * free_rounds, (model_rounds, free_rounds)

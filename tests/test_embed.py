@@ -27,7 +27,8 @@ from embed import (  # noqa: E402
 )
 from synthetic import TINY, Shape, q4_k_m_type, write_pair  # noqa: E402
 
-from localspec.llama_ctx import LlamaModel, quantize  # noqa: E402
+from localspec.llama.backend import quantize  # noqa: E402
+from localspec.llama.model import LlamaModel  # noqa: E402
 
 # A random tiny llama source (64 wide, 4 heads in 2 KV groups of head_dim 16, 4 blocks) and shapes twice as wide,
 # with head_dim 32 (RoPE widening m = 2), 4 query heads per KV head (target) or 1 (draft: KV heads copied), and

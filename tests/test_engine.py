@@ -12,7 +12,7 @@ from localspec.config import Drafting, load_preset
 from localspec.drafters.base import device_mode
 from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, IncompatiblePairError, UsageError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.sampling import candidates
 from localspec.scores import DeviceDist
 from localspec.session import ModelFiles, open_session
@@ -459,11 +459,11 @@ def test_adaptive_drafting_keeps_what_it_measured_across_generations(tiny_pair):
     """Adaptive drafting's chooser survives to the next prompt (no new probing); a fixed length starts fresh."""
     with open_pair(*tiny_pair) as s:
         adaptive, fixed = drafting(6, adaptive=True), drafting(6)
-        slot = s.engine.slots[0]
-        first = s.engine._draft_length(adaptive, GREEDY.sampling, slot)
-        assert s.engine._draft_length(adaptive, GREEDY.sampling, slot) is first
-        assert s.engine._draft_length(drafting(5, adaptive=True), GREEDY.sampling, slot) is not first
-        assert (s.engine._draft_length(fixed, GREEDY.sampling, slot)
-                is not s.engine._draft_length(fixed, GREEDY.sampling, slot))
+        slot, model = s.engine.slots[0], s.engine.drafters["model"]
+        first = s.engine._draft_length(adaptive, GREEDY.sampling, slot, model)
+        assert first.adaptive and s.engine._draft_length(adaptive, GREEDY.sampling, slot, model) is first
+        assert s.engine._draft_length(drafting(5, adaptive=True), GREEDY.sampling, slot, model) is not first
+        assert (s.engine._draft_length(fixed, GREEDY.sampling, slot, model)
+                is not s.engine._draft_length(fixed, GREEDY.sampling, slot, model))
         run(s.engine, prompts(1)[0], GREEDY.sampling, adaptive, 20)
-        assert s.engine._draft_length(adaptive, GREEDY.sampling, slot).rounds > 0
+        assert s.engine._draft_length(adaptive, GREEDY.sampling, slot, model).rounds > 0

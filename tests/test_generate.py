@@ -21,7 +21,7 @@ from localspec.chat import ChatTemplate, encode_chat
 from localspec.cli import chat_cmd
 from localspec.cli.app import app
 from localspec.errors import LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 
 PROMPT = "The three primary colours are"
 N = 24
@@ -221,7 +221,7 @@ def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:
         (["chat", "--target", "missing.gguf"], "missing.gguf: model file not found"),
         (["generate", "hi", "--preset", "nope"], "unknown preset 'nope'"),
         (["chat", "--kv-type", "q5"], "--kv-type = 'q5': choose one of f16, q8_0, q4_0"),
-        (["chat", "--drafter", "medusa"], "--drafter = 'medusa': choose one of model, lookup, chain"),
+        (["chat", "--drafter", "medusa"], "--drafter = 'medusa': choose one of chain, lookup, model"),
         (["chat", "--lookup-min", "0"], "--lookup-min = 0: allowed range is 1..64"),
     ],
 )

@@ -194,3 +194,18 @@ def test_the_round_profile_counts_the_wait_for_the_ahead_thread_apart_from_host_
     assert profile["wait_ms"] == pytest.approx(0.75)
     assert profile["host_ms"] == pytest.approx(36.5 - 5.0 - 30.0 - 0.75)
     assert profile["tokens_per_round"] == pytest.approx(6.0)
+
+
+def test_the_rollback_costs_of_a_hybrid_pair_come_with_its_table(tmp_path):
+    """bench/gpu/hybrid.sh leaves bench/rollback_cost.py's JSON in the pair's folder: the summary prints it."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.txt").write_text("Hi\n")
+    _pair_folder(tmp_path, "mtp", 180.0, 0.7)
+    cost = {"k": 3, "reps": 30, "per_rejected_ms": {"1": 0.012, "2": 0.01, "3": 0.011},
+            "snapshot_upkeep_ms": {"1": 0.0, "2": 0.05, "3": 0.07, "4": 0.09}, "rollback_call_us": 14.2,
+            "checkpoint_ms": 0.2, "restore_ms": 0.25}
+    (tmp_path / "mtp" / "rollback-cost.json").write_text(json.dumps(cost))
+    text = summarize.tables(summarize.summarize(tmp_path))
+    assert "mtp: rolling the recurrent state back (k = 3, medians of 30; ms)" in text
+    assert "per rejected token, by tokens rolled back: 1: 0.012  2: 0.010  3: 0.011" in text
+    assert "the rollback call 14.2 us; checkpoint 0.200, restore 0.250" in text

@@ -24,7 +24,7 @@ import pytest
 from localspec import demo
 from tests import helpers_gguf as G
 from tests.conftest import BadFolder, fault_env, temp_files
-from tests.helpers_hub import COMMIT, FakeHub, HubFile
+from tests.helpers_hub import COMMIT, FakeHub, HubFile, cache_file
 from tests.helpers_proc import as_from_a_terminal
 
 # The entry point, plus a report of the process's peak RSS (VmHWM) at exit, for the memory bound.
@@ -199,21 +199,12 @@ license = "mit"
 """
 
 
-def _cache(hub_cache: Path, repo: str, name: str, data: bytes) -> None:
-    """A file laid out as huggingface_hub caches it (refs/main -> snapshots/<commit>/name)."""
-    folder = hub_cache / ("models--" + repo.replace("/", "--"))
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(COMMIT)
-    (folder / "snapshots" / COMMIT).mkdir(parents=True)
-    (folder / "snapshots" / COMMIT / name).write_bytes(data)
-
-
 def test_models_shows_one_corrupt_cached_file_as_an_unreadable_row(
     crafted: dict[str, Path], tiny_pair: tuple[Path, Path], home: Path, tmp_path: Path
 ) -> None:
     (home / "models.toml").write_text(USER_PAIR)
-    _cache(tmp_path / "hub", "org/tiny-target", "target.gguf", crafted["nested"].read_bytes())
-    _cache(tmp_path / "hub", "org/tiny-draft", "draft.gguf", tiny_pair[1].read_bytes())
+    cache_file(tmp_path / "hub", "org/tiny-target", "target.gguf", crafted["nested"].read_bytes())
+    cache_file(tmp_path / "hub", "org/tiny-draft", "draft.gguf", tiny_pair[1].read_bytes())
     run = cli("models", env={"HF_HUB_CACHE": str(tmp_path / "hub")}, tmp=tmp_path)
     assert run.rc == 0 and run.stderr == "", run.stderr
     row = next(line for line in run.stdout.splitlines() if " tiny " in line)

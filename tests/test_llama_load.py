@@ -1,4 +1,4 @@
-"""Loading models through llama_ctx: the load-time sequence probe on any vocabulary, and a model as a process's
+"""Loading models through localspec.llama: the load-time sequence probe on any vocabulary, and a model as a process's
 very first llama.cpp call."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def bos_last_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     with LlamaModel(bos_last_pair[0], n_ctx=64, n_seq=2, n_threads=1, devices=[]) as model:
         assert model.bos == model.n_vocab - 1
@@ -48,8 +48,8 @@ def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
 def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):
     """`LlamaModel(path)` before any device query: the backend and ggml's device registry are up before llama.cpp
     loads anything (on the H200 image this order crashed inside llama_model_load_from_file)."""
-    code = ("import sys; from localspec import llama_ctx; m = llama_ctx.LlamaModel(sys.argv[1], n_ctx=64, "
-            "n_threads=1, devices=[]); assert llama_ctx._ggml_lib is not None, 'no device registry'; "
+    code = ("import sys; from localspec.llama import backend, model; m = model.LlamaModel(sys.argv[1], n_ctx=64, "
+            "n_threads=1, devices=[]); assert backend._ggml_lib is not None, 'no device registry'; "
             "print(m.n_vocab)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code, str(bos_last_pair[0])], capture_output=True, text=True,

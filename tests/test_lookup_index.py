@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
-from helpers_fake import Clock, TimedFake
+from helpers_fake import Clock, TimedFake, draft_policy
 
 from localspec.config import load_preset
 from localspec.drafters import lookup as lookup_drafter
 from localspec.drafters.base import DraftRequest
-from localspec.drafters.lookup import LookupDrafter, NgramIndex
+from localspec.drafters.lookup import LookupCost, LookupDrafter, NgramIndex
+from localspec.drafters.model import ModelCost
 from localspec.engine import Engine, collect
 from localspec.events import GenerationStats
 from localspec.policies import DraftCost, DraftLength
@@ -95,41 +96,47 @@ def test_lookup_does_not_search_while_its_tokens_are_a_loss(monkeypatch: pytest.
     gen = collect(engine.generate(prompt, GREEDY.sampling, settings, 100))
     assert gen.tokens == target.greedy(prompt, 100)
     cost = engine.slots[0].policies[(settings, True)].cost
-    assert cost.lookup_off  # (the premise: judged a loss)
+    assert LookupCost.of(cost).off  # (the premise: judged a loss)
     assert len(searches) < 0.25 * gen.stats.rounds  # (every round searched before), (len(searches), gen.stats.rounds)
     # Backed off, lookup costs no verify width either: most rounds verify one token.
     assert sum(n > 0 for n in gen.stats.draft_lengths) < 0.3 * gen.stats.rounds
 
 
 def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None:
-    """`lookup_wanted`: every round while lookup pays; backed off, only when its probe is due (then every round
+    """`LookupCost.wanted`: every round while lookup pays; backed off, only when its probe is due (then every round
     until a match is proposed), right after it and every EPOCH rounds."""
-    length = DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter="lookup"), DraftCost(6))
-    assert [length.lookup_wanted() for _ in range(5)] == [True] * 5  # nothing judged yet
+    length = lookup_length()
+    assert [length.rule(LookupCost).wanted() for _ in range(5)] == [True] * 5  # nothing judged yet
     for _ in range(8):  # lookup's tokens always wrong, a wide verify dear
-        length.observe(6, 0, 0.0, 0.030, 7, looked_up=6)
+        length.observe(6, 0, 0.0, 0.030, 7, lead=6)
         length.observe(0, 0, 0.0, 0.010, 1)
-    assert length.lookup_length(6, 6) == 0 and length.cost.lookup_off
-    wanted = [length.lookup_wanted() for _ in range(DraftCost.PROBE_FIRST + 4)]
+    assert cut(length, 6, 6) == 0 and length.rule(LookupCost).off
+    wanted = [length.rule(LookupCost).wanted() for _ in range(DraftCost.PROBE_FIRST + 4)]
     due = DraftCost.PROBE_FIRST - 2  # the cut match above counted as the first idle round
     assert wanted == [False] * due + [True] * (len(wanted) - due)  # due: it searches until a match probes
-    assert length.lookup_length(6, 6) == 6  # the probe
+    assert cut(length, 6, 6) == 6  # the probe
     interval = 2 * DraftCost.PROBE_FIRST
-    later = [length.lookup_wanted() for _ in range(interval + 8)]
+    later = [length.rule(LookupCost).wanted() for _ in range(interval + 8)]
     # Backed off again: it searches to judge again right after the probe and every EPOCH rounds, and when the next
     # (later) probe is due.
     assert later == [i % DraftLength.EPOCH == 0 for i in range(interval - 1)] + [True] * 9
 
 
 def lookup_length(drafter: str = "lookup") -> DraftLength:
-    return DraftLength(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter), DraftCost(6))
+    return draft_policy(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter))
+
+
+def cut(length: DraftLength, found: int, k: int) -> int:
+    """`LookupCost.length` as the stream's drafter asks it (the chain: its model's share priced in)."""
+    extension = length.rule(ModelCost) if ModelCost.SOURCE in length.cost.prior else None
+    return length.rule(LookupCost).length(found, k, length, extension)
 
 
 def measure_narrow_widths(length: DraftLength, seconds: Callable[[int], float], widths: range = range(2, 7)) -> None:
-    """Lookup rounds at widths 2..6, every token right: what `lookup_length` measures once before it decides
-    (`DraftCost.unmeasured_lookup`), here at the test's costs."""
+    """Lookup rounds at widths 2..6, every token right: what `LookupCost.length` measures once before it decides
+    (`LookupCost.unmeasured`), here at the test's costs."""
     for width in widths:
-        length.observe(width - 1, width - 1, 0.0, seconds(width), width, looked_up=width - 1)
+        length.observe(width - 1, width - 1, 0.0, seconds(width), width, lead=width - 1)
 
 
 def test_lookup_is_measured_before_it_is_judged() -> None:
@@ -139,13 +146,13 @@ def test_lookup_is_measured_before_it_is_judged() -> None:
     length = lookup_length("chain")
     length.observe(0, 0, 0.0, 0.040, 1)
     length.observe(2, 0, 0.080, 0.140, 3, first_s=0.040)  # the model's warm-up: cold, slow
-    assert length.cost.best_lookup(6, 6) == 0  # (the premise: on these costs and its prior, a loss)
-    assert [length.lookup_length(6, 6) for _ in range(DraftLength.WARMUP)] == [6] * DraftLength.WARMUP
+    assert length.rule(LookupCost).best(6, 6) == 0  # (the premise: on these costs and its prior, a loss)
+    assert [cut(length, 6, 6) for _ in range(DraftLength.WARMUP)] == [6] * DraftLength.WARMUP
     for _ in range(DraftLength.WARMUP):
-        length.observe(6, 6, 0.0, 0.090, 7, looked_up=6)
-    assert length.lookup_length(6, 6) > 0 and not length.cost.lookup_off  # measured right every time: it pays
+        length.observe(6, 6, 0.0, 0.090, 7, lead=6)
+    assert cut(length, 6, 6) > 0 and not length.rule(LookupCost).off  # measured right every time: it pays
     measure_narrow_widths(length, lambda width: 0.040 + 0.0083 * (width - 1))  # (on the line to 7's 0.090)
-    assert length.lookup_length(6, 6) == 6  # all of it
+    assert cut(length, 6, 6) == 6  # all of it
 
 
 def test_a_match_cut_short_is_proposed_whole_every_epoch() -> None:
@@ -153,14 +160,14 @@ def test_a_match_cut_short_is_proposed_whole_every_epoch() -> None:
     EPOCH rounds in a row that cut it, the whole match is proposed (a fresh measurement of the width)."""
     length = lookup_length()
     length.observe(0, 0, 0.0, 0.040, 1)
-    length.observe(3, 3, 0.0, 0.100, 4, looked_up=3)
-    length.observe(6, 6, 0.0, 0.330, 7, looked_up=6)  # a slow moment
+    length.observe(3, 3, 0.0, 0.100, 4, lead=3)
+    length.observe(6, 6, 0.0, 0.330, 7, lead=6)  # a slow moment
     measure_narrow_widths(length, lambda width: 0.040 + 0.020 * (width - 1))
-    cut = [length.lookup_length(6, 6) for _ in range(DraftLength.EPOCH)]
-    assert cut[:-1] == [cut[0]] * (DraftLength.EPOCH - 1) and 0 < cut[0] < 6 and cut[-1] == 6
+    lengths = [cut(length, 6, 6) for _ in range(DraftLength.EPOCH)]
+    assert lengths[:-1] == [lengths[0]] * (DraftLength.EPOCH - 1) and 0 < lengths[0] < 6 and lengths[-1] == 6
     for _ in range(20):  # (the slow moment's share of the average fades)
-        length.observe(6, 6, 0.0, 0.150, 7, looked_up=6)  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
-    assert length.lookup_length(6, 6) == 6
+        length.observe(6, 6, 0.0, 0.150, 7, lead=6)  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
+    assert cut(length, 6, 6) == 6
 
 
 def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
@@ -169,11 +176,11 @@ def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
     length = lookup_length()
     length.observe(0, 0, 0.0, 0.040, 1)
     for _ in range(3):
-        length.observe(6, 6, 0.0, 0.110, 7, looked_up=6)
+        length.observe(6, 6, 0.0, 0.110, 7, lead=6)
     measure_narrow_widths(length, lambda width: 0.040 + 0.0117 * (width - 1), range(3, 7))
-    length.observe(1, 1, 0.0, 0.085, 2, looked_up=1)  # (width 2's measure)
-    assert length.lookup_length(1, 1) == 0 and not length.cost.lookup_off
-    assert length.lookup_wanted() and length.lookup_length(6, 6) == 6
+    length.observe(1, 1, 0.0, 0.085, 2, lead=1)  # (width 2's measure)
+    assert cut(length, 1, 1) == 0 and not length.rule(LookupCost).off
+    assert length.rule(LookupCost).wanted() and cut(length, 6, 6) == 6
 
 
 def test_a_narrower_width_measured_in_a_slow_moment_is_measured_again() -> None:
@@ -185,11 +192,11 @@ def test_a_narrower_width_measured_in_a_slow_moment_is_measured_again() -> None:
     length.observe(0, 0, 0.0, verify[1], 1)
     for width in (7, 7, 2, 3, 4, 5, 6):
         slow = 1.4 if width == 6 else 1.0  # one slow moment
-        length.observe(width - 1, width - 1, 0.0, slow * verify[width], width, looked_up=width - 1)
+        length.observe(width - 1, width - 1, 0.0, slow * verify[width], width, lead=width - 1)
     proposed = []
     for _ in range(4 * DraftLength.EPOCH):
-        j = length.lookup_length(6, 6)
+        j = cut(length, 6, 6)
         proposed.append(j)
-        length.observe(j, j, 0.0, verify[j + 1], j + 1, looked_up=j)
+        length.observe(j, j, 0.0, verify[j + 1], j + 1, lead=j)
     assert proposed[0] == 3  # (the premise: the slow 6-wide figure cuts lookup to 3)
     assert proposed[-DraftLength.EPOCH:].count(5) >= DraftLength.EPOCH - 1, proposed

@@ -11,13 +11,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers_fake import Clock, FakeModel, TimedFake
+from helpers_fake import Clock, FakeModel, TimedFake, draft_policy
 from helpers_stats import chi_square, joint_probs
 
 from localspec import drafters
 from localspec.config import DRAFTERS, load_preset
 from localspec.drafters.base import Proposal
-from localspec.drafters.chain import ChainDrafter
+from localspec.drafters.chain import ChainCost, ChainDrafter
 from localspec.drafters.lookup import continuation
 from localspec.engine import Engine, TokenEvent, collect
 from localspec.policies import DraftCost, DraftLength
@@ -46,7 +46,7 @@ def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
     assert tuple(drafters.REGISTRY) == tuple(sorted(DRAFTERS, key=list(drafters.REGISTRY).index))
     assert set(drafters.REGISTRY) == set(DRAFTERS)
     target, draft = pair()
-    assert set(drafters.build(target, draft)) == set(DRAFTERS)
+    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp"}  # (a fake has no MTP layers)
     assert set(drafters.build(target, None)) == {"lookup"}  # the chain would be lookup alone: not offered
 
 
@@ -162,7 +162,9 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(ahead_length: str
 
 class _EveryRound:
     """A chain's chooser that decides without the clock: every match whole, the model all the rest of k (two
-    runs of a loop then draft the same, whatever their timings)."""
+    runs of a loop then draft the same, whatever their timings). It stands in for every drafter rule too."""
+
+    padded = False
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -170,23 +172,26 @@ class _EveryRound:
     def next(self) -> int:
         return self.k
 
-    def lookup_wanted(self) -> bool:
+    def rule(self, kind: type) -> _EveryRound:
+        return self
+
+    def wanted(self) -> bool:  # lookup's rule
         return True
 
-    def lookup_length(self, found: int, k: int) -> int:
+    def length(self, found: int, k: int, policy: object, extension: object = None) -> int:
         return found
 
-    def extension(self, looked_up: int, k: int, lag: int = 1) -> int:
+    def extension(self, looked_up: int, k: int, policy: object, lag: int = 1) -> int:  # the chain's
         return k - looked_up
 
-    def ahead_length(self, k: int) -> int:
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
+        return False  # (every match whole: a held bet is thrown)
+
+    def ahead_length(self, k: int) -> int:  # the model's
         return k
 
-    def continuation(self, ready: int, k: int) -> int:
+    def continuation(self, ready: int, k: int, padded: bool) -> int:
         return k - ready
-
-    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int) -> bool:
-        return False  # (every match whole: a held bet is thrown)
 
     def observe(self, *measured: object) -> None:
         pass
@@ -221,23 +226,23 @@ def test_the_chain_drafts_ahead_on_the_models_rounds_token_for_token(monkeypatch
 
 class _Weighing(_EveryRound):
     """`_EveryRound`, but a held bet is weighed against lookup's match by the real cost model
-    (`DraftLength.prefer_bet`), on figures scripted once (the rounds do not move them)."""
+    (`ChainCost.prefer_bet`), on figures scripted once (the rounds do not move them)."""
 
     def __init__(self, k: int, length: DraftLength) -> None:
         super().__init__(k)
-        self.length = length
+        self.scripted = length
 
-    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int) -> bool:
-        return self.length.prefer_bet(looked_up, k, ready, room)
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
+        return self.scripted.rule(ChainCost).prefer_bet(looked_up, k, ready, room, self.scripted)
 
 
 def scripted_costs(k: int, lookup_right: bool) -> DraftLength:
     """The H200's costs (a padded verify 27.1 ms, a one-token one 12.7, a draft step 1.9), the model's drafts right
     but the last of k, lookup's matches right in full or wrong from their first token."""
-    length = DraftLength(drafting(k, "chain"), DraftCost(k, graphs=True), padded=True)
+    length = draft_policy(drafting(k, "chain"), DraftCost(k, graphs=True), padded=True)
     for _ in range(12):
         length.cost.observe(k, k - 1, k * 0.0019, 0.0271, k + 1, first_s=0.0019)
-        length.cost.observe(k, k if lookup_right else 0, 0.0, 0.0271, k + 1, looked_up=k)
+        length.cost.observe(k, k if lookup_right else 0, 0.0, 0.0271, k + 1, lead=k)
         length.cost.observe(0, 0, 0.0, 0.0127, 1)
     return length
 
@@ -282,9 +287,9 @@ def test_the_chain_weighs_a_held_bet_against_lookups_match(monkeypatch: pytest.M
     assert len(weighed) >= (1 if lookup_right else 3), weighed
     for proposal in weighed:
         if lookup_right:
-            assert proposal.looked_up > 0 and proposal.ahead == 0, proposal
+            assert proposal.lead > 0 and proposal.ahead == 0, proposal
         else:
-            assert proposal.looked_up == 0 and proposal.ahead == len(proposal.tokens) > 0, proposal
+            assert proposal.lead == 0 and proposal.ahead == len(proposal.tokens) > 0, proposal
 
 
 def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,7 +307,7 @@ def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypat
         counts[tuple(gen.tokens[:4])] += 1
     engine.close()
     joint = joint_probs(lambda context: target.next_probs(context, HOT), prompt, 4)
-    taken = [p for p in weighed if p.looked_up == 0]
+    taken = [p for p in weighed if p.lead == 0]
     assert len(taken) > 200 and len(taken) == len(weighed), (len(taken), len(weighed))
     assert chi_square(counts, joint) < 124.8  # 80 degrees of freedom, the 99.9th percentile
 

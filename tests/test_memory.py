@@ -24,7 +24,7 @@ KV_TOLERANCE = 0.01
 
 _LOAD = """
 import sys
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0)
 m.close()
 """

@@ -15,7 +15,7 @@ import threading
 import llama_cpp
 import pytest
 
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from tests.test_serve import Server
 from tests.test_serve_llama import alone_and_together
 

@@ -218,10 +218,10 @@ def test_gpu_offload_comes_from_gpu_devices_not_from_rpc_support() -> None:
     """This CPU build has the RPC backend, which llama_supports_gpu_offload() counts as offload."""
     import llama_cpp
 
-    from localspec import llama_ctx
+    from localspec.llama import backend
 
-    kinds = {d.kind for d in llama_ctx.backend_devices()}
-    assert llama_ctx.supports_gpu_offload() == bool(kinds & {"gpu", "igpu"})
+    kinds = {d.kind for d in backend.backend_devices()}
+    assert backend.supports_gpu_offload() == bool(kinds & {"gpu", "igpu"})
     if not kinds & {"gpu", "igpu"}:
         assert llama_cpp.llama_supports_gpu_offload()  # the call this replaces would have said yes
         assert not memory.probe_devices().gpu_offload

@@ -465,7 +465,7 @@ def _reference_greedy(prompt: str, n: int, preset) -> list[tuple[str, np.ndarray
     penalised here (not by the engine's code) as the preset says: each token's text and its row's
     log-probabilities."""
     from localspec.demo import smollm2_source_path
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     s = preset.sampling
     out = []

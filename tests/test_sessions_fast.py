@@ -79,10 +79,12 @@ def test_a_prompt_diverging_at_token_zero_gets_nothing() -> None:
     assert e.prompt_cache.counters().hits == 0  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("kind", [{"recurrent": True}, {"window": 8}])
+@pytest.mark.parametrize("kind", [{"recurrent": True}, {"rewind_depth": 4}, {"window": 8}])
 def test_a_recurrent_or_windowed_state_serves_only_its_whole_length(kind: dict) -> None:
     """A state that is not valid at its prefixes is restored only for a prompt that holds all of it (the fake
-    fails a decode that reads a cell the restored state lacks, and a cut below its floor)."""
+    fails a decode that reads a cell the restored state lacks, and a cut below its floor). With `rewind_depth`
+    (a hybrid's snapshots) the draft's cells hold drafted tokens when the slot is saved: they rewind only as far
+    as `truncate` says, and the state saved is that many tokens long."""
     e, target, _ = engine(**kind)
     a, b = prompt(1), prompt(2)
     first = turn(e, a)
@@ -96,6 +98,26 @@ def test_a_recurrent_or_windowed_state_serves_only_its_whole_length(kind: dict) 
     out = turn(e, grown)  # holds all of a's state: restored
     assert out.tokens == target.greedy(grown, 12) and target.loads == 1
     assert out.stats.prompt_tokens_processed < 6
+
+
+def test_a_snapshot_holds_what_a_recurrent_model_kept_when_cut_back() -> None:
+    """A hybrid draft whose cells went further than its snapshots reach (here: 6 tokens past the committed ones in
+    one decode, depth 4) keeps less than the committed prefix when the slot is saved (a checkpoint, or nothing):
+    the state records that length, and a slot restored from it decodes the rest and gives plain decoding's reply."""
+    e, target, draft = engine(cache=None, rewind_depth=4)
+    p = prompt(1)
+    first = turn(e, p)
+    kv = e.cells.cells(0)[1][1]
+    committed = len(kv)
+    extra = [1, 2, 3, 4, 5, 6]
+    draft.decode(extra, len(kv), seq=0)
+    kv.extend(extra)
+    state = e.snapshot(0)
+    assert state.models[1].n_tokens == len(draft.cells[0]) < committed  # what truncate kept, not what was asked
+    fresh, target2, _ = engine(cache=None, rewind_depth=4)
+    assert fresh.restore(0, state)
+    grown = p + first.tokens + [1, 2]
+    assert turn(fresh, grown).tokens == target2.greedy(grown, 12)
 
 
 def test_a_windowed_state_cut_back_after_a_restore_starts_afresh() -> None:

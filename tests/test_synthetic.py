@@ -80,7 +80,7 @@ def test_spec_validation() -> None:
 
 @pytest.mark.slow
 def test_loads_in_llama_cpp_and_is_not_degenerate(f32_pair: tuple[Path, Path]) -> None:
-    from localspec.llama_ctx import LlamaModel
+    from localspec.llama.model import LlamaModel
 
     for path in f32_pair:
         with LlamaModel(path, n_ctx=512, n_threads=1) as m:
@@ -218,7 +218,7 @@ def test_card_spec_validation() -> None:
 def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32) -> None:
     """The direct writer's tensor names and types equal what llama.cpp's own quantizer makes of the F32 twin:
     Q4_K_M for the target, Q8_0 for the tied draft (llama_tensor_get_type, src/llama-quant.cpp)."""
-    from localspec.llama_ctx import quantize
+    from localspec.llama.backend import quantize
 
     for ours, f32, ftype in zip(card_pair, card_pair_f32, ("Q4_K_M", "Q8_0"), strict=True):
         theirs = tmp_path / f"{ftype}.gguf"
@@ -232,8 +232,8 @@ def test_card_types_are_llama_cpp_quantizers(tmp_path, card_pair, card_pair_f32)
 def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
     """The qwen3 loader takes both files (it refuses a missing or an extra tensor) and the text is not
     degenerate; forcing flash attention off or on changes nothing the argmax sees."""
-    from localspec.llama_ctx import LlamaModel, ModelLoadError
-
+    from localspec.errors import ModelLoadError
+    from localspec.llama.model import LlamaModel
     text = "The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday."
     for path in card_pair:
         argmax = []
@@ -285,3 +285,95 @@ def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> Non
         if a.name.startswith("blk."):
             assert np.array_equal(gguf.quants.dequantize(a.data, a.tensor_type),
                                   gguf.quants.dequantize(b.data, b.tensor_type)), a.name
+
+
+# -- hybrid pairs: Qwen3.5/3.6-shaped (Gated DeltaNet + full attention), with an MTP block ---------------------------
+
+from synthetic import HYBRID_27B, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
+
+
+def test_hybrid_layout(hybrid_pair: tuple[Path, Path]) -> None:
+    """qwen35's tensors and keys: blocks alternate Gated DeltaNet / full attention, the MTP block comes last, and
+    the draft's blocks and global tensors are the target's, byte for byte."""
+    target, draft = (_tensors(p) for p in hybrid_pair)
+    assert "blk.0.ssm_conv1d.weight" in target and "blk.0.attn_q.weight" not in target
+    assert "blk.1.attn_q.weight" in target and "blk.1.ssm_a" not in target
+    assert "blk.4.nextn.eh_proj.weight" in target and "blk.4.attn_q.weight" in target  # the MTP block
+    assert not any(n.startswith(("blk.2.", "blk.4.")) for n in draft)
+    for name, data in draft.items():
+        assert target[name].tobytes() == data.tobytes(), name
+    f = gguf.GGUFReader(hybrid_pair[0]).fields
+    assert f["general.architecture"].contents() == "qwen35"
+    assert f["qwen35.block_count"].contents() == 5 and f["qwen35.nextn_predict_layers"].contents() == 1
+    assert f["qwen35.rope.dimension_sections"].contents() == [2, 1, 1, 0]
+    assert "qwen35.nextn_predict_layers" not in gguf.GGUFReader(hybrid_pair[1]).fields
+
+
+def test_hybrid_27b_shape_and_mix() -> None:
+    """The GPU preset's tensors: Qwen3.5-27B's 64 trunk blocks (48 Gated DeltaNet) and one MTP block, in the Q4_K_M
+    mix, about the real Q4_K_M file's size with the Qwen2 vocabulary."""
+    plan = hybrid_tensor_plan(HYBRID_27B, 151_936, "target")
+    assert sum(n.endswith(".ssm_conv1d.weight") for n, _, _ in plan) == 48
+    assert sum(n.endswith(".attn_q.weight") for n, _, _ in plan) == 17  # 16 in the trunk + the MTP block
+    types = {n: t for n, _, t in plan}
+    assert types["output.weight"] == "q6_k" and types["blk.10.attn_qkv.weight"] == "q4_k"
+    assert types["blk.0.ssm_a"] == "f32" and types["blk.0.ssm_conv1d.weight"] == "f32"
+    size = sum(synthetic_nbytes(s, t) for _, s, t in plan)
+    assert 15.5e9 < size < 17.5e9, size
+
+
+def test_hybrid_spec_validation() -> None:
+    with pytest.raises(ValueError):
+        replace(HYBRID_TINY, wtype="q4_k_m").validate()  # 64-wide rows are no K-quant super-blocks
+    with pytest.raises(ValueError):
+        replace(HYBRID_TINY, target=replace(HYBRID_TINY.target, rope_dims=6)).validate()
+    with pytest.raises(ValueError):
+        replace(HYBRID_TINY, wtype="q6_k").validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_hybrid_loads_decodes_and_agrees(hybrid_pair: tuple[Path, Path]) -> None:
+    """Through the real llama.cpp: a hybrid model with (target) and without (draft) MTP layers, finite, context-
+    dependent logits, and a draft that agrees with the target most of the time but not always."""
+    import llama_cpp as L
+
+    from localspec.llama.model import LlamaModel
+
+    for path, nextn in zip(hybrid_pair, (1, 0), strict=True):
+        with LlamaModel(path, n_ctx=512, n_threads=1) as m:
+            assert L.llama_model_is_hybrid(m.model) and L.llama_model_n_layer_nextn(m.model) == nextn
+            tokens = m.tokenize("The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday.")
+            logits = m.decode(tokens, 0, all_logits=True).logits
+            assert np.isfinite(logits).all()
+            assert len(set(logits.argmax(axis=1).tolist())) > len(tokens) // 2
+    r = measure_agreement(*hybrid_pair, n_prompts=6, gen_len=48)
+    assert r["distinct"] > 0.3, r
+    assert 0.5 <= r["greedy"] <= 0.95, r
+
+
+@pytest.mark.slow
+def test_recurrent_rollback_in_llama_cpp(hybrid_pair: tuple[Path, Path]) -> None:
+    """What localspec's rewind relies on, through llama.cpp's own API (bench/repro_recurrent_rollback.py): rolling
+    back fewer tokens than the last decode held is bit-exact, and so is restoring a recurrent-state checkpoint.
+    Rolling back all of them (or any after a one-token decode) reports success and is wrong: the upstream bug
+    `llama.recurrent` guards against (docs/upstream.md). If this part fails, llama.cpp fixed it: relax the guard."""
+    from repro_recurrent_rollback import BATCH, Runner, run
+
+    results = {what: (removed, right) for what, removed, right in run(Runner(hybrid_pair[0], 1, quiet=False), BATCH)}
+    for j in range(BATCH):
+        assert results[f"{BATCH} in one decode, roll back {j}"] == (True, True), j
+    assert results[f"{BATCH} in one decode, roll back {BATCH}"] == (True, False)
+    assert results["3 one-token decodes, roll back 1"] == (True, False)
+    assert results["a second rollback before a decode"][0] is False
+    assert results["a rollback deeper than n_rs_seq"][0] is False
+    checkpoint = next(v for k, v in results.items() if k.startswith("checkpoint"))
+    assert checkpoint == (True, True)
+
+
+def test_hybrid_cli(tmp_path: Path) -> None:
+    from synthetic import main
+
+    assert main(["--size", "hybrid-tiny", "--only", "target", "--mtp-noise", "0.2", "--out", str(tmp_path),
+                 "--prefix", "h-"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["h-target.gguf"]
+    assert "0.2" in gguf.GGUFReader(tmp_path / "h-target.gguf").fields["general.name"].contents()

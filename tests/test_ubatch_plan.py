@@ -3,7 +3,7 @@ logic here; tests/test_ubatch_rows.py checks it against llama.cpp's own split an
 
 from __future__ import annotations
 
-from localspec.llama_ctx import decode_plan, ubatch_split
+from localspec.llama.ubatch import decode_plan, ubatch_split
 
 
 def test_consecutive_ascending_sequences_of_equal_length_make_one_ubatch():

@@ -10,15 +10,11 @@ cannot share the bug: a second context without samplers, decoding each sequence 
 
 from __future__ import annotations
 
-import ctypes
-import os
-
-import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
+import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
 import numpy as np
 import pytest
 
-from localspec import llama_ctx
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 
 pytestmark = pytest.mark.slow
 
@@ -106,64 +102,7 @@ def test_every_row_of_scrambled_rounds_is_its_own_sequences_row(tiny_pair, n_bat
                 history[seq] = history.get(seq, [])[:start] + tokens
                 first = start if all_rows else start + len(tokens) - 1
                 expected = reference.rows(history[seq], first, len(history[seq]) - first)
-                check_rows(scores, expected, model._modes.get(seq), f"round {round_no} sequence {seq}")
+                check_rows(scores, expected, model.device_sampler(seq), f"round {round_no} sequence {seq}")
                 checked += len(expected)
         assert checked > 150
     reference.model.close()
-
-
-# -- the split rules, checked against llama.cpp's own ------------------------------------------------------------
-
-def test_ubatch_split_is_llama_cpps_split(tmp_path):
-    """llama.cpp's batch debugging logs each ubatch it makes: for raw decodes of several layouts (orders, gaps,
-    unequal lengths, a small n_ubatch) the count is `ubatch_split`'s; and each of LlamaModel's decodes is one."""
-    from repro_ubatch_sampler_rows import decode_entries, make_context, write_tiny_model
-
-    from localspec.llama_ctx import decode_plan, ubatch_split
-
-    path = write_tiny_model(tmp_path / "tiny.gguf")
-    logged = {"ubatches": 0}
-
-    def count(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        logged["ubatches"] += b"added ubatch" in text
-
-    callback = llama_cpp.llama_log_callback(count)
-    layouts = [[(0, 2), (1, 2)], [(1, 2), (0, 2)], [(0, 1), (2, 1), (1, 1)], [(0, 7), (1, 7), (2, 4), (3, 7)],
-               [(3, 1), (1, 2), (0, 1), (2, 2)], [(0, 5), (1, 5)]]
-    os.environ["LLAMA_BATCH_DEBUG"] = "1"  # read when a context is made
-    try:
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        for n_ubatch in (4, 64):
-            ctx = make_context(model, 4, n_ubatch, 8)
-            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-            for layout in layouts:
-                if sum(c for _, c in layout) > n_ubatch:
-                    continue
-                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-                logged["ubatches"] = 0
-                decode_entries(ctx, [(5 + t, t, seq, True) for seq, count in layout for t in range(count)])
-                assert logged["ubatches"] == len(ubatch_split(layout, n_ubatch)), (layout, n_ubatch)
-            llama_cpp.llama_log_set(llama_ctx._log_to_stderr_when_debugging, ctypes.c_void_p(0))
-            llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-
-        with LlamaModel(path, n_ctx=64, n_batch=12, n_threads=1, device_top_k=8, n_seq=4, devices=[]) as m:
-            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-            # (sequence 0 has a top-k chain; every call covers it)
-            for layout, calls in (([(3, 2), (1, 2), (0, 2), (2, 2)], 1), ([(2, 3), (0, 1)], 1), ([(1, 9)], 2)):
-                m.clear()
-                logged["ubatches"], decodes = 0, m.decodes
-                m.decode_many([(seq, list(range(5, 5 + count)), 0, False) for seq, count in layout])
-                assert logged["ubatches"] == m.decodes - decodes == calls, layout
-            m.use_device_sampler(None, 0)  # no chains: decode_plan's calls, each one ubatch
-            for layout in ([(3, 2), (1, 2), (0, 2), (2, 2)], [(2, 3), (0, 1)], [(1, 9)], [(0, 1), (2, 1)]):
-                m.clear()
-                logged["ubatches"], decodes = 0, m.decodes
-                m.decode_many([(seq, list(range(5, 5 + count)), 0, False) for seq, count in layout])
-                assert logged["ubatches"] == m.decodes - decodes == len(decode_plan(layout, 12, True)), layout
-    finally:
-        os.environ.pop("LLAMA_BATCH_DEBUG", None)
-        llama_cpp.llama_log_set(llama_ctx._log_to_stderr_when_debugging, ctypes.c_void_p(0))
-

@@ -4,6 +4,7 @@ one, which the slow test at the end runs when a build is found."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -165,6 +166,24 @@ def test_every_prompt_runs_in_each_mode_per_repetition_with_the_bench_settings(t
     json.dumps(data)  # it goes into bench's JSON as is
 
 
+def test_the_mtp_head_runs_as_draft_mtp_without_a_draft_model(tmp_path: Path, monkeypatch) -> None:
+    """`--drafter mtp` is llama.cpp's `--spec-type draft-mtp` on the target alone (its MTP context takes the
+    target's settings): no draft model or draft options; a tool without draft-mtp is refused at the probe."""
+    log = tmp_path / "ran.jsonl"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    tool = write_tool(tmp_path)
+    plan = dataclasses.replace(_plan(tool, (versus.HOST,), drafter="mtp", n_draft=3), draft=None)
+    _run(plan, _report())
+    first = commands(log)[0]
+    opt = {first[i]: first[i + 1] for i in range(len(first) - 1) if first[i].startswith("-")}
+    assert opt["--spec-type"] == "draft-mtp" and opt["--spec-draft-n-max"] == "3" and opt["-m"] == "/m/target.gguf"
+    assert not {"-md", "-ngld", "-ctkd", "-ctvd", "-td"} & set(first)
+    versus.probe_tool(tool, versus.SPEC_TYPES["mtp"])
+    monkeypatch.setenv("STANDIN_USAGE", "--spec-type [none|draft-simple]\n--spec-draft-n-max N")
+    with pytest.raises(UsageError, match="--spec-type draft-mtp"):
+        versus.probe_tool(write_tool(tmp_path / "old"), versus.SPEC_TYPES["mtp"])
+
+
 def test_the_prompt_file_holds_the_text_and_one_newline_more(tmp_path: Path, monkeypatch) -> None:
     """llama.cpp's -f drops one trailing newline; the text localspec tokenized must be what it reads."""
     log = tmp_path / "ran.jsonl"
@@ -215,10 +234,12 @@ def test_what_it_cannot_run_alike_is_refused_before_loading() -> None:
     versus.check_comparable(preset, has_draft_model=True, sweep=False)
     with pytest.raises(UsageError, match="leave out --sweep"):
         versus.check_comparable(preset, True, sweep=True)
-    with pytest.raises(UsageError, match="needs a draft model and --drafter model"):
+    with pytest.raises(UsageError, match="not --drafter model without a draft model"):
         versus.check_comparable(preset, False, sweep=False)
-    with pytest.raises(UsageError, match=r"--drafter model \(not lookup\)"):
+    alike = r"--drafter model \(draft-simple\) or --drafter mtp \(draft-mtp\) do, not --drafter lookup$"
+    with pytest.raises(UsageError, match=alike):
         versus.check_comparable(preset.with_overrides(drafter="lookup"), True, sweep=False)
+    versus.check_comparable(preset.with_overrides(drafter="mtp"), False, sweep=False)  # no draft model needed
     with pytest.raises(UsageError, match="leave out --adaptive"):
         versus.check_comparable(preset.with_overrides(adaptive=True), True, sweep=False)
 
@@ -288,3 +309,21 @@ def test_bench_against_the_real_tool_matches_plain_decoding_on_the_cpu(tiny_pair
     assert [g["first_divergence"] for g in against["greedy"]] == [None] * 3
     assert all(run["tokens"] >= 24 and run["seconds"] > 0 for run in against["runs"])
     assert against["ratio"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_real_tool() is None, reason=f"no real {versus.TOOL}: set {versus.BIN_ENV} to a llama.cpp build's "
+                    "bin folder (building llama.cpp takes minutes; tests build nothing)")
+def test_bench_against_the_real_tool_with_the_mtp_head_matches_plain_decoding(hybrid_pair, tmp_path: Path) -> None:
+    """The hybrid target's MTP head in both loops (localspec's `mtp` drafter, llama.cpp's draft-mtp): on a CPU
+    llama.cpp's greedy text is plain decoding's too, and both draft."""
+    out = tmp_path / "bench.json"
+    r = localspec("bench", "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--draft", "3", "--against",
+                  "llama.cpp", "--llama-bin", str(_real_tool()), "--repeat", "1", "--warmup", "0", "--max-tokens",
+                  "24", "--threads", "1", "--temp", "0", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    against = report["against"]
+    assert against["warnings"] == [] and "-md" not in against["command"]
+    assert [g["first_divergence"] for g in against["greedy"]] == [None] * 3
+    assert all(run["drafted"] > 0 for run in against["runs"])

@@ -139,7 +139,7 @@ import sys
 from pathlib import Path
 
 from localspec.bench import PROMPTS
-from localspec.llama_ctx import gpu_devices
+from localspec.llama.backend import gpu_devices
 
 print("llama_cpp", llama_cpp.__version__, "python", sys.version.split()[0], "GPUs:",
       ", ".join(f"{d.name} ({d.description})" for d in gpu_devices()) or "none")

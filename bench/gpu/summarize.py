@@ -112,6 +112,9 @@ def summarize(res: Path) -> dict[str, Any]:
         widths = _load(pair_dir / "verify-widths.json")
         if widths:
             pair["verify_widths"] = widths
+        rollback = _load(pair_dir / "rollback-cost.json")  # bench/gpu/hybrid.sh: bench/rollback_cost.py's
+        if rollback:
+            pair["rollback_cost"] = rollback
         tg = (pair["llama_bench"].get("target") or {}).get("tok_s")
         for js in sorted(pair_dir.glob("localspec-t*.json"), key=lambda j: float(j.stem.removeprefix("localspec-t"))):
             doc = _load(js)
@@ -262,6 +265,16 @@ def tables(result: dict[str, Any]) -> str:
     if len(fid) > 1:
         out += ["", "greedy (T = 0) divergence from single-token decoding", _table(fid)]
 
+    for name, pair in result["pairs"].items():
+        rc = pair.get("rollback_cost")
+        if rc:
+            def ms(d: dict[str, Any]) -> str:
+                return "  ".join(f"{k}: {v:.3f}" for k, v in d.items())
+            out += ["", f"{name}: rolling the recurrent state back (k = {rc['k']}, medians of {rc['reps']}; ms)",
+                    f"  per rejected token, by tokens rolled back: {ms(rc['per_rejected_ms'])}",
+                    f"  snapshot upkeep per verify, by width: {ms(rc['snapshot_upkeep_ms'])}",
+                    f"  the rollback call {rc['rollback_call_us']:.1f} us; checkpoint {rc['checkpoint_ms']:.3f}, "
+                    f"restore {rc['restore_ms']:.3f}"]
     for name, pair in result["pairs"].items():
         w = pair.get("verify_widths")
         if not w:

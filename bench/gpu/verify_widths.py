@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a plain checkout, no install needed
 
-from localspec.llama_ctx import LlamaModel  # noqa: E402
+from localspec.llama.model import LlamaModel  # noqa: E402
 
 CONTEXT = 200
 TEXT = ("Speculative decoding lets a small draft model propose several tokens that a large target model then "

@@ -19,7 +19,7 @@ from localspec import demo
 from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import load_preset
 from localspec.engine import DoneEvent, Engine
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 
 PROMPTS = ["What is two plus two?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better.", "Why is the sky blue?", "Summarise the plot of Cinderella."]

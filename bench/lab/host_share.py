@@ -44,7 +44,7 @@ import numpy as np
 
 from localspec.bench import shipped_prompts, tokenize_prompts
 from localspec.config import Drafting, Sampling, load_preset
-from localspec.drafters.model import ModelDrafter
+from localspec.drafters.model import ModelCost, ModelDrafter
 from localspec.engine import Engine
 from localspec.events import GenerationStats
 from localspec.fsutil import atomic_write
@@ -62,7 +62,8 @@ class _DecodeClock:
     "cost_model" its CPU time in the draft-length policy's questions and observations (all phases)."""
 
     PHASES = ("_plan", "_draft", "_verify")  # (the rest of a round: the rewind, the verdict, the observations)
-    COST_MODEL = ("next", "verify_width", "ahead_length", "continuation", "observe", "observe_ahead")
+    COST_MODEL = ((DraftLength, "next"), (DraftLength, "verify_width"), (ModelCost, "ahead_length"),
+                  (ModelCost, "continuation"), (DraftLength, "observe"), (ModelCost, "observe_ahead"))
 
     def __init__(self, engine: Engine) -> None:
         self.seconds = dict.fromkeys(("inside", "ahead", "cost_model", *self.PHASES), 0.0)
@@ -74,8 +75,8 @@ class _DecodeClock:
                                                loop_only=False)
         for name in self.PHASES:
             setattr(engine, name, self._timed(getattr(engine, name), name, outside_decodes=True))
-        for name in self.COST_MODEL:  # (the class's: a stream's policy is made when it starts)
-            setattr(DraftLength, name, self._timed(getattr(DraftLength, name), "cost_model"))
+        for cls, name in self.COST_MODEL:  # (the class's: a stream's policy is made when it starts)
+            setattr(cls, name, self._timed(getattr(cls, name), "cost_model"))
 
     @property
     def inside(self) -> float:

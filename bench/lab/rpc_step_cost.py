@@ -19,8 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a plain checkout
 
-from localspec import demo, llama_ctx, rpc  # noqa: E402
+from localspec import demo, rpc  # noqa: E402
 from localspec.errors import LocalspecError  # noqa: E402
+from localspec.llama import backend  # noqa: E402
+from localspec.llama.model import LlamaModel  # noqa: E402
 
 
 def main() -> int:
@@ -44,8 +46,8 @@ def main() -> int:
             except LocalspecError:
                 time.sleep(0.3)
         models = {
-            "local": llama_ctx.LlamaModel(path, n_ctx=512, devices=[], n_threads=args.threads, device_top_k=64),
-            "rpc": llama_ctx.LlamaModel(path, n_ctx=512, devices=llama_ctx.rpc_devices([endpoint]),
+            "local": LlamaModel(path, n_ctx=512, devices=[], n_threads=args.threads, device_top_k=64),
+            "rpc": LlamaModel(path, n_ctx=512, devices=backend.rpc_devices([endpoint]),
                                         n_threads=args.threads, device_top_k=64),
         }
         for model in models.values():

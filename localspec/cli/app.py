@@ -12,14 +12,14 @@ import sys
 from types import FrameType
 from typing import Annotated
 
-# The import-order guard lives in the entry points (and llama_ctx), not in the package: llama_cpp must load before
+# The import-order guard lives in the entry points (and localspec/llama), not in the package: llama_cpp must load before
 # numpy, or model loading crashed on the CUDA image (docs/architecture.md). Config and header code need no libllama.
 import llama_cpp  # noqa: F401, I001
 import typer
 
-from localspec import llama_ctx
 from localspec.cli import bench_cmd, chat_cmd, models_cmd, rpc_cmd, serve_cmd
 from localspec.errors import LocalspecError
+from localspec.llama import backend
 
 app = typer.Typer(
     name="localspec",
@@ -62,7 +62,7 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    if not llama_ctx.deferred_in_callback(signum, frame):
+    if not backend.deferred_in_callback(signum, frame):
         raise _Terminated
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     """Console entry point: known errors become one line on stderr and a non-zero exit."""
     signal.signal(signal.SIGTERM, _raise_terminated)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell made us ignore it
-        signal.signal(signal.SIGINT, llama_ctx.interrupt_handler)
+        signal.signal(signal.SIGINT, backend.interrupt_handler)
     try:
         app(standalone_mode=True)
     except LocalspecError as exc:

@@ -86,14 +86,16 @@ def bench(
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens,
                                         against=against, llama_bin=llama_bin)
-    if files.draft is None and chosen.draft.drafter != "lookup":
-        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup")
+    if files.draft is None and chosen.draft.drafter not in config.MODEL_FREE_DRAFTERS:
+        raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup "
+                             "(or mtp, for a target with MTP layers)")
     if chosen.draft.n_draft == 0:
         raise LocalspecError("--draft 0 turns speculation off; bench compares it with plain decoding, use k >= 1")
     tool = None
     if chosen.bench.against == versus.LLAMA_CPP:  # found and started once before minutes of measuring
         versus.check_comparable(chosen, files.draft is not None, sweep=lengths is not None)
-        tool = versus.probe_tool(versus.find_tool(chosen.bench.llama_bin))
+        tool = versus.probe_tool(versus.find_tool(chosen.bench.llama_bin),
+                                 versus.SPEC_TYPES[chosen.draft.drafter])
 
     console = Console()
     s = chosen.sampling

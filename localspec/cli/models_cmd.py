@@ -45,8 +45,10 @@ def _fits(pair: registry.Pair, devices: memory.Devices, preset: config.Preset) -
     """Does the pair fit this machine? From the cached headers when downloaded, else from the listed sizes."""
     files = _cached_files(pair)
     if files is not None:
-        t, d = read_header(files[0]), read_header(files[1])
-        s = memory.settings_from_preset(preset.with_overrides(kv_type=pair.kv_type), n_ctx=pair.n_ctx)
+        t = read_header(files[0])
+        d = read_header(files[1]) if len(files) > 1 else None
+        s = memory.settings_from_preset(preset.with_overrides(kv_type=pair.kv_type, drafter=pair.drafter),
+                                        n_ctx=pair.n_ctx)
         try:
             est = memory.estimate(t, d, s, devices)
         except LocalspecError as exc:  # the preset names a device this machine does not have
@@ -71,16 +73,17 @@ def _models_text(pair: registry.Pair) -> str:
     """The pair's two files, one a line."""
     if pair.builtin:
         return demo.DEMOS[pair.name].models_text
-    assert pair.target is not None and pair.draft is not None
-    return f"{pair.target.file}\n+ {pair.draft.file}"
+    assert pair.target is not None
+    second = pair.draft.file if pair.draft is not None else f"its own {pair.drafter} drafter"
+    return f"{pair.target.file}\n+ {second}"
 
 
-def _cached_files(pair: registry.Pair) -> tuple[Path, Path] | None:
+def _cached_files(pair: registry.Pair) -> tuple[Path, ...] | None:
     if pair.builtin:
         return demo.DEMOS[pair.name].cached()
-    assert pair.target is not None and pair.draft is not None
-    t, d = hub.cached_path(pair.target), hub.cached_path(pair.draft)
-    return (t, d) if t is not None and d is not None else None
+    assert pair.target is not None
+    found = tuple(hub.cached_path(m) for m in (pair.target, pair.draft) if m is not None)
+    return found if None not in found else None  # type: ignore[return-value]
 
 
 def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None:
@@ -109,8 +112,7 @@ def models(default: DefaultOpt = None, preset: options.PresetOpt = None) -> None
             size = _size(sum(p.stat().st_size for p in built)) if built else "-"
             downloaded = "[green]built in[/]"
         else:
-            exact = pair.target is not None and pair.target.size is not None and pair.draft is not None \
-                and pair.draft.size is not None
+            exact = all(m.size is not None for m in (pair.target, pair.draft) if m is not None)
             size = _size(pair.expected_bytes, approx=not exact)
             downloaded = "[green]downloaded[/]" if built else "[dim]not pulled[/]"
         name = Text(("* " if pair.name == current else "  ") + pair.name, style="bold")
@@ -156,8 +158,8 @@ def pull(
         if chosen.builtin:
             console.print(f"[cyan]{chosen.name}[/] is built in: nothing to download")
             return
-        assert chosen.target is not None and chosen.draft is not None
-        specs = [chosen.target, chosen.draft]
+        assert chosen.target is not None
+        specs = [m for m in (chosen.target, chosen.draft) if m is not None]
     else:
         specs = [registry.parse_spec(s) for s in (target, draft) if s]
     for spec in specs:
@@ -184,15 +186,23 @@ def check(
     draft_path: PathArg = None,
     pair: options.PairOpt = None,
 ) -> None:
-    """Tokenizer compatibility of a target and a draft, from GGUF headers only (exit 1: incompatible)."""
-    if (target_path is None) != (draft_path is None):
-        raise LocalspecError("give both TARGET and DRAFT files, or a --pair")
+    """What can draft for a target (its MTP head, recurrent state) and the draft's tokenizer match, from headers.
+
+    Exit 1 when DRAFT cannot draft for TARGET."""
+    if target_path is None and draft_path is not None:
+        raise LocalspecError("give TARGET (and DRAFT), or a --pair")
     files = resolve_files(pair, target_path, draft_path)
+    target = read_header(files.target)
+    console.print(f"target [cyan]{files.target}[/]" + (f"\ndraft  [cyan]{files.draft}[/]" if files.draft else ""))
+    for status, line in doctor.drafting_facts(target):
+        console.print(f"{MARK[status]} {escape(line)}")
     if files.draft is None:
-        raise LocalspecError(f"pair {files.name} has no draft model to check")
-    target, draft = read_header(files.target), read_header(files.draft)
+        return
+    draft = read_header(files.draft)
+    for status, line in doctor.drafting_facts(draft, role="draft"):
+        if status != Status.INFO:
+            console.print(f"{MARK[status]} {escape(line)}")
     verdict = compat.compare(target, draft)
-    console.print(f"target [cyan]{files.target}[/]\ndraft  [cyan]{files.draft}[/]")
     if verdict.tokens_match:
         console.print(f"{MARK[Status.OK]} same tokenizer ({escape(target.arch)} / {escape(draft.arch)}): every token "
                       "id means the same text in both models")

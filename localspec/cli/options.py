@@ -23,7 +23,7 @@ import typer
 
 from localspec import config
 from localspec.errors import LocalspecError
-from localspec.session import ModelFiles, resolve_files, settle_preset
+from localspec.session import ModelFiles, auto_draft, resolve_files, settle_preset
 
 FLAGS: dict[str, str] = {}  # preset key → the flag users type, for error messages
 
@@ -103,9 +103,10 @@ DraftOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--draft",
-        metavar="K|PATH|none",
-        help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF; none loads no draft "
-             "model (a pair's target alone: --drafter lookup drafts from the context). Repeatable."
+        metavar="K|PATH|auto|none",
+        help="A number sets the draft length (0 = plain decoding); a path names the draft GGUF; auto picks a "
+             "downloaded draft of the target's family from models.toml that passes the tokenizer check; none loads "
+             "no draft model (a pair's target alone: --drafter lookup drafts from the context). Repeatable."
              + preset_default("n_draft"),
         show_default=False,
         rich_help_panel=DRAFTING,
@@ -139,8 +140,7 @@ overlap = _setting("overlap", "--overlap",
                    panel=DRAFTING)
 rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
 drafter = _setting("drafter", "--drafter",
-                   "Who drafts: the draft model, prompt lookup (the context's own n-grams), or lookup then the model "
-                   "(lookup when there is no draft model).", panel=DRAFTING)
+                   "Who drafts (docs/drafters.md; lookup when there is no draft model).", panel=DRAFTING)
 adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "Choose the draft length (0..--draft) by measured cost: draft-step and verify seconds and the "
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)
@@ -182,9 +182,15 @@ context_shift = _setting("context_shift", "--context-shift/--no-context-shift",
                          "still exact); off: it stops there. Not on recurrent/hybrid models.", panel=LOADING)
 n_keep = _setting("n_keep", "--keep", "Context shift: tokens kept at the start besides a BOS token (-1 = the whole "
                   "prompt).", panel=LOADING)
+models_budget = _setting("models_budget", "--models-budget",
+                         "Several --pair: MiB the loaded pairs' memory estimates may take together; auto: each load "
+                         "checks the free VRAM (RAM without a GPU).")
+models_idle = _setting("models_idle", "--models-idle",
+                       "Several --pair: seconds an idle pair stays loaded (0 = until another pair needs its room).")
 
 
 NO_DRAFT_MODEL = Path("none")  # `--draft none`: no draft model, even where the pair names one
+AUTO_DRAFT = Path("auto")  # `--draft auto`: the draft models.toml and the tokenizer check find for the target
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
@@ -195,6 +201,8 @@ def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | Non
     for value in values or []:
         if value.strip() == "none" and model is None:
             model = NO_DRAFT_MODEL
+        elif value.strip() == "auto" and model is None:
+            model = AUTO_DRAFT
         elif value.strip().lstrip("-").isdigit():
             if length is not None:
                 raise LocalspecError(f"--draft {value}: the draft length was already given ({length})")
@@ -242,6 +250,9 @@ class RunOptions:
         fallback = {"fallback": fallback_pair} if fallback_pair else {}
         if draft_model == NO_DRAFT_MODEL:
             return dataclasses.replace(resolve_files(self.pair, self.target, None, **fallback), draft=None)
+        if draft_model == AUTO_DRAFT:
+            files = resolve_files(self.pair, self.target, None, **fallback)
+            return dataclasses.replace(files, draft=auto_draft(files.target))
         return resolve_files(self.pair, self.target, draft_model, **fallback)
 
     def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
@@ -270,12 +281,14 @@ def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
     hints = typing.get_type_hints(command, include_extras=True)
     own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
            if p.name != "run"]
+    # A command may declare a shared option its own way (serve's repeatable --pair): it gets that one itself.
+    taken = {p.name for p in own}
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-              for name, annotation in _RUN_OPTIONS.items()]
+              for name, annotation in _RUN_OPTIONS.items() if name not in taken]
 
     @functools.wraps(command)
     def run_command(**kwargs: Any) -> None:
-        run = RunOptions(**{name: kwargs.pop(name) for name in _RUN_OPTIONS})
+        run = RunOptions(**{name: kwargs.pop(name) for name in _RUN_OPTIONS if name not in taken})
         return command(run=run, **kwargs)
 
     run_command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]

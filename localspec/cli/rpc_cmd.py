@@ -47,20 +47,20 @@ def rpc_server(host: HostOpt = None, port: PortOpt = None, threads: ThreadsOpt =
                   "hold. Use it on a trusted network only.[/]")
     _check_port_free(endpoint)
 
-    from localspec import llama_ctx
+    from localspec.llama import backend
 
-    devices = llama_ctx.gpu_devices() or [llama_ctx.cpu_device()]
+    devices = backend.gpu_devices() or [backend.cpu_device()]
     cache_dir = paths.home() / "cache" / "rpc" if settings.cache else None
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    n_threads = settings.threads or llama_ctx.default_threads()
+    n_threads = settings.threads or backend.default_threads()
     console = Console()
     console.print(f"[bold]localspec rpc-server[/] on [cyan]{endpoint}[/]: "
                   + ", ".join(f"{d.name} ({d.description})" for d in devices)
                   + (f", {n_threads} threads" if devices[0].kind == "cpu" else "")
                   + (f"; tensor cache {cache_dir}" if cache_dir else ""))
     console.print(f"clients: localspec bench --rpc {endpoint}   ({_how_to_stop()})", soft_wrap=True)
-    server = threading.Thread(target=llama_ctx.serve_rpc, args=(str(endpoint), devices, n_threads, cache_dir),
+    server = threading.Thread(target=backend.serve_rpc, args=(str(endpoint), devices, n_threads, cache_dir),
                               name="rpc-server", daemon=True)
     server.start()
     try:

@@ -7,6 +7,7 @@ running and queued requests, lets uvicorn close the connections, frees both mode
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -59,6 +60,11 @@ StrictModelOpt = Annotated[
                                    "server.strict_model).")
 ]
 options.FLAGS["model_aliases"] = "--model-alias"  # a bad name's error names the flag users typed
+ServePairsOpt = Annotated[
+    list[str] | None, typer.Option("--pair", metavar="NAME", show_default=False, rich_help_panel=options.MODELS,
+                                   help="A named model pair (see `localspec models`). Repeatable: several pairs "
+                                        "behind one endpoint, each request's model picks one, loaded on demand.")
+]
 ServeMaxTokensOpt = Annotated[
     int | None, typer.Option("--max-tokens", show_default=False,
                              help="Cap on tokens per reply." + options.range_text({"range": MAX_TOKENS_RANGE})
@@ -86,6 +92,9 @@ def serve(
     n_keep: options.n_keep = None,
     slots: SlotsOpt = None,
     strict_model: StrictModelOpt = None,
+    pair: ServePairsOpt = None,
+    models_budget: options.models_budget = None,
+    models_idle: options.models_idle = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
@@ -101,16 +110,21 @@ def serve(
     from localspec.server.handling import Backend, ServerState
 
     key = _api_key(api_key)
+    runs = _pair_runs(run, pair or [], model_alias)
     # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
-    files, chosen = options.resolve_run(run, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
-                                        queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
-                                        control_tokens=control_tokens,
-                                        model_aliases=",".join(model_alias) if model_alias else None,
-                                        metrics=metrics, slots=slots, strict_model=strict_model,
-                                        cache_ram=cache_ram, slot_save_path=slot_save_path,
-                                        context_shift=context_shift, n_keep=n_keep)
+    resolved = [options.resolve_run(r, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
+                                    queue=queue, parallel=parallel, allowed_hosts=allowed_hosts,
+                                    control_tokens=control_tokens,
+                                    model_aliases=",".join(model_alias) if model_alias else None,
+                                    metrics=metrics, slots=slots, strict_model=strict_model,
+                                    cache_ram=cache_ram, slot_save_path=slot_save_path,
+                                    context_shift=context_shift, n_keep=n_keep, models_budget=models_budget,
+                                    models_idle=models_idle) for r in runs]
+    files, chosen = resolved[0]
     settings = chosen.server
-    preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
+    router = _router(resolved, settings) if len(resolved) > 1 else None
+    if router is None:
+        preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
     saves = _slot_folder(settings.slot_save_path)
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
@@ -120,17 +134,21 @@ def serve(
     state = ServerState(model_id=model_id(files), aliases=settings.model_alias_names, api_key=key,
                         max_tokens=max_tokens, seed=run.seed, control_tokens=settings.control_tokens, guard=guard,
                         metrics=settings.metrics, slots=settings.slots, strict_model=settings.strict_model,
-                        slot_save_path=saves)
+                        slot_save_path=saves, router=router)
     app = create_app(state, tuple(cors_origin or ()))
 
     console = Console(highlight=False)
     _route_logs_to(console)
     url = f"http://{_url_host(settings.host)}:{bound_port}/v1"
     draft_name = files.draft.name if files.draft else "none (plain decoding)"
+    what = (f"pair [cyan]{escape(files.name)}[/]: target {escape(files.target.name)}, draft {escape(draft_name)}"
+            if router is None else "pairs " + ", ".join(f"[cyan]{escape(n)}[/]" for n in router.pairs) +
+            " (loaded on demand: " + ("free memory decides" if router.budget is None else
+                                       f"within {router.budget >> 20} MiB") + ")")
     console.print(
-        f"[bold]localspec serve[/] · pair [cyan]{escape(files.name)}[/]: target {escape(files.target.name)}, "
-        f"draft {escape(draft_name)}\n"
-        f"base URL [bold]{escape(url)}[/] · model id [cyan]{escape(state.model_id)}[/]"
+        f"[bold]localspec serve[/] · {what}\n"
+        f"base URL [bold]{escape(url)}[/] · model id" + ("s " if router is not None else " ") +
+        f"[cyan]{escape(state.model_id if router is None else ', '.join(router.pairs))}[/]"
         f"{escape(' (also ' + ', '.join(state.aliases) + ')') if state.aliases else ''} · "
         f"{'API key required' if key else 'no API key'} · {_plural(settings.parallel, 'slot')} · "
         f"queue {settings.queue} · Ctrl-C stops"
@@ -143,6 +161,8 @@ def serve(
     loaded: dict[str, Any] = {}
 
     def on_exit() -> None:  # a shutdown signal cancels the engine's work at once instead of waiting for it
+        if router is not None:
+            router.stop_workers()
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=0)
 
@@ -161,13 +181,17 @@ def serve(
             server.should_exit = True
 
     loader = threading.Thread(target=load, name="localspec-load", daemon=True)
-    loader.start()
+    if router is None:  # several pairs load when a request first names one
+        loader.start()
     try:
         with Live(console=console, refresh_per_second=2, get_renderable=lambda: _status(state, files)):
             _run_quietly(server, sock)
         console.print("[dim]localspec serve stopped[/]")
     finally:
-        loader.join()
+        if loader.is_alive():
+            loader.join()
+        if router is not None:
+            router.close()
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=30)
         session: Session | None = loaded.get("session")
@@ -176,6 +200,30 @@ def serve(
         sock.close()
     if "error" in loaded:
         raise loaded["error"]
+
+
+def _pair_runs(run: options.RunOptions, pairs: list[str],
+               model_alias: list[str] | None) -> list[options.RunOptions]:
+    """One run per `--pair` (the others' options shared); none given: the run as it is."""
+    if len(pairs) <= 1:
+        return [dataclasses.replace(run, pair=pairs[0] if pairs else None)]
+    if run.target is not None:
+        raise UsageError("--target with several --pair: serve named pairs only (a file pair goes in models.toml)")
+    if model_alias:
+        raise UsageError("--model-alias with several --pair: each pair is requested by its own name")
+    twice = next((p for i, p in enumerate(pairs) if p in pairs[:i]), None)
+    if twice is not None:
+        raise UsageError(f"--pair {twice}: given twice")
+    return [dataclasses.replace(run, pair=p) for p in pairs]
+
+
+def _router(resolved: list[tuple[ModelFiles, Any]], settings: Any) -> Any:
+    """Several pairs: each checked from its headers now (before the port is taken), loaded on demand later."""
+    from localspec.server.router import PairRouter, SessionLoader, served_pair
+
+    served = [served_pair(f, preset, model_id(f), settings.parallel) for f, preset in resolved]
+    return PairRouter(served, SessionLoader(settings.parallel, settings.queue), budget=settings.budget_bytes,
+                      idle_s=settings.models_idle)
 
 
 def _slot_folder(text: str) -> Path | None:
@@ -292,6 +340,8 @@ def _plural(n: int, word: str) -> str:
 def _status(state: ServerState, files: ModelFiles) -> Text:
     """The live line: loading, or requests served/queued and the last request's speed and acceptance."""
     backend = state.backend
+    if state.router is not None:
+        return Text(f"● {state.router.summary()}", style="green")  # type: ignore[attr-defined]
     if backend is None:
         if state.load_error:
             return Text(f"● failed to load: {state.load_error}", style="red")

@@ -1,22 +1,50 @@
-"""Drafters: who proposes the tokens the target verifies. The protocol is in `base`; one file per drafter; a line
-here registers it under the name `[draft] drafter` (and the server's `speculative.type`) selects."""
+"""Drafters: who proposes the tokens the target verifies. The protocol is in `base`; every other module here is one
+drafter, registered under its module name (what `[draft] drafter`, `--drafter` and the server's `speculative.type`
+select). A new drafter is one file: a class with the `base.Drafter` methods and a `build(target, draft, built)`
+factory (None where these models cannot host it); optionally `NEEDS` (drafters built before it, handed in
+`built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it), `unavailable(target, draft)`
+(why these models have none, for the error that names it), and the facts `config.DRAFTER_FACTS` reads from the file
+without importing it (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`). Nothing else names it."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 
-from localspec.drafters import chain, lookup, model
+from localspec.config import DRAFTERS
 from localspec.drafters.base import Drafter
 from localspec.scores import ScoringModel
 
 Factory = Callable[[ScoringModel, ScoringModel | None, dict[str, Drafter]], Drafter | None]
 
+
+def _in_build_order() -> dict[str, ModuleType]:
+    """Every drafter module (`config.DRAFTERS`: the files of this folder), each after those it `NEEDS`."""
+    modules = {name: importlib.import_module(f"{__name__}.{name}") for name in DRAFTERS}
+    ordered: dict[str, ModuleType] = {}
+
+    def visit(name: str, chain: tuple[str, ...]) -> None:
+        if name in ordered:
+            return
+        if name in chain or name not in modules:
+            raise ImportError(f"localspec/drafters/{chain[-1]}.py needs {name!r}, "
+                              + ("which needs it back" if name in chain else "which is no drafter"))
+        for needed in getattr(modules[name], "NEEDS", ()):
+            visit(needed, (*chain, name))
+        ordered[name] = modules[name]
+
+    for name in modules:
+        visit(name, ())
+    return ordered
+
+
+_MODULES = _in_build_order()
 # name → factory(target, draft model or None, the drafters built before it); None: unavailable with these models.
-REGISTRY: dict[str, Factory] = {
-    "lookup": lookup.build,
-    "model": model.build,
-    "chain": chain.build,  # after both of its parts
-}
+REGISTRY: dict[str, Factory] = {name: module.build for name, module in _MODULES.items()}
+# llama-server's `speculative.type` spellings of the drafters that have one.
+LLAMA_SERVER_TYPES: dict[str, str] = {module.LLAMA_SERVER_TYPE: name for name, module in _MODULES.items()
+                                      if getattr(module, "LLAMA_SERVER_TYPE", None)}
 
 
 def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter]:
@@ -29,3 +57,11 @@ def build(target: ScoringModel, draft: ScoringModel | None) -> dict[str, Drafter
         if made is not None and all(made is not other for other in built.values()):
             built[name] = made
     return built
+
+
+def unavailable(name: str, target: ScoringModel, draft: ScoringModel | None) -> str:
+    """Why `build` offers no drafter `name` with these models, as one clause ("" where nothing more specific
+    than "these models cannot run it" applies): the drafter's own `unavailable(target, draft)` where it has one."""
+    module = _MODULES.get(name)
+    why = getattr(module, "unavailable", None)
+    return (why(target, draft) or "") if why is not None else ""

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
-from localspec.llama_ctx import Grammar
-from localspec.policies import DraftLength
+from localspec.llama.grammar import Grammar
+from localspec.policies import DraftCost, DraftLength, Pricing
 from localspec.prompt_cache import shared_prefix as shared_prefix
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
@@ -33,9 +35,11 @@ class Proposal:
     # (`sampling.point_mass`): rejection sampling then accepts with p(x) and resamples from p, exact either way.
     q: list[Candidates] | None = None
     seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
-    looked_up: int = 0  # how many of the tokens (the first ones) prompt lookup proposed; the rest are the model's
-    # Of `seconds`, the draft model's first step: it also reads what the model had not seen (tokens committed while
-    # it sat out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
+    # How many of the tokens (the first ones) came from the lead source, at no draft step (prompt lookup's); the
+    # rest are stepped, one draft decode each (a draft model's). The cost model counts each source's acceptance.
+    lead: int = 0
+    # Of `seconds`, the first draft step: it also reads what the drafter had not seen (tokens committed while it sat
+    # out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
     first_s: float = 0.0
     # The least of its later steps (None: fewer than two). On CUDA the two calls after a width change (the first
     # step's catch-up) run the graph uncaptured: a probe's average step was 2.6-2.8 ms where a steady one is 1.35.
@@ -61,15 +65,42 @@ class DraftRequest:
     grammar: Grammar | None = None
     # How its models read rows under that grammar (`device_mode`'s grammar_rows): "full" or "device" candidates.
     grammar_rows: str = "full"
-    # The stream's draft-length policy and cost model: the chain asks it how far the draft model extends lookup.
+    # The stream's draft-length policy and cost model: a drafter asks its own cost rule through it
+    # (`length.rule(ItsCost)`), which keeps what it measured for the stream.
     length: DraftLength | None = None
 
 
+@runtime_checkable
+class ReadsTarget(Protocol):
+    """A drafter that drafts from the target's own hidden states (an MTP head): the loop has the target return
+    them (`LlamaModel.want_hidden`) for its streams and hands it every row the target decodes for them."""
+
+    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int:
+        """A generation starts with `prompt`: how many of the target's cached cells it can follow (it needs the
+        target's hidden state after each token from where its own cells end); the loop decodes the rest again."""
+        ...
+
+    def target_kept(self, req: DraftRequest, kept: int) -> None:
+        """The target's cells now hold the prompt's first `kept` tokens."""
+        ...
+
+    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
+        """The target decoded positions start.. of the sequence (`req.tokens`, plus a verify's drafts, which the
+        next `accept` settles) with these hidden states, one row per token."""
+        ...
+
+
 class Drafter(Protocol):
-    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` with a line in
-    `REGISTRY`; the loop never knows which one runs."""
+    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` (the registry
+    finds them there); the loop never knows which one runs."""
 
     models: tuple[ScoringModel, ...]  # the models it decodes with: slots and context are sized by them too
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> Pricing | None:
+        """A stream with these settings starts (or goes on) with the measured facts `cost`: attach this drafter's
+        cost rules to them (`CostRule.of`, kept with them) and return the prices `adaptive` chooses k by, or None
+        (k stays the preset's; the drafter may still propose fewer by its own rules)."""
+        ...
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         """A generation starts in `req.seq` with `prompt`: forget the last one's state there and return the
@@ -107,14 +138,18 @@ class Drafter(Protocol):
         ...
 
 
-def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int) -> PromptWork:
-    """Cut a sequence's cells back to the longest prefix of `body` they hold; what is left to decode."""
+def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int,
+                limit: int | None = None) -> PromptWork:
+    """Cut a sequence's cells back to the longest prefix of `body` they hold (at most `limit`), or as far as the
+    model can rewind towards it (a recurrent state: a checkpoint, or nothing); what is left to decode."""
     keep = shared_prefix(kv, body)
+    if limit is not None:
+        keep = min(keep, limit)
     # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may have left
-    # cells the bookkeeping never recorded.
+    # cells the bookkeeping never recorded. Bookkeeping first: an interrupted truncate leaves it claiming less.
     del kv[keep:]
-    model.truncate(keep, seq)
-    return model, kv, body[keep:]
+    del kv[model.truncate(keep, seq):]
+    return model, kv, body[len(kv):]
 
 
 def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain: bool = False,

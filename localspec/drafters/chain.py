@@ -1,23 +1,98 @@
 """Chained drafting: prompt lookup first; then the draft model, where lookup finds nothing or to extend a match
-shorter than k, by as many tokens as the stream's cost model says pay (`policies.DraftLength.extension`): up to
-k - m where a draft step is cheap against a verify (a GPU), none where it costs about a target step (the 2-core
-CPU demo pair; there a round with no match is a plain step). Per round and per request, so a reply drafts by lookup
-while it quotes and by the model between, and chaining never does worse than the better of its parts by much more
-than the model's two-round warm-up (once per slot) and the occasional probe of a model it has turned off. Lookup's
-length is chosen on the same measured verify costs as lookup alone's (`policies.DraftLength.lookup_length`). A
-round of the model's tokens alone drafts ahead beside its verify as the model drafter does (`overlap`); where that
-bet came true and lookup matches too, the round is the bet's unless lookup's is expected to pay more
-(`DraftLength.prefer_bet`: the bet costs no draft steps on the path)."""
+shorter than k, by as many tokens as the round's prices say pay (`ChainCost.extension`): up to k - m where a draft
+step is cheap against a verify (a GPU), none where it costs about a target step (the 2-core CPU demo pair; there a
+round with no match is a plain step). Per round and per request, so a reply drafts by lookup while it quotes and by
+the model between. Lookup's length is chosen on the same measured verify costs as lookup alone's, with the model's
+best share after it priced in (`lookup.LookupCost.length`). A round of the model's tokens alone drafts ahead beside
+its verify as the model drafter does (`overlap`); where that bet came true and lookup matches too, the round is the
+bet's unless lookup's is expected to pay more (`ChainCost.prefer_bet`: the bet costs no draft steps on the path).
+
+What it measured (docs/performance.md): on the H200 with SmolLM2 in the card's shapes, 0.95-0.96x the draft
+model's speed-up on the shipped and lookup prompt sets, and lookup's pace on a code edit answered in prose (1.15-
+1.18x plain against the model's 1.90-1.93x); on the 2-core CPU demo pair, prompt lookup's pace (1.41-1.59x on
+the lookup set against lookup's 1.43-1.62x, 1.45x against 1.40x on the shipped prompts). It makes no promise to
+keep up with the better of its parts (on that code edit it did not): on a GPU the draft model is the safe choice.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
 
+import numpy as np
+
+from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
-from localspec.drafters.lookup import LookupDrafter
-from localspec.drafters.model import Bet, ModelDrafter
+from localspec.drafters.lookup import LookupCost, LookupDrafter
+from localspec.drafters.model import Bet, ModelCost, ModelDrafter
+from localspec.policies import CostRule, DraftCost, DraftLength
 from localspec.scores import ScoringModel
+
+TITLE = "lookup chained with the model"  # how reports name it
+NEEDS = ("lookup", "model")  # built after its parts (the registry's order)
+LLAMA_SERVER_TYPE = "ngram-simple,draft-simple"  # its `speculative.type` (llama-server's --spec-type list)
+
+
+class ChainCost(CostRule):
+    """The chain's prices over its parts' rules (lookup's tokens lead the round, the model's follow): how many of
+    the model's tokens follow lookup's (`extension`), and a held bet weighed against lookup's match
+    (`prefer_bet`)."""
+
+    def __init__(self, cost: DraftCost) -> None:
+        super().__init__(cost)
+        self.lookup, self.model = LookupCost.of(cost), ModelCost.of(cost)
+
+    def extension(self, looked_up: int, k: int, policy: DraftLength, lag: int = 1) -> int:
+        """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts of
+        the stream's `policy`, by the round's price: 0 where the model is a net loss (then probed now and then;
+        where lookup found nothing and the model alone was paying, it stays on until it is a loss by MIN_GAIN: its
+        acceptance is an estimate from a few dozen rounds, and a streak of rejections must not switch it off).
+        `lag`: how many committed tokens the draft model's cells lack (1: in sync, a probe costs no catching up;
+        more: a probe out of sync waits while catching up would cost too much)."""
+        cost, model = self.cost, self.model
+        room = k - looked_up
+        if room <= 0 or self.lookup.measuring:
+            return 0
+        width = k + 1 if policy.padded else 0
+        speeds = model.speeds(looked_up, room, width)
+        if speeds is None:
+            return min(room, model.PROBE)  # measure first, as cheaply as a probe
+        n = int(np.argmax(speeds))
+        # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);
+        # asked only where the answer matters (a round's host work is on the path).
+        hopeless = (not n or cost.step_rounds < policy.WARMUP) and not model.could_pay(0, k, width)
+        if cost.step_rounds < policy.WARMUP:
+            return min(room, model.PROBE) if hopeless else room
+        if not n and not looked_up and not hopeless and model.model_on:
+            # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured
+            # over a few dozen rounds, and a streak of early rejections (the H200 replay at 85%: S(6) estimated
+            # 0.12 against 0.38) would otherwise switch off a model worth 1.4x plain until the next probe.
+            best = 1 + int(np.argmax(speeds[1:]))
+            n = best if policy.MIN_GAIN * speeds[best] >= speeds[0] else 0
+        if n:
+            model.pays()
+            return n
+        if not looked_up:
+            model.model_on = False
+        if hopeless:
+            # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
+            # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
+            # interval, and only where the model's cells are current (catching up would be pure loss).
+            model.interval = cost.PROBE_MAX
+        probe = model.probe(room, lag, in_sync_only=hopeless)
+        # A probe of a model that could pay drafts all the room: two tokens measure two positions, and the deeper
+        # ones, borrowing the last measured rate, would be judged on one rejection.
+        return room if probe and not hopeless else probe
+
+    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: DraftLength) -> bool:
+        """The chain holds a kept bet (`ready` drafts made beside the last verify, `room` more it may draft on the
+        path) and lookup found `looked_up` tokens in a round of at most k: whether the bet's round is expected to
+        be at least as fast (tokens per second) as lookup's tokens with the model's best extension on the path.
+        The bet unless lookup is expected to pay more (the bet cost no draft steps; unmeasured: the bet)."""
+        width = k + 1 if policy.padded else 0
+        bet = self.model.kept_bet_speed(ready, room, width)
+        lookup = self.model.speeds(looked_up, k - looked_up, width)
+        return bet is None or lookup is None or float(lookup.max()) <= bet
 
 
 class ChainDrafter:
@@ -28,8 +103,15 @@ class ChainDrafter:
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         return self.lookup.begin(req, prompt) + self.model.begin(req, prompt)
 
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
+        """Its parts' rules on this stream's facts; k stays fixed (each round's shares are decided by cost)."""
+        self.lookup.pricing(cost, drafting)
+        self.model.pricing(cost, drafting)
+        ChainCost.of(cost)
+
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
-        found = self.lookup.draft(jobs)
+        # Lookup's length with the model's best share after it priced in.
+        found = [self.lookup.propose(req, k, ModelCost) for req, k in jobs]
         # The model continues each lookup draft (from the committed tokens where lookup found nothing).
         lengths = []
         for i, ((req, k), p) in enumerate(zip(jobs, found, strict=True)):
@@ -49,7 +131,7 @@ class ChainDrafter:
         rest = self.model.draft([(req, n) for (req, _), n in zip(jobs, lengths, strict=True)],
                                 after=[p.tokens for p in found])
         return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds,
-                         looked_up=len(a.tokens), first_s=b.first_s, least_s=b.least_s, ahead=b.ahead)
+                         lead=len(a.tokens), first_s=b.first_s, least_s=b.least_s, ahead=b.ahead)
                 for a, b in zip(found, rest, strict=True)]
 
     @staticmethod
@@ -57,12 +139,13 @@ class ChainDrafter:
         """Lookup matched while a bet is held: the bet's round unless lookup's (with the model's extension on the
         path) is expected to pay more. On the H200's shipped prompts lookup's short matches are rarely right, and
         taking them threw the bet, and the next round's too (nothing is drafted ahead after lookup's tokens)."""
-        return req.length is not None and req.length.prefer_bet(looked_up, k, bet.ready, bet.room)
+        return req.length is not None and req.length.rule(ChainCost).prefer_bet(looked_up, k, bet.ready, bet.room,
+                                                                                 req.length)
 
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
         if req.length is None:  # no policy to ask: all of the rest
             return k - looked_up
-        return req.length.extension(looked_up, k, lag=self.model.lag(req))
+        return req.length.rule(ChainCost).extension(looked_up, k, req.length, lag=self.model.lag(req))
 
     def overlap(self, req: DraftRequest, proposal: Proposal,
                 k_next: int) -> contextlib.AbstractContextManager[None]:
@@ -72,7 +155,7 @@ class ChainDrafter:
         lookup's pays more); else it is thrown, its draws given back.
         A round with lookup's tokens drafts nothing ahead: the bet's guess would follow tokens the model did not
         draft, and the next round's lookup decides first."""
-        if proposal.looked_up or not proposal.tokens:
+        if proposal.lead or not proposal.tokens:
             return contextlib.nullcontext()
         return self.model.overlap(req, proposal, k_next)
 
@@ -87,6 +170,11 @@ class ChainDrafter:
 
     def close(self) -> None:
         pass  # likewise
+
+
+def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
+    """Why these models have no chain (one clause), None when they have one."""
+    return "no draft model is loaded" if draft is None else None
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:

@@ -8,8 +8,8 @@ rejection sampling stays exact at T > 0.
 
 The search is an index per request (`NgramIndex`), extended by the tokens committed since the last round, so a
 round's host work does not grow with the context (a numpy rescan a round, with the cost model's questions, took 2-2.5
-ms a round on the 2-core CPU at 1,000-3,000 tokens, twice SmolLM2's whole H200 step); while the stream's cost model
-says lookup's tokens are a loss, a round does no search at all.
+ms a round on the 2-core CPU at 1,000-3,000 tokens, twice SmolLM2's whole H200 step); while lookup's cost rule
+(`LookupCost`) says its tokens are a loss, a round does no search at all.
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
-from localspec.llama_ctx import Grammar
+from localspec.llama.grammar import Grammar
+from localspec.policies import CostRule, DraftCost, DraftLength, Observation, Stepped
 from localspec.sampling import point_mass
 from localspec.scores import ScoringModel
+
+TITLE = "prompt lookup"  # how reports name it
+NEEDS_DRAFT_MODEL = False  # a pair may name it and no draft
+LLAMA_SERVER_TYPE = "ngram-simple"  # its `speculative.type` (llama-server's name)
 
 
 class NgramIndex:
@@ -113,17 +119,25 @@ class LookupDrafter:
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         return [self.propose(req, k) for req, k in jobs]
 
-    def propose(self, req: DraftRequest, k: int) -> Proposal:
-        if k <= 0 or (req.length is not None and not req.length.lookup_wanted()):
+    def propose(self, req: DraftRequest, k: int, extension: type[CostRule] | None = None) -> Proposal:
+        """Up to k tokens for the request, as many as pay (`LookupCost.length`; with `extension`, the `Stepped` rule
+        of the drafter that drafts after them, whose best share is priced in)."""
+        rule = req.length.rule(LookupCost) if req.length is not None else None
+        if k <= 0 or (rule is not None and not rule.wanted()):
             # Backed off: no search (the index catches up when lookup is wanted again).
             return Proposal([], None if req.sampling.greedy else [])
         tokens = self._index(req).continuation(req.tokens, k)
-        if req.length is not None:  # as many as pay (`DraftLength.lookup_length`)
-            tokens = tokens[: req.length.lookup_length(len(tokens), k)]
+        if rule is not None:
+            assert req.length is not None
+            after = req.length.rule(extension) if extension is not None else None
+            tokens = tokens[: rule.length(len(tokens), k, req.length, after)]
         if req.grammar is not None:
             tokens = _allowed_prefix(tokens, req.grammar)
-        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens],
-                        looked_up=len(tokens))
+        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens], lead=len(tokens))
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
+        """Lookup's cost rule on this stream's facts; k stays fixed (its tokens cost no draft steps)."""
+        LookupCost.of(cost)
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
@@ -150,6 +164,125 @@ class LookupDrafter:
 
     def close(self) -> None:
         self._indexes.clear()
+
+
+class LookupCost(CostRule):
+    """Prompt lookup's prices: its tokens cost no draft step, only the verify's width, and are right at lookup's own
+    measured rate (source "lookup", the lead of a round: a chained model drafts after them). How many of a match to
+    propose (`length`): all where they are right most of the time, none where they only widen the verify (SmolLM2
+    on the shipped prompts: 20% right, 0.74x plain when it proposed them all), then probed on DraftCost's doubling
+    schedule; backed off, lookup does not even search (`wanted`). Its first matches are proposed whole (measured
+    before judged); then, where the verify is not padded, every width a lookup round could choose is measured once
+    before the costs decide (`unmeasured`), and a match cut short proposes a longer length every EPOCH such rounds
+    in a row, the one whose width was measured longest ago (`stalest`), so a width measured once in a slow moment is
+    measured again."""
+
+    SOURCE = "lookup"
+    PRIOR = 0.9  # lookup's tokens are right far more often than a draft model's
+
+    def __init__(self, cost: DraftCost) -> None:
+        super().__init__(cost)
+        cost.add_source(self.SOURCE, self.PRIOR, lead=True, own_epochs=True)
+        self.idle, self.interval = 0, cost.PROBE_FIRST  # the probe schedule of tokens judged a loss
+        self.off = False  # lookup's tokens were last judged a loss: it does not search (`wanted`)
+        self.short = 0  # rounds in a row that proposed only some of lookup's match (`length`)
+        self.measuring = False  # this round's length measures an unmeasured verify width
+
+    def observed(self, round_: Observation) -> None:
+        self.measuring = False
+
+    def best(self, found: int, k: int, width: int = 0, extension: Stepped | None = None) -> int | None:
+        """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
+        the j in 0..found whose round is fastest — with the `extension`'s best share after them (a chained draft
+        model's) once its step is measured. None until a verify was measured."""
+        cost = self.cost
+        if not cost.verify_s:
+            return None
+        with_model = extension is not None and cost.step_s is not None
+        speeds = cost.speeds(np.arange(found + 1), k if with_model else 0, width, extension if with_model else None)
+        if with_model:  # j lookup tokens leave room for k - j of the model's
+            speeds = np.where(np.add.outer(np.arange(found + 1), np.arange(k + 1)) <= k, speeds, -np.inf)
+        best, choice = -1.0, 0
+        for j, fastest in enumerate(speeds.max(axis=1).tolist()):
+            if fastest >= best * (1 - 1e-9):
+                best, choice = fastest, j
+        return choice
+
+    def unmeasured(self, best: int, found: int) -> int | None:
+        """A lookup length in 1..found whose verify width (length + 1) was never measured, the nearest `best` (the
+        shorter on a tie); None when each was. A verify's cost need not grow smoothly with its width: on the 2-core
+        CPU the demo target verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried
+        widths cannot know (it put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token).
+        So each width a lookup round can choose is measured once before the costs decide: at most k - 1 rounds a
+        cost model, each still emitting its accepted tokens."""
+        untried = [j for j in range(1, found + 1) if j + 1 not in self.cost.verify_s]
+        return min(untried, key=lambda j: (abs(j - best), j)) if untried else None
+
+    def stalest(self, best: int, found: int) -> int:
+        """Of the lookup lengths best + 1..found, the one whose verify width was measured longest ago (the longer
+        on a tie): what a match cut short proposes now and then to measure a wider width again."""
+        return min(range(best + 1, found + 1), key=lambda j: (self.cost.verified.get(j + 1, -1), -j))
+
+    def probe(self) -> bool:
+        """Lookup's tokens are judged a loss this round: whether to propose them anyway (a probe: every `interval`
+        such rounds, doubling while they stay a loss)."""
+        self.idle += 1
+        if self.idle >= self.interval:
+            self.idle = 0
+            self.interval = min(2 * self.interval, self.cost.PROBE_MAX)
+            return True
+        return False
+
+    def length(self, found: int, k: int, policy: DraftLength, extension: Stepped | None = None) -> int:
+        """How many of the `found` tokens prompt lookup matched to propose in a round of at most k of the stream's
+        `policy`: by cost (with `extension`, the chained draft model may draft in their place); 0 where its
+        measured acceptance makes them a loss at the measured verify costs, but all of them in a probe now and
+        then."""
+        if found == 0:
+            return 0
+        padded = policy.padded
+        best = self.best(found, k, k + 1 if padded else 0, extension)
+        if best is None or self.cost.seen[self.SOURCE] < DraftLength.WARMUP:
+            # Measure first: judged on its prior acceptance alone, a slow first verify of the draft model's
+            # warm-up could back lookup off for a probe interval on text it copies (the CPU chain: 13 rounds).
+            return found
+        if best:
+            self.idle, self.interval, self.off = 0, self.cost.PROBE_FIRST, False
+            # Where the width is the drafts' own (no padding), an unmeasured one is tried once first: the chain's
+            # model then adds nothing this round (`ChainCost.extension`), so the verify measures that width.
+            untried = None if padded else self.unmeasured(best, found)
+            if untried is not None:
+                self.measuring = True
+                return untried
+            if best < found:
+                # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
+                # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
+                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time; under load, v(6) measured once
+                # at 1.7x v(4) held lookup at 3). Every EPOCH such rounds in a row, a longer length, the one whose
+                # width was measured longest ago (padded, where every width costs the same: all of them).
+                self.short += 1
+                if self.short >= DraftLength.EPOCH:
+                    self.short = 0
+                    best = found if padded else self.stalest(best, found)
+                    self.measuring = not padded
+            else:
+                self.short = 0
+            return best
+        # A loss at the full length is one at any (`best` takes the best j <= found, and a match is k long):
+        # backed off until a probe or a new judgement. A shorter round's (k cut by max_tokens) says less.
+        self.off = self.off or k >= policy.k_max
+        return found if self.probe() else 0
+
+    def wanted(self) -> bool:
+        """Whether prompt lookup should search this round. Not while its tokens are judged a loss (`length` cut a
+        match to nothing): each such round counts towards its probe as a cut match does. But it searches when a
+        probe is due (the next match is proposed whole), right after one and every EPOCH rounds, for `length` to
+        judge again (by the probe's verdict; the verify costs may have moved)."""
+        if not self.off or self.idle + 1 >= self.interval:
+            return True
+        judge = self.idle % DraftLength.EPOCH == 0
+        self.idle += 1
+        return judge
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:

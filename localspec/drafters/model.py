@@ -12,10 +12,10 @@ its own that a thrown bet rewinds, so the output is the sequential loop's, token
 scores a token alone as it scores it in a batch, which localspec's losslessness already rests on).
 
 With `ahead_length = "fit"` the bet drafts only as many tokens as the cost model says fit beside the verify
-(`DraftLength.ahead_length`), and stops after the decode in flight when the verify ends: the loop need not wait for
+(`ModelCost.ahead_length`), and stops after the decode in flight when the verify ends: the loop need not wait for
 drafts it could make faster alone. A kept bet that holds fewer than k drafts goes on where it stopped, on the path
 (the same random stream, the same tokens the sequential loop would draft), for as many more as the cost model says
-pay (`DraftLength.continuation`); what is verified is still a proposal with its q, so exactness is unchanged.
+pay (`ModelCost.continuation`); what is verified is still a proposal with its q, so exactness is unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,10 +31,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from localspec.config import Drafting
 from localspec.constraints import masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
+from localspec.policies import CostRule, DraftCost, Observation
 from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import ScoringModel
+
+TITLE = "the draft model"  # how reports name it
+LLAMA_SERVER_TYPE = "draft-simple"  # its `speculative.type` (llama-server's name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +162,7 @@ class ModelDrafter:
             could_keep = accepted == len(proposal.tokens)
             keep = could_keep and req.tokens[-1] == ahead.guess
             if req.length is not None:
-                req.length.observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
+                req.length.rule(ModelCost).observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
             if keep:
                 self._kept[seq] = ahead
                 return
@@ -174,6 +180,12 @@ class ModelDrafter:
     def lag(self, req: DraftRequest) -> int:
         """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
         return len(req.tokens) - len(self._kv.get(req.seq, ()))
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> ModelCost:
+        """The model's cost rule on this stream's facts: it prices the loop's adaptive k."""
+        rule = ModelCost.of(cost)
+        rule.ahead_fit = drafting.ahead_length == "fit"
+        return rule
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
         return [(self.model, self._kv.setdefault(seq, []))]
@@ -198,7 +210,8 @@ class ModelDrafter:
         more = 0
         if not kept.complete:
             ready = len(kept.drafts)
-            more = req.length.continuation(ready, kept.k) if req.length is not None else kept.k - ready
+            more = (req.length.rule(ModelCost).continuation(ready, kept.k, req.length.padded)
+                    if req.length is not None else kept.k - ready)
         if more <= 0:
             return Proposal(kept.drafts, kept.q, 0.0, ahead=len(kept.drafts))
         job = _Job(req, more, req.tokens + kept.drafts)
@@ -207,9 +220,11 @@ class ModelDrafter:
         return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, least_s=job.least_s,
                         ahead=len(kept.drafts))
 
-    def _draft(self, jobs: list[_Job], until: threading.Event | None = None) -> None:
+    def _draft(self, jobs: list[_Job], until: threading.Event | None = None, checkpoint: bool = True) -> None:
         """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
-        no step starts after it is set)."""
+        no step starts after it is set). A recurrent draft model is checkpointed after the first step (the
+        committed tokens: every later rewind goes back at least that far, and its one-token steps cannot be rolled
+        back otherwise); a bet drafted ahead is not (`checkpoint`: its cells may be thrown away whole)."""
         draft = self.model
         todo = []
         for job in jobs:
@@ -230,6 +245,9 @@ class ModelDrafter:
             t = time.perf_counter()
             scores = draft.decode_many([(job.req.seq, feed, len(self._kv[job.req.seq]), False)
                                         for job, feed in todo])
+            if step == 0 and checkpoint and draft.rewind_depth is not None:
+                for job, _ in todo:
+                    draft.checkpoint(job.req.seq)
             spent = time.perf_counter() - t
             going = []
             for (job, feed), row in zip(todo, scores, strict=True):
@@ -295,10 +313,10 @@ class ModelDrafter:
             return None
         # Asked here, beside the verify, rather than on the loop's path before it: the same answer, as nothing
         # tells the cost model anything until the loop has waited for this thread.
-        limit = req.length.ahead_length(k) if verified is not None and req.length is not None else k
+        limit = req.length.rule(ModelCost).ahead_length(k) if verified is not None and req.length is not None else k
         job = _Job(req, k, [*sequence, guess], limit=limit)
         if limit > 0:
-            self._draft([job], verified)
+            self._draft([job], verified, checkpoint=False)
         else:
             job.cut, job.q = True, None if req.sampling.greedy else []
         return _Ahead(guess, k, job.tokens, job.q, state, time.perf_counter() - t, 1 + job.decodes, not job.cut)
@@ -311,10 +329,12 @@ class ModelDrafter:
         self._cut(req.seq, len(req.tokens) - 1)
 
     def _cut(self, seq: int, keep: int) -> None:
+        """Rewind the draft's cells to `keep` (a recurrent draft may keep fewer: the next draft decodes the rest
+        again, as its first step's catch-up)."""
         kv = self._kv.get(seq)
         if kv is not None and len(kv) > keep:
             del kv[keep:]  # bookkeeping first: if a truncate is interrupted, the next begin cuts to what it claims
-            self.model.truncate(keep, seq)
+            del kv[self.model.truncate(keep, seq):]
 
     def _wait(self) -> None:
         """The draft model is ours again: a draft-ahead interrupted mid-verify (Ctrl-C) may still be running."""
@@ -322,6 +342,282 @@ class ModelDrafter:
             with contextlib.suppress(BaseException):
                 job.result()
         self._pending.clear()
+
+
+class ModelCost(CostRule):
+    """The draft model's prices: each of its tokens costs a draft step (the shared `DraftCost.step_s`) and is right
+    at the model's measured rate (source "model"); drafting ahead hides steps behind the verify; a model judged a
+    loss is probed now and then. The loop's adaptive k is chosen by these prices (`Pricing`), and the chain's model
+    share after lookup's tokens (`chain.ChainCost`). A drafter that drafts token by token at a step's cost (a
+    target's own multi-token-prediction head) may subclass it with a `SOURCE` of its own.
+
+    Draft-ahead's bet model (`seconds`): a bet is kept when every draft was accepted (S(k)) and the draft's argmax
+    guess of the target's own token came true (`guess_rate`, measured over the bets that could: their round accepted
+    every draft); a decode beside the verify costs `ahead_step_s` (contended); the ahead thread ends `ahead_lag_s`
+    later than its decodes alone would beside a verify that starts with it (thread start, the GIL: on the H200
+    2.3 ms), so the loop waits max(0, lag + decodes x step - verify). Until a bet is measured, the share of model
+    tokens drafted ahead discounts the steps on average.
+
+    The probe schedule: while the model is judged a loss it is not run, so every `interval` such rounds one round
+    drafts PROBE tokens with it (`probe`; DraftCost's schedule: PROBE_FIRST doubling to PROBE_MAX; reset when it pays
+    again). A model that would lose even if every token were accepted (`could_pay`) goes to PROBE_MAX at once and is
+    probed only in sync: no acceptance a probe measures could turn it on, only a change of its costs. When the model
+    has sat out many rounds, a probe's first step must first read every token since, which on a CPU can cost far
+    more than the probe itself: a due probe goes ahead out of sync only while catching up is affordable
+    (`_catch_up_affordable`: unmeasured, the first such probe measures `DraftCost.catch_up_cost`; on a GPU it reads
+    hundreds of tokens in a few ms), else it waits for a round where the model's cells are current (a generation's
+    first round). (It used to wait 4 intervals before its first catch-up: on the H200 the chain then probed a model
+    worth 1.9x plain once in 64 rounds, and sat at lookup's pace.)
+    """
+
+    SOURCE = "model"
+    PRIOR = 0.7  # a position's acceptance before anything is measured there
+    PROBE = 2  # tokens of a cheap probe
+    CATCH_UP_SHARE = 0.05  # a probe out of sync may cost this share of the rounds it waited in catching up
+    WAITED = 1e-4  # a wait shorter than this (s) is the ahead thread's bookkeeping, not a wait for its decodes
+
+    def __init__(self, cost: DraftCost) -> None:
+        super().__init__(cost)
+        self.source = self.SOURCE
+        cost.add_source(self.SOURCE, self.PRIOR)
+        # The share of model tokens drafted ahead (beside the last verify: no draft steps on the critical path);
+        # a round's draft steps cost that much less on average, which long drafts earn most. (Until the bet model
+        # has measured a draft-ahead: then it replaces this average.)
+        self.ahead = 0.0
+        self.bets, self.bets_kept = 0.0, 0.0
+        self.ahead_step_s: float | None = None
+        self.ahead_lag_s: float | None = None
+        self._ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_ahead`), for the lag
+        self._ahead_steps: deque[float] = deque(maxlen=cost.STEPS)  # recent bets' seconds a decode
+        self.aheads = 0  # draft-aheads told (`observe_ahead`): the first is cold and measures nothing
+        self._ahead_round: int | None = None  # the round the ahead figures were last measured in
+        self._ahead_stale = False  # this round's draft-ahead comes after a pause: its figures replace the old
+        self.ahead_fit = False  # the stream drafts ahead only what fits beside the verify (`best_ahead`)
+        self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
+        self.model_on = True  # the model alone was last judged to pay (`ChainCost.extension`'s hysteresis)
+        self.interval = cost.PROBE_FIRST
+
+    def observed(self, round_: Observation) -> None:
+        from_model = round_.drafted - round_.lead
+        if from_model > 0:
+            self.ahead = (1 - self.cost.EMA) * self.ahead + self.cost.EMA * (round_.ahead / from_model)
+        wait_s, verify_s = round_.wait_s, round_.verify_s
+        if wait_s is not None and self._ahead_s is not None:
+            # Waited: the ahead thread ended `wait_s` after the verify, so it lagged wait + verify - its decodes.
+            # Not waited: it ended before the verify did, which bounds the lag from above (a bound from one noisy
+            # round moves the figure a step towards it, as a measurement does).
+            ema = self.cost.EMA
+            lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._ahead_s)
+            old = None if self._ahead_stale else self.ahead_lag_s
+            self._ahead_round = self.cost.rounds
+            if wait_s > self.WAITED:
+                self.ahead_lag_s = lag if old is None else (1 - ema) * old + ema * lag
+            elif old is not None:
+                self.ahead_lag_s = (1 - ema) * old + ema * min(old, lag)
+            elif self.ahead_lag_s is not None:  # stale: the bound replaces a larger old figure
+                self.ahead_lag_s = min(self.ahead_lag_s, lag)
+        self._ahead_s = None
+
+    def observe_ahead(self, seconds: float, decodes: int, could_keep: bool, kept: bool) -> None:
+        """The draft-ahead beside this round's verify: `decodes` draft decodes in `seconds`; whether its bet could
+        come true (the round accepted every draft) and whether it did (the guess was the target's token too).
+        Told before the round's `observe`."""
+        self.cost.changed()
+        self.aheads += 1
+        # The stream's first draft-ahead is cold (the worker thread starts; on the H200 its first decodes may
+        # capture a graph): its seconds are no step and no lag. Taken whole, one slow first bet made the model a
+        # loss "even if every draft were accepted" and locked it out of the chain for good (docs/performance.md).
+        cold = self.aheads == 1
+        # After a pause (the model sat out) the figures are old: the next measurement replaces them, as a step
+        # after a pause does, rather than moving them 20% (a wrong figure kept the model out for many probes).
+        self._ahead_stale = self._ahead_round is None or self.cost.rounds - self._ahead_round > self.cost.DECAY
+        self._ahead_s = None if cold else seconds
+        if decodes and not cold:
+            # The least of the recent bets' figures (two at least), as the step is: one slow bet (a call that
+            # captured a graph, a busy moment) is no step, and taken whole it ruled the model out until a probe.
+            if self._ahead_stale:
+                self._ahead_steps.clear()
+            self._ahead_steps.append(seconds / decodes)
+            self.ahead_step_s = min(self._ahead_steps) if len(self._ahead_steps) > 1 else None
+        if could_keep:
+            self.bets += 1.0
+            self.bets_kept += kept
+            if self.bets >= 2 * self.cost.DECAY:  # the guess rate drifts with the text too
+                self.bets, self.bets_kept = self.bets / 2, self.bets_kept / 2
+
+    @property
+    def guess_rate(self) -> float:
+        """P(the bet's guess of the target's own token is right | every draft was accepted)."""
+        return (self.bets_kept + self.cost.PRIOR_WEIGHT * self.PRIOR) / (self.bets + self.cost.PRIOR_WEIGHT)
+
+    def ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
+        """Expected seconds the loop waits after a verify of `verify_s` for a draft-ahead of `decodes` decodes
+        (0 before the thread's lag was measured), elementwise: `_ahead_wait`'s arithmetic on arrays (the
+        vectorised questions ask it for a whole table at once)."""
+        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+        return np.maximum(0.0, lag + np.asarray(decodes) * step - np.asarray(verify_s))
+
+    def _ahead_wait(self, decodes: int, verify_s: float) -> float:
+        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+        return max(0.0, lag + decodes * step - verify_s)
+
+    # The two questions below are asked every round with draft-ahead fitted to the verify, so they run on Python
+    # floats (the same operations in the same order as the arrays they replaced: the same choices, bit for bit;
+    # tests/test_ahead_cost.py checks them against the numpy formulas). On the 2-core CPU the numpy version cost
+    # ~0.5 ms a round inside the loop (docs/performance.md, "T > 0 host share").
+
+    def best_ahead(self, k: int, verify_s: float | None = None) -> int:
+        """How many of the next round's k drafts to make beside a verify (`ahead_length = "fit"`): the j in
+        0..k that minimises the wait for them plus the steps left to the round when its bet is kept,
+        wait(1 + j) + P(kept) x (k - j) x step (the longer on a tie); k until the costs are measured."""
+        if k <= 0 or self.ahead_step_s is None or self.ahead_lag_s is None or self.cost.step_s is None:
+            return k
+        if verify_s is None:
+            verify_s = self.cost.verify_cost(k + 1)
+        kept, step = self.cost.tables().survival[self.SOURCE][k] * self.guess_rate, self.cost.step_s
+        best, choice = float("inf"), k
+        for j in range(k, -1, -1):  # (the longer on a tie)
+            cost = self._ahead_wait(1 + j, verify_s) + kept * (k - j) * step
+            if cost < best:
+                best, choice = cost, j
+        return choice
+
+    def best_continuation(self, ready: int, room: int, width: int = 0) -> int:
+        """A kept bet holds `ready` drafts of a round of ready + room: how many more to draft now, on the path
+        (0..room), for the fastest round: E(ready + n) / (verify + n steps); all of them until a step is
+        measured."""
+        if room <= 0:
+            return 0
+        if self.cost.step_s is None or not self.cost.verify_s:
+            return room
+        return self._kept_round(ready, room, width)[0]
+
+    def kept_bet_speed(self, ready: int, room: int, width: int = 0) -> float | None:
+        """Expected tokens per second of the round a kept bet holds: its `ready` drafts (made beside the last
+        verify: no draft steps on the path) and the best continuation of up to `room` more; None until a verify
+        (and, with room, a step) was measured. The chain weighs it against lookup's round
+        (`chain.ChainCost.prefer_bet`)."""
+        if not self.cost.verify_s or (room > 0 and self.cost.step_s is None):
+            return None
+        return self._kept_round(ready, max(room, 0), width)[1]
+
+    def _kept_round(self, ready: int, room: int, width: int) -> tuple[int, float]:
+        """(n, speed): the n in 0..room more drafts that make a kept bet's round fastest, E(ready + n) / (verify +
+        n steps), the shorter on a tie; and that speed."""
+        expected, step = self.cost.tables().cumulative[self.SOURCE], self.cost.step_s or 0.0
+        best, choice = -float("inf"), 0
+        for n in range(room + 1):  # (the shorter on a tie)
+            speed = expected[ready + n] / (self.cost.verify_cost(max(width, ready + n + 1)) + n * step)
+            if speed > best:
+                best, choice = speed, n
+        return choice, best
+
+    def speeds(self, lead: int, room: int, width: int = 0) -> np.ndarray | None:
+        """Expected tokens per second of a round of `lead` lead tokens (prompt lookup's) then n = 0..room model
+        tokens, verified at `width` tokens (0: as wide as the drafts); None until the costs it needs were
+        measured."""
+        if not self.cost.verify_s or (room and self.cost.step_s is None):
+            return None
+        return self.cost.speeds(np.array([lead]), room, width, self)[0, : room + 1]
+
+    def seconds(self, lead: np.ndarray, n: np.ndarray, verify: np.ndarray, perfect: bool) -> np.ndarray:
+        """What n model tokens after `lead` lead tokens add to a round verified in `verify` seconds (`Stepped`):
+        their steps (`perfect`: on the path; before any draft-ahead is measured, less the share drafted ahead),
+        else the bet model's terms."""
+        if perfect:
+            return n * (self.cost.step_s or 0.0)
+        if self.ahead_step_s is None:  # no draft-ahead measured: its share of the steps, on average
+            return n * (self.cost.step_s or 0.0) * (1 - self.ahead)
+        return self._ahead_terms(lead, n, verify)
+
+    def _ahead_terms(self, lead: np.ndarray, n: np.ndarray, verify: np.ndarray) -> np.ndarray:
+        """Seconds a round of `n` model tokens adds to its verify when the model drafts ahead: the bet on it made
+        beside the last verify is kept with P = S(n) x guess rate (only where nothing was looked up: the model
+        alone drafts ahead), so its round drafts n - j tokens on the path (j: those the bet drafted; `ahead_fit`
+        fits j to the verify, else j = n) and n when it is thrown; plus the wait after the verify for the next
+        bet's 1 + j decodes. n = 0 is a plain step: nothing beside it."""
+        step = self.cost.step_s or 0.0
+        kept = np.where(lead == 0, self.cost.tables().arrays()[0][self.SOURCE][n] * self.guess_rate, 0.0)
+        n, verify = np.broadcast_arrays(n, verify)
+        ahead = n.copy()
+        if self.ahead_fit:
+            for (row, col), m in np.ndenumerate(n):
+                ahead[row, col] = self.best_ahead(int(m), float(verify[row, col]))
+        wait = np.where(n > 0, self.ahead_wait(1 + ahead, verify), 0.0)
+        return step * (n - kept * ahead) + wait
+
+    def speed(self, lead: int, n: int, width: int = 0) -> float | None:
+        """`speeds` at one n."""
+        speeds = self.speeds(lead, n, width)
+        return None if speeds is None else float(speeds[n])
+
+    def best_extension(self, lead: int, room: int, width: int = 0) -> int | None:
+        """How many model tokens (0..room) after `lead` lead tokens make the fastest round (the shorter on a tie);
+        None until the model's step and a verify were measured."""
+        speeds = self.speeds(lead, room, width)
+        return None if speeds is None else int(np.argmax(speeds))
+
+    def could_pay(self, lead: int, room: int, width: int = 0) -> bool:
+        """Whether some of the draft model's tokens after `lead` lead tokens would make a faster round than
+        none if every one of them were accepted, at the measured step and verify costs (True until measured).
+        Drafted on the path, without draft-ahead's terms: those are measured only while the model drafts, so a
+        wrong figure there must not judge it hopeless (never probed out of sync, never re-measured)."""
+        if not self.cost.verify_s or self.cost.step_s is None or room <= 0:
+            return True
+        speeds = self.cost.speeds(np.array([lead]), room, width, self, perfect=True)[0, : room + 1]
+        return bool(speeds[1:].max() > speeds[0])
+
+    def probe(self, room: int, lag: int = 1, in_sync_only: bool = False) -> int:
+        """The model is judged a loss this round: 0 tokens, or PROBE when a probe is due (see the class). `lag`:
+        the committed tokens the model's cells lack (1 when in sync: the next draft feeds cur), which a probe out of
+        sync reads first (never, with `in_sync_only`)."""
+        self.idle += 1
+        if self.idle < self.interval:
+            return 0
+        if lag > 1:
+            # Unmeasured, the first catch-up goes (it measures the price); then only while it stays affordable.
+            if in_sync_only or not self._catch_up_affordable(lag):
+                return 0
+            self.cost.probe_lag = lag
+        self.idle = 0
+        self.interval = min(2 * self.interval, self.cost.PROBE_MAX)
+        return min(room, self.PROBE)
+
+    def _catch_up_affordable(self, lag: int) -> bool:
+        """Whether reading `lag` tokens first (`catch_up_cost`) costs at most CATCH_UP_SHARE of the rounds the probe
+        waited (each at least a one-token verify). On the 2-core CPU the draft model reads a token in about a fifth
+        of a target step and a round commits several: a probe that caught up on 64 rounds cost ~1 s, several
+        rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
+        cost = self.cost.catch_up_cost(lag)
+        if cost is None or not self.cost.verify_s:
+            return True  # (unmeasured: the first such probe measures it)
+        return cost <= self.CATCH_UP_SHARE * self.idle * self.cost.tables().verify[1]
+
+    def pays(self) -> None:
+        """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
+        self.idle, self.interval, self.model_on = 0, self.cost.PROBE_FIRST, True
+
+    # -- the loop's questions: its adaptive k (`Pricing`), a kept bet's round, the bet's length ------------------
+
+    def best_length(self, room: int) -> int | None:
+        return self.best_extension(0, room)
+
+    def length_speed(self, n: int) -> float | None:
+        return self.speed(0, n)
+
+    def continuation(self, ready: int, k: int, padded: bool) -> int:
+        """A kept bet holds `ready` of the round's k drafts: how many more the round drafts on the path."""
+        return self.best_continuation(ready, k - ready, k + 1 if padded else 0)
+
+    def ahead_length(self, k: int) -> int:
+        """How many of the next round's k drafts to make beside this verify: all of them, or with `ahead_length =
+        "fit"` what the cost model says fits (`best_ahead`; the drafter also stops when the verify ends)."""
+        return self.best_ahead(k) if self.ahead_fit else k
+
+
+def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
+    """Why these models have no model drafter (one clause), None when they have one."""
+    return "no draft model is loaded" if draft is None else None
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter | None:

@@ -32,6 +32,7 @@ from localspec.server.handling import (
     run_request,
 )
 from localspec.server.llama_routes import add_llama_routes
+from localspec.server.router import ReleaseLeases, add_router_routes
 from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse, parse_body
 from localspec.server.slot_routes import add_slot_routes
 from localspec.server.tools import ToolError, messages_for_template, parse_tools
@@ -42,14 +43,18 @@ __all__ = ["Backend", "ServerState", "create_app"]
 def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="localspec", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.localspec = state
+    app.add_middleware(ReleaseLeases)  # innermost: a request's pair is let go once its response has been sent
     app.add_middleware(Guard, state=state)  # before every route
     # Outermost, as llama-server's: preflights answered before the guard, refusals carrying the allowed origin.
     app.add_middleware(Cors, origins=cors_origins)
     _install_error_handlers(app)
     add_llama_routes(app, state)  # llama-server's own: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
     add_slot_routes(app, state)  # POST /slots/{id}?action=save|restore|erase
+    add_router_routes(app, state)  # POST /models/load, /models/unload (several pairs)
 
     async def health() -> JSONResponse:
+        if state.router is not None:
+            return JSONResponse(state.router.health())
         if state.backend is None:
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status, "message": state.load_error}, status_code=503)
@@ -62,14 +67,15 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              "rejected": stats.rejected})
 
     async def models(request: Request) -> JSONResponse:
+        if state.router is not None:  # llama-server's router shape: each pair with its status
+            return JSONResponse({"object": "list", "data": state.router.listing(state.created)})
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "localspec"}
             for name in state.served]})
 
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatRequest, parse_body(await read_body(request)))
-        state.check_model(req.model)
-        backend = state.ready()
+        backend = await state.pick(req.model, request)
         if backend.template is None:
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
                            code="no_chat_template")
@@ -91,8 +97,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 
     async def completions(request: Request) -> Any:
         req = parse(CompletionRequest, parse_body(await read_body(request)))
-        state.check_model(req.model)
-        backend = state.ready()
+        backend = await state.pick(req.model, request)
         prompt = await completion_prompt(backend, req, request)
         return await run_request(state, backend, request, req, prompt, chat=False)
 

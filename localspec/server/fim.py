@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.server.schema import RequestError
 
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no FIM_SEP token

@@ -19,22 +19,22 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from localspec import __version__
+from localspec import __version__, drafters
 from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
 from localspec.engine import Engine, GenerationStats
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.server.fim import fim_prompt
 from localspec.server.guard import (
     MIN_BODY_BYTES,
@@ -103,6 +103,7 @@ class Backend:
     template_error: str | None  # why chat is unavailable (no template), told to each chat request
     n_ctx: int
     limits: PromptLimits
+    model_id: str | None = None  # the pair's name where several are served (replies name it)
 
     @classmethod
     def build(cls, engine: Engine, model: LlamaModel, preset: Preset, queue: int) -> Backend:
@@ -117,6 +118,18 @@ class Backend:
         worker.start()
         return cls(worker=worker, model=model, preset=preset, template=template, template_error=problem,
                    n_ctx=engine.n_ctx, limits=PromptLimits(engine.n_ctx, model.max_piece_bytes))
+
+
+class Pairs(Protocol):
+    """Several pairs behind one endpoint (server/router.py's PairRouter)."""
+
+    async def acquire(self, name: str | None, scope: MutableMapping[str, Any]) -> Backend: ...
+
+    def listing(self, created: int) -> list[dict[str, Any]]: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def body_limit(self) -> int: ...
 
 
 @dataclass
@@ -137,6 +150,7 @@ class ServerState:
     backend: Backend | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    router: Pairs | None = None  # several pairs: each request's `model` picks one (backend stays None)
 
     def attach(self, backend: Backend) -> None:
         self.backend = backend
@@ -155,6 +169,14 @@ class ServerState:
                             f"{', '.join(repr(n) for n in self.served)} (a front-end that insists on its own name: "
                             f"localspec serve --model-alias {name})", param="model", code="model_not_found")
 
+    async def pick(self, name: str | None, request: Request) -> Backend:
+        """The backend a request's `model` names: the one pair (`check_model`), or with several the router's,
+        loaded if need be and held until the response has been sent."""
+        if self.router is not None:
+            return await self.router.acquire(name, request.scope)
+        self.check_model(name)
+        return self.ready()
+
     def ready(self) -> Backend:
         if self.backend is None:
             reason = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
@@ -162,6 +184,8 @@ class ServerState:
         return self.backend
 
     def body_limit(self) -> int:
+        if self.router is not None:
+            return self.router.body_limit()
         return self.backend.limits.body_bytes if self.backend is not None else MIN_BODY_BYTES
 
 
@@ -302,7 +326,7 @@ def _check_drafter(engine: Engine, preset: Preset) -> None:
         engine.check_drafter(preset.draft)
     except UsageError:
         asked = preset.draft.drafter
-        why = "no draft model is loaded" if engine.draft is None else "these models cannot run it"
+        why = drafters.unavailable(asked, engine.target, engine.draft) or "these models cannot run it"
         available = [f"{speculative_name(name)}" + (f" ({name})" if speculative_name(name) != name else "")
                      for name in engine.drafters] + [speculative_name(None)]
         raise RequestError(f"speculative.type: {speculative_name(asked)!r} (drafter {asked!r}) is not available: "
@@ -365,6 +389,7 @@ async def run_request(state: ServerState, backend: Backend, request: Request, re
         raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(worker.retry_after_s())}) from None
     reply = reply or Reply(state.model_id, chat, logprobs is not None, tools is not None)
+    reply.model_id = backend.model_id or reply.model_id
     reply.settle(preset, max_tokens)
     if req.stream:
         # What the connection may send to find out whether a client that half-closed is still there (guard._probe).

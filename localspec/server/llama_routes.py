@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from localspec import __version__
 from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
-from localspec.llama_ctx import LlamaModel
+from localspec.llama.model import LlamaModel
 from localspec.server.fim import fim_prompt
 from localspec.server.handling import (
     ApiError,
@@ -55,6 +55,7 @@ SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # sampling.p
 
 class TokenizeRequest(_Strict):
     content: str
+    model: str | None = None  # which pair, where several are served (llama-server's router reads it too)
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
@@ -62,6 +63,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     tokens: list[int]
+    model: str | None = None
 
 
 class ExtraChunk(_Strict):
@@ -185,7 +187,7 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
 
     async def tokenize(request: Request) -> JSONResponse:
         req = _validate(TokenizeRequest, await body_of(request))
-        model = state.ready().model
+        model = (await state.pick(req.model or request.query_params.get("model"), request)).model
         ids = await anyio.to_thread.run_sync(
             functools.partial(model.tokenize, req.content, add_special=req.add_special,
                               parse_special=req.parse_special))
@@ -195,24 +197,24 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
 
     async def detokenize(request: Request) -> JSONResponse:
         req = _validate(DetokenizeRequest, await body_of(request))
-        model = state.ready().model
+        model = (await state.pick(req.model or request.query_params.get("model"), request)).model
         completion_tokens(model, req.tokens, param="tokens")  # checks the ids
         return JSONResponse({"content": model.detokenize(req.tokens, special=True)})
 
     async def apply_template(request: Request) -> JSONResponse:
         req = parse(ChatRequest, await body_of(request))
-        backend = state.ready()
+        backend = await state.pick(req.model, request)
         return JSONResponse({"prompt": await _render(backend, req)})
 
     async def props(request: Request) -> JSONResponse:
-        backend = state.ready()
+        backend = await state.pick(request.query_params.get("model"), request)  # llama-server's router: ?model=
         return JSONResponse(_props(state, backend))
 
     async def slots(request: Request) -> JSONResponse:
         if not state.slots:  # llama-server's words and status
             raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
                            kind="not_supported_error", code="slots_disabled")
-        backend = state.ready()
+        backend = await state.pick(request.query_params.get("model"), request)
         views = backend.worker.slot_views()
         if request.query_params.get("fail_on_no_slot") and all(v.busy for v in views):
             raise ApiError(503, "no slot is free", kind="unavailable_error", code="no_slot_available")
@@ -222,22 +224,22 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         if not state.metrics:
             raise ApiError(501, "metrics are off: start the server with --metrics (preset key server.metrics)",
                            kind="not_supported_error", code="metrics_disabled")
-        backend = state.ready()
+        backend = await state.pick(request.query_params.get("model"), request)
         return PlainTextResponse(_prometheus(backend), media_type="text/plain; version=0.0.4")
 
     async def completion(request: Request) -> Any:
-        req = _native_request(state, parse(CompletionRequest, await body_of(request)))
-        backend = state.ready()
+        req = _native_request(parse(CompletionRequest, await body_of(request)))
+        backend = await state.pick(req.model, request)
         prompt = await completion_prompt(backend, req, request)
         return await run_request(state, backend, request, req, prompt, chat=False,
                           reply=NativeReply(state, backend.model, prompt))
 
     async def infill(request: Request) -> Any:
-        req = _native_request(state, parse(InfillRequest, await body_of(request)))
+        req = _native_request(parse(InfillRequest, await body_of(request)))
         if req.suffix:
             raise RequestError("suffix: /infill takes the code after the gap as input_suffix", param="suffix",
                                code="invalid_value")
-        backend = state.ready()
+        backend = await state.pick(req.model, request)
         for text, param in ((req.input_prefix, "input_prefix"), (req.input_suffix, "input_suffix"),
                             (req.prompt, "prompt")):
             backend.limits.check_text(text, param)  # before tokenizing it
@@ -257,10 +259,9 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
         app.add_api_route(path, guarded(handler), methods=["GET"])
 
 
-def _native_request(state: ServerState, req: CompletionRequest) -> CompletionRequest:
-    """/completion and /infill: the served model's name only (as the OpenAI routes), and no OpenAI logprobs (the
-    native reply has no place for them; llama-server's n_probs is refused by name)."""
-    state.check_model(req.model)
+def _native_request(req: CompletionRequest) -> CompletionRequest:
+    """/completion and /infill: no OpenAI logprobs (the native reply has no place for them; llama-server's n_probs
+    is refused by name). The model's name is checked as on the OpenAI routes (`ServerState.pick`)."""
     if req.logprobs not in (None, 0, False):
         raise RequestError("logprobs: llama-server's /completion shape has no OpenAI logprobs; use /v1/completions",
                            param="logprobs", code="unsupported_parameter")
@@ -303,7 +304,7 @@ def _props(state: ServerState, backend: Backend) -> dict[str, Any]:
                                         -1 if state.seed is None else state.seed, backend.preset.context),
         },
         "total_slots": worker.slots,
-        "model_alias": state.model_id,
+        "model_alias": backend.model_id or state.model_id,
         "model_path": str(model.path),
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": state.slots,

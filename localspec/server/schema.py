@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from localspec.config import DRAFTERS, key_metadata
+from localspec.drafters import LLAMA_SERVER_TYPES
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -28,12 +29,10 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_CHOICES = 64  # n per request (and never more than the server's slots + queue)
 FIELD_OF_KEY = {"n_draft": "speculative.n_max", "p_min": "speculative.p_min",
                 "drafter": "speculative.type"}  # preset key → request field
-# speculative.type as llama-server spells it (common/speculative.cpp's names; a chain as --spec-type's list) → what
-# it means here: a drafter, or "none" (no drafting); every drafter also answers to its own name (`[draft] drafter`),
-# so one added to the registry is a type at once.
-LLAMA_SPECULATIVE_TYPES = {"none": None, "draft-simple": "model", "ngram-simple": "lookup",
-                           "ngram-simple,draft-simple": "chain"}
-SPECULATIVE_TYPES = {**LLAMA_SPECULATIVE_TYPES, **{name: name for name in DRAFTERS}}
+# speculative.type as llama-server spells it (common/speculative.cpp's names, each declared by its drafter; a chain as
+# --spec-type's list) → what it means here: a drafter, or "none" (no drafting); every drafter also answers to its own
+# name (`[draft] drafter`), so one added to the registry is a type at once.
+SPECULATIVE_TYPES: dict[str, str | None] = {"none": None, **LLAMA_SERVER_TYPES, **{name: name for name in DRAFTERS}}
 
 
 def speculative_name(drafter: str | None) -> str:

@@ -41,7 +41,7 @@ class SlotFileRequest(_Strict):
 
 def add_slot_routes(app: FastAPI, state: ServerState) -> None:
     async def slot_action(request: Request) -> JSONResponse:
-        backend = state.ready()
+        backend = await state.pick(request.query_params.get("model"), request)
         if state.slot_save_path is None:
             raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
                                 "(preset key server.slot_save_path)", kind="not_supported_error",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localspec.constraints import Constraint
-from localspec.llama_ctx import json_schema_gbnf
+from localspec.llama.grammar import json_schema_gbnf
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"

@@ -41,7 +41,7 @@ from localspec.engine import (
     TokenEvent,
 )
 from localspec.errors import LocalspecError
-from localspec.llama_ctx import Grammar
+from localspec.llama.grammar import Grammar
 from localspec.server.stops import StopMatcher
 from localspec.server.structured import TokenLogprob
 

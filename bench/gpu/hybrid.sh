@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Hybrid targets on the GPU: a Qwen3.5/3.6-27B-shaped hybrid (48 Gated DeltaNet + 16 gated attention blocks, one
+# MTP block, llama.cpp's Q4_K_M mix; bench/synthetic.py --size hybrid27b) drafting with its own MTP head:
+# `localspec bench --drafter mtp --against llama.cpp` (llama.cpp's `llama-speculative-simple --spec-type draft-mtp`
+# on the same file, prompt tokens (the bench's shipped set, raw), lengths and draft length), at T = 0 and 0.7, medians
+# of REPEAT on both sides; and what rolling the recurrent state back costs (bench/rollback_cost.py).
+# Run from the repo root, carrying bench/gpu/carry (make_archive.sh):
+#     bash bench/gpu/hybrid.sh
+# On a bare H200 (~9.5 minutes a call): llama.cpp builds through run.sh (~250-290 s) while the 16 GB target is
+# written (as soon as the carried packages are unpacked); then, each step only if the budget still has room and
+# skipped when its output exists, so a second call on the still-warm machine finishes what the first left:
+# llama-bench tg128, the bench at T = 0, the rollback costs, the bench at T = 0.7; summarize.py's table last.
+# Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, VOCAB, RERUN: harness.sh):
+#   HYBRID_SIZE [hybrid27b] (hybrid-tiny: a CPU dry run)  MTP_NOISE [0.1] (the MTP head's agreement knob)
+#   SCALE [8e-5] (the target's extra blocks)  TEMPS ["0 0.7"]  N_PREDICT [128]  DRAFT_MAX [3] (both tools' MTP
+#   draft length)  REPEAT [5] (both loops)  WARMUP [2]  ROLLBACK_REPS [30]
+#   DRAFT_PAIR [0]  1 = also the 2-block hybrid draft with the draft model (k = 6, against draft-simple)
+#   BENCH_ARGS  more `localspec bench` arguments (a CPU dry run: --threads 1)
+# A CPU dry run (run.sh builds a CPU llama.cpp into WORK):
+#   CARRIED_PY=0 CUDA=0 HYBRID_SIZE=hybrid-tiny N_PREDICT=16 REPEAT=1 WARMUP=0 ROLLBACK_REPS=2 \
+#       BENCH_ARGS="--threads 1" BUDGET_S=5000 bash bench/gpu/hybrid.sh
+set -uo pipefail
+# shellcheck source=bench/gpu/harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
+
+HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
+MTP_NOISE="${MTP_NOISE:-0.1}"
+SCALE="${SCALE:-8e-5}"
+TEMPS="${TEMPS:-0 0.7}"
+N_PREDICT="${N_PREDICT:-128}"
+DRAFT_MAX="${DRAFT_MAX:-3}"
+REPEAT="${REPEAT:-5}"
+WARMUP="${WARMUP:-2}"
+ROLLBACK_REPS="${ROLLBACK_REPS:-30}"
+DRAFT_PAIR="${DRAFT_PAIR:-0}"
+export BUILD_SERVER=0  # run.sh's build: llama-server is not needed here
+results_in "$WORK/results-hybrid"
+snapshot_env "$RES/env.txt"
+T="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"
+D="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-draft.gguf"
+[[ -z "${VOCAB+set}" && "$HYBRID_SIZE" == hybrid27b ]] && VOCAB="$CARRY/ggml-vocab-qwen2.gguf"
+vocab_args "$HYBRID_SIZE"
+log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', budget ${BUDGET_S}s"
+
+# -- llama.cpp builds (run.sh, in the background) while the models are written ----------------------------------
+( ensure_build ) &
+build=$!
+writer=""
+if [[ ! -f "$T" || ( "$DRAFT_PAIR" == 1 && ! -f "$D" ) ]]; then
+    # The writer needs the carried gguf package, which run.sh unpacks first thing.
+    for _ in $(seq 1 120); do
+        [[ "${CARRIED_PY:-1}" == 0 || -f "$WORK/pyenv/.stamp" ]] && break
+        sleep 1
+    done
+    only=(--only target); [[ "$DRAFT_PAIR" == 1 ]] && only=()
+    log "writing $HYBRID_SIZE (background)"
+    ( use_build; nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" "${only[@]}" \
+          --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" \
+          "${VOCAB_ARGS[@]}" > "$RES/write.log" 2>&1 ) &
+    writer=$!
+fi
+wait "$build"
+use_build
+have_build || { log "no llama.cpp build (see $RES/prepare.log)"; exit 1; }
+if [[ -n "$writer" ]]; then
+    log "waiting for the writer"
+    wait "$writer" || log "the writer failed: $(tail -3 "$RES/write.log")"
+fi
+[[ -f "$T" ]] || { log "no target model (see $RES/write.log)"; exit 1; }
+log "target $T ($(du -h "$T" | cut -f1))"
+write_prompts "$RES/prompts" || { log "no prompts written"; exit 1; }
+
+# bench_at NAME DRAFTER K TEMP [DRAFT]: `localspec bench --against llama.cpp` (the product's own comparison: its
+# runs, then llama-speculative-simple with the same --spec-type on the same prompt tokens, REPEAT times per
+# sampling mode, all in one JSON), after llama-bench tg128 once per NAME.
+bench_at() {
+    local name="$1" drafter="$2" k="$3" temp="$4" dr="${5:-}" dir="$RES/$1"
+    mkdir -p "$dir"
+    if [[ ! -s "$dir/llama-bench.json" ]]; then
+        local models=(-m "$T"); [[ -n "$dr" ]] && models+=(-m "$dr")
+        run "llama-bench-$name" 30 "$BIN/llama-bench" "${models[@]}" -p 0 -n 128 -fa 1 -ngl 99 -r 3 -o json \
+            > "$dir/llama-bench.json.tmp" 2> "$dir/llama-bench.log" && mv "$dir/llama-bench.json.tmp" "$dir/llama-bench.json"
+    fi
+    [[ -s "$dir/localspec-t$temp.json" ]] && return 0
+    local args=(--draft "$k" --drafter "$drafter"); [[ -n "$dr" ]] && args+=(--draft "$dr")
+    # A repetition on the H200 (27B Q4_K_M, 128 tokens, 3 prompts): ~10 s of localspec, ~35 s of llama.cpp (a model
+    # load per prompt and sampling mode); exit 1 = the greedy check failed, 2 = llama.cpp did not run (the JSON
+    # says why either way).
+    # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+    run "localspec-$name-t$temp" $(( 40 + 45 * REPEAT )) "${LOCALSPEC[@]}" bench --raw --target "$T" "${args[@]}" \
+        --temp "$temp" --max-tokens "$N_PREDICT" --repeat "$REPEAT" --warmup "$WARMUP" --seed "$SEED" --ctx 4096 \
+        --against llama.cpp --llama-bin "$BIN" --json "$dir/localspec-t$temp.json" ${BENCH_ARGS:-} \
+        > "$dir/localspec-t$temp.log" 2>&1
+}
+
+# In the order that matters if the budget runs out: greedy first, then the rollback costs, then sampling.
+first_temp="${TEMPS%% *}"
+bench_at mtp mtp "$DRAFT_MAX" "$first_temp"
+if [[ ! -s "$RES/mtp/rollback-cost.json" ]]; then
+    run rollback-cost 40 python3 "$REPO/bench/rollback_cost.py" --model "$T" --k "$DRAFT_MAX" --reps "$ROLLBACK_REPS" \
+        --json "$RES/mtp/rollback-cost.json" > "$RES/mtp/rollback-cost.log" 2>&1
+fi
+for temp in $TEMPS; do
+    [[ "$temp" == "$first_temp" ]] || bench_at mtp mtp "$DRAFT_MAX" "$temp"
+done
+if [[ "$DRAFT_PAIR" == 1 && -f "$D" ]]; then
+    for temp in $TEMPS; do bench_at draft model 6 "$temp" "$D"; done
+fi
+python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt"
+pack results-hybrid "$RES" "$RES/summary.txt" "$RES/summary.json"

@@ -1,0 +1,300 @@
+"""The MTP drafter: the target's own multi-token-prediction head (Qwen3.5/3.6's NextN block) drafts, no draft model.
+
+The head (`llama.mtp_head.MtpHead`, a context of its own over the target's weights) reads, at position p, the token x_p
+and the target's hidden state after x_{p-1}, and scores x_{p+1}. So it follows the target: every target decode of
+its streams returns the hidden state after each token (`Scores.hidden`, handed over through `target_rows`), and
+the head decodes the committed tokens paired with them, lazily, in the first decode of the next draft (which also
+scores the draft's first token). Its later steps feed it the token it just drafted and its own hidden state there
+(chained drafts, as llama.cpp's draft-mtp does); those positions leave its cells after drafting, and the verify's
+rows replace them with the target's. Drafts are the head's argmax at T = 0 and samples from its distribution
+(under the request's sampling, with a random stream of its own) at T > 0, with q as usual.
+
+Per sequence it keeps its cells' tokens (positions [0, m)), and the target's hidden rows from position m - 1 to
+where the target's cells end: a new prompt that shares a prefix keeps what still matches, and asks the loop to
+decode the target again from where its rows end (`target_limit`).
+
+Its prices (`MtpCost`): a head step is a draft step, each of its tokens right at the head's own measured rate, so
+the draft model's rule prices it (`model.ModelCost`) under a source of its own; no draft-ahead (`overlap` does
+nothing), so no bets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from localspec.config import Drafting
+from localspec.constraints import masked_scores
+from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, shared_prefix
+from localspec.drafters.model import ModelCost
+from localspec.errors import UsageError
+from localspec.policies import DraftCost
+from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
+from localspec.scores import Scores, ScoringModel
+
+MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
+TITLE = "the MTP head"  # how reports name it
+NEEDS_DRAFT_MODEL = False  # the target's own layer drafts
+TARGET_HEAD = True  # the head's context: its KV and compute buffer (memory.py), the library's MTP support
+LLAMA_SERVER_TYPE = "draft-mtp"  # its `speculative.type` (llama-server's name)
+
+
+class MtpCost(ModelCost):
+    """The head's prices: the draft model's rule (a token a step, acceptance per position, probed when judged a
+    loss) over the head's own acceptance and steps."""
+
+    SOURCE = "mtp"
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One sequence: the head's cells and the target's hidden rows it has not consumed yet."""
+
+    tokens: list[int] = field(default_factory=list)  # x_p of the head's cells, positions [0, len)
+    seen: list[int] = field(default_factory=list)  # the target's cells' tokens when its rows were taken
+    rows: list[np.ndarray] = field(default_factory=list)  # target hidden rows, positions [rows_from, rows_to)
+    rows_from: int = 0
+    # Where the last prompt ended (the target's cells then, where a recurrent target checkpoints) and the target's
+    # row before it: a next prompt that shares that prompt starts the head there with no target row decoded again.
+    anchor: tuple[int, np.ndarray] | None = None
+
+    @property
+    def rows_to(self) -> int:
+        return self.rows_from + len(self.rows)
+
+
+class MtpDrafter:
+    def __init__(self, target: ScoringModel) -> None:
+        self.target = target
+        self.models: tuple[ScoringModel, ...] = ()  # its context is the target's size, slots and all
+        self._head = None
+        self._seqs: dict[int, _Seq] = {}
+        self._rng: dict[int, np.random.Generator] = {}
+        self._zeros: np.ndarray | None = None
+
+    @property
+    def head(self):  # type: ignore[no-untyped-def]
+        """The head's context, made when first used (its KV and compute buffer are counted by the memory
+        preflight when the preset drafts with it)."""
+        if self._head is None:
+            from localspec.llama.mtp_head import MtpHead
+
+            t = self.target
+            self._head = MtpHead(t, n_ctx=t.n_ctx, n_batch=min(MTP_BATCH, t.n_batch),  # type: ignore[arg-type]
+                                 kv_type=t.kv_type, n_threads=t.n_threads, n_seq=t.n_seq,  # type: ignore[attr-defined]
+                                 flash_attn=t.flash_attn)  # type: ignore[attr-defined]
+            self._zeros = np.zeros(self._head.n_embd, dtype=np.float32)
+        return self._head
+
+    # -- the target's side ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _kept_cells(st: _Seq, prompt: list[int]) -> int:
+        """The head's cells a new prompt keeps: those still holding its tokens, never the last one (cur: the first
+        draft scores it)."""
+        return min(len(st.tokens), shared_prefix(st.tokens, prompt), len(prompt) - 1)
+
+    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int:
+        st = self._seqs.get(req.seq, _Seq())
+        m = self._kept_cells(st, prompt)
+        if m == 0:
+            return 0  # from position 0: every target row is needed
+        valid = min(st.rows_to, shared_prefix(st.seen, prompt[:-1]))
+        if st.rows_from <= m - 1 < valid:
+            return valid  # its rows go on from where the target's cells end
+        if st.anchor is not None and 0 < st.anchor[0] <= m:
+            return st.anchor[0]  # the last prompt's end, where a recurrent target keeps its checkpoint
+        return m - 1  # the target decodes again from the position whose row the head needs
+
+    def target_kept(self, req: DraftRequest, kept: int) -> None:
+        st = self._seqs.setdefault(req.seq, _Seq())
+        prompt = req.tokens
+        m = min(self._kept_cells(st, prompt), kept + 1)
+        valid = min(st.rows_to, shared_prefix(st.seen, prompt[:-1]), kept)
+        if m == kept + 1 or m == 0:  # the target's rows from `kept` on are all the head needs
+            rows: list[np.ndarray] = []
+            first = kept
+        elif st.rows_from <= m - 1 and valid == kept:
+            rows, first = st.rows[m - 1 - st.rows_from : kept - st.rows_from], m - 1
+        elif st.anchor is not None and st.anchor[0] == kept and kept <= m:
+            m, rows, first = kept, [st.anchor[1]], kept - 1
+        else:  # (the loop keeps the target within `target_limit`)
+            raise UsageError(f"MTP drafter: sequence {req.seq} lost the target's hidden states")
+        del st.tokens[m:]
+        self.head.truncate(m, req.seq)
+        st.rows, st.rows_from = rows, first
+        st.seen = list(prompt[:kept])
+        if st.anchor is not None and st.anchor[0] > m:
+            st.anchor = None
+
+    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
+        st = self._seqs[req.seq]
+        if start != st.rows_to:
+            raise UsageError(f"MTP drafter: sequence {req.seq} got the target's rows from position {start}, "
+                             f"expected {st.rows_to}")
+        st.rows.extend(hidden)
+        committed = len(req.tokens) - 1  # a prompt's part the target decodes: settle it now, as the target goes
+        if st.rows_to <= committed:
+            st.seen.extend(req.tokens[len(st.seen) : st.rows_to])
+            self._catch_up(req, st.rows_to - 1)
+            if st.rows_to == committed:  # the prompt is in: the next prompt that shares it starts here
+                st.anchor = (committed, st.rows[-1])
+
+    # -- the seam -------------------------------------------------------------------------------------------------
+
+    def pricing(self, cost: DraftCost, drafting: Drafting) -> MtpCost:
+        """The head's cost rule on this stream's facts: it prices the loop's adaptive k."""
+        return MtpCost.of(cost)
+
+    def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
+        self._rng[req.seq] = np.random.default_rng([req.sampling.seed, 2])
+        return []  # its cells follow the target's decodes (`target_rows`)
+
+    def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
+        out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
+        todo = [(i, req, k) for i, (req, k) in enumerate(jobs) if k > 0]
+        if not todo:
+            return out
+        head = self.head
+        drafted: dict[int, list[int]] = {i: [] for i, _, _ in todo}
+        qs: dict[int, list[Candidates] | None] = {i: None if req.sampling.greedy else [] for i, req, _ in todo}
+        seconds: dict[int, float] = dict.fromkeys(drafted, 0.0)
+        first_s: dict[int, float] = dict.fromkeys(drafted, 0.0)
+        least_s: dict[int, float | None] = dict.fromkeys(drafted)
+        # The first step: each sequence's committed pairs not decoded yet, the last (cur) scored.
+        entries, owner = [], []
+        for i, req, _ in sorted(todo, key=lambda job: job[1].seq):
+            cur = len(req.tokens) - 1
+            entries += self._pairs(req, cur)
+            owner.append(i)
+        step = 0
+        while entries:
+            t = time.perf_counter()
+            results = head.decode(entries)
+            spent = time.perf_counter() - t
+            nxt, nxt_owner = [], []
+            for i, (logits, own) in zip(owner, results, strict=True):
+                req, k = jobs[i]
+                seconds[i] += spent
+                if step == 0:
+                    first_s[i] = spent
+                    st = self._seqs[req.seq]
+                    st.tokens = list(req.tokens)  # the head's cells: the committed tokens, cur included
+                    st.rows, st.rows_from = [], len(req.tokens) - 1  # consumed: the verify's rows come next
+                elif least_s[i] is None or spent < least_s[i]:  # type: ignore[operator]
+                    least_s[i] = spent
+                token, confident = self._choose(req, logits, drafted[i], qs[i])
+                if token is None:
+                    continue
+                drafted[i].append(token)
+                # An unsure draft is usually wrong: verify what we have instead of drafting on.
+                if len(drafted[i]) < k and confident:
+                    pos = len(req.tokens) - 1 + len(drafted[i])
+                    nxt.append((req.seq, token, pos, own, True))
+                    nxt_owner.append(i)
+            entries, owner = nxt, nxt_owner
+            step += 1
+        for i, req, _ in todo:
+            committed = len(req.tokens)
+            head.truncate(committed, req.seq)  # drafted positions go: the verify's rows replace them
+            out[i] = Proposal(drafted[i], qs[i], seconds[i], first_s=first_s[i], least_s=least_s[i])
+        return out
+
+    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        """The target's cells now hold the committed tokens but the newest: its rows past them go."""
+        st = self._seqs.get(req.seq)
+        if st is None:
+            return
+        cells = len(req.tokens) - 1
+        del st.rows[max(cells - st.rows_from, 0) :]
+        st.seen.extend(req.tokens[len(st.seen) : cells])
+        del st.seen[cells:]
+
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        """None of a model's: the head's cells stay out of slot states (a restored target hands it no rows, and its
+        bookkeeping by tokens keeps what still matches the next prompt, and decodes the target again where not)."""
+        return []
+
+    def reset(self) -> None:
+        if self._head is not None:
+            self._head.clear()
+        self._seqs.clear()
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._head.close()
+            self._head = None
+
+    # -- inside ---------------------------------------------------------------------------------------------------
+
+    def _pairs(self, req: DraftRequest, last: int) -> list:
+        """The head's entries for positions [its cells' end, last]: the token there and the target's hidden
+        state before it (zeros before the first token); only the last is scored."""
+        st = self._seqs[req.seq]
+        first = len(st.tokens)
+        out = []
+        for p in range(first, last + 1):
+            row = self._zeros if p == 0 else st.rows[p - 1 - st.rows_from]
+            out.append((req.seq, req.tokens[p], p, row, p == last))
+        return out
+
+    def _catch_up(self, req: DraftRequest, last: int) -> None:
+        """Decode the pairs up to position `last` now (a prompt, as the target goes: bounded memory), keeping the
+        one row the next position needs."""
+        st = self._seqs[req.seq]
+        if last < len(st.tokens):
+            return
+        entries = self._pairs(req, last)
+        entries[-1] = (*entries[-1][:4], False)
+        self.head.decode(entries)
+        st.tokens = list(req.tokens[: last + 1])
+        keep = last - st.rows_from  # the row at position `last`, which position last + 1 needs
+        st.rows = st.rows[keep:]
+        st.rows_from = last
+
+    def _choose(self, req: DraftRequest, logits: np.ndarray, drafted: list[int],
+                q: list[Candidates] | None) -> tuple[int | None, bool]:
+        """The draft token from the head's row, and whether the head is sure enough of it to draft on (p_min);
+        None where the grammar leaves too little to propose."""
+        sampling, p_min = req.sampling, req.drafting.p_min
+        history = req.tokens + drafted if sampling.penalized else req.tokens
+        row = Scores(logits[None, :])
+        if req.grammar is not None:  # propose only what the grammar allows after the drafts so far
+            masked = masked_scores(penalized(row, history, sampling), 0, req.grammar, sampling)
+            if masked is None:
+                return None, False
+            row, history = masked, []
+        if sampling.greedy:
+            token = int(greedy_tokens(row, history, sampling)[0])
+            confident = p_min == 0.0 or row.top_prob(0) >= p_min
+        else:
+            dist = distributions(row, history, sampling)
+            token = dist.sample(0, self._rng[req.seq])
+            assert q is not None
+            q.append(dist)
+            confident = p_min == 0.0 or dist.top_prob(0) >= p_min
+        if req.grammar is not None and not self.target.is_eog(token):
+            req.grammar.accept(token)
+        return token, confident
+
+
+def unavailable(target: ScoringModel, draft: ScoringModel | None = None) -> str | None:
+    """Why these models have no MTP drafter (one clause), None when they have one."""
+    layers = getattr(target, "mtp_layers", 0)
+    if layers > 0:
+        return None
+    name = getattr(getattr(target, "path", None), "name", "the target")
+    return f"{name} has no MTP layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them"
+
+
+def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter | None:
+    """The registry's factory: an MTP drafter where the target carries MTP layers."""
+    return MtpDrafter(target) if unavailable(target) is None else None
+

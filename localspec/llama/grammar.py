@@ -1,0 +1,162 @@
+"""Grammars: llama.cpp's GBNF sampler as a token mask over one model's vocabulary (eager, or lazy from a trigger), and
+the GBNF of JSON (any object, or a JSON schema's, by llama-cpp-python's converter)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator
+
+import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
+import numpy as np
+
+from localspec.errors import GrammarError
+from localspec.llama.model import LlamaModel
+
+# llama_token_data as numpy sees it, so a whole candidate array is filled and read without per-token ctypes calls.
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+def json_object_gbnf() -> str:
+    """GBNF for any JSON object (OpenAI's `json_object`): llama.cpp's own json.gbnf, as llama-cpp-python ships it."""
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    return JSON_GBNF
+
+
+def json_schema_gbnf(schema: dict, source: str) -> str:
+    """A JSON schema → GBNF, by llama-cpp-python's port of llama.cpp's json_schema_to_grammar. Schemas it cannot
+    convert (a remote $ref, a malformed keyword) are a GrammarError naming `source`."""
+    import json
+
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises bare ValueError/KeyError/TypeError on what it cannot read
+        raise GrammarError(f"{source}: this JSON schema cannot be turned into a grammar: {exc}") from None
+
+
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """What C code writes to file descriptor 2 inside the block, as the list's one string (after the block)."""
+    import tempfile
+
+    said: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 2)
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            said.append(sink.read(4096).decode("utf-8", errors="replace"))
+
+
+class Grammar:
+    """A GBNF grammar's state over one model's vocabulary (llama.cpp's grammar sampler): which tokens may come
+    next (`legal`), and `accept` to advance by one token. `clone` copies the state, so a draft run can be masked
+    position by position without touching the real state.
+
+    Lazy (`trigger`, a literal marker such as `<tool_call>`): every token is legal until the emitted text holds the
+    marker, and the grammar applies from the marker on (llama.cpp's lazy patterns, as llama-server does for tool
+    calls). llama.cpp replays the text from the marker into the grammar when the trigger fires and aborts the
+    process if that text breaks the grammar, so a token that would complete the marker with text the grammar
+    forbids after it is illegal here (checked by tokenizing that text into a fresh, eager copy of the grammar)."""
+
+    def __init__(self, model: LlamaModel, gbnf: str, source: str, *, trigger: str | None = None) -> None:
+        self.model = model
+        self.source = source
+        self.n_vocab = model.n_vocab
+        self.gbnf = gbnf
+        self.trigger = trigger.encode() if trigger else None
+        self.awaiting = bool(trigger)
+        self._seen = b""  # while awaiting: the emitted text (bytes, as llama.cpp's trigger buffer holds it)
+        self._sampler = None
+        if trigger and not all(c.isalnum() or c in "<>_/:-" for c in trigger):
+            raise GrammarError(f"{source}: a trigger is letters, digits and <>_/:- only (got {trigger!r})")
+        # llama.cpp's GBNF parser prints its complaint to stderr itself (fprintf): caught here, it becomes part
+        # of the one-line error instead of a second message around it.
+        with _stderr_captured() as said:
+            if trigger:
+                pattern = f"^[\\s\\S]*?({trigger})[\\s\\S]*$".encode()  # from the first match on
+                patterns = (ctypes.c_char_p * 1)(pattern)
+                sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                    model.vocab, gbnf.encode(), b"root", patterns, 1, None, 0)
+            else:
+                sampler = llama_cpp.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root")
+        if not sampler:
+            reason = said[0].strip().splitlines()[0] if said and said[0].strip() else "no `root` rule?"
+            reason = reason.split("error parsing grammar: ", 1)[-1].strip()
+            reason += " the end" if reason.endswith(" at") else ""  # llama.cpp quotes the rest of the text there
+            raise GrammarError(f"{source}: the grammar does not parse: {reason}")
+        self._sampler = sampler
+
+    def clone(self) -> Grammar:
+        twin = object.__new__(Grammar)
+        twin.__dict__.update(self.__dict__)
+        twin._sampler = llama_cpp.llama_sampler_clone(self._sampler)
+        return twin
+
+    def legal(self, ids: np.ndarray) -> np.ndarray:
+        """Which of the token ids may come next (a bool per id). Ids outside the vocabulary never may."""
+        ids = np.asarray(ids, dtype=np.int32).ravel()
+        inside = (ids >= 0) & (ids < self.n_vocab)
+        data = np.zeros(int(inside.sum()), dtype=_TOKEN_DATA)
+        data["id"] = ids[inside]
+        out = np.zeros(ids.shape, dtype=bool)
+        if len(data):
+            array = llama_cpp.llama_token_data_array(
+                data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(data), selected=-1,
+                sorted=False)
+            llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
+            out[inside] = np.isfinite(data["logit"])
+        if self.awaiting:
+            for i in np.flatnonzero(out):
+                out[i] = self._trigger_is_safe(int(ids[i]))
+        return out
+
+    def _trigger_is_safe(self, token: int) -> bool:
+        """While awaiting: False only for a token that completes the marker with text the grammar forbids."""
+        assert self.trigger is not None
+        text = self._seen + self.model.piece(token, special=True)  # (the grammar reads special tokens' text too)
+        at = text.find(self.trigger)
+        if at < 0:
+            return True
+        replay = text[at:].decode("utf-8", errors="ignore")
+        probe = Grammar(self.model, self.gbnf, self.source)
+        try:
+            for t in self.model.tokenize(replay, add_special=False, parse_special=False):
+                if not probe.legal(np.array([t]))[0]:
+                    return False
+                llama_cpp.llama_sampler_accept(probe._sampler, t)
+            return True
+        finally:
+            probe.close()
+
+    def accept(self, token: int) -> None:
+        """Advance by one emitted token. A token the grammar forbids is refused here: llama.cpp would throw a C++
+        exception through the C API (an abort)."""
+        if not self.legal(np.array([token]))[0]:
+            raise GrammarError(f"{self.source}: token {token} ({self.model.token_text(token)!r}) is not allowed "
+                               "by the grammar here")
+        if self.awaiting:
+            assert self.trigger is not None
+            self._seen += self.model.piece(token, special=True)
+            if self.trigger in self._seen:
+                self.awaiting, self._seen = False, b""
+            else:  # only a marker's worth of tail can still become one
+                self._seen = self._seen[max(0, len(self._seen) - len(self.trigger) + 1) :]
+        llama_cpp.llama_sampler_accept(self._sampler, token)
+
+    def close(self) -> None:
+        if self._sampler:
+            llama_cpp.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

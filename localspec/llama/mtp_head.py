@@ -1,0 +1,128 @@
+"""A model's MTP (NextN) head in a context of its own: llama.cpp's LLAMA_CONTEXT_TYPE_MTP over the target's own
+weights, fed a token and the target's hidden state before it (`hidden`), scoring the next token (drafters/mtp.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Sequence
+
+import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
+import numpy as np
+
+from localspec.errors import DecodeError, ModelLoadError, UsageError
+from localspec.llama import backend
+from localspec.llama.hidden import llama_cpp_ext, mtp_unsupported
+from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel
+
+MtpEntry = tuple[int, int, int, np.ndarray, bool]  # (sequence, token, position, hidden state before it, scored)
+
+
+class MtpHead:
+    """A model's MTP (NextN) blocks in a context of their own: llama.cpp's LLAMA_CONTEXT_TYPE_MTP over the target's
+    own weights (loaded with `load_mtp`). At position p it reads token x_p and the target's hidden state after
+    x_{p-1} (`Scores.hidden`) and scores x_{p+1}; its own hidden state there stands in for the target's at the next
+    step (chained drafts). Its memory is a plain KV cache of its blocks: it rewinds to any position."""
+
+    def __init__(self, target: LlamaModel, *, n_ctx: int, n_batch: int = 512, kv_type: str = "f16",
+                 n_threads: int = 0, n_seq: int = 1, flash_attn: str = "auto") -> None:
+        self.ctx = None
+        self._batch = None
+        why = mtp_unsupported()
+        if why is not None:
+            raise ModelLoadError(why)
+        if not target.model or llama_cpp.llama_model_n_layer_nextn(target.model) <= 0:
+            raise UsageError(f"{target.path.name} has no MTP layers (nextn_predict_layers): --drafter mtp needs a "
+                             "model converted with them (an \"MTP\" GGUF)")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.ctx_type = getattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP", 1)
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False
+        cparams.n_ctx = n_ctx * n_seq
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        threads = n_threads or backend.default_threads()
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+        cparams.no_perf = True
+        self.path = target.path
+        self.ctx = llama_cpp.llama_init_from_model(target.model, cparams)
+        if not self.ctx:
+            raise ModelLoadError(f"{target.path.name}: llama.cpp could not create the MTP head's context (was the "
+                                 "model loaded without its MTP layers?)")
+        # Its own hidden rows, every entry's, by batch index: "masked" (scored entries' rows only) hands back the
+        # batch's first rows instead of its scored ones, as the MTP graph takes them before it picks the outputs
+        # (docs/upstream.md); at most n_batch rows each decode.
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, False)
+        self._batch = llama_cpp.llama_batch_ext_init(self.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = target.n_vocab
+        self.n_embd = int(llama_cpp.llama_model_n_embd_out(target.model))
+        self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
+        self.n_seq = n_seq
+        self.on_gpu = target.on_gpu
+        self._pos = llama_cpp.llama_pos(0)
+        self.decodes = 0
+
+    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Decode the entries (each sequence's positions consecutive after its cells, in ascending sequence order)
+        in n_batch chunks; per scored entry, in order: its logits (n_vocab,) and its own hidden state (n_embd,)."""
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        for first in range(0, len(entries), self.n_batch):
+            out += self._decode_chunk(entries[first : first + self.n_batch])
+        return out
+
+    def _decode_chunk(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+        batch = self._batch
+        llama_cpp.llama_batch_ext_clear(batch)
+        rows = np.ascontiguousarray(np.stack([e[3] for e in entries]), dtype=np.float32)  # alive until processed
+        row_bytes = 4 * self.n_embd
+        base = rows.ctypes.data
+        scored = []
+        for i, (seq, token, pos, _, wanted) in enumerate(entries):
+            idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
+            if idx < 0:
+                raise DecodeError(f"{self.path.name}: the MTP head's batch refused token {token} (code {idx})")
+            self._pos.value = pos
+            llama_cpp.llama_batch_ext_set_pos(batch, idx, ctypes.byref(self._pos))
+            embd = llama_cpp.llama_embd(ctypes.cast(base + i * row_bytes, ctypes.POINTER(ctypes.c_float)), 1,
+                                        self.n_embd)
+            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
+            if wanted:
+                llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
+                scored.append(idx)
+        rc = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
+        self.decodes += 1
+        if rc != 0:
+            raise DecodeError(f"{self.path.name}: the MTP head's decode failed with code {rc}"
+                              + (" (no KV slot: the context is full)" if rc == 1 else ""))
+        out = []
+        for idx in scored:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+            hidden = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx, idx),
+                                           shape=(self.n_embd,))
+            out.append((logits.copy(), hidden.copy()))
+        return out
+
+    def truncate(self, n_keep: int, seq: int = 0) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
+            raise DecodeError(f"{self.path.name}: the MTP head's cells cannot be rewound to position {n_keep}")
+
+    def clear(self, seq: int | None = None) -> None:
+        if seq is None:
+            llama_cpp.llama_memory_clear(self.memory, True)
+        else:
+            self.truncate(0, seq)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,757 @@
+"""Hybrid and recurrent models (Qwen3.5/3.6: Gated DeltaNet + attention) and MTP heads: the rewind rules, the
+header facts and memory they need, the refusals, and exactness on a tiny Qwen3.5-shaped pair through the real
+llama.cpp (greedy output bit for bit plain decoding's, the target's distribution at T > 0, slots, prompt reuse)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.config import load_preset
+from localspec.engine import Engine, TokenEvent, collect
+from localspec.errors import RollbackError, UsageError
+from tests.helpers_fake import FakeModel
+from tests.helpers_stats import chi_square, joint_probs
+
+GREEDY = load_preset("greedy")
+
+
+def drafting(k: int, drafter: str = "model", adaptive: bool = False, p_min: float = 0.0):
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, adaptive=adaptive, p_min=p_min)
+
+
+def sampled(seed: int, temperature: float = 0.7, top_k: int = 40):
+    return dataclasses.replace(load_preset("default").sampling, temperature=temperature, top_k=top_k, top_p=1.0,
+                               seed=seed)
+
+
+# -- the rewind rules, on the scripted fake (fast) ------------------------------------------------------------------
+
+
+def fake_pair(depth: int | None, draft_depth: int | None, noise: float = 1.5) -> tuple[FakeModel, FakeModel]:
+    return (FakeModel(vocab=8, rewind_depth=depth),
+            FakeModel(vocab=8, noise=noise, rewind_depth=draft_depth))
+
+
+@pytest.mark.parametrize("draft_depth", [None, 0])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_stays_plain_decoding_with_a_recurrent_target_and_draft(k: int, draft_depth: int | None) -> None:
+    """A target that rewinds only within its last decode (k of them at most) and a draft that rewinds only to a
+    checkpoint: the fakes refuse any other rewind and check every decode's position, so output equal to the
+    table's own greedy continuation means every rewind and catch-up was right."""
+    target, draft = fake_pair(6, draft_depth)
+    engine = Engine(target, draft)
+    reference = FakeModel(vocab=8)
+    for seed in range(6):
+        prompt = np.random.default_rng(seed).integers(0, 8, size=5).tolist()
+        for drafter in ("model", "lookup", "chain"):
+            got = collect(engine.generate(prompt, GREEDY.sampling, drafting(k, drafter), 40)).tokens
+            assert got == reference.greedy(prompt, 40), (seed, drafter)
+    assert draft_depth is None or draft.restores > 0  # the draft went back to its checkpoints
+
+
+def test_a_draft_longer_than_the_target_rewinds_is_refused_before_anything_runs() -> None:
+    target, draft = fake_pair(4, 0)
+    engine = Engine(target, draft)
+    with pytest.raises(RollbackError, match="rolls back at most 4 tokens"):
+        engine.start([1, 2, 3], GREEDY.sampling, drafting(5), 10)
+    assert not target.cells  # nothing was decoded
+    engine.start([1, 2, 3], GREEDY.sampling, drafting(4), 10)  # within the depth: fine
+    engine.start([1, 2, 3], GREEDY.sampling, drafting(0), 10, slot=0)  # plain decoding needs no rewind
+
+
+def test_a_next_prompt_goes_back_to_the_checkpoint_at_the_last_prompt_end() -> None:
+    """A chat's next turn shares the last prompt (not the reply's cells, which the template rewrites): a recurrent
+    target comes back to the checkpoint taken where the prompt ended instead of decoding it all again."""
+    target, draft = fake_pair(6, 0)
+    engine = Engine(target, draft)
+    first = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    done = collect(engine.generate(first, GREEDY.sampling, drafting(3), 12))
+    second = [*first, 3, 3, 3]  # not the reply: its cells cannot be kept, the prompt's can
+    stream = engine.start(second, GREEDY.sampling, drafting(3), 12)
+    assert stream.stats.prompt_tokens_processed == len(second) - len(first)
+    assert done.tokens and collect_stream(engine, stream) == FakeModel(vocab=8).greedy(second, 12)
+
+
+def collect_stream(engine: Engine, stream) -> list[int]:
+    out = []
+    while not stream.finished:
+        engine.step([stream])
+        out += [e.token for e in stream.events() if isinstance(e, TokenEvent)]
+    return out
+
+
+def test_several_slots_with_a_recurrent_target_are_each_what_they_are_alone() -> None:
+    target, draft = (FakeModel(vocab=8, n_seq=3, rewind_depth=5),
+                     FakeModel(vocab=8, noise=1.5, n_seq=3, rewind_depth=0))
+    engine = Engine(target, draft)
+    prompts = [np.random.default_rng(s).integers(0, 8, size=4 + s).tolist() for s in range(3)]
+    streams = [engine.start(p, GREEDY.sampling, drafting(k), 30, slot=i)
+               for i, (p, k) in enumerate(zip(prompts, (5, 2, 0), strict=True))]
+    outs: list[list[int]] = [[] for _ in streams]
+    while not all(s.finished for s in streams):
+        engine.step(streams)
+        for out, s in zip(outs, streams, strict=True):
+            out += [e.token for e in s.events() if isinstance(e, TokenEvent)]
+    reference = FakeModel(vocab=8)
+    assert outs == [reference.greedy(p, 30) for p in prompts]
+
+
+# -- header facts, memory, refusals (no weights) -----------------------------------------------------------------------
+
+
+def test_header_facts_of_a_hybrid_with_an_mtp_block(hybrid_pair) -> None:
+    from localspec.gguf_header import read_header
+
+    target, draft = (read_header(p) for p in hybrid_pair)
+    assert target.nextn_layers == 1 and target.trunk_layers == 4 and draft.nextn_layers == 0
+    rec = target.recurrence
+    assert rec is not None and rec.kind == "hybrid" and rec.rolls_back
+    assert rec.layers == (0, 2) and target.attention_layers == (1, 3)
+    # Per Gated DeltaNet layer: (conv 4 - 1) x (inner 64 + 2 x 2 groups x 16) + 16 x 64 floats.
+    assert rec.state_bytes == 2 * (3 * (64 + 64) + 16 * 64) * 4
+
+
+def test_memory_counts_attention_kv_and_the_recurrent_state(hybrid_pair) -> None:
+    from localspec import memory
+    from localspec.gguf_header import read_header
+
+    target = read_header(hybrid_pair[0])
+    s = memory.Settings(n_ctx=1024, n_draft=6)
+    m = memory.model_memory(target, s, n_outputs=7, n_gpu_layers=-1, snapshots=6)
+    # Two attention layers of 2 KV heads x (32 + 32), f16, 1024 cells; the MTP block and recurrent layers none.
+    assert m.kv == 2 * 2 * 64 * 1024 * 2
+    assert m.state == target.recurrence.state_bytes * (1 + 6 + 1)
+    mtp = memory.model_memory(target, dataclasses.replace(s, drafter="mtp"), n_outputs=7, n_gpu_layers=-1, mtp=True)
+    assert mtp.kv == m.kv * 3 // 2  # its own context: the MTP block's attention too
+
+
+def qwen36_27b_header(tmp_path):
+    """A header with Qwen3.6-27B's text hyperparameters (its config.json as llama.cpp's converter writes it)."""
+    from localspec.gguf_header import read_header
+    from tests import helpers_gguf as G
+    from tests.helpers_vocab import write_vocab
+
+    base = write_vocab(tmp_path / "base.gguf", arch="qwen35", hparams={
+        "block_count": 65, "embedding_length": 5120, "head_count": 24, "head_count_kv": 4, "context_length": 262144})
+    keys = {"attention.key_length": 256, "attention.value_length": 256, "nextn_predict_layers": 1,
+            "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.inner_size": 6144, "ssm.state_size": 128,
+            "ssm.group_count": 16, "ssm.time_step_rank": 48}
+    records = {f"qwen35.{k}": G.kv(f"qwen35.{k}", G.UINT32, v) for k, v in keys.items()}
+    return read_header(G.rewrite(base, tmp_path / "qwen36-27b.gguf", records))
+
+
+def test_qwen3_6_27b_state_and_kv(tmp_path) -> None:
+    """The arithmetic behind models.toml's 27B lines: 48 Gated DeltaNet layers of (4 - 1) x (6144 + 2 x 16 x 128)
+    convolution and 128 x 6144 state floats (llama.cpp's n_embd_r, n_embd_s); KV in the 16 attention layers only,
+    4 KV heads of 256; the MTP block's own KV in the MTP context."""
+    from localspec import memory
+
+    h = qwen36_27b_header(tmp_path)
+    rec = h.recurrence
+    assert rec is not None and len(rec.layers) == 48 and rec.rolls_back
+    assert rec.state_bytes == 48 * (3 * (6144 + 4096) + 128 * 6144) * 4 == 156_893_184  # 149.6 MiB
+    assert h.attention_layers == tuple(range(3, 64, 4))
+    assert memory.kv_bytes(h, 8192, "q8_0") == 16 * 4 * 512 * 8192 * 34 // 32  # 272 MiB
+    s = memory.Settings(n_ctx=8192, n_draft=3, kv_type="q8_0", drafter="mtp")
+    m = memory.model_memory(h, s, n_outputs=4, n_gpu_layers=-1, mtp=True, snapshots=3)
+    assert m.kv == 17 * 4 * 512 * 8192 * 34 // 32
+    assert m.state == 156_893_184 * 5  # the state, 3 snapshots, the checkpoint
+
+
+def _qwen36_header(name: str, arch: str, n_layer: int, n_embd: int, n_head: int, n_kv: int, ssm: tuple[int, int],
+                   nextn: int, weights: int):
+    """Header facts of a Qwen3.5/3.6 GGUF (models.toml's config.json facts: heads of 256, linear attention heads of
+    128, a full-attention layer every 4, 248320 tokens); the weights as one tensor of the listed bytes."""
+    from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo
+
+    a = arch
+    meta = {"general.architecture": a, f"{a}.block_count": n_layer + nextn, f"{a}.attention.head_count": n_head,
+            f"{a}.attention.head_count_kv": n_kv, f"{a}.attention.key_length": 256,
+            f"{a}.attention.value_length": 256, f"{a}.embedding_length": n_embd, f"{a}.context_length": 262144,
+            f"{a}.full_attention_interval": 4, f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.inner_size": ssm[1] * 128,
+            f"{a}.ssm.state_size": 128, f"{a}.ssm.group_count": ssm[0], f"{a}.ssm.time_step_rank": ssm[1],
+            f"{a}.nextn_predict_layers": nextn,
+            "tokenizer.ggml.tokens": StringArray(b"", np.zeros(248320, dtype=np.int64))}
+    return GGUFHeader(Path(name), 3, meta, (TensorInfo("weights", (weights,), 0, 0, weights),), 0, weights, 0)
+
+
+def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
+    """The 24 GB lines written in models.toml, from the estimator (a card with 23.5 GiB free, 5% kept back)."""
+    from localspec import memory, registry
+    from tests.test_memory import CARD_24GB, GiB
+
+    pairs = registry.load_pairs()
+    t27m = _qwen36_header("27b-mtp", "qwen35", 64, 5120, 24, 4, (16, 48), 1, int(17.1e9))
+    t27 = _qwen36_header("27b", "qwen35", 64, 5120, 24, 4, (16, 48), 0, pairs["qwen3.6-27b"].target.size)
+    d08 = _qwen36_header("0.8b", "qwen35", 24, 1024, 8, 2, (16, 16), 0, pairs["qwen3.6-27b"].draft.size)
+    t35 = _qwen36_header("35b", "qwen35moe", 40, 2048, 16, 2, (16, 32), 0, 20_408_576_512)
+    expect = {"qwen3.6-27b-mtp": (t27m, None, 18.4, 19.3), "qwen3.6-27b": (t27, d08, 19.4, 20.4),
+              "qwen3.6-35b-a3b": (t35, d08, 21.8, 22.2)}
+    for name, (t, d, at_ctx, at_32k) in expect.items():
+        pair = pairs[name]
+        s = memory.Settings(n_ctx=pair.n_ctx, n_draft=pair.n_draft, kv_type=pair.kv_type,
+                            drafter=pair.drafter or "model")
+        est = memory.estimate(t, d, s, CARD_24GB)
+        assert est.fits and round(est.gpu_bytes / GiB, 1) == at_ctx, (name, est.gpu_bytes / GiB)
+        wide = memory.estimate(t, d, dataclasses.replace(s, n_ctx=32768), CARD_24GB)
+        assert wide.fits and round(wide.gpu_bytes / GiB, 1) == at_32k, (name, wide.gpu_bytes / GiB)
+    assert not memory.estimate(t35, d08, memory.Settings(n_ctx=32768, n_draft=4, kv_type="f16"), CARD_24GB).fits
+
+
+def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
+    from localspec.gguf_header import read_header
+    from localspec.llama import recurrent
+    from localspec.session import check_drafting
+
+    hybrid, plain = read_header(hybrid_pair[0]), read_header(tiny_pair[0])
+    spec = GREEDY.with_overrides(n_draft=4)
+    check_drafting(hybrid, read_header(hybrid_pair[1]), spec)  # fine with this llama-cpp-python
+    check_drafting(hybrid, None, spec.with_overrides(drafter="mtp"))
+    check_drafting(plain, None, spec.with_overrides(drafter="mtp"))  # refused by Engine.check_drafter, as every drafter
+    monkeypatch.setattr(recurrent, "rollback_unsupported", lambda: "llama-cpp-python 0.3.2 cannot roll back")
+    with pytest.raises(RollbackError, match="is a hybrid model: llama-cpp-python 0.3.2 cannot roll back"):
+        check_drafting(hybrid, None, spec)
+    check_drafting(hybrid, None, spec.with_overrides(n_draft=0))  # plain decoding needs no rollback
+    check_drafting(plain, read_header(tiny_pair[1]), spec)  # an attention-only pair does not care
+
+
+def test_an_architecture_without_snapshots_is_refused(hybrid_pair, tmp_path) -> None:
+    """llama.cpp keeps no snapshots for qwen3next: speculation there is refused in one line."""
+    from localspec.gguf_header import read_header
+    from localspec.session import check_drafting
+    from tests.helpers_vocab import write_vocab
+
+    path = write_vocab(tmp_path / "next.gguf", arch="qwen3next", hparams={"block_count": 4})
+    header = read_header(path)
+    assert header.recurrence is not None and not header.recurrence.rolls_back
+    with pytest.raises(RollbackError, match="cannot roll back a qwen3next model's recurrent state"):
+        check_drafting(header, None, GREEDY.with_overrides(n_draft=3))
+
+
+# -- through the real llama.cpp -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_session(hybrid_pair, tmp_path_factory):
+    """The tiny hybrid pair, its target's MTP head reading the hidden state a little (mtp_noise 0.1): at T > 0
+    both drafters' proposals overlap the target's candidates partly (accepted, and resampled)."""
+    from synthetic import HYBRID_TINY, write_hybrid_model
+
+    from localspec.session import ModelFiles, open_session
+
+    target = tmp_path_factory.mktemp("mtp-mid") / "target.gguf"
+    write_hybrid_model(target, dataclasses.replace(HYBRID_TINY, mtp_noise=0.1), "target")
+    with open_session(ModelFiles(target, hybrid_pair[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1)) as s:
+        yield s
+
+
+def prompts(n: int, seed: int = 7, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=length).tolist() for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
+    """llama-cpp-python's declaration of n_rs_seq (and ctx_type, load_mtp) reaches llama.cpp: a context made with
+    them reads them back, and an MTP context (which needs both other fields) runs."""
+    import llama_cpp
+
+    from localspec.llama.model import LlamaModel
+    from localspec.llama.mtp_head import MtpHead
+
+    for depth in (3, 7):
+        with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=depth) as m:
+            assert llama_cpp.llama_n_rs_seq(m.ctx) == depth == m.rewind_depth
+            assert m.mtp_layers == 1
+            head = MtpHead(m, n_ctx=256, n_threads=1)
+            row = np.zeros(head.n_embd, dtype=np.float32)
+            (logits, hidden), = head.decode([(0, 5, 0, row, True)])
+            assert logits.shape == (m.n_vocab,) and hidden.shape == (head.n_embd,) and np.isfinite(logits).all()
+            head.close()
+
+
+@pytest.mark.slow
+def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -> None:
+    """A head decode of several entries, the last scored, hands back the last entry's own hidden state (what the
+    next chained step reads), as decoding the others first and the last alone does. (llama.cpp's "masked" rows
+    give the batch's first row there: docs/upstream.md.)"""
+    from localspec.llama.model import LlamaModel
+    from localspec.llama.mtp_head import MtpHead
+
+    tokens = prompts(1, seed=5, length=6)[0]
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3) as m:
+        m.want_hidden(0, True)
+        h = m.decode(tokens, 0, all_logits=True).hidden
+        zeros = np.zeros(h.shape[1], dtype=np.float32)
+        entries = [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(6)]
+        head = MtpHead(m, n_ctx=256, n_threads=1)
+        (batched_logits, batched), = head.decode(entries)
+        head.clear()
+        head.decode([(*e[:4], False) for e in entries[:-1]])
+        (alone_logits, alone), = head.decode(entries[-1:])
+        head.clear()
+        (_, first), = head.decode([(*entries[0][:4], True)])
+        head.close()
+    assert np.allclose(batched, alone, atol=1e-4) and np.allclose(batched_logits, alone_logits, atol=1e-3)
+    assert not np.allclose(batched, first, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_the_mtp_drafter_prices_its_own_drafts(hybrid_session) -> None:
+    """Its cost rule lives in its own file (`mtp.MtpCost`): the stream's cost model counts the head's acceptance under
+    a source of its own and measures its steps, and adaptive k is chosen by the head's prices: the second epoch
+    drafts k_max / 2 (the verify line's second width), then a length the head's measured costs choose."""
+    from localspec.drafters.mtp import MtpCost
+
+    s = hybrid_session
+    s.engine.reset()
+    d = drafting(6, "mtp", adaptive=True)
+    done = collect(s.engine.generate(prompts(1, seed=37, length=10)[0], GREEDY.sampling, d, 96))
+    policy = next(p for slot in s.engine.slots for (kept, _), p in slot.policies.items() if kept == d)
+    assert isinstance(policy.pricing, MtpCost) and policy.adaptive
+    cost = policy.cost
+    assert set(cost.seen) == {"mtp"} and cost.seen["mtp"] > 0 and cost.step_s is not None and cost.step_s > 0
+    assert policy.rounds > policy.EPOCH and policy.k != 6, (policy.rounds, policy.k)  # (k_max / 2 in epoch 2)
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.slow
+def test_mtp_drafts_are_the_heads_chain_over_the_targets_rows(hybrid_session, monkeypatch) -> None:
+    """Every round's drafts at T = 0 are what the head gives fed the final sequence's own target rows, one entry a
+    step as llama.cpp's draft-mtp feeds it: the first draft from (cur, the target's row before it), each next from
+    (the last draft, the head's own row)."""
+    from localspec.drafters import mtp
+    from localspec.llama.mtp_head import MtpHead
+
+    s = hybrid_session
+    log: list[tuple[list[int], list[int]]] = []
+    real = mtp.MtpDrafter.draft
+
+    def draft(self, jobs):
+        out = real(self, jobs)
+        log.extend((list(req.tokens), list(p.tokens)) for (req, _), p in zip(jobs, out, strict=True))
+        return out
+
+    monkeypatch.setattr(mtp.MtpDrafter, "draft", draft)
+    s.engine.reset()
+    prompt = prompts(1, seed=29, length=10)[0]
+    done = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(3, "mtp"), 48))
+    assert 0 < done.stats.accepted < done.stats.drafted
+    full = prompt + done.tokens
+    t = s.target
+    s.engine.reset()
+    t.want_hidden(0, True)
+    h = t.decode(full, 0, all_logits=True).hidden
+    t.want_hidden(0, False)
+    s.engine.reset()
+    zeros = np.zeros(h.shape[1], dtype=np.float32)
+    head = MtpHead(t, n_ctx=256, n_threads=1)
+    rounds = 0
+    for tokens, drafts in log:
+        if not drafts:
+            continue
+        cur = len(tokens) - 1
+        head.clear()
+        head.decode([(0, full[p], p, zeros if p == 0 else h[p - 1], False) for p in range(cur)])
+        (logits, own), = head.decode([(0, full[cur], cur, h[cur - 1], True)])
+        chain = [int(np.argmax(logits))]
+        while len(chain) < len(drafts):
+            (logits, own), = head.decode([(0, chain[-1], cur + len(chain), own, True)])
+            chain.append(int(np.argmax(logits)))
+        assert drafts == chain, (cur, drafts, chain)
+        rounds += 1
+    head.close()
+    assert rounds > 5
+
+
+@pytest.mark.slow
+def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
+    """Within the last decode: bit for bit a fresh context's logits. Past it (where llama.cpp's own seq_rm says yes
+    and is wrong): back to the checkpoint, or to nothing, and the re-decoded logits are again a fresh context's."""
+    from localspec.llama.model import LlamaModel
+
+    tokens = prompts(1, seed=3, length=30)[0]
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+        ref = fresh.decode(tokens, 0, all_logits=True).logits.copy()
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+        m.decode(tokens[:20], 0)
+        m.decode(tokens[20:26], 20)
+        assert m.truncate(23) == 23  # 3 of the last decode's 6
+        assert np.array_equal(m.decode(tokens[23:25], 23, all_logits=True).logits, ref[23:25])
+        assert m.truncate(24) == 24  # 1 of the last decode's 2
+        m.checkpoint()  # at 24
+        for i in range(24, 27):
+            m.decode([tokens[i]], i)  # one-token decodes: no snapshot can undo them
+        assert m.truncate(26) == 24  # back to the checkpoint
+        assert np.array_equal(m.decode(tokens[24:28], 24, all_logits=True).logits, ref[24:28])
+        assert m.truncate(10) == 0  # before the checkpoint: nothing kept
+        assert np.array_equal(m.decode(tokens[:12], 0, all_logits=True).logits, ref[:12])
+
+
+@pytest.mark.slow
+def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_replaced(hybrid_pair) -> None:
+    """load_state (the prompt cache, slot files) replaces a sequence's cells: a rewind afterwards must not use the
+    replaced cells' last decode (llama.cpp's snapshots) or their checkpoint; it goes to nothing, and the
+    re-decoded logits are a fresh context's."""
+    from localspec.llama.model import LlamaModel
+
+    a, b = prompts(2, seed=5, length=30)
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+        ref = fresh.decode(b, 0, all_logits=True).logits.copy()
+        saved_b = fresh.save_state(0)
+    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+        m.decode(a[:20], 0)
+        m.checkpoint()  # at 20: a's
+        m.decode(a[20:25], 20)  # a last decode of 5: a's snapshots
+        assert m.load_state(saved_b, 0)
+        assert m.truncate(25) == 0  # neither a's snapshots nor a's checkpoint at 20
+        assert np.array_equal(m.decode(b[:27], 0, all_logits=True).logits, ref[:27])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_pair_high"])
+def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) -> None:
+    """The draft model (itself hybrid), prompt lookup, the chain and the target's MTP head, at several lengths,
+    fixed and adaptive: the tokens plain greedy decoding gives. Prompts repeat a phrase (lookup matches)."""
+    from localspec.session import ModelFiles, open_session
+
+    files = request.getfixturevalue(pair)
+    with open_session(ModelFiles(files[0], files[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1)) as s:
+        drafted = accepted = 0
+        for base in prompts(3, seed=11, length=8):
+            prompt = base + base
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 48)).tokens
+            for d in (drafting(1, "mtp"), drafting(3, "mtp"), drafting(6, "mtp"), drafting(6, "mtp", adaptive=True),
+                      drafting(2), drafting(6), drafting(6, "lookup"), drafting(6, "chain"),
+                      drafting(6, "mtp", p_min=0.5)):
+                done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 48))
+                assert done.tokens == plain, (d.drafter, d.n_draft)
+                if d.drafter == "mtp":
+                    drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    assert drafted > 0 and accepted > 0
+    if pair == "hybrid_pair":
+        assert accepted < drafted  # rejections: the rewinds ran
+    else:
+        assert accepted > 0.9 * drafted  # the all-accepted path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", ["full", "device"])
+def test_constrained_greedy_with_every_drafter_is_constrained_plain_decoding(hybrid_pair, rows) -> None:
+    """A JSON schema and a GBNF grammar on the hybrid target: each drafter's constrained greedy text is constrained
+    plain decoding's, token for token. With `constrained_rows = "device"` too: a recurrent target reads its
+    constrained rows whole (it cannot go back into a verify to decode one row again)."""
+    from localspec.constraints import Constraint
+    from localspec.session import ModelFiles, open_session
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    constraints = [Constraint.json_schema(schema, "test"), Constraint('root ::= [a-z]+ "."', "letters")]
+    with open_session(ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=6, n_ctx=1024, threads=1, constrained_rows=rows)) as s:
+        drafted = 0
+        for constraint, prompt in zip(constraints, prompts(2, seed=31, length=10), strict=True):
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 32,
+                                              grammar=constraint.grammar(s.target))).tokens
+            for d in (drafting(3, "mtp"), drafting(6), drafting(6, "chain")):
+                done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 32,
+                                                 grammar=constraint.grammar(s.target)))
+                assert done.tokens == plain, (constraint.source, d.drafter)
+                drafted += done.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_a_next_prompt_reuses_the_cached_prompt_and_stays_exact(hybrid_pair, drafter) -> None:
+    """A chat's next turn: the new prompt extends the last one (not its reply). The recurrent target goes back to
+    its checkpoint at the last prompt's end and the MTP head to its row there, so only the new tokens are decoded,
+    and the output is what a fresh engine gives."""
+    from localspec.session import ModelFiles, open_session
+
+    first = prompts(1, seed=13, length=16)[0]
+    second = [*first, *prompts(1, seed=14, length=5)[0]]
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)
+    with open_session(files, preset) as fresh:
+        expected = collect(fresh.engine.generate(second, GREEDY.sampling, drafting(4, drafter), 24)).tokens
+    with open_session(files, preset) as s:
+        collect(s.engine.generate(first, GREEDY.sampling, drafting(4, drafter), 24))
+        stream = s.engine.start(second, GREEDY.sampling, drafting(4, drafter), 24)
+        assert stream.stats.prompt_tokens_processed == len(second) - len(first)
+        out = []
+        while not stream.finished:
+            s.engine.step([stream])
+            out += [e.token for e in stream.events() if isinstance(e, TokenEvent)]
+    assert out == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, drafter) -> None:
+    """Two conversations take turns on one slot with the prompt cache: each turn restores the hybrid target's state
+    (and the draft's) from host RAM, and every reply is what a fresh engine gives. The MTP head's cells are not
+    part of a slot's state: it needs the target's rows again, below a restored recurrent state's floor, so the
+    target reads the prompt afresh (exact, without the cache's saving)."""
+    from localspec.session import ModelFiles, open_session
+
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)
+    history = {0: prompts(1, seed=21, length=14)[0], 1: prompts(1, seed=22, length=14)[0]}
+    with open_session(files, preset, prompt_cache=True) as cached, open_session(files, preset) as fresh:
+        for turn_no in range(2):
+            for who in (0, 1):
+                p = history[who]
+                got = collect(cached.engine.generate(p, GREEDY.sampling, drafting(4, drafter), 12))
+                fresh.engine.reset()
+                ref = collect(fresh.engine.generate(p, GREEDY.sampling, drafting(4, drafter), 12))
+                assert got.tokens == ref.tokens
+                if turn_no and drafter == "model":
+                    assert got.stats.prompt_tokens_processed < len(p) - 1  # restored, not read again
+                history[who] = [*p, *got.tokens, *prompts(1, seed=30 + who, length=3)[0]]
+        if drafter == "model":
+            assert cached.engine.prompt_cache.counters().hits == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair) -> None:
+    from localspec.session import ModelFiles, open_session
+    from tests.test_slots import run_together
+
+    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
+            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), (6, 3, 0, 5), ("model", "mtp", "model", "mtp"),
+                                              strict=True))]
+    files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, threads=1)
+    with open_session(files, preset) as alone:
+        expected = []
+        for r in reqs:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    with open_session(files, preset, parallel=4) as s:
+        assert run_together(s.engine, reqs, [0, 0, 1, 3], slots=[2, 0, 3, 1]) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None:
+    """The joint distribution of the first two emitted tokens (both from one speculative round, through its
+    rejections and the rewind) is the target's own, by chi-square at p = 0.001."""
+    s = hybrid_session
+    prompt = prompts(1, seed=23, length=6)[0]
+    sampling = sampled(0, temperature=1.5, top_k=4)
+    s.engine.reset()
+
+    def next_probs(context: list[int]) -> dict[int, float]:
+        from localspec.sampling import candidates
+
+        s.target.clear(0)
+        s.target.use_device_sampler(None)  # the reference p comes from full logits
+        p = candidates(s.target.decode(context, 0).logits, sampling)
+        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+
+    joint = joint_probs(next_probs, prompt, 2)
+    s.engine.reset()
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(1600):
+        for slot in s.engine.slots:  # a fresh cost model: it drafts whatever it measured (not by timing)
+            slot.policies.clear()
+        done = collect(s.engine.generate(prompt, dataclasses.replace(sampling, seed=seed), drafting(3, drafter), 2))
+        counts[tuple(done.tokens)] += 1
+        drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    assert 0 < accepted < drafted
+    assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom at p = 0.001
+
+
+def test_mtp_without_mtp_layers_is_refused_as_every_drafter_the_models_cannot_run() -> None:
+    """Engine.check_drafter, the one refusal of a drafter the models cannot run: it says why (the target's missing
+    MTP layers) and names those they can run, before anything is decoded."""
+    target, draft = fake_pair(None, None)
+    for d, can in ((draft, "lookup, model, chain"), (None, "lookup")):
+        engine = Engine(target, d)
+        with pytest.raises(UsageError) as err:
+            engine.start([1, 2, 3], GREEDY.sampling, drafting(4, "mtp"), 8)
+        assert str(err.value) == (
+            "drafter 'mtp' cannot run with these models (the target has no MTP layers: its GGUF has no "
+            f"nextn_predict_layers; an MTP GGUF of the model has them); they can run: {can} (or draft length 0: "
+            "plain decoding)")
+        assert target.decodes == 0
+        engine.check_drafter(drafting(0, "mtp"))  # plain decoding needs no drafter
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_one_line_and_exit_2(tiny_pair) -> None:
+    """Through the engine's check, before any prompt is decoded: one line, exit 2."""
+    from tests.test_bench_cli import localspec
+
+    r = localspec("bench", "--target", str(tiny_pair[0]), "--drafter", "mtp", "--threads", "1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"localspec: error: drafter 'mtp' cannot run with these models ({tiny_pair[0].name} has no MTP layers: its "
+        "GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup (or draft "
+        "length 0: plain decoding)"]
+
+
+@pytest.mark.slow
+def test_bench_runs_speculative_with_rollback_on_a_hybrid_target(hybrid_pair, tmp_path) -> None:
+    """`localspec bench` on a hybrid target with its MTP head: speculative rounds with rejections, greedy
+    identical (the bench's own check)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--threads",
+                                      "1", "--repeat", "1", "--warmup", "0", "--max-tokens", "32", "--json",
+                                      str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["greedy_check"]["passed"] is True, report["greedy_check"]
+    assert 0 < report["speculative"]["acceptance_rate"] < 1
+
+
+def test_check_reports_mtp_layers_and_the_recurrent_state(hybrid_pair) -> None:
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    result = CliRunner().invoke(app, ["check", str(hybrid_pair[0])], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "1 MTP layer" in result.output and "--drafter mtp" in result.output
+    assert "is a hybrid model" in result.output and "rolls it back" in result.output
+    result = CliRunner().invoke(app, ["check", str(hybrid_pair[1])], env={"COLUMNS": "200"})
+    assert "no MTP layers" in result.output
+
+
+def test_a_pair_without_a_draft_names_a_drafter_that_needs_none(tmp_path) -> None:
+    from localspec import registry
+    from localspec.errors import ConfigError
+
+    body = ('[[pair]]\nname = "p"\ndescription = "d"\nn_ctx = 4096\nn_draft = 3\n{extra}'
+            '[pair.target]\nrepo = "a/b"\nfile = "t.gguf"\nquant = "Q4_K_M"\nfamily = "qwen3.5"\nlicense = "x"\n')
+    path = tmp_path / "models.toml"
+    path.write_text(body.format(extra='drafter = "mtp"\n'))
+    (pair,) = registry.parse_file(path)
+    assert pair.draft is None and pair.drafter == "mtp"
+    path.write_text(body.format(extra=""))
+    with pytest.raises(ConfigError, match=r"models.toml:1: missing key 'draft' .*drafter = 'lookup' or 'mtp'"):
+        registry.parse_file(path)
+    path.write_text(body.format(extra='drafter = "eagle"\n'))
+    with pytest.raises(ConfigError, match="drafter = 'eagle': choose one of"):
+        registry.parse_file(path)
+
+
+
+# -- the server ---------------------------------------------------------------------------------------------------
+
+
+def test_speculative_type_mtp_selects_the_mtp_drafter() -> None:
+    from localspec.server.schema import ChatRequest, parse
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for kind in ("mtp", "draft-mtp"):
+        req = parse(ChatRequest, {**body, "speculative": {"type": kind, "n_max": 3}})
+        assert req.preset_overrides()["drafter"] == "mtp"
+
+
+@pytest.mark.slow
+def test_the_server_drafts_with_the_mtp_head_and_refuses_what_it_cannot(hybrid_pair, tiny_pair, tmp_path) -> None:
+    """On a hybrid target with an MTP head, `speculative.type: "mtp"` gives plain greedy decoding's text; a draft
+    longer than the target rolls back, and MTP on a model without an MTP head, are a 400 naming why."""
+    import openai
+
+    from tests.test_serve import Server
+
+    home = tmp_path / "home"
+    home.mkdir()
+    s = Server(home, tmp_path, "--target", str(hybrid_pair[0]), "--draft", "4", "--threads", "1")
+    try:
+        client = s.client()
+
+        def complete(**extra: object) -> str:
+            r = client.completions.create(model="target", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                          extra_body=extra)
+            return r.choices[0].text
+
+        assert complete(**{"speculative.type": "mtp"}) == complete(**{"speculative.type": "none"})
+        with pytest.raises(openai.BadRequestError, match="rolls back at most 4 tokens"):
+            complete(**{"speculative.type": "mtp", "speculative.n_max": 6})
+    finally:
+        s.stop()
+    s = Server(home, tmp_path, "--target", str(tiny_pair[0]), "--threads", "1")
+    try:
+        for spelling in ("mtp", "draft-mtp"):
+            with pytest.raises(openai.BadRequestError) as err:
+                s.client().completions.create(model="target", prompt="Once", max_tokens=4,
+                                              extra_body={"speculative.type": spelling})
+            assert err.value.status_code == 400 and err.value.body["param"] == "speculative.type"  # type: ignore[index]
+            assert err.value.body["message"] == (  # type: ignore[index]
+                f"speculative.type: 'draft-mtp' (drafter 'mtp') is not available: {tiny_pair[0].name} has no MTP "
+                "layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them; this server can "
+                "run ngram-simple (lookup), none")
+    finally:
+        s.stop()
+
+
+# -- a pair without a draft model: pull, list, resolve, check ---------------------------------------------------------
+
+MTP_PAIR = """
+[[pair]]
+name = "hyb-mtp"
+description = "a hybrid target with its own MTP head"
+drafter = "mtp"
+n_ctx = 1024
+n_draft = 3
+
+[pair.target]
+repo = "org/hyb-target"
+file = "target.gguf"
+quant = "Q4_0"
+family = "test"
+license = "mit"
+"""
+
+
+def test_a_pair_with_its_own_mtp_head_pulls_one_file_and_resolves_to_the_mtp_drafter(hybrid_pair, tmp_path,
+                                                                                     monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from localspec import registry, session
+    from localspec.cli.app import app
+    from tests.helpers_hub import FakeHub, HubFile
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models.toml").write_text(MTP_PAIR)
+    hub = FakeHub().start()
+    hub.files[("org/hyb-target", "target.gguf")] = HubFile(hybrid_pair[0].read_bytes())
+    for key, value in {"LOCALSPEC_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                       "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    runner = CliRunner()
+    try:
+        result = runner.invoke(app, ["pull", "hyb-mtp", "--yes"])
+        assert result.exit_code == 0, result.output
+        assert len(hub.gets("target.gguf")) == 1 and registry.default_pair_name() == "hyb-mtp"
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        files = session.resolve_files(None, None, None)
+        assert files.draft is None and files.drafter == "mtp"
+        preset = session.settle_preset(load_preset("default"), files)
+        assert preset.draft.drafter == "mtp" and preset.draft.n_draft == 3
+        listing = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+        assert "+ its own mtp drafter" in listing.output and "downloaded" in listing.output
+        check = runner.invoke(app, ["check", "--pair", "hyb-mtp"], env={"COLUMNS": "200"})
+        assert check.exit_code == 0 and "1 MTP layer" in check.output
+    finally:
+        hub.stop()
