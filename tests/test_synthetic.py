@@ -292,6 +292,7 @@ def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> Non
 from synthetic import HYBRID_27B, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
 
 
+@pytest.mark.slow
 def test_hybrid_layout(hybrid_pair: tuple[Path, Path]) -> None:
     """qwen35's tensors and keys: blocks alternate Gated DeltaNet / full attention, the MTP block comes last, and
     the draft's blocks and global tensors are the target's, byte for byte."""
@@ -370,6 +371,7 @@ def test_recurrent_rollback_in_llama_cpp(hybrid_pair: tuple[Path, Path]) -> None
     assert checkpoint == (True, True)
 
 
+@pytest.mark.slow
 def test_hybrid_cli(tmp_path: Path) -> None:
     from synthetic import main
 
