@@ -6,6 +6,7 @@ removed or added, keeping its tensor infos and data, so llama.cpp could load it 
 
 from __future__ import annotations
 
+import functools
 import struct
 from pathlib import Path
 
@@ -65,20 +66,28 @@ def write(path: Path, records: list[bytes], **kw: object) -> Path:
 
 def rewrite(src: Path, dst: Path, changes: dict[str, bytes | None]) -> Path:
     """`src` with the records of `changes` replaced (bytes from `kv`), removed (None) or appended (new keys)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(src)
+    fields, infos, n_tensors, data_offset = _parsed(Path(src).resolve(), Path(src).stat().st_mtime_ns)
     records: list[bytes] = []
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):  # the reader's pseudo-fields for the file header
-            continue
+    for name, record in fields.items():
         if name in changes:
             if changes[name] is not None:
                 records.append(changes[name])  # type: ignore[arg-type]
             continue
-        records.append(b"".join(p.tobytes() for p in field.parts))
-    records += [r for k, r in changes.items() if k not in reader.fields and r is not None]
-    infos = b"".join(b"".join(p.tobytes() for p in t.field.parts) for t in reader.tensors)
-    data = src.read_bytes()[reader.data_offset:]
-    dst.write_bytes(pack(records, infos, len(reader.tensors), data))
+        records.append(record)
+    records += [r for k, r in changes.items() if k not in fields and r is not None]
+    data = src.read_bytes()[data_offset:]
+    dst.write_bytes(pack(records, infos, n_tensors, data))
     return dst
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(src: Path, _mtime_ns: int) -> tuple[dict[str, bytes], bytes, int, int]:
+    """`src`'s raw key/value records, tensor infos, tensor count and data offset, parsed once per file: gguf's
+    reader takes seconds over a 49,152-token vocabulary, and one file is rewritten many ways."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(src)
+    fields = {name: b"".join(p.tobytes() for p in field.parts) for name, field in reader.fields.items()
+              if not name.startswith("GGUF.")}  # the reader's pseudo-fields for the file header
+    infos = b"".join(b"".join(p.tobytes() for p in t.field.parts) for t in reader.tensors)
+    return fields, infos, len(reader.tensors), reader.data_offset

@@ -146,7 +146,8 @@ class FakeHub:
             do_GET = _serve  # noqa: N815
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # shutdown() waits for the serve loop's next poll: 0.5 s by default, paid by every test that stops a hub.
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def stop(self) -> None:

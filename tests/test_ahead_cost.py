@@ -219,7 +219,7 @@ def numpy_best_continuation(cost: DraftCost, ready: int, room: int, width: int) 
     return int(np.argmax(expected / (numpy_verify_costs(cost, widths) + n * cost.step_s)))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in (2, 3))])
 def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None:
     """`best_ahead`, `best_continuation` and the verify estimates run on Python floats (a round asks them on the
     loop's path; numpy's calls cost more than their arithmetic there): over random histories of rounds (k_max 3 to

@@ -78,8 +78,8 @@ def test_bench_greedy_preset_checks_token_identity_on_the_cpu(use_demo_home):
     assert "draft length 3" in output
 
 
-def test_unknown_preset_is_one_line_and_exit_2(tmp_path):
-    env = {"LOCALSPEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+def test_unknown_preset_is_one_line_and_exit_2(demo_home):
+    env = {"LOCALSPEC_HOME": str(demo_home), "PATH": "/usr/bin:/bin"}
     r = localspec("bench", "--preset", "nope", env=env)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
@@ -88,16 +88,16 @@ def test_unknown_preset_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_bad_preset_file_names_file_key_and_range(tmp_path):
+def test_bad_preset_file_names_file_key_and_range(tmp_path, demo_home):
     bad = tmp_path / "mine.toml"
     bad.write_text("[draft]\nn_draft = 40\n")
-    r = localspec("bench", "--preset", str(bad), env={"LOCALSPEC_HOME": str(tmp_path)})
+    r = localspec("bench", "--preset", str(bad), env={"LOCALSPEC_HOME": str(demo_home)})
     assert r.returncode == 2
     assert f"{bad}: draft.n_draft = 40: allowed range is 0..32" in r.stderr
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    r = localspec("bench", "--preset", "nope", env={"LOCALSPEC_HOME": str(tmp_path), "LOCALSPEC_DEBUG": "1"})
+def test_debug_shows_the_traceback(demo_home):
+    r = localspec("bench", "--preset", "nope", env={"LOCALSPEC_HOME": str(demo_home), "LOCALSPEC_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
 
 

@@ -11,6 +11,7 @@ import host_share
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overlap", "ahead_length"), [("on", "fit"), ("on", "full"), ("off", "fit")])
 def test_host_share_drafts_ahead_as_told_and_splits_the_host_time_by_phase(
         tiny_pair: tuple[Path, Path], tmp_path: Path, overlap: str, ahead_length: str) -> None:
@@ -28,6 +29,7 @@ def test_host_share_drafts_ahead_as_told_and_splits_the_host_time_by_phase(
     assert (result["ahead_cpu_ms"] > 0.0) is (overlap == "on")
 
 
+@pytest.mark.slow
 def test_chain_state_prints_the_chains_cost_figures_after_each_generation(
         tiny_pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     target, draft = tiny_pair

@@ -125,6 +125,7 @@ def _fim_vocab(names: tuple[str, str, str]) -> list[str]:
     return [*tokens[:3], *names, *tokens[6:]]
 
 
+@pytest.mark.slow  # writes a tiny pair of its own (seconds)
 def test_fim_tokens_shared_by_both_models_are_said_so(tiny_fim_pair) -> None:
     from tests.helpers_serve import FIM_TOKENS
 

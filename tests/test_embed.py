@@ -68,6 +68,7 @@ def _greedy(path: Path, prompt: list[int], n: int) -> list[int]:
         return out
 
 
+@pytest.mark.slow
 def test_the_wide_f32_models_compute_the_source(tmp_path: Path, source: Path) -> None:
     src = read_source(source)
     write_embedded(tmp_path / "target.gguf", src, WIDE, "target")
@@ -82,6 +83,7 @@ def test_the_wide_f32_models_compute_the_source(tmp_path: Path, source: Path) ->
         assert (got.argmax(axis=1) == want.argmax(axis=1)).all(), role
 
 
+@pytest.mark.slow
 def test_the_card_mix_layout_and_zero_blocks(tmp_path: Path, source: Path) -> None:
     spec = replace(WIDE, target_mix="q4_k_m", draft_type="q8_0")
     src = read_source(source)
@@ -148,6 +150,7 @@ def test_shapes_that_cannot_hold_the_source(big: Shape, message: str) -> None:
         place(src, 8, WIDE.target)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_source_it_cannot_embed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     qwen3 = tmp_path / "qwen3.gguf"
     write_pair(qwen3, tmp_path / "d.gguf", TINY)  # qwen3 architecture (per-head Q/K norms)

@@ -225,7 +225,7 @@ def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:
         (["chat", "--lookup-min", "0"], "--lookup-min = 0: allowed range is 1..64"),
     ],
 )
-def test_bad_options_name_the_culprit(args: list[str], message: str, captured: dict) -> None:
+def test_bad_options_name_the_culprit(args: list[str], message: str, captured: dict, use_demo_home: Path) -> None:
     result = CliRunner().invoke(app, args)
     assert isinstance(result.exception, LocalspecError) and not isinstance(result.exception, Opened)
     assert message in str(result.exception)

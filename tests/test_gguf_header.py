@@ -271,6 +271,7 @@ print(peak() - before, h.header_bytes, len(h.tokens))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux's /proc")
 def test_peak_memory_stays_within_twice_the_header(tmp_path: Path) -> None:
     # Inside every size limit: a million 16-byte tokens (kept), a million 2-byte strings nothing reads (skipped),

@@ -101,13 +101,14 @@ CRAFTED: dict[str, dict[str, bytes | None]] = {
 
 @pytest.fixture(scope="module")
 def crafted(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from gguf import GGUFReader
+    from synthetic import read_vocab_kv, smollm2_vocab_path
 
     target, _ = tiny_pair
     folder = tmp_path_factory.mktemp("crafted")
     files = {name: G.rewrite(target, folder / f"{name}.gguf", changes) for name, changes in CRAFTED.items()}
-    field = GGUFReader(target).fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(field.parts[i]) for i in field.data]
+    # The tiny pair's tokens are SmolLM2's (write_pair's vocabulary source), read once per session already.
+    kvs, _ = read_vocab_kv(smollm2_vocab_path())
+    tokens = list(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
     files["numeric_tokens"] = G.rewrite(target, folder / "numeric_tokens.gguf", {
         "tokenizer.ggml.tokens": G.kv("tokenizer.ggml.tokens", G.ARRAY, (G.UINT32, list(range(len(tokens)))))})
     tokens[100] = tokens[101]  # llama.cpp asserts its token -> id map is as long as the vocabulary
@@ -136,10 +137,14 @@ HEADER_CASES = [
     ("nested", "check T D", r"'x' nests arrays more than 3 deep"),
     ("nested", "generate hi --target T", r"'x' nests arrays more than 3 deep"),
 ]
+# The fast lane runs one case per command; the rest run with the slow tests (each case is a CLI process).
+FAST_HEADER_CASES = {("no_layers", "generate hi --target T --ngl 0"), ("too_many_layers", "bench --target T --draft D"),
+                     ("numeric_tokens", "check T D")}
 
 
-@pytest.mark.parametrize(("name", "command", "message"), HEADER_CASES, ids=[f"{c[0]}:{c[1].split()[0]}"
-                                                                           for c in HEADER_CASES])
+@pytest.mark.parametrize(("name", "command", "message"),
+                         [c if c[:2] in FAST_HEADER_CASES else pytest.param(*c, marks=pytest.mark.slow)
+                          for c in HEADER_CASES], ids=[f"{c[0]}:{c[1].split()[0]}" for c in HEADER_CASES])
 def test_a_crafted_header_gets_one_line_before_llama_cpp_sees_it(
     name: str, command: str, message: str, crafted: dict[str, Path], tiny_pair: tuple[Path, Path], home: Path,
     tmp_path: Path, baseline_peak: int | None,
@@ -152,7 +157,8 @@ def test_a_crafted_header_gets_one_line_before_llama_cpp_sees_it(
         assert run.peak < baseline_peak + HEADER_MEMORY, (run.peak, baseline_peak)
 
 
-@pytest.mark.parametrize("name", ["numeric_tokens", "nested", "layers_as_text"])
+@pytest.mark.parametrize("name", ["nested", *(pytest.param(n, marks=pytest.mark.slow)
+                                              for n in ("numeric_tokens", "layers_as_text"))])
 def test_doctor_shows_a_crafted_header_as_its_failing_line(name: str, crafted: dict[str, Path],
                                                            tiny_pair: tuple[Path, Path], home: Path,
                                                            tmp_path: Path) -> None:
@@ -216,7 +222,7 @@ def _bench(tiny_pair: tuple[Path, Path], *extra: str) -> list[str]:
     return ["bench", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), *QUICK_BENCH, *extra]
 
 
-@pytest.mark.parametrize("where", ["readonly", "directory"])
+@pytest.mark.parametrize("where", ["readonly", pytest.param("directory", marks=pytest.mark.slow)])
 def test_bench_json_is_refused_before_the_benchmark(where: str, readonly_dir: BadFolder, tiny_pair, home: Path,
                                                     tmp_path: Path) -> None:
     if where == "readonly":
@@ -266,7 +272,8 @@ def test_sweep_save_preset_failing_late_prints_the_preset(tiny_pair, home: Path,
     assert list(presets.iterdir()) == []
 
 
-@pytest.mark.parametrize("where", ["readonly", "full", "directory"])
+@pytest.mark.parametrize("where", ["readonly", *(pytest.param(w, marks=pytest.mark.slow)
+                                                 for w in ("full", "directory"))])
 def test_sweep_save_preset_is_refused_before_the_sweep(where: str, readonly_dir: BadFolder, full_dir: BadFolder,
                                                        tiny_pair, tmp_path: Path, monkeypatch) -> None:
     env: dict[str, str] = {}
@@ -285,7 +292,8 @@ def test_sweep_save_preset_is_refused_before_the_sweep(where: str, readonly_dir:
     assert "localspec bench" not in run.stdout and temp_files(home) == []
 
 
-@pytest.mark.parametrize("where", ["readonly", "full", "directory"])
+@pytest.mark.parametrize("where", ["readonly", *(pytest.param(w, marks=pytest.mark.slow)
+                                                 for w in ("full", "directory"))])
 def test_models_default_on_a_bad_home(where: str, readonly_dir: BadFolder, full_dir: BadFolder, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
@@ -358,6 +366,7 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_two_pulls_of_one_file_wait_for_each_other(fake_hub: FakeHub, tmp_path: Path) -> None:
     fake_hub.files[("org/big", "model.gguf")] = HubFile(CONTENT, seconds_per_mib=1.0)
     args = [sys.executable, "-c", _CLI, "pull", "--target", "org/big:model.gguf"]
@@ -399,13 +408,14 @@ def test_invalid_utf8_on_stdin(home: Path, tmp_path: Path, tiny_pair) -> None:
     run.one_error(2, r"stdin: not UTF-8 text \(byte 0xe9 at offset 3\)")
 
 
-@pytest.mark.parametrize("which", ["preset", "models.toml", "default-pair"])
-def test_non_utf8_config_files(which: str, home: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["models.toml", *(pytest.param(w, marks=pytest.mark.slow)
+                                                     for w in ("preset", "default-pair"))])
+def test_non_utf8_config_files(which: str, home: Path, tmp_path: Path, demo_home: Path) -> None:
     bad = b'# caf\xe9\n'
     if which == "preset":
         path = tmp_path / "latin1.toml"
         path.write_bytes(bad)
-        run = cli("doctor", "--preset", str(path), tmp=tmp_path)
+        run = cli("doctor", "--preset", str(path), env={"LOCALSPEC_HOME": str(demo_home)}, tmp=tmp_path)
     else:
         path = home / which
         path.write_bytes(bad)
@@ -419,7 +429,8 @@ def test_non_utf8_config_files(which: str, home: Path, tmp_path: Path) -> None:
         ("pair = [1]\n", r"models\.toml:1: pair #1 = 1: expected a \[\[pair\]\] table"),
         (USER_PAIR.replace('file = "target.gguf"', 'file = "../x.gguf"'),
          r"models\.toml:\d+: file '\.\./x\.gguf': a file name without folders or '\.\.'"),
-        (USER_PAIR.replace('file = "target.gguf"', 'file = "sub/x.gguf"'), r"file 'sub/x\.gguf': a file name"),
+        pytest.param(USER_PAIR.replace('file = "target.gguf"', 'file = "sub/x.gguf"'),
+                     r"file 'sub/x\.gguf': a file name", marks=pytest.mark.slow),
     ],
 )
 def test_models_toml_shapes_that_used_to_crash(toml: str, message: str, home: Path, tmp_path: Path) -> None:
@@ -459,8 +470,8 @@ def test_ctrl_c_says_interrupted_and_exits_130(home: Path, tiny_pair) -> None:
     assert proc.returncode == 130 and err.decode() == "localspec: interrupted\n", err
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo"])
-@pytest.mark.parametrize("command", ["generate", "check"])
+@pytest.mark.parametrize("kind", ["fifo", pytest.param("directory", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("command", ["generate", pytest.param("check", marks=pytest.mark.slow)])
 def test_a_directory_or_fifo_as_a_model_says_what_it_is(kind: str, command: str, home: Path, tmp_path: Path,
                                                        tiny_pair) -> None:
     path = tmp_path / "model.gguf"

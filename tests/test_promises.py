@@ -57,7 +57,8 @@ def _main(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--port", "0"], ["bench"]])
+@pytest.mark.parametrize("command", [["generate", "hi"], *(pytest.param(c, marks=pytest.mark.slow)
+                                                            for c in (["serve", "--port", "0"], ["bench"]))])
 def test_an_incompatible_pair_is_an_error_like_any_other_exit_2(command: list[str], tmp_path: Path) -> None:
     """Before: exit 1, where every other error exits 2 (as the README says). `localspec check`'s verdict
     "incompatible" is an answer, not an error: it keeps exit 1."""

@@ -159,6 +159,7 @@ def _facts_gguf(path: Path, spec: registry.ModelSpec, other: registry.ModelSpec)
 SHIPPED = registry.parse_file(registry.shipped_path())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_each_shipped_pair_passes_check_from_its_published_facts(pair: registry.Pair, tmp_path: Path) -> None:
     from typer.testing import CliRunner
@@ -181,6 +182,7 @@ def test_each_shipped_pair_passes_check_from_its_published_facts(pair: registry.
     assert "verdict: compatible" in result.output
 
 
+@pytest.mark.slow
 def test_a_wrong_fact_in_models_toml_fails_the_check(tmp_path: Path) -> None:
     """The facts test above would catch a mistyped entry: a draft whose BOS or vocabulary differs."""
     from localspec import compat

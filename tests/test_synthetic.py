@@ -29,6 +29,7 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
     return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
 
 
+@pytest.mark.slow
 def test_shared_tensors_bit_identical(f32_pair: tuple[Path, Path]) -> None:
     target, draft = (_tensors(p) for p in f32_pair)
     shared = ["token_embd.weight", "output.weight", "output_norm.weight"] + [
@@ -43,6 +44,7 @@ def test_shared_tensors_bit_identical(f32_pair: tuple[Path, Path]) -> None:
     assert not np.array_equal(target[extra], target["blk.0.ffn_down.weight"])
 
 
+@pytest.mark.slow
 def test_metadata_and_determinism(tmp_path: Path, f32_pair: tuple[Path, Path]) -> None:
     again, _ = _pair(tmp_path, TINY, "again")
     assert again.read_bytes() == f32_pair[0].read_bytes()  # same seed, same bytes
@@ -58,6 +60,7 @@ def test_metadata_and_determinism(tmp_path: Path, f32_pair: tuple[Path, Path]) -
     assert abs(float(w.mean())) < 0.05 * TINY.scale * 4.3
 
 
+@pytest.mark.slow
 def test_q4_0_is_the_same_model(tmp_path: Path) -> None:
     """Q4_0 bytes dequantise (ggml's nibble order) to exactly the F32 pair's values."""
     f32, _ = _pair(tmp_path, TINY, "f32")
@@ -176,6 +179,7 @@ def synthetic_nbytes(shape: tuple[int, ...], qtype: str) -> int:
     return synthetic._nbytes(shape, qtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_card_quantized_files_hold_exactly_the_f32_model(card_pair, card_pair_f32) -> None:
     """K-quant and Q8_0 blocks written directly dequantize (gguf's reference code) to the F32 twin's values."""
     for quant, f32 in zip(card_pair, card_pair_f32, strict=True):
@@ -192,6 +196,7 @@ def test_card_quantized_files_hold_exactly_the_f32_model(card_pair, card_pair_f3
         assert checked >= ({"Q4_K", "Q6_K", "F32"} if "target" in quant.name else {"Q8_0", "F32"})
 
 
+@pytest.mark.slow
 def test_card_target_is_shared_by_every_level_and_drafts_differ_only_in_the_embedding(tmp_path, card_pair) -> None:
     target, draft = card_pair
     other_target, other_draft = _card(tmp_path, replace(CARD_TINY, noise=CARD_NOISE_70), "other")
@@ -259,6 +264,7 @@ def test_card_agreement_levels(tmp_path) -> None:
     assert rates[0.0] > rates[CARD_NOISE_85] > rates[CARD_NOISE_70], rates
 
 
+@pytest.mark.slow
 def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> None:
     """run.sh writes the card's target once and a draft per level; kernels.sh one target per weight type."""
     from synthetic import main
@@ -286,6 +292,7 @@ def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> Non
 from synthetic import HYBRID_27B, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
 
 
+@pytest.mark.slow
 def test_hybrid_layout(hybrid_pair: tuple[Path, Path]) -> None:
     """qwen35's tensors and keys: blocks alternate Gated DeltaNet / full attention, the MTP block comes last, and
     the draft's blocks and global tensors are the target's, byte for byte."""
@@ -364,6 +371,7 @@ def test_recurrent_rollback_in_llama_cpp(hybrid_pair: tuple[Path, Path]) -> None
     assert checkpoint == (True, True)
 
 
+@pytest.mark.slow
 def test_hybrid_cli(tmp_path: Path) -> None:
     from synthetic import main
 

@@ -126,6 +126,7 @@ def thinking_session(thinking_pair: tuple[Path, Path]):
         yield session
 
 
+@pytest.mark.slow
 def test_rewritten_history_is_reread_from_the_common_prefix_and_stays_lossless(thinking_session) -> None:
     chat = ChatSession(thinking_session.engine, thinking_session.target, thinking_session.preset, max_tokens=12)
     assert chat.template.source.endswith("tokenizer.chat_template") and chat.thinking is True
@@ -153,6 +154,7 @@ def test_rewritten_history_is_reread_from_the_common_prefix_and_stays_lossless(t
     assert warm == cold  # reusing a prefix of a rewritten history gives the tokens a cold start gives
 
 
+@pytest.mark.slow
 def test_nothink_writes_the_empty_block_and_templates_without_a_switch_refuse(
     thinking_session, tiny_pair: tuple[Path, Path]
 ) -> None:
@@ -172,6 +174,7 @@ def test_nothink_writes_the_empty_block_and_templates_without_a_switch_refuse(
             plain.set_thinking(False)
 
 
+@pytest.mark.slow
 def test_the_reply_limit_comes_from_the_preset_and_is_recorded(thinking_session) -> None:
     preset = thinking_session.preset.with_overrides(prefer="chat", max_tokens=5)
     chat = ChatSession(thinking_session.engine, thinking_session.target, preset)
@@ -191,6 +194,7 @@ def _generate(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_generate_chat_no_think_and_the_limit_note(thinking_pair: tuple[Path, Path], tmp_path: Path) -> None:
     target, draft = thinking_pair
     model = ["--target", str(target), "--draft", str(draft), "--ctx", "256", "--temp", "0"]
