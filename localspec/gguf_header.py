@@ -275,6 +275,14 @@ ROLLBACK_ARCHS = frozenset({"kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deeps
 _DELTANET_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})
 
 
+def _listed_or_every_interval(listed: Any, interval: int, n: int) -> tuple[int, ...]:
+    """A hybrid's recurrent trunk layers: those `attention.recurrent_layers` marks, else all but every
+    `interval`-th (a Gated DeltaNet hybrid's `full_attention_interval`)."""
+    if isinstance(listed, np.ndarray) and len(listed) >= n:
+        return tuple(i for i in range(n) if bool(listed[i]))
+    return tuple(i for i in range(n) if (i + 1) % interval)
+
+
 @dataclass(frozen=True)
 class Recurrence:
     """A model whose memory holds a recurrent state beside (hybrid) or instead of (recurrent) a KV cache."""
@@ -394,11 +402,8 @@ class GGUFHeader:
         listed = self.arch_get("attention.recurrent_layers")
         if arch in RECURRENT_ARCHS:
             layers = tuple(range(n))
-        elif isinstance(listed, np.ndarray) and len(listed) >= n:
-            layers = tuple(i for i in range(n) if bool(listed[i]))
-        elif arch in _DELTANET_ARCHS:
-            interval = count("full_attention_interval") or 4
-            layers = tuple(i for i in range(n) if (i + 1) % interval)
+        elif arch in _DELTANET_ARCHS or (isinstance(listed, np.ndarray) and len(listed) >= n):
+            layers = _listed_or_every_interval(listed, count("full_attention_interval") or 4, n)
         else:  # other hybrids: the layers without KV heads hold the state
             layers = tuple(i for i in range(n) if self.hparams.n_head_kv[i] == 0)
         conv, inner, state, groups = (count(f"ssm.{k}") for k in ("conv_kernel", "inner_size", "state_size",
@@ -490,11 +495,7 @@ def _check_hparams(h: GGUFHeader) -> HParams:
         # aborts on its first decode (GGML_ASSERT(buffer) in set_inputs: docs/upstream.md).
         trunk, listed = n_layer - nextn, h.metadata.get(f"{h.arch}.attention.recurrent_layers")
         interval = count("full_attention_interval", 1, LLAMA_MAX_LAYERS, default=4)
-        if isinstance(listed, np.ndarray) and len(listed) >= trunk:
-            attends = not all(bool(v) for v in listed[:trunk].tolist())
-        else:
-            attends = trunk >= interval
-        if not attends:
+        if len(_listed_or_every_interval(listed, interval, trunk)) == trunk:
             raise h.error(f"none of its {trunk} layers attends ({h.arch}.full_attention_interval = {interval}): "
                           "llama.cpp aborts on such a hybrid's first decode")
     scaling = h.metadata.get(f"{h.arch}.rope.scaling.type")
