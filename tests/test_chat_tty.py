@@ -103,7 +103,7 @@ def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None
         _, s4 = turn(child, "And one in Spain?")
         assert s4[2] == "no drafting"
         command(child, "/temp 0.5", r"temperature 0\.5")
-        command(child, "/preset default", r"preset default: temperature 0\.7, draft length 6")
+        command(child, "/preset default", r"preset default: temperature 0\.7, draft length 6 \(the draft model\)")
         command(child, "/help", r"/save FILE +write the transcript")
         command(child, "/bogus", "unknown command /bogus")
 

@@ -40,6 +40,7 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.cli import options
+from localspec.config import DRAFTER_FACTS
 from localspec.constraints import Constraint
 from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import DecodeError, LocalspecError, UsageError
@@ -302,9 +303,8 @@ class ChatView:
 
     def _settings_text(self) -> str:
         p = self.chat.preset
-        drafter = "" if p.draft.drafter == "model" else f" ({p.draft.drafter})"
-        draft = (f"draft length {p.draft.n_draft}{drafter}" if p.draft.drafter in self.chat.engine.drafters
-                 else "no draft model")
+        draft = (f"draft length {p.draft.n_draft} ({DRAFTER_FACTS[p.draft.drafter].title})"
+                 if p.draft.drafter in self.chat.engine.drafters else "no draft model")
         thinking = "" if self.chat.thinking is None else f", thinking {'on' if self.chat.thinking else 'off'}"
         return (f"preset {p.name}: temperature {p.sampling.temperature}, {draft}, "
                 f"reply limit {self.chat.reply_limit}{thinking}")
