@@ -31,6 +31,8 @@
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_WIDTHS
 #   SKIP_LLAMA [0]               1 = `localspec bench` without --against llama.cpp
 #   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
+#   SWEEP                        draft lengths for `localspec bench --sweep` after each pair's runs (e.g. 4,6,8,12;
+#                                empty = none): sweep-t<T>.json beside localspec-t<T>.json
 #   LOCALSPEC_ARGS  WIDTHS_ARGS  extra arguments for `localspec bench` and verify_widths.py
 set -uo pipefail
 # shellcheck source=bench/gpu/harness.sh
@@ -226,6 +228,17 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench, th
             --temp "$temp" --draft "$DRAFT_MAX" --max-tokens "$N_PREDICT" --repeat "$repeat" --warmup "$WARMUP" \
             --seed "$SEED" --ctx 4096 --json "$json" "${against[@]}" ${LOCALSPEC_ARGS:-} \
             > "$D/localspec-t$temp.log" 2>&1
+    done
+    [[ -z "${SWEEP:-}" ]] && return 0
+    # The draft-length sweep (the product's own `--sweep`): plain and each length interleaved, at each temperature.
+    for temp in $temps; do
+        local sweep_json="$D/sweep-t$temp.json"
+        done_ok "$sweep_json" && continue
+        # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose
+        run "sweep-$name-t$temp" $(( 20 + 8 * repeat * $(tr ',' ' ' <<< "$SWEEP" | wc -w) )) "${LOCALSPEC[@]}" bench \
+            --raw --target "$T" --draft "$DR" --temp "$temp" --sweep "$SWEEP" --max-tokens "$N_PREDICT" \
+            --repeat "$repeat" --warmup "$WARMUP" --seed "$SEED" --ctx 4096 --json "$sweep_json" ${LOCALSPEC_ARGS:-} \
+            > "$D/sweep-t$temp.log" 2>&1
     done
 }
 widths() {  # widths NAME MODEL [ARGS]: verify cost per width, graph warmth, batch vs single logits
