@@ -11,7 +11,10 @@ sampled with top-k needs only its top_k best legal tokens (and greedy its best o
 row's best few dozen tokens first and widens only when too few of them are legal; top_k = 0 needs every token.
 Fewer legal tokens than top_k among those checked is enough too when top-p or min-p would cut the row before any
 token left unchecked, whatever those are (`settled`): at a JSON key or a comma a grammar allows a handful of tokens
-in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/performance.md).
+in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/performance.md). Where the row's best
+tokens do not do (a literal such as `<tool_call>` or a tool's name, none of whose few legal tokens the model ranks
+high), the whole vocabulary is checked through its prefix forest (`Grammar.legal_everywhere`): a few thousand
+tokens asked, not 152k.
 """
 
 from __future__ import annotations
@@ -130,12 +133,12 @@ def kept_ids(row: np.ndarray, grammar: Grammar, sampling: Sampling) -> np.ndarra
 
 def best_ids(row: np.ndarray, look: int) -> np.ndarray:
     """At least `look` ids of a row's best logits, every other token's logit below all of theirs (not in order).
-    Those above a threshold read off a strided sample of the row, a few times `look` of them: a comparison over
+    Those above a threshold read off a strided sample of the row, somewhat more than `look`: a comparison over
     the row where an argpartition of 152k logits took 1 ms (every constrained row pays one); the argpartition
     where the sample misjudges the row (ties, a row flat but for a few)."""
     vocab = len(row)
     sample = row[::SAMPLE_STRIDE]
-    want = 2 * look // SAMPLE_STRIDE + 8
+    want = look // SAMPLE_STRIDE + look // 64 + 8  # about 2x look ids at 160, 1.3x at 1280: rarely fewer than look
     if want < len(sample):
         threshold = np.partition(sample, len(sample) - want)[len(sample) - want]
         ids = np.flatnonzero(row >= threshold)
