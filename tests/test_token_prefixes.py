@@ -130,3 +130,28 @@ def test_a_grammar_of_token_ids_checks_every_token(vocab_model):
     assert mask[word] and np.array_equal(mask, g.legal(np.arange(model.n_vocab)))  # (` hell` is refused)
     assert g.asked == 2 * model.n_vocab
     g.close()
+
+
+@pytest.mark.slow
+def test_an_awaiting_grammar_checks_the_marker_only_where_a_token_can_complete_it(vocab_model, monkeypatch):
+    """Before `<tool_call>`, every token is allowed but one that completes the marker with text the grammar forbids
+    after it: the whole-vocabulary mask equals that token-by-token replay at every tail of the marker, and replays
+    only tokens whose text holds its last byte (`>`), not each of the vocabulary's."""
+    model = vocab_model
+    tools = parse_tools(TOOLS, "auto", True)
+    assert tools is not None
+    for before in ("", " Sure, <", " Sure, <tool_call", "<tool_"):
+        g = grammar_of(model, tools.constraint())
+        for t in model.tokenize(before, add_special=False):
+            g.accept(t)
+        assert g.awaiting
+        reference = np.array([g._trigger_is_safe(t) for t in range(model.n_vocab)])
+        replayed = []
+        check = g._trigger_is_safe
+        monkeypatch.setattr(g, "_trigger_is_safe", lambda t, seen=replayed, check=check: seen.append(t) or check(t))
+        assert np.array_equal(g.legal_everywhere(), reference), before
+        assert all(b">" in model.piece(t, special=True) for t in replayed)
+        assert 0 < len(replayed) < model.n_vocab // 20
+        if before.endswith("<tool_call"):
+            assert not reference.all()  # `>"` and the like complete the marker into text the grammar refuses
+        g.close()

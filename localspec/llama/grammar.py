@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
@@ -70,6 +71,15 @@ class TokenPrefixes:
 
     parent: np.ndarray  # int32 per token, -1 for a root
     levels: tuple[np.ndarray, ...]  # token ids by depth: roots first
+    pieces: tuple[bytes, ...]  # each token's text as the grammar reads it
+    _holding: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def holding(self, byte: int) -> np.ndarray:
+        """Which tokens' text holds the byte (a bool per token), computed once per byte."""
+        found = self._holding.get(byte)
+        if found is None:
+            found = self._holding[byte] = np.array([byte in piece for piece in self.pieces], dtype=bool)
+        return found
 
     @classmethod
     def of(cls, model: LlamaModel) -> TokenPrefixes:
@@ -102,12 +112,13 @@ class TokenPrefixes:
         order = np.argsort(depth, kind="stable")
         bounds = np.searchsorted(depth[order], np.arange(int(depth.max()) + 2))
         levels = tuple(order[bounds[d] : bounds[d + 1]].astype(np.int32) for d in range(len(bounds) - 1))
-        return cls(parent, levels)
+        return cls(parent, levels, tuple(pieces))
 
 
 _PREFIXES: weakref.WeakKeyDictionary[LlamaModel, TokenPrefixes] = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=64)
 def matches_text_only(gbnf: str) -> bool:
     """Whether a GBNF grammar matches text only: no token references (`<[id]>`, `<|name|>`, `!<...>`), which llama.cpp
     matches by id, so a token's prefix may be refused where it is allowed. Outside comments, string literals and
@@ -149,7 +160,8 @@ class Grammar:
         self.awaiting = bool(trigger)
         self._seen = b""  # while awaiting: the emitted text (bytes, as llama.cpp's trigger buffer holds it)
         self._sampler = None
-        self._prefixes = TokenPrefixes.of(model) if matches_text_only(gbnf) else None
+        self._vocab = TokenPrefixes.of(model)
+        self._by_text = matches_text_only(gbnf)
         if trigger and not all(c.isalnum() or c in "<>_/:-" for c in trigger):
             raise GrammarError(f"{source}: a trigger is letters, digits and <>_/:- only (got {trigger!r})")
         # llama.cpp's GBNF parser prints its complaint to stderr itself (fprintf): caught here, it becomes part
@@ -189,7 +201,11 @@ class Grammar:
             llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
             out[inside] = np.isfinite(data["logit"])
         if self.awaiting:
-            for i in np.flatnonzero(out):
+            # Only a token whose text holds the marker's last byte can complete it (the text before never does).
+            closing = np.zeros(ids.shape, dtype=bool)
+            assert self.trigger is not None
+            closing[inside] = self._vocab.holding(self.trigger[-1])[ids[inside]]
+            for i in np.flatnonzero(out & closing):
                 out[i] = self._trigger_is_safe(int(ids[i]))
         return out
 
@@ -197,15 +213,15 @@ class Grammar:
         """`legal` over the whole vocabulary (a bool per token id), asking llama.cpp only about the roots of the
         vocabulary's prefix forest and the children of allowed tokens (`TokenPrefixes`); every token where the
         grammar matches tokens by id or is still awaiting its trigger."""
-        if self._prefixes is None or self.awaiting:
+        if not self._by_text or self.awaiting:
             return self.legal(np.arange(self.n_vocab))
         allowed = np.zeros(self.n_vocab, dtype=bool)
-        asked = self._prefixes.levels[0]
-        for level in self._prefixes.levels[1:] + (None,):
+        asked = self._vocab.levels[0]
+        for level in self._vocab.levels[1:] + (None,):
             allowed[asked] = self.legal(asked)
             if level is None:
                 break
-            asked = level[allowed[self._prefixes.parent[level]]]
+            asked = level[allowed[self._vocab.parent[level]]]
             if not len(asked):
                 break
         return allowed
@@ -213,7 +229,7 @@ class Grammar:
     def _trigger_is_safe(self, token: int) -> bool:
         """While awaiting: False only for a token that completes the marker with text the grammar forbids."""
         assert self.trigger is not None
-        text = self._seen + self.model.piece(token, special=True)  # (the grammar reads special tokens' text too)
+        text = self._seen + self._vocab.pieces[token]  # (the grammar reads special tokens' text too)
         at = text.find(self.trigger)
         if at < 0:
             return True
