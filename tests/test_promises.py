@@ -177,9 +177,10 @@ def test_chat_refuses_a_preset_whose_drafter_the_models_cannot_run() -> None:
 
 class NoRepeatGrammar:
     """A toy grammar over the fake's vocabulary: a token may not follow itself, nor be token 0 (the engine's
-    grammar surface: clone, legal, accept, close)."""
+    grammar surface: clone, legal, legal_everywhere, accept, close)."""
 
     source = "no-repeat"
+    n_vocab = 16  # the test's FakeModel(vocab=16)
 
     def __init__(self, last: int = -1) -> None:
         self.last = last
@@ -190,6 +191,9 @@ class NoRepeatGrammar:
     def legal(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).ravel()
         return (ids != self.last) & (ids != 0)
+
+    def legal_everywhere(self) -> np.ndarray:
+        return self.legal(np.arange(self.n_vocab))
 
     def accept(self, token: int) -> None:
         self.last = token

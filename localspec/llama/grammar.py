@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
@@ -56,6 +59,87 @@ def _stderr_captured() -> Iterator[list[str]]:
             said.append(sink.read(4096).decode("utf-8", errors="replace"))
 
 
+@dataclass(frozen=True)
+class TokenPrefixes:
+    """A vocabulary as a forest of text prefixes: each token's parent is the token whose text is its longest proper
+    prefix (None: a root), tokens grouped by depth. llama.cpp's grammar matches a token's text character by
+    character (a trailing partial UTF-8 character by the range it could still be), so a token it allows has every
+    prefix allowed too: where the parent is refused, so are all its descendants. A whole-vocabulary mask then asks
+    about the roots and the children of allowed tokens only: a handful of thousands where a grammar allows a few
+    tokens (a literal such as `<tool_call>` or a JSON key), not every token. End-of-generation tokens (allowed
+    when the grammar can end, whatever their text) and tokens without text are roots and never parents."""
+
+    parent: np.ndarray  # int32 per token, -1 for a root
+    levels: tuple[np.ndarray, ...]  # token ids by depth: roots first
+    pieces: tuple[bytes, ...]  # each token's text as the grammar reads it
+    _holding: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def holding(self, byte: int) -> np.ndarray:
+        """Which tokens' text holds the byte (a bool per token), computed once per byte."""
+        found = self._holding.get(byte)
+        if found is None:
+            found = self._holding[byte] = np.array([byte in piece for piece in self.pieces], dtype=bool)
+        return found
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> TokenPrefixes:
+        found = _PREFIXES.get(model)
+        if found is None:
+            found = _PREFIXES[model] = cls._build(model)
+        return found
+
+    @classmethod
+    def _build(cls, model: LlamaModel) -> TokenPrefixes:
+        n = model.n_vocab
+        # The text the grammar reads: llama.cpp's cached piece with special tokens as their text.
+        pieces = [model.piece(t, special=True) for t in range(n)]
+        eog = [model.is_eog(t) for t in range(n)]
+        first: dict[bytes, int] = {}
+        for t, piece in enumerate(pieces):
+            if piece and not eog[t]:
+                first.setdefault(piece, t)
+        parent = np.full(n, -1, dtype=np.int32)
+        depth = np.zeros(n, dtype=np.int32)
+        for t in sorted(range(n), key=lambda t: len(pieces[t])):  # a parent's text is shorter: its depth is known
+            piece = pieces[t]
+            if eog[t] or not piece:
+                continue
+            for cut in range(len(piece) - 1, 0, -1):
+                p = first.get(piece[:cut])
+                if p is not None:
+                    parent[t], depth[t] = p, depth[p] + 1
+                    break
+        order = np.argsort(depth, kind="stable")
+        bounds = np.searchsorted(depth[order], np.arange(int(depth.max()) + 2))
+        levels = tuple(order[bounds[d] : bounds[d + 1]].astype(np.int32) for d in range(len(bounds) - 1))
+        return cls(parent, levels, tuple(pieces))
+
+
+_PREFIXES: weakref.WeakKeyDictionary[LlamaModel, TokenPrefixes] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=64)
+def matches_text_only(gbnf: str) -> bool:
+    """Whether a GBNF grammar matches text only: no token references (`<[id]>`, `<|name|>`, `!<...>`), which llama.cpp
+    matches by id, so a token's prefix may be refused where it is allowed. Outside comments, string literals and
+    character classes `<` and `!` mean nothing else."""
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c == "#":
+            while i < n and gbnf[i] not in "\r\n":
+                i += 1
+        elif c in "\"[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != close:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c in "<!":
+            return False
+        i += 1
+    return True
+
+
 class Grammar:
     """A GBNF grammar's state over one model's vocabulary (llama.cpp's grammar sampler): which tokens may come
     next (`legal`), and `accept` to advance by one token. `clone` copies the state, so a draft run can be masked
@@ -76,6 +160,8 @@ class Grammar:
         self.awaiting = bool(trigger)
         self._seen = b""  # while awaiting: the emitted text (bytes, as llama.cpp's trigger buffer holds it)
         self._sampler = None
+        self._vocab = TokenPrefixes.of(model)
+        self._by_text = matches_text_only(gbnf)
         if trigger and not all(c.isalnum() or c in "<>_/:-" for c in trigger):
             raise GrammarError(f"{source}: a trigger is letters, digits and <>_/:- only (got {trigger!r})")
         # llama.cpp's GBNF parser prints its complaint to stderr itself (fprintf): caught here, it becomes part
@@ -115,14 +201,35 @@ class Grammar:
             llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
             out[inside] = np.isfinite(data["logit"])
         if self.awaiting:
-            for i in np.flatnonzero(out):
+            # Only a token whose text holds the marker's last byte can complete it (the text before never does).
+            closing = np.zeros(ids.shape, dtype=bool)
+            assert self.trigger is not None
+            closing[inside] = self._vocab.holding(self.trigger[-1])[ids[inside]]
+            for i in np.flatnonzero(out & closing):
                 out[i] = self._trigger_is_safe(int(ids[i]))
         return out
+
+    def legal_everywhere(self) -> np.ndarray:
+        """`legal` over the whole vocabulary (a bool per token id), asking llama.cpp only about the roots of the
+        vocabulary's prefix forest and the children of allowed tokens (`TokenPrefixes`); every token where the
+        grammar matches tokens by id or is still awaiting its trigger."""
+        if not self._by_text or self.awaiting:
+            return self.legal(np.arange(self.n_vocab))
+        allowed = np.zeros(self.n_vocab, dtype=bool)
+        asked = self._vocab.levels[0]
+        for level in self._vocab.levels[1:] + (None,):
+            allowed[asked] = self.legal(asked)
+            if level is None:
+                break
+            asked = level[allowed[self._vocab.parent[level]]]
+            if not len(asked):
+                break
+        return allowed
 
     def _trigger_is_safe(self, token: int) -> bool:
         """While awaiting: False only for a token that completes the marker with text the grammar forbids."""
         assert self.trigger is not None
-        text = self._seen + self.model.piece(token, special=True)  # (the grammar reads special tokens' text too)
+        text = self._seen + self._vocab.pieces[token]  # (the grammar reads special tokens' text too)
         at = text.find(self.trigger)
         if at < 0:
             return True
