@@ -43,6 +43,8 @@ def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
     with LlamaModel(bos_last_pair[0], n_ctx=64, n_seq=2, n_threads=1, devices=[]) as model:
         assert model.bos == model.n_vocab - 1
         assert model.sequence_batch_error == 0.0 and model.batches_sequences
+        assert model.width_noise == 0.0  # on the CPU a sequence's rows do not depend on the batch's width
+
 
 
 def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):

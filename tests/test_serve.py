@@ -359,6 +359,7 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
     alone = [ask(r) for r in requests]
     health = slots4.wait_idle()
     assert health["slots"] == 4 and health["slots_batched"]
+    assert health["slots_batch_error"] == 0.0 and health["width_noise"] == 0.0  # the CPU: bit for bit
     together: list[tuple[str, int] | None] = [None] * 4
     peak = {"running": 0}
 

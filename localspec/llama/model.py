@@ -195,11 +195,13 @@ class LlamaModel:
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
         self.batches_sequences = True
-        self.sequence_batch_error = 0.0
+        self.sequence_batch_error = self.width_noise = 0.0
         if n_seq > 1:
-            self.sequence_batch_error = self._sequence_batch_error()
+            self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
             # On the CPU a sequence must score bit for bit as alone; a GPU's kernels differ with the batch shape
             # anyway (docs/gpu.md), so there only a structural error (whole logits off) turns batching off.
+            # `width_noise` (what another batch width moves one sequence's rows) is reported beside it: on a GPU
+            # a model with large logits rounds past the floor at every width change (docs/performance.md).
             self.batches_sequences = self.sequence_batch_error <= (SEQUENCE_BATCH_NOISE if self.on_gpu else 0.0)
 
     # -- decoding -------------------------------------------------------------------------------------------
@@ -295,8 +297,9 @@ class LlamaModel:
             raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
 
-    def _sequence_batch_error(self) -> float:
-        """The largest logit difference between two sequences decoded in one batch and each decoded alone.
+    def _sequence_batch_error(self) -> tuple[float, float]:
+        """The largest logit difference between two sequences decoded in one batch and each decoded alone, and
+        the largest between one sequence's first rows decoded in batches of two widths (9 and 5 tokens).
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
@@ -314,8 +317,11 @@ class LlamaModel:
             for seq, tokens in enumerate(probes):
                 alone.append(self._decode_batched([(seq, tokens, 0, True)])[0][0].copy())
                 self.clear(seq)
+            narrow = self._decode_batched([(0, probes[0][:5], 0, True)])[0][0].copy()
+            self.clear(0)
+            width_noise = float(np.abs(narrow - alone[0][:5]).max())
             together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])[0]
-            return max(float(np.abs(t - a).max()) for t, a in zip(together, alone, strict=True))
+            return max(float(np.abs(t - a).max()) for t, a in zip(together, alone, strict=True)), width_noise
         finally:
             for seq in range(len(probes)):
                 self.clear(seq)

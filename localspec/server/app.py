@@ -61,6 +61,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         stats, worker = state.backend.worker.stats, state.backend.worker
         return JSONResponse({"status": "ok", "model": state.model_id, "busy": stats.busy, "running": stats.running,
                              "slots": worker.slots, "slots_batched": worker.engine.batches_slots,
+                             # what decided it (logits, the worst model): a multi-sequence batch against each
+                             # sequence alone, and one sequence at two batch widths (LlamaModel's probe at load)
+                             "slots_batch_error": max(m.sequence_batch_error for m in worker.engine.models),
+                             "width_noise": max(m.width_noise for m in worker.engine.models),
                              "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
                              "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
