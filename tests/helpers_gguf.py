@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAGIC = 0x46554747
 ALIGNMENT = 32
@@ -91,3 +93,53 @@ def _parsed(src: Path, _mtime_ns: int) -> tuple[dict[str, bytes], bytes, int, in
               if not name.startswith("GGUF.")}  # the reader's pseudo-fields for the file header
     infos = b"".join(b"".join(p.tobytes() for p in t.field.parts) for t in reader.tensors)
     return fields, infos, len(reader.tensors), reader.data_offset
+
+
+# -- reading a written model's tensors ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file, laid out as `gguf.GGUFReader` lays it out: numpy's dimension order, and the
+    quantized types as rows of block bytes (what `gguf.quants.dequantize` takes)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: Any  # a numpy array
+
+
+def read_tensors(path: Path) -> list[Tensor]:
+    """`path`'s tensors in file order, their data memory-mapped: the tensor infos from the header alone
+    (localspec.gguf_header), since gguf's reader spends seconds on a 49,152-token vocabulary's strings first."""
+    import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from localspec.gguf_header import read_header
+
+    # The types GGUFReader reads as numbers; every other type is read as its blocks' bytes.
+    numeric = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+               Q.I32: np.int32, Q.I64: np.int64}
+    header = read_header(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for info in header.tensors:
+        kind = Q(info.type_id)
+        start = header.data_offset + info.offset
+        data = raw[start : start + info.n_bytes]
+        shape = tuple(reversed(info.shape))
+        if kind in numeric:
+            data = data.view(numeric[kind]).reshape(shape)
+        else:
+            data = data.reshape(quant_shape_to_byte_shape(shape, kind))
+        out.append(Tensor(info.name, kind, data))
+    return out
+
+
+def read_fields(path: Path) -> dict[str, object]:
+    """`path`'s metadata as localspec.gguf_header reads it (the tokenizer's token list kept, other string arrays
+    as their length)."""
+    from localspec.gguf_header import read_header
+
+    return dict(read_header(path).metadata)
