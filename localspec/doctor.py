@@ -17,8 +17,8 @@ from localspec.status import Status
 
 GiB = float(1 << 30)
 GPU_BUILD_FIX = (
-    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON" pip install --force-reinstall --no-cache-dir '
-    "llama-cpp-python==0.3.36"
+    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON -DLLAVA_BUILD=OFF" pip install --force-reinstall '
+    "--no-cache-dir llama-cpp-python==0.3.36"
 )
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAGIC = 0x46554747
 ALIGNMENT = 32
@@ -82,12 +84,87 @@ def rewrite(src: Path, dst: Path, changes: dict[str, bytes | None]) -> Path:
 
 @functools.lru_cache(maxsize=4)
 def _parsed(src: Path, _mtime_ns: int) -> tuple[dict[str, bytes], bytes, int, int]:
-    """`src`'s raw key/value records, tensor infos, tensor count and data offset, parsed once per file: gguf's
-    reader takes seconds over a 49,152-token vocabulary, and one file is rewritten many ways."""
-    from gguf import GGUFReader
+    """`src`'s raw key/value records, tensor infos, tensor count and data offset, walked once per file with
+    `struct` (gguf's reader builds a numpy view per string: seconds over a 49,152-token vocabulary)."""
+    raw = src.read_bytes()
+    magic, _, n_tensors, n_kv = struct.unpack_from("<IIQQ", raw, 0)
+    assert magic == MAGIC, src
 
-    reader = GGUFReader(src)
-    fields = {name: b"".join(p.tobytes() for p in field.parts) for name, field in reader.fields.items()
-              if not name.startswith("GGUF.")}  # the reader's pseudo-fields for the file header
-    infos = b"".join(b"".join(p.tobytes() for p in t.field.parts) for t in reader.tensors)
-    return fields, infos, len(reader.tensors), reader.data_offset
+    def past_value(vtype: int, pos: int) -> int:
+        if vtype == STRING:
+            return pos + 8 + struct.unpack_from("<Q", raw, pos)[0]
+        if vtype == ARRAY:
+            item, count = struct.unpack_from("<IQ", raw, pos)
+            pos += 12
+            if item in _FMT:
+                return pos + count * struct.calcsize("<" + _FMT[item])
+            for _ in range(count):
+                pos = past_value(item, pos)
+            return pos
+        return pos + struct.calcsize("<" + _FMT[vtype])
+
+    fields: dict[str, bytes] = {}
+    pos = 24
+    for _ in range(n_kv):
+        start = pos
+        length = struct.unpack_from("<Q", raw, pos)[0]
+        key = raw[pos + 8 : pos + 8 + length].decode()
+        pos = past_value(struct.unpack_from("<I", raw, pos + 8 + length)[0], pos + 12 + length)
+        fields[key] = raw[start:pos]
+    infos_start = pos
+    for _ in range(n_tensors):
+        pos += 8 + struct.unpack_from("<Q", raw, pos)[0]  # the name
+        pos += 4 + 8 * struct.unpack_from("<I", raw, pos)[0] + 4 + 8  # dimensions, type, offset
+    alignment = struct.unpack_from("<I", fields["general.alignment"], len(fields["general.alignment"]) - 4)[0] \
+        if "general.alignment" in fields else ALIGNMENT
+    return fields, raw[infos_start:pos], n_tensors, -(-pos // alignment) * alignment
+
+
+# -- reading a written model's tensors ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file, laid out as `gguf.GGUFReader` lays it out: numpy's dimension order, and the
+    quantized types as rows of block bytes (what `gguf.quants.dequantize` takes)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: Any  # a numpy array
+
+
+def read_tensors(path: Path) -> list[Tensor]:
+    """`path`'s tensors in file order, their data memory-mapped: the tensor infos from the header alone
+    (localspec.gguf_header), since gguf's reader spends seconds on a 49,152-token vocabulary's strings first."""
+    import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from localspec.gguf_header import read_header
+
+    # The types GGUFReader reads as numbers; every other type is read as its blocks' bytes.
+    numeric = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+               Q.I32: np.int32, Q.I64: np.int64}
+    header = read_header(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for info in header.tensors:
+        kind = Q(info.type_id)
+        start = header.data_offset + info.offset
+        data = raw[start : start + info.n_bytes]
+        shape = tuple(reversed(info.shape))
+        if kind in numeric:
+            data = data.view(numeric[kind]).reshape(shape)
+        else:
+            data = data.reshape(quant_shape_to_byte_shape(shape, kind))
+        out.append(Tensor(info.name, kind, data))
+    return out
+
+
+def read_fields(path: Path) -> dict[str, object]:
+    """`path`'s metadata as localspec.gguf_header reads it (the tokenizer's token list kept, other string arrays
+    as their length)."""
+    from localspec.gguf_header import read_header
+
+    return dict(read_header(path).metadata)

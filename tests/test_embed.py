@@ -13,7 +13,6 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")  # noqa: F841 -- import before numpy (docs/architecture.md: import order)
 
-import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 from embed import (  # noqa: E402
     EMBED_32B,
@@ -29,6 +28,7 @@ from synthetic import TINY, Shape, q4_k_m_type, write_pair  # noqa: E402
 
 from localspec.llama.backend import quantize  # noqa: E402
 from localspec.llama.model import LlamaModel  # noqa: E402
+from tests.helpers_gguf import read_fields, read_tensors  # noqa: E402
 
 # A random tiny llama source (64 wide, 4 heads in 2 KV groups of head_dim 16, 4 blocks) and shapes twice as wide,
 # with head_dim 32 (RoPE widening m = 2), 4 query heads per KV head (target) or 1 (draft: KV heads copied), and
@@ -89,26 +89,26 @@ def test_the_card_mix_layout_and_zero_blocks(tmp_path: Path, source: Path) -> No
     src = read_source(source)
     path = tmp_path / "target.gguf"
     write_embedded(path, src, spec, "target")
-    reader = gguf.GGUFReader(path)
-    names = [t.name for t in reader.tensors]
+    tensors = read_tensors(path)
+    names = [t.name for t in tensors]
     plan = tensor_plan(spec.target, 49152, "target", spec)
     assert names == [n for n, _, _ in plan]
     assert "blk.0.attn_q_norm.weight" not in names and "output.weight" in names  # llama, untied
     n_blocks = spec.target.n_blocks
-    for t in reader.tensors:
+    for t in tensors:
         want = "f32" if t.name.endswith("norm.weight") else q4_k_m_type(t.name, n_blocks)
         assert t.tensor_type.name.lower() == want, t.name
         if t.name.startswith(f"blk.{n_blocks - 1}.") and not t.name.endswith("norm.weight"):
             assert not np.asarray(t.data).any(), t.name  # a block past the source's: zeros
-    fields = reader.fields
-    assert fields["general.architecture"].contents() == "llama"
-    assert fields["llama.attention.key_length"].contents() == 32
-    assert fields["llama.rope.dimension_count"].contents() == 32
-    eps = fields["llama.attention.layer_norm_rms_epsilon"].contents()
+    fields = read_fields(path)
+    assert fields["general.architecture"] == "llama"
+    assert fields["llama.attention.key_length"] == 32
+    assert fields["llama.rope.dimension_count"] == 32
+    eps = fields["llama.attention.layer_norm_rms_epsilon"]
     assert eps == pytest.approx(src.rms_eps * 64 / 256, rel=1e-6)
     draft = tmp_path / "draft.gguf"
     write_embedded(draft, src, spec, "draft")
-    d_types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(draft).tensors}
+    d_types = {t.name: t.tensor_type.name for t in read_tensors(draft)}
     assert "output.weight" in d_types and not src.tied  # tied only when the source is (SmolLM2: below)
     assert {v for k, v in d_types.items() if not k.endswith("norm.weight")} == {"Q8_0"}
     # Quantised by llama.cpp and still the source's model: greedy agreement with the F32 source.
@@ -178,7 +178,7 @@ def test_smollm2_in_wide_shapes(tmp_path: Path, smollm2_path: Path) -> None:
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
     write_embedded(tmp_path / "t.gguf", src, EMBED_TINY, "target")
     write_embedded(tmp_path / "d.gguf", src, EMBED_TINY, "draft")
-    assert src.tied and "output.weight" not in {t.name for t in gguf.GGUFReader(tmp_path / "d.gguf").tensors}
+    assert src.tied and "output.weight" not in {t.name for t in read_tensors(tmp_path / "d.gguf")}
     reference = _greedy(smollm2_path, prompt, 48)
     for p in (tmp_path / "t.gguf", tmp_path / "d.gguf"):
         rows = _logits(p, prompt + reference[:-1])[len(prompt) - 1 :]

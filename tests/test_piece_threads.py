@@ -86,16 +86,32 @@ def test_two_threads_detokenizing_at_once_each_read_their_own_text(model):
 
 
 # Put in the server's process as sitecustomize: a thread that has just turned a token into text is descheduled
-# for a moment before it reads it, as on a loaded box (where the serve test failed 5 of 20 times).
+# for a moment before it reads it, as on a loaded box (where the serve test failed 5 of 20 times). Not inside the
+# one-off scan of the whole vocabulary for its longest text (`LlamaModel.max_piece_bytes`, on the first request):
+# 49,152 pauses there cost 25 s and race nothing, as no other request runs yet.
 DESCHEDULED = """
+import functools
+import threading
 import time
 import llama_cpp
+from localspec.llama.model import LlamaModel
 _real = llama_cpp.llama_token_to_piece
+_scanning = threading.local()
 def _descheduled(*args):
     n = _real(*args)
-    time.sleep(0.0005)
+    if not getattr(_scanning, "on", False):
+        time.sleep(0.0005)
     return n
 llama_cpp.llama_token_to_piece = _descheduled
+_scan = LlamaModel.max_piece_bytes.func
+def _scan_undelayed(self):
+    _scanning.on = True
+    try:
+        return _scan(self)
+    finally:
+        _scanning.on = False
+LlamaModel.max_piece_bytes = functools.cached_property(_scan_undelayed)
+LlamaModel.max_piece_bytes.__set_name__(LlamaModel, "max_piece_bytes")
 """
 
 
