@@ -37,6 +37,7 @@ class FakeModel:
         self.n_batch = 64
         self.on_gpu = False
         self.batches_sequences = True
+        self.sequence_batch_error = self.width_noise = 0.0  # what the load-time probe reports (bit for bit)
         self.device_top_k = device_top_k
         self.unknown_token = 0
         self.eog = eog
