@@ -216,14 +216,13 @@ class Grammar:
         if not self._by_text or self.awaiting:
             return self.legal(np.arange(self.n_vocab))
         allowed = np.zeros(self.n_vocab, dtype=bool)
-        asked = self._vocab.levels[0]
-        for level in self._vocab.levels[1:] + (None,):
-            allowed[asked] = self.legal(asked)
-            if level is None:
-                break
-            asked = level[allowed[self._vocab.parent[level]]]
+        roots, *deeper = self._vocab.levels
+        allowed[roots] = self.legal(roots)
+        for level in deeper:
+            asked = level[allowed[self._vocab.parent[level]]]  # the children of allowed tokens only
             if not len(asked):
                 break
+            allowed[asked] = self.legal(asked)
         return allowed
 
     def _trigger_is_safe(self, token: int) -> bool:
