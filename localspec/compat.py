@@ -252,12 +252,10 @@ def fim_ids(header: GGUFHeader) -> dict[str, int | None]:
     it recognizes."""
     found: dict[str, int | None] = {
         part: header.get(f"tokenizer.ggml.fim_{part}_token_id") for part in _FIM_TEXTS}
-    wanted = {text: part for part, texts in _FIM_TEXTS.items() if found[part] is None for text in texts}
-    if wanted and header.tokens:
-        for i, text in enumerate(header.tokens):
-            part = wanted.get(text)
-            if part is not None and found[part] is None:
-                found[part] = i
+    for part, texts in _FIM_TEXTS.items():
+        if found[part] is None:
+            hits = [i for i in map(header.tokens.first_index, texts) if i is not None]
+            found[part] = min(hits, default=None)
     return found
 
 

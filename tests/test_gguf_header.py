@@ -251,6 +251,15 @@ def test_string_arrays_compare_without_decoding_every_item(tmp_path: Path) -> No
     assert base == words and list(base) == words and base[-1] == "c" and base[1:3] == ["a", "b\xe9"]
 
 
+def test_a_token_is_found_by_its_whole_text_not_inside_another(tmp_path: Path) -> None:
+    """`first_index` searches the blob: a match must start and end on one item's bounds (empty items between)."""
+    words = ["", "ab", "<P>", "", "b", "<P>", "x<P>y", "\xe9"]
+    tokens = read_header(_model(tmp_path, tokenizer__ggml__tokens=G.kv(
+        "tokenizer.ggml.tokens", G.ARRAY, (G.STRING, words)))).tokens
+    for text in ["ab", "<P>", "b", "x<P>y", "\xe9", "", "a", "P>", "<P>x", "zz"]:
+        assert tokens.first_index(text) == (words.index(text) if text in words else None), text
+
+
 def test_a_fifo_is_named_not_opened(tmp_path: Path) -> None:
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)

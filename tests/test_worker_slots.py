@@ -17,7 +17,8 @@ from localspec.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 
-GREEDY = load_preset("greedy").with_overrides(n_ctx=512)
+# One thread: a load skips the automatic choice's 0.2 s CPU sample, and two test workers never split a core.
+GREEDY = load_preset("greedy").with_overrides(n_ctx=512, threads=1)
 PROMPTS = [[1000 + i for i in range(12)], [2000 + i for i in range(9)], [3000 + i for i in range(15)]]
 
 
