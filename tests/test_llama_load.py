@@ -46,6 +46,17 @@ def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
         assert model.width_noise == 0.0  # on the CPU a sequence's rows do not depend on the batch's width
 
 
+def test_a_gpu_shares_batches_despite_width_rounding_but_not_a_wrong_graph() -> None:
+    """On a GPU every width change moves a real model's logits by 1-2 (docs/gpu.md): that alone must not make slots
+    take turns, while a shared batch that moves rows at the same width does; the CPU demands bit for bit."""
+    from localspec.llama.model import SEQUENCE_BATCH_NOISE, shares_batches
+
+    assert shares_batches(True, 0.0, 2.3) and shares_batches(True, SEQUENCE_BATCH_NOISE, 0.0)
+    assert not shares_batches(True, 5.9, 2.2) and not shares_batches(True, SEQUENCE_BATCH_NOISE + 0.01, 0.0)
+    assert shares_batches(False, 0.0, 0.0)
+    assert not shares_batches(False, 0.0, 1e-6) and not shares_batches(False, 1e-6, 0.0)
+
+
 
 def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):
     """`LlamaModel(path)` before any device query: the backend and ggml's device registry are up before llama.cpp

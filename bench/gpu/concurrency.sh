@@ -115,7 +115,9 @@ for s in $PAIRS; do
         log "START server $s-$config: ${SERVER_CMD[*]}"
         printf '%q ' "${SERVER_CMD[@]}" > "$RES/$s/$config.cmd"
         start_server "$slog" "${SERVER_CMD[@]}"
-        if ! wait_ready "$slog"; then stop_server; continue; fi
+        # /health's body: localspec's says whether its slots share batches, with the load probe's figures
+        if ! wait_ready "$slog" "$RES/$s/$config.health.json"; then stop_server; continue; fi
+        log "health $s-$config: $(head -c 600 "$RES/$s/$config.health.json" 2>/dev/null)"
         for temp in "${todo[@]}"; do
             json="$RES/$s/$config-t$temp.json"
             read -r -a extra <<< "${CLIENT_ARGS:-}"

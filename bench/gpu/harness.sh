@@ -182,23 +182,27 @@ stop_server() {
     wait "$SERVER_PID" 2>/dev/null
     SERVER_PID=""
 }
-health_ok() {  # 0 when GET URL answers 200 (both servers: 503 while loading)
-    python3 - "$1" <<'EOF'
+health_ok() {  # health_ok URL [BODY]: 0 when GET URL answers 200 (both servers: 503 while loading); its body to BODY
+    python3 - "$1" "${2:-}" <<'EOF'
 import sys
 import urllib.request
 
 try:
     with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
+        body = r.read()
+        if sys.argv[2]:
+            with open(sys.argv[2], "wb") as f:
+                f.write(body)
         sys.exit(0 if r.status == 200 else 1)
 except Exception:
     sys.exit(1)
 EOF
 }
-wait_ready() {  # wait_ready LOG: until /health is 200, the server exits, LOAD_S passes or the budget ends
-    local logf="$1" t; t=$(date +%s)
+wait_ready() {  # wait_ready LOG [HEALTH]: until /health is 200 (its body kept in HEALTH), the server exits,
+    local logf="$1" health="${2:-}" t; t=$(date +%s)  # LOAD_S passes or the budget ends
     while (( $(date +%s) - t < LOAD_S && $(left) > 5 )); do
         kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited while loading: $(tail -3 "$logf")"; return 1; }
-        health_ok "http://127.0.0.1:$PORT/health" && { log "ready in $(( $(date +%s) - t ))s"; return 0; }
+        health_ok "http://127.0.0.1:$PORT/health" "$health" && { log "ready in $(( $(date +%s) - t ))s"; return 0; }
         sleep 1
     done
     log "server not ready after $(( $(date +%s) - t ))s: $(tail -3 "$logf")"

@@ -39,7 +39,13 @@ FLASH_ATTN = {
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-SEQUENCE_BATCH_NOISE = 0.5  # logits: above this, a GPU's multi-sequence batch is wrong, not kernel rounding
+SEQUENCE_BATCH_NOISE = 0.5  # logits: above this at the same batch width, a GPU's multi-sequence batch is wrong
+
+
+def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
+    """Whether sequences may share a batch, from the load probe's figures (`LlamaModel._sequence_batch_error`):
+    on the CPU only bit for bit; on a GPU when sharing moves the rows no more than rounding at the same width."""
+    return batch_error <= SEQUENCE_BATCH_NOISE if on_gpu else batch_error == 0.0 and width_noise == 0.0
 
 
 def _buffer(data: bytearray) -> ctypes.Array:
@@ -198,11 +204,10 @@ class LlamaModel:
         self.sequence_batch_error = self.width_noise = 0.0
         if n_seq > 1:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
-            # On the CPU a sequence must score bit for bit as alone; a GPU's kernels differ with the batch shape
-            # anyway (docs/gpu.md), so there only a structural error (whole logits off) turns batching off.
-            # `width_noise` (what another batch width moves one sequence's rows) is reported beside it: on a GPU
-            # a model with large logits rounds past the floor at every width change (docs/performance.md).
-            self.batches_sequences = self.sequence_batch_error <= (SEQUENCE_BATCH_NOISE if self.on_gpu else 0.0)
+            # On the CPU a sequence must score bit for bit as alone (both figures 0). A GPU's kernels differ with
+            # the batch's width anyway (docs/gpu.md): there a shared batch counts as wrong only when it moves the
+            # rows beyond rounding at the same width, whatever the width itself moves (`width_noise`).
+            self.batches_sequences = shares_batches(self.on_gpu, self.sequence_batch_error, self.width_noise)
 
     # -- decoding -------------------------------------------------------------------------------------------
 
@@ -298,13 +303,16 @@ class LlamaModel:
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
 
     def _sequence_batch_error(self) -> tuple[float, float]:
-        """The largest logit difference between two sequences decoded in one batch and each decoded alone, and
-        the largest between one sequence's first rows decoded in batches of two widths (9 and 5 tokens).
+        """What sharing a batch moves a sequence's rows, apart from what the batch's width moves them: two short
+        made-up sequences (9 and 5 tokens) decoded in one batch of 14, against each sequence's same tokens
+        decoded alone in a batch of the same width (its own tokens, then made-up ones); and that width's own
+        effect, those rows against the sequence decoded alone at its own width (9 or 5).
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
         differ by up to 10 logits on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit
-        for bit. Measured once at load on two short made-up sequences; both are cleared again."""
+        for bit. On a GPU the batch kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md),
+        so only the same width tells a wrong graph from rounding. Both sequences are cleared again."""
         modes = dict(self._samplers.modes)
         for seq in modes:
             self.use_device_sampler(None, seq)
@@ -312,16 +320,22 @@ class LlamaModel:
         # Made-up text: any ids but the special ones at either end (BOS is the last id of GPT-2-style vocabularies).
         ids = np.setdiff1d(np.arange(min(self.n_vocab, 20_000)), [self.bos, self.eos])
         probes = [rng.choice(ids, size=n).tolist() for n in (9, 5)]
+        width = sum(map(len, probes))
+        filler = rng.choice(ids, size=width).tolist()
+
+        def alone(seq: int, tokens: list[int]) -> np.ndarray:
+            rows = self._decode_batched([(seq, tokens, 0, True)])[0][0].copy()
+            self.clear(seq)
+            return rows
+
         try:
-            alone = []
-            for seq, tokens in enumerate(probes):
-                alone.append(self._decode_batched([(seq, tokens, 0, True)])[0][0].copy())
-                self.clear(seq)
-            narrow = self._decode_batched([(0, probes[0][:5], 0, True)])[0][0].copy()
-            self.clear(0)
-            width_noise = float(np.abs(narrow - alone[0][:5]).max())
+            own_width = [alone(seq, tokens) for seq, tokens in enumerate(probes)]
+            same_width = [alone(seq, tokens + filler[: width - len(tokens)])[: len(tokens)]
+                          for seq, tokens in enumerate(probes)]
             together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])[0]
-            return max(float(np.abs(t - a).max()) for t, a in zip(together, alone, strict=True)), width_noise
+            batch_error = max(float(np.abs(t - a).max()) for t, a in zip(together, same_width, strict=True))
+            width_noise = max(float(np.abs(w - a).max()) for w, a in zip(same_width, own_width, strict=True))
+            return batch_error, width_noise
         finally:
             for seq in range(len(probes)):
                 self.clear(seq)
