@@ -244,11 +244,10 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
     expected = outputs_alone(pair, requests)
     with open_slots(pair, 3) as s:
         assert s.target.sequence_batch_error > 0.5 and not s.engine.batches_slots
-        # llama.cpp 0.3.36 on the CPU: sharing moves Gemma 3's rows 5.9 logits against one sequence at the same
-        # width, and its rows of one sequence move with the width of a batch that starts at position 0 too (2.2
-        # logits between 5 or 9 tokens and 14; a batch after a context matches single tokens bit for bit), where
-        # Llama-style models match at any position (test_llama_load)
-        assert s.target.width_noise > 0.5
+        # llama.cpp 0.3.36 on the CPU, after a context: sharing a batch moves Gemma 3's rows 4.7 logits against
+        # one sequence at the same width, and even one sequence's rows move a little with the width (0.18 logits
+        # between 9 or 5 tokens and 14), where Llama-style models match bit for bit (test_llama_load)
+        assert s.target.width_noise > 0.0
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
 
 

@@ -40,6 +40,7 @@ FLASH_ATTN = {
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
 SEQUENCE_BATCH_NOISE = 0.5  # logits: above this at the same batch width, a GPU's multi-sequence batch is wrong
+PROBE_CONTEXT = 8  # tokens each sequence of the load probe holds before the batches it compares
 
 
 def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
@@ -304,15 +305,18 @@ class LlamaModel:
 
     def _sequence_batch_error(self) -> tuple[float, float]:
         """What sharing a batch moves a sequence's rows, apart from what the batch's width moves them: two short
-        made-up sequences (9 and 5 tokens) decoded in one batch of 14, against each sequence's same tokens
-        decoded alone in a batch of the same width (its own tokens, then made-up ones); and that width's own
-        effect, those rows against the sequence decoded alone at its own width (9 or 5).
+        made-up sequences (9 and 5 tokens, each after a context of its own, as a slot's round comes after its
+        prompt) decoded in one batch of 14, against each sequence's same tokens decoded alone in a batch of the
+        same width (its own tokens, then made-up ones); and that width's own effect, those rows against the
+        sequence decoded alone at its own width (9 or 5).
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
-        differ by up to 10 logits on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit
-        for bit. On a GPU the batch kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md),
-        so only the same width tells a wrong graph from rounding. Both sequences are cleared again."""
+        differ on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit for bit. On a GPU the
+        batch kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md), so only the same
+        width tells a wrong graph from rounding. A batch from position 0 is not measured: made-up text there
+        drives some models' first rows far from any text's (a synthetic target moved 79 logits on an H200).
+        Both sequences are cleared again."""
         modes = dict(self._samplers.modes)
         for seq in modes:
             self.use_device_sampler(None, seq)
@@ -322,17 +326,20 @@ class LlamaModel:
         probes = [rng.choice(ids, size=n).tolist() for n in (9, 5)]
         width = sum(map(len, probes))
         filler = rng.choice(ids, size=width).tolist()
+        contexts = [rng.choice(ids, size=PROBE_CONTEXT).tolist() for _ in probes]
 
-        def alone(seq: int, tokens: list[int]) -> np.ndarray:
-            rows = self._decode_batched([(seq, tokens, 0, True)])[0][0].copy()
-            self.clear(seq)
-            return rows
+        def after_context(*items: tuple[int, list[int]]) -> list[np.ndarray]:
+            for seq, _ in items:
+                self.clear(seq)
+                self._decode_batched([(seq, contexts[seq], 0, False)])
+            rows = self._decode_batched([(seq, tokens, PROBE_CONTEXT, True) for seq, tokens in items])[0]
+            return [r.copy() for r in rows]
 
         try:
-            own_width = [alone(seq, tokens) for seq, tokens in enumerate(probes)]
-            same_width = [alone(seq, tokens + filler[: width - len(tokens)])[: len(tokens)]
+            own_width = [after_context((seq, tokens))[0] for seq, tokens in enumerate(probes)]
+            same_width = [after_context((seq, tokens + filler[: width - len(tokens)]))[0][: len(tokens)]
                           for seq, tokens in enumerate(probes)]
-            together = self._decode_batched([(seq, tokens, 0, True) for seq, tokens in enumerate(probes)])[0]
+            together = after_context(*enumerate(probes))
             batch_error = max(float(np.abs(t - a).max()) for t, a in zip(together, same_width, strict=True))
             width_noise = max(float(np.abs(w - a).max()) for w, a in zip(same_width, own_width, strict=True))
             return batch_error, width_noise
