@@ -21,6 +21,7 @@ matches threw the model's kept bets (docs/performance.md, "A held bet against lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from helpers_fake import FakeModel
 from localspec import bench
 from localspec.drafters import model as model_drafter
 from localspec.engine import Engine, collect
+from localspec.session import ModelFiles, open_session
 from tests.test_chain_cost import Clock
 from tests.test_engine import GREEDY, open_pair
 
@@ -138,14 +140,29 @@ def charge(clock: Clock, model: object, on_loop: Callable[[int], float], beside:
     model.decode_many = charged  # type: ignore[attr-defined]
 
 
+@functools.cache
+def plain_replies(prompts: str, names: tuple[str, ...], max_tokens: int) -> dict[str, list[int]]:
+    """The target's plain greedy reply to each of `names`, from a session of its own (no draft, no fake clock):
+    every drafter's replay is checked against the same replies, computed once (~5 s of real decoding a pass)."""
+    from localspec.demo import smollm2_source_path
+
+    preset = GREEDY.with_overrides(n_ctx=4096, n_draft=0)
+    with open_session(ModelFiles(target=smollm2_source_path(), draft=None, name="plain"), preset) as s:
+        chosen = dict(bench.tokenize_prompts(s, bench.shipped_prompts(prompts)))
+        return {name: collect(s.engine.generate(chosen[name], preset.sampling, preset.draft, max_tokens)).tokens
+                for name in names}
+
+
 def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, drafter: str, slow: int = 1,
            slow_s: float = 0.3, prompts: str = "lookup", names: tuple[str, ...] = ("code-edit",),
            max_tokens: int = 256) -> dict[str, float]:
     """The bench's sequence on `names` of the prompt set `prompts`: the warm-up on the first, then one pass over
-    them in turn, each checked against plain greedy; tok/s on the fake clock and the bets made and kept. (One
-    pass, not the bench's 3: each failure below shows in the first, and a pass costs ~10 s of real decoding.)"""
+    them in turn, each checked against plain greedy (`plain_replies`); tok/s on the fake clock and the bets made
+    and kept. (One pass, not the bench's 3: each failure below shows in the first, and a pass costs ~10 s of real
+    decoding.)"""
     from localspec.demo import smollm2_source_path
 
+    references = plain_replies(prompts, names, max_tokens)
     preset = GREEDY.with_overrides(n_ctx=4096)
     drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, ahead_length="fit")
     plain = dataclasses.replace(drafting, n_draft=0)
@@ -161,8 +178,6 @@ def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, draf
         first = chosen[names[0]]
         for i in range(4):  # the bench's warm-up
             collect(s.engine.generate(first, preset.sampling, drafting if i % 2 else plain, bench.WARMUP_TOKENS))
-        references = {name: collect(s.engine.generate(chosen[name], preset.sampling, plain, max_tokens)).tokens
-                      for name in names}
         tokens, seconds, made, kept = 0, 0.0, 0, 0
         for name in names:
             gen = collect(s.engine.generate(chosen[name], preset.sampling, drafting, max_tokens))
