@@ -26,7 +26,7 @@ def test_off_and_on_against_serve(demo_home, tmp_path, capsys):
                         "--cache-ram", cache)
         try:
             out = tmp_path / f"run-{cache}.json"
-            rc = agent_loop.main(["--url", server.url, "--turns", "3", "--agents", "2", "--turn-chars", "300",
+            rc = agent_loop.main(["--url", server.url, "--turns", "3", "--agents", "2", "--turn-chars", "100",
                                   "--max-tokens", "8", "--json", str(out), "--label", f"cache {cache}"])
         finally:
             assert server.stop() == 0
@@ -36,8 +36,14 @@ def test_off_and_on_against_serve(demo_home, tmp_path, capsys):
     for run in (off, on):
         assert [(r["agent"], r["turn"]) for r in run["requests"]] == [(a, t) for t in (1, 2, 3) for a in (0, 1)]
         assert all(r["error"] is None and r["ttft_s"] > 0 and r["tokens"] > 0 for r in run["requests"])
-    # the one slot holds the other agent's conversation each time: without the cache every turn is read again
-    assert all(r["prompt_n"] > 100 for r in off["requests"])
+    # Both runs send the same prompts (what each request read plus what it found in the slot).
+    assert [r["prompt_n"] + r["cache_n"] for r in on["requests"]] == \
+        [r["prompt_n"] + r["cache_n"] for r in off["requests"]]
+    # The one slot holds the other agent's conversation each time: without the cache every turn is read again, all
+    # but the system prompt both conversations start with (agent 1's first turn finds it in the slot).
+    shared = off["requests"][1]["cache_n"]
+    assert 0 < shared < off["requests"][1]["prompt_n"]
+    assert all(r["cache_n"] <= shared for r in off["requests"])
     later = [r for r in on["requests"] if r["turn"] > 1]
     assert all(r["cache_n"] > r["prompt_n"] for r in later)  # with it, only the new tool result (and reply)
     assert on["summary"]["prompt_n_total"] < off["summary"]["prompt_n_total"] / 1.5
