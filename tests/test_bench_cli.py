@@ -23,24 +23,24 @@ def localspec(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 @pytest.mark.slow
 def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     out = tmp_path / "bench.json"
-    result = runner.invoke(app, ["bench", "--repeat", "2", "--warmup", "2", "--max-tokens", "12",
+    result = runner.invoke(app, ["bench", "--repeat", "2", "--warmup", "2", "--max-tokens", "8",
                                  "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "median" in result.output and "✓" in result.output
     report = json.loads(out.read_text())
     assert report["preset"]["sampling"]["temperature"] == 0.7
-    assert report["n_draft"] == 6 and report["max_tokens"] == 12
+    assert report["n_draft"] == 6 and report["max_tokens"] == 8
     check = report["greedy_check"]
     assert check["exact"] and check["invariant_holds"] and check["passed"] and check["diverged"] == 0  # CPU
     assert [p["name"] for p in check["prompts"]] == ["code", "prose", "qa"]
     for p in check["prompts"]:
-        assert p["first_divergence"] is None and p["not_argmax"] == 0 and p["tokens"] == 12
-        assert len(p["plain_tokens"]) == len(p["plain_token_ends"]) == len(p["plain_margins"]) == 12
+        assert p["first_divergence"] is None and p["not_argmax"] == 0 and p["tokens"] == 8
+        assert len(p["plain_tokens"]) == len(p["plain_token_ends"]) == len(p["plain_margins"]) == 8
         assert p["plain_token_ends"][-1] == len(p["plain_text"]) and min(p["plain_margins"]) >= 0
     assert report["plain"]["runs"] == report["speculative"]["runs"] == 2
     assert [r["mode"] for r in report["runs"]] == ["plain", "speculative", "speculative", "plain"]  # interleaved
     spec_runs = [r for r in report["runs"] if r["mode"] == "speculative"]
-    assert all(r["tokens"] == 3 * 12 for r in report["runs"])  # every prompt of the set, every run
+    assert all(r["tokens"] == 3 * 8 for r in report["runs"])  # every prompt of the set, every run
     assert report["speculative"]["median_tps"] == pytest.approx(
         sorted(r["decode_tps"] for r in spec_runs)[0] / 2 + sorted(r["decode_tps"] for r in spec_runs)[1] / 2)
     assert 0 < report["speculative"]["acceptance_rate"] <= 1
