@@ -97,7 +97,8 @@ class Server:
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
     # The base demo, named (serve's default is the instruct demo): its greedy output is checked against plain
     # decoding below, and its slots take turns (tests of the batched ones use demo-chat).
-    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--pair", "demo", "--cors-origin", "http://ui.example")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--pair", "demo", "--cors-origin", "http://ui.example",
+               "--threads", "1")
     yield s
     s.stop()
 
@@ -105,7 +106,8 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def guarded(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key and room for one waiting request."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--pair", "demo", "--api-key", KEY, "--queue", "1")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--pair", "demo", "--api-key", KEY, "--queue", "1",
+               "--threads", "1")
     yield s
     s.stop()
 
@@ -335,7 +337,8 @@ def test_ctrl_c_cancels_in_flight_work_and_exits_0(guarded):
 @pytest.fixture(scope="module")
 def slots4(demo_home, tmp_path_factory) -> Iterator[Server]:
     # SmolLM2 (Llama-style): llama.cpp batches its sequences exactly (Gemma 3's are checked in test_slots.py).
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-slots"), "--parallel", "4", "--pair", "demo-chat")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-slots"), "--parallel", "4", "--pair", "demo-chat",
+               "--threads", "1")
     yield s
     s.stop()
 

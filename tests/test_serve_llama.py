@@ -33,7 +33,7 @@ SUFFIX = "\n\nprint(add(2, 3))\n"
 @pytest.fixture(scope="module")
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
     s = Server(demo_home, tmp_path_factory.mktemp("serve-llama"), "--pair", "demo-chat", "--parallel", "2",
-               "--metrics", "--cors-origin", "*", "--model-alias", "x")  # the tests' clients name "x"
+               "--metrics", "--cors-origin", "*", "--model-alias", "x", "--threads", "1")  # the tests' clients name "x"
     yield s
     s.stop()
 
@@ -41,7 +41,8 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def keyed(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key, metrics off (the default), the Gemma 3 demo pair (no FIM tokens)."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--api-key", KEY, "--model-alias", "x")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--api-key", KEY, "--model-alias", "x",
+               "--threads", "1")
     yield s
     s.stop()
 
