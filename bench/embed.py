@@ -69,6 +69,7 @@ from synthetic import (  # noqa: E402
 )
 
 from localspec.fsutil import atomic_path  # noqa: E402
+from localspec.gguf_header import read_header  # noqa: E402
 
 Role = Literal["target", "draft"]
 QType = Literal["q4_k", "q6_k", "q8_0", "f32"]
@@ -78,6 +79,9 @@ _GGML = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "f32": gguf.GGMLQuantizationType.F32,
 }
+# The tensor types stored as plain numbers; every other type is read as its blocks' bytes (as gguf's reader does).
+_NUMPY_TYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
+                gguf.GGMLQuantizationType.F64: np.float64}
 _ALIGNMENT = 32  # GGUF's default data alignment (the writer sets no general.alignment)
 _ROWS_PER_CHUNK = 1024  # rows quantised at once, one chunk a thread
 
@@ -121,16 +125,18 @@ class Source:
 
 
 def read_source(path: Path) -> Source:
-    """Read and dequantise a llama-architecture GGUF (any type gguf's quants module reads: Q4_0/1, Q8_0, ...)."""
-    reader = gguf.GGUFReader(path)
+    """Read and dequantise a llama-architecture GGUF (any type gguf's quants module reads: Q4_0/1, Q8_0, ...). The
+    header is localspec's reader (gguf's spends seconds on a 49,152-token vocabulary's strings first), the tensors
+    a memory map of the file."""
+    header = read_header(path)
 
     def value(key: str, default: object = None) -> object:
-        field = reader.fields.get(key)
-        if field is None:
+        found = header.get(key)
+        if found is None:
             if default is None:
                 raise ValueError(f"{path}: no {key} (a llama-architecture GGUF is needed)")
             return default
-        return field.contents()
+        return found
 
     arch = value("general.architecture")
     if arch != "llama":
@@ -141,7 +147,18 @@ def read_source(path: Path) -> Source:
         n_embd=n_embd, n_head=n_head, n_head_kv=int(value("llama.attention.head_count_kv", n_head)),
         head_dim=head_dim, n_ff=int(value("llama.feed_forward_length")), n_blocks=int(value("llama.block_count")),
     )
-    weights = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in reader.tensors}
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights = {}
+    for info in header.tensors:
+        kind = gguf.GGMLQuantizationType(info.type_id)
+        start = header.data_offset + info.offset
+        data = raw[start : start + info.n_bytes]
+        dims = tuple(reversed(info.shape))  # numpy's dimension order
+        if kind in _NUMPY_TYPES:
+            data = data.view(_NUMPY_TYPES[kind]).reshape(dims)
+        else:
+            data = data.reshape(gguf.quants.quant_shape_to_byte_shape(dims, kind))
+        weights[info.name] = gguf.quants.dequantize(data, kind).astype(np.float32)
     return Source(
         path=Path(path), shape=shape, n_rot=int(value("llama.rope.dimension_count", head_dim)),
         rope_freq_base=float(value("llama.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
