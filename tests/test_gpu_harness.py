@@ -25,6 +25,8 @@ SETUP = {
     "localspec's command line": r"^\s*LOCALSPEC=\(",
     "the prompt files": r"from localspec\.bench import PROMPTS",
     "the build through run.sh": r"SCALES=\"\" CARD_NOISES=\"\"",
+    "the real model's assembly": r"cat \$REAL_PARTS",
+    "the embedded pair's writer": r"python3 \"\$REPO/bench/embed\.py\"",
 }
 
 
@@ -84,3 +86,23 @@ def test_use_build_puts_the_carried_packages_and_the_build_first(tmp_path: Path)
     assert r.stdout.strip() == f"{tmp_path}/work/pyenv/py:{ROOT}|{tmp_path}/work/build/bin", r.stderr
     local = bash('use_build; echo "$PYTHONPATH"', tmp_path, CARRIED_PY="0")
     assert local.stdout.strip() == str(ROOT)
+
+
+def test_a_real_model_carried_in_parts_is_assembled_once_all_are_there_and_match(tmp_path: Path) -> None:
+    import hashlib
+
+    parts = [tmp_path / "p1", tmp_path / "p2"]
+    parts[0].write_bytes(b"GGUF-first-")
+    env = {"REAL_PARTS": " ".join(map(str, parts)), "BUDGET_S": "100"}
+    show = 'results_in "$WORK/res"; assemble_real; [[ -f "$REAL_TARGET" ]] && cat "$REAL_TARGET" || echo none'
+    early = bash(show, tmp_path, **env)
+    assert early.stdout.splitlines()[-1] == "none" and "not all here yet" in early.stdout, early.stdout + early.stderr
+    parts[1].write_bytes(b"second")
+    wrong = bash(show, tmp_path, REAL_SHA256="0" * 64, **env)
+    assert wrong.stdout.splitlines()[-1] == "none" and "sha256 differs" in wrong.stdout
+    assert not (tmp_path / "work" / "models" / "real.gguf.tmp").exists()
+    sha = hashlib.sha256(b"GGUF-first-second").hexdigest()
+    whole = bash(show, tmp_path, REAL_SHA256=sha, **env)
+    assert whole.stdout.splitlines()[-1] == "GGUF-first-second", whole.stdout + whole.stderr
+    parts[1].write_bytes(b"changed")  # made once: a later call keeps the file
+    assert bash(show, tmp_path, **env).stdout.splitlines()[-1] == "GGUF-first-second"

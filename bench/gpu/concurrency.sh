@@ -25,6 +25,8 @@
 #   PAIRS ["card-n0.013"]     card-n<NOISE>: the card's pair (Qwen3-32B-shaped Q4_K_M target, 0.6B-shaped Q8_0
 #                             draft) at that draft noise (0.013: ~85% acceptance, 0.03: ~70%); s<SCALE>: the old
 #                             stand-in (Q4_0 32B target, 2-block draft) at that block scale (8e-5, 1.2e-4)
+#                             speaks-<SIZE>: a real small model (REAL_TARGET, or REAL_PARTS: harness.sh) embedded
+#                             in SIZE's shapes (card32b) by bench/embed.py: real language, so real batch margins
 #   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
@@ -68,8 +70,9 @@ export COLUMNS=200  # rich wraps serve's help and status lines at 80 columns whe
 pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unless they exist
     case "$1" in
         card-n*) card_pair "${1#card-n}" && echo "$(card_target) $(card_draft "${1#card-n}")" ;;
+        speaks-*) speaks_pair "${1#speaks-}" && echo "$(speaks_target "${1#speaks-}") $(speaks_draft "${1#speaks-}")" ;;
         s*) stand_in_pair "${1#s}" && echo "$(stand_in_target "${1#s}") $(stand_in_draft "${1#s}")" ;;
-        *) log "unknown pair $1 (card-n<NOISE> or s<SCALE>)"; return 1 ;;
+        *) log "unknown pair $1 (card-n<NOISE>, speaks-<SIZE> or s<SCALE>)"; return 1 ;;
     esac
 }
 declare -A FILES=()

@@ -47,8 +47,6 @@ SETS="${SETS:-shipped lookup}"
 N_PREDICT="${N_PREDICT:-128}"
 REPEAT="${REPEAT:-3}"
 WARMUP="${WARMUP:-4}"
-REAL_TARGET="${REAL_TARGET:-$WORK/models/real.gguf}"
-REAL_PARTS="${REAL_PARTS:-}"
 STRUCTURED="${STRUCTURED:-1}"
 STRUCTURED_TEMPS="${STRUCTURED_TEMPS:-0.7}"
 STRUCTURED_ARGS="${STRUCTURED_ARGS---constraint both --rows full --compare-early-stop --no-logprobs}"
@@ -98,20 +96,7 @@ fi
 
 # -- 2. prompt lookup on a real model --------------------------------------------------------------------------
 # (the file is made from its parts whether or not this step runs: step 2b embeds it)
-if [[ ! -f "$REAL_TARGET" && -n "$REAL_PARTS" ]]; then
-    missing=0; for p in $REAL_PARTS; do [[ -f "$p" ]] || missing=1; done
-    if (( missing )); then
-        log "REAL_PARTS: not all here yet ($REAL_PARTS)"
-    else
-        # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
-        cat $REAL_PARTS > "$REAL_TARGET.tmp"
-        if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
-            log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
-        else
-            mv "$REAL_TARGET.tmp" "$REAL_TARGET"
-        fi
-    fi
-fi
+assemble_real
 if [[ "${SKIP_REAL:-0}" != 1 ]]; then
     if [[ -f "$REAL_TARGET" ]]; then
         for set in $SETS; do
@@ -127,12 +112,8 @@ fi
 # A Qwen3-32B-shaped Q4_K_M target and a Qwen3-0.6B-wide Q8_0 draft that compute REAL_TARGET's model exactly (up
 # to requantisation): lookup, the model drafter and the chain on text a language model writes, at the card's costs.
 if [[ "${SKIP_SPEAKS:-0}" != 1 ]]; then
-    speaks_target="$MODELS/speaks-$SPEAKS_SIZE-target.gguf" speaks_draft="$MODELS/speaks-$SPEAKS_SIZE-draft.gguf"
-    if [[ -f "$REAL_TARGET" && ! ( -f "$speaks_target" && -f "$speaks_draft" ) ]]; then
-        run "write-speaks-$SPEAKS_SIZE" 150 python3 "$REPO/bench/embed.py" --size "$SPEAKS_SIZE" --source "$REAL_TARGET" \
-            --out "$MODELS" --prefix "speaks-$SPEAKS_SIZE-" > "$DRES/write-speaks.log" 2>&1
-    fi
-    if [[ -f "$speaks_target" && -f "$speaks_draft" ]]; then
+    speaks_target="$(speaks_target "$SPEAKS_SIZE")" speaks_draft="$(speaks_draft "$SPEAKS_SIZE")"
+    if speaks_pair "$SPEAKS_SIZE"; then
         for set in $SPEAKS_SETS; do
             prompts="$set"
             if [[ "$set" != shipped && "$set" != lookup ]]; then  # one prompt of a shipped set, alone

@@ -129,6 +129,34 @@ card_pair() {
         "${VOCAB_ARGS[@]}" > "$RES/write-card-n$n.log" 2>&1
     [[ -f "$(card_target)" && -f "$(card_draft "$n")" ]]
 }
+# assemble_real: REAL_TARGET [WORK/models/real.gguf], a real GGUF too big for one call's carry, made from its parts
+# (REAL_PARTS, carried over several calls to a warm machine; checked against REAL_SHA256 when given) once all are here.
+REAL_TARGET="${REAL_TARGET:-$MODELS/real.gguf}"
+REAL_PARTS="${REAL_PARTS:-}"
+assemble_real() {
+    [[ -f "$REAL_TARGET" || -z "$REAL_PARTS" ]] && return 0
+    local p; for p in $REAL_PARTS; do [[ -f "$p" ]] || { log "REAL_PARTS: not all here yet ($REAL_PARTS)"; return 0; }; done
+    # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
+    cat $REAL_PARTS > "$REAL_TARGET.tmp"
+    if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
+        log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
+    else
+        mv "$REAL_TARGET.tmp" "$REAL_TARGET"
+    fi
+}
+# speaks_pair SIZE: REAL_TARGET's model embedded in SIZE's shapes and quant types (bench/embed.py: a 32B-cost target
+# and a 0.6B-cost draft that write real language), written unless it exists; 0 when both files are there.
+speaks_target() { echo "$MODELS/speaks-$1-target.gguf"; }
+speaks_draft() { echo "$MODELS/speaks-$1-draft.gguf"; }
+speaks_pair() {
+    local size="$1"
+    assemble_real
+    if [[ -f "$REAL_TARGET" && ! ( -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ) ]]; then
+        run "write-speaks-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
+            --out "$MODELS" --prefix "speaks-$size-" > "$RES/write-speaks-$size.log" 2>&1
+    fi
+    [[ -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ]]
+}
 # write_prompts DIR: the bench's shipped prompts as files for llama.cpp's -f, which drops one trailing newline: one
 # is added, so both sides tokenize exactly the text localspec does. Also proves the bindings load the build.
 write_prompts() {
