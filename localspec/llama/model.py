@@ -326,13 +326,15 @@ class LlamaModel:
         probes = [rng.choice(ids, size=n).tolist() for n in (9, 5)]
         width = sum(map(len, probes))
         filler = rng.choice(ids, size=width).tolist()
-        contexts = [rng.choice(ids, size=PROBE_CONTEXT).tolist() for _ in probes]
+        held = max(0, min(PROBE_CONTEXT, self.n_ctx - width))  # (a context too small for it: less before)
+        contexts = [rng.choice(ids, size=held).tolist() for _ in probes]
 
         def after_context(*items: tuple[int, list[int]]) -> list[np.ndarray]:
             for seq, _ in items:
                 self.clear(seq)
-                self._decode_batched([(seq, contexts[seq], 0, False)])
-            rows = self._decode_batched([(seq, tokens, PROBE_CONTEXT, True) for seq, tokens in items])[0]
+                if held:
+                    self._decode_batched([(seq, contexts[seq], 0, False)])
+            rows = self._decode_batched([(seq, tokens, held, True) for seq, tokens in items])[0]
             return [r.copy() for r in rows]
 
         try:
