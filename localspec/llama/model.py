@@ -41,6 +41,7 @@ FLASH_ATTN = {
 }
 SEQUENCE_BATCH_NOISE = 0.5  # logits: above this at the same batch width, a GPU's multi-sequence batch is wrong
 PROBE_CONTEXT = 8  # tokens each sequence of the load probe holds before the batches it compares
+PROBE_WIDTH = 14  # the load probe's shared batch: 9 + 5 tokens (MMQ on CUDA, as a verify of several slots is)
 
 
 def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
@@ -305,10 +306,10 @@ class LlamaModel:
 
     def _sequence_batch_error(self) -> tuple[float, float]:
         """What sharing a batch moves a sequence's rows, apart from what the batch's width moves them: two short
-        made-up sequences (9 and 5 tokens, each after a context of its own, as a slot's round comes after its
-        prompt) decoded in one batch of 14, against each sequence's same tokens decoded alone in a batch of the
-        same width (its own tokens, then made-up ones); and that width's own effect, those rows against the
-        sequence decoded alone at its own width (9 or 5).
+        made-up sequences (9 and 5 tokens, fewer where a batch holds less; each after a context of its own, as a
+        slot's round comes after its prompt) decoded in one batch of 14, against each sequence's same tokens
+        decoded alone in a batch of the same width (its own tokens, then made-up ones); and that width's own
+        effect, those rows against the sequence decoded alone at its own width (9 or 5).
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
@@ -323,8 +324,9 @@ class LlamaModel:
         rng = np.random.default_rng(0)
         # Made-up text: any ids but the special ones at either end (BOS is the last id of GPT-2-style vocabularies).
         ids = np.setdiff1d(np.arange(min(self.n_vocab, 20_000)), [self.bos, self.eos])
-        probes = [rng.choice(ids, size=n).tolist() for n in (9, 5)]
-        width = sum(map(len, probes))
+        width = min(PROBE_WIDTH, self.n_batch)  # one batch: a wider one would be decoded as several
+        first = max(1, min(width - 1, round(width * 9 / PROBE_WIDTH)))
+        probes = [rng.choice(ids, size=n).tolist() for n in (first, width - first)]
         filler = rng.choice(ids, size=width).tolist()
         held = max(0, min(PROBE_CONTEXT, self.n_ctx - width))  # (a context too small for it: less before)
         contexts = [rng.choice(ids, size=held).tolist() for _ in probes]
