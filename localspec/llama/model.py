@@ -46,8 +46,9 @@ PROBE_WIDTH = 14  # the load probe's shared batch: 9 + 5 tokens (MMQ on CUDA, as
 
 def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
     """Whether sequences may share a batch, from the load probe's figures (`LlamaModel._sequence_batch_error`):
-    on the CPU only bit for bit; on a GPU when sharing moves the rows no more than rounding at the same width."""
-    return batch_error <= SEQUENCE_BATCH_NOISE if on_gpu else batch_error == 0.0 and width_noise == 0.0
+    on the CPU only bit for bit as alone; on a GPU when sharing moves the rows no more than rounding at the same
+    width (whatever the width itself moves them)."""
+    return batch_error <= SEQUENCE_BATCH_NOISE if on_gpu else batch_error == 0.0
 
 
 def _buffer(data: bytearray) -> ctypes.Array:
@@ -305,19 +306,22 @@ class LlamaModel:
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
 
     def _sequence_batch_error(self) -> tuple[float, float]:
-        """What sharing a batch moves a sequence's rows, apart from what the batch's width moves them: two short
+        """What sharing a batch moves a sequence's rows, and what the batch's width alone moves them: two short
         made-up sequences (9 and 5 tokens, fewer where a batch holds less; each after a context of its own, as a
-        slot's round comes after its prompt) decoded in one batch of 14, against each sequence's same tokens
-        decoded alone in a batch of the same width (its own tokens, then made-up ones); and that width's own
-        effect, those rows against the sequence decoded alone at its own width (9 or 5).
+        slot's round comes after its prompt) decoded in one batch.
+
+        On the CPU the shared batch is compared with each sequence alone (a slot must score bit for bit as
+        alone), and the width's effect is the first sequence's first rows at two widths. On a GPU the batch
+        kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md), so there only the same
+        width tells a wrong graph from rounding: the shared batch is compared with each sequence's tokens alone in
+        a batch as wide (its own tokens, then made-up ones), and the width's effect is those rows against the
+        sequence alone at its own width. (On the CPU that costs twice the rows, each a whole output head.)
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
-        differ on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit for bit. On a GPU the
-        batch kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md), so only the same
-        width tells a wrong graph from rounding. A batch from position 0 is not measured: made-up text there
-        drives some models' first rows far from any text's (a synthetic target moved 79 logits on an H200).
-        Both sequences are cleared again."""
+        differ on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit for bit. A batch from
+        position 0 is not measured: made-up text there drives some models' first rows far from any text's (a
+        synthetic target moved 79 logits on an H200). Both sequences are cleared again."""
         modes = dict(self._samplers.modes)
         for seq in modes:
             self.use_device_sampler(None, seq)
@@ -328,25 +332,35 @@ class LlamaModel:
         first = max(1, min(width - 1, round(width * 9 / PROBE_WIDTH)))
         probes = [rng.choice(ids, size=n).tolist() for n in (first, width - first)]
         filler = rng.choice(ids, size=width).tolist()
-        held = max(0, min(PROBE_CONTEXT, self.n_ctx - width))  # (a context too small for it: less before)
+        held = max(1, min(PROBE_CONTEXT, self.n_ctx - width))  # (a context too small for it: less before)
         contexts = [rng.choice(ids, size=held).tolist() for _ in probes]
+
+        holding = [False] * len(probes)  # whether a sequence's cells hold its context
 
         def after_context(*items: tuple[int, list[int]]) -> list[np.ndarray]:
             for seq, _ in items:
-                self.clear(seq)
-                if held:
+                # Each context decoded alone once, then rewound to (a recurrent state that cannot: decoded again).
+                if not (holding[seq] and self.truncate(held, seq) == held):
+                    self.clear(seq)
                     self._decode_batched([(seq, contexts[seq], 0, False)])
+                    holding[seq] = True
             rows = self._decode_batched([(seq, tokens, held, True) for seq, tokens in items])[0]
             return [r.copy() for r in rows]
 
+        def largest(rows: list[np.ndarray], against: list[np.ndarray]) -> float:
+            return max(float(np.abs(r - a).max()) for r, a in zip(rows, against, strict=True))
+
+        for seq in range(len(probes)):
+            self.clear(seq)
         try:
             own_width = [after_context((seq, tokens))[0] for seq, tokens in enumerate(probes)]
+            together = after_context(*enumerate(probes))
+            if not self.on_gpu:
+                narrow = after_context((0, probes[0][: len(probes[1])]))
+                return largest(together, own_width), largest(narrow, [own_width[0][: len(probes[1])]])
             same_width = [after_context((seq, tokens + filler[: width - len(tokens)]))[0][: len(tokens)]
                           for seq, tokens in enumerate(probes)]
-            together = after_context(*enumerate(probes))
-            batch_error = max(float(np.abs(t - a).max()) for t, a in zip(together, same_width, strict=True))
-            width_noise = max(float(np.abs(w - a).max()) for w, a in zip(same_width, own_width, strict=True))
-            return batch_error, width_noise
+            return largest(together, same_width), largest(same_width, own_width)
         finally:
             for seq in range(len(probes)):
                 self.clear(seq)
