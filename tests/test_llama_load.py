@@ -44,6 +44,11 @@ def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
         assert model.bos == model.n_vocab - 1
         assert model.sequence_batch_error == 0.0 and model.batches_sequences
         assert model.width_noise == 0.0  # on the CPU a sequence's rows do not depend on the batch's width
+        # The GPU's comparison (a shared batch against each sequence alone at the same width) run here: a
+        # Llama-style model shares exactly at any width, and the probe leaves both sequences empty.
+        model.on_gpu = True
+        assert model._sequence_batch_error() == (0.0, 0.0)
+        assert model.decode([1, 2, 3], 0, all_logits=True) is not None  # from position 0: nothing was left behind
 
 
 def test_a_gpu_shares_batches_despite_width_rounding_but_not_a_wrong_graph() -> None:

@@ -248,6 +248,10 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
         # each sequence alone, while one sequence alone at two widths matches bit for bit (from position 0 it
         # does not: 4.7 logits between 5 and 9 tokens), as Llama-style models do anywhere (test_llama_load)
         assert s.target.width_noise == 0.0
+        s.target.on_gpu = True  # the GPU's comparison, at the same width, sees the wrong graph too
+        same_width_error, _ = s.target._sequence_batch_error()
+        s.target.on_gpu = False
+        assert same_width_error > 0.5
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
 
 
