@@ -251,7 +251,7 @@ class Grammar:
                                "by the grammar here")
         if self.awaiting:
             assert self.trigger is not None
-            self._seen += self.model.piece(token, special=True)
+            self._seen += self._vocab.pieces[token]  # the text `legal` and the trigger check read
             if self.trigger in self._seen:
                 self.awaiting, self._seen = False, b""
             else:  # only a marker's worth of tail can still become one
