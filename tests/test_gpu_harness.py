@@ -106,3 +106,17 @@ def test_a_real_model_carried_in_parts_is_assembled_once_all_are_there_and_match
     assert whole.stdout.splitlines()[-1] == "GGUF-first-second", whole.stdout + whole.stderr
     parts[1].write_bytes(b"changed")  # made once: a later call keeps the file
     assert bash(show, tmp_path, **env).stdout.splitlines()[-1] == "GGUF-first-second"
+
+
+def test_the_embedded_pair_is_written_only_from_a_real_model_and_reused_once_there(tmp_path: Path) -> None:
+    show = 'results_in "$WORK/res"; speaks_pair card32b; echo "rc=$?"; echo "$(speaks_target card32b)"'
+    none = bash(show, tmp_path, BUDGET_S="100")
+    assert none.stdout.split()[-2:] == ["rc=1", f"{tmp_path}/work/models/speaks-card32b-target.gguf"], none.stderr
+    assert "write-speaks" not in none.stdout  # no real model: nothing to embed, no step run
+    models = tmp_path / "work" / "models"
+    models.mkdir(parents=True, exist_ok=True)  # (the harness made WORK's folders)
+    for role in ("target", "draft"):
+        (models / f"speaks-card32b-{role}.gguf").write_bytes(b"GGUF")
+    (tmp_path / "real.gguf").write_bytes(b"GGUF")
+    there = bash(show, tmp_path, BUDGET_S="100", REAL_TARGET=str(tmp_path / "real.gguf"))
+    assert "rc=0" in there.stdout and "write-speaks" not in there.stdout, there.stdout + there.stderr
