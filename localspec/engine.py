@@ -21,16 +21,20 @@ per round, beside the others' rounds. With several streams, `LoadPolicy` shorten
 batched decoding) at batch sizes where that measures faster.
 
 A stream alone in its round lets its drafter work beside the verify (`Drafter.overlap`: the draft model's
-draft-ahead, drafters/model.py; when it runs: placement.draft_ahead).
+draft-ahead, drafters/model.py; when it runs: placement.draft_ahead). When the target's slots take turns (its
+multi-sequence batches are not exact: `LlamaModel.batches_sequences`), the round verifies one stream at a time and
+drafts the next stream's proposal beside each verify (`_take_turns`), so only the first stream drafts on the path.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from localspec import context_shift, drafters
@@ -97,6 +101,8 @@ class Engine:
         self.constant_width = target.on_gpu if constant_width is None else constant_width
         # A stream alone in its round lets its drafter work beside the verify (the draft model: draft-ahead).
         self.draft_ahead = draft_ahead and draft is not None
+        # Where slots take turns, the next stream's drafting beside each verify (`_take_turns`): started when used.
+        self._beside: ThreadPoolExecutor | None = None
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
         # A recurrent target cannot go back into a verify to read a row again: full rows there.
@@ -128,6 +134,9 @@ class Engine:
             slot.tokens, slot.target_kv, slot.busy = [], [], False
 
     def close(self) -> None:
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+            self._beside = None
         for drafter in self._distinct_drafters():
             drafter.close()
 
@@ -296,14 +305,22 @@ class Engine:
         if not live:
             return
         plans, share = self._plan(live)
-        proposals = self._draft(live, plans)
-        verdicts, verify_s = self._verify(live, plans, proposals)
+        self._settle_grammars(live)
+        if self._drafts_beside_turns(live):
+            proposals, verdicts, draft_s, verify_s = self._take_turns(live, plans)
+        else:
+            proposals = self._draft(live, plans)
+            draft_s = None  # (each stream's proposal says; a drafter's streams share one drafting)
+            beside, ahead = self._ahead(live, plans, proposals)
+            verdicts, verify_s, _ = self._verify(live, plans, proposals, beside, ahead)
+            for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
+                self._rewind(s, proposal, verdict)
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
-            self._rewind(s, proposal, verdict)
             s.chooser.observe(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s, verdict.width,
                               proposal.lead, proposal.first_s, proposal.ahead, verdict.ahead_wait_s,
                               proposal.least_s)
-            s.stats.count_round(len(proposal.tokens), verdict.accepted, proposal.seconds, verify_s)
+            s.stats.count_round(len(proposal.tokens), verdict.accepted,
+                                proposal.seconds if draft_s is None else draft_s, verify_s)
         # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
         # epoch and counts.
         if share < 1.0 or any(p.k for p in plans):
@@ -418,6 +435,15 @@ class Engine:
         """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
         return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self._room(s) - ahead)
 
+    @staticmethod
+    def _settle_grammars(live: Sequence[Stream]) -> None:
+        """Give each constrained stream's drafter its copy of the grammar state after the committed tokens."""
+        for s in live:
+            if s.req.grammar is not None:
+                s.req.grammar.close()
+                assert s.grammar is not None
+                s.req.grammar = s.grammar.clone()
+
     def _draft(self, live: Sequence[Stream], plans: Sequence[_Plan]) -> list[Proposal]:
         """Each stream's proposal: every drafter drafts for its streams together (k = 0 included: a drafter may
         have state to settle)."""
@@ -426,11 +452,6 @@ class Engine:
         for i, s in enumerate(live):
             if s.drafter is not None:
                 groups.setdefault(id(s.drafter), []).append(i)
-        for s in live:
-            if s.req.grammar is not None:  # the drafter's copy: the state after the committed tokens
-                s.req.grammar.close()
-                assert s.grammar is not None
-                s.req.grammar = s.grammar.clone()
         for members in groups.values():
             drafter = live[members[0]].drafter
             assert drafter is not None
@@ -439,11 +460,66 @@ class Engine:
                 proposals[i] = proposal
         return proposals
 
-    def _verify(self, live: Sequence[Stream], plans: Sequence[_Plan],
-                proposals: Sequence[Proposal]) -> tuple[list[Verdict], float]:
+    def _drafts_beside_turns(self, live: Sequence[Stream]) -> bool:
+        """Whether this round takes turns with the next stream's drafting beside each verify (`_take_turns`): the
+        target's slots take turns, the draft model may work beside it (as for draft-ahead), and no stream's drafter
+        reads the target's rows (an MTP head follows its own stream's verify)."""
+        return (self.draft_ahead and len(live) > 1 and not self.target.batches_sequences
+                and not any(isinstance(s.drafter, ReadsTarget) for s in live))
+
+    def _take_turns(self, live: Sequence[Stream],
+                    plans: Sequence[_Plan]) -> tuple[list[Proposal], list[Verdict], float, float]:
+        """The round when the target's slots take turns: one verify per stream, and while it runs, the next
+        stream's drafter drafts that stream's proposal in a worker thread (llama.cpp releases the GIL inside a
+        decode; each proposal is drafted from its own stream's committed tokens, as it would be on the path). So
+        only the first stream drafts on the round's path, and the loop waits for a next proposal only where its
+        drafting outlasts the verify. A stream is rewound once its verify is read and the drafting beside it
+        ended: its drafter's models are then idle. Returns the proposals, the verdicts, and the round's drafting
+        on the path and verify seconds (what every stream's stats count, as for a shared round)."""
+        if self._beside is None:
+            self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-beside")
+        proposal = self._draft(live[:1], plans[:1])[0]
+        draft_s, verify_s = proposal.seconds, 0.0
+        proposals, verdicts = [], []
+        for i, s in enumerate(live):
+            following = live[i + 1] if i + 1 < len(live) else None
+            job = (self._beside.submit(self._draft, [following], plans[i + 1 : i + 2])
+                   if following is not None and following.drafter is not None else None)
+            (verdict,), spent, wait = self._verify([s], plans[i : i + 1], [proposal], _finished(job))
+            verify_s += spent
+            self._rewind(s, proposal, verdict)
+            proposals.append(proposal)
+            verdicts.append(verdict)
+            if following is None:
+                break
+            proposal = NO_PROPOSAL
+            if job is not None:
+                drafted = job.result()[0]
+                # Drafted off the path: its steps are no measure of a step there (the cost model learns from the
+                # first stream's); the wait for it is its drafting on the path.
+                proposal = dataclasses.replace(drafted, seconds=wait or 0.0, ahead=len(drafted.tokens) - drafted.lead)
+                draft_s += proposal.seconds
+        return proposals, verdicts, draft_s, verify_s
+
+    def _ahead(self, live: Sequence[Stream], plans: Sequence[_Plan],
+               proposals: Sequence[Proposal]) -> tuple[contextlib.AbstractContextManager[None] | None, bool]:
+        """A stream alone in its round lets its drafter draft ahead beside the verify (not a constrained one: a bet
+        drafted beside the verify would need the grammar after it). Returns the work beside the verify (or None)
+        and whether it is a draft-ahead."""
+        if not (self.draft_ahead and len(live) == 1 and live[0].drafter is not None and live[0].grammar is None):
+            return None, False
+        s, proposal = live[0], proposals[0]
+        # If every draft is accepted, the next round has this many more tokens behind it.
+        k_next = self._length(s, plans[0].k_round, ahead=len(proposal.tokens) + 1)
+        return s.drafter.overlap(s.req, proposal, k_next), True  # type: ignore[union-attr]
+
+    def _verify(self, live: Sequence[Stream], plans: Sequence[_Plan], proposals: Sequence[Proposal],
+                beside: contextlib.AbstractContextManager[None] | None = None,
+                ahead: bool = False) -> tuple[list[Verdict], float, float | None]:
         """One target decode of every stream's [cur] + drafts (each padded to its width), then acceptance per
-        stream. A stream alone in its round lets its drafter work beside the decode. Returns the verdicts and the
-        decode's seconds."""
+        stream. `beside`: work that runs while the decode does (`ahead`: the lone stream's draft-ahead, whose wait
+        its stats count). Returns the verdicts, the decode's seconds, and how long the loop then waited for the
+        work beside it (None: none ran)."""
         items, widths = [], []
         for s, plan, proposal in zip(live, plans, proposals, strict=True):
             # Padded to the plan's width, or narrow after a run of empty drafts: the stream's policy decides.
@@ -454,23 +530,16 @@ class Engine:
             batch += [batch[-1]] * (width - len(batch))
             items.append((s.slot.seq, batch, len(s.slot.target_kv), True))
             widths.append(width)
-        beside: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        overlapping = False
-        # (Not for a constrained stream: a bet drafted beside the verify would need the grammar after it.)
-        if self.draft_ahead and len(live) == 1 and live[0].drafter is not None and live[0].grammar is None:
-            s, proposal = live[0], proposals[0]
-            # If every draft is accepted, the next round has this many more tokens behind it.
-            k_next = self._length(s, plans[0].k_round, ahead=len(proposal.tokens) + 1)
-            beside = s.drafter.overlap(s.req, proposal, k_next)  # type: ignore[union-attr]
-            overlapping = True
-        with beside:
+        with beside if beside is not None else contextlib.nullcontext():
             t = time.perf_counter()
             scores = self.target.decode_many(items)
             spent = time.perf_counter() - t
             t = time.perf_counter()
         wait: float | None = None
-        if overlapping:  # the block's exit waited for the draft-ahead beside the verify to finish
+        if beside is not None:  # the block's exit waited for the work beside the verify to finish
             wait = time.perf_counter() - t
+        if ahead:
+            assert wait is not None
             live[0].stats.ahead_wait_s += wait
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
             # A constrained row may be decoded again (`accept_constrained`) into the buffer full rows still view.
@@ -497,10 +566,10 @@ class Engine:
                 if redecoded:  # a row decoded again is verify time (masking rows aside)
                     s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
-            if wait is not None:
+            if ahead:
                 verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
             verdicts.append(verdict)
-        return verdicts, spent
+        return verdicts, spent, wait
 
     @staticmethod
     def _accept(s: Stream, proposal: Proposal, scores: Scores, width: int) -> Verdict:
@@ -530,3 +599,14 @@ class Engine:
         s.verdict = verdict
         if s.drafter is not None:
             s.drafter.accept(s.req, proposal, verdict.accepted)
+
+
+@contextlib.contextmanager
+def _finished(job: Future[list[Proposal]] | None) -> Iterator[None]:
+    """The block, then the wait for `job` to end (its result or error is the caller's to read): whatever happens
+    in the block, the job's models are idle after it."""
+    try:
+        yield
+    finally:
+        if job is not None:
+            concurrent.futures.wait([job])

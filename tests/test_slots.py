@@ -253,6 +253,11 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
         s.target.on_gpu = False
         assert same_width_error > 0.5
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
+        # With the draft model working beside the verify (as on a GPU), each round drafts the next stream's
+        # proposal beside the verify before it, on llama.cpp's threads: the same tokens, in other slots too.
+        s.engine.draft_ahead = True
+        assert run_together(s.engine, requests[::-1], arrivals=[0, 0, 2], slots=[1, 2, 0]) == expected[::-1]
+        assert s.engine._beside is not None
 
 
 def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(tiny_pair):

@@ -230,8 +230,8 @@ class LlamaModel:
         them. With device sampler chains on several sequences, each call covers every sequence that has one
         (`ubatch.covering_calls`); otherwise the items go in ascending sequence order, one ubatch a call
         (`ubatch.decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
-        the items one after another."""
-        if self.batches_sequences or len({item[0] for item in items}) < 2:
+        the items one after another, each in a batch of its own (one item too: covering would pad the others in)."""
+        if self.batches_sequences:
             raws, hidden = self._decode_batched(items, cover=True)
             return [as_scores(r, h) for r, h in zip(raws, hidden, strict=True)]
         results, hidden = [], []
