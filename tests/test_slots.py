@@ -253,6 +253,10 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
         s.target.on_gpu = False
         assert same_width_error > 0.5
         assert run_together(s.engine, requests, arrivals=[0, 1, 1]) == expected
+        # Its rows come whole (no device chains): a turn's graph would differ from the last in where the chains
+        # run, and llama.cpp would plan its graphs afresh before every verify.
+        assert s.target.replans == 0 and s.target.device_top_k == 64
+        assert all(s.target.device_sampler(seq) is None for seq in range(3))
         # With the draft model working beside the verify (as on a GPU), each round drafts the next stream's
         # proposal beside the verify before it, on llama.cpp's threads: the same tokens, in other slots too.
         s.engine.draft_ahead = True

@@ -1,7 +1,8 @@
 """Rounds per second and llama.cpp ubatches per round with N busy slots (issue #18), through the engine.
 
     python bench/lab/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
-        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--json OUT]
+        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--timeline] [--overlap auto|on|off]
+        [--device-top-k N] [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
 permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
@@ -11,6 +12,10 @@ with llama.cpp's batch debugging on (`LLAMA_BATCH_DEBUG=1`, read when a context 
 llama.cpp made per round from its own log ("added ubatch"), target and draft apart: the ground truth for any
 version of localspec, which is how the figures before and after the fix of issue #18 were taken. That pass is
 not timed (the debug log costs time).
+
+With `--timeline` every llama.cpp decode of the timed rounds is logged (model, thread, start, end): per round, the
+target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), and the
+rest of the round (host work, waits). `--overlap` and `--device-top-k` set the `[load]` keys of those names.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,17 +51,61 @@ def _count(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 _COUNTING = llama_cpp.llama_log_callback(_count)  # kept alive: llama.cpp holds the pointer
 
 
+def _log_decodes(model, name: str, log: list[tuple[str, bool, float, float, int]]) -> None:  # type: ignore[no-untyped-def]
+    """Log each llama_decode of `model` (name, on the loop's thread, start, end, tokens)."""
+    decode = model._decode
+    main = threading.main_thread()
+
+    def timed(n, *rest):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = decode(n, *rest)
+        log.append((name, threading.current_thread() is main, t0, time.perf_counter(), int(n)))
+        return out
+
+    model._decode = timed
+
+
+def _timeline(log: list[tuple[str, bool, float, float, int]], bounds: list[tuple[float, float]]) -> dict:
+    """Per round (its start and end): seconds in the target's decodes, the draft's on the loop's thread and beside
+    it, and the rest; the target's decodes by token count."""
+    rows = []
+    for t0, t1 in bounds:
+        inside = [e for e in log if t0 <= e[2] < t1]
+        target = [e[3] - e[2] for e in inside if e[0] == "target"]
+        draft_main = sum(e[3] - e[2] for e in inside if e[0] == "draft" and e[1])
+        draft_beside = sum(e[3] - e[2] for e in inside if e[0] == "draft" and not e[1])
+        rows.append({"round_s": t1 - t0, "target_s": sum(target), "target_decodes": len(target),
+                     "draft_main_s": draft_main, "draft_beside_s": draft_beside,
+                     "rest_s": t1 - t0 - sum(target) - draft_main})
+    by_width: dict[int, list[float]] = {}
+    for name, _, t0, t1, n in log:
+        if name == "target":
+            by_width.setdefault(n, []).append(t1 - t0)
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]} if rows else {}
+    return {"median_per_round": med,
+            "target_decode_ms_by_tokens": {n: round(1000 * statistics.median(v), 2)
+                                           for n, v in sorted(by_width.items())},
+            "target_decodes_by_tokens": {n: len(v) for n, v in sorted(by_width.items())}}
+
+
 def measure(args: argparse.Namespace, count: bool) -> dict:
     if count:
         os.environ["LLAMA_BATCH_DEBUG"] = "1"
     preset = load_preset("default").with_overrides(
-        temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx)
+        temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx, overlap=args.overlap,
+        device_top_k=args.device_top_k)
     files = ModelFiles(target=args.target, draft=args.draft, name="slot_rounds")
     _LoadPolicy.SHARES = (1.0,)  # every round drafts its full length: the same rounds before and after
     with open_session(files, preset, parallel=args.slots) as session:
         if count:
             llama_cpp.llama_log_set(_COUNTING, ctypes.c_void_p(0))
         engine: Engine = session.engine
+        log: list[tuple[str, bool, float, float, int]] = []
+        bounds: list[tuple[float, float]] = []
+        if args.timeline and not count:
+            _log_decodes(session.target, "target", log)
+            if session.draft is not None:
+                _log_decodes(session.draft, "draft", log)
         slots = list(range(args.slots))
         if args.order == "scrambled":
             slots = np.random.default_rng(7).permutation(args.slots).tolist()
@@ -71,19 +121,26 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
             for s in streams:
                 list(s.events())
         per_round, seconds = [], []
+        before_tokens = sum(s.stats.tokens for s in streams)
         for _ in range(args.rounds):
             before = _counts["ubatches"]
             t = time.perf_counter()
             engine.step(streams)
             seconds.append(time.perf_counter() - t)
+            bounds.append((t, t + seconds[-1]))
             for s in streams:
                 list(s.events())
             per_round.append(_counts["ubatches"] - before)
         tokens = sum(s.stats.tokens for s in streams)
+        tokens_timed = tokens - before_tokens
         return {"rounds": args.rounds, "round_s_median": statistics.median(seconds),
                 "rounds_per_s": args.rounds / sum(seconds), "tokens": tokens,
                 "ubatches_per_round": statistics.mean(per_round) if count else None,
-                "acceptance": sum(s.stats.accepted for s in streams) / max(1, sum(s.stats.drafted for s in streams))}
+                "acceptance": sum(s.stats.accepted for s in streams) / max(1, sum(s.stats.drafted for s in streams)),
+                "tokens_per_s": tokens_timed / sum(seconds), "draft_ahead": engine.draft_ahead,
+                "slots_batched": engine.batches_slots, "target_replans": session.target.replans,
+                "target_device_samplers": [str(session.target.device_sampler(s.slot.seq)) for s in streams[:4]],
+                "timeline": _timeline(log, bounds) if log else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ctx", type=int, default=1024, help="context per slot")
     p.add_argument("--count-ubatches", action="store_true", help="also count llama.cpp's ubatches per round")
+    p.add_argument("--timeline", action="store_true", help="log every decode of the timed rounds (see above)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--device-top-k", type=int, default=64)
     p.add_argument("--json", type=Path, dest="json_out")
     args = p.parse_args(argv)
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

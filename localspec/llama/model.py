@@ -200,10 +200,10 @@ class LlamaModel:
         # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
         # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
         self.device_top_k = device_top_k
+        self.batches_sequences = True  # (until the load probe below says otherwise)
         self._samplers = DeviceSamplers(self.ctx, self.n_vocab, device_top_k, self.path.name)
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
-        self.batches_sequences = True
         self.sequence_batch_error = self.width_noise = 0.0
         if n_seq > 1:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
@@ -211,6 +211,9 @@ class LlamaModel:
             # the batch's width anyway (docs/gpu.md): there a shared batch counts as wrong only when it moves the
             # rows beyond rounding at the same width, whatever the width itself moves (`width_noise`).
             self.batches_sequences = shares_batches(self.on_gpu, self.sequence_batch_error, self.width_noise)
+            if not self.batches_sequences:
+                for seq in list(self._samplers.modes):
+                    self.use_device_sampler(None, seq)
 
     # -- decoding -------------------------------------------------------------------------------------------
 
@@ -235,13 +238,13 @@ class LlamaModel:
             raws, hidden = self._decode_batched(items, cover=True)
             return [as_scores(r, h) for r, h in zip(raws, hidden, strict=True)]
         results, hidden = [], []
-        for item in items:
+        for i, item in enumerate(items):
             raw, rows = self._decode_batched([item])
-            results.append(raw[0])
+            scores = raw[0]
+            if i < len(items) - 1 and isinstance(scores, np.ndarray) and scores.base is not None:
+                scores = scores.copy()  # a view into llama.cpp's buffer, which the next item's decode reuses
+            results.append(scores)
             hidden.append(rows[0])
-        for i, scores in enumerate(results[:-1]):
-            if isinstance(scores, np.ndarray) and scores.base is not None:
-                results[i] = scores.copy()  # a view into llama.cpp's buffer, which the next decode reuses
         return [as_scores(r, h) for r, h in zip(results, hidden, strict=True)]
 
     def _decode_batched(self, items: Sequence[DecodeItem],
@@ -380,8 +383,12 @@ class LlamaModel:
         llama.cpp initialises a chain for the device once, so each switch attaches a fresh chain (and the next
         decode rebuilds its graph: callers switch per generation, not per round).
         """
-        if not self.device_top_k or (self.recurrent and self.n_seq > 1):
-            # (Several sequences' chains need covering calls, whose stand-in tokens a recurrent state cannot undo.)
+        if not self.device_top_k or (self.recurrent and self.n_seq > 1) or not self.batches_sequences:
+            # (Several sequences' chains need covering calls, whose stand-in tokens a recurrent state cannot undo.
+            # Slots that take turns decode one sequence's rows a call, its chain on them and the others' on stand-in
+            # rows: each turn's graph differs from the last in where the chains run, so llama.cpp would plan its
+            # graphs afresh before every verify (`ubatch.Replans`; ~40 ms a turn on the card's 32B target on an
+            # H200, where reading 7 full rows costs ~1 ms): full rows there.)
             mode = None
         if mode == self._samplers.modes.get(seq):
             return mode is not None
