@@ -469,36 +469,44 @@ class Engine:
 
     def _take_turns(self, live: Sequence[Stream],
                     plans: Sequence[_Plan]) -> tuple[list[Proposal], list[Verdict], float, float]:
-        """The round when the target's slots take turns: one verify per stream, and while it runs, the next
-        stream's drafter drafts that stream's proposal in a worker thread (llama.cpp releases the GIL inside a
-        decode; each proposal is drafted from its own stream's committed tokens, as it would be on the path). So
-        only the first stream drafts on the round's path, and the loop waits for a next proposal only where its
-        drafting outlasts the verify. A stream is rewound once its verify is read and the drafting beside it
-        ended: its drafter's models are then idle. Returns the proposals, the verdicts, and the round's drafting
-        on the path and verify seconds (what every stream's stats count, as for a shared round)."""
+        """The round when the target's slots take turns: one verify per stream, and while one runs, the streams
+        verified next are drafted in a worker thread (llama.cpp releases the GIL inside a decode; each proposal is
+        drafted from its own stream's committed tokens, as it would be on the path). So only the first stream
+        drafts on the round's path, and the loop waits for the others' proposals only where drafting outlasts a
+        verify. Where the drafters' models share batches between sequences, all the other streams are drafted
+        together beside the first verify (each draft step then serves them all: one stream's step would cost the
+        same, `ubatch.covering_calls`); where they take turns too, one stream beside each verify. A stream is
+        rewound once its verify is read and the drafting beside it ended: its drafter's models are then idle.
+        Returns the proposals, the verdicts, and the round's drafting on the path and verify seconds (what every
+        stream's stats count, as for a shared round)."""
         if self._beside is None:
             self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-beside")
-        proposal = self._draft(live[:1], plans[:1])[0]
-        draft_s, verify_s = proposal.seconds, 0.0
-        proposals, verdicts = [], []
-        for i, s in enumerate(live):
-            following = live[i + 1] if i + 1 < len(live) else None
-            job = (self._beside.submit(self._draft, [following], plans[i + 1 : i + 2])
-                   if following is not None and following.drafter is not None else None)
-            (verdict,), spent, wait = self._verify([s], plans[i : i + 1], [proposal], _finished(job))
-            verify_s += spent
-            self._rewind(s, proposal, verdict)
-            proposals.append(proposal)
-            verdicts.append(verdict)
-            if following is None:
-                break
-            proposal = NO_PROPOSAL
-            if job is not None:
-                drafted = job.result()[0]
-                # Drafted off the path: its steps are no measure of a step there (the cost model learns from the
-                # first stream's); the wait for it is its drafting on the path.
-                proposal = dataclasses.replace(drafted, seconds=wait or 0.0, ahead=len(drafted.tokens) - drafted.lead)
-                draft_s += proposal.seconds
+        rest = range(1, len(live))
+        together = all(m.batches_sequences for s in live if s.drafter is not None for m in s.drafter.models)
+        groups = [[0], *([list(rest)] if together else [[i] for i in rest])]
+        proposals = [NO_PROPOSAL] * len(live)
+        proposals[0] = self._draft(live[:1], plans[:1])[0]
+        draft_s, verify_s = proposals[0].seconds, 0.0
+        verdicts: list[Verdict] = []
+        for g, group in enumerate(groups):
+            for n, i in enumerate(group):
+                s = live[i]
+                # The next group is drafted beside this group's first verify.
+                following = [j for j in groups[g + 1] if live[j].drafter is not None] if n == 0 and g + 1 < len(
+                    groups) else []
+                job = (self._beside.submit(self._draft, [live[j] for j in following], [plans[j] for j in following])
+                       if following else None)
+                (verdict,), spent, wait = self._verify([s], [plans[i]], [proposals[i]], _finished(job))
+                verify_s += spent
+                self._rewind(s, proposals[i], verdict)
+                verdicts.append(verdict)
+                if job is not None:
+                    draft_s += wait or 0.0
+                    for j, drafted in zip(following, job.result(), strict=True):
+                        # Drafted off the path: its steps are no measure of a step there (the cost model learns
+                        # from the first stream's); the wait for them is their drafting on the path.
+                        proposals[j] = dataclasses.replace(drafted, seconds=wait or 0.0,
+                                                           ahead=len(drafted.tokens) - drafted.lead)
         return proposals, verdicts, draft_s, verify_s
 
     def _ahead(self, live: Sequence[Stream], plans: Sequence[_Plan],

@@ -264,6 +264,23 @@ def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_d
         assert s.engine._beside is not None
 
 
+def test_a_target_taking_turns_beside_a_draft_that_shares_batches_stays_exact(tiny_pair):
+    """The GPU's case for a target whose shared batches are wrong: its slots take turns, full rows, while the draft
+    model (which shares batches, device chains on) drafts every other stream together beside the first verify of
+    each round, on llama.cpp's threads. Every request still gets its output alone, in any slots and order."""
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, 0.0, False), max_tokens=30)
+                for p, k in zip(prompts(4, seed=5), (6, 3, 0, 4), strict=True)]
+    expected = outputs_alone(tiny_pair, requests)
+    with open_slots(tiny_pair, 4) as s:
+        s.target.batches_sequences = False  # as the load probe decides for such a target
+        s.engine.draft_ahead = True
+        assert s.draft is not None and s.draft.batches_sequences
+        assert run_together(s.engine, requests, arrivals=[0, 0, 1, 3]) == expected
+        assert run_together(s.engine, requests[::-1], arrivals=[0, 2, 2, 2], slots=[3, 0, 2, 1]) == expected[::-1]
+        assert s.engine._beside is not None and s.target.replans == 0
+        assert all(s.target.device_sampler(seq) is None for seq in range(4))
+
+
 def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(tiny_pair):
     """With `prefill_in_rounds` a joining request's prompt is decoded one n_batch a round: the running request
     emits tokens in the meantime, and both outputs are still what each gets alone."""

@@ -106,10 +106,12 @@ def together(engine: Engine, reqs: Sequence[dict], arrivals: Sequence[int], slot
     return out
 
 
-def test_greedy_streams_taking_turns_with_drafts_beside_get_their_output_alone() -> None:
+@pytest.mark.parametrize("draft_batches", [True, False], ids=["draft-shares-batches", "draft-takes-turns"])
+def test_greedy_streams_taking_turns_with_drafts_beside_get_their_output_alone(draft_batches: bool) -> None:
     reqs = requests(GREEDY.sampling)
     expected = alone(reqs)
     target, draft = turn_taking_pair(5)
+    draft.batches_sequences = draft_batches
     engine = Engine(target, draft, draft_ahead=True)
     assert not engine.batches_slots
     assert together(engine, reqs, arrivals=[0, 0, 2, 2, 5], slots=[0, 1, 2, 3, 4]) == expected
@@ -151,10 +153,13 @@ def test_at_t_above_0_streams_taking_turns_keep_the_targets_distribution() -> No
         assert chi_square(counts, joint) < 103.4  # 63 degrees of freedom, the 99.9th percentile
 
 
-def test_the_next_streams_drafting_runs_while_the_target_verifies() -> None:
+@pytest.mark.parametrize("draft_batches", [True, False], ids=["draft-shares-batches", "draft-takes-turns"])
+def test_the_other_streams_drafting_runs_while_the_target_verifies(draft_batches: bool) -> None:
     """Three streams, a 25 ms verify, draft steps of 1 ms: the second and third streams' drafts are made on the
-    worker thread inside the verify before theirs, so the round's drafting on the path is the first stream's."""
+    worker thread inside a verify, together beside the first one where the draft model shares batches, else each
+    beside the verify before its own; the round's drafting on the path is the first stream's."""
     target, draft = turn_taking_pair(3, target_s=0.025, draft_s=0.001)
+    draft.batches_sequences = draft_batches
     engine = Engine(target, draft, draft_ahead=True)
     streams = [engine.start([1 + i, 2, 3], GREEDY.sampling, drafting(4), 24, slot=i) for i in range(3)]
     while not all(s.finished for s in streams):
@@ -163,15 +168,16 @@ def test_the_next_streams_drafting_runs_while_the_target_verifies() -> None:
             list(s.events())
     engine.close()
     verifies = [(t0, t1) for name, t0, t1, _ in target.log if not name.startswith(BESIDE)]
-    beside = [(t0, t1) for name, t0, t1, _ in draft.log if name.startswith(BESIDE)]
-    on_path = [entry for entry in draft.log if not entry[0].startswith(BESIDE)]
-    assert len(beside) > len(on_path) > 0
-    inside = sum(any(v0 <= t1 <= v1 for v0, v1 in verifies) for _, t1 in beside)
+    beside = [(t0, t1, n) for name, t0, t1, n in draft.log if name.startswith(BESIDE)]
+    on_path = [n for name, _, _, n in draft.log if not name.startswith(BESIDE)]
+    assert beside and on_path
+    assert set(on_path) == {1}  # the first stream's drafting alone (its prompt went in at start)
+    assert {n for *_, n in beside} == ({2} if draft_batches else {1})
+    inside = sum(any(v0 <= t1 <= v1 for v0, v1 in verifies) for _, t1, _ in beside)
     assert inside >= 0.9 * len(beside), (inside, len(beside))
     # Each stream's stats count the round's drafting on the path: the first stream's steps, not all three's.
-    stats = [s.stats for s in streams]
     drafting_s = sum(t1 - t0 for _, t0, t1, _ in draft.log)
-    assert stats[0].draft_s < 0.6 * drafting_s
+    assert streams[0].stats.draft_s < 0.6 * drafting_s
 
 
 def test_a_drafter_error_beside_the_verify_surfaces_and_the_draft_model_is_idle() -> None:
