@@ -17,8 +17,8 @@ together, one target decode verifies all), and each stream's `events()` yields w
 keeps its own settings, random streams and stats, and a slot's numbers do not depend on what the others hold (on
 the CPU, bit for bit: tests/test_slots.py), so a request's output is what it would be alone. `generate` is the
 one-stream case of the same code. The server starts streams with `prefill_in_rounds`: their prompts go in one batch
-per round, beside the others' rounds. With several streams, `LoadPolicy` shortens the drafts (down to k = 0, plain
-batched decoding) at batch sizes where that measures faster.
+per round, beside the others' rounds. With several streams sharing a verify, `LoadPolicy` shortens the drafts (down
+to k = 0, plain batched decoding) at batch sizes where that measures faster.
 
 A stream alone in its round lets its drafter work beside the verify (`Drafter.overlap`: the draft model's
 draft-ahead, drafters/model.py; when it runs: placement.draft_ahead). When the target's slots take turns (its
@@ -421,7 +421,10 @@ class Engine:
             room = self.n_ctx - len(s.slot.tokens)  # cells left past the cached prefix (cur's included)
             width = min(k_round, room) + 1 if self.constant_width else 0  # 0: as wide as the drafts are
             plans.append(_Plan(k_round, self._length(s, k_round), width))
-        share = self.load.share(len(live)) if any(p.k for p in plans) else 1.0
+        # Slots that take turns verify one stream a decode, so a stream's round costs what it costs alone: its own
+        # draft-length policy decides, and the load policy's shorter shares (for a shared verify growing
+        # compute-bound) would only cost their probing rounds.
+        share = self.load.share(len(live)) if any(p.k for p in plans) and self.target.batches_sequences else 1.0
         if share < 1.0:
             plans = [_Plan(p.k_round, k := round(p.k * share), k + 1 if self.constant_width else 0) for p in plans]
         return plans, share

@@ -200,3 +200,23 @@ def test_a_drafter_error_beside_the_verify_surfaces_and_the_draft_model_is_idle(
         engine.step(streams)
     assert engine._beside is not None and engine._beside._work_queue.empty()
     engine.close()
+
+
+def test_streams_taking_turns_draft_their_full_length_with_no_load_probing() -> None:
+    """The load policy shortens drafts where a shared verify grows compute-bound; taking turns, each stream's verify
+    is its own, so every round of every stream drafts the length its own policy chose (here k = 4 throughout, no
+    probing epochs of k = 0 or k = 2), and the policy is not consulted."""
+    target, draft = turn_taking_pair(3)
+    engine = Engine(target, draft, draft_ahead=True)
+    lengths: list[int] = []
+    streams = [engine.start([1 + i, 2, 3], GREEDY.sampling, drafting(4), 200, slot=i) for i in range(3)]
+    while not all(s.finished for s in streams):
+        live = [s for s in streams if not s.finished]
+        engine.step(live)
+        for s in live:
+            list(s.events())
+            if not s.finished or s.stats.tokens < 200:
+                lengths.append(s.stats.draft_lengths[-1])
+    engine.close()
+    assert len(lengths) > 3 * (len(engine.load.SHARES) * engine.load.EPOCH)  # past every probing epoch
+    assert set(lengths) == {4} and {share for _, share in engine.load.rate} == {1.0}
