@@ -23,7 +23,7 @@ to k = 0, plain batched decoding) at batch sizes where that measures faster.
 A stream alone in its round lets its drafter work beside the verify (`Drafter.overlap`: the draft model's
 draft-ahead, drafters/model.py; when it runs: placement.draft_ahead). When the target's slots take turns (its
 multi-sequence batches are not exact: `LlamaModel.batches_sequences`), the round verifies one stream at a time and
-drafts the next stream's proposal beside each verify (`_take_turns`), so only the first stream drafts on the path.
+drafts the other streams' proposals beside those verifies (`_take_turns`): only the first stream drafts on the path.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Engine:
         self.constant_width = target.on_gpu if constant_width is None else constant_width
         # A stream alone in its round lets its drafter work beside the verify (the draft model: draft-ahead).
         self.draft_ahead = draft_ahead and draft is not None
-        # Where slots take turns, the next stream's drafting beside each verify (`_take_turns`): started when used.
+        # Where slots take turns, the other streams' drafting beside the verifies (`_take_turns`): started when used.
         self._beside: ThreadPoolExecutor | None = None
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
@@ -464,7 +464,7 @@ class Engine:
         return proposals
 
     def _drafts_beside_turns(self, live: Sequence[Stream]) -> bool:
-        """Whether this round takes turns with the next stream's drafting beside each verify (`_take_turns`): the
+        """Whether this round takes turns with the other streams' drafting beside the verifies (`_take_turns`): the
         target's slots take turns, the draft model may work beside it (as for draft-ahead), and no stream's drafter
         reads the target's rows (an MTP head follows its own stream's verify)."""
         return (self.draft_ahead and len(live) > 1 and not self.target.batches_sequences
