@@ -11,6 +11,7 @@ import pytest
 
 from localspec.config import Drafting, load_preset
 from localspec.engine import STOP_MAX_TOKENS, DoneEvent, Engine, Stream, TokenEvent, collect
+from localspec.llama.grammar import Grammar
 from localspec.policies import LoadPolicy
 from localspec.sampling import candidates
 from localspec.session import ModelFiles, open_session
@@ -279,6 +280,22 @@ def test_a_target_taking_turns_beside_a_draft_that_shares_batches_stays_exact(ti
         assert run_together(s.engine, requests[::-1], arrivals=[0, 2, 2, 2], slots=[3, 0, 2, 1]) == expected[::-1]
         assert s.engine._beside is not None and s.target.replans == 0
         assert all(s.target.device_sampler(seq) is None for seq in range(4))
+        # A constrained request among them (its drafts masked by the drafter's copy of its grammar, drafted beside
+        # another stream's verify) gets what it gets alone in the same engine.
+        letters = 'root ::= [a-z]+ "."'
+        constrained = dict(requests[1], max_tokens=20)
+        s.engine.reset()
+        alone = collect(s.engine.generate(**constrained, grammar=Grammar(s.target, letters, "letters"))).tokens
+        streams = [s.engine.start(**r, slot=i) for i, r in enumerate(requests[2:])]
+        streams.insert(1, s.engine.start(**constrained, slot=3, grammar=Grammar(s.target, letters, "letters")))
+        got: list[int] = []
+        while not all(x.finished for x in streams):
+            s.engine.step([x for x in streams if not x.finished])
+            for x in streams:
+                events = list(x.events())
+                if x is streams[1]:
+                    got += [e.token for e in events if isinstance(e, TokenEvent)]
+        assert got == alone and len(got) > 1
 
 
 def test_a_long_prompt_goes_in_batch_by_batch_while_the_others_keep_generating(tiny_pair):
