@@ -385,6 +385,45 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
     assert slots4.wait_idle()["failed"] == 0
 
 
+def test_slots_that_take_turns_draft_beside_the_verifies_and_clients_get_what_each_gets_alone(demo_home,
+                                                                                              tmp_path_factory):
+    """The base demo's (`--pair demo`) Gemma 3 target shares no batch exactly (its slots take turns, `/health`),
+    and with `--overlap on` the draft model drafts the other slots' proposals beside each verify, as on a GPU:
+    three staggered `openai` clients at T = 0 each get, token for token, what they get alone."""
+    server = Server(demo_home, tmp_path_factory.mktemp("serve-turns"), "--pair", "demo", "--parallel", "3",
+                    "--threads", "1", "--overlap", "on")
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        requests = [
+            dict(prompt="The three primary colours are", max_tokens=30, extra_body={"speculative": {"n_max": 6}}),
+            dict(prompt="Once upon a time", max_tokens=24, extra_body={"speculative": {"n_max": 3}}),
+            dict(prompt="def add(a, b):", max_tokens=28, extra_body={}),
+        ]
+
+        def ask(r: dict) -> str:
+            return client.completions.create(model=model, temperature=0, **r).choices[0].text
+
+        alone = [ask(r) for r in requests]
+        health = server.wait_idle()
+        assert health["slots"] == 3 and not health["slots_batched"]
+        together: list[str | None] = [None] * 3
+
+        def worker(i: int) -> None:
+            time.sleep(0.1 * i)
+            together[i] = ask(requests[i])
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert together == alone
+        assert server.wait_idle()["failed"] == 0
+    finally:
+        server.stop()
+
+
 def test_a_departing_client_frees_its_slot_for_the_next(slots4):
     """Four long streams fill the slots; one client leaves; a fifth request gets its slot while three go on."""
     before = slots4.wait_idle()
