@@ -363,6 +363,8 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
     health = slots4.wait_idle()
     assert health["slots"] == 4 and health["slots_batched"]
     assert health["slots_batch_error"] == 0.0 and health["width_noise"] == 0.0  # the CPU: bit for bit
+    assert health["slot_batches"] == {name: {"shared": True, "error": 0.0, "width_noise": 0.0}
+                                      for name in ("target", "draft")}
     together: list[tuple[str, int] | None] = [None] * 4
     peak = {"running": 0}
 
@@ -407,6 +409,7 @@ def test_slots_that_take_turns_draft_beside_the_verifies_and_clients_get_what_ea
         alone = [ask(r) for r in requests]
         health = server.wait_idle()
         assert health["slots"] == 3 and not health["slots_batched"]
+        assert not health["slot_batches"]["target"]["shared"] and health["slot_batches"]["target"]["error"] > 0.5
         together: list[str | None] = [None] * 3
 
         def worker(i: int) -> None:

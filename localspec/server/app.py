@@ -10,7 +10,7 @@ the worker and back) is in handling.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +36,10 @@ from localspec.server.router import ReleaseLeases, add_router_routes
 from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse, parse_body
 from localspec.server.slot_routes import add_slot_routes
 from localspec.server.tools import ToolError, messages_for_template, parse_tools
+
+if TYPE_CHECKING:
+    from localspec.engine import Engine
+    from localspec.scores import ScoringModel
 
 __all__ = ["Backend", "ServerState", "create_app"]
 
@@ -65,6 +69,11 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              # sequence alone, and one sequence at two batch widths (LlamaModel's probe at load)
                              "slots_batch_error": max(m.sequence_batch_error for m in worker.engine.models),
                              "width_noise": max(m.width_noise for m in worker.engine.models),
+                             # ... and per model: the target's slots may take turns beside a draft that shares
+                             # batches, which decides how the other slots are drafted (Engine._take_turns)
+                             "slot_batches": {name: {"shared": m.batches_sequences,
+                                                     "error": m.sequence_batch_error, "width_noise": m.width_noise}
+                                              for name, m in _named_models(worker.engine)},
                              "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
                              "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
@@ -150,3 +159,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
+
+
+def _named_models(engine: Engine) -> list[tuple[str, ScoringModel]]:
+    """The engine's models as /health names them: "target", then "draft" (any further model: "draft2", ...)."""
+    models = list({id(m): m for m in engine.models}.values())  # (the chain drafts with the model drafter's model)
+    names = ["target", *("draft" if i == 0 else f"draft{i + 1}" for i in range(len(models) - 1))]
+    return list(zip(names, models, strict=True))
