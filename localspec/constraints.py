@@ -32,12 +32,19 @@ from localspec.config import Sampling
 from localspec.errors import GrammarError
 from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
 from localspec.llama.model import LlamaModel
-from localspec.sampling import NARROW, Candidates, accept_or_resample, distributions, penalized, token_logprobs
+from localspec.sampling import (
+    NARROW,
+    WIDEN,
+    Candidates,
+    accept_or_resample,
+    best_ids,
+    distributions,
+    penalized,
+    token_logprobs,
+)
 from localspec.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first (at least 4 x top_k); a miss widens the look eightfold, then to all
-WIDEN = 8
-SAMPLE_STRIDE = 16  # `best_ids` reads every 16th logit of a row to place its threshold
 NARROW_TOP_K = NARROW  # `settled` mirrors the pipeline's Python rows (top-k up to this wide)
 
 
@@ -129,22 +136,6 @@ def kept_ids(row: np.ndarray, grammar: Grammar, sampling: Sampling) -> np.ndarra
     if found == 0:
         raise GrammarError(f"{grammar.source}: the grammar allows no token here (a grammar that cannot end?)")
     return np.sort(np.concatenate(legal_ids))
-
-
-def best_ids(row: np.ndarray, look: int) -> np.ndarray:
-    """At least `look` ids of a row's best logits, every other token's logit below all of theirs (not in order).
-    Those above a threshold read off a strided sample of the row, somewhat more than `look`: a comparison over
-    the row where an argpartition of 152k logits took 1 ms (every constrained row pays one); the argpartition
-    where the sample misjudges the row (ties, a row flat but for a few)."""
-    vocab = len(row)
-    sample = row[::SAMPLE_STRIDE]
-    want = look // SAMPLE_STRIDE + look // 64 + 8  # about 2x look ids at 160, 1.3x at 1280: rarely fewer than look
-    if want < len(sample):
-        threshold = np.partition(sample, len(sample) - want)[len(sample) - want]
-        ids = np.flatnonzero(row >= threshold)
-        if look <= len(ids) <= WIDEN * look:
-            return ids
-    return np.argpartition(row, vocab - look)[vocab - look :]
 
 
 def settled(legal: np.ndarray, row: np.ndarray, bound: float, unchecked: int, sampling: Sampling) -> bool:

@@ -30,6 +30,8 @@ import numpy as np
 from localspec.config import Sampling
 from localspec.scores import Scores
 
+WIDEN = 8  # `best_ids` keeps its sample's answer while it holds at most this many times the ids asked for
+SAMPLE_STRIDE = 16  # `best_ids` reads every 16th logit of a row to place its threshold
 NARROW = 1024  # rows at most this wide after top-k get the pipeline's math in Python, wider ones in numpy
 
 
@@ -142,17 +144,44 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], cfg: Sampling) -
 def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
     """Turn (rows, vocab) logits into the pipeline's distributions.
 
-    Penalties must already be applied (it depends on each row's own history).
+    Penalties must already be applied (it depends on each row's own history). A row's top k are found among
+    `best_ids` (a comparison over the row instead of an argpartition of it: 8.8 ms for a 7-row verify of 152k
+    logits on the 2-core CPU) in column order, so a tie goes to the earlier column, at the k-th place too.
     """
     rows, vocab = logits.shape
     k = cfg.top_k if 0 < cfg.top_k < vocab else vocab
     if k < vocab:
-        idx = np.argpartition(logits, vocab - k, axis=1)[:, vocab - k :]
+        idx = np.empty((rows, k), dtype=np.intp)
+        for r, row in enumerate(logits):
+            ids = best_ids(row, k)
+            floor = np.partition(row[ids], len(ids) - k)[len(ids) - k]  # the row's k-th best logit
+            # Every id at or above it, in column order: a comparison's hits hold them all; argpartition's k ids
+            # (best_ids' fallback) may leave out ties at the floor.
+            ids = np.flatnonzero(row >= floor) if len(ids) == k else ids[row[ids] >= floor]
+            if len(ids) > k:  # ties at the floor: the earlier columns
+                ids = ids[np.sort(np.argsort(-row[ids], kind="stable")[:k])]
+            idx[r] = ids
         vals = np.take_along_axis(logits, idx, axis=1)
     else:
         idx = np.broadcast_to(np.arange(vocab), (rows, vocab))
         vals = logits
     return _after_top_k(idx, vals, cfg)
+
+
+def best_ids(row: np.ndarray, look: int) -> np.ndarray:
+    """At least `look` ids of a row's best logits, every other token's logit below all of theirs (not in order).
+    Those above a threshold read off a strided sample of the row, somewhat more than `look`: a comparison over
+    the row where an argpartition of 152k logits took 1 ms (every constrained row pays one); the argpartition
+    where the sample misjudges the row (ties, a row flat but for a few)."""
+    vocab = len(row)
+    sample = row[::SAMPLE_STRIDE]
+    want = look // SAMPLE_STRIDE + look // 64 + 8  # about 2x look ids at 160, 1.3x at 1280: rarely fewer than look
+    if want < len(sample):
+        threshold = np.partition(sample, len(sample) - want)[len(sample) - want]
+        ids = np.flatnonzero(row >= threshold)
+        if look <= len(ids) <= WIDEN * look:
+            return ids
+    return np.argpartition(row, vocab - look)[vocab - look :]
 
 
 def candidates_from_top_k(ids: np.ndarray, logits: np.ndarray, cfg: Sampling) -> Candidates:

@@ -79,6 +79,36 @@ def test_pipeline_matches_reference(settings, narrow, monkeypatch):
         assert got.probs[row].sum() == pytest.approx(1.0)
 
 
+def hostile_rows(vocab: int) -> np.ndarray:
+    """Rows that mislead a threshold read off a sample: flat, a plateau of ties across the k-th place, a few
+    peaks over a flat floor, a row masked to fewer tokens than k (-inf), and a plain one."""
+    rng = np.random.default_rng(4)
+    flat = np.zeros(vocab)
+    plateau = rng.normal(0, 1, vocab)
+    plateau[rng.choice(vocab, 100, replace=False)] = 9.0  # 100 equal best tokens: top_k 40 keeps the earliest
+    peaks = np.full(vocab, -2.0)
+    peaks[[3, vocab // 2, vocab - 1]] = [5.0, 4.0, 6.0]
+    masked = np.full(vocab, -np.inf)
+    masked[rng.choice(vocab, 12, replace=False)] = rng.normal(0, 2, 12)
+    return np.stack([flat, plateau, peaks, masked, rng.normal(0, 3, vocab)]).astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab", [600, 20_000])
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[4], dict(temperature=1.0, top_k=40, top_p=1.0,
+                                                                     min_p=0.0)])
+def test_host_top_k_keeps_the_earliest_of_ties_on_hostile_rows(settings, vocab):
+    """The host's top-k (a threshold from a strided sample, an argpartition where the sample misjudges the row)
+    keeps what a full stable sort keeps, ties included, on rows built to mislead the sample."""
+    logits = hostile_rows(vocab)
+    c = cfg(**settings)
+    got = candidates(logits, c)
+    for row in range(len(logits)):
+        want = {token: p for token, p in reference(logits[row], c).items() if p > 0}  # (-inf: probability 0)
+        have = as_dict(got, row)
+        assert have.keys() == want.keys(), row
+        assert all(have[token] == pytest.approx(p, rel=1e-9, abs=1e-12) for token, p in want.items())
+
+
 def assert_matches_reference(got: Candidates, logits: np.ndarray, c) -> None:
     for row in range(len(logits)):
         want = reference(logits[row], c)
