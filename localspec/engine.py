@@ -112,7 +112,9 @@ class Engine:
         # seed gives the same text whatever --parallel is.
         self.draw_on_device = True
         self.drafters = drafters.build(target, draft)
-        self.models = [target, *(m for d in self._distinct_drafters() for m in d.models)]
+        # Every model once (the chain drafts with the model drafter's draft model).
+        self.models = list({id(m): m for m in (target, *(m for d in self._distinct_drafters() for m in d.models))}
+                           .values())
         self.slots = [Slot(seq) for seq in range(min(m.n_seq for m in self.models))]
         self.cells = SlotCells(target, self._distinct_drafters(), self.slots)  # every model's cells of a slot
         self.load = LoadPolicy()
@@ -492,18 +494,17 @@ class Engine:
         draft_s, verify_s = proposals[0].seconds, 0.0
         verdicts: list[Verdict] = []
         for g, group in enumerate(groups):
+            # The next group is drafted beside this group's first verify.
+            following = [j for j in groups[g + 1] if live[j].drafter is not None] if g + 1 < len(groups) else []
+            job = (self._beside.submit(self._draft, [live[j] for j in following], [plans[j] for j in following])
+                   if following else None)
             for n, i in enumerate(group):
-                s = live[i]
-                # The next group is drafted beside this group's first verify.
-                following = [j for j in groups[g + 1] if live[j].drafter is not None] if n == 0 and g + 1 < len(
-                    groups) else []
-                job = (self._beside.submit(self._draft, [live[j] for j in following], [plans[j] for j in following])
-                       if following else None)
-                (verdict,), spent, wait = self._verify([s], [plans[i]], [proposals[i]], _finished(job))
+                beside = _finished(job) if n == 0 else None
+                (verdict,), spent, wait = self._verify([live[i]], [plans[i]], [proposals[i]], beside)
                 verify_s += spent
-                self._rewind(s, proposals[i], verdict)
+                self._rewind(live[i], proposals[i], verdict)
                 verdicts.append(verdict)
-                if job is not None:
+                if beside is not None and job is not None:
                     draft_s += wait or 0.0
                     for j, drafted in zip(following, job.result(), strict=True):
                         # Drafted off the path: its steps are no measure of a step there (the cost model learns

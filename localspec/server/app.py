@@ -163,6 +163,5 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _named_models(engine: Engine) -> list[tuple[str, ScoringModel]]:
     """The engine's models as /health names them: "target", then "draft" (any further model: "draft2", ...)."""
-    models = list({id(m): m for m in engine.models}.values())  # (the chain drafts with the model drafter's model)
-    names = ["target", *("draft" if i == 0 else f"draft{i + 1}" for i in range(len(models) - 1))]
-    return list(zip(names, models, strict=True))
+    names = ["target", *("draft" if i == 0 else f"draft{i + 1}" for i in range(len(engine.models) - 1))]
+    return list(zip(names, engine.models, strict=True))
