@@ -357,7 +357,7 @@ def test_constrained_rows_from_device_candidates_equal_full_logits(tiny_pair):
     the fallback often) the row is decoded again in full. Greedy output equals the full-logits path's (device
     top-k off: nothing shared) for plain and speculative decoding, alone and with another constrained stream
     beside it in a second slot."""
-    from tests.test_slots import run_together
+    from tests.helpers_rounds import run_together
 
     constraint = Constraint.json_schema(SCHEMA, "schema")
     device_rows = GREEDY.with_overrides(constrained_rows="device")

@@ -524,7 +524,7 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
 @pytest.mark.slow
 def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair) -> None:
     from localspec.session import ModelFiles, open_session
-    from tests.test_slots import run_together
+    from tests.helpers_rounds import run_together
 
     reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
             for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), (6, 3, 0, 5), ("model", "mtp", "model", "mtp"),

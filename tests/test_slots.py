@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
-from localspec.engine import STOP_MAX_TOKENS, DoneEvent, Engine, Stream, TokenEvent, collect
+from localspec.engine import STOP_MAX_TOKENS, TokenEvent, collect
 from localspec.llama.grammar import Grammar
 from localspec.policies import LoadPolicy
 from localspec.sampling import candidates
 from localspec.session import ModelFiles, open_session
+from tests.helpers_rounds import run_together
 from tests.helpers_stats import chi_square
 
 pytestmark = pytest.mark.slow
@@ -45,35 +46,6 @@ def outputs_alone(pair, requests: list[dict], **load) -> list[list[int]]:
             alone.engine.reset()
             expected.append(collect(alone.engine.generate(**r)).tokens)
     return expected
-
-
-def run_together(engine: Engine, requests: list[dict], arrivals: list[int],
-                 slots: list[int] | None = None) -> list[list[int]]:
-    """Start request i at round arrivals[i] in the slot the engine picks (or slots[i]); step all running streams
-    together until every one has finished. Returns each request's tokens."""
-    out: list[list[int]] = [[] for _ in requests]
-    running: dict[int, Stream] = {}
-    done: set[int] = set()
-    round_no = 0
-    while len(done) < len(requests):
-        for i, request in enumerate(requests):
-            if arrivals[i] == round_no:
-                slot = engine.free_slot(request["prompt"]) if slots is None else slots[i]
-                assert slot is not None
-                running[i] = engine.start(**request, slot=slot)
-        streams = list(running.values())
-        engine.step(streams)
-        for i, stream in list(running.items()):
-            for event in stream.events():
-                if isinstance(event, TokenEvent):
-                    out[i].append(event.token)
-                else:
-                    assert isinstance(event, DoneEvent)
-                    done.add(i)
-                    del running[i]
-        round_no += 1
-        assert round_no < 10_000
-    return out
 
 
 @pytest.mark.parametrize("device_top_k", [0, 64])

@@ -11,7 +11,8 @@ import pytest
 
 from localspec.config import load_preset
 from localspec.policies import LoadPolicy as _LoadPolicy
-from tests.test_slots import drafting, open_slots, prompts, run_together
+from tests.helpers_rounds import run_together
+from tests.test_slots import drafting, open_slots, prompts
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 import pytest
 from helpers_fake import FakeModel
+from helpers_rounds import run_together
 from helpers_stats import chi_square, joint_probs
 
 from localspec.config import load_preset
-from localspec.engine import DoneEvent, Engine, Stream, TokenEvent, collect
+from localspec.engine import Engine, collect
 
 GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
@@ -78,34 +79,6 @@ def alone(reqs: Sequence[dict]) -> list[list[int]]:
     return out
 
 
-def together(engine: Engine, reqs: Sequence[dict], arrivals: Sequence[int], slots: Sequence[int],
-             stop_after: dict[int, int] | None = None) -> list[list[int]]:
-    """Start request i at round arrivals[i] in slots[i]; step every running stream until all have finished.
-    `stop_after`: request -> after how many of its tokens its caller asks it to stop."""
-    out: list[list[int]] = [[] for _ in reqs]
-    running: dict[int, Stream] = {}
-    finished = 0
-    round_no = 0
-    stop_after = stop_after or {}
-    while finished < len(reqs):
-        for i, r in enumerate(reqs):
-            if arrivals[i] == round_no:
-                stop = (lambda i=i: len(out[i]) >= stop_after[i]) if i in stop_after else None
-                running[i] = engine.start(**r, slot=slots[i], should_stop=stop)
-        engine.step(list(running.values()))
-        for i, stream in list(running.items()):
-            for event in stream.events():
-                if isinstance(event, TokenEvent):
-                    out[i].append(event.token)
-                else:
-                    assert isinstance(event, DoneEvent)
-                    finished += 1
-                    del running[i]
-        round_no += 1
-        assert round_no < 2_000
-    return out
-
-
 @pytest.mark.parametrize("draft_batches", [True, False], ids=["draft-shares-batches", "draft-takes-turns"])
 def test_greedy_streams_taking_turns_with_drafts_beside_get_their_output_alone(draft_batches: bool) -> None:
     reqs = requests(GREEDY.sampling)
@@ -114,13 +87,13 @@ def test_greedy_streams_taking_turns_with_drafts_beside_get_their_output_alone(d
     draft.batches_sequences = draft_batches
     engine = Engine(target, draft, draft_ahead=True)
     assert not engine.batches_slots
-    assert together(engine, reqs, arrivals=[0, 0, 2, 2, 5], slots=[0, 1, 2, 3, 4]) == expected
+    assert run_together(engine, reqs, arrivals=[0, 0, 2, 2, 5], slots=[0, 1, 2, 3, 4]) == expected
     beside = [entry for entry in draft.log if entry[0].startswith(BESIDE)]
     assert beside, "no proposal was drafted beside a verify"
     assert all(n == 1 for *_, n in target.log), "the target shared a batch between sequences"
     # Again in other slots and another order (slots that hold the last requests' cells), one asked to stop early.
     order = [3, 0, 4, 1, 2]
-    again = together(engine, [reqs[i] for i in order], arrivals=[0, 1, 1, 3, 3], slots=[4, 2, 0, 3, 1],
+    again = run_together(engine, [reqs[i] for i in order], arrivals=[0, 1, 1, 3, 3], slots=[4, 2, 0, 3, 1],
                      stop_after={1: 10})
     engine.close()
     for got, i in zip(again, order, strict=True):
@@ -143,7 +116,7 @@ def test_at_t_above_0_streams_taking_turns_keep_the_targets_distribution() -> No
                          max_tokens=3) for i in range(2)]
         other = dict(prompt=[3, 0, 1, 1], sampling=dataclasses.replace(HOT, temperature=1.2, seed=seed),
                      drafting=drafting(3), max_tokens=3)
-        tokens = together(engine, [measured[0], other, measured[1]], arrivals=[0, 0, 0], slots=[0, 1, 2])
+        tokens = run_together(engine, [measured[0], other, measured[1]], arrivals=[0, 0, 0], slots=[0, 1, 2])
         first[tuple(tokens[0])] += 1
         last[tuple(tokens[2])] += 1
     engine.close()
