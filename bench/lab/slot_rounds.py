@@ -2,7 +2,7 @@
 
     python bench/lab/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
         [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--timeline] [--overlap auto|on|off]
-        [--device-top-k N] [--json OUT]
+        [--device-top-k N] [--share-batches probe|on|off] [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
 permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
@@ -16,6 +16,8 @@ not timed (the debug log costs time).
 With `--timeline` every llama.cpp decode of the timed rounds is logged (model, thread, start, end): per round, the
 target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), and the
 rest of the round (host work, waits). `--overlap` and `--device-top-k` set the `[load]` keys of those names.
+`--share-batches on|off` overrides the target's load probe (`LlamaModel.batches_sequences`: whether its slots share
+a verify or take turns), to price what the probe's verdict costs; the probe's figures are reported either way.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
         if count:
             llama_cpp.llama_log_set(_COUNTING, ctypes.c_void_p(0))
         engine: Engine = session.engine
+        probe = {name: {"shared": m.batches_sequences, "error": m.sequence_batch_error, "width_noise": m.width_noise}
+                 for name, m in (("target", session.target), ("draft", session.draft)) if m is not None}
+        if args.share_batches != "probe":  # before any stream starts: its device sampler follows the verdict
+            session.target.batches_sequences = args.share_batches == "on"
         log: list[tuple[str, bool, float, float, int]] = []
         bounds: list[tuple[float, float]] = []
         if args.timeline and not count:
@@ -138,7 +144,7 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
                 "ubatches_per_round": statistics.mean(per_round) if count else None,
                 "acceptance": sum(s.stats.accepted for s in streams) / max(1, sum(s.stats.drafted for s in streams)),
                 "tokens_per_s": tokens_timed / sum(seconds), "draft_ahead": engine.draft_ahead,
-                "slots_batched": engine.batches_slots, "target_replans": session.target.replans,
+                "slots_batched": engine.batches_slots, "probe": probe, "target_replans": session.target.replans,
                 "target_device_samplers": [str(session.target.device_sampler(s.slot.seq)) for s in streams[:4]],
                 "timeline": _timeline(log, bounds) if log else None}
 
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", action="store_true", help="log every decode of the timed rounds (see above)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--device-top-k", type=int, default=64)
+    p.add_argument("--share-batches", choices=("probe", "on", "off"), default="probe")
     p.add_argument("--json", type=Path, dest="json_out")
     args = p.parse_args(argv)
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
