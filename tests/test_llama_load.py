@@ -53,11 +53,14 @@ def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
 
 def test_a_gpu_shares_batches_despite_width_rounding_but_not_a_wrong_graph() -> None:
     """On a GPU every width change moves a real model's logits by 1-2 (docs/gpu.md): that alone must not make slots
-    take turns, while a shared batch that moves rows at the same width does; the CPU demands bit for bit as alone."""
+    take turns, nor a shared batch that moves rows at the same width no more than the width itself does (the card-
+    shaped stand-in: 61.8 against 77.5); a shared batch that moves them further does. The CPU demands bit for bit."""
     from localspec.llama.model import SEQUENCE_BATCH_NOISE, shares_batches
 
     assert shares_batches(True, 0.0, 2.3) and shares_batches(True, SEQUENCE_BATCH_NOISE, 0.0)
+    assert shares_batches(True, 2.2, 2.2) and shares_batches(True, 61.8, 77.5)
     assert not shares_batches(True, 5.9, 2.2) and not shares_batches(True, SEQUENCE_BATCH_NOISE + 0.01, 0.0)
+    assert not shares_batches(True, 2.21, 2.2)
     # the CPU's figure is against each sequence alone at its own width: any difference at all is too much
     assert shares_batches(False, 0.0, 0.0) and not shares_batches(False, 1e-6, 0.0)
     assert not shares_batches(False, 0.5, 0.0)

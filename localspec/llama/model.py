@@ -39,16 +39,17 @@ FLASH_ATTN = {
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-SEQUENCE_BATCH_NOISE = 0.5  # logits: above this at the same batch width, a GPU's multi-sequence batch is wrong
+SEQUENCE_BATCH_NOISE = 0.5  # logits: a GPU's multi-sequence batch may always move rows this much at the same width
 PROBE_CONTEXT = 8  # tokens each sequence of the load probe holds before the batches it compares
 PROBE_WIDTH = 14  # the load probe's shared batch: 9 + 5 tokens (MMQ on CUDA, as a verify of several slots is)
 
 
 def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
     """Whether sequences may share a batch, from the load probe's figures (`LlamaModel._sequence_batch_error`):
-    on the CPU only bit for bit as alone; on a GPU when sharing moves the rows no more than rounding at the same
-    width (whatever the width itself moves them)."""
-    return batch_error <= SEQUENCE_BATCH_NOISE if on_gpu else batch_error == 0.0
+    on the CPU only bit for bit as alone; on a GPU when sharing moves the rows no more than the batch's width alone
+    moves them (`width_noise`: the kernel rounding every verify already brings), or than a floor of rounding. A
+    wrong graph moves them further than either."""
+    return batch_error <= max(SEQUENCE_BATCH_NOISE, width_noise) if on_gpu else batch_error == 0.0
 
 
 def _buffer(data: bytearray) -> ctypes.Array:
@@ -209,7 +210,7 @@ class LlamaModel:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
             # On the CPU a sequence must score bit for bit as alone (both figures 0). A GPU's kernels differ with
             # the batch's width anyway (docs/gpu.md): there a shared batch counts as wrong only when it moves the
-            # rows beyond rounding at the same width, whatever the width itself moves (`width_noise`).
+            # rows at the same width further than the width itself moves them (`width_noise`).
             self.batches_sequences = shares_batches(self.on_gpu, self.sequence_batch_error, self.width_noise)
             if not self.batches_sequences:
                 for seq in list(self._samplers.modes):
