@@ -194,6 +194,9 @@ class BenchSettings:
     warmup: int = field(metadata=_rng(0, 1000, int))
     repeat: int = field(metadata=_rng(1, 1000, int))
     max_tokens: int = field(metadata=_rng(1, 1_000_000, int))
+    # Logits: off the CPU, a speculative token that is not the target's single-token choice passes the greedy
+    # check only as that row's runner-up within this much of its top (a near-tie kernel rounding can swap)
+    near_tie: float = field(metadata=_rng(0.0, 1000.0, float))
     # After the bench, llama.cpp's own speculative loop on the same files and prompts (localspec.versus)
     against: str = field(metadata={"kind": str, "choices": ("none", "llama.cpp")})
     # Its llama-speculative-simple, or the folder holding it ("": $LOCALSPEC_LLAMA_BIN, then PATH)
@@ -229,6 +232,8 @@ class LoadSettings:
     rpc: str = field(metadata=_text(_endpoints, "HOST:PORT[,HOST:PORT...]"))
     # Draft the next round while the target verifies (auto: when the draft runs on another device than the target)
     overlap: str = field(metadata={"kind": str, "choices": ("auto", "on", "off")})
+    # Logits: on a GPU, slots share batches only where sharing moves a sequence's rows no further than this
+    max_batch_error: float = field(metadata=_rng(0.0, 1000.0, float))
 
     @property
     def tensor_split_values(self) -> tuple[float, ...]:
@@ -258,7 +263,8 @@ class ServerSettings:
     allowed_hosts: str = field(metadata=_text(_host_names, "NAME[,NAME...] or *"))  # Host names allowed without a key
     control_tokens: bool = field(metadata={"kind": bool})  # chat content may carry control tokens (<|im_end|>)
     max_requests: int = field(metadata=_rng(1, 100_000, int))  # HTTP requests handled at once; more: 503 at once
-    read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send request headers, then body
+    read_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send a request's body
+    header_timeout: float = field(metadata=_rng(0.5, 3600.0, float))  # seconds to send a request's headers
     metrics: bool = field(metadata={"kind": bool})  # serve /metrics (llama-server's --metrics)
     slots: bool = field(metadata={"kind": bool})  # serve /slots (llama-server's --slots / --no-slots)
     # Other names requests may give as `model` (front-ends that insist on their own); with strict_model any other

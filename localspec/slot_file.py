@@ -13,8 +13,10 @@ JSON: versions, the models and the byte size of each one's state, the token coun
 the tokens (int32 each), each model's state in the header's order, then the SHA-256 of everything before it.
 Written through fsutil's one atomic write: a file that exists is whole.
 
-File names (the server's `filename`) follow llama.cpp's `fs_validate_filename`: one name in the save folder, never
-a path (no separators, no `..`, no control characters, no leading or trailing space, no trailing dot).
+File names (the server's `filename`) are one name in the save folder, never a path, of a safe set narrower than
+llama.cpp's `fs_validate_filename`: ASCII letters, digits, `.`, `_` and `-`, starting with a letter or digit (no
+dotfiles: the folder's own, the atomic writes' temporary files), no trailing dot. A save replaces only a slot file:
+any other file of that name is left alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import string
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,25 +97,24 @@ def _llama_cpp_version() -> str:
         return "unknown"
 
 
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "._-")
+NAME_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit, not ending with '.'"
+
+
 def check_name(name: str) -> str:
-    """A save file's name as given, if it is one name in the save folder (llama.cpp's `fs_validate_filename`
-    rules); else SlotFileError saying why."""
+    """A slot file's name as given, if it is one safe name in the save folder (see the module docstring); else
+    SlotFileError saying why."""
     if not name:
         raise SlotFileError("the file name is empty")
-    raw = name.encode("utf-8", errors="surrogatepass")
-    if len(raw) > MAX_NAME_BYTES:
-        raise SlotFileError(f"the file name is longer than {MAX_NAME_BYTES} bytes")
-    for ch in name:
-        code = ord(ch)
-        if (code <= 0x1F or code == 0x7F or 0x80 <= code <= 0x9F or 0xD800 <= code <= 0xDFFF
-                or code in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF) or ch in ':*?"<>|'):
-            raise SlotFileError(f"file name {name!r}: character {ch!r} is not allowed")
-        if ch in "/\\":
-            raise SlotFileError(f"file name {name!r}: a name, not a path (no '/' or '\\')")
-    if name[0] == " " or name[-1] in " .":
-        raise SlotFileError(f"file name {name!r}: no leading or trailing space, no trailing dot")
-    if ".." in name or name == ".":
-        raise SlotFileError(f"file name {name!r}: '..' and '.' are not allowed")
+    if len(name) > MAX_NAME_BYTES:
+        raise SlotFileError(f"the file name is longer than {MAX_NAME_BYTES} characters")
+    if "/" in name or "\\" in name:
+        raise SlotFileError(f"file name {name[:100]!r}: a name, not a path (no '/' or '\\')")
+    bad = next((ch for ch in name if ch not in NAME_CHARS), None)
+    if bad is not None:
+        raise SlotFileError(f"file name {name[:100]!r}: character {bad!r} is not allowed ({NAME_RULE})")
+    if not name[0].isalnum() or name.endswith("."):
+        raise SlotFileError(f"file name {name[:100]!r}: {NAME_RULE} (no dotfiles)")
     return name
 
 
@@ -121,6 +123,29 @@ def path_in(folder: Path, name: str) -> Path:
     path = folder / check_name(name)
     if path.is_symlink():
         raise SlotFileError(f"{name}: is a symbolic link, not a slot file")
+    return path
+
+
+def save_path_in(folder: Path, name: str) -> Path:
+    """`path_in` for a save: a file of that name is replaced only if it is a slot file (the name is the client's:
+    a save must not overwrite whatever else the folder holds)."""
+    path = path_in(folder, name)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise SlotFileError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    kind = not_a_file(st.st_mode)
+    if kind is not None:
+        raise SlotFileError(f"{name}: is {kind}, not a slot file")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(MAGIC))
+    except OSError as exc:
+        raise SlotFileError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    if head != MAGIC:
+        raise SlotFileError(f"{name}: a file that is not a slot file has this name (it is not replaced)")
     return path
 
 

@@ -124,14 +124,16 @@ def fake_backend(*, vocab: int = 16, n_ctx: int = 256, slots: int = 1, delay: fl
 
 
 @contextmanager
-def live_server(app: Any, read_timeout: float = 5.0, send_buffer: int | None = None) -> Iterator[str]:
+def live_server(app: Any, read_timeout: float = 5.0, send_buffer: int | None = None,
+                header_timeout: float | None = None) -> Iterator[str]:
     """`app` behind the server's own uvicorn set-up (the guarded protocol) on a free loopback port, in a thread;
     yields its root URL. `send_buffer`: the accepted sockets' kernel send buffer (Linux copies it from the
-    listening socket; small, a client that reads nothing fills it at once)."""
+    listening socket; small, a client that reads nothing fills it at once). `header_timeout`: as `read_timeout`
+    unless given."""
     sock = listen("127.0.0.1", 0)
     if send_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
-    server = uvicorn_server(app, lambda: None, read_timeout)
+    server = uvicorn_server(app, lambda: None, header_timeout or read_timeout, read_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -231,7 +231,7 @@ def test_slowloris_and_silent_connections_are_closed_after_the_header_deadline(c
     finally:
         silent.close()
         slow.close()
-    print(f"slowloris connection closed after {closed_after:.1f} s (read_timeout 3 s)")
+    print(f"slowloris connection closed after {closed_after:.1f} s (header_timeout 5 s)")
 
 
 def test_a_half_closed_request_gets_its_answer(chat):

@@ -13,7 +13,7 @@ import pytest
 
 from localspec import slot_file
 from localspec.prompt_cache import ModelState, SlotState
-from localspec.slot_file import ModelIdentity, SlotFileError, check_name, fingerprint, path_in
+from localspec.slot_file import ModelIdentity, SlotFileError, check_name, fingerprint, path_in, save_path_in
 from tests.conftest import temp_files
 from tests.helpers_gguf import STRING, kv, pack
 
@@ -170,10 +170,35 @@ def test_names_that_could_leave_the_folder_are_refused(tmp_path: Path, name: str
         path_in(tmp_path, name)
 
 
-@pytest.mark.parametrize("name", ["slot0.bin", "chat 1.slot", ".hidden", "naïve-été.bin", "a.b.c"])
+@pytest.mark.parametrize("name", [".hidden", ".bashrc", ".localspec-probe", ".x.123.tmp", "chat 1.slot",
+                                  "naïve-été.bin", "-rf", "_x", "slot\u00b2.bin", "a\u00a0b", "x\u0301.bin"])
+def test_names_outside_the_safe_set_are_refused(tmp_path: Path, name: str) -> None:
+    """Before: a save could replace any file of the folder but its symlinks: a dotfile (the folder's own, or an
+    atomic write's temporary file), a name with spaces or any Unicode."""
+    with pytest.raises(SlotFileError, match="letters, digits"):
+        check_name(name)
+
+
+@pytest.mark.parametrize("name", ["slot0.bin", "a.b.c", "Chat_1-2.slot", "x", "9"])
 def test_ordinary_names_are_kept_as_given(tmp_path: Path, name: str) -> None:
     assert check_name(name) == name
     assert path_in(tmp_path, name) == tmp_path / name
+
+
+def test_a_save_replaces_a_slot_file_and_nothing_else(tmp_path: Path) -> None:
+    """Before: a save replaced whatever file had the name it was given (notes, a config kept in that folder)."""
+    assert save_path_in(tmp_path, "new.bin") == tmp_path / "new.bin"  # nothing there yet
+    slot_file.write(tmp_path / "old.bin", a_state(), [TARGET, DRAFT])
+    assert save_path_in(tmp_path, "old.bin") == tmp_path / "old.bin"
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    for name, why in (("notes.txt", "not a slot file has this name"), ("empty.bin", "not a slot file has this name"),
+                      ("folder", "is a directory"), ("pipe", "is a FIFO")):
+        with pytest.raises(SlotFileError, match=why):
+            save_path_in(tmp_path, name)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def _gguf(path: Path, name: str, data: bytes) -> Path:

@@ -110,6 +110,9 @@ def serve(
     from localspec.server.handling import Backend, ServerState
 
     key = _api_key(api_key)
+    # The save folder before anything reads a model file (a demo may be built, a tokenizer loaded): a bad one is one
+    # line and exit 2 at once. One from the preset is known only once the pair's preset is: checked right after.
+    saves = _slot_folder(slot_save_path) if slot_save_path is not None else None
     runs = _pair_runs(run, pair or [], model_alias)
     # Front-ends send conversations: without model arguments serve the instruct demo, which answers them.
     resolved = [options.resolve_run(r, "server", fallback_pair=registry.DEMO_CHAT.name, host=host, port=port,
@@ -122,10 +125,11 @@ def serve(
                                     models_idle=models_idle) for r in runs]
     files, chosen = resolved[0]
     settings = chosen.server
+    if slot_save_path is None:
+        saves = _slot_folder(settings.slot_save_path)
     router = _router(resolved, settings) if len(resolved) > 1 else None
     if router is None:
         preflight(files, chosen, parallel=settings.parallel)  # headers only: fails before the port is taken
-    saves = _slot_folder(settings.slot_save_path)
     sock = listen(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     guard = GuardSettings(bound_host=sock.getsockname()[0], max_requests=settings.max_requests,
@@ -166,7 +170,7 @@ def serve(
         if state.backend is not None:
             state.backend.worker.shutdown(timeout=0)
 
-    server = uvicorn_server(app, on_exit, settings.read_timeout)
+    server = uvicorn_server(app, on_exit, settings.header_timeout, settings.read_timeout)
 
     def load() -> None:
         try:
@@ -192,11 +196,11 @@ def serve(
             loader.join()
         if router is not None:
             router.close()
-        if state.backend is not None:
-            state.backend.worker.shutdown(timeout=30)
         session: Session | None = loaded.get("session")
-        if session is not None:
+        if session is not None and state.backend is None:  # its engine thread never started
             session.close()
+        elif session is not None and state.backend is not None:  # never freed under a running decode
+            state.backend.worker.stop_then_free(session.close, f"pair {state.model_id!r}")
         sock.close()
     if "error" in loaded:
         raise loaded["error"]
@@ -219,17 +223,21 @@ def _pair_runs(run: options.RunOptions, pairs: list[str],
 
 def _router(resolved: list[tuple[ModelFiles, Any]], settings: Any) -> Any:
     """Several pairs: each checked from its headers now (before the port is taken), loaded on demand later."""
-    from localspec.server.router import PairRouter, SessionLoader, served_pair
+    from localspec.server.router import PairRouter, SessionLoader, served_pair, shared_cache
 
     served = [served_pair(f, preset, model_id(f), settings.parallel) for f, preset in resolved]
-    return PairRouter(served, SessionLoader(settings.parallel, settings.queue), budget=settings.budget_bytes,
-                      idle_s=settings.models_idle)
+    cache = shared_cache(settings)  # one prompt-cache budget for every pair, counted within models_budget
+    return PairRouter(served, SessionLoader(settings.parallel, settings.queue, cache), budget=settings.budget_bytes,
+                      idle_s=settings.models_idle, cache=cache)
 
 
 def _slot_folder(text: str) -> Path | None:
     """`--slot-save-path`'s folder, made if missing and proven writable before the port is taken (None: off)."""
+    text = text.strip()
     if not text:
         return None
+    if "\n" in text or "\0" in text:
+        raise LocalspecError(f"--slot-save-path {text!r}: a path on one line")
     folder = Path(text).expanduser()
     if folder.exists() and not folder.is_dir():
         raise LocalspecError(f"--slot-save-path {text}: is not a folder")
@@ -252,7 +260,7 @@ def _api_key(given: str | None) -> str | None:
     return given
 
 
-def uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
+def uvicorn_server(app: Any, on_exit: Any, header_timeout: float, read_timeout: float) -> Any:
     """uvicorn's server with the guarded connection handling (localspec.server.guard), plus `on_exit` when a
     shutdown signal arrives (uvicorn itself would wait for in-flight requests to finish)."""
     import asyncio
@@ -280,9 +288,10 @@ def uvicorn_server(app: Any, on_exit: Any, read_timeout: float) -> Any:
             for sock in sockets or ():  # uvicorn set the kernel's queue to ACCEPT_BATCH too: see guard.py
                 sock.listen(LISTEN_BACKLOG)
 
-    protocol = guarded_protocol(read_timeout, max_connections(raise_open_files_limit()))
+    protocol = guarded_protocol(header_timeout, read_timeout, max_connections(raise_open_files_limit()))
+    # uvicorn's own keep-alive timer (idle after a reply) follows the header deadline: one value for both.
     return Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                 http=protocol, backlog=ACCEPT_BATCH,
+                                 http=protocol, backlog=ACCEPT_BATCH, timeout_keep_alive=header_timeout,
                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
 
 

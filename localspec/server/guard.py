@@ -11,14 +11,17 @@ protocol, not per-route code.
   `read_timeout`, refused as soon as it passes what any prompt the context can hold needs
   (`PromptLimits.body_bytes`), then replayed to the route. A refusal sent before the body was read leaves the
   connection open: uvicorn then reads the rest of the body and drops it (bounded, `guarded_protocol`), so a client
-  that writes its whole body before reading sees the refusal, not a reset.
+  that writes its whole body before reading sees the refusal, not a reset; a connection that closes after it
+  (`Connection: close`, HTTP/1.0) lingers as long to read and drop it.
 - `Cors` (ASGI middleware, outside `Guard`): CORS as llama-server answers it (its pre-routing handler): every
   OPTIONS request is a 200 with its methods and headers lists and nothing else (no key asked: a browser's preflight
   carries none), and an allowed `Origin` is echoed on every response, refusals included.
 - `guarded_protocol`: uvicorn's h11 protocol with a deadline for each request's headers (h11 and uvicorn have none:
   uvicorn's keep-alive timeout is disarmed by the first byte, so a slowloris client sending a header line every
   few seconds, or a silent socket, stays forever) and one for a reply the client does not take (a client that
-  sends nothing and reads nothing kept its connection, the reply's buffers and its job forever), a cap on open
+  sends nothing and reads nothing kept its connection, the reply's buffers and its job forever), a lingering close
+  (uvicorn closes a `Connection: close` request's socket right after the reply: with the client's body still
+  unread there, the kernel answers with a reset that can destroy the reply before the client reads it), a cap on open
   connections that closes the longest-idle one when full (uvicorn's `limit_concurrency` counts idle connections
   too and answers plain-text 503s, so 1,000 idle sockets would make /health a 503), an answer for half-closed
   requests (uvicorn closes on EOF, before replying), and the question that tells such a client from one that
@@ -357,29 +360,61 @@ def max_connections(open_files: int) -> int:
     return max(64, open_files - FD_RESERVE)
 
 
-def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with a header deadline, a connection cap and half-close support (see the module
+class _CloseAfterReply:
+    """The transport as a request's cycle sees it: its `close` (uvicorn's, once the reply to a `Connection: close`
+    or HTTP/1.0 request is sent) goes to `close`, the protocol's lingering close; the rest is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, close: Callable[[], None]) -> None:
+        self._transport = transport
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def guarded_protocol(header_timeout: float, read_timeout: float, connection_cap: int) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a header deadline (`header_timeout`), a write deadline and a bounded drain of a
+    refused body (`read_timeout`), a lingering close, a connection cap and half-close support (see the module
     docstring for why each is needed beyond what uvicorn and h11 offer)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    # Connections waiting for a request head, longest first (a dict keeps insertion order): shedding is O(1).
+    # Connections waiting for a request head (or lingering), longest first (a dict keeps insertion order): shedding
+    # is O(1).
     waiting: dict[Any, None] = {}
 
     class GuardedH11Protocol(H11Protocol):
         half_closed = False
+        lingering = False  # the reply is sent and the write side shut: the rest of the body is read and dropped
         drained = 0  # bytes of a refused body read and dropped
         stalled: asyncio.TimerHandle | None = None  # the write deadline, while the client takes no bytes
+        deadline: asyncio.TimerHandle | None = None  # for a request head, a refused body's rest, or a linger
 
         def data_received(self, data: bytes) -> None:
+            if self.lingering:
+                self._drop(len(data))
+                return
             cycle = self.cycle
             if cycle is not None and cycle.response_complete and self.conn.their_state is h11.SEND_BODY:
                 # A body refused before it was read: uvicorn drops it as it comes (keep-alive); bounded here.
-                self.drained += len(data)
-                if self.drained > DRAIN_BYTES:
-                    self.transport.close()
+                if self._drop(len(data)):
                     return
+                super().data_received(data)
+                if self.cycle is cycle and self.conn.their_state is not h11.SEND_BODY:
+                    self._arm(header_timeout)  # all of it: now the next request's head is due
+                return
             super().data_received(data)
+
+        def _drop(self, size: int) -> bool:
+            """Count dropped bytes; past DRAIN_BYTES the connection is closed (True)."""
+            self.drained += size
+            if self.drained > DRAIN_BYTES:
+                self.transport.close()
+                return True
+            return False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -389,8 +424,9 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def connection_lost(self, exc: Exception | None) -> None:
             waiting.pop(self, None)
-            if self.stalled is not None:
-                self.stalled.cancel()
+            for timer in (self.stalled, self.deadline):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:
@@ -414,19 +450,52 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
-                waiting.pop(self, None)  # a request is running: not idle
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:  # a request is running: not idle
+                waiting.pop(self, None)
+                if self.deadline is not None:
+                    self.deadline.cancel()
+                    self.deadline = None
+                if not isinstance(cycle.transport, _CloseAfterReply):  # (its task has not run yet)
+                    cycle.transport = _CloseAfterReply(self.transport, self._close_after_reply)
+
+        def _arm(self, seconds: float) -> None:
+            """The one deadline of an idle connection: past it, it is closed."""
+            if self.deadline is not None:
+                self.deadline.cancel()
+            self.deadline = self.loop.call_later(seconds, self._deadline_passed, self.cycle)
 
         def _await_head(self) -> None:
             """Arm the deadline for the next request's headers (its cycle is not there yet)."""
             waiting.pop(self, None)
             waiting[self] = None
-            self.loop.call_later(read_timeout, self._head_deadline, self.cycle)
+            self._arm(header_timeout)
 
-        def _head_deadline(self, cycle: Any) -> None:
+        def _deadline_passed(self, cycle: Any) -> None:
+            self.deadline = None
             idle = self.cycle is None or self.cycle.response_complete
             if self.cycle is cycle and idle and not self.transport.is_closing():
-                self.transport.close()  # no complete request head in time: slowloris, or a silent socket
+                # No complete request head in time (slowloris, a silent socket), or a refused body or a linger
+                # that went on too long.
+                self.transport.close()
+
+        def _close_after_reply(self) -> None:
+            """uvicorn closes a connection the client asked to close as soon as the reply is written. With the
+            client still sending its body (a refused one: a 413 from its Content-Length, a 408), the kernel would
+            answer the unread bytes with a reset, which destroys the reply in the client's buffers before it reads
+            it: urllib, which writes its whole body before reading, saw only "connection reset". So the reply
+            goes out followed by a FIN (shut down the write side), and the rest of the body is read and dropped,
+            within `read_timeout` and DRAIN_BYTES, until the client closes its side: then the connection closes."""
+            cycle = self.cycle
+            if cycle is None or not cycle.more_body or self.half_closed or self.transport.is_closing():
+                self.transport.close()  # the whole request was read: nothing to linger for
+                return
+            self.lingering = True
+            self.transport.write_eof()  # after what is buffered: the reply
+            self.flow.resume_reading()  # (uvicorn paused reading while the unread body piled up)
+            waiting.pop(self, None)
+            waiting[self] = None  # the connection cap may shed it
+            self._arm(read_timeout)
 
         def _shed_one(self) -> None:
             """Full: close the connection that has waited longest for a request (this one, if none else). A
@@ -440,8 +509,14 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
             self.transport.close()
 
         def on_response_complete(self) -> None:
+            if self.lingering:  # the connection closes once the client has sent the rest
+                self.server_state.total_requests += 1
+                return
+            still_sending = self.cycle is not None and self.cycle.more_body
             self.drained = 0
             self._await_head()
+            if still_sending:  # a refused body: read and dropped within read_timeout, then the next head is due
+                self._arm(read_timeout)
             if self.half_closed:  # the client said it sends nothing more: no next request will come
                 self.server_state.total_requests += 1
                 self.transport.close()
@@ -452,9 +527,11 @@ def guarded_protocol(read_timeout: float, connection_cap: int) -> type[asyncio.P
             """A client that shuts down its sending side after a request (`nc -N`, some proxies) still waits
             for the answer: keep the socket open until it is sent, and ask whether it is still there (`_probe`):
             one that closed its socket (curl -m, a closed tab) looks the same until then, and its work would run
-            to the end. An HTTP/1.0 client may not be sent the question: its EOF means it left."""
+            to the end. An HTTP/1.0 client may not be sent the question: its EOF means it left. A lingering
+            connection's EOF is the client done sending: it closes."""
             cycle = self.cycle
-            if cycle is None or cycle.response_complete or cycle.scope.get("http_version") == "1.0":
+            if self.lingering or cycle is None or cycle.response_complete \
+                    or cycle.scope.get("http_version") == "1.0":
                 return None
             self.half_closed = True
             self.loop.call_later(PROBE_AFTER_S, self._probe, cycle, True)

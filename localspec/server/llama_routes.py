@@ -225,7 +225,8 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(501, "metrics are off: start the server with --metrics (preset key server.metrics)",
                            kind="not_supported_error", code="metrics_disabled")
         backend = await state.pick(request.query_params.get("model"), request)
-        return PlainTextResponse(_prometheus(backend), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(_prometheus(backend), media_type="text/plain; version=0.0.4",
+                                 headers={"Process-Start-Time-Unix": str(process_start_unix())})
 
     async def completion(request: Request) -> Any:
         req = _native_request(parse(CompletionRequest, await body_of(request)))
@@ -410,12 +411,26 @@ def _number(value: float) -> str:
     return str(value) if isinstance(value, int) else repr(float(value))
 
 
+@functools.cache
+def process_start_unix() -> int:
+    """When this process started, in whole seconds since the Unix epoch: llama-server's /metrics header
+    `Process-Start-Time-Unix` (front-ends read it to tell a restart, whose counters start again, from a drop)."""
+    import time
+
+    import psutil
+
+    try:
+        return int(psutil.Process().create_time())
+    except (psutil.Error, OSError):  # a sandbox hiding /proc: the first /metrics request's time, fixed from then
+        return int(time.time())
+
+
 def prompt_cache_metrics(backend: Backend) -> list[tuple[str, str, str, float]]:
     """The prompt cache's lines for /metrics: (name, help, counter|gauge, value); zeros when it is off."""
     cache = backend.worker.engine.prompt_cache
     if cache is None:
         values = dict.fromkeys(("hits", "misses", "restored_tokens", "stored", "evicted", "skipped", "entries",
-                                "tokens", "nbytes", "limit"), 0)
+                                "tokens", "nbytes", "limit", "shared_bytes"), 0)
     else:
         values = vars(cache.counters())
     return [
@@ -433,6 +448,8 @@ def prompt_cache_metrics(backend: Backend) -> list[tuple[str, str, str, float]]:
         ("localspec:prompt_cache_entries", "Slot states in the cache", "gauge", values["entries"]),
         ("localspec:prompt_cache_tokens", "Tokens the cached states hold", "gauge", values["tokens"]),
         ("localspec:prompt_cache_bytes", "Host RAM the cached states take", "gauge", values["nbytes"]),
-        ("localspec:prompt_cache_limit_bytes", "The cache's budget (server.cache_ram; 0 = off)", "gauge",
-         values["limit"]),
+        ("localspec:prompt_cache_limit_bytes", "The cache's budget (server.cache_ram; 0 = off), one for the "
+         "whole server: several pairs' caches share it, within models_budget", "gauge", values["limit"]),
+        ("localspec:prompt_cache_shared_bytes", "Host RAM every loaded pair's cache takes together (this budget's "
+         "use)", "gauge", values["shared_bytes"]),
     ]

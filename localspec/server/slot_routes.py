@@ -5,8 +5,9 @@ Request and reply shapes are llama-server's (tools/server/README.md): `{"filenam
 n_saved, n_written, timings: {save_ms}}`, `{id_slot, filename, n_restored, n_read, timings: {restore_ms}}` and
 `{id_slot, n_erased}` out. As there, an action on a busy slot waits until its generation ends (`Worker.in_slot`).
 Both models' cells are saved (`Engine.snapshot`), in localspec's checked format (slot_file.py): a file another
-model, KV type, slot count or version wrote, a damaged one and a name that is not one file in the save folder are a
-400 naming what differs, and the slot is left as it was. Files are read and written off the engine thread; only
+model, KV type, slot count or version wrote, a damaged one, a name that is not one safe name in the save folder
+(slot_file.check_name: no dotfiles, no paths) and a save over a file that is not a slot file are a 400 naming what
+differs, and the slot is left as it was. Files are read and written off the engine thread; only
 the copy into or out of the models' cells runs there.
 """
 
@@ -28,7 +29,7 @@ from localspec.server.handling import ApiError, Backend, ServerState, guarded, r
 from localspec.server.llama_routes import _validate
 from localspec.server.schema import RequestError, _Strict, parse_body
 from localspec.server.worker import QueueFull
-from localspec.slot_file import ModelIdentity, SlotFileError, identity, path_in
+from localspec.slot_file import ModelIdentity, SlotFileError, identity, path_in, save_path_in
 from localspec.slot_file import read as read_slot_file
 from localspec.slot_file import write as write_slot_file
 
@@ -41,6 +42,7 @@ class SlotFileRequest(_Strict):
 
 def add_slot_routes(app: FastAPI, state: ServerState) -> None:
     async def slot_action(request: Request) -> JSONResponse:
+        body = await read_body(request)  # before `pick`, which then watches for the client leaving
         backend = await state.pick(request.query_params.get("model"), request)
         if state.slot_save_path is None:
             raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
@@ -51,7 +53,6 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
         if action not in ACTIONS:
             raise RequestError(f"Invalid action {action!r}: ?action= one of {', '.join(ACTIONS)}", param="action",
                                code="invalid_value")
-        body = await read_body(request)
         if action == "erase":  # (llama-server reads no body for it)
             return await _erase(backend, slot)
         data = parse_body(body)
@@ -59,7 +60,7 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
             raise RequestError("the request body must be a JSON object with a filename")
         name = _validate(SlotFileRequest, data).filename
         try:
-            path = path_in(state.slot_save_path, name)
+            path = (save_path_in if action == "save" else path_in)(state.slot_save_path, name)
         except SlotFileError as exc:
             raise RequestError(f"Invalid filename: {exc}", param="filename", code="invalid_value") from None
         if action == "save":
@@ -70,7 +71,8 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _slot_id(text: str, slots: int) -> int:
-    if not text.isdigit() or int(text) >= slots:
+    # ASCII digits, a few: str.isdigit() also holds for "²", which int() refuses, and int() refuses 4,301 digits.
+    if not (text.isascii() and text.isdecimal() and len(text) <= 9) or int(text) >= slots:
         raise RequestError(f"Invalid slot ID {text!r}: this server has {slots} slot(s), 0..{slots - 1}",
                            param="id_slot", code="invalid_value")
     return int(text)
