@@ -38,6 +38,7 @@ class FakeModel:
         self.on_gpu = False
         self.batches_sequences = True
         self.sequence_batch_error = self.width_noise = 0.0  # what the load-time probe reports (bit for bit)
+        self.batch_warning: str | None = None  # ... and its /health line where the width noise defeats speculation
         self.device_top_k = device_top_k
         self.unknown_token = 0
         self.eog = eog

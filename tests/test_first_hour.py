@@ -107,7 +107,8 @@ def _report(speedup: float, exact: bool = True, warnings: tuple[str, ...] = ()) 
         return ModeSummary(name, 5, tps, tps, tps, 0.8 if name == SPEC else 0.0, 3.1 if name == SPEC else 0.0, 0.05)
 
     return BenchReport(preset=config.load_preset(), n_draft=6, max_tokens=128, plain=mode(PLAIN, 20.0),
-                       speculative=mode(SPEC, 20.0 * speedup), greedy_check=GreedyCheck(exact=exact, prompts=[]),
+                       speculative=mode(SPEC, 20.0 * speedup),
+                       greedy_check=GreedyCheck(exact=exact, prompts=[], near_tie=1.0),
                        runs=[], environment={}, warnings=list(warnings))
 
 

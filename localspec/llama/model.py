@@ -42,14 +42,29 @@ FLASH_ATTN = {
 SEQUENCE_BATCH_NOISE = 0.5  # logits: a GPU's multi-sequence batch may always move rows this much at the same width
 PROBE_CONTEXT = 8  # tokens each sequence of the load probe holds before the batches it compares
 PROBE_WIDTH = 14  # the load probe's shared batch: 9 + 5 tokens (MMQ on CUDA, as a verify of several slots is)
+# llama.cpp's CUDA backend multiplies quantized weights with matrix-vector kernels (MMVQ) for batches of up to 8
+# tokens and with MMQ above: the step in every row of docs/gpu.md's width table. The probe compares widths on one side.
+MMVQ_MAX_WIDTH = 8
 
 
-def shares_batches(on_gpu: bool, batch_error: float, width_noise: float) -> bool:
+def shares_batches(on_gpu: bool, batch_error: float, width_noise: float, cap: float | None) -> bool:
     """Whether sequences may share a batch, from the load probe's figures (`LlamaModel._sequence_batch_error`):
     on the CPU only bit for bit as alone; on a GPU when sharing moves the rows no more than the batch's width alone
-    moves them (`width_noise`: the kernel rounding every verify already brings), or than a floor of rounding. A
-    wrong graph moves them further than either."""
-    return batch_error <= max(SEQUENCE_BATCH_NOISE, width_noise) if on_gpu else batch_error == 0.0
+    moves them within the same kernels (`width_noise`: the rounding every verify already brings), or than a floor
+    of rounding, and never further than `cap` (the preset's `load.max_batch_error`; None: no cap), whatever the
+    width noise. A wrong graph moves them further than either."""
+    if not on_gpu:
+        return batch_error == 0.0
+    return batch_error <= max(SEQUENCE_BATCH_NOISE, width_noise) and (cap is None or batch_error <= cap)
+
+
+def width_warning(on_gpu: bool, width_noise: float, cap: float | None) -> str | None:
+    """One line for /health where a model's rows move with the batch width alone by more than `cap`: speculation
+    verifies drafts in batches of varying width, so a draft would rarely match the rows that judge it."""
+    if not on_gpu or cap is None or width_noise <= cap:
+        return None
+    return (f"this model's batch rows move {width_noise:.1f} logits with the batch width alone (more than "
+            f"{cap:g}): its verify rows are mostly kernel rounding, so draft acceptance will collapse")
 
 
 def _buffer(data: bytearray) -> ctypes.Array:
@@ -78,11 +93,14 @@ class LlamaModel:
         n_seq: int = 1,
         flash_attn: str = "auto",
         rewind: int = 0,
+        max_batch_error: float | None = None,
     ) -> None:
         """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`. `rewind`: how
         many tokens a recurrent or hybrid model must be able to roll back (the longest draft); llama.cpp keeps that
-        many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError)."""
+        many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError).
+        `max_batch_error`: on a GPU, the most (logits) a shared batch may move a sequence's rows for its sequences
+        to share batches (`shares_batches`; the session passes the preset's `load.max_batch_error`; None: no cap)."""
         backend.init()
         self.path = Path(path)
         if not self.path.is_file():
@@ -183,6 +201,8 @@ class LlamaModel:
         self.flash_attn = flash_attn
         # MTP blocks loaded with the model (`MtpHead` runs them): the drafter `mtp` exists only with them.
         self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if load_mtp else 0
+        # ... and those the file has (a library without MTP support loads none: the refusal then names the library)
+        self.nextn_layers_in_file = header.nextn_layers
         self.n_gpu_layers = n_gpu_layers
         # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
         # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
@@ -206,12 +226,15 @@ class LlamaModel:
         if device_top_k > 0 and not self.use_device_sampler("top_k"):
             self.device_top_k = 0  # this backend cannot run it: full logits it is
         self.sequence_batch_error = self.width_noise = 0.0
+        self.batch_warning: str | None = None  # /health's line where the width noise defeats speculation
         if n_seq > 1:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
             # On the CPU a sequence must score bit for bit as alone (both figures 0). A GPU's kernels differ with
             # the batch's width anyway (docs/gpu.md): there a shared batch counts as wrong only when it moves the
-            # rows at the same width further than the width itself moves them (`width_noise`).
-            self.batches_sequences = shares_batches(self.on_gpu, self.sequence_batch_error, self.width_noise)
+            # rows at the same width further than the width itself moves them (`width_noise`), or than the cap.
+            self.batches_sequences = shares_batches(self.on_gpu, self.sequence_batch_error, self.width_noise,
+                                                    max_batch_error)
+            self.batch_warning = width_warning(self.on_gpu, self.width_noise, max_batch_error)
             if not self.batches_sequences:
                 for seq in list(self._samplers.modes):
                     self.use_device_sampler(None, seq)
@@ -319,7 +342,9 @@ class LlamaModel:
         kernels change with the width (MMVQ up to 8 columns, MMQ above: docs/gpu.md), so there only the same
         width tells a wrong graph from rounding: the shared batch is compared with each sequence's tokens alone in
         a batch as wide (its own tokens, then made-up ones), and the width's effect is those rows against the
-        sequence alone at its own width. (On the CPU that costs twice the rows, each a whole output head.)
+        sequence alone in a narrower batch of the same kernels (its own width, padded to 9 where the shared batch
+        is MMQ's: a step between the two kernels is not the rounding a verify of several slots brings). (On the
+        CPU that costs twice the rows, each a whole output head.)
 
         llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
         architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
@@ -354,17 +379,24 @@ class LlamaModel:
         def largest(rows: list[np.ndarray], against: list[np.ndarray]) -> float:
             return max(float(np.abs(r - a).max()) for r, a in zip(rows, against, strict=True))
 
+        def alone(seq: int, tokens: list[int], wide: int) -> np.ndarray:
+            """The sequence's rows alone in a batch `wide` tokens wide (made-up tokens after its own)."""
+            return after_context((seq, tokens + filler[: wide - len(tokens)]))[0][: len(tokens)]
+
+        # The narrowest width of the shared batch's kernels (MMVQ or MMQ) that holds a probe's tokens.
+        floor = MMVQ_MAX_WIDTH + 1 if width > MMVQ_MAX_WIDTH else 1
         for seq in range(len(probes)):
             self.clear(seq)
         try:
-            own_width = [after_context((seq, tokens))[0] for seq, tokens in enumerate(probes)]
-            together = after_context(*enumerate(probes))
             if not self.on_gpu:
+                own_width = [after_context((seq, tokens))[0] for seq, tokens in enumerate(probes)]
+                together = after_context(*enumerate(probes))
                 narrow = after_context((0, probes[0][: len(probes[1])]))
                 return largest(together, own_width), largest(narrow, [own_width[0][: len(probes[1])]])
-            same_width = [after_context((seq, tokens + filler[: width - len(tokens)]))[0][: len(tokens)]
-                          for seq, tokens in enumerate(probes)]
-            return largest(together, same_width), largest(same_width, own_width)
+            together = after_context(*enumerate(probes))
+            same_width = [alone(seq, tokens, width) for seq, tokens in enumerate(probes)]
+            narrower = [alone(seq, tokens, max(len(tokens), floor)) for seq, tokens in enumerate(probes)]
+            return largest(together, same_width), largest(same_width, narrower)
         finally:
             for seq in range(len(probes)):
                 self.clear(seq)

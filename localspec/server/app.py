@@ -71,8 +71,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              "width_noise": max(m.width_noise for m in worker.engine.models),
                              # ... and per model: the target's slots may take turns beside a draft that shares
                              # batches, which decides how the other slots are drafted (Engine._take_turns)
+                             # (a "warning" where the model's width alone moves its rows past the cap)
                              "slot_batches": {name: {"shared": m.batches_sequences,
-                                                     "error": m.sequence_batch_error, "width_noise": m.width_noise}
+                                                     "error": m.sequence_batch_error, "width_noise": m.width_noise,
+                                                     **({"warning": m.batch_warning} if m.batch_warning else {})}
                                               for name, m in _named_models(worker.engine)},
                              "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
                              "queued": worker.queued,
