@@ -214,10 +214,11 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
                        history: list[int], sampling: Sampling, rng: np.random.Generator,
                        is_eog: Callable[[int], bool], full_row: Callable[[int], np.ndarray],
                        logprobs: int | None = None,
-                       ) -> tuple[list[int], Grammar, int, list[tuple[float, tuple[tuple[int, float], ...]]]]:
+                       ) -> tuple[list[int], int, Grammar, int, list[tuple[float, tuple[tuple[int, float], ...]]]]:
     """Acceptance (greedy match, or accept-or-resample against q) on a verify's masked rows: row i is masked with
     the grammar state after the drafts before it (a copy of `grammar`, advanced by each accepted draft), so p is the
-    constrained target's at every position. `history`: what penalties read. Returns the emitted tokens, the copy
+    constrained target's at every position. `history`: what penalties read. Returns the emitted tokens, how many of
+    them are accepted drafts (all of them where a row decoded again ended the round on an accepted draft), the copy
     (the state after them: it replaces `grammar`, which the caller closes), how many rows were decoded again and,
     with `logprobs` (N), each emitted token's logprob and its N best legal alternatives on its masked row.
 
@@ -228,6 +229,7 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
     scored = penalized(scores, history, sampling)
     state = grammar.clone()
     emitted: list[int] = []
+    accepted = 0
     redecoded = 0
     logprob_rows: list[np.ndarray] = []
     # Logprobs read every token the grammar allows (masked_scores checks only what the choice needs): a pipeline
@@ -253,6 +255,7 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
             else:
                 ok, token = False, distributions(row, [], sampling).sample(0, rng)
             emitted.append(token)
+            accepted += int(ok)
             if not is_eog(token):
                 state.accept(token)
             if not ok or last:
@@ -263,4 +266,4 @@ def accept_constrained(grammar: Grammar, drafts: list[int], q: list[Candidates] 
     grammar.close()
     chosen = [] if logprobs is None else [token_logprobs(row, token, logprobs)
                                           for row, token in zip(logprob_rows, emitted, strict=True)]
-    return emitted, state, redecoded, chosen
+    return emitted, accepted, state, redecoded, chosen

@@ -4,12 +4,14 @@ One generation: `_prefill` the prompt into its slot's KV cells (the target's, an
 reusing whatever prefix they already hold), then rounds of `_plan` (the draft length k: the one place it is
 decided), `_draft` (the request's drafter proposes up to k tokens with their distributions q: `drafters/`),
 `_verify` (one batched target decode with scores at every drafted position), `_accept` (greedy match or rejection
-sampling, a `Verdict`) and `_rewind` (drop the target's KV cells of rejected tokens, commit the round's tokens and
-tell the drafter the verdict, which rewinds its own state). k = 0 is plain decoding through the same code, so
-baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts padded) so llama.cpp's CUDA
-graphs stay captured — but for runs of rounds with nothing drafted, verified narrow when padding them measures dearer
-than the width changes (`DraftLength.verify_width`) — and plain decoding at T > 0 draws its tokens on the device
-(docs/gpu.md).
+sampling, a `Verdict`) and `_rewind` (commit the round's tokens and tell the drafter the verdict, which rewinds its
+own state); once the round's events are taken, `_settle` drops the target's cells of rejected tokens, and where the
+generation ended inside the round (end of generation, max_tokens, a stop string, a cancel) the round's tokens after
+that one too, from every model, so that a slot ends holding what plain decoding's would. k = 0 is plain decoding
+through the same code, so baselines are apples to apples. On a GPU the verify batch keeps one width (short drafts
+padded) so llama.cpp's CUDA graphs stay captured — but for runs of rounds with nothing drafted, verified narrow
+when padding them measures dearer than the width changes (`DraftLength.verify_width`) — and plain decoding at T > 0
+draws its tokens on the device (docs/gpu.md).
 
 Slots: the models may hold several sequences (`LlamaModel(n_seq=N)`, one KV region each). `start` opens a
 `Stream` in a slot; `step(streams)` runs one round for all of them at once (each drafter drafts for its streams
@@ -103,6 +105,7 @@ class Engine:
         self.draft_ahead = draft_ahead and draft is not None
         # Where slots take turns, the other streams' drafting beside the verifies (`_take_turns`): started when used.
         self._beside: ThreadPoolExecutor | None = None
+        self.closed = False  # `close` was called: the models may be freed
         # How a grammar's rows are read (`[load] constrained_rows`): "full" logits, or "device" top candidates with
         # a row decoded again in full where they hold too few legal tokens (slower on a GPU: docs/performance.md).
         # A recurrent target cannot go back into a verify to read a row again: full rows there.
@@ -133,9 +136,13 @@ class Engine:
         self.target.clear()
         self.cells.floors.clear()
         for slot in self.slots:
-            slot.tokens, slot.target_kv, slot.busy = [], [], False
+            slot.tokens, slot.target_kv, slot.busy, slot.stale_cells = [], [], False, False
 
     def close(self) -> None:
+        # A generation's events not yet taken to their end are settled when their iterator is closed, which the
+        # garbage collector may do after the models were freed (a Ctrl-C between two tokens): nothing is left to
+        # rewind then, and a rewind would read freed memory (`_settle`).
+        self.closed = True
         if self._beside is not None:
             self._beside.shutdown(wait=True)
             self._beside = None
@@ -202,7 +209,8 @@ class Engine:
 
         `should_stop` is asked before each round and after each token the caller has consumed; True ends the
         generation there with STOP_REQUESTED and full stats (closing the iterator stops it too, without stats).
-        A round's later tokens stay committed in the caches either way, so the next prompt reuses them.
+        Either way the slot keeps the tokens up to that one and no further (as plain decoding would): a round's
+        tokens after it leave the slot's list and every model's cells (`_settle`).
         `trace` (temperature 0 only): each TokenEvent also carries its target row's argmax and top-2 margin, for
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
@@ -345,6 +353,7 @@ class Engine:
         limit = reader.target_limit(s.req, prompt) if reader is not None else None
         self.cells.start_afresh_below_floor(slot.seq, prompt[:-1], limit)
         work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq, limit)]
+        slot.stale_cells = False  # (prompt_work truncated the target's cells to its bookkeeping)
         s.stats.prompt_tokens_processed = len(work[0][2])
         slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
         if reader is not None:
@@ -538,7 +547,7 @@ class Engine:
             width = s.chooser.verify_width(plan.width, len(proposal.tokens)) if plan.width else len(proposal.tokens) + 1
             batch = [s.slot.tokens[-1], *proposal.tokens]
             # Padding only keeps the batch shape: its positions come after every real one (causal attention),
-            # their rows are never read, and _rewind drops their KV cells with the rejected drafts'.
+            # their rows are never read, and _settle drops their KV cells with the rejected drafts'.
             batch += [batch[-1]] * (width - len(batch))
             items.append((s.slot.seq, batch, len(s.slot.target_kv), True))
             widths.append(width)
@@ -570,11 +579,13 @@ class Engine:
             else:
                 t_accept, start, seq = time.perf_counter(), len(s.slot.target_kv) - len(batch), s.slot.seq
                 history = s.slot.tokens + proposal.tokens if s.sampling.penalized else s.slot.tokens
-                emitted, s.grammar, redecoded, chosen = accept_constrained(
+                emitted, accepted, s.grammar, redecoded, chosen = accept_constrained(
                     s.grammar, proposal.tokens, proposal.q, rows, history, s.sampling, s.rng, self.token_is_eog,
                     lambda i, batch=batch, start=start, seq=seq: self.target.full_row(batch[i], start + i, seq),
                     s.logprobs)
-                verdict = Verdict(emitted, len(emitted) - 1, [], width, chosen)
+                # (A row decoded again ends the round with its token, which may be an accepted draft: then every
+                # emitted token is one.)
+                verdict = Verdict(emitted, accepted, [], width, chosen)
                 if redecoded:  # a row decoded again is verify time (masking rows aside)
                     s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
@@ -598,19 +609,41 @@ class Engine:
                                                       for i, t in enumerate(verdict.emitted)])
 
     def _rewind(self, s: Stream, proposal: Proposal, verdict: Verdict) -> None:
-        """Drop the target's KV cells of rejected tokens, commit the round's tokens, and hand the verdict to the
-        drafter (which rewinds its own models' cells)."""
+        """Commit the round's tokens, say which of the target's cells stay (its rejected ones go in `_settle`, once
+        the round's events are taken), and hand the verdict to the drafter (which rewinds its own models' cells)."""
         slot = s.slot
-        keep = len(slot.tokens) + verdict.accepted  # committed tokens (cur included) + accepted drafts
-        # Bookkeeping first: if a truncate is interrupted, the next _prefill truncates to what the lists claim.
+        # The target's cells keep the committed tokens but the newest (cur, which opens the next verify): the
+        # emitted tokens but the last were each decoded in the verify at its position.
+        keep = len(slot.tokens) + len(verdict.emitted) - 1
         if len(slot.target_kv) > keep:
-            del slot.target_kv[keep:]
-            if self.target.truncate(keep, slot.seq) != keep:  # (`start` keeps k within the target's rewind depth)
-                raise DecodeError(f"the target could not roll back to position {keep} after a verify")
+            del slot.target_kv[keep:]  # bookkeeping first: if a truncate is interrupted, _prefill cuts to it
+            slot.stale_cells = True
         slot.tokens.extend(verdict.emitted)
         s.verdict = verdict
         if s.drafter is not None:
             s.drafter.accept(s.req, proposal, verdict.accepted)
+
+    def _settle(self, s: Stream, unused: int) -> None:
+        """The round's events were taken (`Stream.events`): the generation used all of its tokens but the last
+        `unused` (it ended inside the round). Those leave the slot's tokens, the target's cells and the drafter's
+        state, so that the slot holds what plain decoding's would (a stop string, a cancel, an end-of-generation
+        token among accepted drafts); then the target's cells past its bookkeeping go, in one rewind of the verify
+        (a recurrent state can roll back once a decode, within it: `start` keeps k within its depth)."""
+        if self.closed:
+            return
+        slot = s.slot
+        if unused:
+            del slot.tokens[len(slot.tokens) - unused :]
+            if len(slot.target_kv) >= len(slot.tokens):
+                del slot.target_kv[len(slot.tokens) - 1 :]
+                slot.stale_cells = True
+            if s.drafter is not None:  # a round with nothing drafted over the shorter tokens: its state goes too
+                s.drafter.accept(s.req, NO_PROPOSAL, 0)
+        if slot.stale_cells:
+            keep = len(slot.target_kv)
+            if self.target.truncate(keep, slot.seq) != keep:
+                raise DecodeError(f"the target could not roll back to position {keep} after a verify")
+            slot.stale_cells = False
 
 
 @contextlib.contextmanager

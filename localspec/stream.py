@@ -32,6 +32,8 @@ class Host(Protocol):
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: Slot,
                       drafter: Drafter | None) -> DraftLength: ...
 
+    def _settle(self, stream: Stream, unused: int) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -54,7 +56,10 @@ class Slot:
     """One sequence of the target (llama.cpp sequence id `seq`) and what its KV cells hold.
 
     Invariant between rounds: `tokens` is the committed sequence; the target's cells hold all of it but the last
-    token (`cur`, which opens the next verify batch). A drafter's models keep their own cells (a prefix of it)."""
+    token (`cur`, which opens the next verify batch). A drafter's models keep their own cells (a prefix of it).
+    Within a round, from its verify until its events are taken, `target_kv` already says what the target keeps while
+    its cells may still hold the verify's rejected positions (`stale_cells`): `Engine._settle` drops them once the
+    generation's consumer has said where it ends, in one rewind (a recurrent state rolls back only once a decode)."""
 
     seq: int
     tokens: list[int] = field(default_factory=list)
@@ -64,6 +69,7 @@ class Slot:
     policies: dict[tuple, DraftLength] = field(default_factory=dict)
     used: int = 0  # when it last started a generation (the least recently used free slot is reused first)
     busy: bool = False
+    stale_cells: bool = False  # the target's cells hold positions past `target_kv` (until `Engine._settle`)
 
 
 class Stream:
@@ -107,6 +113,7 @@ class Stream:
         self.verdict = NO_VERDICT  # the last round's, until events() takes it
         self._piece = engine.token_piece
         self._is_eog = engine.token_is_eog
+        self._settle = engine._settle
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
@@ -129,25 +136,34 @@ class Stream:
         return self.should_stop is not None and self.should_stop()
 
     def events(self) -> Iterator[Event]:
-        """The last round's tokens, then the DoneEvent if the generation ended (in the round or here)."""
+        """The last round's tokens, then the DoneEvent if the generation ended (in the round or here).
+
+        A generation that ends inside the round (an end-of-generation token, max_tokens, the caller's stop after a
+        token: a stop string, a cancel; or the consumer closing this iterator) keeps only the tokens up to there:
+        the slot's tokens and every model's cells end where plain decoding's would (`Engine._settle`)."""
         verdict, self.verdict = self.verdict, NO_VERDICT
         stats = self.stats
-        for i, token in enumerate(verdict.emitted):
-            if self._is_eog(token):
-                self._finish(STOP_EOG, "end of generation")
-                break
-            stats.tokens += 1
-            row_argmax, margin = verdict.rows[i] if verdict.rows else (None, None)
-            logprob, top = verdict.logprobs[i] if verdict.logprobs else (None, None)
-            yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < verdict.accepted, row_argmax,
-                             margin, logprob, top)
-            if stats.tokens >= self.max_tokens:
-                self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
-                break
-            if self._stop_requested():
-                # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
-                self._finish(STOP_REQUESTED, "stopped by the caller")
-                break
+        used = 0  # the round's tokens the generation took (an end-of-generation token included, as plain decoding)
+        try:
+            for i, token in enumerate(verdict.emitted):
+                used = i + 1
+                if self._is_eog(token):
+                    self._finish(STOP_EOG, "end of generation")
+                    break
+                stats.tokens += 1
+                row_argmax, margin = verdict.rows[i] if verdict.rows else (None, None)
+                logprob, top = verdict.logprobs[i] if verdict.logprobs else (None, None)
+                yield TokenEvent(token, self._decoder.decode(self._piece(token)), i < verdict.accepted, row_argmax,
+                                 margin, logprob, top)
+                if stats.tokens >= self.max_tokens:
+                    self._finish(STOP_MAX_TOKENS, f"reached max_tokens ({self.max_tokens})")
+                    break
+                if self._stop_requested():
+                    # Inside a round: a stop string may end in an accepted draft run; stop before the next token.
+                    self._finish(STOP_REQUESTED, "stopped by the caller")
+                    break
+        finally:
+            self._settle(self, len(verdict.emitted) - used)
         if self.done is not None and not self._done_sent:
             self._done_sent = True
             yield self.done

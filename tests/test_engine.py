@@ -468,3 +468,42 @@ def test_adaptive_drafting_keeps_what_it_measured_across_generations(tiny_pair):
                 is not s.engine._draft_length(fixed, GREEDY.sampling, slot, model))
         run(s.engine, prompts(1)[0], GREEDY.sampling, adaptive, 20)
         assert s.engine._draft_length(adaptive, GREEDY.sampling, slot, model).rounds > 0
+
+
+def test_a_constrained_round_counts_an_accepted_draft_on_a_row_decoded_again(tiny_pair, monkeypatch):
+    """With `constrained_rows = "device"` a row whose device candidates hold no legal token is decoded again in full
+    and ends the round with its token; where that token is the draft's, it is an accepted draft: counted in the
+    stats and flagged `from_draft` (the round then emits no token of the target's own). Each round's verdict, read
+    at `_rewind`, against its proposal: the drafts it calls accepted are the proposal's, and the next emitted one
+    (if any) is the target's correction, never the draft itself; the events' flags follow the verdicts."""
+    from localspec.constraints import Constraint
+    from localspec.engine import Engine
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    rounds: list[tuple[list[int], list[int], int]] = []
+    rewind = Engine._rewind
+
+    def spy(self, s, proposal, verdict):
+        rounds.append((list(proposal.tokens), list(verdict.emitted), verdict.accepted))
+        return rewind(self, s, proposal, verdict)
+
+    monkeypatch.setattr(Engine, "_rewind", spy)
+    with open_pair(*tiny_pair, constrained_rows="device") as s:
+        totals = [0, 0]
+        for seed, k in ((1, 4), (2, 1), (3, 6), (4, 3)):
+            prompt = np.random.default_rng(seed).integers(100, 40_000, size=12).tolist()
+            rounds.clear()
+            grammar = Constraint.json_schema(schema, "schema").grammar(s.target)
+            events = list(s.engine.generate(prompt, GREEDY.sampling, drafting(k), 40, grammar=grammar))
+            done = events[-1]
+            assert isinstance(done, DoneEvent)
+            for drafts, emitted, accepted in rounds:
+                assert emitted[:accepted] == drafts[:accepted]
+                if accepted < min(len(drafts), len(emitted)):
+                    assert emitted[accepted] != drafts[accepted], (drafts, emitted, accepted)
+            flagged = [e.from_draft for e in events if isinstance(e, TokenEvent)]
+            assert flagged == [i < a for _, em, a in rounds for i in range(len(em))][: len(flagged)]
+            totals[0] += done.stats.full_rows
+            totals[1] += sum(1 for d, em, a in rounds if a == len(em) and em)
+        assert totals[0] > 0 and totals[1] > 0  # rows decoded again, and rounds that ended on an accepted draft

@@ -782,3 +782,58 @@ def test_a_pair_with_its_own_mtp_head_pulls_one_file_and_resolves_to_the_mtp_dra
         assert check.exit_code == 0 and "1 MTP layer" in check.output
     finally:
         hub.stop()
+
+
+@pytest.mark.slow
+def test_a_head_sitting_rounds_out_keeps_a_bounded_number_of_target_rows(hybrid_pair_high, monkeypatch) -> None:
+    """Rounds with k = 0 (adaptive k judging the head a loss) hand the MTP drafter a target row per token; it keeps
+    at most ROWS_HELD of them (it reads them where they would pile up), and drafts as well when it comes back:
+    output plain decoding's, its drafts mostly accepted."""
+    from localspec.drafters import mtp
+    from localspec.policies import DraftLength
+    from localspec.session import ModelFiles, open_session
+
+    held: list[int] = []
+    accept, next_k = mtp.MtpDrafter.accept, DraftLength.next
+    rounds = {"n": 0}
+
+    def counting_accept(self, req, proposal, accepted):  # type: ignore[no-untyped-def]
+        accept(self, req, proposal, accepted)
+        held.append(len(self._seqs[req.seq].rows))
+
+    def sits_out_then_drafts(self):  # type: ignore[no-untyped-def]
+        rounds["n"] += 1
+        return 0 if rounds["n"] <= 150 else next_k(self)
+
+    monkeypatch.setattr(mtp.MtpDrafter, "accept", counting_accept)
+    with open_session(ModelFiles(hybrid_pair_high[0], hybrid_pair_high[1], "hybrid"),
+                      GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)) as s:
+        prompt = prompts(1, seed=9, length=10)[0]
+        plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 200)).tokens
+        monkeypatch.setattr(DraftLength, "next", sits_out_then_drafts)
+        spec = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(4, "mtp"), 200))
+    assert spec.tokens == plain
+    assert len(held) > 150 and max(held) <= mtp.ROWS_HELD
+    assert spec.stats.drafted > 0 and spec.stats.acceptance_rate > 0.8
+
+
+def test_the_mtp_drafter_refuses_to_read_a_target_row_it_does_not_hold() -> None:
+    """`_pairs` needs the target's row before each position it decodes; one outside what it holds is an error
+    naming the position, never another row (a negative index read one from the end)."""
+    from localspec.config import load_preset
+    from localspec.drafters.base import DraftRequest
+    from localspec.drafters.mtp import MtpDrafter, _Seq
+    from localspec.errors import DecodeError
+    from localspec.events import GenerationStats
+
+    drafter = MtpDrafter(FakeModel(vocab=8))
+    req = DraftRequest(0, [1, 2, 3, 4, 5, 6], GREEDY.sampling, load_preset("greedy").draft, GenerationStats())
+    rows = [np.full(4, float(p), dtype=np.float32) for p in range(3, 5)]  # the target's rows at positions 3 and 4
+    drafter._seqs[0] = _Seq(tokens=[1, 2, 3, 4], rows=list(rows), rows_from=3)
+    assert [int(e[3][0]) for e in drafter._pairs(req, 5)] == [3, 4]  # positions 4 and 5 read rows 3 and 4
+    drafter._seqs[0] = _Seq(tokens=[1, 2], rows=list(rows), rows_from=3)  # position 2 needs row 1: not held
+    with pytest.raises(DecodeError, match="needs the target's hidden state at position 1 and holds positions 3..4"):
+        drafter._pairs(req, 5)
+    drafter._seqs[0] = _Seq(tokens=[1, 2, 3, 4], rows=list(rows), rows_from=3)
+    with pytest.raises(DecodeError, match="at position 5 and holds positions 3..4"):
+        drafter._pairs(req, 6)

@@ -120,7 +120,9 @@ class Drafter(Protocol):
 
     def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         """The verdict: `accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's
-        committed tokens. Learn from it and rewind whatever state went past them."""
+        committed tokens. Learn from it and rewind whatever state went past them. A generation that ends inside the
+        round (a stop after one of its tokens) cuts `req.tokens` back to there and calls it again with no proposal
+        and 0: a round that drafted nothing, whose only news is the shorter tokens."""
         ...
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:

@@ -11,7 +11,9 @@ rows replace them with the target's. Drafts are the head's argmax at T = 0 and s
 
 Per sequence it keeps its cells' tokens (positions [0, m)), and the target's hidden rows from position m - 1 to
 where the target's cells end: a new prompt that shares a prefix keeps what still matches, and asks the loop to
-decode the target again from where its rows end (`target_limit`).
+decode the target again from where its rows end (`target_limit`). A head that sits rounds out (k = 0: adaptive k
+judged it a loss) would keep a row per token until it drafts again; past `ROWS_HELD` rows it reads them (one head
+decode, as a prompt's rows are read), so what it keeps stays bounded whatever the context.
 
 Its prices (`MtpCost`): a head step is a draft step, each of its tokens right at the head's own measured rate, so
 the draft model's rule prices it (`model.ModelCost`) under a source of its own; no draft-ahead (`overlap` does
@@ -31,12 +33,13 @@ from localspec.config import Drafting
 from localspec.constraints import masked_scores
 from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, shared_prefix
 from localspec.drafters.model import ModelCost
-from localspec.errors import UsageError
+from localspec.errors import DecodeError, UsageError
 from localspec.policies import DraftCost
 from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import Scores, ScoringModel
 
 MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
+ROWS_HELD = MTP_BATCH  # the target rows a sequence keeps for a head sitting rounds out before it reads them
 TITLE = "the MTP head"  # how reports name it
 NEEDS_DRAFT_MODEL = False  # the target's own layer drafts
 TARGET_HEAD = True  # the head's context: its KV and compute buffer (memory.py), the library's MTP support
@@ -216,6 +219,13 @@ class MtpDrafter:
         del st.rows[max(cells - st.rows_from, 0) :]
         st.seen.extend(req.tokens[len(st.seen) : cells])
         del st.seen[cells:]
+        # Rows before the head's position are read already (the next pair needs the row at position m - 1).
+        read = min(len(st.tokens) - 1 - st.rows_from, len(st.rows))
+        if read > 0:
+            del st.rows[:read]
+            st.rows_from += read
+        if len(st.rows) > ROWS_HELD:  # sitting rounds out: read them now rather than keep a row per token
+            self._catch_up(req, cells - 1)
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
         """None of a model's: the head's cells stay out of slot states (a restored target hands it no rows, and its
@@ -236,11 +246,16 @@ class MtpDrafter:
 
     def _pairs(self, req: DraftRequest, last: int) -> list:
         """The head's entries for positions [its cells' end, last]: the token there and the target's hidden
-        state before it (zeros before the first token); only the last is scored."""
+        state before it (zeros before the first token); only the last is scored. A row it does not hold is an
+        error (never another row's: a negative index would read one from the end)."""
         st = self._seqs[req.seq]
         first = len(st.tokens)
         out = []
         for p in range(first, last + 1):
+            if p > 0 and not st.rows_from <= p - 1 < st.rows_to:
+                raise DecodeError(f"MTP drafter: sequence {req.seq} needs the target's hidden state at position "
+                                  f"{p - 1} and holds positions {st.rows_from}..{st.rows_to - 1} (a bookkeeping "
+                                  "error: LOCALSPEC_DEBUG=1 shows where)")
             row = self._zeros if p == 0 else st.rows[p - 1 - st.rows_from]
             out.append((req.seq, req.tokens[p], p, row, p == last))
         return out
@@ -291,6 +306,10 @@ def unavailable(target: ScoringModel, draft: ScoringModel | None = None) -> str 
     if layers > 0:
         return None
     name = getattr(getattr(target, "path", None), "name", "the target")
+    if getattr(target, "nextn_layers_in_file", 0) > 0:  # the file has them; this llama.cpp library cannot load them
+        from localspec.llama.hidden import mtp_unsupported
+
+        return f"{name} has MTP layers, but {mtp_unsupported() or 'they were not loaded'}"
     return f"{name} has no MTP layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them"
 
 

@@ -22,14 +22,20 @@ except (ImportError, AttributeError):  # an older build: no staging API (MTP hea
 
 
 def mtp_unsupported() -> str | None:
-    """Why this llama-cpp-python cannot run a model's MTP head, None if it can."""
-    have = (llama_cpp_ext is not None and has_field(llama_cpp.llama_model_params, "load_mtp")
-            and has_field(llama_cpp.llama_context_params, "ctx_type") and hasattr(llama_cpp, "llama_process")
-            and hasattr(llama_cpp, "llama_batch_ext_set_embd_token"))
-    if have:
+    """Why this llama-cpp-python cannot run a model's MTP head (the library, not the model file: it names what the
+    library lacks), None if it can."""
+    missing = [name for name, have in (
+        ("llama_cpp.llama_cpp_ext", llama_cpp_ext is not None),
+        ("llama_model_params.load_mtp", has_field(llama_cpp.llama_model_params, "load_mtp")),
+        ("llama_context_params.ctx_type", has_field(llama_cpp.llama_context_params, "ctx_type")),
+        ("LLAMA_CONTEXT_TYPE_MTP", hasattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP")),
+        ("llama_process", hasattr(llama_cpp, "llama_process")),
+        ("llama_batch_ext_set_embd_token", hasattr(llama_cpp, "llama_batch_ext_set_embd_token")),
+    ) if not have]
+    if not missing:
         return None
-    return (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot run MTP heads (no MTP context type "
-            "or nextn embeddings): install llama-cpp-python 0.3.36 or newer")
+    return (f"the llama.cpp library (llama-cpp-python {getattr(llama_cpp, '__version__', '?')}) has no MTP support: "
+            f"it lacks {', '.join(missing)}; install llama-cpp-python 0.3.36 or newer")
 
 
 class HiddenRows:

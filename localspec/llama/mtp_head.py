@@ -35,7 +35,7 @@ class MtpHead:
             raise UsageError(f"{target.path.name} has no MTP layers (nextn_predict_layers): --drafter mtp needs a "
                              "model converted with them (an \"MTP\" GGUF)")
         cparams = llama_cpp.llama_context_default_params()
-        cparams.ctx_type = getattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP", 1)
+        cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP  # (mtp_unsupported: declared, never a stand-in value)
         cparams.n_seq_max = n_seq
         cparams.kv_unified = False
         cparams.n_ctx = n_ctx * n_seq

@@ -3,7 +3,8 @@
 of the recurrent part for rewinds further back.
 
 Everything used here is declared by llama-cpp-python 0.3.36; an older build lacks some of it, and then speculation on
-such a model is refused with one line (`rollback_unsupported`), never approximated. tests/test_hybrid.py checks the
+such a model is refused with one line naming what it lacks (`rollback_unsupported`), never approximated (no stand-in
+enum values either). tests/test_hybrid.py checks the
 struct field against the library itself (a context's n_rs_seq reads back).
 """
 
@@ -17,9 +18,18 @@ import llama_cpp
 from localspec.errors import DecodeError
 from localspec.llama.batch import Run
 
-# A recurrent checkpoint: only the recurrent part of a hybrid's memory, kept in device memory.
-_CHECKPOINT_FLAGS = (getattr(llama_cpp, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
-                     | getattr(llama_cpp, "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE", 2))
+# What a rewind through snapshots and checkpoints needs of llama-cpp-python: no stand-in values for a build that
+# lacks them (a guessed enum value would go wrong silently the day llama.h renumbers it): such a build is refused.
+_NEEDED = ("llama_n_rs_seq", "llama_state_seq_get_data_ext", "llama_state_seq_set_data_ext",
+           "llama_state_seq_get_size_ext", "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE")
+
+
+def _checkpoint_flags() -> int | None:
+    """A recurrent checkpoint: only the recurrent part of a hybrid's memory, kept in device memory (llama.h's flags,
+    as this build declares them); None where it declares no such checkpoints."""
+    if rollback_unsupported() is not None:
+        return None
+    return int(llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY | llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
 
 
 def has_field(struct: type, name: str) -> bool:
@@ -29,12 +39,12 @@ def has_field(struct: type, name: str) -> bool:
 
 def rollback_unsupported() -> str | None:
     """Why this llama-cpp-python cannot roll a recurrent state back (speculation on hybrid models), None if it can."""
-    have = (has_field(llama_cpp.llama_context_params, "n_rs_seq") and hasattr(llama_cpp, "llama_n_rs_seq")
-            and hasattr(llama_cpp, "llama_state_seq_get_data_ext"))
-    if have:
+    missing = ([] if has_field(llama_cpp.llama_context_params, "n_rs_seq") else ["llama_context_params.n_rs_seq"])
+    missing += [name for name in _NEEDED if not hasattr(llama_cpp, name)]
+    if not missing:
         return None
     return (f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot roll back a recurrent state "
-            "(no llama_context_params.n_rs_seq), which speculative decoding on this model needs: install "
+            f"(it lacks {', '.join(missing)}), which speculative decoding on this model needs: install "
             "llama-cpp-python 0.3.36 or newer, or decode plainly (--n-draft 0)")
 
 
@@ -49,6 +59,7 @@ class RecurrentState:
         self._last_run: dict[int, int] = {}  # per sequence: its tokens in its last llama_decode
         self._pending: set[int] = set()  # sequences with a snapshot rollback not yet decoded past (single-use)
         self._checkpoints: dict[int, tuple[int, ctypes.Array]] = {}  # per sequence: (its length, the saved state)
+        self._flags = _checkpoint_flags()  # None: this build keeps no checkpoints (a rewind then starts afresh)
 
     def decoded(self, runs: Sequence[Run]) -> None:
         """A llama_decode of these runs (one ubatch: a recurrent model's calls never split a sequence's tokens)."""
@@ -80,11 +91,11 @@ class RecurrentState:
         saved = self._checkpoints.get(seq)
         self._pending.discard(seq)
         self._last_run.pop(seq, None)
-        if saved is not None and saved[0] <= n_keep:
+        if saved is not None and saved[0] <= n_keep and self._flags is not None:
             length, buf = saved
             # The recurrent part is the checkpoint's; the attention cells after it go (the recurrent part's own
             # seq_rm is then a no-op: its cell ends at the checkpoint).
-            if (llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(buf), seq, _CHECKPOINT_FLAGS) == len(buf)
+            if (llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(buf), seq, self._flags) == len(buf)
                     and llama_cpp.llama_memory_seq_rm(self._memory, seq, length, -1)):
                 return length
         llama_cpp.llama_memory_seq_rm(self._memory, seq, 0, -1)
@@ -93,12 +104,14 @@ class RecurrentState:
 
     def checkpoint(self, seq: int) -> None:
         """Save the sequence's recurrent part (on its device) at its current length, replacing the last one."""
-        length = int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)) + 1
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _CHECKPOINT_FLAGS)
-        buf = (ctypes.c_uint8 * max(size, 1))()
         self._checkpoints.pop(seq, None)
+        if self._flags is None:
+            return
+        length = int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)) + 1
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, self._flags)
+        buf = (ctypes.c_uint8 * max(size, 1))()
         if length > 0 and size and llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, seq,
-                                                                         _CHECKPOINT_FLAGS) == size:
+                                                                         self._flags) == size:
             self._checkpoints[seq] = (length, buf)
 
     def forget(self, seq: int) -> None:
