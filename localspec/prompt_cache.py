@@ -19,6 +19,11 @@ state larger than the whole budget is not kept, one that an entry already serves
 entry's, on models whose prefixes are valid) is not kept twice, and a new state replaces the entries it serves.
 An entry stays cached when it is restored (a restore copies it into the slot), so a conversation that two slots
 pass back and forth is never lost to one of them.
+
+The byte budget is a `CacheBudget`, one per process: a cache made with a limit has one of its own; the caches of
+the pairs `serve --pair A --pair B` has loaded share one (the router's), the least recently used state of any of
+them leaving first, so several pairs never hold more than one `cache_ram` together. Each cache looks up only its
+own states (another pair's cells mean nothing to its models) and `clear` returns its share when its pair unloads.
 """
 
 from __future__ import annotations
@@ -113,49 +118,84 @@ class CacheCounters:
     entries: int
     tokens: int
     nbytes: int
-    limit: int
+    limit: int  # the budget's bytes (shared with the other pairs' caches where several are served)
+    shared_bytes: int  # what every cache of the budget holds together (this one's `nbytes` where it is alone)
 
 
-class PromptCache:
-    """Slot states in host RAM within `limit` bytes (module docstring). The engine thread stores and looks up;
-    other threads read `counters()`."""
+class CacheBudget:
+    """The host RAM the prompt caches drawing on it may take together (module docstring): their states in one
+    least-recently-used order, under one lock."""
 
     def __init__(self, limit: int) -> None:
         self.limit = max(0, limit)
-        self._entries: list[SlotState] = []  # least recently used first
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.entries: list[tuple[PromptCache, SlotState]] = []  # least recently used first, every cache's
+        self.nbytes = 0
+
+    def used(self) -> int:
+        with self.lock:
+            return self.nbytes
+
+
+class PromptCache:
+    """Slot states in host RAM within `limit` bytes, or within a `CacheBudget` shared with other caches (module
+    docstring). The engine thread stores and looks up; other threads read `counters()`."""
+
+    def __init__(self, limit: int = 0, budget: CacheBudget | None = None) -> None:
+        self.budget = budget if budget is not None else CacheBudget(limit)
+        self._lock = self.budget.lock
         self._hits = self._misses = self._stored = self._evicted = self._skipped = self._restored = 0
 
+    @property
+    def limit(self) -> int:
+        return self.budget.limit
+
+    def _own(self) -> list[SlotState]:
+        """This cache's states, least recently used first (called holding the lock)."""
+        return [s for owner, s in self.budget.entries if owner is self]
+
+    def _drop(self, state: SlotState) -> None:
+        """Take `state` out of the budget (called holding the lock)."""
+        self.budget.entries = [(o, s) for o, s in self.budget.entries if s is not state]
+        self.budget.nbytes -= state.nbytes
+
+    def _touch(self, state: SlotState) -> None:
+        """Make `state` the most recently used of the budget (called holding the lock)."""
+        self.budget.entries = [(o, s) for o, s in self.budget.entries if s is not state] + [(self, state)]
+
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._own())
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        with self._lock:
+            return sum(s.nbytes for s in self._own())
 
     def put(self, state: SlotState) -> bool:
         """Keep `state` (True), unless it holds nothing, is larger than the budget, or an entry serves all it
         does (that entry becomes the most recently used). Entries it serves leave; then the least recently used
-        until it fits."""
+        of the budget (any cache's) until it fits."""
         if not state.models or state.models[0].n_tokens == 0:
             return False
         with self._lock:
-            if state.nbytes > self.limit:
+            if state.nbytes > self.budget.limit:
                 self._skipped += 1
                 return False
-            for i, entry in enumerate(self._entries):
+            own = self._own()
+            for entry in own:
                 if entry.covers(state):
-                    self._entries.append(self._entries.pop(i))
+                    self._touch(entry)
                     return False
-            kept = [e for e in self._entries if not state.covers(e)]
-            self._bytes -= sum(e.nbytes for e in self._entries if state.covers(e))
-            self._entries = kept
-            while self._entries and self._bytes + state.nbytes > self.limit:
-                self._bytes -= self._entries.pop(0).nbytes
-                self._evicted += 1
-            self._entries.append(state)
-            self._bytes += state.nbytes
+            for entry in own:
+                if state.covers(entry):
+                    self._drop(entry)
+            while self.budget.entries and self.budget.nbytes + state.nbytes > self.budget.limit:
+                owner, oldest = self.budget.entries[0]
+                self._drop(oldest)
+                owner._evicted += 1
+            self.budget.entries.append((self, state))
+            self.budget.nbytes += state.nbytes
             self._stored += 1
             return True
 
@@ -166,27 +206,28 @@ class PromptCache:
         Counts a hit, or a miss when none does."""
         with self._lock:
             found, reuse = None, better_than
-            for entry in reversed(self._entries):
+            for entry in reversed(self._own()):
                 n = entry.reusable(body)
                 if n > reuse and n >= KEEP_SHARE * entry.models[0].n_tokens:
                     found, reuse = entry, n
             if found is None:
                 self._misses += 1
                 return None
-            self._entries.remove(found)
-            self._entries.append(found)
+            self._touch(found)
             self._hits += 1
             self._restored += reuse
             return found, reuse
 
     def clear(self) -> None:
+        """Forget this cache's states (its pair unloads: their bytes go back to the budget)."""
         with self._lock:
-            self._entries.clear()
-            self._bytes = 0
+            for entry in self._own():
+                self._drop(entry)
 
     def counters(self) -> CacheCounters:
         with self._lock:
+            own = self._own()
             return CacheCounters(hits=self._hits, misses=self._misses, stored=self._stored, evicted=self._evicted,
-                                 skipped=self._skipped, restored_tokens=self._restored, entries=len(self._entries),
-                                 tokens=sum(len(e.tokens) for e in self._entries), nbytes=self._bytes,
-                                 limit=self.limit)
+                                 skipped=self._skipped, restored_tokens=self._restored, entries=len(own),
+                                 tokens=sum(len(e.tokens) for e in own), nbytes=sum(e.nbytes for e in own),
+                                 limit=self.budget.limit, shared_bytes=self.budget.nbytes)

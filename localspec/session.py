@@ -13,7 +13,7 @@ from localspec.fsutil import not_a_file
 from localspec.gguf_header import GGUFHeader, read_header
 from localspec.llama import backend, hidden, recurrent
 from localspec.llama.model import LlamaModel
-from localspec.prompt_cache import PromptCache, limit_bytes
+from localspec.prompt_cache import CacheBudget, PromptCache, limit_bytes
 from localspec.status import Status
 
 
@@ -164,6 +164,8 @@ class Session:
 
     def close(self) -> None:
         self.engine.close()
+        if self.engine.prompt_cache is not None:  # its share of a budget shared with other pairs goes back
+            self.engine.prompt_cache.clear()
         for model in (self.draft, self.target):
             if model is not None:
                 model.close()
@@ -175,10 +177,12 @@ class Session:
         self.close()
 
 
-def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_cache: bool = False) -> Session:
+def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_cache: bool = False,
+                 cache_budget: CacheBudget | None = None) -> Session:
     """Check the pair from its headers (no weights read), then load both models and wire up an Engine with
     `parallel` slots (each a sequence of n_ctx cells in both models); with `prompt_cache`, finished slots' cells
-    are kept in host RAM up to `[server] cache_ram` (the server)."""
+    are kept in host RAM up to `[server] cache_ram` (the server), or within `cache_budget`, shared with other
+    pairs' caches (the router's)."""
     plan = preflight(files, preset, parallel=parallel).estimate.plan
     load = preset.load
     n_ctx = load.n_ctx
@@ -189,6 +193,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
         files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
         kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
         rewind=preset.draft.n_draft,  # (a recurrent target keeps that many snapshots of its state)
+        max_batch_error=load.max_batch_error,
         **_placed(plan.target),
     )
     draft = None
@@ -197,14 +202,17 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
             draft = LlamaModel(
                 files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
                 kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
-                **_placed(plan.draft),
+                max_batch_error=load.max_batch_error, **_placed(plan.draft),
             )
     except BaseException:
         if draft is not None:
             draft.close()
         target.close()
         raise
-    cache = PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available())) if prompt_cache else None
+    cache = None
+    if prompt_cache:
+        cache = PromptCache(budget=cache_budget) if cache_budget is not None else \
+            PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available()))
     engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
                     constrained_rows=load.constrained_rows, prompt_cache=cache)
     try:

@@ -4,6 +4,11 @@ swapping logic itself is covered fast over fake pairs in tests/test_router_fast.
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -59,13 +64,16 @@ def alone(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return out
 
 
+CACHE_MIB = 16  # the prompt cache's budget, shared by the pairs and counted within --models-budget
+
+
 @pytest.fixture
 def one_at_a_time(use_demo_home: Path, tmp_path: Path) -> Iterator[Server]:
-    """Both pairs, with a budget that holds either but not both."""
+    """Both pairs, with a budget that holds either (and the prompt cache) but not both."""
     sizes = _footprints()
-    budget = max(sizes.values()) + min(sizes.values()) // 2
+    budget = max(sizes.values()) + min(sizes.values()) // 2 + CACHE_MIB
     server = Server(use_demo_home, tmp_path, "--pair", "demo", "--pair", "demo-chat", *COMMON,
-                    "--models-budget", str(budget))
+                    "--models-budget", str(budget), "--cache-ram", str(CACHE_MIB))
     try:
         yield server
     finally:
@@ -134,3 +142,90 @@ def test_a_budget_no_pair_fits_is_a_503_and_the_server_stays_up(use_demo_home: P
         assert server.health()["status"] == "ok" and _status(server) == {"demo": "unloaded", "demo-chat": "unloaded"}
     finally:
         server.stop()
+
+
+def test_a_client_that_gives_up_waiting_for_the_other_pair_causes_no_swap(one_at_a_time: Server) -> None:
+    """Room for one pair, demo busy streaming, a request for demo-chat whose client times out while it waits:
+    demo stays loaded (as llama-server keeps it), demo-chat is never loaded."""
+    server = one_at_a_time
+    stream = iter(server.client().completions.create(model="demo", prompt=PROMPTS["demo"], max_tokens=400,
+                                                     temperature=0, stream=True))
+    next(stream)
+    with pytest.raises(openai.APITimeoutError):
+        server.client().with_options(timeout=0.5).completions.create(model="demo-chat", prompt="hi", max_tokens=2)
+    deadline = time.monotonic() + 30
+    while _status(server)["demo"] != "loaded":  # the drain begun for demo-chat's room is called off
+        assert time.monotonic() < deadline, _status(server)
+        time.sleep(0.05)
+    assert server.health()["models"][0]["requests"] == 1  # (the stream was running all along)
+    for _ in stream:
+        pass
+    health = server.wait_idle()
+    assert _status(server) == {"demo": "loaded", "demo-chat": "unloaded"}
+    assert (health["loads"], health["unloads"]) == (1, 0)
+
+
+def test_a_pair_whose_engine_thread_is_busy_is_not_freed(use_demo_home: Path, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real loader's close while the engine thread is inside a call (held here): the models are left (one
+    warning names the pair), and freed once the thread has ended."""
+    from localspec.server import worker
+    from localspec.server.router import SessionLoader
+
+    monkeypatch.setattr(worker, "STOP_JOIN_S", 0.5)
+    files, preset = options.resolve_run(options.RunOptions(pair="demo", n_ctx=512, threads=1), "server")
+    loaded = SessionLoader(parallel=1, queue=4).load(served_pair(files, preset, "demo", 1))
+    backend = loaded.backend
+    target, draft = backend.worker.engine.target, backend.worker.engine.draft
+    hold = threading.Event()
+    busy = backend.worker.in_slot(0, hold.wait)
+    deadline = time.monotonic() + 30
+    while not busy.running():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        loaded.close()
+        assert target.ctx is not None and target.model is not None  # type: ignore[attr-defined]
+        assert draft is not None and draft.ctx is not None  # type: ignore[attr-defined]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "pair 'demo'" in warnings[0], warnings
+    finally:
+        hold.set()
+    backend.worker._thread.join(timeout=30)
+    loaded.close()
+    assert target.ctx is None and draft.ctx is None  # type: ignore[attr-defined]
+
+
+def test_the_pairs_share_one_prompt_cache_budget_shown_in_metrics(use_demo_home: Path, tmp_path: Path) -> None:
+    server = Server(use_demo_home, tmp_path, "--pair", "demo", "--pair", "demo-chat", *COMMON, "--metrics",
+                    "--cache-ram", "64")
+    try:
+        for name in PAIRS:  # the slot goes to a second prompt: the first one's cells go to the cache
+            _text(server, name, 4)
+            server.client().completions.create(model=name, prompt="A different start", max_tokens=4)
+        values = {name: _metrics(server, name) for name in PAIRS}
+        held = [values[name]["localspec:prompt_cache_bytes"] for name in PAIRS]
+        assert all(h > 0 for h in held)
+        for name in PAIRS:
+            assert values[name]["localspec:prompt_cache_limit_bytes"] == 64 << 20
+            assert values[name]["localspec:prompt_cache_shared_bytes"] == sum(held)
+    finally:
+        assert server.stop() == 0, server.log.read_text()
+
+
+def test_a_prompt_cache_that_leaves_the_budget_no_room_is_one_line_before_the_port(use_demo_home: Path,
+                                                                                  tmp_path: Path) -> None:
+    env = {**os.environ, "LOCALSPEC_HOME": str(use_demo_home), "COLUMNS": "200"}
+    env.pop("LOCALSPEC_DEBUG", None)
+    run = subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "serve", "--port", "0",
+                          "--pair", "demo", "--pair", "demo-chat", "--models-budget", "512", "--cache-ram", "512"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cache_ram = 512 MiB is all of models_budget = 512 MiB" in lines[0], run.stderr
+
+
+def _metrics(server: Server, name: str) -> dict[str, float]:
+    text = httpx.get(f"{server.root}/metrics", params={"model": name}, timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}

@@ -5,6 +5,10 @@ client; no llama.cpp model is loaded (tests/test_router.py does the same on the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -14,11 +18,12 @@ import httpx
 import openai
 import pytest
 
-from localspec.config import load_preset
+from localspec.config import ServerSettings, load_preset
 from localspec.engine import Engine
+from localspec.prompt_cache import CacheBudget, ModelState, PromptCache, SlotState
 from localspec.server.app import create_app
 from localspec.server.handling import Backend, ServerState
-from localspec.server.router import Loaded, PairRouter, ServedPair
+from localspec.server.router import Loaded, PairRouter, ServedPair, shared_cache
 from localspec.session import ModelFiles
 from tests.helpers_hub import cache_file
 from tests.helpers_serve import FakeTextModel, fake_backend, live_server, wait_for
@@ -34,6 +39,7 @@ class FakeLoader:
     def __init__(self, delay: float = 0.0, fits: bool = True) -> None:
         self.delay = delay
         self.fits = fits
+        self.leaks: set[str] = set()  # pairs whose close reports its models left loaded (a thread that did not end)
         self.events: list[tuple[str, str]] = []
         self.router: PairRouter | None = None
         self.freed_while_held: list[str] = []
@@ -46,11 +52,12 @@ class FakeLoader:
         backend.model_id = pair.name
         self.events.append(("load", pair.name))
 
-        def close() -> None:
+        def close() -> bool:
             if pair.leases:
                 self.freed_while_held.append(pair.name)
-            backend.worker.shutdown(timeout=30)
+            ended = backend.worker.shutdown(timeout=30)
             self.events.append(("unload", pair.name))
+            return ended and pair.name not in self.leaks
 
         return Loaded(backend, close)
 
@@ -130,6 +137,20 @@ def test_a_budget_for_one_pair_swaps_them_least_recently_used_first() -> None:
         _complete(url, "beta")  # 600 more: gamma (least recently used) goes first, then alpha too
         assert _status(url) == {"alpha": "unloaded", "beta": "loaded", "gamma": "unloaded"}
         assert loader.events[2:] == [("unload", "gamma"), ("unload", "alpha"), ("load", "beta")]
+
+
+def test_a_pair_left_loaded_at_its_unload_still_counts_against_the_budget() -> None:
+    """A pair whose engine thread did not end keeps its models (never freed under a decode): its memory is still
+    taken, so the router must not load another pair into it."""
+    with routed(budget_mib=1000, sizes=(600, 600, 300)) as (url, router, loader):
+        loader.leaks.add("alpha")
+        _complete(url, "alpha")
+        with pytest.raises(openai.APIStatusError) as refused:
+            _complete(url, "beta")  # alpha unloaded to make room, but left loaded: its 600 MiB are still taken
+        assert refused.value.status_code == 503 and "beta" in str(refused.value)
+        assert _status(url)["beta"] == "unloaded"
+        _complete(url, "gamma")  # 300 fits beside the leaked 600
+        assert router.leaked == 600 * MiB
 
 
 def test_a_pair_larger_than_the_budget_is_a_503_naming_it_and_the_server_goes_on() -> None:
@@ -254,6 +275,150 @@ def test_one_pair_answers_load_and_unload_with_501() -> None:
             assert r.status_code == 501 and "--pair A --pair B" in r.json()["error"]["message"]
     finally:
         backend.worker.shutdown(timeout=30)
+
+
+# -- safety: no swap for a client that left, nothing freed under a running thread, the shared cache budget --------
+
+
+def test_a_client_that_gives_up_waiting_for_its_pair_causes_no_swap() -> None:
+    """Room for one pair, a long request on alpha, a request for beta whose client times out while it waits:
+    alpha is kept (llama-server keeps it), takes requests again at once, and beta is never loaded."""
+    with routed(budget_mib=1000, delay=0.05) as (url, router, loader):
+        long = ThreadPoolExecutor(1).submit(_complete, url, "alpha", "hello", 150)
+        wait_for(lambda: router.pairs["alpha"].leases == 1)
+        impatient = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="beta", prompt="hi", max_tokens=4, temperature=0)
+        wait_for(lambda: _status(url)["alpha"] == "loaded")  # the drain for beta's room is called off
+        assert not long.done()  # (alpha was busy all along)
+        assert _complete(url, "alpha", "hi", 4) == _alone("alpha", "hi", 4)  # queued, no reload
+        assert long.result(timeout=60) == _alone("alpha", "hello", 150)
+        wait_for(lambda: router.pairs["alpha"].leases == 0)
+        assert _status(url) == {"alpha": "loaded", "beta": "unloaded"}
+        assert loader.events == [("load", "alpha")] and (router.loads, router.unloads) == (1, 0)
+
+
+def test_a_pair_whose_engine_thread_does_not_end_is_not_freed(caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's close of a pair (`_close`): while the engine thread is inside a call (held here) its models
+    are not freed, one warning names the pair; once the thread has ended they are."""
+    from localspec.server import router as router_module
+    from localspec.server import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "STOP_JOIN_S", 0.3)
+    backend = fake_backend()
+    freed: list[bool] = []  # whether the engine thread was still running when the models were freed
+
+    class Models:
+        def close(self) -> None:
+            freed.append(backend.worker._thread.is_alive())
+
+    hold = threading.Event()
+    busy = backend.worker.in_slot(0, hold.wait)  # the engine thread sits in this call until `hold` is set
+    wait_for(lambda: busy.running())
+    try:
+        router_module._close(backend, Models(), "alpha")  # type: ignore[arg-type]
+        assert freed == []
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "pair 'alpha'" in warnings[0] and "left loaded" in warnings[0], warnings
+    finally:
+        hold.set()
+    wait_for(lambda: not backend.worker._thread.is_alive())
+    router_module._close(backend, Models(), "alpha")
+    assert freed == [False]
+
+
+class FailingLoader(FakeLoader):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def load(self, pair: ServedPair) -> Loaded:
+        raise self.error
+
+
+def test_a_load_failure_is_logged_with_its_message_and_clients_see_no_paths(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from localspec.errors import ModelLoadError
+
+    files = ModelFiles(target=tmp_path / "alpha.gguf", draft=tmp_path / "alpha-draft.gguf", name="alpha")
+    pair = ServedPair(name="alpha", files=files, preset=PRESET, footprint=MiB)
+    for error, seen in ((RuntimeError("cudaMalloc failed: out of memory"), "RuntimeError"),
+                        (ModelLoadError(f"{files.target}: llama.cpp could not load this model"),
+                         "alpha.gguf: llama.cpp could not load this model")):
+        caplog.clear()
+        router = PairRouter([pair], FailingLoader(error))
+        with live_server(create_app(ServerState(model_id="alpha", router=router))) as url:
+            r = httpx.post(f"{url}/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+            listed = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert listed["status"] == {"value": "unloaded", "failed": True, "message": seen}
+        assert str(tmp_path) not in r.text and str(tmp_path) not in json.dumps(listed)
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert logged == [f"pair 'alpha' failed to load: {'RuntimeError: ' if seen == 'RuntimeError' else ''}{error}"]
+
+
+def test_models_lists_file_names_never_absolute_paths(tmp_path: Path) -> None:
+    files = ModelFiles(target=tmp_path / "big" / "target.gguf", draft=tmp_path / "small" / "draft.gguf", name="a")
+    plain = ModelFiles(target=tmp_path / "solo.gguf", draft=None, name="b")
+    router = PairRouter([ServedPair(name="a", files=files, preset=PRESET, footprint=MiB),
+                         ServedPair(name="b", files=plain, preset=PRESET, footprint=MiB)], FakeLoader())
+    with live_server(create_app(ServerState(model_id="a", router=router))) as url:
+        r = httpx.get(f"{url}/v1/models")
+    listed = {m["id"]: (m["path"], m["draft_path"]) for m in r.json()["data"]}
+    assert listed == {"a": ("target.gguf", "draft.gguf"), "b": ("solo.gguf", None)}
+    assert str(tmp_path) not in r.text
+
+
+def test_the_pairs_prompt_caches_share_one_budget_least_recently_used_first() -> None:
+    budget = CacheBudget(300)
+    alpha, beta = PromptCache(budget=budget), PromptCache(budget=budget)
+
+    def state(tokens: list[int]) -> SlotState:
+        return SlotState(tuple(tokens), (ModelState(len(tokens), bytearray(100)),))
+
+    a1, a2, b1 = state([1, 2, 3]), state([4, 5, 6]), state([7, 8, 9])
+    assert alpha.put(a1) and alpha.put(a2) and beta.put(b1)
+    assert budget.used() == 300 and alpha.best([1, 2, 3, 0]) is not None  # a1 now the most recently used
+    assert beta.best([1, 2, 3, 0]) is None  # another pair's states are not its own
+    assert beta.put(state([10, 11]))  # the budget's least recently used goes: alpha's a2
+    assert alpha.nbytes == 100 and beta.nbytes == 200 and budget.used() == 300
+    assert alpha.counters().evicted == 1 and beta.counters().shared_bytes == 300
+    beta.clear()  # its pair unloads: its share goes back
+    assert budget.used() == 100 and len(alpha) == 1 and alpha.limit == 300
+
+
+def test_the_prompt_cache_counts_within_models_budget() -> None:
+    """One cache budget (200 MiB) for the server: counted in models_budget beside the pairs' estimates."""
+    loader = FakeLoader()
+    router = PairRouter([_pair("alpha", 600), _pair("beta", 300), _pair("gamma", 900)], loader, budget=1000 * MiB,
+                        cache=CacheBudget(200 * MiB))
+    loader.router = router
+    try:
+        with live_server(create_app(ServerState(model_id="alpha", router=router))) as url:
+            _complete(url, "alpha")
+            _complete(url, "beta")  # 600 + 300 would fit; with the cache's 200 they do not
+            assert _status(url) == {"alpha": "unloaded", "beta": "loaded", "gamma": "unloaded"}
+            r = httpx.post(f"{url}/v1/completions", json={"model": "gamma", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503
+            assert "the prompt cache's 0.20 GiB (cache_ram) is more than models_budget = 1000 MiB" in r.text
+    finally:
+        router.close()
+
+
+def test_the_shared_cache_budget_from_cache_ram_and_models_budget() -> None:
+    from localspec.errors import LocalspecError
+    from localspec.prompt_cache import AUTO_SHARE
+
+    def settings(**kw: str) -> ServerSettings:
+        return dataclasses.replace(PRESET.server, **kw)
+
+    assert shared_cache(settings(cache_ram="64", models_budget="1000")).limit == 64 * MiB
+    auto = shared_cache(settings(cache_ram="auto", models_budget="1000")).limit
+    assert 0 < auto <= int(1000 * MiB * AUTO_SHARE)
+    assert shared_cache(settings(cache_ram="0", models_budget="1000")).limit == 0
+    with pytest.raises(LocalspecError, match="cache_ram = 1000 MiB is all of models_budget = 1000 MiB"):
+        shared_cache(settings(cache_ram="1000", models_budget="1000"))
 
 
 # -- --draft auto: models.toml's drafts, by family and the tokenizer check ---------------------------------------

@@ -183,8 +183,9 @@ context_shift = _setting("context_shift", "--context-shift/--no-context-shift",
 n_keep = _setting("n_keep", "--keep", "Context shift: tokens kept at the start besides a BOS token (-1 = the whole "
                   "prompt).", panel=LOADING)
 models_budget = _setting("models_budget", "--models-budget",
-                         "Several --pair: MiB the loaded pairs' memory estimates may take together; auto: each load "
-                         "checks the free VRAM (RAM without a GPU).")
+                         "Several --pair: MiB the loaded pairs' memory estimates and the prompt cache (--cache-ram, "
+                         "one for all pairs) may take together; auto: each load checks the free VRAM (RAM without a "
+                         "GPU).")
 models_idle = _setting("models_idle", "--models-idle",
                        "Several --pair: seconds an idle pair stays loaded (0 = until another pair needs its room).")
 

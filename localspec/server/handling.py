@@ -123,7 +123,8 @@ class Backend:
 class Pairs(Protocol):
     """Several pairs behind one endpoint (server/router.py's PairRouter)."""
 
-    async def acquire(self, name: str | None, scope: MutableMapping[str, Any]) -> Backend: ...
+    async def acquire(self, name: str | None, scope: MutableMapping[str, Any],
+                      receive: Callable[[], Awaitable[Any]] | None = None) -> Backend: ...
 
     def listing(self, created: int) -> list[dict[str, Any]]: ...
 
@@ -171,9 +172,10 @@ class ServerState:
 
     async def pick(self, name: str | None, request: Request) -> Backend:
         """The backend a request's `model` names: the one pair (`check_model`), or with several the router's,
-        loaded if need be and held until the response has been sent."""
+        loaded if need be and held until the response has been sent. The route has read its body: with several
+        pairs the wait for one watches `request.receive` for the client leaving."""
         if self.router is not None:
-            return await self.router.acquire(name, request.scope)
+            return await self.router.acquire(name, request.scope, request.receive)
         self.check_model(name)
         return self.ready()
 

@@ -11,7 +11,13 @@ or not, whatever way it ends (`ReleaseLeases`, the innermost ASGI middleware, le
 never unloaded. One that must make room while busy drains instead: it shows "unloading", takes no new requests
 (they wait, then load it again) and unloads when its last running one ends; the request that needs the room waits
 for that. `POST /models/unload` of a busy pair is deferred the same way (it answers at once). A 503 only when a
-pair cannot fit even with every other pair unloaded.
+pair cannot fit even with every other pair unloaded. A waiting request whose client leaves (a timeout, a closed
+connection) stops waiting, and a drain begun only to make its room is called off: the busy pair stays loaded, as
+llama-server keeps it.
+
+The prompt caches of the loaded pairs share one budget (`[server] cache_ram`, `shared_cache`), which the router
+counts against `models_budget` beside the pairs' estimates. A pair is freed only once its engine thread has
+ended (`Worker.stop_then_free`): one that does not end in time keeps its models, leaked, and a warning says so.
 
 Every decision runs on the event loop; loading and freeing a pair (seconds) run in a thread, loads one at a time.
 """
@@ -21,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import os
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -31,15 +39,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from localspec.config import Preset
+from localspec import machine
+from localspec.config import Preset, ServerSettings
 from localspec.errors import LocalspecError
 from localspec.memory import Estimate, GiB
+from localspec.prompt_cache import AUTO_SHARE, CacheBudget, limit_bytes
 from localspec.server.guard import UNBOUNDED_BODY_BYTES
 from localspec.server.handling import ApiError, Backend, ServerState, guarded, read_body
 from localspec.server.schema import RequestError, parse_body
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 LEASES_KEY = "localspec.leases"  # in an ASGI scope: what to call once its response has been sent
+log = logging.getLogger("localspec.server")
 
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
 
@@ -52,7 +63,7 @@ def footprint(est: Estimate) -> int:
 @dataclass(frozen=True)
 class Loaded:
     backend: Backend
-    close: Callable[[], None]  # stops its worker and frees its models (blocking)
+    close: Callable[[], bool]  # stops its worker and frees its models (blocking); False: left loaded (leaked)
 
 
 class Loader(Protocol):
@@ -76,8 +87,15 @@ class ServedPair:
     leases: int = 0  # requests holding it (from the route's pick until their response is sent)
     last_used: float = 0.0  # time.monotonic() of the last lease taken or given back
     unload_wanted: bool = False  # POST /models/unload while busy: unload when the last lease ends
+    for_room: bool = False  # ... and drained only to make room for a waiting request (called off if it leaves)
     error: str | None = None  # why the last load failed
     unloaded: asyncio.Event = field(default_factory=asyncio.Event)  # set while not loaded (waiters of a drain)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when unloaded or kept
+
+    def wake(self) -> None:
+        """Tell the requests waiting for this pair's drain that it ended (unloaded, or called off)."""
+        woken, self.changed = self.changed, asyncio.Event()
+        woken.set()
 
     @property
     def backend(self) -> Backend | None:
@@ -88,30 +106,40 @@ class ServedPair:
         return self.status == LOADED and self.leases == 0
 
     def listing(self, created: int) -> dict[str, Any]:
-        """Its entry in /v1/models, in llama-server's router shape (`status.value`)."""
+        """Its entry in /v1/models, in llama-server's router shape (`status.value`); files by name, never where
+        they live on this machine."""
         status: dict[str, Any] = {"value": self.status}
         if self.error is not None and self.status == UNLOADED:
             status.update(failed=True, message=self.error)
         return {"id": self.name, "object": "model", "created": created, "owned_by": "localspec", "status": status,
-                "path": str(self.files.target), "draft_path": str(self.files.draft) if self.files.draft else None}
+                "path": self.files.target.name, "draft_path": self.files.draft.name if self.files.draft else None}
+
+    def unplaced(self, text: str) -> str:
+        """`text` with the pair's file paths shown by name (a load error's message, for clients)."""
+        for path in (self.files.target, self.files.draft):
+            if path is not None:
+                text = text.replace(str(path), path.name)
+        return text
 
 
 class SessionLoader:
     """The real loader: `open_session` (which checks the memory estimate again) and a `Backend` with its worker."""
 
-    def __init__(self, parallel: int, queue: int) -> None:
+    def __init__(self, parallel: int, queue: int, cache: CacheBudget | None = None) -> None:
         self.parallel = parallel
         self.queue = queue
+        self.cache = cache  # the prompt-cache budget every pair's cache shares
 
     def load(self, pair: ServedPair) -> Loaded:
-        session = open_session(pair.files, pair.preset, parallel=self.parallel, prompt_cache=True)
+        session = open_session(pair.files, pair.preset, parallel=self.parallel, prompt_cache=True,
+                               cache_budget=self.cache)
         try:
             backend = Backend.build(session.engine, session.target, pair.preset, self.queue)
         except BaseException:
             session.close()
             raise
         backend.model_id = pair.name
-        return Loaded(backend, functools.partial(_close, backend, session))
+        return Loaded(backend, functools.partial(_close, backend, session, pair.name))
 
     def shortfall(self, pair: ServedPair) -> str | None:
         try:
@@ -121,20 +149,38 @@ class SessionLoader:
         return None
 
 
-def _close(backend: Backend, session: Session) -> None:
-    backend.worker.shutdown(timeout=30)  # the engine thread ends before its models are freed
-    session.close()
+def _close(backend: Backend, session: Session, name: str) -> bool:
+    return backend.worker.stop_then_free(session.close, f"pair {name!r}")  # never freed under a running decode
+
+
+def shared_cache(settings: ServerSettings) -> CacheBudget:
+    """The prompt-cache budget every loaded pair's cache shares: `cache_ram`, "auto" as with one pair (a quarter
+    of the RAM available now), and with `models_budget` at most a quarter of that budget too, since it counts
+    there. A `cache_ram` that leaves the pairs nothing of `models_budget` is an error."""
+    budget = settings.budget_bytes
+    limit = limit_bytes(settings.cache_ram, machine.ram_available())
+    if budget is not None and settings.cache_ram == "auto":
+        limit = min(limit, int(budget * AUTO_SHARE))
+    if budget is not None and limit >= budget:
+        raise LocalspecError(f"cache_ram = {settings.cache_ram} MiB is all of models_budget = {budget >> 20} MiB, "
+                             "which holds the prompt cache and the loaded pairs together: lower --cache-ram or "
+                             "raise --models-budget")
+    return CacheBudget(limit)
 
 
 class PairRouter:
     def __init__(self, pairs: list[ServedPair], loader: Loader, *, budget: int | None = None,
-                 idle_s: float = 0.0) -> None:
+                 idle_s: float = 0.0, cache: CacheBudget | None = None) -> None:
         self.pairs = {p.name: p for p in pairs}
         self.loader = loader
         self.budget = budget  # bytes the loaded pairs' footprints may take together (None: free memory decides)
+        self.cache = cache  # the pairs' prompt caches' shared budget, counted within `budget` (`_used`)
         self.idle_s = idle_s
         self.loads = 0  # pairs loaded since the start (and unloads: the tests follow the swaps)
         self.unloads = 0
+        # Bytes of pairs whose engine thread did not end when they were unloaded: their models were left loaded
+        # (never freed under a running decode), so their memory still counts against the budget (`_used`).
+        self.leaked = 0
         self._lock: asyncio.Lock | None = None  # made on the event loop, at first use
         self._sweeper: asyncio.Task | None = None
         self._closed = False
@@ -152,19 +198,35 @@ class PairRouter:
                            param="model", code="model_not_found")
         return self.pairs[name]
 
-    async def acquire(self, name: str | None, scope: MutableMapping[str, Any]) -> Backend:
-        """The backend of the pair `name`, loaded if need be, held until the response to `scope` has been sent."""
+    async def acquire(self, name: str | None, scope: MutableMapping[str, Any],
+                      receive: Receive | None = None) -> Backend:
+        """The backend of the pair `name`, loaded if need be, held until the response to `scope` has been sent.
+        With `receive` (the request's, its body read), a client that leaves while this waits ends the wait (a 499;
+        a drain begun for its room is called off)."""
         pair = self.find(name)
+        if pair.status == LOADED and not pair.unload_wanted:
+            return self._lease(pair, scope)
+        left = asyncio.Event()
+        watcher = asyncio.create_task(_departure(receive, left)) if receive is not None else None
+        try:
+            return await self._wait_for(pair, scope, left)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _wait_for(self, pair: ServedPair, scope: MutableMapping[str, Any], left: asyncio.Event) -> Backend:
         while True:
+            if left.is_set():
+                raise _left()
             if pair.status == LOADED and not pair.unload_wanted:
                 return self._lease(pair, scope)
-            if pair.status in (LOADED, UNLOADING):  # draining or being freed: wait, then load it again
-                await pair.unloaded.wait()
+            if pair.status in (LOADED, UNLOADING):  # draining or being freed: wait, then load it (or it is kept)
+                await _until(pair.changed, left)
                 continue
             async with self._guard():
                 if pair.status != UNLOADED:  # another request loaded it meanwhile
                     continue
-                await self._load(pair)
+                await self._load(pair, left)
                 return self._lease(pair, scope)
 
     def release(self, pair: ServedPair) -> None:
@@ -190,7 +252,7 @@ class PairRouter:
         if pair.status == UNLOADED:
             raise ApiError(400, f"model {name!r} is not running", param="model", code="model_not_loaded")
         if pair.status != LOADED or pair.leases or pair.unload_wanted:
-            pair.unload_wanted = True
+            pair.unload_wanted, pair.for_room = True, False  # asked for: not called off with a waiting request
             if pair.status == LOADED:
                 pair.status = UNLOADING
             return {"success": True, "deferred": True, "requests": pair.leases}
@@ -254,25 +316,38 @@ class PairRouter:
         scope.setdefault(LEASES_KEY, []).append(functools.partial(self.release, pair))
         return pair.backend
 
+    @property
+    def cache_bytes(self) -> int:
+        """What the pairs' prompt caches may take together: counted within the budget whatever they hold now."""
+        return self.cache.limit if self.cache is not None else 0
+
     def _used(self, but: ServedPair) -> int:
-        return sum(p.footprint for p in self.pairs.values() if p is not but and p.status != UNLOADED)
+        return self.leaked + sum(p.footprint for p in self.pairs.values() if p is not but and p.status != UNLOADED)
+
+    def _cache_words(self) -> str:
+        return f" and the prompt cache's {self.cache_bytes / GiB:.2f} GiB (cache_ram)" if self.cache_bytes else ""
 
     async def _shortfall(self, pair: ServedPair) -> str | None:
-        if self.budget is not None and self._used(pair) + pair.footprint > self.budget:
-            return (f"its estimate of {pair.footprint / GiB:.2f} GiB and the loaded pairs' "
-                    f"{self._used(pair) / GiB:.2f} GiB exceed models_budget = {self.budget >> 20} MiB")
+        if self.budget is not None and self._used(pair) + self.cache_bytes + pair.footprint > self.budget:
+            return (f"its estimate of {pair.footprint / GiB:.2f} GiB{',' if self.cache_bytes else ' and'} the loaded "
+                    f"pairs' {self._used(pair) / GiB:.2f} GiB{self._cache_words()} exceed models_budget = "
+                    f"{self.budget >> 20} MiB")
         return await anyio.to_thread.run_sync(self.loader.shortfall, pair)
 
-    async def _load(self, pair: ServedPair) -> None:
+    async def _load(self, pair: ServedPair, left: asyncio.Event) -> None:
         """Make room, then load `pair` (the lock held). Idle pairs go first, least recently used first; while a
         busy pair holds the room, the least recently used of them takes no new requests and this waits until its
-        running ones end and it is freed. A 503 only where the pair cannot fit with every other pair unloaded."""
+        running ones end and it is freed. A 503 only where the pair cannot fit with every other pair unloaded.
+        The client leaving (`left`) while this waits calls off the drains it began (`_call_off`)."""
         if self._closed:
             raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
-        if self.budget is not None and pair.footprint > self.budget:
+        if left.is_set():
+            raise _left()
+        if self.budget is not None and pair.footprint + self.cache_bytes > self.budget:
             raise ApiError(503, f"pair {pair.name!r} cannot be loaded: its estimate of {pair.footprint / GiB:.2f} "
-                                f"GiB is more than models_budget = {self.budget >> 20} MiB",
+                                f"GiB{self._cache_words()} is more than models_budget = {self.budget >> 20} MiB",
                            kind="server_error", code="model_too_large")
+        begun: list[ServedPair] = []  # the pairs this load set draining for its room
         while (why := await self._shortfall(pair)) is not None:
             others = [p for p in self.pairs.values() if p is not pair and p.status != UNLOADED]
             idle = sorted((p for p in others if p.idle and not p.unload_wanted), key=lambda p: p.last_used)
@@ -285,15 +360,24 @@ class PairRouter:
             draining = [p for p in others if p.status == UNLOADING or p.unload_wanted]
             if not draining:
                 victim = min(others, key=lambda p: p.last_used)
-                victim.unload_wanted, victim.status = True, UNLOADING
+                victim.unload_wanted, victim.for_room, victim.status = True, True, UNLOADING
+                begun.append(victim)
                 draining = [victim]
-            await draining[0].unloaded.wait()  # its last request's release unloads it (`_drain`)
+            try:
+                await _until(draining[0].unloaded, left)  # its last request's release unloads it (`_drain`)
+            except BaseException:  # the client left (or the server stops): nothing waits for that room now
+                self._call_off(begun)
+                raise
         pair.status, pair.error = LOADING, None
         pair.unloaded.clear()
         try:
             loaded = await anyio.to_thread.run_sync(self.loader.load, pair)
         except Exception as exc:
-            pair.status, pair.error = UNLOADED, str(exc) if isinstance(exc, LocalspecError) else type(exc).__name__
+            detail = str(exc) if isinstance(exc, LocalspecError) else f"{type(exc).__name__}: {exc}"
+            log.error("pair %r failed to load: %s", pair.name, detail, exc_info=exc if _debug() else None)
+            # Clients see the class name of an unexpected failure, and files by name (the log has it all).
+            pair.status = UNLOADED
+            pair.error = pair.unplaced(str(exc)) if isinstance(exc, LocalspecError) else type(exc).__name__
             pair.unloaded.set()
             raise ApiError(503, f"pair {pair.name!r} failed to load: {pair.error}", kind="server_error",
                            code="model_load_failed") from None
@@ -307,16 +391,28 @@ class PairRouter:
             pair.status = UNLOADING
         self._start_sweeper()
 
+    def _call_off(self, begun: list[ServedPair]) -> None:
+        """The request these drains were begun for has left: each pair still draining (not yet being freed) takes
+        requests again, and the requests that waited for it go on."""
+        for p in begun:
+            if p.for_room and p.unload_wanted and p.loaded is not None and p.status == UNLOADING:
+                p.unload_wanted, p.for_room, p.status = False, False, LOADED
+                p.wake()
+
     async def _unload(self, pair: ServedPair) -> None:
         assert pair.loaded is not None and pair.leases == 0
         pair.status = UNLOADING
         loaded, pair.loaded = pair.loaded, None
+        freed = False
         try:
-            await anyio.to_thread.run_sync(loaded.close)
+            freed = await anyio.to_thread.run_sync(loaded.close)
         finally:
-            pair.status, pair.unload_wanted = UNLOADED, False
+            if not freed:
+                self.leaked += pair.footprint
+            pair.status, pair.unload_wanted, pair.for_room = UNLOADED, False, False
             self.unloads += 1
             pair.unloaded.set()
+            pair.wake()
 
     async def _drain(self, pair: ServedPair) -> None:
         """Unload a pair whose last request just ended. Not under the lock: a load that waits for this room holds
@@ -338,6 +434,35 @@ class PairRouter:
                     async with self._guard():
                         if pair.idle and time.monotonic() - pair.last_used >= self.idle_s:
                             await self._unload(pair)
+
+
+def _left() -> ApiError:
+    return ApiError(499, "the client disconnected while its pair was being made ready", code="client_closed_request")
+
+
+async def _departure(receive: Receive, left: asyncio.Event) -> None:
+    """Set `left` when the client disconnects (the request's body has been read: nothing else arrives)."""
+    with contextlib.suppress(OSError, RuntimeError):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    left.set()
+
+
+async def _until(event: asyncio.Event, left: asyncio.Event) -> None:
+    """Wait for `event`; a 499 (`_left`) if the client leaves first."""
+    if not event.is_set():
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(left.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+    if left.is_set():
+        raise _left()
+
+
+def _debug() -> bool:
+    return os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")
 
 
 class ReleaseLeases:

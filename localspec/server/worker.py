@@ -50,6 +50,9 @@ log = logging.getLogger("localspec.server")
 FINISH_STOP = "stop"  # end of turn or a stop string (OpenAI's finish_reason)
 FINISH_LENGTH = "length"  # max_tokens or a full context
 FINISH_CANCELLED = "cancelled"  # the client left or the server is shutting down (never sent to a client)
+# Seconds a closing server or an unloading pair waits for the engine thread to end (a cancelled job stops at the
+# engine's next check, after the decode under way) before it gives up on freeing the models.
+STOP_JOIN_S = 30.0
 
 
 class QueueFull(Exception):
@@ -324,8 +327,9 @@ class Worker:
                                   n_tokens=len(slot.tokens), stats=stats, job=job))
         return views
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Cancel the running jobs, fail the queued ones, and end the thread (waits up to `timeout`)."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Cancel the running jobs, fail the queued ones, and end the thread (waits up to `timeout`). Whether the
+        thread has ended (never started counts as ended)."""
         with self._cond:
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
@@ -341,6 +345,19 @@ class Worker:
             _deliver(job, Failed("the server is shutting down", "shutdown"))
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop_then_free(self, free: Callable[[], None], what: str) -> bool:
+        """Stop the engine thread (`shutdown`, up to STOP_JOIN_S), then `free` the models it decodes with. A thread
+        still running then (a decode that does not return) may be inside llama.cpp: freeing its context under it
+        would crash the process, so the models are left (leaked) and one warning says so. Whether they were
+        freed."""
+        if not self.shutdown(timeout=STOP_JOIN_S):
+            log.warning("%s: the engine thread did not end within %g s; its models are left loaded (not freed under "
+                        "a running decode)", what, STOP_JOIN_S)
+            return False
+        free()
+        return True
 
     # -- the thread -------------------------------------------------------------------------------------------
 
