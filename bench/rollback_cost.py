@@ -47,7 +47,8 @@ def measure(path: Path, k: int, reps: int, threads: int, ngl: int) -> dict:
     out: dict = {"model": path.name, "k": k, "reps": reps}
     for depth in (0, k):
         room = PROMPT + reps * ((k + 1) * (k + 2) // 2 + 3 * (k + 2)) + 64
-        with LlamaModel(path, n_ctx=room, n_batch=512, n_threads=threads, n_gpu_layers=ngl, rewind=depth) as m:
+        with LlamaModel(path, n_ctx=room, device_top_k=0, n_batch=512, n_threads=threads, n_gpu_layers=ngl,
+                        rewind=depth) as m:
             vocab = min(m.n_vocab, 30_000)
             m.decode(rng.integers(100, vocab, size=PROMPT).tolist(), 0)
             pos = PROMPT

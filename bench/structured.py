@@ -47,7 +47,7 @@ from localspec.config import load_preset  # noqa: E402
 from localspec import constraints, versus  # noqa: E402
 from localspec.constraints import Constraint, masked_row  # noqa: E402
 from localspec.server.tools import messages_for_template, parse_tools  # noqa: E402
-from localspec.engine import collect  # noqa: E402
+from localspec.events import collect  # noqa: E402
 from localspec.errors import LocalspecError  # noqa: E402
 from localspec.session import Session, open_session, resolve_files  # noqa: E402
 
@@ -101,7 +101,7 @@ def mask(args: argparse.Namespace) -> dict:
     vocab = args.vocab or default_vocab()
     folder = Path(tempfile.mkdtemp(prefix="localspec-mask-"))
     write_pair(folder / "t.gguf", folder / "d.gguf", TINY, vocab_source=vocab)
-    with LlamaModel(folder / "t.gguf", n_ctx=64, n_threads=1) as model:
+    with LlamaModel(folder / "t.gguf", n_ctx=64, device_top_k=0, n_threads=1) as model:
         grammar = Constraint.json_schema(SCHEMA, "bench").grammar(model)
         ids = np.arange(model.n_vocab)
         states, g = [], grammar

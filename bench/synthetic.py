@@ -1257,8 +1257,8 @@ def measure_agreement(
     agree = total = ctx_agree = ctx_total = 0
     generated: list[int] = []
     with (
-        LlamaModel(Path(target_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads) as tgt,
-        LlamaModel(Path(draft_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads) as dft,
+        LlamaModel(Path(target_path), n_ctx=n_ctx, device_top_k=0, n_batch=n_ctx, n_threads=n_threads) as tgt,
+        LlamaModel(Path(draft_path), n_ctx=n_ctx, device_top_k=0, n_batch=n_ctx, n_threads=n_threads) as dft,
     ):
         for prompt in _iter_prompts(n_prompts, tgt.n_vocab, prompt_len, seed=7):
             tgt.clear()

@@ -23,13 +23,13 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from localspec import __version__, machine
 from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import Drafting, Preset, Sampling
-from localspec.engine import STOP_EOG, DoneEvent, GenerationStats, collect
 from localspec.errors import UsageError
+from localspec.events import STOP_EOG, DoneEvent, GenerationStats, collect
 from localspec.fsutil import read_text
 from localspec.session import Session
 
@@ -396,9 +396,14 @@ class WarmupStep:
     total: int
 
 
+R = TypeVar("R")
+
+
 @dataclass(frozen=True)
-class RunDone:
-    result: RunResult
+class RunDone(Generic[R]):
+    """A run finished: its result (a `RunResult`, or `versus.LlamaRun` for llama.cpp's runs), and how far along."""
+
+    result: R
     done: int
     total: int
 
@@ -419,7 +424,7 @@ class RunProgress:
     tok_s: float
 
 
-BenchEvent = WarmupStep | RunProgress | RunDone | CheckStarted | BenchReport
+BenchEvent = WarmupStep | RunProgress | RunDone[RunResult] | CheckStarted | BenchReport
 
 
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
@@ -688,7 +693,7 @@ class SweepReport:
         }
 
 
-SweepEvent = WarmupStep | RunProgress | RunDone | SweepReport
+SweepEvent = WarmupStep | RunProgress | RunDone[RunResult] | SweepReport
 
 
 def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: list[BenchPrompt] | None = None,

@@ -36,16 +36,9 @@ from typing import Any
 
 from localspec import __version__, slot_file
 from localspec.config import ContextSettings, Preset, load_preset
-from localspec.engine import (
-    STOP_CONTEXT_FULL,
-    DoneEvent,
-    Engine,
-    Event,
-    GenerationStats,
-    TokenEvent,
-    shared_prefix,
-)
+from localspec.engine import Engine, shared_prefix
 from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
+from localspec.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer

@@ -7,10 +7,8 @@ object configures the target and the draft, so p and q always go through the sam
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
-import pkgutil
 import re
 import tomllib
 from collections.abc import Callable
@@ -138,37 +136,32 @@ class Sampling:
 
 @dataclass(frozen=True)
 class DrafterFacts:
-    """What presets, pairs, memory estimates and reports must know of a drafter before any model code loads,
-    declared in the drafter's own file as module constants (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`)."""
+    """One row of the drafter table: what presets, pairs, memory estimates and reports must know of a drafter before
+    any model code loads, and where the registry (`localspec.drafters`) finds its code."""
 
+    module: str  # the module with its `build(target, draft, built)` factory ("localspec.drafters.lookup")
     title: str  # how reports name it ("prompt lookup")
     needs_draft_model: bool = True  # False: a pair may name it and no draft
+    reads_target: bool = False  # True: it drafts from the target's hidden states (the loop's target-rows hook)
     target_head: bool = False  # True: it runs the target's own MTP head in a context of its own (memory, support)
 
 
-def _drafter_facts() -> dict[str, DrafterFacts]:
-    """The drafters `[draft] drafter` may name: one module each in localspec/drafters/ (`base` and private modules
-    aside), the list the registry imports, with the facts each declares. Read with `ast`, not imported: presets and
-    header checks must not load llama.cpp (a drafter module imports the engine's model code)."""
-    folder = Path(__file__).resolve().parent / "drafters"
-    keys = {"TITLE": "title", "NEEDS_DRAFT_MODEL": "needs_draft_model", "TARGET_HEAD": "target_head"}
-    facts = {}
-    for module in sorted(pkgutil.iter_modules([str(folder)]), key=lambda m: m.name):
-        if module.name == "base" or module.name.startswith("_"):
-            continue
-        declared: dict[str, Any] = {"title": module.name}
-        for node in ast.parse((folder / f"{module.name}.py").read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
-                    and node.targets[0].id in keys:
-                declared[keys[node.targets[0].id]] = ast.literal_eval(node.value)
-        facts[module.name] = DrafterFacts(**declared)
-    return facts
+# The drafters `[draft] drafter`, `--drafter` and the server's `speculative.type` may name: one row per drafter, its
+# name → its facts. A new drafter is its module in localspec/drafters/ plus its row here; read here (not from the
+# module) because presets and header checks must not load llama.cpp, which the drafters' modules import.
+# tests/test_architecture.py checks the rows against the package: a module with no row, a row with no module, facts
+# that disagree with what the module's factory builds.
+DRAFTER_TABLE: dict[str, DrafterFacts] = {
+    "chain": DrafterFacts("localspec.drafters.chain", "lookup chained with the model"),
+    "lookup": DrafterFacts("localspec.drafters.lookup", "prompt lookup", needs_draft_model=False),
+    "model": DrafterFacts("localspec.drafters.model", "the draft model"),
+    "mtp": DrafterFacts("localspec.drafters.mtp", "the MTP head", needs_draft_model=False, reads_target=True,
+                        target_head=True),
+}
 
-
-DRAFTER_FACTS = _drafter_facts()
-DRAFTERS = tuple(DRAFTER_FACTS)
+DRAFTERS = tuple(sorted(DRAFTER_TABLE))
 # Drafters that need no draft model (a pair may name one and no draft).
-MODEL_FREE_DRAFTERS = tuple(name for name, facts in DRAFTER_FACTS.items() if not facts.needs_draft_model)
+MODEL_FREE_DRAFTERS = tuple(name for name, facts in sorted(DRAFTER_TABLE.items()) if not facts.needs_draft_model)
 
 
 @dataclass(frozen=True)

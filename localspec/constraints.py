@@ -11,10 +11,10 @@ sampled with top-k needs only its top_k best legal tokens (and greedy its best o
 row's best few dozen tokens first and widens only when too few of them are legal; top_k = 0 needs every token.
 Fewer legal tokens than top_k among those checked is enough too when top-p or min-p would cut the row before any
 token left unchecked, whatever those are (`settled`): at a JSON key or a comma a grammar allows a handful of tokens
-in 152k, and a full check of such a row cost 22 ms on the 2-core CPU (docs/performance.md). Where the row's best
-tokens do not do (a literal such as `<tool_call>` or a tool's name, none of whose few legal tokens the model ranks
-high), the whole vocabulary is checked through its prefix forest (`Grammar.legal_everywhere`): a few thousand
-tokens asked, not 152k.
+in 152k, and a full check of such a row asks about every token (docs/performance.md has what it costs). Where the
+row's best tokens do not do (a literal such as `<tool_call>` or a tool's name, none of whose few legal tokens the
+model ranks high), the whole vocabulary is checked through its prefix forest (`Grammar.legal_everywhere`): a few
+thousand tokens asked, not 152k.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def masked_scores(scores: Scores, row: int, grammar: Grammar, sampling: Sampling
     legal token outside them ranks below all of them. None when they do not: that row needs its full logits."""
     assert scores.logits is not None and scores.drawn is None, "a constrained row needs logits, not a drawn token"
     if scores.ids is None:
-        # Only the kept tokens, as candidates: the pipeline then sorts a few dozen, not a vocabulary of -inf (an
-        # argpartition of such a row took 8 ms on the 2-core CPU, at 49k tokens: 4.4 of 15.8 s of a JSON reply).
+        # Only the kept tokens, as candidates: the pipeline then sorts a few dozen, not a vocabulary of -inf (whose
+        # argpartition was a large share of a JSON reply's host time: docs/lab/2026-12-04-cpu-constrained-sampling.md).
         logits = scores.logits[row].reshape(-1)
         keep = kept_ids(logits, grammar, sampling)
         return Scores(logits[keep][None, :].astype(np.float32), keep[None, :])

@@ -146,10 +146,8 @@ SMOLLM2 = DemoPair(
     folder="demo-chat",
     target_file=SMOLLM2_FILE,
     draft_file="SmolLM2-135M-Instruct.Q8_0-draft.gguf",
-    # Chosen by measured acceptance x speed (bench/lab/demo_draft_quant.py: greedy, 5 chat prompts through the
-    # template, 64 tokens each, draft length 6, 1 thread, median of 3 interleaved runs on a shared 2-core EPYC;
-    # docs/performance.md): Q8_0 accepted 88% at 13.4 tok/s, Q5_0 59% at 8.9, Q4_0 45% at 7.7, Q2_K 34% at 7.5
-    # (plain: 20.8).
+    # Chosen by acceptance x speed among Q8_0, Q5_0, Q4_0 and Q2_K (bench/lab/demo_draft_quant.py; the figures are
+    # in docs/performance.md and docs/lab/2026-11-30-cpu-demo-chat.md): Q8_0 accepts most and is the fastest.
     # Requantized from Q4_1, Q8_0 re-encodes the target's own weights almost exactly, while the smaller types
     # add their own rounding to a 135M model that has little to spare; and SmolLM2's 576-wide rows are not a
     # multiple of the 256-weight K-quant blocks, so K-quants fall back to other types and save little. On a CPU

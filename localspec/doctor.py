@@ -137,7 +137,7 @@ def _settings_checks(preset: Preset, n_ctx: int) -> list[Check]:
     else:
         out.append(Check(Status.WARN, "draft length", f"{k} (4-6 suits most pairs)",
                          "--draft 5, or adaptive = true in a preset, or tune it with `localspec bench --draft N`"))
-    window = memory.Settings(n_ctx=n_ctx, n_draft=k).window
+    window = memory.settings_from_preset(preset, n_ctx=n_ctx, n_draft=k).window
     need = preset.bench.max_tokens + window
     room = "KV room for the verification window"
     if n_ctx < need:
@@ -245,7 +245,7 @@ def _fit_check(t: GGUFHeader, d: GGUFHeader | None, s: memory.Settings, dev: mem
     where = est.where() if est.per_device else f"RAM {est.ram_bytes / GiB:.1f} GiB (no GPU: VRAM not checked)"
     if est.fits:
         slots = f" × {s.n_seq} slots" if s.n_seq > 1 else ""
-        return Check(Status.OK, "the pair fits", f"at context {s.n_ctx}{slots}, {s.kv_type} KV: {where}")
+        return Check(Status.OK, "the pair fits", f"at context {s.load.n_ctx}{slots}, {s.load.kv_type} KV: {where}")
     return Check(Status.FAIL, "the pair fits", f"{est.problem} ({where})", "try " + " or ".join(est.suggestions))
 
 

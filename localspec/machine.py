@@ -69,8 +69,8 @@ def choose_threads(cores: int, load: float | None, busy_now: float | None = None
     """Threads for the cores other programs leave free: physical cores minus what is busy, at least 1.
 
     llama.cpp's threads meet at a barrier after every operation and spin there; when another program holds
-    one of the cores, every barrier waits for the thread that was descheduled, and a 2-core box with a busy
-    core decoded at 0.1 tok/s with 2 threads against 6.2 with 1 (issue #23). One thread too few costs at most
+    one of the cores, every barrier waits for the thread that was descheduled: one thread more than the free
+    cores can make decoding tens of times slower (docs/hardware.md). One thread too few costs at most
     that core's share; one too many costs far more, so the busier of two measures counts: the 1-minute load
     average (steady load) and the CPU in use just now (a program that started a moment ago, which the average
     has not caught up with yet).

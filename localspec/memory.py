@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from localspec import placement
-from localspec.config import DRAFTER_FACTS
+from localspec.config import DRAFTER_TABLE, LoadSettings, Preset
 from localspec.errors import LocalspecError
 from localspec.gguf_header import GGUFHeader
 from localspec.placement import Dev, ModelPlacement, Plan
@@ -56,19 +56,25 @@ class ModelMemory:
 
 @dataclass(frozen=True)
 class Settings:
-    n_ctx: int
+    """What an estimate is asked about: the preset's `[load]` (context, KV type, batch, layers, placement), the
+    draft length, the slots (`serve --parallel`: each holds a KV region of n_ctx cells in both models) and the
+    drafter (one whose table row has `target_head` runs the target's MTP head in a context of its own). Made by
+    `settings_from_preset`; `changed` is the same question with other values, as a fix would set them."""
+
+    load: LoadSettings
     n_draft: int
-    kv_type: str = "f16"
-    n_batch: int = 512
-    n_gpu_layers: int = -1
-    draft_n_gpu_layers: int = -1
-    split_mode: str = "layer"
-    tensor_split: tuple[float, ...] = ()
-    main_gpu: int = 0
-    draft_device: str = "auto"
-    rpc: tuple[str, ...] = ()  # the target's RPC servers, HOST:PORT
-    n_seq: int = 1  # slots (`serve --parallel`): each holds a KV region of n_ctx cells in both models
-    drafter: str = "model"  # a drafter with TARGET_HEAD runs the target's MTP head in a context of its own
+    n_seq: int
+    drafter: str
+
+    def changed(self, **values: object) -> Settings:
+        """These settings with other values: `n_draft`, `n_seq`, `drafter`, or any `[load]` key (`tensor_split`
+        as proportions, `rpc` as HOST:PORT strings)."""
+        own = {key: values.pop(key) for key in ("n_draft", "n_seq", "drafter") if key in values}
+        if "tensor_split" in values:
+            values["tensor_split"] = ",".join(repr(float(v)) for v in values["tensor_split"])  # type: ignore[attr-defined]
+        if "rpc" in values:
+            values["rpc"] = ",".join(values["rpc"])  # type: ignore[arg-type]
+        return replace(self, load=replace(self.load, **values), **own)  # type: ignore[arg-type]
 
     @property
     def window(self) -> int:
@@ -170,12 +176,12 @@ def state_bytes(header: GGUFHeader, snapshots: int) -> int:
 def model_memory(header: GGUFHeader, s: Settings, *, n_outputs: int, n_gpu_layers: int,
                  mtp: bool = False, snapshots: int = 0) -> ModelMemory:
     hp = header.hparams  # validated: n_layer >= 1, so the GPU share below never divides by zero
-    n_ubatch = min(s.n_batch, s.n_ctx)
+    n_ubatch = min(s.load.n_batch, s.load.n_ctx)
     frac = 1.0 if n_gpu_layers < 0 else min(n_gpu_layers, hp.n_layer) / hp.n_layer
     compute = n_ubatch * (4 * hp.n_vocab + 8 * hp.n_embd)
-    kv = kv_bytes(header, s.n_ctx, s.kv_type)
+    kv = kv_bytes(header, s.load.n_ctx, s.load.kv_type)
     if mtp and header.nextn_layers:  # the MTP context: its blocks' KV and a compute buffer of its own
-        kv += kv_bytes(header, s.n_ctx, s.kv_type, range(header.trunk_layers, hp.n_layer))
+        kv += kv_bytes(header, s.load.n_ctx, s.load.kv_type, range(header.trunk_layers, hp.n_layer))
         compute *= 2
     return ModelMemory(
         name=header.name,
@@ -240,10 +246,10 @@ def probe_devices(rpc: Sequence[str] = (), *, strict: bool = True) -> Devices:
 def plan_for(s: Settings, devices: Devices) -> Plan:
     """The placement these settings give on these devices (raises LocalspecError naming a bad option)."""
     return placement.plan(
-        n_gpus=len(devices.gpus), rpc=[d.dev for d in devices.rpc], split_mode=s.split_mode,
-        tensor_split=s.tensor_split, main_gpu=s.main_gpu, draft_device=s.draft_device,
-        n_gpu_layers=s.n_gpu_layers, draft_n_gpu_layers=s.draft_n_gpu_layers,
-        target_rpc=s.rpc,
+        n_gpus=len(devices.gpus), rpc=[d.dev for d in devices.rpc], split_mode=s.load.split_mode,
+        tensor_split=s.load.tensor_split_values, main_gpu=s.load.main_gpu, draft_device=s.load.draft_device,
+        n_gpu_layers=s.load.n_gpu_layers, draft_n_gpu_layers=s.load.draft_n_gpu_layers,
+        target_rpc=tuple(str(e) for e in s.load.rpc_endpoints),
     )
 
 
@@ -285,11 +291,11 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
 
 
 def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
-    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.n_gpu_layers,
-                           mtp=s.drafter in DRAFTER_FACTS and DRAFTER_FACTS[s.drafter].target_head,
+    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.load.n_gpu_layers,
+                           mtp=s.drafter in DRAFTER_TABLE and DRAFTER_TABLE[s.drafter].target_head,
                            snapshots=s.n_draft)]
     if draft is not None:
-        models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.draft_n_gpu_layers))
+        models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.load.draft_n_gpu_layers))
     return tuple(models)
 
 
@@ -312,16 +318,16 @@ def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
         memory_kind = "VRAM" if short.device.dev.kind == "gpu" else "memory"
         problem = (
             f"needs {short.need / GiB:.1f} GiB of {memory_kind} on {short.device.label} ({short.device.name}) at "
-            f"context {_ctx(s)} ({s.kv_type} KV), {short.device.free / GiB:.1f} GiB free there"
+            f"context {_ctx(s)} ({s.load.kv_type} KV), {short.device.free / GiB:.1f} GiB free there"
         )
     elif not ram_ok:
         problem = (
-            f"needs {ram / GiB:.1f} GiB of RAM at context {_ctx(s)} ({s.kv_type} KV), "
+            f"needs {ram / GiB:.1f} GiB of RAM at context {_ctx(s)} ({s.load.kv_type} KV), "
             f"{devices.ram_available / GiB:.1f} GiB available"
         )
     fits = short is None and ram_ok
-    if s.n_ctx <= s.window:
-        problem = problem or f"context {s.n_ctx} leaves no room beside the verification window of {s.window}"
+    if s.load.n_ctx <= s.window:
+        problem = problem or f"context {s.load.n_ctx} leaves no room beside the verification window of {s.window}"
         fits = False
     result = Estimate(s, models, devices, plan, per_device, ram, fits, problem, (), tuple(devices.notes))
     if not result.fits:
@@ -330,7 +336,7 @@ def estimate(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
 
 
 def _ctx(s: Settings) -> str:
-    return f"{s.n_ctx}" if s.n_seq == 1 else f"{s.n_ctx} × {s.n_seq} slots"
+    return f"{s.load.n_ctx}" if s.n_seq == 1 else f"{s.load.n_ctx} × {s.n_seq} slots"
 
 
 def _fits(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> bool:
@@ -339,13 +345,13 @@ def _fits(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: De
     except LocalspecError:
         return False
     per_device, ram = _needs(plan, _models(target, draft, s), devices)
-    return all(n.fits for n in per_device) and ram <= devices.ram_available * (1 - HEADROOM) and s.n_ctx > s.window
+    return all(n.fits for n in per_device) and ram <= devices.ram_available * (1 - HEADROOM) and s.load.n_ctx > s.window
 
 
 def _largest_ctx(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> int | None:
-    ctx = (s.n_ctx // 2 // CTX_PAD) * CTX_PAD
+    ctx = (s.load.n_ctx // 2 // CTX_PAD) * CTX_PAD
     while ctx >= MIN_CTX:
-        if _fits(target, draft, replace(s, n_ctx=ctx), devices):
+        if _fits(target, draft, s.changed(n_ctx=ctx), devices):
             return ctx
         ctx = (ctx // 2 // CTX_PAD) * CTX_PAD if ctx > 4 * CTX_PAD else ctx - CTX_PAD
     return None
@@ -361,11 +367,11 @@ def _placement_fixes(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, 
     if draft_dev in short:
         freed = _on_devices(est.models[1], est.plan.draft, devices)[draft_dev]
         for gpu in devices.gpus:
-            if gpu.dev != draft_dev and _fits(target, draft, replace(s, draft_device=str(gpu.dev.index)), devices):
+            if gpu.dev != draft_dev and _fits(target, draft, s.changed(draft_device=str(gpu.dev.index)), devices):
                 out.append(f"--draft-device {gpu.dev.index} (the draft on {gpu.label}: frees "
                            f"{freed / GiB:.1f} GiB on {draft_dev.label})")
                 break
-    if s.split_mode == "none" and len(devices.gpus) > 1 and _fits(target, draft, replace(s, split_mode="layer"),
+    if s.load.split_mode == "none" and len(devices.gpus) > 1 and _fits(target, draft, s.changed(split_mode="layer"),
                                                                   devices):
         out.append("--split-mode layer (the target over every GPU)")
     devs = est.plan.target.devices
@@ -377,8 +383,8 @@ def _placement_fixes(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, 
         room = [max(0.0, getattr(devices.find(d), "free", 0) * (1 - HEADROOM) - others.get(d, 0)) for d in devs]
         if any(room):
             split = tuple(round(100 * r / sum(room)) for r in room)
-            if split != s.tensor_split and any(split) and _fits(target, draft, replace(s, tensor_split=split),
-                                                                   devices):
+            if split != s.load.tensor_split_values and any(split) \
+                    and _fits(target, draft, s.changed(tensor_split=split), devices):
                 out.append(f"--tensor-split {','.join(map(str, split))} (the target's share per device: "
                            f"{', '.join(d.label for d in devs)})")
     return out
@@ -389,27 +395,27 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     """Each alternative that fits, in the order that costs the least quality or speed."""
     out = _placement_fixes(target, draft, s, devices, est)
     for kv in ("q8_0", "q4_0"):
-        if KV_BYTES[kv] < KV_BYTES[s.kv_type] and _fits(target, draft, replace(s, kv_type=kv), devices):
-            out.append(f"--kv-type {kv} (keeps context {s.n_ctx})")
+        if KV_BYTES[kv] < KV_BYTES[s.load.kv_type] and _fits(target, draft, s.changed(kv_type=kv), devices):
+            out.append(f"--kv-type {kv} (keeps context {s.load.n_ctx})")
             break
     ctx = _largest_ctx(target, draft, s, devices)
     if ctx is not None:
         out.append(f"--ctx {ctx}")
     for n_seq in range(s.n_seq - 1, 0, -1):
-        if _fits(target, draft, replace(s, n_seq=n_seq), devices):
-            out.append(f"--parallel {n_seq} (slots; keeps context {s.n_ctx} each)")
+        if _fits(target, draft, s.changed(n_seq=n_seq), devices):
+            out.append(f"--parallel {n_seq} (slots; keeps context {s.load.n_ctx} each)")
             break
     if devices.gpus:
         n_layer = target.hparams.n_layer
-        start = n_layer if s.n_gpu_layers < 0 else min(s.n_gpu_layers, n_layer)
+        start = n_layer if s.load.n_gpu_layers < 0 else min(s.load.n_gpu_layers, n_layer)
         for ngl in range(start - 1, -1, -1):
-            if _fits(target, draft, replace(s, n_gpu_layers=ngl), devices):
+            if _fits(target, draft, s.changed(n_gpu_layers=ngl), devices):
                 out.append(f"--ngl {ngl} (of {n_layer} target layers on the GPU; slower)")
                 break
     # The compute buffer holds a batch of logits (n_batch x n_vocab floats): 512 MiB for a 262k vocabulary.
-    batch = s.n_batch // 2
+    batch = s.load.n_batch // 2
     while batch >= 32:
-        if _fits(target, draft, replace(s, n_batch=batch), devices):
+        if _fits(target, draft, s.changed(n_batch=batch), devices):
             out.append(
                 f"n_batch = {batch} in a preset's [load] (smaller prompt batches, smaller compute buffers)"
             )
@@ -420,23 +426,10 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
     return out
 
 
-def settings_from_preset(preset: object, n_ctx: int | None = None, n_draft: int | None = None,
-                         n_seq: int = 1) -> Settings:
-    """The preset's load settings (and the pair's recommendations when the preset leaves them)."""
-    load = preset.load  # type: ignore[attr-defined]
-    draft = preset.draft  # type: ignore[attr-defined]
-    return Settings(
-        n_ctx=n_ctx or load.n_ctx,
-        n_draft=draft.n_draft if n_draft is None else n_draft,
-        kv_type=load.kv_type,
-        n_batch=load.n_batch,
-        n_gpu_layers=load.n_gpu_layers,
-        draft_n_gpu_layers=load.draft_n_gpu_layers,
-        split_mode=load.split_mode,
-        tensor_split=load.tensor_split_values,
-        main_gpu=load.main_gpu,
-        draft_device=load.draft_device,
-        rpc=tuple(str(e) for e in load.rpc_endpoints),
-        n_seq=n_seq,
-        drafter=draft.drafter,
-    )
+def settings_from_preset(preset: Preset, n_ctx: int | None = None, n_draft: int | None = None, n_seq: int = 1,
+                         **load: object) -> Settings:
+    """The preset's load settings (and the pair's recommendations when the preset leaves them; `load`: other
+    values of `[load]` keys, as `Settings.changed` takes them)."""
+    s = Settings(load=preset.load, n_draft=preset.draft.n_draft if n_draft is None else n_draft, n_seq=n_seq,
+                 drafter=preset.draft.drafter)
+    return s.changed(n_ctx=n_ctx or preset.load.n_ctx, **load)

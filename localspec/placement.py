@@ -154,8 +154,8 @@ def rpc_servers(load: LoadSettings) -> tuple[str, ...]:
 def draft_ahead(overlap: str, plan: Plan) -> bool:
     """Whether to draft the next round while the target verifies (`overlap`: on, off or auto). Auto means when
     the draft computes on devices the target does not use, or when both models sit on local GPUs only: a
-    Qwen3-0.6B-shaped draft's kernels are launch-bound and run on their own CUDA stream beside the verify (the
-    card pair on one H200: 176.2 vs 153.2 tok/s at ~85% acceptance, T = 0; docs/performance.md). Not when
+    Qwen3-0.6B-shaped draft's kernels are launch-bound and run on their own CUDA stream beside the verify, which
+    hides most of the drafting (docs/performance.md has the card pair's figures on one GPU). Not when
     either computes on the CPU or over RPC with the other: they would share its cores or its link (not measured)."""
     if overlap in ("on", "off"):
         return overlap == "on"

@@ -4,7 +4,7 @@ from a drafter's prices, and the batch-size load policy.
 A drafter prices its own proposals (`localspec/drafters/`: its `CostRule`, kept with the stream's `DraftCost`);
 what every rule needs is measured here once: the verify's seconds per width (a line through the tried widths), the
 seconds of a draft step, and each source's per-position acceptance. The loop asks `DraftLength` once per round
-(`Engine._plan`, the one place k is decided) and tells it what the round measured. No drafter is named here.
+(`Schedule.plan`, the one place k is decided) and tells it what the round measured. No drafter is named here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -53,20 +53,24 @@ def _least_squares(points: Iterable[tuple[float, float]]) -> tuple[float, float,
     return mean_x, mean_y, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else None
 
 
-class Observation(NamedTuple):
-    """One round as the loop measured it (`DraftCost.observe`), handed to each drafter's rule after the shared facts
-    took it."""
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One round as it was measured (`DraftCost.observe`): its verdict and costs, handed to each drafter's rule after
+    the shared facts took it. `drafted` tokens, the first `lead` from the lead source and the rest stepped (which
+    took `draft_s`, the first step `first_s`: None if unknown, the least of the later steps `least_s`; `ahead` of
+    them were drafted beside the last verify, off the path), of which `accepted` were; the verify of `width` tokens
+    took `verify_s`, then the loop waited `wait_s` for the work beside it (None: none ran)."""
 
     drafted: int
     accepted: int
     draft_s: float
     verify_s: float
     width: int
-    lead: int
-    first_s: float | None
-    ahead: int
-    wait_s: float | None
-    least_s: float | None
+    lead: int = 0
+    first_s: float | None = None
+    ahead: int = 0
+    wait_s: float | None = None
+    least_s: float | None = None
 
 
 Rule = TypeVar("Rule", bound="CostRule")
@@ -209,13 +213,10 @@ class DraftCost:
         """A rule's figures moved: the tables are computed afresh when next asked."""
         self._tables = None
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                lead: int = 0, first_s: float | None = None, ahead: int = 0,
-                wait_s: float | None = None, least_s: float | None = None) -> None:
-        """One round: `drafted` tokens, the first `lead` from the lead source and the rest stepped (which took
-        `draft_s`, the first step `first_s`: None if unknown, the least of the later steps `least_s`; `ahead` of
-        them were drafted beside the last verify, off the path), of which `accepted` were; the verify of `width`
-        tokens took `verify_s`, then the loop waited `wait_s` for the work beside it (None: none ran)."""
+    def observe(self, round_: Observation) -> None:
+        """One round (`Observation`)."""
+        drafted, accepted, draft_s, lead = round_.drafted, round_.accepted, round_.draft_s, round_.lead
+        first_s, ahead, least_s = round_.first_s, round_.ahead, round_.least_s
         self.rounds += 1
         self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
@@ -261,9 +262,8 @@ class DraftCost:
             if self.probe_lag and first_s is not None:
                 self.catch_ups.append((self.probe_lag, max(0.0, first_s - self.step_s)))
         self.probe_lag = 0
-        self._observe_verify(width, verify_s)
+        self._observe_verify(round_.width, round_.verify_s)
         if self._rules:
-            round_ = Observation(drafted, accepted, draft_s, verify_s, width, lead, first_s, ahead, wait_s, least_s)
             for rule in self._rules.values():
                 rule.observed(round_)
 
@@ -484,11 +484,9 @@ class DraftLength:
             self._narrow = True
         return 1 if self._narrow else wide
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, width: int,
-                lead: int = 0, first_s: float | None = None, ahead: int = 0,
-                wait_s: float | None = None, least_s: float | None = None) -> None:
+    def observe(self, round_: Observation) -> None:
         self.rounds += 1
-        self.cost.observe(drafted, accepted, draft_s, verify_s, width, lead, first_s, ahead, wait_s, least_s)
+        self.cost.observe(round_)
 
 
 KEPT_POLICIES = 8  # per slot: one per drafting settings recently used there

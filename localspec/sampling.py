@@ -7,8 +7,8 @@ the first rejection never are.
 
 Why Python lists on the rows: at T > 0 a speculative round runs the pipeline once per draft step (one row of ~40
 candidates) and once per verify, and on such rows numpy costs per call, not per element. The row math in plain
-Python floats (math.exp, accumulate, bisect) measured 2-5x cheaper than the same math in numpy calls, even for a
-verify's 7 rows at once (docs/performance.md, "T > 0 host share"). The sort is the exception: one stable numpy
+Python floats (math.exp, accumulate, bisect) is cheaper than the same math in numpy calls, even for a verify's
+rows at once (docs/lab/2026-12-01-host-share.md has the figures). The sort is the exception: one stable numpy
 argsort for all rows beats a key sort per row and gives the same order. Rows wider than `NARROW` (top_k = 0: the
 whole vocabulary) stay in numpy.
 
@@ -145,8 +145,9 @@ def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
     """Turn (rows, vocab) logits into the pipeline's distributions.
 
     Penalties must already be applied (it depends on each row's own history). A row's top k are found among
-    `best_ids` (a comparison over the row instead of an argpartition of it: 8.8 ms for a 7-row verify of 152k
-    logits on the 2-core CPU) in column order, so a tie goes to the earlier column, at the k-th place too.
+    `best_ids` (a comparison over the row instead of an argpartition of it, the costly part of a verify's host
+    work on a large vocabulary: docs/lab/2026-12-04-h200-fourth-window.md) in column order, so a tie goes to the
+    earlier column, at the k-th place too.
     """
     rows, vocab = logits.shape
     k = cfg.top_k if 0 < cfg.top_k < vocab else vocab
@@ -171,7 +172,7 @@ def candidates(logits: np.ndarray, cfg: Sampling) -> Candidates:
 def best_ids(row: np.ndarray, look: int) -> np.ndarray:
     """At least `look` ids of a row's best logits, every other token's logit below all of theirs (not in order).
     Those above a threshold read off a strided sample of the row, somewhat more than `look`: a comparison over
-    the row where an argpartition of 152k logits took 1 ms (every constrained row pays one); the argpartition
+    the row, cheaper than an argpartition of a large vocabulary (every constrained row pays one); the argpartition
     where the sample misjudges the row (ties, a row flat but for a few)."""
     vocab = len(row)
     sample = row[::SAMPLE_STRIDE]

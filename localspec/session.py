@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec import compat, demo, hub, machine, memory, placement, registry
-from localspec.config import DRAFTER_FACTS, Preset
+from localspec.config import DRAFTER_TABLE, Preset
 from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
@@ -139,7 +139,7 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
     if draft is not None and draft.recurrence is not None and (why := recurrent.rollback_unsupported()):
         raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
     # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
-    if DRAFTER_FACTS[drafting.drafter].target_head and target.nextn_layers \
+    if DRAFTER_TABLE[drafting.drafter].target_head and target.nextn_layers \
             and (why := hidden.mtp_unsupported()):
         raise UsageError(f"--drafter {drafting.drafter}: {why}")
 
@@ -185,25 +185,18 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     pairs' caches (the router's)."""
     plan = preflight(files, preset, parallel=parallel).estimate.plan
     load = preset.load
-    n_ctx = load.n_ctx
     # Chosen once, so both models get the same count and bench and doctor can say why.
     choice = machine.thread_choice() if load.threads == 0 else None
     threads = choice.threads if choice is not None else load.threads
-    target = LlamaModel(
-        files.target, n_ctx=n_ctx, n_gpu_layers=load.n_gpu_layers, n_batch=load.n_batch,
-        kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
-        rewind=preset.draft.n_draft,  # (a recurrent target keeps that many snapshots of its state)
-        max_batch_error=load.max_batch_error,
-        **_placed(plan.target),
-    )
+    # Both models take every setting from the preset's [load], but where the placement and the thread choice decide.
+    target = LlamaModel(files.target, load=load, n_threads=threads, n_seq=parallel,
+                        rewind=preset.draft.n_draft,  # (a recurrent target keeps that many snapshots of its state)
+                        **_placed(plan.target))
     draft = None
     try:
         if files.draft is not None:
-            draft = LlamaModel(
-                files.draft, n_ctx=n_ctx, n_gpu_layers=load.draft_n_gpu_layers, n_batch=load.n_batch,
-                kv_type=load.kv_type, n_threads=threads, device_top_k=load.device_top_k, n_seq=parallel,
-                max_batch_error=load.max_batch_error, **_placed(plan.draft),
-            )
+            draft = LlamaModel(files.draft, load=load, n_gpu_layers=load.draft_n_gpu_layers, n_threads=threads,
+                               n_seq=parallel, **_placed(plan.draft))
     except BaseException:
         if draft is not None:
             draft.close()

@@ -1,19 +1,23 @@
-"""A slot's cells in every model as one state: what the prompt cache keeps in host RAM and slot files write to disk
-(`SlotCells.snapshot`, `restore`, `erase`), and how far cells restored from a state may be cut back (`floors`).
+"""A slot's cells in every model: which free slot's cells serve a prompt best (`free_slot`); bringing them to a
+stream's prompt, reusing the prefix they hold (`prefill`, `decode`) and context shift (`shift`); and as one state,
+what the prompt cache keeps in host RAM and slot files write to disk (`SlotCells.snapshot`, `restore`, `erase`), and
+how far cells restored from a state may be cut back (`floors`).
 
 The engine owns one `SlotCells` over its slots: the target's cells (`Slot.target_kv`) and each drafter's own
-models' (`Drafter.cells`), each with the bookkeeping list of the tokens they hold, which is rewritten in place.
+models' (`Drafter.cells`, a copy of the tokens they hold), each with its bookkeeping of the tokens they hold, which
+is rewritten after every change (`_set`: the slot's list, or the drafter's `set_cells`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from localspec.drafters.base import Drafter
+from localspec import context_shift
+from localspec.drafters.base import Drafter, PromptWork, prompt_work
 from localspec.errors import UsageError
 from localspec.prompt_cache import ModelState, PromptCache, SlotState, shared_prefix
 from localspec.scores import ScoringModel
-from localspec.stream import Slot
+from localspec.stream import Slot, Stream
 
 Cells = list[tuple[ScoringModel, list[int]]]  # (model, the tokens its cells of the slot hold)
 
@@ -26,13 +30,24 @@ class SlotCells:
         self.floors: dict[tuple[int, int], int] = {}
 
     def cells(self, slot: int) -> Cells:
-        """Every model's cells of a slot with their bookkeeping: the target's, then each drafter's own models'."""
-        cells = [(self.target, self._slots[slot].target_kv)]
+        """Every model's cells of a slot with the tokens they hold (copies): the target's, then each drafter's own
+        models'."""
+        cells = [(self.target, list(self._slots[slot].target_kv))]
         for drafter in self._drafters:
             for model, kv in drafter.cells(slot):
                 if all(model is not m for m, _ in cells):
                     cells.append((model, kv))
         return cells
+
+    def _set(self, slot: int, model: ScoringModel, tokens: Sequence[int]) -> None:
+        """The bookkeeping of `model`'s cells of the slot: they now hold `tokens`."""
+        if model is self.target:
+            self._slots[slot].target_kv[:] = tokens
+            return
+        for drafter in self._drafters:
+            if any(model is m for m, _ in drafter.cells(slot)):
+                drafter.set_cells(slot, model, tokens)
+                return
 
     def models(self) -> list[ScoringModel]:
         """The models whose cells a slot's state holds, in `SlotState.models`' order: the target first."""
@@ -54,8 +69,10 @@ class SlotCells:
         for model, kv in self.cells(slot):
             keep = shared_prefix(kv, s.tokens)
             if len(kv) > keep:
-                del kv[keep:]  # bookkeeping first, as everywhere
+                del kv[keep:]
+                self._set(slot, model, kv)  # bookkeeping first, as everywhere
                 del kv[model.truncate(keep, slot):]  # (a recurrent state may keep less: a checkpoint, or nothing)
+                self._set(slot, model, kv)
             models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
         held = max(m.n_tokens for m in models)
         return SlotState(tuple(s.tokens[:held]), tuple(models))
@@ -67,8 +84,8 @@ class SlotCells:
         assert not s.busy, "restore into a busy slot"
         cells = self.cells(slot)
         assert len(cells) == len(state.models), "one state per model"
-        for (model, kv), saved in zip(cells, state.models, strict=True):
-            kv.clear()
+        for (model, _), saved in zip(cells, state.models, strict=True):
+            self._set(slot, model, ())
             self.floors.pop((id(model), slot), None)
             if saved.n_tokens == 0:
                 model.clear(slot)
@@ -76,7 +93,7 @@ class SlotCells:
             if not model.load_state(saved.data, slot):
                 self.erase(slot)
                 return False
-            kv.extend(state.tokens[: saved.n_tokens])
+            self._set(slot, model, state.tokens[: saved.n_tokens])
             if saved.floor:
                 self.floors[(id(model), slot)] = saved.floor
         s.tokens[:] = state.tokens
@@ -87,8 +104,8 @@ class SlotCells:
         s = self._slots[slot]
         assert not s.busy, "erase of a busy slot"
         held = len(s.target_kv)
-        for model, kv in self.cells(slot):
-            kv.clear()
+        for model, _ in self.cells(slot):
+            self._set(slot, model, ())
             model.clear(slot)
             self.floors.pop((id(model), slot), None)
         s.tokens.clear()
@@ -103,7 +120,7 @@ class SlotCells:
     def start_afresh_below_floor(self, slot: int, body: Sequence[int], target_limit: int | None = None) -> None:
         """Before a prompt `body` goes into the slot: restored cells that it shares less of than their floor are
         emptied (they could not be cut back that far); so are the target's where the drafter that reads its rows
-        needs them from below that floor (`target_limit`: `ReadsTarget.target_limit`)."""
+        needs them from below that floor (`target_limit`: `Drafter.target_limit`)."""
         for model, kv in self.cells(slot):
             floor = self.floors.get((id(model), slot))
             if floor is None:
@@ -111,8 +128,80 @@ class SlotCells:
             if not self.reuse(slot, model, kv, body) or (model is self.target and target_limit is not None
                                                          and floor > target_limit):
                 del self.floors[(id(model), slot)]
-                kv.clear()
+                self._set(slot, model, ())
                 model.clear(slot)
+
+    # A cached prefix at least this long decides the slot; a shorter one only breaks ties. Every decode of a round
+    # spans the sequence ids from the lowest busy slot to the highest and pads the free ones in between
+    # (llama.ubatch.covering_calls): a gap costs a draft step's and a verify's width of tokens every round, more
+    # over a reply than re-reading a short prefix once.
+    LONG_PREFIX = 256
+
+    def free_slot(self, prompt: Sequence[int], exclude: Collection[int] = ()) -> int | None:
+        """The free slot for `prompt`: the one whose cells share a long prefix with it (a returning conversation
+        goes back to its cache), else the one that keeps the busy slots' ids closest together, then the longest
+        shared prefix, then the least recently used; None when every slot is busy (or in `exclude`: promised to
+        another job)."""
+        free = [s for s in self._slots if not s.busy and s.seq not in exclude]
+        if not free:
+            return None
+        busy = [s.seq for s in self._slots if s.busy or s.seq in exclude]  # the promised ones are about to be
+
+        def key(s: Slot) -> tuple[int, int, int, int]:
+            reuse = shared_prefix(s.target_kv, prompt)
+            span = max(busy + [s.seq]) - min(busy + [s.seq])
+            return (reuse if reuse >= self.LONG_PREFIX else 0, -span, reuse, -s.used)
+
+        return max(free, key=key).seq
+
+    # -- bringing a slot's cells to a prompt ---------------------------------------------------------------------
+
+    def prefill(self, s: Stream, prompt: list[int]) -> list[PromptWork]:
+        """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
+        prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
+        slot = s.slot
+        limit = s.drafter.target_limit(s.req, prompt) if s.drafter is not None else None
+        self.start_afresh_below_floor(slot.seq, prompt[:-1], limit)
+        work = [prompt_work(self.target, slot.target_kv, prompt[:-1], slot.seq, limit)]
+        slot.stale_cells = False  # (prompt_work truncated the target's cells to its bookkeeping)
+        s.stats.prompt_tokens_processed = len(work[0][2])
+        slot.tokens[:] = prompt  # (in place: the stream's DraftRequest reads the same list)
+        if s.drafter is not None:
+            s.drafter.target_kept(s.req, len(slot.target_kv))
+            work += s.drafter.start(s.req, prompt, s.chooser)
+        return [w for w in work if w[2]]
+
+    def decode(self, s: Stream, whole: bool) -> None:
+        """Decode the stream's pending prompt work into every model: all of it, or one batch of each."""
+        for model, kv, todo in s.prefill:
+            take = todo if whole else todo[: model.n_batch]
+            scores = model.decode(take, len(kv), seq=s.slot.seq)
+            if model is self.target and s.drafter is not None and s.drafter.reads_target:
+                assert scores is not None and scores.hidden is not None
+                s.drafter.target_rows(s.req, len(kv), scores.hidden)
+            kv.extend(take)
+            if model is not self.target:  # (a drafter's model: its bookkeeping is the drafter's)
+                self._set(s.slot.seq, model, kv)
+            del todo[: len(take)]
+            if model is self.target and not todo:
+                # A recurrent state is rewound to here for the next prompt that shares this one (a chat's next
+                # turn); it cannot be rolled back that far otherwise.
+                model.checkpoint(s.slot.seq)
+        s.prefill = [t for t in s.prefill if t[2]]
+
+    def shift(self, s: Stream, n_ctx: int) -> None:
+        """Context shift (context_shift.py): keep the first n_keep tokens, drop the next n_discard, and decode the
+        rest again at their new positions in every model, as a fresh context holding the shifted tokens would."""
+        assert s.shift is not None
+        tokens = s.slot.tokens
+        shift = context_shift.plan(len(tokens) - 1, n_ctx, s.stats.prompt_tokens, s.shift.n_keep,
+                                   s.shift.n_discard, self.target.add_bos)
+        processed = s.stats.prompt_tokens_processed
+        s.prefill = self.prefill(s, context_shift.shifted(tokens, shift))
+        s.stats.prompt_tokens_processed = processed
+        s.stats.context_shifts += 1
+        s.stats.shift_tokens += sum(len(todo) for model, _, todo in s.prefill if model is self.target)
+        self.decode(s, whole=True)
 
     def from_cache(self, cache: PromptCache, slot: Slot, prompt: Sequence[int]) -> None:
         """llama-server's prompt cache: when the slot would keep less than half of what its cells hold (it is

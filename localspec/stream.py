@@ -1,6 +1,7 @@
 """One generation in a slot, as the loop drives it: its settings, drafter, random stream, stats and draft-length
-policy, the last round's verdict, and the events it yields (`Stream.events`). `Slot` is a sequence of the models
-and what its cells hold. The loop that runs streams is `engine.Engine`.
+policy, how its verify rows are judged (`Stream.judge`), the last round's verdict, and the events it yields
+(`Stream.events`). `Slot` is a sequence of the models and what its cells hold. The loop that runs streams is
+`engine.Engine`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Protocol
 import numpy as np
 
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.drafters.base import Drafter, DraftRequest, PromptWork
+from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
 from localspec.events import STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, Event, GenerationStats, TokenEvent
 from localspec.llama.grammar import Grammar
 from localspec.policies import DraftLength
+from localspec.sampling import accept_rows, penalized, token_logprobs
+from localspec.scores import Scores
 
 
 class Host(Protocol):
@@ -105,7 +108,7 @@ class Stream:
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
                                 grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
-                                engine.constrained_rows, self.chooser)
+                                engine.constrained_rows)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches
@@ -123,6 +126,28 @@ class Stream:
     @property
     def finished(self) -> bool:
         return self.done is not None
+
+    def judge(self, proposal: Proposal, scores: Scores, width: int) -> Verdict:
+        """gpt-fast's accept/reject over the stream's verify rows of `proposal` (`sampling.accept_rows`), with each
+        emitted token's logprobs where asked."""
+        history = self.slot.tokens + proposal.tokens if self.sampling.penalized else self.slot.tokens  # (penalties)
+        verdict = Verdict(*accept_rows(proposal.tokens, proposal.q, scores, history, self.sampling, self.rng,
+                                       self.trace), width)
+        if self.logprobs is None:
+            return verdict
+        # Each token's row as its choice saw it: after the penalties (row i follows the drafts before it).
+        assert scores.logits is not None and scores.full  # logprobs turn the device sampler off (`Engine.start`)
+        seen = penalized(scores, history, self.sampling).logits
+        assert seen is not None
+        return dataclasses.replace(verdict, logprobs=[token_logprobs(seen[i], t, self.logprobs)
+                                                      for i, t in enumerate(verdict.emitted)])
+
+    def hand_grammar(self) -> None:
+        """Give the drafter its copy of the grammar state after the committed tokens (a constrained stream)."""
+        if self.req.grammar is not None:
+            self.req.grammar.close()
+            assert self.grammar is not None
+            self.req.grammar = self.grammar.clone()
 
     def _finish(self, stop: str, message: str) -> None:
         self.stats.decode_s = time.perf_counter() - self.t_start

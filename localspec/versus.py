@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localspec.config import DRAFTER_FACTS
+from localspec.bench import RunDone
+from localspec.config import DRAFTER_TABLE
 from localspec.drafters import LLAMA_SERVER_TYPES
 from localspec.errors import LocalspecError, UsageError
 
@@ -215,7 +216,7 @@ def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None
     if sweep:
         raise UsageError(f"--against {LLAMA_CPP} compares one draft length; leave out --sweep")
     drafter = preset.draft.drafter
-    needs_model = DRAFTER_FACTS[drafter].needs_draft_model
+    needs_model = DRAFTER_TABLE[drafter].needs_draft_model
     if drafter not in SPEC_TYPES or (needs_model and not has_draft_model):
         alike = " or ".join(f"--drafter {name} ({spec})" for name, spec in SPEC_TYPES.items())
         raise UsageError(f"--against {LLAMA_CPP} compares {TOOL}'s loops that run as {alike} do, not --drafter "
@@ -241,7 +242,7 @@ def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPr
     """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
     device sampling too."""
     target = session.target
-    uses_draft = session.draft is not None and DRAFTER_FACTS[preset.draft.drafter].needs_draft_model
+    uses_draft = session.draft is not None and DRAFTER_TABLE[preset.draft.drafter].needs_draft_model
     draft = session.draft.path if uses_draft else None
     return Plan(tool=tool, target=target.path, draft=draft, preset=preset, threads=target.n_threads,
                 prompts=tuple(prompts), modes=(HOST, BACKEND) if target.on_gpu and tool.backend_sampling else (HOST,),
@@ -274,15 +275,6 @@ class LlamaRun:
         return {"prompt": self.prompt, "mode": self.mode, "repetition": self.repetition,
                 "prompt_tokens": t.prompt_tokens, "tokens": t.tokens, "seconds": t.seconds, "drafted": t.drafted,
                 "accepted": t.accepted, "text": self.text}
-
-
-@dataclass(frozen=True)
-class LlamaRunDone:
-    """A run finished: bench's progress event for the llama.cpp part."""
-
-    run: LlamaRun
-    done: int
-    total: int
 
 
 @dataclass(frozen=True)
@@ -354,7 +346,7 @@ class Comparison:
 
 
 def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
-                timeout_s: float | None = None) -> Iterator[LlamaRunDone | Comparison]:
+                timeout_s: float | None = None) -> Iterator[RunDone[LlamaRun] | Comparison]:
     """`repeat` repetitions (the bench's) of every prompt in each mode, modes alternating; then the comparison.
 
     Run after localspec's session has closed: on a 24 GB card the two loops' models do not fit together."""
@@ -363,12 +355,12 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
         timeout_s = 120.0 + 20.0 * plan.preset.bench.max_tokens / slowest
     runs: list[LlamaRun] = []
     for done in run_prompts(plan, repeat or plan.preset.bench.repeat, timeout_s):
-        runs.append(done.run)
+        runs.append(done.result)
         yield done
     yield compare(plan, report, runs, plan.command(Path("PROMPT.txt"), plan.modes[0]))
 
 
-def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[LlamaRunDone]:
+def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[RunDone[LlamaRun]]:
     """Every prompt once per mode and repetition, the modes' order alternating between repetitions."""
     total = repeat * len(plan.modes) * len(plan.prompts)
     done = 0
@@ -381,8 +373,7 @@ def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[LlamaRunD
             for mode in plan.modes if rep % 2 == 0 else tuple(reversed(plan.modes)):
                 for p in plan.prompts:
                     done += 1
-                    yield LlamaRunDone(_one_run(plan.command(files[p.name], mode), p, mode, rep, timeout_s), done,
-                                       total)
+                    yield RunDone(_one_run(plan.command(files[p.name], mode), p, mode, rep, timeout_s), done, total)
 
 
 def _one_run(cmd: list[str], prompt: LlamaPrompt, mode: str, rep: int, timeout_s: float) -> LlamaRun:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from localspec.chat import ChatSession
-from localspec.engine import DoneEvent, TokenEvent
+from localspec.events import DoneEvent, TokenEvent
 
 
 def reply(chat: ChatSession, text: str) -> tuple[list[int], DoneEvent | None]:

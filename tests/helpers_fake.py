@@ -12,6 +12,7 @@ many cells it kept, so a caller that does not decode the rest again fails the po
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,9 @@ class FakeModel:
         self.restores = 0  # rewinds that went back to a checkpoint or to nothing (recurrent)
         self._modes: dict[int, Any] = {}
         self._draws: dict[int, np.random.Generator] = {}
+        # Sequences whose decodes return a hidden state after each token (`want_hidden`): here the logits after it,
+        # so a drafter fed them (the target-rows hook) is checked against what the target computed there.
+        self._hidden: set[int] = set()
 
     # -- what the loop calls ------------------------------------------------------------------------------------
 
@@ -86,7 +90,12 @@ class FakeModel:
             seen = cells[max(0, first - self.window + 1) :] if self.window else cells  # what the rows attend to
             assert -1 not in seen, f"sequence {seq} attends to a cell its restored state lacks"
             rows = np.stack([self.logits_after(cells[: i + 1]) for i in range(first, len(cells))])
-            out.append(self._as_mode(rows, seq))
+            scores = self._as_mode(rows, seq)
+            if seq in self._hidden:
+                hidden = np.stack([self.logits_after(cells[: i + 1]) for i in range(len(cells) - len(tokens),
+                                                                                    len(cells))])
+                scores = dataclasses.replace(scores, hidden=hidden)
+            out.append(scores)
         return out
 
     def truncate(self, n_keep: int, seq: int = 0) -> int:
@@ -118,7 +127,7 @@ class FakeModel:
             self._saved[seq] = len(self.cells.get(seq, []))
 
     def want_hidden(self, seq: int, on: bool) -> None:
-        pass
+        (self._hidden.add if on else self._hidden.discard)(seq)
 
     def clear(self, seq: int | None = None) -> None:
         if seq is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from localspec.engine import DoneEvent, Engine, Stream, TokenEvent
+from localspec.engine import Engine, Stream
+from localspec.events import DoneEvent, TokenEvent
 
 
 def run_together(engine: Engine, requests: Sequence[dict], arrivals: Sequence[int],

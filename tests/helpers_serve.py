@@ -14,8 +14,9 @@ from typing import Any
 from localspec import demo
 from localspec.cli.serve_cmd import listen, uvicorn_server
 from localspec.config import Preset, load_preset
-from localspec.engine import DoneEvent, Engine, TokenEvent
+from localspec.engine import Engine
 from localspec.errors import TooManyTokens
+from localspec.events import DoneEvent, TokenEvent
 from localspec.server.handling import Backend
 from localspec.session import ModelFiles
 from tests.helpers_fake import FakeModel

@@ -21,7 +21,7 @@ from helpers_fake import draft_policy
 from localspec.config import load_preset
 from localspec.drafters.lookup import LookupCost
 from localspec.drafters.model import ModelCost
-from localspec.policies import DraftCost, DraftLength
+from localspec.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 STEP, AHEAD_STEP, LAG, CONTENTION, HOST = 0.0019, 0.00415, 0.00235, 0.00208, 0.0004
@@ -85,8 +85,8 @@ class Timeline:
                     self.length.rule(ModelCost).observe_ahead(decodes * AHEAD_STEP, decodes, could_keep, came_true)
                 kept = decodes - 1 if came_true else None
             if self.length is not None:
-                self.length.observe(drafted, accepted, draft_s, verify_s, width, 0, STEP if on_path else 0.0,
-                                    ahead, wait)
+                self.length.observe(Observation(drafted, accepted, draft_s, verify_s, width, 0,
+                                                STEP if on_path else 0.0, ahead, wait))
             self.tokens += accepted + 1
             self.seconds += draft_s + verify_s + (wait or 0.0) + HOST
         return self.tokens / self.seconds
@@ -155,9 +155,9 @@ def test_the_bet_model_charges_long_drafts_for_the_wait() -> None:
     model = ModelCost.of(cost)
     for _ in range(40):
         model.observe_ahead(7 * AHEAD_STEP, 7, True, True)
-        cost.observe(6, 6, 0.0, 0.02917, 7, 0, 0.0, 6, 0.0022)
-    cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)  # (a step measured)
-    cost.observe(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None)
+        cost.observe(Observation(6, 6, 0.0, 0.02917, 7, 0, 0.0, 6, 0.0022))
+    cost.observe(Observation(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None))  # (a step measured)
+    cost.observe(Observation(6, 6, 6 * STEP, 0.02917, 7, 0, STEP, 0, None))
     with_lag = 1 / model.speed(0, 6, 7) * cost.survival("model", 6).sum()
     model.ahead_lag_s = 0.0
     cost.changed()
@@ -241,10 +241,11 @@ def test_the_per_round_questions_answer_as_the_numpy_formulas(seed: int) -> None
         drafted = int(rng.integers(0, k_max + 1))
         looked_up = int(rng.integers(0, drafted + 1)) if rng.random() < 0.3 else 0
         width = int(rng.choice([drafted + 1, k_max + 1])) if r % 7 else int(rng.integers(1, k_max + 2))
-        cost.observe(drafted, int(rng.integers(0, drafted + 1)), drafted * float(rng.uniform(0.0015, 0.0025)),
-                     float(rng.uniform(0.02, 0.03)) * (1 + 0.1 * width), width, looked_up,
-                     float(rng.uniform(0.0015, 0.004)), int(rng.integers(0, drafted + 1)),
-                     float(rng.uniform(0.0, 0.003)) if rng.random() < 0.8 else None)
+        cost.observe(Observation(drafted, int(rng.integers(0, drafted + 1)),
+                                 drafted * float(rng.uniform(0.0015, 0.0025)),
+                                 float(rng.uniform(0.02, 0.03)) * (1 + 0.1 * width), width, looked_up,
+                                 float(rng.uniform(0.0015, 0.004)), int(rng.integers(0, drafted + 1)),
+                                 float(rng.uniform(0.0, 0.003)) if rng.random() < 0.8 else None))
         widths = np.arange(k_max + 5)
         assert cost.verify_costs(widths).tolist() == numpy_verify_costs(cost, widths).tolist()
         for source in cost.prior:
@@ -269,19 +270,19 @@ def test_a_slow_bet_never_makes_the_model_hopeless() -> None:
     and a bet after a pause replaces the old figures."""
     cost = DraftCost(6, graphs=False)
     model = ModelCost.of(cost)
-    cost.observe(0, 0, 0.0, 0.0127, 1)  # a plain round
+    cost.observe(Observation(0, 0, 0.0, 0.0127, 1))  # a plain round
     model.observe_ahead(0.3, 2, could_keep=False, kept=False)  # cold
-    cost.observe(6, 6, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=0.3 + LAG - 0.02713)
+    cost.observe(Observation(6, 6, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=0.3 + LAG - 0.02713))
     assert model.ahead_step_s is None and model.ahead_lag_s is None
     assert model.could_pay(0, 6, 7)
     model.ahead_step_s, model.ahead_lag_s = 0.05, 0.3  # wrong figures, however they came
     assert model.could_pay(0, 6, 7)
     for _ in range(DraftCost.DECAY + 1):  # the model sits out
-        cost.observe(0, 0, 0.0, 0.0127, 1)
+        cost.observe(Observation(0, 0, 0.0, 0.0127, 1))
     model.observe_ahead(0.1, 2, could_keep=False, kept=False)  # a probe's bets: they replace the old figures
-    cost.observe(6, 0, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=LAG + 0.1 - 0.02713)
+    cost.observe(Observation(6, 0, 6 * STEP, 0.02713, 7, first_s=STEP, wait_s=LAG + 0.1 - 0.02713))
     assert model.ahead_step_s is None  # (one bet's figure is not yet a step: it might be the slow one)
     model.observe_ahead(7 * AHEAD_STEP, 7, could_keep=True, kept=True)
-    cost.observe(6, 6, 0.0, 0.02713, 7, ahead=6, wait_s=LAG + 7 * AHEAD_STEP - 0.02713)
+    cost.observe(Observation(6, 6, 0.0, 0.02713, 7, ahead=6, wait_s=LAG + 7 * AHEAD_STEP - 0.02713))
     assert model.ahead_step_s == pytest.approx(AHEAD_STEP)
     assert model.ahead_lag_s == pytest.approx(LAG, abs=1e-6)

@@ -21,7 +21,8 @@ from helpers_stats import chi_square, joint_probs
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine, collect
+from localspec.engine import Engine
+from localspec.events import collect
 from localspec.scores import Scores
 
 GREEDY = load_preset("greedy")

@@ -16,8 +16,9 @@ from localspec.config import load_preset
 from localspec.drafters.chain import ChainCost
 from localspec.drafters.lookup import LookupCost
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine, collect
-from localspec.policies import DraftCost, DraftLength
+from localspec.engine import Engine
+from localspec.events import collect
+from localspec.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 
@@ -168,7 +169,7 @@ def simulate(choose, rounds: int, acceptance: float, seed: int = 0) -> float:
         tokens += emitted
         seconds += draft_s + verify_s
         if length is not None:
-            length.observe(n, accepted, draft_s, verify_s, width, 0, first_s if n else None)
+            length.observe(Observation(n, accepted, draft_s, verify_s, width, 0, first_s if n else None))
     return tokens / seconds
 
 
@@ -178,7 +179,7 @@ def test_the_chain_drafts_with_the_model_on_the_h200s_costs() -> None:
     made 1.76x). On those costs, with lookup never matching, it now drafts like `--drafter model`."""
     cost = DraftCost(6, graphs=True)
     for _ in range(8):  # the slot's earlier generations (bench's warm-up runs) verified narrow: plain is known warm
-        cost.observe(0, 0, 0.0, H200_VERIFY[1], 1)
+        cost.observe(Observation(0, 0, 0.0, H200_VERIFY[1], 1))
     length = draft_policy(chain(), cost, padded=True)
 
     def chained(lag: int):
@@ -211,7 +212,7 @@ def test_lookup_proposes_only_what_pays(acceptance: float) -> None:
             tokens, seconds = tokens + accepted + 1, seconds + verify_s
             proposed.append(j)
             if length is not None:
-                length.observe(j, accepted, 0.0, verify_s, width, lead=j)
+                length.observe(Observation(j, accepted, 0.0, verify_s, width, lead=j))
         return tokens / seconds, proposed
 
     always, _ = run(None)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from localspec.drafters.model import ModelCost
-from localspec.engine import collect
+from localspec.events import collect
 from localspec.policies import DraftCost, DraftLength
 from tests.test_chain_cost import Clock
 from tests.test_engine import GREEDY, open_pair, prompts

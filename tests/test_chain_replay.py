@@ -32,7 +32,8 @@ from helpers_fake import FakeModel
 
 from localspec import bench
 from localspec.drafters import model as model_drafter
-from localspec.engine import Engine, collect
+from localspec.engine import Engine
+from localspec.events import collect
 from localspec.session import ModelFiles, open_session
 from tests.test_chain_cost import Clock
 from tests.test_engine import GREEDY, open_pair

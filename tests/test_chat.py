@@ -23,8 +23,8 @@ from localspec.chat import (
     parse_command,
 )
 from localspec.config import load_preset
-from localspec.engine import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, LocalspecError
+from localspec.events import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
 from localspec.llama.model import LlamaModel
 from localspec.session import ModelFiles, open_session
 from tests.helpers_chat import reply

@@ -176,11 +176,11 @@ def test_each_drafter_declares_its_own_facts_and_config_reads_them_without_impor
     import subprocess
     import sys
 
-    from localspec.config import DRAFTER_FACTS, MODEL_FREE_DRAFTERS
+    from localspec.config import DRAFTER_TABLE, MODEL_FREE_DRAFTERS
 
-    assert DRAFTER_FACTS["lookup"].title == "prompt lookup" and not DRAFTER_FACTS["lookup"].needs_draft_model
-    assert DRAFTER_FACTS["mtp"].target_head and not DRAFTER_FACTS["mtp"].needs_draft_model
-    assert DRAFTER_FACTS["model"].needs_draft_model and DRAFTER_FACTS["chain"].needs_draft_model
+    assert DRAFTER_TABLE["lookup"].title == "prompt lookup" and not DRAFTER_TABLE["lookup"].needs_draft_model
+    assert DRAFTER_TABLE["mtp"].target_head and not DRAFTER_TABLE["mtp"].needs_draft_model
+    assert DRAFTER_TABLE["model"].needs_draft_model and DRAFTER_TABLE["chain"].needs_draft_model
     assert set(MODEL_FREE_DRAFTERS) == {"lookup", "mtp"}
     # Presets and header checks must not load llama.cpp: reading the facts imports no drafter module.
     code = "import sys, localspec.config; print(sorted(m for m in sys.modules if m.startswith('localspec.')))"

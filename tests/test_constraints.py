@@ -14,12 +14,12 @@ import pytest
 
 from localspec.config import Drafting, load_preset
 from localspec.constraints import Constraint, masked_row
-from localspec.engine import DoneEvent, TokenEvent
 from localspec.errors import GrammarError
+from localspec.events import DoneEvent, TokenEvent
 from localspec.llama.grammar import Grammar
 from localspec.llama.model import LlamaModel
 from localspec.sampling import candidates
-from localspec.server.schema import RequestError
+from localspec.server.errors import ApiError
 from localspec.server.structured import chat_logprobs, completion_logprobs, request_constraint
 from localspec.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
@@ -70,7 +70,7 @@ def prompt_of(seed: int, length: int = 12) -> list[int]:
     ("json", None, "response_format", "expected"),
 ])
 def test_bad_constraint_fields_name_the_field(response_format, grammar, param, needle):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         request_constraint(response_format, grammar)
     assert info.value.param == param and needle in info.value.message
 
@@ -80,9 +80,9 @@ def test_logprobs_fields():
     assert chat_logprobs(True, None) == 0 and chat_logprobs(True, 5) == 5
     assert completion_logprobs(3) == 3 and completion_logprobs(None) is None
     for bad in ((1, None), (True, 21), (False, 2), (True, "2")):
-        with pytest.raises(RequestError):
+        with pytest.raises(ApiError):
             chat_logprobs(*bad)
-    with pytest.raises(RequestError, match="0..5"):
+    with pytest.raises(ApiError, match="0..5"):
         completion_logprobs(6)
 
 
@@ -97,9 +97,9 @@ def test_logprobs_fields():
     (None, "required", None, "tool_choice"),
 ])
 def test_bad_tool_fields_name_the_field(tools, choice, parallel, param):
-    from localspec.server.tools import ToolError, parse_tools
+    from localspec.server.tools import parse_tools
 
-    with pytest.raises(ToolError) as info:
+    with pytest.raises(ApiError) as info:
         parse_tools(tools, choice, parallel)
     assert info.value.param == param
 
@@ -197,7 +197,7 @@ def split_reply_of(text: str) -> tuple[str, list[tuple[str, str]], bool]:
 
 @pytest.mark.slow
 def test_grammar_mask_clone_and_accept(tiny_pair):
-    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_threads=1) as model:
         brace, word = model.tokenize("{", add_special=False), model.tokenize("hello", add_special=False)
         assert len(brace) == 1 and len(word) == 1
         g = Constraint.json_object("test").grammar(model)
@@ -222,7 +222,7 @@ def test_lookup_proposals_stop_at_the_first_token_the_grammar_refuses(tiny_pair)
     from localspec.drafters.lookup import LookupDrafter
     from localspec.events import GenerationStats
 
-    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_threads=1) as model:
         (brace,), (word,) = model.tokenize("{", add_special=False), model.tokenize("hello", add_special=False)
         quote = model.tokenize('"', add_special=False)[0]
         # The context ends in `x {`, which occurred before followed by `"hello"{`: lookup proposes those four.
@@ -250,7 +250,7 @@ def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pa
 
     tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}}}}], "auto", True)
-    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_threads=1) as model:
         g = tools.constraint().grammar(model)
         one = {text: model.tokenize(text, add_special=False) for text in ('>"', ">", "{", "hello", " Sure")}
         assert all(len(ids) == 1 for ids in one.values())
@@ -268,7 +268,7 @@ def test_a_lazy_tool_grammar_waits_for_its_marker_and_never_breaks_on_it(tiny_pa
 @pytest.mark.slow
 def test_lazy_mask_equals_the_full_mask(tiny_pair):
     """Checking a row's best tokens first keeps exactly the top tokens a full mask would keep."""
-    with LlamaModel(tiny_pair[0], n_ctx=64, n_threads=1) as model:
+    with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_threads=1) as model:
         g = Grammar(model, LETTERS, "letters")
         rng = np.random.default_rng(3)
         full_ids = np.arange(model.n_vocab)
@@ -418,7 +418,7 @@ def test_logprobs_match_single_token_decoding(tiny_pair, temperature):
     with open_pair(*tiny_pair, preset) as s:
         tokens, events, done = run(s.engine, prompt, preset.sampling, 4, 30, logprobs=3)
     assert done.stats.accepted > 0 and any(not e.from_draft for e in events)
-    with LlamaModel(tiny_pair[0], n_ctx=256, n_threads=1) as reference:
+    with LlamaModel(tiny_pair[0], n_ctx=256, device_top_k=0, n_threads=1) as reference:
         reference.decode(prompt[:-1], 0)
         sequence = list(prompt)
         for i, event in enumerate(events):

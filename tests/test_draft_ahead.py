@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from localspec import engine
 from localspec.cli.app import app
 from localspec.config import load_preset
-from localspec.engine import collect
+from localspec.events import collect
 from localspec.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow

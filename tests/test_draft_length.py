@@ -13,7 +13,7 @@ from helpers_fake import draft_policy
 from localspec.config import Drafting, load_preset
 from localspec.drafters.chain import ChainCost
 from localspec.drafters.model import ModelCost
-from localspec.policies import DraftCost
+from localspec.policies import DraftCost, Observation
 from localspec.policies import DraftLength as _DraftLength
 
 
@@ -48,7 +48,7 @@ def feed(chooser: _DraftLength, rounds: int, accepted_of, draft_step: float, ver
         k = chooser.next()
         ks.append(k)
         accepted = accepted_of(k)
-        chooser.observe(k, accepted, draft_step * k, verify_base + verify_per_token * (k + 1), k + 1)
+        chooser.observe(Observation(k, accepted, draft_step * k, verify_base + verify_per_token * (k + 1), k + 1))
     return ks
 
 
@@ -136,7 +136,7 @@ def test_the_chain_skips_the_model_when_it_is_a_loss_and_extends_when_it_pays():
         for _ in range(40):
             n = chain.extension(2, 6, chooser)
             got.append(n)
-            chooser.observe(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, lead=2)
+            chooser.observe(Observation(2 + n, 2 + n, step * n, 0.011 + 0.006 * (3 + n), 3 + n, lead=2))
         # Measure first: a probe's length until the step is known, then all the room where the model could pay
         # (a probe's two positions would judge the deeper ones on a rejection or two).
         assert got[:_DraftLength.WARMUP] == [ModelCost.PROBE, ModelCost.PROBE if want == 0 else 4], got
@@ -150,7 +150,7 @@ def test_a_padded_verify_makes_model_tokens_cheaper():
     cost = policy(dataclasses.replace(drafting(6, 0.0, False), drafter="chain")).cost
     model = ModelCost.of(cost)
     for width, seconds in ((7, 0.027), (2, 0.015)):
-        cost.observe(width - 1, 1, 0.004 * (width - 1), seconds, width)
+        cost.observe(Observation(width - 1, 1, 0.004 * (width - 1), seconds, width))
     assert model.best_extension(2, 4, width=0) == 0  # 4 ms a step at modest acceptance: a loss unpadded
     assert model.best_extension(2, 4, width=7) > 0  # ... but the padded positions are paid for
     # With nothing looked up, drafting nothing is a narrow plain step: the model's first token must pay for the
@@ -167,7 +167,7 @@ def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
         step = 0.017 if i < 200 else 0.0005  # the box was loaded; now it is not
         n = chain.extension(0, 6, chooser)
         used.append(n)
-        chooser.observe(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1)
+        chooser.observe(Observation(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1))
     off = used[_DraftLength.WARMUP:200]
     assert off == [0] * len(off)  # hopeless at any acceptance: not even probed within the longest interval
     turned_on = next(i for i in range(200, len(used)) if used[i] > ModelCost.PROBE)
@@ -182,7 +182,7 @@ def test_a_due_probe_waits_for_the_draft_model_to_be_current_where_catching_up_i
     CPU: a fifth of a target step a token), a due probe waits for a round where the model's cells are current."""
     for catch_up_s, lag, due in ((None, 40, True), (0.00005, 40, True), (0.008, 40, False), (0.008, 1, True)):
         cost, model = model_cost()
-        cost.observe(0, 0, 0.0, 0.013, 1)  # a plain step's cost: what the rounds waited are worth
+        cost.observe(Observation(0, 0, 0.0, 0.013, 1))  # a plain step's cost: what the rounds waited are worth
         if catch_up_s is not None:  # measured on a probe 40 tokens out of sync
             cost.catch_ups.append((40, 40 * catch_up_s))
         probes = [model.probe(6, lag=lag) for _ in range(DraftCost.PROBE_FIRST)]
@@ -199,7 +199,8 @@ def test_a_catch_up_measured_at_one_lag_prices_a_longer_one_by_a_line_not_per_to
     def due(catch_ups: list[tuple[int, float]], lag: int, idle: int = DraftCost.PROBE_FIRST,
             graphs: bool = True) -> bool:
         cost, model = model_cost(graphs=graphs)
-        cost.observe(0, 0, 0.0, 0.0133, 1)  # a plain step: 13.3 ms; a probe may spend 5% of the rounds it waited
+        # A plain step: 13.3 ms; a probe may spend 5% of the rounds it waited
+        cost.observe(Observation(0, 0, 0.0, 0.0133, 1))
         cost.catch_ups.extend(catch_ups)
         model.interval = idle
         return [model.probe(6, lag=lag) for _ in range(idle)][-1] > 0
@@ -218,7 +219,7 @@ def test_a_probes_uncaptured_steps_are_no_step():
     the graph uncaptured (4.5 ms against 1.35). The step is the least of the later ones, not their average (2.6
     ms: a model right 3 tokens in 4 judged a loss on the H200's costs)."""
     cost = DraftCost(6)
-    cost.observe(6, 6, 0.0061 + 2 * 0.0045 + 3 * 0.00135, 0.0265, 7, first_s=0.0061, least_s=0.00135)
+    cost.observe(Observation(6, 6, 0.0061 + 2 * 0.0045 + 3 * 0.00135, 0.0265, 7, first_s=0.0061, least_s=0.00135))
     assert cost.step_s == pytest.approx(0.00135)
 
 
@@ -244,7 +245,7 @@ def widths_for(script: list[int], per_token: float, switch: float) -> list[int]:
         since = since + 1 if widths and width == widths[-1] else 1
         widths.append(width)
         seconds = 0.0127 + per_token * (width - 1) + (switch / 2 if since <= 2 and len(widths) > 1 else 0.0)
-        chooser.observe(drafted, drafted, 0.0, seconds, width, lead=drafted)
+        chooser.observe(Observation(drafted, drafted, 0.0, seconds, width, lead=drafted))
     return widths
 
 
@@ -272,13 +273,14 @@ def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
     nor is a round drafted ahead (0 s on the critical path); but the share drafted ahead makes drafts cheaper on
     average, and long drafts pay more for it."""
     cost = DraftCost(6)
-    cost.observe(2, 2, 0.0086 + 0.0024, 0.0273, 7, first_s=0.0086)  # the H200 chain's probe: 5.5 ms a step on average
+    # The H200 chain's probe: 5.5 ms a step on average
+    cost.observe(Observation(2, 2, 0.0086 + 0.0024, 0.0273, 7, first_s=0.0086))
     assert cost.step_s == pytest.approx(0.0024)
     (plain, plain_model), (ahead, ahead_model) = model_cost(), model_cost()
     for i in range(40):
-        plain.observe(6, 3, 6 * 0.004, 0.025, 7, first_s=0.004)
-        ahead.observe(6, 3, 0.0 if i % 2 else 6 * 0.004, 0.025, 7, first_s=0.0 if i % 2 else 0.004,
-                      ahead=6 if i % 2 else 0)
+        plain.observe(Observation(6, 3, 6 * 0.004, 0.025, 7, first_s=0.004))
+        ahead.observe(Observation(6, 3, 0.0 if i % 2 else 6 * 0.004, 0.025, 7, first_s=0.0 if i % 2 else 0.004,
+                      ahead=6 if i % 2 else 0))
     assert plain.step_s == ahead.step_s == pytest.approx(0.004)
     assert 0.3 < ahead_model.ahead < 0.7 and plain_model.ahead == 0.0
     assert ahead_model.speed(0, 6) > plain_model.speed(0, 6)
@@ -290,14 +292,14 @@ def test_a_draft_model_is_hopeless_only_where_full_acceptance_would_not_pay():
     on the H200's (a 2.4 ms step against a 13-27 ms padded verify) full acceptance would pay, so it is probed."""
     cpu = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}
     cost = policy(dataclasses.replace(drafting(6, 0.0, False), drafter="chain")).cost
-    cost.observe(2, 2, 0.072, cpu[3], 3, first_s=0.036)  # a model round: its second step is the steady one
+    cost.observe(Observation(2, 2, 0.072, cpu[3], 3, first_s=0.036))  # a model round: its second step is the steady one
     for width, seconds in cpu.items():
-        cost.observe(width - 1, width - 1, 0.0, seconds, width, lead=width - 1)
+        cost.observe(Observation(width - 1, width - 1, 0.0, seconds, width, lead=width - 1))
     assert not ModelCost.of(cost).could_pay(0, 6)
     gpu, gpu_model = model_cost(graphs=True)
     for _ in range(3):
-        gpu.observe(0, 0, 0.0, 0.01305, 1)
-        gpu.observe(2, 1, 0.0048, 0.02728, 7, first_s=0.0024)
+        gpu.observe(Observation(0, 0, 0.0, 0.01305, 1))
+        gpu.observe(Observation(2, 1, 0.0048, 0.02728, 7, first_s=0.0024))
     assert gpu_model.could_pay(0, 6, width=7)
 
 
@@ -314,11 +316,11 @@ def test_a_model_that_sat_out_is_judged_on_its_probe_not_on_rejections_long_past
     model_rounds, free_rounds, first_probe = 0, 0, None
     for i in range(400):
         if i % 4:  # lookup matched all of k: nothing for the model to do this round
-            chooser.observe(6, 6, 0.0, v7, 7, lead=6)
+            chooser.observe(Observation(6, 6, 0.0, v7, 7, lead=6))
             continue
         warm = cost.step_rounds < _DraftLength.WARMUP
         n = chain.extension(0, 6, chooser)
-        chooser.observe(n, 0 if warm else n, step * n, v7 if n else v1, 7 if n else 1)
+        chooser.observe(Observation(n, 0 if warm else n, step * n, v7 if n else v1, 7 if n else 1))
         if n and not warm and first_probe is None:
             first_probe = i
         elif first_probe is not None:

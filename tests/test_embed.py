@@ -50,14 +50,14 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _logits(path: Path, tokens: list[int]) -> np.ndarray:
-    with LlamaModel(path, n_ctx=256, n_batch=256, n_threads=1) as model:
+    with LlamaModel(path, n_ctx=256, device_top_k=0, n_batch=256, n_threads=1) as model:
         scores = model.decode(tokens, 0, all_logits=True)
         assert scores is not None and scores.logits is not None
         return np.array(scores.logits, copy=True)
 
 
 def _greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    with LlamaModel(path, n_ctx=256, n_batch=256, n_threads=1) as model:
+    with LlamaModel(path, n_ctx=256, device_top_k=0, n_batch=256, n_threads=1) as model:
         scores = model.decode(prompt, 0)
         assert scores is not None
         out = [int(scores.argmax()[0])]
@@ -169,7 +169,7 @@ def test_smollm2_in_wide_shapes(tmp_path: Path, smollm2_path: Path) -> None:
     exact = replace(EMBED_TINY, target_mix="f32", draft_type="f32")
     write_embedded(tmp_path / "f32.gguf", src, exact, "target")
     quantize(smollm2_path, tmp_path / "ref-f16.gguf", "F16")
-    with LlamaModel(smollm2_path, n_ctx=256, n_batch=256, n_threads=1) as m:
+    with LlamaModel(smollm2_path, n_ctx=256, device_top_k=0, n_batch=256, n_threads=1) as m:
         prompt = m.tokenize("<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
                             "<|im_start|>assistant\n", parse_special=True)
     want = _logits(tmp_path / "ref-f16.gguf", prompt)

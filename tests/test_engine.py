@@ -10,8 +10,8 @@ import pytest
 
 from localspec.config import Drafting, load_preset
 from localspec.drafters.base import device_mode
-from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.errors import ContextFullError, IncompatiblePairError, UsageError
+from localspec.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.llama.model import LlamaModel
 from localspec.sampling import candidates
 from localspec.scores import DeviceDist
@@ -56,7 +56,7 @@ def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
     from localspec import demo
 
     for path in (tiny_pair[0], demo.target_path()):
-        with LlamaModel(path, n_ctx=256) as model:
+        with LlamaModel(path, n_ctx=256, device_top_k=0) as model:
             prompt = model.tokenize("The quick brown fox jumps over the lazy dog because")
             n = len(prompt)
             model.decode(prompt[:-1], 0)

@@ -36,7 +36,7 @@ def run_cli(home: Path, *args: str, stdin: str | None = None) -> subprocess.Comp
 
 def greedy_reference(path: Path, prompt_tokens: list[int], n: int) -> list[int]:
     """Plain greedy decoding of one model, token by token, without the engine."""
-    with LlamaModel(path, n_ctx=512) as model:
+    with LlamaModel(path, n_ctx=512, device_top_k=0) as model:
         logits = model.decode(prompt_tokens, 0).logits
         out: list[int] = []
         while len(out) < n:
@@ -60,7 +60,7 @@ def test_greedy_speculative_output_equals_plain_decoding(demo_home: Path, target
     plain = run_cli(demo_home, "generate", PROMPT, "--temp", "0", "--max-tokens", str(N), "--draft", "0")
     alone = run_cli(demo_home, "generate", PROMPT, "--temp", "0", "--max-tokens", str(N), "--target",
                     str(target_path))
-    with LlamaModel(target_path, n_ctx=128) as model:
+    with LlamaModel(target_path, n_ctx=128, device_top_k=0) as model:
         prompt_tokens = model.tokenize(PROMPT, add_special=True)
         reference = model.detokenize(greedy_reference(target_path, prompt_tokens, N))
     assert reference.strip()
@@ -98,7 +98,7 @@ def test_stdin_json_and_chat(demo_home: Path, target_path: Path) -> None:
     result = run_cli(demo_home, "generate", "-", "--json", "--temp", "0", "--max-tokens", "8", stdin=PROMPT)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)  # stdout is exactly one JSON object
-    with LlamaModel(target_path, n_ctx=128) as model:
+    with LlamaModel(target_path, n_ctx=128, device_top_k=0) as model:
         plain_prompt = model.tokenize(PROMPT, add_special=True)
         chat_prompt = encode_chat(model, ChatTemplate.for_model(model).render([{"role": "user", "content": PROMPT}]))
         assert data["text"] == model.detokenize(greedy_reference(target_path, plain_prompt, 8))

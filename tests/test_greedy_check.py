@@ -16,7 +16,8 @@ import pytest
 from localspec import bench
 from localspec.bench import Divergence, GreedyCheck, PromptCheck
 from localspec.config import load_preset
-from localspec.engine import Engine, TokenEvent
+from localspec.engine import Engine
+from localspec.events import TokenEvent
 
 NEAR_TIE = 1.0
 

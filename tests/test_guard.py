@@ -7,8 +7,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from localspec.server.errors import ApiError
 from localspec.server.guard import Guard, GuardSettings, PromptLimits
-from localspec.server.schema import RequestError, parse_body
+from localspec.server.schema import parse_body
 
 
 class State:
@@ -91,11 +92,11 @@ def test_prompt_limits() -> None:
     limits = PromptLimits(n_ctx=512, max_piece_bytes=20)
     assert limits.text_chars == 10240 and limits.body_bytes == 1 << 20  # the floor
     limits.check_text("x" * 10240, "prompt")
-    with pytest.raises(RequestError, match="prompt: 10241 characters are more than 512 tokens") as info:
+    with pytest.raises(ApiError, match="prompt: 10241 characters are more than 512 tokens") as info:
         limits.check_text("x" * 10241, "prompt")
     # llama.cpp's type and numbers: at least 513 tokens (10241 bytes, at most 20 a token)
     assert (info.value.kind, info.value.extra) == ("exceed_context_size_error", {"n_prompt_tokens": 513, "n_ctx": 512})
-    with pytest.raises(RequestError, match="messages: 512 messages cannot fit") as info:
+    with pytest.raises(ApiError, match="messages: 512 messages cannot fit") as info:
         limits.check_messages(["a"] * 512)
     assert info.value.code == "context_length_exceeded" and info.value.extra == {"n_prompt_tokens": 512, "n_ctx": 512}
     big = PromptLimits(n_ctx=1 << 17, max_piece_bytes=64)
@@ -111,7 +112,7 @@ def test_prompt_limits() -> None:
     (b'"\\ud800"', None),
 ])
 def test_a_lone_surrogate_is_refused_naming_the_field(body: bytes, param: str | None) -> None:
-    with pytest.raises(RequestError, match="lone surrogate") as caught:
+    with pytest.raises(ApiError, match="lone surrogate") as caught:
         parse_body(body)
     assert caught.value.param == param
     caught.value.message.encode("utf-8")  # the error itself is text

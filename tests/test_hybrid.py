@@ -11,14 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localspec import memory
 from localspec.config import load_preset
-from localspec.engine import Engine, TokenEvent, collect
+from localspec.engine import Engine
 from localspec.errors import RollbackError, UsageError
+from localspec.events import TokenEvent, collect
 from tests.helpers_fake import FakeModel
 from tests.helpers_stats import chi_square, joint_probs
 
 # One thread: a load skips the automatic choice's 0.2 s CPU sample, and two test workers never split a core.
 GREEDY = load_preset("greedy").with_overrides(threads=1)
+
+
+def preset_settings(**values: object) -> memory.Settings:
+    """The default preset's estimate settings with these values (`memory.Settings.changed`)."""
+    return memory.settings_from_preset(load_preset()).changed(**values)
 
 
 def drafting(k: int, drafter: str = "model", adaptive: bool = False, p_min: float = 0.0):
@@ -122,12 +129,12 @@ def test_memory_counts_attention_kv_and_the_recurrent_state(hybrid_pair) -> None
     from localspec.gguf_header import read_header
 
     target = read_header(hybrid_pair[0])
-    s = memory.Settings(n_ctx=1024, n_draft=6)
+    s = preset_settings(n_ctx=1024, n_draft=6)
     m = memory.model_memory(target, s, n_outputs=7, n_gpu_layers=-1, snapshots=6)
     # Two attention layers of 2 KV heads x (32 + 32), f16, 1024 cells; the MTP block and recurrent layers none.
     assert m.kv == 2 * 2 * 64 * 1024 * 2
     assert m.state == target.recurrence.state_bytes * (1 + 6 + 1)
-    mtp = memory.model_memory(target, dataclasses.replace(s, drafter="mtp"), n_outputs=7, n_gpu_layers=-1, mtp=True)
+    mtp = memory.model_memory(target, s.changed(drafter="mtp"), n_outputs=7, n_gpu_layers=-1, mtp=True)
     assert mtp.kv == m.kv * 3 // 2  # its own context: the MTP block's attention too
 
 
@@ -158,7 +165,7 @@ def test_qwen3_6_27b_state_and_kv(tmp_path) -> None:
     assert rec.state_bytes == 48 * (3 * (6144 + 4096) + 128 * 6144) * 4 == 156_893_184  # 149.6 MiB
     assert h.attention_layers == tuple(range(3, 64, 4))
     assert memory.kv_bytes(h, 8192, "q8_0") == 16 * 4 * 512 * 8192 * 34 // 32  # 272 MiB
-    s = memory.Settings(n_ctx=8192, n_draft=3, kv_type="q8_0", drafter="mtp")
+    s = preset_settings(n_ctx=8192, n_draft=3, kv_type="q8_0", drafter="mtp")
     m = memory.model_memory(h, s, n_outputs=4, n_gpu_layers=-1, mtp=True, snapshots=3)
     assert m.kv == 17 * 4 * 512 * 8192 * 34 // 32
     assert m.state == 156_893_184 * 5  # the state, 3 snapshots, the checkpoint
@@ -195,13 +202,13 @@ def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
               "qwen3.6-35b-a3b": (t35, d08, 21.8, 22.2)}
     for name, (t, d, at_ctx, at_32k) in expect.items():
         pair = pairs[name]
-        s = memory.Settings(n_ctx=pair.n_ctx, n_draft=pair.n_draft, kv_type=pair.kv_type,
+        s = preset_settings(n_ctx=pair.n_ctx, n_draft=pair.n_draft, kv_type=pair.kv_type,
                             drafter=pair.drafter or "model")
         est = memory.estimate(t, d, s, CARD_24GB)
         assert est.fits and round(est.gpu_bytes / GiB, 1) == at_ctx, (name, est.gpu_bytes / GiB)
-        wide = memory.estimate(t, d, dataclasses.replace(s, n_ctx=32768), CARD_24GB)
+        wide = memory.estimate(t, d, s.changed(n_ctx=32768), CARD_24GB)
         assert wide.fits and round(wide.gpu_bytes / GiB, 1) == at_32k, (name, wide.gpu_bytes / GiB)
-    assert not memory.estimate(t35, d08, memory.Settings(n_ctx=32768, n_draft=4, kv_type="f16"), CARD_24GB).fits
+    assert not memory.estimate(t35, d08, preset_settings(n_ctx=32768, n_draft=4, kv_type="f16"), CARD_24GB).fits
 
 
 def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
@@ -267,7 +274,7 @@ def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
     from localspec.llama.mtp_head import MtpHead
 
     for depth in (3, 7):
-        with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=depth) as m:
+        with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=depth) as m:
             assert llama_cpp.llama_n_rs_seq(m.ctx) == depth == m.rewind_depth
             assert m.mtp_layers == 1
             head = MtpHead(m, n_ctx=256, n_threads=1)
@@ -286,7 +293,7 @@ def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -
     from localspec.llama.mtp_head import MtpHead
 
     tokens = prompts(1, seed=5, length=6)[0]
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3) as m:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3) as m:
         m.want_hidden(0, True)
         h = m.decode(tokens, 0, all_logits=True).hidden
         zeros = np.zeros(h.shape[1], dtype=np.float32)
@@ -378,9 +385,9 @@ def test_truncate_rewinds_exactly_or_says_how_far_it_went(hybrid_pair) -> None:
     from localspec.llama.model import LlamaModel
 
     tokens = prompts(1, seed=3, length=30)[0]
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=6) as fresh:
         ref = fresh.decode(tokens, 0, all_logits=True).logits.copy()
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=6) as m:
         m.decode(tokens[:20], 0)
         m.decode(tokens[20:26], 20)
         assert m.truncate(23) == 23  # 3 of the last decode's 6
@@ -403,10 +410,10 @@ def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_r
     from localspec.llama.model import LlamaModel
 
     a, b = prompts(2, seed=5, length=30)
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as fresh:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=6) as fresh:
         ref = fresh.decode(b, 0, all_logits=True).logits.copy()
         saved_b = fresh.save_state(0)
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=6) as m:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=6) as m:
         m.decode(a[:20], 0)
         m.checkpoint()  # at 20: a's
         m.decode(a[20:25], 20)  # a last decode of 5: a's snapshots

@@ -40,7 +40,7 @@ def bos_last_pair(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_sequence_probe_works_when_bos_is_the_last_id(bos_last_pair):
     from localspec.llama.model import LlamaModel
 
-    with LlamaModel(bos_last_pair[0], n_ctx=64, n_seq=2, n_threads=1, devices=[]) as model:
+    with LlamaModel(bos_last_pair[0], n_ctx=64, device_top_k=0, n_seq=2, n_threads=1, devices=[]) as model:
         assert model.bos == model.n_vocab - 1
         assert model.sequence_batch_error == 0.0 and model.batches_sequences
         assert model.width_noise == 0.0  # on the CPU a sequence's rows do not depend on the batch's width
@@ -80,7 +80,7 @@ def test_the_gpu_probe_compares_widths_of_one_kernel_regime(bos_last_pair, monke
     figures are 0, recording the widths of the batches the GPU's comparison decodes."""
     from localspec.llama.model import MMVQ_MAX_WIDTH, PROBE_WIDTH, LlamaModel
 
-    with LlamaModel(bos_last_pair[0], n_ctx=64, n_seq=2, n_threads=1, devices=[]) as model:
+    with LlamaModel(bos_last_pair[0], n_ctx=64, device_top_k=0, n_seq=2, n_threads=1, devices=[]) as model:
         widths: list[int] = []
         decode = model._decode_batched
 
@@ -128,7 +128,7 @@ def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):
     """`LlamaModel(path)` before any device query: the backend and ggml's device registry are up before llama.cpp
     loads anything (on the H200 image this order crashed inside llama_model_load_from_file)."""
     code = ("import sys; from localspec.llama import backend, model; m = model.LlamaModel(sys.argv[1], n_ctx=64, "
-            "n_threads=1, devices=[]); assert backend._ggml_lib is not None, 'no device registry'; "
+            "device_top_k=0, n_threads=1, devices=[]); assert backend._ggml_lib is not None, 'no device registry'; "
             "print(m.n_vocab)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code, str(bos_last_pair[0])], capture_output=True, text=True,

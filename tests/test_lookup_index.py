@@ -17,9 +17,9 @@ from localspec.drafters import lookup as lookup_drafter
 from localspec.drafters.base import DraftRequest
 from localspec.drafters.lookup import LookupCost, LookupDrafter, NgramIndex
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine, collect
-from localspec.events import GenerationStats
-from localspec.policies import DraftCost, DraftLength
+from localspec.engine import Engine
+from localspec.events import GenerationStats, collect
+from localspec.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 
@@ -52,9 +52,9 @@ def test_the_index_answers_as_a_rescan_while_the_context_grows(n_min: int, n_max
             tokens += rng.integers(0, vocab, size=int(rng.integers(1, 9))).tolist()
 
 
-def request(seq: int, tokens: list[int], length: DraftLength | None = None, **drafting: object) -> DraftRequest:
+def request(seq: int, tokens: list[int], **drafting: object) -> DraftRequest:
     settings = dataclasses.replace(GREEDY.draft, drafter="lookup", **drafting)  # type: ignore[arg-type]
-    return DraftRequest(seq, tokens, GREEDY.sampling, settings, GenerationStats(), length=length)
+    return DraftRequest(seq, tokens, GREEDY.sampling, settings, GenerationStats())
 
 
 def test_a_new_request_in_the_slot_starts_a_fresh_index() -> None:
@@ -108,8 +108,8 @@ def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None
     length = lookup_length()
     assert [length.rule(LookupCost).wanted() for _ in range(5)] == [True] * 5  # nothing judged yet
     for _ in range(8):  # lookup's tokens always wrong, a wide verify dear
-        length.observe(6, 0, 0.0, 0.030, 7, lead=6)
-        length.observe(0, 0, 0.0, 0.010, 1)
+        length.observe(Observation(6, 0, 0.0, 0.030, 7, lead=6))
+        length.observe(Observation(0, 0, 0.0, 0.010, 1))
     assert cut(length, 6, 6) == 0 and length.rule(LookupCost).off
     wanted = [length.rule(LookupCost).wanted() for _ in range(DraftCost.PROBE_FIRST + 4)]
     due = DraftCost.PROBE_FIRST - 2  # the cut match above counted as the first idle round
@@ -136,7 +136,7 @@ def measure_narrow_widths(length: DraftLength, seconds: Callable[[int], float], 
     """Lookup rounds at widths 2..6, every token right: what `LookupCost.length` measures once before it decides
     (`LookupCost.unmeasured`), here at the test's costs."""
     for width in widths:
-        length.observe(width - 1, width - 1, 0.0, seconds(width), width, lead=width - 1)
+        length.observe(Observation(width - 1, width - 1, 0.0, seconds(width), width, lead=width - 1))
 
 
 def test_lookup_is_measured_before_it_is_judged() -> None:
@@ -144,12 +144,12 @@ def test_lookup_is_measured_before_it_is_judged() -> None:
     tokens, judged at its prior acceptance, looked a loss: backed off for a probe interval on text it copies (the
     CPU demo pair's JSON reformat: 13 rounds). Its first matches are proposed whole, to measure it."""
     length = lookup_length("chain")
-    length.observe(0, 0, 0.0, 0.040, 1)
-    length.observe(2, 0, 0.080, 0.140, 3, first_s=0.040)  # the model's warm-up: cold, slow
+    length.observe(Observation(0, 0, 0.0, 0.040, 1))
+    length.observe(Observation(2, 0, 0.080, 0.140, 3, first_s=0.040))  # the model's warm-up: cold, slow
     assert length.rule(LookupCost).best(6, 6) == 0  # (the premise: on these costs and its prior, a loss)
     assert [cut(length, 6, 6) for _ in range(DraftLength.WARMUP)] == [6] * DraftLength.WARMUP
     for _ in range(DraftLength.WARMUP):
-        length.observe(6, 6, 0.0, 0.090, 7, lead=6)
+        length.observe(Observation(6, 6, 0.0, 0.090, 7, lead=6))
     assert cut(length, 6, 6) > 0 and not length.rule(LookupCost).off  # measured right every time: it pays
     measure_narrow_widths(length, lambda width: 0.040 + 0.0083 * (width - 1))  # (on the line to 7's 0.090)
     assert cut(length, 6, 6) == 6  # all of it
@@ -159,14 +159,14 @@ def test_a_match_cut_short_is_proposed_whole_every_epoch() -> None:
     """A wide verify measured once in a slow moment is never measured again if lookup is cut short of it: every
     EPOCH rounds in a row that cut it, the whole match is proposed (a fresh measurement of the width)."""
     length = lookup_length()
-    length.observe(0, 0, 0.0, 0.040, 1)
-    length.observe(3, 3, 0.0, 0.100, 4, lead=3)
-    length.observe(6, 6, 0.0, 0.330, 7, lead=6)  # a slow moment
+    length.observe(Observation(0, 0, 0.0, 0.040, 1))
+    length.observe(Observation(3, 3, 0.0, 0.100, 4, lead=3))
+    length.observe(Observation(6, 6, 0.0, 0.330, 7, lead=6))  # a slow moment
     measure_narrow_widths(length, lambda width: 0.040 + 0.020 * (width - 1))
     lengths = [cut(length, 6, 6) for _ in range(DraftLength.EPOCH)]
     assert lengths[:-1] == [lengths[0]] * (DraftLength.EPOCH - 1) and 0 < lengths[0] < 6 and lengths[-1] == 6
     for _ in range(20):  # (the slow moment's share of the average fades)
-        length.observe(6, 6, 0.0, 0.150, 7, lead=6)  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
+        length.observe(Observation(6, 6, 0.0, 0.150, 7, lead=6))  # what a 7-wide verify really costs (v(1) + 3 v(4)'s)
     assert cut(length, 6, 6) == 6
 
 
@@ -174,11 +174,11 @@ def test_a_round_cut_short_by_max_tokens_does_not_back_lookup_off() -> None:
     """Near max_tokens a round has room for one token, where a wider verify may not pay: that says nothing of the
     next generation's full rounds, which still search."""
     length = lookup_length()
-    length.observe(0, 0, 0.0, 0.040, 1)
+    length.observe(Observation(0, 0, 0.0, 0.040, 1))
     for _ in range(3):
-        length.observe(6, 6, 0.0, 0.110, 7, lead=6)
+        length.observe(Observation(6, 6, 0.0, 0.110, 7, lead=6))
     measure_narrow_widths(length, lambda width: 0.040 + 0.0117 * (width - 1), range(3, 7))
-    length.observe(1, 1, 0.0, 0.085, 2, lead=1)  # (width 2's measure)
+    length.observe(Observation(1, 1, 0.0, 0.085, 2, lead=1))  # (width 2's measure)
     assert cut(length, 1, 1) == 0 and not length.rule(LookupCost).off
     assert length.rule(LookupCost).wanted() and cut(length, 6, 6) == 6
 
@@ -189,14 +189,14 @@ def test_a_narrower_width_measured_in_a_slow_moment_is_measured_again() -> None:
     never fixed it. A match cut short now re-measures the wider width measured longest ago, and lookup finds 5."""
     verify = {1: 0.0384, 2: 0.0739, 3: 0.1124, 4: 0.0967, 5: 0.1465, 6: 0.1186, 7: 0.1916}  # (test_chain_cost)
     length = lookup_length()
-    length.observe(0, 0, 0.0, verify[1], 1)
+    length.observe(Observation(0, 0, 0.0, verify[1], 1))
     for width in (7, 7, 2, 3, 4, 5, 6):
         slow = 1.4 if width == 6 else 1.0  # one slow moment
-        length.observe(width - 1, width - 1, 0.0, slow * verify[width], width, lead=width - 1)
+        length.observe(Observation(width - 1, width - 1, 0.0, slow * verify[width], width, lead=width - 1))
     proposed = []
     for _ in range(4 * DraftLength.EPOCH):
         j = cut(length, 6, 6)
         proposed.append(j)
-        length.observe(j, j, 0.0, verify[j + 1], j + 1, lead=j)
+        length.observe(Observation(j, j, 0.0, verify[j + 1], j + 1, lead=j))
     assert proposed[0] == 3  # (the premise: the slow 6-wide figure cuts lookup to 3)
     assert proposed[-DraftLength.EPOCH:].count(5) >= DraftLength.EPOCH - 1, proposed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -16,11 +17,11 @@ from helpers_stats import chi_square, joint_probs
 
 from localspec import drafters
 from localspec.config import DRAFTERS, load_preset
-from localspec.drafters.base import Proposal
 from localspec.drafters.chain import ChainCost, ChainDrafter
 from localspec.drafters.lookup import continuation
-from localspec.engine import Engine, TokenEvent, collect
-from localspec.policies import DraftCost, DraftLength
+from localspec.engine import Engine
+from localspec.events import TokenEvent, collect
+from localspec.policies import DraftCost, DraftLength, Observation
 from localspec.sampling import accept_or_resample, candidates, point_mass
 
 GREEDY = load_preset("greedy")
@@ -241,19 +242,27 @@ def scripted_costs(k: int, lookup_right: bool) -> DraftLength:
     but the last of k, lookup's matches right in full or wrong from their first token."""
     length = draft_policy(drafting(k, "chain"), DraftCost(k, graphs=True), padded=True)
     for _ in range(12):
-        length.cost.observe(k, k - 1, k * 0.0019, 0.0271, k + 1, first_s=0.0019)
-        length.cost.observe(k, k if lookup_right else 0, 0.0, 0.0271, k + 1, lead=k)
-        length.cost.observe(0, 0, 0.0, 0.0127, 1)
+        length.cost.observe(Observation(k, k - 1, k * 0.0019, 0.0271, k + 1, first_s=0.0019))
+        length.cost.observe(Observation(k, k if lookup_right else 0, 0.0, 0.0271, k + 1, lead=k))
+        length.cost.observe(Observation(0, 0, 0.0, 0.0127, 1))
     return length
 
 
-def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[Proposal]:
+class _Weighed(NamedTuple):
+    """A proposal, and how many of its tokens were drafted beside the last verify (the drafter's `Spent.ahead`)."""
+
+    tokens: list[int]
+    lead: int
+    ahead: int
+
+
+def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[_Weighed]:
     """Chains drafted from now on weigh held bets on `scripted_costs`; the list fills with the proposals of the
     rounds that held a bet and found a lookup match."""
     monkeypatch.setattr(Engine, "_draft_length",
                         lambda self, drafting, *rest: _Weighing(drafting.n_draft,
                                                                 scripted_costs(drafting.n_draft, lookup_right)))
-    weighed: list[Proposal] = []
+    weighed: list[_Weighed] = []
     chain_draft = ChainDrafter.draft
 
     def recording(self: ChainDrafter, jobs):  # type: ignore[no-untyped-def]
@@ -262,7 +271,7 @@ def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[Propos
         match = continuation(req.tokens, req.drafting.lookup_min, req.drafting.lookup_max, n)
         out = chain_draft(self, jobs)
         if held and match:
-            weighed.append(out[0])
+            weighed.append(_Weighed(out[0].tokens, out[0].lead, self.spent(req).ahead))
         return out
     monkeypatch.setattr(ChainDrafter, "draft", recording)
     return weighed

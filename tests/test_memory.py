@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec import demo, memory
+from localspec import config, demo, memory
 from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
 from localspec.placement import Dev
 from tests.helpers_vocab import write_vocab
@@ -25,9 +25,14 @@ KV_TOLERANCE = 0.01
 _LOAD = """
 import sys
 from localspec.llama.model import LlamaModel
-m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0)
+m = LlamaModel(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type=sys.argv[3], n_batch=512, n_gpu_layers=0, device_top_k=0)
 m.close()
 """
+
+
+def preset_settings(**values: object) -> memory.Settings:
+    """The default preset's estimate settings with these values (`memory.Settings.changed`)."""
+    return memory.settings_from_preset(config.load_preset()).changed(**values)
 
 
 def gpu(index: int, free: int, name: str = "GPU") -> memory.DeviceMem:
@@ -71,7 +76,7 @@ def test_estimate_matches_what_llama_cpp_allocates(
     which: str, n_ctx: int, kv_type: str, gemma: Path, smollm2_path: Path
 ) -> None:
     path = smollm2_path if which == "smollm2" else gemma
-    s = memory.Settings(n_ctx=n_ctx, n_draft=0, kv_type=kv_type, n_batch=512)
+    s = preset_settings(n_ctx=n_ctx, n_draft=0, kv_type=kv_type, n_batch=512)
     est = memory.model_memory(read_header(path), s, n_outputs=1, n_gpu_layers=0)
     actual = llama_cpp_buffers(path, n_ctx, kv_type)
     total = sum(actual.values())
@@ -101,7 +106,7 @@ def _headers(gemma: Path):
 
 def test_fits_when_memory_is_plenty(gemma: Path) -> None:
     t, d = _headers(gemma)
-    s = memory.Settings(n_ctx=4096, n_draft=6)
+    s = preset_settings(n_ctx=4096, n_draft=6)
     est = memory.estimate(t, d, s, memory.Devices(ram_available=64 << 30))
     assert est.fits and not est.suggestions
     assert est.total == sum(m.total for m in est.models) and len(est.models) == 2
@@ -112,20 +117,20 @@ def test_fits_when_memory_is_plenty(gemma: Path) -> None:
 
 def test_proposes_what_fits_in_ram(gemma: Path) -> None:
     t, d = _headers(gemma)
-    s = memory.Settings(n_ctx=32768, n_draft=6)
+    s = preset_settings(n_ctx=32768, n_draft=6)
     need = memory.estimate(t, d, s, memory.Devices(ram_available=64 << 30)).ram_bytes
     small = memory.Devices(ram_available=int(need * 0.9))
     est = memory.estimate(t, d, s, small)
     assert not est.fits and "RAM" in est.problem and "context 32768" in est.problem
     assert est.suggestions[0] == "--kv-type q8_0 (keeps context 32768)"
     ctx = int(est.suggestions[1].split()[1])
-    assert memory.estimate(t, d, replace(s, n_ctx=ctx), small).fits
-    assert not memory.estimate(t, d, replace(s, n_ctx=ctx * 2), small).fits
+    assert memory.estimate(t, d, s.changed(n_ctx=ctx), small).fits
+    assert not memory.estimate(t, d, s.changed(n_ctx=ctx * 2), small).fits
 
 
 def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
     t, d = _headers(gemma)
-    s = memory.Settings(n_ctx=2048, n_draft=4)
+    s = preset_settings(n_ctx=2048, n_draft=4)
     plenty = memory.Devices(ram_available=64 << 30, gpus=(gpu(0, 64 << 30),))
     gpu_need = memory.estimate(t, d, s, plenty).gpu_bytes
     short = replace(plenty, gpus=(gpu(0, int((gpu_need - 200 * MiB) / (1 - memory.HEADROOM))),))
@@ -134,7 +139,7 @@ def test_proposes_fewer_gpu_layers_when_vram_is_short(gemma: Path) -> None:
     ngl = [x for x in est.suggestions if x.startswith("--ngl")]
     assert ngl, est.suggestions
     n = int(ngl[0].split()[1])
-    assert memory.estimate(t, d, replace(s, n_gpu_layers=n), short).fits
+    assert memory.estimate(t, d, s.changed(n_gpu_layers=n), short).fits
 
 
 def test_probe_devices_says_what_it_cannot_know() -> None:
@@ -182,18 +187,18 @@ def test_qwen3_32b_fits_a_24_gb_card() -> None:
     assert memory.kv_bytes(d, 256, "f16") // 256 == 112 * 1024
     assert memory.kv_bytes(t, 256, "f16") // 256 == 256 * 1024
 
-    s = memory.Settings(n_ctx=pair.n_ctx or 0, n_draft=pair.n_draft or 0, kv_type=pair.kv_type or "f16")
+    s = preset_settings(n_ctx=pair.n_ctx or 0, n_draft=pair.n_draft or 0, kv_type=pair.kv_type or "f16")
     est = memory.estimate(t, d, s, CARD_24GB)
     assert est.fits, est.problem
     assert est.gpu_bytes / GiB == pytest.approx(21.63, abs=0.01)  # the number written in models.toml
     spare = CARD_24GB.gpus[0].free * (1 - memory.HEADROOM) - est.gpu_bytes
     assert spare / GiB == pytest.approx(0.69, abs=0.01)
     # f16 KV at the same context does not fit: that is why the pair asks for q8_0.
-    assert not memory.estimate(t, d, replace(s, kv_type="f16"), CARD_24GB).fits
+    assert not memory.estimate(t, d, s.changed(kv_type="f16"), CARD_24GB).fits
 
     def largest(kv_type: str) -> int:
         return max(c for c in range(256, 65536, 256)
-                   if memory.estimate(t, d, replace(s, n_ctx=c, kv_type=kv_type), CARD_24GB).fits)
+                   if memory.estimate(t, d, s.changed(n_ctx=c, kv_type=kv_type), CARD_24GB).fits)
 
     assert (largest("q8_0"), largest("f16")) == (11776, 6144)  # also written in models.toml
 
@@ -207,11 +212,11 @@ def test_slots_multiply_the_kv_cache_and_fewer_slots_are_suggested() -> None:
     assert pair.target is not None and pair.draft is not None
     t = _qwen3_header(pair.target.file, 64, 64, 5120, pair.target.size)
     d = _qwen3_header(pair.draft.file, 28, 16, 1024, pair.draft.size)
-    one = memory.Settings(n_ctx=3072, n_draft=6, kv_type="q8_0")
-    four = replace(one, n_seq=4)
+    one = preset_settings(n_ctx=3072, n_draft=6, kv_type="q8_0")
+    four = one.changed(n_seq=4)
     assert (memory.estimate(t, d, four, CARD_24GB).models[0].kv
             == 4 * memory.estimate(t, d, one, CARD_24GB).models[0].kv)
-    assert memory.estimate(t, d, replace(four, n_ctx=2816), CARD_24GB).fits
+    assert memory.estimate(t, d, four.changed(n_ctx=2816), CARD_24GB).fits
     est = memory.estimate(t, d, four, CARD_24GB)
     assert not est.fits and "3072 × 4 slots" in est.problem
     assert "--parallel 3 (slots; keeps context 3072 each)" in est.suggestions

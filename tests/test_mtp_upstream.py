@@ -33,7 +33,7 @@ def test_masked_nextn_rows_are_still_the_batchs_first_rows(hybrid_pair) -> None:
 
     from localspec.llama.model import LlamaModel
 
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1) as m:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1) as m:
         assert m.mtp_layers == 1
         n_embd = int(llama_cpp.llama_model_n_embd_out(m.model))
         h = np.random.default_rng(0).standard_normal((ENTRIES, n_embd)).astype(np.float32)
@@ -65,7 +65,7 @@ def test_a_build_without_recurrent_checkpoints_is_refused_by_name(hybrid_pair, m
     monkeypatch.delattr(llama_cpp, name)
     assert name in (rollback_unsupported() or "")
     with pytest.raises(RollbackError, match=rf"{hybrid_pair[0].name}: llama-cpp-python .* lacks {name}"):
-        LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3)
+        LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3)
 
 
 @pytest.mark.parametrize("name", ["LLAMA_CONTEXT_TYPE_MTP", "llama_batch_ext_set_embd_token"])
@@ -78,7 +78,7 @@ def test_a_library_without_mtp_support_is_named_not_the_model_file(hybrid_pair, 
 
     assert mtp_unsupported() is None
     monkeypatch.delattr(llama_cpp, name)
-    with LlamaModel(hybrid_pair[0], n_ctx=256, n_threads=1, rewind=3) as target:
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3) as target:
         assert target.mtp_layers == 0
         engine = Engine(target, None)
         with pytest.raises(UsageError) as err:

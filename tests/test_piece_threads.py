@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model(tiny_pair):
-    with LlamaModel(tiny_pair[0], n_ctx=64, n_gpu_layers=0, devices=[]) as m:
+    with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_gpu_layers=0, devices=[]) as m:
         yield m
 
 

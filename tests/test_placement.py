@@ -18,6 +18,11 @@ from localspec.status import Status
 GiB = 1 << 30
 
 
+def preset_settings(**values: object) -> memory.Settings:
+    """The default preset's estimate settings with these values (`memory.Settings.changed`)."""
+    return memory.settings_from_preset(config.load_preset()).changed(**values)
+
+
 def gpus(*free_gib: float, name: str = "RTX 3090") -> tuple[memory.DeviceMem, ...]:
     return tuple(memory.DeviceMem(Dev("gpu", i), name, int(f * GiB), 24 * GiB) for i, f in enumerate(free_gib))
 
@@ -117,7 +122,7 @@ def test_placement_settings_are_checked_where_they_are_read() -> None:
 
 def test_each_device_gets_its_share(gemma) -> None:
     t, d = gemma
-    s = memory.Settings(n_ctx=4096, n_draft=6)
+    s = preset_settings(n_ctx=4096, n_draft=6)
     est = memory.estimate(t, d, s, machine(30, 10))
     need = {n.device.label: n.need for n in est.per_device}
     assert set(need) == {"GPU 0", "GPU 1"} and est.fits
@@ -133,7 +138,7 @@ def test_each_device_gets_its_share(gemma) -> None:
 
 def test_draft_on_the_other_gpu_is_proposed_with_what_it_frees(gemma) -> None:
     t, d = gemma
-    s = memory.Settings(n_ctx=4096, n_draft=6, split_mode="none")
+    s = preset_settings(n_ctx=4096, n_draft=6, split_mode="none")
     alone = memory.estimate(t, None, s, machine(64, 64)).per_device[0].need  # the target alone on GPU 0
     tight = machine((alone + 100 * 2**20) / GiB / (1 - memory.HEADROOM), 64)
     est = memory.estimate(t, d, s, tight)
@@ -141,12 +146,12 @@ def test_draft_on_the_other_gpu_is_proposed_with_what_it_frees(gemma) -> None:
     draft_bytes = est.models[1].weights + est.models[1].kv + est.models[1].compute
     assert est.suggestions[0] == (f"--draft-device 1 (the draft on GPU 1: frees {draft_bytes / GiB:.1f} GiB on "
                                   "GPU 0)")
-    assert memory.estimate(t, d, replace(s, draft_device="1"), tight).fits
+    assert memory.estimate(t, d, s.changed(draft_device="1"), tight).fits
 
 
 def test_a_split_that_fits_is_proposed(gemma) -> None:
     t, d = gemma
-    s = memory.Settings(n_ctx=4096, n_draft=6, tensor_split=(1, 1))
+    s = preset_settings(n_ctx=4096, n_draft=6, tensor_split=(1, 1))
     need = memory.estimate(t, d, s, machine(64, 64)).per_device
     # GPU 0 (target half + draft) has just too little, GPU 1 plenty: a split that moves layers to GPU 1 fits
     tight = machine((need[0].need - 50 * 2**20) / GiB / (1 - memory.HEADROOM), 64)
@@ -154,13 +159,13 @@ def test_a_split_that_fits_is_proposed(gemma) -> None:
     assert not est.fits
     split = next(x for x in est.suggestions if x.startswith("--tensor-split "))
     values = tuple(float(v) for v in split.split()[1].split(","))
-    assert values[0] < values[1] and memory.estimate(t, d, replace(s, tensor_split=values), tight).fits
+    assert values[0] < values[1] and memory.estimate(t, d, s.changed(tensor_split=values), tight).fits
 
 
 def test_rpc_devices_are_counted(gemma) -> None:
     t, d = gemma
     server = memory.DeviceMem(Dev("rpc", 0, "10.0.0.2:50052"), "RPC0", 1 * GiB, 1 * GiB)
-    s = memory.Settings(n_ctx=4096, n_draft=6, rpc=("10.0.0.2:50052",), tensor_split=(1, 1))
+    s = preset_settings(n_ctx=4096, n_draft=6, rpc=("10.0.0.2:50052",), tensor_split=(1, 1))
     est = memory.estimate(t, d, s, machine(64, rpc=(server,)))
     by = {n.device.label: n for n in est.per_device}
     assert set(by) == {"RPC 10.0.0.2:50052", "GPU 0"}

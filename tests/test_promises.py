@@ -16,8 +16,9 @@ import pytest
 
 from localspec import drafters
 from localspec.config import load_preset
-from localspec.engine import STOP_CONTEXT_FULL, Engine, collect
+from localspec.engine import Engine
 from localspec.errors import UsageError
+from localspec.events import STOP_CONTEXT_FULL, collect
 from tests.helpers_fake import FakeModel
 from tests.helpers_vocab import write_vocab
 

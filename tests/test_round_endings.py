@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.engine import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, Engine, collect
+from localspec.engine import Engine
+from localspec.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, collect
 from localspec.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow

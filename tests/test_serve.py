@@ -515,7 +515,7 @@ def _reference_greedy(prompt: str, n: int, preset) -> list[tuple[str, np.ndarray
 
     s = preset.sampling
     out = []
-    with LlamaModel(smollm2_source_path(), n_ctx=512, n_gpu_layers=0, n_threads=1) as model:
+    with LlamaModel(smollm2_source_path(), n_ctx=512, device_top_k=0, n_gpu_layers=0, n_threads=1) as model:
         tokens = model.tokenize(prompt, add_special=True, parse_special=True)
         model.decode(tokens[:-1], 0)
         for _ in range(n):

@@ -343,7 +343,7 @@ def _text_tokens(text: str) -> int:
     from localspec.demo import smollm2_source_path
     from localspec.llama.model import LlamaModel
 
-    with LlamaModel(smollm2_source_path(), n_ctx=64, n_gpu_layers=0, n_threads=1) as model:
+    with LlamaModel(smollm2_source_path(), n_ctx=64, device_top_k=0, n_gpu_layers=0, n_threads=1) as model:
         return len(model.tokenize(text, add_special=False, parse_special=False))
 
 
@@ -382,7 +382,7 @@ def test_messages_without_control_text_tokenize_as_before_and_cancelling_stops_t
     conversation = [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Hi <b>there</b>"},
                     {"role": "assistant", "content": "Hello!\n"}, {"role": "user", "content": "2 < 3 > 1 [x]"}]
     for path in (smollm2_source_path(), demo_files(demo_home).target):
-        with LlamaModel(path, n_ctx=64, n_gpu_layers=0, n_threads=1) as model:
+        with LlamaModel(path, n_ctx=64, device_top_k=0, n_gpu_layers=0, n_threads=1) as model:
             template = ChatTemplate.for_model(model)
             expected = encode_chat(model, template.render(conversation))
             assert encode_messages(model, template, conversation) == expected, path.name

@@ -20,8 +20,9 @@ from starlette.testclient import TestClient
 
 from localspec.config import load_preset
 from localspec.server.app import Backend, ServerState, create_app
-from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse
-from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, QueueFull, Worker
+from localspec.server.errors import ApiError
+from localspec.server.schema import ChatRequest, CompletionRequest, parse
+from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, Worker
 from localspec.session import ModelFiles, open_session
 from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
@@ -109,7 +110,7 @@ def test_queue_is_bounded_fifo_and_cancel_frees_it(session, demo_home):
         while not seen["long"] and time.monotonic() < deadline:  # running: its first token arrived
             time.sleep(0.05)
         worker.submit(waiting)
-        with pytest.raises(QueueFull):
+        with pytest.raises(ApiError, match="busy"):
             worker.submit(extra)
         assert worker.stats.rejected == 1
         worker.cancel(long)
@@ -122,7 +123,7 @@ def test_queue_is_bounded_fifo_and_cancel_frees_it(session, demo_home):
     finally:
         worker.shutdown(timeout=60)
     # after shutdown nothing is accepted, and a job still queued is told why
-    with pytest.raises(QueueFull, match="shutting down"):
+    with pytest.raises(ApiError, match="shutting down"):
         worker.submit(job("late", 1))
 
 
@@ -150,7 +151,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ({}, "messages", "required"),
 ])
 def test_chat_schema_names_the_field(body, param, needle):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         parse(ChatRequest, body)
     assert info.value.param == param and needle in info.value.message
 
@@ -164,7 +165,7 @@ def test_chat_schema_names_the_field(body, param, needle):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
 ])
 def test_completion_schema_names_the_field(body, param):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         parse(CompletionRequest, body)
     assert info.value.param == param
 
@@ -187,16 +188,16 @@ def test_flat_speculative_type_is_llama_servers_spelling_and_must_agree_with_the
                                "speculative.n_max": 4}).preset_overrides()["n_draft"] == 0
     same = parse(ChatRequest, {**CHAT, "speculative.type": "draft-simple", "speculative": {"type": "draft-simple"}})
     assert same.preset_overrides()["drafter"] == "model"
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         parse(ChatRequest, {**CHAT, "speculative.type": "none", "speculative": {"type": "draft-simple"}})
     assert info.value.param == "speculative.type" and "disagree" in info.value.message
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         parse(ChatRequest, {**CHAT, "speculative.type": "medusa"})
     assert info.value.param == "speculative.type"
 
 
 def test_an_unknown_speculative_type_names_the_field():
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ApiError) as info:
         parse(ChatRequest, {**CHAT, "speculative": {"type": "medusa"}})
     assert info.value.param == "speculative.type" and "ngram-simple" in info.value.message
 
@@ -421,7 +422,7 @@ def test_shutdown_fails_queued_jobs_with_a_reason(session):
     job = Job(prompt=[1], sampling=GREEDY.sampling, drafting=GREEDY.draft, max_tokens=1, stops=(), sink=got.append)
     worker.submit(job)
     worker.shutdown(timeout=0)
-    assert isinstance(got[0], Failed) and got[0].kind == "shutdown"
+    assert isinstance(got[0], Failed) and got[0].error.code == "shutdown"
 
 
 

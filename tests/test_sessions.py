@@ -17,7 +17,7 @@ import pytest
 
 from localspec import demo, slot_file
 from localspec.config import ContextSettings, load_preset
-from localspec.engine import STOP_EOG, collect
+from localspec.events import STOP_EOG, collect
 from localspec.llama.model import LlamaModel
 from localspec.session import ModelFiles, Session, open_session
 

@@ -15,8 +15,9 @@ from helpers_fake import FakeModel
 
 from localspec.config import ContextSettings, load_preset
 from localspec.context_shift import plan, shifted
-from localspec.engine import STOP_CONTEXT_FULL, Engine, collect
+from localspec.engine import Engine
 from localspec.errors import UsageError
+from localspec.events import STOP_CONTEXT_FULL, collect
 from localspec.prompt_cache import PromptCache
 
 GREEDY = load_preset("greedy")
@@ -111,7 +112,7 @@ def test_a_snapshot_holds_what_a_recurrent_model_kept_when_cut_back() -> None:
     committed = len(kv)
     extra = [1, 2, 3, 4, 5, 6]
     draft.decode(extra, len(kv), seq=0)
-    kv.extend(extra)
+    e.drafters["model"].set_cells(0, draft, [*kv, *extra])  # (the drafter's bookkeeping: `cells` hands out copies)
     state = e.snapshot(0)
     assert state.models[1].n_tokens == len(draft.cells[0]) < committed  # what truncate kept, not what was asked
     fresh, target2, _ = engine(cache=None, rewind_depth=4)

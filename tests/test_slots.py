@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
-from localspec.engine import STOP_MAX_TOKENS, TokenEvent, collect
+from localspec.events import STOP_MAX_TOKENS, TokenEvent, collect
 from localspec.llama.grammar import Grammar
 from localspec.policies import LoadPolicy
 from localspec.sampling import candidates

@@ -84,7 +84,7 @@ def test_loads_in_llama_cpp_and_is_not_degenerate(f32_pair: tuple[Path, Path]) -
     from localspec.llama.model import LlamaModel
 
     for path in f32_pair:
-        with LlamaModel(path, n_ctx=512, n_threads=1) as m:
+        with LlamaModel(path, n_ctx=512, device_top_k=0, n_threads=1) as m:
             tokens = m.tokenize("The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday.")
             logits = m.decode(tokens, 0, all_logits=True).logits
             assert logits is not None and logits.shape == (len(tokens), 49152)
@@ -239,14 +239,14 @@ def test_card_pair_loads_and_runs_in_llama_cpp(card_pair) -> None:
     for path in card_pair:
         argmax = []
         for fa in ("off", "on"):
-            with LlamaModel(path, n_ctx=512, n_threads=1, flash_attn=fa) as m:
+            with LlamaModel(path, n_ctx=512, device_top_k=0, n_threads=1, flash_attn=fa) as m:
                 logits = m.decode(m.tokenize(text), 0, all_logits=True).logits
                 assert logits is not None and np.isfinite(logits).all()
                 argmax.append(logits.argmax(axis=1))
         assert np.array_equal(*argmax)
         assert len(set(argmax[0].tolist())) > len(argmax[0]) // 2
     with pytest.raises(ModelLoadError, match="flash attention 'yes'"):
-        LlamaModel(card_pair[0], n_ctx=512, n_threads=1, flash_attn="yes")
+        LlamaModel(card_pair[0], n_ctx=512, device_top_k=0, n_threads=1, flash_attn="yes")
 
 
 @pytest.mark.slow
@@ -342,7 +342,7 @@ def test_hybrid_loads_decodes_and_agrees(hybrid_pair: tuple[Path, Path]) -> None
     from localspec.llama.model import LlamaModel
 
     for path, nextn in zip(hybrid_pair, (1, 0), strict=True):
-        with LlamaModel(path, n_ctx=512, n_threads=1) as m:
+        with LlamaModel(path, n_ctx=512, device_top_k=0, n_threads=1) as m:
             assert L.llama_model_is_hybrid(m.model) and L.llama_model_n_layer_nextn(m.model) == nextn
             tokens = m.tokenize("The quick brown fox jumps over the lazy dog while it rains in Spain on Tuesday.")
             logits = m.decode(tokens, 0, all_logits=True).logits

@@ -26,8 +26,8 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.config import load_preset
-from localspec.engine import STOP_MAX_TOKENS
 from localspec.errors import LocalspecError
+from localspec.events import STOP_MAX_TOKENS
 from localspec.session import ModelFiles, open_session
 from tests.helpers_chat import reply
 

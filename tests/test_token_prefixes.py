@@ -53,7 +53,7 @@ def grammar_of(model: LlamaModel, constraint: Constraint) -> Counting:
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def vocab_model(request, tiny_pair, demo_home: Path):
     path = tiny_pair[0] if request.param == "smollm2" else demo_home / "cache" / "demo" / demo.TARGET_FILE
-    with LlamaModel(path, n_ctx=64, n_threads=1, n_gpu_layers=0) as model:
+    with LlamaModel(path, n_ctx=64, device_top_k=0, n_threads=1, n_gpu_layers=0) as model:
         yield model
 
 

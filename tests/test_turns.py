@@ -1,6 +1,6 @@
 """Slots that take turns (a target whose multi-sequence batches are not exact) with a draft model that may work
 beside the verify: each round verifies one stream at a time and drafts the next stream's proposal beside each
-verify (`Engine._take_turns`). The reference is each request alone in a one-slot engine that drafts on the path:
+verify (`Schedule._take_turns`). The reference is each request alone in a one-slot engine that drafts on the path:
 the tokens must be the same at T = 0, whatever arrives, stops or sits out when; at T > 0 each stream's tokens
 follow the target's own distribution (a seed's text may differ from alone: with other streams the load policy may
 shorten drafts, and a lone stream's draft-ahead draws on its own)."""
@@ -19,7 +19,8 @@ from helpers_rounds import run_together
 from helpers_stats import chi_square, joint_probs
 
 from localspec.config import load_preset
-from localspec.engine import Engine, collect
+from localspec.engine import Engine
+from localspec.events import collect
 
 GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)

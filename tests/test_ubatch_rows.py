@@ -25,7 +25,7 @@ class Reference:
     """Full-logits rows of one sequence decoded alone, from empty cells, in a one-sequence context."""
 
     def __init__(self, path) -> None:
-        self.model = LlamaModel(path, n_ctx=256, n_batch=256, n_threads=1, devices=[])
+        self.model = LlamaModel(path, n_ctx=256, device_top_k=0, n_batch=256, n_threads=1, devices=[])
 
     def rows(self, history: list[int], start: int, n: int) -> np.ndarray:
         self.model.clear()

@@ -17,6 +17,7 @@ import pytest
 from helpers_llama_tool import commands, write_tool
 
 from localspec import config, versus
+from localspec.bench import RunDone
 from localspec.errors import LocalspecError, UsageError
 
 DATA = Path(__file__).resolve().parent / "data" / "llama-speculative-simple"
@@ -125,7 +126,7 @@ def _report(plain_text: dict[str, str] | None = None) -> SimpleNamespace:
                            greedy_check=SimpleNamespace(prompts=checks))
 
 
-def _run(plan: versus.Plan, report: SimpleNamespace) -> tuple[list[versus.LlamaRunDone], versus.Comparison]:
+def _run(plan: versus.Plan, report: SimpleNamespace) -> tuple[list[RunDone[versus.LlamaRun]], versus.Comparison]:
     events = list(versus.run_against(plan, report))  # type: ignore[arg-type]
     assert isinstance(events[-1], versus.Comparison)
     return events[:-1], events[-1]  # type: ignore[return-value]
@@ -138,7 +139,7 @@ def test_every_prompt_runs_in_each_mode_per_repetition_with_the_bench_settings(t
     monkeypatch.setenv("STANDIN_SECONDS", "0.25")
     monkeypatch.setenv("STANDIN_BACKEND_FACTOR", "0.5")  # backend sampling twice as fast
     done, comparison = _run(_plan(write_tool(tmp_path), temperature=0.0, seed=7), _report())
-    assert [(e.run.repetition, e.run.mode, e.run.prompt) for e in done] == [
+    assert [(e.result.repetition, e.result.mode, e.result.prompt) for e in done] == [
         (0, "host", "code"), (0, "host", "qa"), (0, "backend", "code"), (0, "backend", "qa"),
         (1, "backend", "code"), (1, "backend", "qa"), (1, "host", "code"), (1, "host", "qa"),  # modes alternate
         (2, "host", "code"), (2, "host", "qa"), (2, "backend", "code"), (2, "backend", "qa")]

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from localspec.config import load_preset
-from localspec.engine import collect
-from localspec.server.worker import Delta, Finished, Job, QueueFull, Worker
+from localspec.events import collect
+from localspec.server.errors import ApiError
+from localspec.server.worker import Delta, Finished, Job, Worker
 from localspec.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def test_pinned_jobs_wait_for_their_slot_while_others_go_ahead(tiny_pair):
                      (("first", PROMPTS[0], 60), ("pinned", PROMPTS[1], 8), ("free", PROMPTS[2], 8))}
             assert {name: r.text for name, r in results.items()} == texts
             # all of a request's choices, or none of them
-            with pytest.raises(QueueFull):
+            with pytest.raises(ApiError, match="busy"):
                 worker.submit_all([job(f"c{i}", PROMPTS[0], 2, None) for i in range(7)])
             assert worker.queued == 0
         finally:

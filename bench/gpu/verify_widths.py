@@ -171,7 +171,8 @@ def main() -> int:
         result["on_gpu"] = model.on_gpu
         result["timings_ms"] = timings(model, a.calls, a.widths, not a.no_patterns)
         if a.logits:
-            cpu = LlamaModel(a.model, n_ctx=1024, n_gpu_layers=0, n_threads=a.threads) if model.on_gpu else None
+            cpu = LlamaModel(a.model, n_ctx=1024, device_top_k=0, n_gpu_layers=0,
+                             n_threads=a.threads) if model.on_gpu else None
             try:
                 result["logits"] = logits_vs_single(model, cpu, a.max_width)
             finally:

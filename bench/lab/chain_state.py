@@ -22,7 +22,7 @@ import llama_cpp  # noqa: F401, I001  -- before numpy: on the H200 the CUDA buil
 from localspec import bench
 from localspec.config import load_preset
 from localspec.drafters.model import ModelCost
-from localspec.engine import collect
+from localspec.events import collect
 from localspec.session import ModelFiles, open_session
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from localspec import demo
 from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import load_preset
-from localspec.engine import DoneEvent, Engine
+from localspec.engine import Engine
+from localspec.events import DoneEvent
 from localspec.llama.model import LlamaModel
 
 PROMPTS = ["What is two plus two?", "Write a Python function that reverses a string.",
@@ -38,11 +39,11 @@ def main() -> None:
     types = args.types.split(",")
     src = demo.smollm2_source_path()
     preset = load_preset("greedy")
-    target = LlamaModel(src, n_ctx=1024, n_threads=args.threads)
+    target = LlamaModel(src, n_ctx=1024, device_top_k=0, n_threads=args.threads)
     template = ChatTemplate.for_model(target)
     prompts = [encode_chat(target, template.render([{"role": "user", "content": p}])) for p in PROMPTS]
     drafts = {t: demo._requantize(src, args.out / f"smollm2-{t}.gguf", t) for t in types}
-    models = {t: LlamaModel(p, n_ctx=1024, n_threads=args.threads) for t, p in drafts.items()}
+    models = {t: LlamaModel(p, n_ctx=1024, device_top_k=0, n_threads=args.threads) for t, p in drafts.items()}
 
     def run(draft: LlamaModel | None) -> tuple[float, float]:
         engine = Engine(target, draft)

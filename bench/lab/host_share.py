@@ -73,8 +73,9 @@ class _DecodeClock:
         for drafter in {id(d): d for d in engine.drafters.values() if isinstance(d, ModelDrafter)}.values():
             drafter._draft_ahead = self._timed(drafter._draft_ahead, "ahead",  # type: ignore[method-assign]
                                                loop_only=False)
-        for name in self.PHASES:
-            setattr(engine, name, self._timed(getattr(engine, name), name, outside_decodes=True))
+        for name in self.PHASES:  # (planning is the schedule's, drafting and verifying the engine's)
+            owner, attr = (engine.schedule, "plan") if name == "_plan" else (engine, name)
+            setattr(owner, attr, self._timed(getattr(owner, attr), name, outside_decodes=True))
         for cls, name in self.COST_MODEL:  # (the class's: a stream's policy is made when it starts)
             setattr(cls, name, self._timed(getattr(cls, name), "cost_model"))
 

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Annotated
 
 # The import-order guard lives in the entry points (and localspec/llama), not in the package: llama_cpp must load before
-# numpy, or model loading crashed on the CUDA image (docs/architecture.md). Config and header code need no libllama.
+# numpy, or a CUDA build's model load can crash (docs/architecture.md). Config and header code need no libllama.
 import llama_cpp  # noqa: F401, I001
 import typer
 

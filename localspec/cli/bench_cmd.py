@@ -181,9 +181,9 @@ def _against(console: Console, plan: versus.Plan, report: BenchReport) -> versus
                 comparison = event
                 break
             task = task if task is not None else progress.add_task("llama.cpp", total=event.total)
-            t = event.run.timings
-            progress.update(task, completed=event.done, description=f"llama.cpp {event.run.mode} "
-                            f"{event.run.prompt}: {t.tokens / t.seconds if t.seconds else 0:.1f} tok/s")
+            t = event.result.timings
+            progress.update(task, completed=event.done, description=f"llama.cpp {event.result.mode} "
+                            f"{event.result.prompt}: {t.tokens / t.seconds if t.seconds else 0:.1f} tok/s")
     console.print(versus_view(comparison))
     return comparison
 

@@ -40,10 +40,10 @@ from localspec.chat import (
     starts_in_thinking,
 )
 from localspec.cli import options
-from localspec.config import DRAFTER_FACTS
+from localspec.config import DRAFTER_TABLE
 from localspec.constraints import Constraint
-from localspec.engine import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.errors import DecodeError, LocalspecError, UsageError
+from localspec.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.fsutil import not_utf8
 from localspec.session import ModelFiles, Session, open_session
 
@@ -303,7 +303,7 @@ class ChatView:
 
     def _settings_text(self) -> str:
         p = self.chat.preset
-        draft = (f"draft length {p.draft.n_draft} ({DRAFTER_FACTS[p.draft.drafter].title})"
+        draft = (f"draft length {p.draft.n_draft} ({DRAFTER_TABLE[p.draft.drafter].title})"
                  if p.draft.drafter in self.chat.engine.drafters else "no draft model")
         thinking = "" if self.chat.thinking is None else f", thinking {'on' if self.chat.thinking else 'off'}"
         return (f"preset {p.name}: temperature {p.sampling.temperature}, {draft}, "
@@ -344,19 +344,18 @@ class _Shown:
 
 
 @options.with_run_options
+@options.with_shift_options
 def chat(
     run: options.RunOptions,
+    shift: dict[str, Any],
     system: SystemOpt = None,
     max_tokens: options.chat_max_tokens = None,
     drop_oldest: DropOldestOpt = False,
     no_think: NoThinkFlag = False,
-    context_shift: options.context_shift = None,
-    n_keep: options.n_keep = None,
 ) -> None:
     """Chat with the target, sped up by the draft; accepted draft tokens are coloured. /help: commands."""
     # --max-tokens goes to the session, not the preset: /preset switches keep the user's limit.
-    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name,
-                                        context_shift=context_shift, n_keep=n_keep)
+    files, chosen = options.resolve_run(run, "chat", fallback_pair=registry.DEMO_CHAT.name, **shift)
     chosen.with_overrides(prefer="chat", flags=options.FLAGS, max_tokens=max_tokens)  # its range, checked now
     console = Console(highlight=False)
     with open_session(files, chosen) as session:
@@ -381,8 +380,10 @@ def chat(
 
 
 @options.with_run_options
+@options.with_shift_options
 def generate(
     run: options.RunOptions,
+    shift: dict[str, Any],
     prompt: PromptArg,
     max_tokens: options.generate_max_tokens = None,
     chat_template: ChatFlag = False,
@@ -390,8 +391,6 @@ def generate(
     json_out: JsonFlag = False,
     json_schema: JsonSchemaFile = None,
     grammar_file: GrammarFile = None,
-    context_shift: options.context_shift = None,
-    n_keep: options.n_keep = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
     constraint = Constraint.from_files(json_schema, grammar_file)  # a bad file fails before any model loads
@@ -403,8 +402,7 @@ def generate(
     # A chat-templated prompt wants the instruct demo (a base model continues the text instead of answering);
     # plain completion keeps the base demo, which continues text well.
     fallback = registry.DEMO_CHAT.name if chat_template else None
-    files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens,
-                                        context_shift=context_shift, n_keep=n_keep)
+    files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens, **shift)
     limit = chosen.generate.max_tokens
     with open_session(files, chosen) as session:
         model = session.target

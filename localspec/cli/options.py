@@ -3,7 +3,7 @@
 
 Parameters are named after preset keys (`temperature`, shown as `--temp`; `n_ctx`, shown as `--ctx`), so values
 pass straight to `Preset.with_overrides`. The options every model-running command shares are declared once
-(`RunOptions`) and added to each command by `with_run_options`.
+(`RunOptions`) and added to each command by `with_run_options`; context shift's by `with_shift_options`.
 Types, ranges and choices come from `config.py`'s field metadata, so they are written down once; config checks
 the values and names the flag in its one-line error.
 """
@@ -276,25 +276,40 @@ _RUN_OPTIONS: dict[str, Any] = {
 }
 
 
-def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command the shared `RunOptions`: typer sees each of them in the command's signature, the command
-    receives them together as its `run` parameter. One list of options, however many commands run models."""
+def _with_group(command: Callable[..., None], group: dict[str, Any], param: str,
+                build: Callable[[dict[str, Any]], Any]) -> Callable[..., None]:
+    """Give a command a group of shared options: typer sees each of them in the command's signature, the command
+    receives them together as its `param` (`build` of their values). A command may declare one of them its own way
+    (serve's repeatable --pair): it gets that one itself."""
     hints = typing.get_type_hints(command, include_extras=True)
     own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
-           if p.name != "run"]
-    # A command may declare a shared option its own way (serve's repeatable --pair): it gets that one itself.
+           if p.name != param]
     taken = {p.name for p in own}
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-              for name, annotation in _RUN_OPTIONS.items() if name not in taken]
+              for name, annotation in group.items() if name not in taken]
 
     @functools.wraps(command)
-    def run_command(**kwargs: Any) -> None:
-        run = RunOptions(**{name: kwargs.pop(name) for name in _RUN_OPTIONS if name not in taken})
-        return command(run=run, **kwargs)
+    def grouped_command(**kwargs: Any) -> None:
+        return command(**{param: build({name: kwargs.pop(name) for name in group if name not in taken})}, **kwargs)
 
-    run_command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
-    run_command.__annotations__ = {p.name: p.annotation for p in (*own, *shared)}
-    return run_command
+    grouped_command.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+    grouped_command.__annotations__ = {p.name: p.annotation for p in (*own, *shared)}
+    return grouped_command
+
+
+def with_run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the shared `RunOptions` as its `run` parameter. One list of options, however many commands
+    run models."""
+    return _with_group(command, _RUN_OPTIONS, "run", lambda values: RunOptions(**values))
+
+
+# Context shift, for the commands whose generations may fill the context (chat, generate, serve).
+_SHIFT_OPTIONS: dict[str, Any] = {"context_shift": context_shift, "n_keep": n_keep}
+
+
+def with_shift_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command `--context-shift` and `--keep` as its `shift` parameter: preset overrides for `resolve_run`."""
+    return _with_group(command, _SHIFT_OPTIONS, "shift", dict)
 
 
 def resolve_run(run: RunOptions, command: str, fallback_pair: str | None = None,

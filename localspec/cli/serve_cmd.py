@@ -73,8 +73,10 @@ ServeMaxTokensOpt = Annotated[
 
 
 @options.with_run_options
+@options.with_shift_options
 def serve(
     run: options.RunOptions,
+    shift: dict[str, Any],
     host: options.host = None,
     port: options.port = None,
     queue: options.queue = None,
@@ -88,8 +90,6 @@ def serve(
     metrics: MetricsOpt = None,
     cache_ram: options.cache_ram = None,
     slot_save_path: options.slot_save_path = None,
-    context_shift: options.context_shift = None,
-    n_keep: options.n_keep = None,
     slots: SlotsOpt = None,
     strict_model: StrictModelOpt = None,
     pair: ServePairsOpt = None,
@@ -121,8 +121,7 @@ def serve(
                                     model_aliases=",".join(model_alias) if model_alias else None,
                                     metrics=metrics, slots=slots, strict_model=strict_model,
                                     cache_ram=cache_ram, slot_save_path=slot_save_path,
-                                    context_shift=context_shift, n_keep=n_keep, models_budget=models_budget,
-                                    models_idle=models_idle) for r in runs]
+                                    models_budget=models_budget, models_idle=models_idle, **shift) for r in runs]
     files, chosen = resolved[0]
     settings = chosen.server
     if slot_save_path is None:

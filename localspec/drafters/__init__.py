@@ -1,10 +1,11 @@
 """Drafters: who proposes the tokens the target verifies. The protocol is in `base`; every other module here is one
-drafter, registered under its module name (what `[draft] drafter`, `--drafter` and the server's `speculative.type`
-select). A new drafter is one file: a class with the `base.Drafter` methods and a `build(target, draft, built)`
-factory (None where these models cannot host it); optionally `NEEDS` (drafters built before it, handed in
-`built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as llama-server spells it), `unavailable(target, draft)`
-(why these models have none, for the error that names it), and the facts `config.DRAFTER_FACTS` reads from the file
-without importing it (`TITLE`, `NEEDS_DRAFT_MODEL`, `TARGET_HEAD`). Nothing else names it."""
+drafter, registered under its row of `config.DRAFTER_TABLE` (its name there is what `[draft] drafter`, `--drafter`
+and the server's `speculative.type` select). A new drafter is one file plus its table row: a class with the
+`base.Drafter` methods and a `build(target, draft, built)` factory (None where these models cannot host it);
+optionally `NEEDS` (drafters built before it, handed in `built`), `LLAMA_SERVER_TYPE` (its `speculative.type` as
+llama-server spells it) and `unavailable(target, draft)` (why these models have none, for the error that names it).
+The row holds what the layers below the engine read without importing the file (title, needs a draft model, reads
+the target)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from localspec.config import DRAFTERS
+from localspec.config import DRAFTER_TABLE
 from localspec.drafters.base import Drafter
 from localspec.scores import ScoringModel
 
@@ -20,15 +21,15 @@ Factory = Callable[[ScoringModel, ScoringModel | None, dict[str, Drafter]], Draf
 
 
 def _in_build_order() -> dict[str, ModuleType]:
-    """Every drafter module (`config.DRAFTERS`: the files of this folder), each after those it `NEEDS`."""
-    modules = {name: importlib.import_module(f"{__name__}.{name}") for name in DRAFTERS}
+    """Every drafter of the table (`config.DRAFTER_TABLE`: name → module), each after those it `NEEDS`."""
+    modules = {name: importlib.import_module(DRAFTER_TABLE[name].module) for name in sorted(DRAFTER_TABLE)}
     ordered: dict[str, ModuleType] = {}
 
     def visit(name: str, chain: tuple[str, ...]) -> None:
         if name in ordered:
             return
         if name in chain or name not in modules:
-            raise ImportError(f"localspec/drafters/{chain[-1]}.py needs {name!r}, "
+            raise ImportError(f"{DRAFTER_TABLE[chain[-1]].module} needs {name!r}, "
                               + ("which needs it back" if name in chain else "which is no drafter"))
         for needed in getattr(modules[name], "NEEDS", ()):
             visit(needed, (*chain, name))

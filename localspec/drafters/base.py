@@ -1,24 +1,29 @@
 """The drafter seam: what the loop asks of whoever proposes draft tokens, and what it gets back.
 
-A round is begin → draft → verify → accept → rewind. The loop owns the target, the verify and the acceptance; a
-drafter owns everything about proposing: its models, their KV cells, its random stream, any work it overlaps with
-the verify. Values cross the seam, not shared mutable state: the loop hands a drafter `(DraftRequest, k)` jobs and
-gets `Proposal`s back (tokens and the distribution q each was drawn from), then tells it how many were accepted.
+A round is draft → verify → rewind → accept (after `start`, which begins a generation's prompt). The loop owns the
+target, the verify and the acceptance; a drafter owns everything about proposing: its models, their KV cells, its
+random stream, any work it overlaps with the verify. Values cross the seam, not shared mutable state: the loop hands
+a drafter `(DraftRequest, k)` jobs and gets `Proposal`s back (tokens and the distribution q each was drawn from),
+then tells it how many were accepted (`rewind`) and hands it the round's `Outcome` (what the verify cost) in
+`accept`, where its rules learn. `DrafterBase` holds what every drafter shares: the stream's draft-length policy per
+sequence, what its drafting spent, and the optional parts of the seam as no-ops (the target-rows hook, draft-ahead,
+models' cells).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.events import GenerationStats
 from localspec.llama.grammar import Grammar
-from localspec.policies import DraftCost, DraftLength, Pricing
+from localspec.policies import DraftCost, DraftLength, Observation, Pricing
 from localspec.prompt_cache import shared_prefix as shared_prefix
 from localspec.sampling import Candidates
 from localspec.scores import DeviceDist, ScoringModel
@@ -34,20 +39,58 @@ class Proposal:
     # Per token, q (one row) at T > 0; None at temperature 0. A deterministic drafter gives a point mass
     # (`sampling.point_mass`): rejection sampling then accepts with p(x) and resamples from p, exact either way.
     q: list[Candidates] | None = None
-    seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
-    # How many of the tokens (the first ones) came from the lead source, at no draft step (prompt lookup's); the
-    # rest are stepped, one draft decode each (a draft model's). The cost model counts each source's acceptance.
+    # Where they came from: how many of the tokens (the first ones) came from the lead source, at no draft step
+    # (prompt lookup's); the rest are stepped, one draft decode each (a draft model's). The cost model counts each
+    # source's acceptance.
     lead: int = 0
+
+
+NO_PROPOSAL = Proposal([])
+
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    """What drafting one proposal spent, in the drafter's own bookkeeping (`DrafterBase.spend`) until its verdict."""
+
+    seconds: float = 0.0  # drafting time on the round's critical path (draft-ahead made beside the verify: 0)
     # Of `seconds`, the first draft step: it also reads what the drafter had not seen (tokens committed while it sat
     # out, lookup's drafts) and may capture a CUDA graph, so it is no measure of a step (`DraftCost`).
     first_s: float = 0.0
     # The least of its later steps (None: fewer than two). On CUDA the two calls after a width change (the first
-    # step's catch-up) run the graph uncaptured: a probe's average step was 2.6-2.8 ms where a steady one is 1.35.
+    # step's catch-up) run the graph uncaptured, so an average step overstates a steady one.
     least_s: float | None = None
     ahead: int = 0  # how many of the tokens (the first ones) were drafted beside the last verify (a kept bet)
 
 
-NO_PROPOSAL = Proposal([])
+NOTHING_SPENT = Spent()
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The loop's verdict on one proposal, handed to its drafter (`accept`): how many of its tokens were accepted
+    and what the round cost."""
+
+    accepted: int
+    width: int  # the verify batch's width
+    verify_s: float  # the verify decode's seconds
+    wait_s: float | None = None  # the wait after the verify for the drafter's work beside it (None: none ran)
+    # Drafted beside an earlier verify (slots taking turns): the loop waited this long for it, which stands for its
+    # drafting on the path (its steps are no measure of a step there). None: drafted on the path.
+    beside_s: float | None = None
+
+
+def observe_round(length: DraftLength | None, proposal: Proposal, outcome: Outcome,
+                  spent: Spent = NOTHING_SPENT) -> Observation:
+    """The round as the cost model takes it (`DraftLength.observe`): the proposal, its verdict and what drafting
+    it spent."""
+    seconds, ahead = spent.seconds, spent.ahead
+    if outcome.beside_s is not None:
+        seconds, ahead = outcome.beside_s, len(proposal.tokens) - proposal.lead
+    round_ = Observation(len(proposal.tokens), outcome.accepted, seconds, outcome.verify_s, outcome.width,
+                         proposal.lead, spent.first_s, ahead, outcome.wait_s, spent.least_s)
+    if length is not None:
+        length.observe(round_)
+    return round_
 
 
 @dataclass(eq=False)
@@ -65,36 +108,16 @@ class DraftRequest:
     grammar: Grammar | None = None
     # How its models read rows under that grammar (`device_mode`'s grammar_rows): "full" or "device" candidates.
     grammar_rows: str = "full"
-    # The stream's draft-length policy and cost model: a drafter asks its own cost rule through it
-    # (`length.rule(ItsCost)`), which keeps what it measured for the stream.
-    length: DraftLength | None = None
-
-
-@runtime_checkable
-class ReadsTarget(Protocol):
-    """A drafter that drafts from the target's own hidden states (an MTP head): the loop has the target return
-    them (`LlamaModel.want_hidden`) for its streams and hands it every row the target decodes for them."""
-
-    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int:
-        """A generation starts with `prompt`: how many of the target's cached cells it can follow (it needs the
-        target's hidden state after each token from where its own cells end); the loop decodes the rest again."""
-        ...
-
-    def target_kept(self, req: DraftRequest, kept: int) -> None:
-        """The target's cells now hold the prompt's first `kept` tokens."""
-        ...
-
-    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
-        """The target decoded positions start.. of the sequence (`req.tokens`, plus a verify's drafts, which the
-        next `accept` settles) with these hidden states, one row per token."""
-        ...
 
 
 class Drafter(Protocol):
-    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/` (the registry
-    finds them there); the loop never knows which one runs."""
+    """Whoever proposes draft tokens. Implementations live one per file in `localspec/drafters/`, each a
+    `DrafterBase` (the registry finds them there); the loop never knows which one runs."""
 
     models: tuple[ScoringModel, ...]  # the models it decodes with: slots and context are sized by them too
+    # Whether it drafts from the target's hidden states (an MTP head, EAGLE-3): the loop has the target return them
+    # for its streams (`LlamaModel.want_hidden`) and hands it every row the target decodes for them (`target_rows`).
+    reads_target: bool
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> Pricing | None:
         """A stream with these settings starts (or goes on) with the measured facts `cost`: attach this drafter's
@@ -102,13 +125,20 @@ class Drafter(Protocol):
         (k stays the preset's; the drafter may still propose fewer by its own rules)."""
         ...
 
+    def start(self, req: DraftRequest, prompt: list[int], length: DraftLength | None) -> list[PromptWork]:
+        """A generation starts in `req.seq` with `prompt` and the draft-length policy `length` (whose cost model
+        holds this drafter's rules for the stream): `begin` it (`DrafterBase.start`)."""
+        ...
+
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         """A generation starts in `req.seq` with `prompt`: forget the last one's state there and return the
-        prompt tokens its models still need (the loop decodes them beside the target's, in the same rounds)."""
+        prompt tokens its models still need (the loop decodes them beside the target's, in the same rounds, and
+        says so with `set_cells`; the tokens its cells hold in each work item are a copy)."""
         ...
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
-        """Up to k tokens for each request (k may be 0), continuing its committed tokens: one proposal per job."""
+        """Up to k tokens for each request (k may be 0), continuing its committed tokens: one proposal per job
+        (and what drafting it spent in its own bookkeeping: `DrafterBase.spend`)."""
         ...
 
     def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
@@ -118,17 +148,41 @@ class Drafter(Protocol):
         verify: it stops when the block ends)."""
         ...
 
-    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
-        """The verdict: `accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's
-        committed tokens. Learn from it and rewind whatever state went past them. A generation that ends inside the
-        round (a stop after one of its tokens) cuts `req.tokens` back to there and calls it again with no proposal
-        and 0: a round that drafted nothing, whose only news is the shorter tokens."""
+    def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        """`accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's committed tokens:
+        rewind whatever state went past them (and learn what only the drafter saw: draft-ahead's bet). A generation
+        that ends inside the round (a stop after one of its tokens) cuts `req.tokens` back to there and calls it
+        again with no proposal and 0: a round that drafted nothing, whose only news is the shorter tokens."""
+        ...
+
+    def accept(self, req: DraftRequest, proposal: Proposal, outcome: Outcome) -> None:
+        """The verdict of the round once it is over (`DrafterBase.accept`): the stream's draft-length policy and
+        cost model (and through them the drafter's rules) take the round with what drafting it spent."""
+        ...
+
+    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int | None:
+        """A generation starts with `prompt`: how many of the target's cached cells it can follow (a reader of the
+        target's rows needs its hidden state after each token from where its own cells end; the loop decodes the
+        rest again). None: any."""
+        ...
+
+    def target_kept(self, req: DraftRequest, kept: int) -> None:
+        """The target's cells now hold the prompt's first `kept` tokens."""
+        ...
+
+    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
+        """The target decoded positions start.. of the sequence (`req.tokens`, plus a verify's drafts, which the
+        next `accept` settles) with these hidden states, one row per token (only where `reads_target`)."""
         ...
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
         """Per model of its own (none that another drafter in the registry owns), the tokens its cells hold for
-        `seq`: the live bookkeeping list, which the loop rewrites in place when it restores or erases the slot's
-        cells (the prompt cache, slot files)."""
+        `seq`: a copy. The loop that restores or erases the slot's cells (the prompt cache, slot files) says what
+        they hold after with `set_cells`."""
+        ...
+
+    def set_cells(self, seq: int, model: ScoringModel, tokens: Sequence[int]) -> None:
+        """`model`'s cells of `seq` now hold `tokens` (the loop restored, cut or erased them)."""
         ...
 
     def reset(self) -> None:
@@ -138,6 +192,75 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Stop any worker; the drafter is not used again."""
         ...
+
+
+class DrafterBase:
+    """What every drafter shares: per sequence, the stream's draft-length policy (`start`: its cost rules are
+    reached through it, `rule`) and what the last proposal's drafting spent (`spend`, taken by `accept`); and the
+    seam's optional parts as no-ops: the target-rows hook (`reads_target` False), draft-ahead (`overlap`), models'
+    cells (none), `reset`, `close`. A drafter overrides what it needs."""
+
+    models: tuple[ScoringModel, ...] = ()
+    reads_target = False
+
+    def __init__(self) -> None:
+        self._lengths: dict[int, DraftLength | None] = {}
+        self._spent: dict[int, Spent] = {}
+
+    # -- the seam's fixed parts ---------------------------------------------------------------------------------
+
+    def start(self, req: DraftRequest, prompt: list[int], length: DraftLength | None) -> list[PromptWork]:
+        self._lengths[req.seq] = length
+        self._spent.pop(req.seq, None)
+        return self.begin(req, prompt)
+
+    def accept(self, req: DraftRequest, proposal: Proposal, outcome: Outcome) -> None:
+        observe_round(self.length(req), proposal, outcome, self._spent.pop(req.seq, NOTHING_SPENT))
+
+    def length(self, req: DraftRequest) -> DraftLength | None:
+        """The stream's draft-length policy (None: none was given, so no cost rule decides)."""
+        return self._lengths.get(req.seq)
+
+    def spend(self, req: DraftRequest, spent: Spent) -> None:
+        """What drafting the request's proposal of this round spent (`accept` hands it to the cost model)."""
+        self._spent[req.seq] = spent
+
+    def spent(self, req: DraftRequest) -> Spent:
+        """What drafting the request's proposal of this round spent, so far (the round's drafting on the path, a
+        drafter that drafts with another's proposals: the chain)."""
+        return self._spent.get(req.seq, NOTHING_SPENT)
+
+    # -- defaults ---------------------------------------------------------------------------------------------
+
+    def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
+        return []
+
+    def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        pass
+
+    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def target_limit(self, req: DraftRequest, prompt: list[int]) -> int | None:
+        return None
+
+    def target_kept(self, req: DraftRequest, kept: int) -> None:
+        pass
+
+    def target_rows(self, req: DraftRequest, start: int, hidden: np.ndarray) -> None:
+        pass
+
+    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
+        return []
+
+    def set_cells(self, seq: int, model: ScoringModel, tokens: Sequence[int]) -> None:
+        raise ValueError(f"this drafter holds no cells of {model!r}")
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localspec.config import Drafting
-from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
+from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal, Spent
 from localspec.drafters.lookup import LookupCost, LookupDrafter
 from localspec.drafters.model import Bet, ModelCost, ModelDrafter
 from localspec.policies import CostRule, DraftCost, DraftLength
@@ -95,13 +95,15 @@ class ChainCost(CostRule):
         return bet is None or lookup is None or float(lookup.max()) <= bet
 
 
-class ChainDrafter:
+class ChainDrafter(DrafterBase):
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
+        super().__init__()
         self.lookup, self.model = lookup, model
         self.models = model.models
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
-        return self.lookup.begin(req, prompt) + self.model.begin(req, prompt)
+        length = self.length(req)  # (its parts reach their rules through the same policy)
+        return self.lookup.start(req, prompt, length) + self.model.start(req, prompt, length)
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Its parts' rules on this stream's facts; k stays fixed (each round's shares are decided by cost)."""
@@ -130,22 +132,25 @@ class ChainDrafter:
             lengths.append(bet.k if bet is not None and not p.tokens and n else n)
         rest = self.model.draft([(req, n) for (req, _), n in zip(jobs, lengths, strict=True)],
                                 after=[p.tokens for p in found])
-        return [Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), a.seconds + b.seconds,
-                         lead=len(a.tokens), first_s=b.first_s, least_s=b.least_s, ahead=b.ahead)
-                for a, b in zip(found, rest, strict=True)]
+        out = []
+        for (req, _), a, b in zip(jobs, found, rest, strict=True):
+            spent = self.model.spent(req)  # (lookup's tokens cost no draft step)
+            self.spend(req, Spent(spent.seconds, spent.first_s, spent.least_s, spent.ahead))
+            out.append(Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), lead=len(a.tokens)))
+        return out
 
-    @staticmethod
-    def _prefer_bet(req: DraftRequest, k: int, looked_up: int, bet: Bet) -> bool:
+    def _prefer_bet(self, req: DraftRequest, k: int, looked_up: int, bet: Bet) -> bool:
         """Lookup matched while a bet is held: the bet's round unless lookup's (with the model's extension on the
         path) is expected to pay more. On the H200's shipped prompts lookup's short matches are rarely right, and
         taking them threw the bet, and the next round's too (nothing is drafted ahead after lookup's tokens)."""
-        return req.length is not None and req.length.rule(ChainCost).prefer_bet(looked_up, k, bet.ready, bet.room,
-                                                                                 req.length)
+        length = self.length(req)
+        return length is not None and length.rule(ChainCost).prefer_bet(looked_up, k, bet.ready, bet.room, length)
 
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
-        if req.length is None:  # no policy to ask: all of the rest
+        length = self.length(req)
+        if length is None:  # no policy to ask: all of the rest
             return k - looked_up
-        return req.length.rule(ChainCost).extension(looked_up, k, req.length, lag=self.model.lag(req))
+        return length.rule(ChainCost).extension(looked_up, k, length, lag=self.model.lag(req))
 
     def overlap(self, req: DraftRequest, proposal: Proposal,
                 k_next: int) -> contextlib.AbstractContextManager[None]:
@@ -159,17 +164,10 @@ class ChainDrafter:
             return contextlib.nullcontext()
         return self.model.overlap(req, proposal, k_next)
 
-    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
-        self.model.accept(req, proposal, accepted)
+    def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        self.model.rewind(req, proposal, accepted)
 
-    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
-        return []  # its parts are the registry's too, and answer there
-
-    def reset(self) -> None:
-        pass  # its parts are the registry's too, and reset there
-
-    def close(self) -> None:
-        pass  # likewise
+    # (Its parts are the registry's too: their cells, `reset` and `close` answer there.)
 
 
 def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:

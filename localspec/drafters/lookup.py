@@ -14,13 +14,12 @@ ms a round on the 2-core CPU at 1,000-3,000 tokens, twice SmolLM2's whole H200 s
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import numpy as np
 
 from localspec.config import Drafting
-from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
+from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal
 from localspec.llama.grammar import Grammar
 from localspec.policies import CostRule, DraftCost, DraftLength, Observation, Stepped
 from localspec.sampling import point_mass
@@ -105,10 +104,9 @@ def _allowed_prefix(tokens: list[int], grammar: Grammar) -> list[int]:
     return kept
 
 
-class LookupDrafter:
-    models: tuple[ScoringModel, ...] = ()
-
+class LookupDrafter(DrafterBase):
     def __init__(self) -> None:
+        super().__init__()
         # Per sequence: the request its index belongs to, and the index (a new request starts it afresh).
         self._indexes: dict[int, tuple[DraftRequest, NgramIndex]] = {}
 
@@ -122,15 +120,16 @@ class LookupDrafter:
     def propose(self, req: DraftRequest, k: int, extension: type[CostRule] | None = None) -> Proposal:
         """Up to k tokens for the request, as many as pay (`LookupCost.length`; with `extension`, the `Stepped` rule
         of the drafter that drafts after them, whose best share is priced in)."""
-        rule = req.length.rule(LookupCost) if req.length is not None else None
+        length = self.length(req)
+        rule = length.rule(LookupCost) if length is not None else None
         if k <= 0 or (rule is not None and not rule.wanted()):
             # Backed off: no search (the index catches up when lookup is wanted again).
             return Proposal([], None if req.sampling.greedy else [])
         tokens = self._index(req).continuation(req.tokens, k)
         if rule is not None:
-            assert req.length is not None
-            after = req.length.rule(extension) if extension is not None else None
-            tokens = tokens[: rule.length(len(tokens), k, req.length, after)]
+            assert length is not None
+            after = length.rule(extension) if extension is not None else None
+            tokens = tokens[: rule.length(len(tokens), k, length, after)]
         if req.grammar is not None:
             tokens = _allowed_prefix(tokens, req.grammar)
         return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens], lead=len(tokens))
@@ -138,12 +137,6 @@ class LookupDrafter:
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Lookup's cost rule on this stream's facts; k stays fixed (its tokens cost no draft steps)."""
         LookupCost.of(cost)
-
-    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
-        pass  # nothing to rewind: the context is the loop's
 
     def _index(self, req: DraftRequest) -> NgramIndex:
         """The request's index, extended by its tokens committed since the last search."""
@@ -155,9 +148,6 @@ class LookupDrafter:
             held = self._indexes[req.seq] = (req, NgramIndex(req.drafting.lookup_min, req.drafting.lookup_max))
         held[1].extend(req.tokens)
         return held[1]
-
-    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
-        return []  # no model
 
     def reset(self) -> None:
         self._indexes.clear()

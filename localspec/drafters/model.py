@@ -33,7 +33,17 @@ import numpy as np
 
 from localspec.config import Drafting
 from localspec.constraints import masked_scores
-from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, device_mode, prompt_work
+from localspec.drafters.base import (
+    NO_PROPOSAL,
+    Drafter,
+    DrafterBase,
+    DraftRequest,
+    PromptWork,
+    Proposal,
+    Spent,
+    device_mode,
+    prompt_work,
+)
 from localspec.policies import CostRule, DraftCost, Observation
 from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.scores import ScoringModel
@@ -75,14 +85,15 @@ class _Job:
     q: list[Candidates] | None = None
     seconds: float = 0.0
     first_s: float = 0.0  # the first step's share of `seconds`
-    least_s: float | None = None  # the least of the later steps (`Proposal.least_s`)
+    least_s: float | None = None  # the least of the later steps (`Spent.least_s`)
     decodes: int = 0
     limit: int | None = None  # draft at most this many (a bet fitted to the verify), else k
     cut: bool = False  # stopped by `limit` or the verify's end with more to draft
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     def __init__(self, draft: ScoringModel, target_vocab: int) -> None:
+        super().__init__()
         self.model = draft
         self.models = (draft,)
         self._target_vocab = target_vocab
@@ -104,7 +115,8 @@ class ModelDrafter:
             grammar_rows=req.grammar_rows if req.grammar is not None else None), seq)
         self._rng[seq] = np.random.default_rng([req.sampling.seed, 1])
         self._kept.pop(seq, None)
-        return [prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)]
+        model, kv, todo = prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)
+        return [(model, list(kv), todo)]  # (a copy: what the loop decodes comes back through `set_cells`)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]],
               after: Sequence[list[int]] | None = None) -> list[Proposal]:
@@ -114,6 +126,7 @@ class ModelDrafter:
         out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
         todo: list[tuple[int, _Job]] = []
         for i, (req, k) in enumerate(jobs):
+            self.spend(req, Spent())
             kept = self._kept.pop(req.seq, None)
             if kept is not None and len(jobs) == 1 and kept.k == k and not (after and after[i]):
                 req.stats.ahead_kept += 1
@@ -125,7 +138,8 @@ class ModelDrafter:
                 todo.append((i, _Job(req, k, req.tokens + after[i] if after else req.tokens)))
         self._draft([job for _, job in todo])
         for i, job in todo:
-            out[i] = Proposal(job.tokens, job.q, job.seconds, first_s=job.first_s, least_s=job.least_s)
+            out[i] = Proposal(job.tokens, job.q)
+            self.spend(job.req, Spent(job.seconds, job.first_s, job.least_s))
         return out
 
     @contextlib.contextmanager
@@ -150,7 +164,7 @@ class ModelDrafter:
             with contextlib.suppress(Exception):  # its own error, if any, is raised by accept
                 job.result()
 
-    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+    def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         """Keep the drafted-ahead round if its bet came true (else give its random draws back); drop the draft's
         cells past the committed tokens but the newest (which the next draft feeds), unless a kept bet holds them."""
         seq = req.seq
@@ -161,8 +175,9 @@ class ModelDrafter:
             req.stats.ahead_s += ahead.seconds
             could_keep = accepted == len(proposal.tokens)
             keep = could_keep and req.tokens[-1] == ahead.guess
-            if req.length is not None:
-                req.length.rule(ModelCost).observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
+            length = self.length(req)
+            if length is not None:
+                length.rule(ModelCost).observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
             if keep:
                 self._kept[seq] = ahead
                 return
@@ -188,7 +203,12 @@ class ModelDrafter:
         return rule
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
-        return [(self.model, self._kv.setdefault(seq, []))]
+        return [(self.model, list(self._kv.get(seq, ())))]
+
+    def set_cells(self, seq: int, model: ScoringModel, tokens: Sequence[int]) -> None:
+        if model is not self.model:
+            super().set_cells(seq, model, tokens)
+        self._kv[seq] = list(tokens)
 
     def reset(self) -> None:
         self._wait()
@@ -209,16 +229,17 @@ class ModelDrafter:
         pay, drafted now where the bet stopped."""
         more = 0
         if not kept.complete:
-            ready = len(kept.drafts)
-            more = (req.length.rule(ModelCost).continuation(ready, kept.k, req.length.padded)
-                    if req.length is not None else kept.k - ready)
+            ready, length = len(kept.drafts), self.length(req)
+            more = (length.rule(ModelCost).continuation(ready, kept.k, length.padded)
+                    if length is not None else kept.k - ready)
         if more <= 0:
-            return Proposal(kept.drafts, kept.q, 0.0, ahead=len(kept.drafts))
+            self.spend(req, Spent(0.0, ahead=len(kept.drafts)))
+            return Proposal(kept.drafts, kept.q)
         job = _Job(req, more, req.tokens + kept.drafts)
         self._draft([job])
         q = None if job.q is None else [*(kept.q or []), *job.q]
-        return Proposal(kept.drafts + job.tokens, q, job.seconds, first_s=job.first_s, least_s=job.least_s,
-                        ahead=len(kept.drafts))
+        self.spend(req, Spent(job.seconds, job.first_s, job.least_s, ahead=len(kept.drafts)))
+        return Proposal(kept.drafts + job.tokens, q)
 
     def _draft(self, jobs: list[_Job], until: threading.Event | None = None, checkpoint: bool = True) -> None:
         """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
@@ -313,7 +334,8 @@ class ModelDrafter:
             return None
         # Asked here, beside the verify, rather than on the loop's path before it: the same answer, as nothing
         # tells the cost model anything until the loop has waited for this thread.
-        limit = req.length.rule(ModelCost).ahead_length(k) if verified is not None and req.length is not None else k
+        length = self.length(req)
+        limit = length.rule(ModelCost).ahead_length(k) if verified is not None and length is not None else k
         job = _Job(req, k, [*sequence, guess], limit=limit)
         if limit > 0:
             self._draft([job], verified, checkpoint=False)

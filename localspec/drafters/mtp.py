@@ -22,7 +22,6 @@ nothing), so no bets.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,16 @@ import numpy as np
 
 from localspec.config import Drafting
 from localspec.constraints import masked_scores
-from localspec.drafters.base import NO_PROPOSAL, Drafter, DraftRequest, PromptWork, Proposal, shared_prefix
+from localspec.drafters.base import (
+    NO_PROPOSAL,
+    Drafter,
+    DrafterBase,
+    DraftRequest,
+    PromptWork,
+    Proposal,
+    Spent,
+    shared_prefix,
+)
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
 from localspec.policies import DraftCost
@@ -70,8 +78,11 @@ class _Seq:
         return self.rows_from + len(self.rows)
 
 
-class MtpDrafter:
+class MtpDrafter(DrafterBase):
+    reads_target = True  # fed the target's hidden state after each token (`target_rows`)
+
     def __init__(self, target: ScoringModel) -> None:
+        super().__init__()
         self.target = target
         self.models: tuple[ScoringModel, ...] = ()  # its context is the target's size, slots and all
         self._head = None
@@ -159,6 +170,8 @@ class MtpDrafter:
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
+        for req, _ in jobs:
+            self.spend(req, Spent())
         todo = [(i, req, k) for i, (req, k) in enumerate(jobs) if k > 0]
         if not todo:
             return out
@@ -204,13 +217,11 @@ class MtpDrafter:
         for i, req, _ in todo:
             committed = len(req.tokens)
             head.truncate(committed, req.seq)  # drafted positions go: the verify's rows replace them
-            out[i] = Proposal(drafted[i], qs[i], seconds[i], first_s=first_s[i], least_s=least_s[i])
+            out[i] = Proposal(drafted[i], qs[i])
+            self.spend(req, Spent(seconds[i], first_s[i], least_s[i]))
         return out
 
-    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def accept(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+    def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         """The target's cells now hold the committed tokens but the newest: its rows past them go."""
         st = self._seqs.get(req.seq)
         if st is None:
@@ -227,10 +238,8 @@ class MtpDrafter:
         if len(st.rows) > ROWS_HELD:  # sitting rounds out: read them now rather than keep a row per token
             self._catch_up(req, cells - 1)
 
-    def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
-        """None of a model's: the head's cells stay out of slot states (a restored target hands it no rows, and its
-        bookkeeping by tokens keeps what still matches the next prompt, and decodes the target again where not)."""
-        return []
+    # `cells`: none of a model's. The head's cells stay out of slot states (a restored target hands it no rows, and
+    # its bookkeeping by tokens keeps what still matches the next prompt, and decodes the target again where not).
 
     def reset(self) -> None:
         if self._head is not None:

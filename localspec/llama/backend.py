@@ -52,9 +52,9 @@ def interrupt_handler(signum: int, frame: FrameType | None) -> None:
 def init() -> None:
     """Once per process, before anything else is asked of llama.cpp: route its log through our callback, start
     it, and open ggml's device registry (libggml next to libllama, every device enumerated). Every entry point
-    (models, devices, the quantizer) comes through here, so a model is never loaded before the registry is up:
-    on the H200 image `LlamaModel(path)` as a process's first call crashed inside llama_model_load_from_file
-    while the same load after a device query worked (docs/gpu.md)."""
+    (models, devices, the quantizer) comes through here, so a model is never loaded before the registry is up: a
+    CUDA build can crash inside llama_model_load_from_file when a load is the process's first call into llama.cpp,
+    where the same load after a device query works (docs/gpu.md)."""
     global _backend_ready
     if _backend_ready:
         return

@@ -20,8 +20,9 @@ from pathlib import Path
 import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the other order can segfault (docs/gpu.md)
 import numpy as np
 
+from localspec.config import LoadSettings, load_preset
 from localspec.errors import ContextFullError, DecodeError, ModelLoadError, RollbackError, TooManyTokens
-from localspec.gguf_header import read_header
+from localspec.gguf_header import GGUFHeader, read_header
 from localspec.llama import backend, ubatch
 from localspec.llama.backend import BackendDevice
 from localspec.llama.batch import Batch, DecodeItem
@@ -80,41 +81,60 @@ class LlamaModel:
         self,
         path: Path,
         *,
-        n_ctx: int,
-        n_gpu_layers: int = -1,
-        n_batch: int = 512,
-        kv_type: str = "f16",
-        n_threads: int = 0,
-        device_top_k: int = 0,
+        load: LoadSettings | None = None,
+        n_ctx: int | None = None,
+        n_gpu_layers: int | None = None,
+        n_batch: int | None = None,
+        kv_type: str | None = None,
+        n_threads: int | None = None,
+        device_top_k: int | None = None,
         devices: Sequence[BackendDevice] | None = None,
-        split_mode: str = "layer",
-        tensor_split: Sequence[float] = (),
-        main_gpu: int = 0,
+        split_mode: str | None = None,
+        tensor_split: Sequence[float] | None = None,
+        main_gpu: int | None = None,
+        max_batch_error: float | None = None,
         n_seq: int = 1,
         flash_attn: str = "auto",
         rewind: int = 0,
-        max_batch_error: float | None = None,
     ) -> None:
-        """`devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
+        """`load`: the preset's `[load]` settings (None: the default preset's); an argument left None takes its
+        value from there (`n_threads` from `threads`, 0: llama.cpp's default count; a draft model passes
+        `n_gpu_layers=load.draft_n_gpu_layers`; the placement passes `split_mode`, `tensor_split`, `main_gpu`).
+        `devices`: where the offloaded layers go (None = every local GPU; [] = the CPU only), `split_mode` how
         they share them, `tensor_split` each one's proportion, `main_gpu` an index into `devices`. `rewind`: how
         many tokens a recurrent or hybrid model must be able to roll back (the longest draft); llama.cpp keeps that
         many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError).
         `max_batch_error`: on a GPU, the most (logits) a shared batch may move a sequence's rows for its sequences
-        to share batches (`shares_batches`; the session passes the preset's `load.max_batch_error`; None: no cap)."""
+        to share batches (`shares_batches`). Three steps: the weights (`_load`), the context (`_context`), the
+        device samplers and the load probe (`_samplers_and_probe`)."""
+        s = load if load is not None else load_preset().load
         backend.init()
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: model file not found")
-        if kv_type not in KV_TYPES:
-            raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
-        if flash_attn not in FLASH_ATTN:
-            raise ModelLoadError(f"flash attention {flash_attn!r}: choose one of {', '.join(FLASH_ATTN)}")
         self.model = None
         self.ctx = None
         self._batch: Batch | None = None
         self._samplers: DeviceSamplers | None = None
         self._recurrent: RecurrentState | None = None  # the rewind of a recurrent state (hybrid models)
+        kv_type = s.kv_type if kv_type is None else kv_type
+        if kv_type not in KV_TYPES:
+            raise ModelLoadError(f"kv type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if flash_attn not in FLASH_ATTN:
+            raise ModelLoadError(f"flash attention {flash_attn!r}: choose one of {', '.join(FLASH_ATTN)}")
+        header = self._load(s.n_gpu_layers if n_gpu_layers is None else n_gpu_layers, devices,
+                            s.split_mode if split_mode is None else split_mode,
+                            s.tensor_split_values if tensor_split is None else tensor_split,
+                            s.main_gpu if main_gpu is None else main_gpu)
+        self._context(header, s.n_ctx if n_ctx is None else n_ctx, s.n_batch if n_batch is None else n_batch,
+                      kv_type, s.threads if n_threads is None else n_threads, flash_attn, n_seq, rewind,
+                      s.device_top_k if device_top_k is None else device_top_k)
+        self._samplers_and_probe(s.device_top_k if device_top_k is None else device_top_k,
+                                 s.max_batch_error if max_batch_error is None else max_batch_error)
 
+    def _load(self, n_gpu_layers: int, devices: Sequence[BackendDevice] | None, split_mode: str,
+              tensor_split: Sequence[float], main_gpu: int) -> GGUFHeader:
+        """The weights, on these devices: llama.cpp's model params. Returns the file's header."""
         # The last wall before llama.cpp's loader, which aborts the process (GGML_ASSERT) on some out-of-range
         # hyperparameters instead of failing: such a header stops here with one line (cached, so cheap).
         header = read_header(self.path)
@@ -142,7 +162,20 @@ class LlamaModel:
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"{self.path}: llama.cpp could not load this model (LOCALSPEC_DEBUG=1 shows why)")
+        # MTP blocks loaded with the model (`MtpHead` runs them): the drafter `mtp` exists only with them.
+        self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if load_mtp else 0
+        # ... and those the file has (a library without MTP support loads none: the refusal then names the library)
+        self.nextn_layers_in_file = header.nextn_layers
+        self.n_gpu_layers = n_gpu_layers
+        # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
+        # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
+        self.on_gpu = n_gpu_layers != 0 and any(d.kind in ("gpu", "igpu", "rpc") for d in self.devices)
+        return header
 
+    def _context(self, header: GGUFHeader, n_ctx: int, n_batch: int, kv_type: str, n_threads: int,
+                 flash_attn: str, n_seq: int, rewind: int, device_top_k: int) -> None:
+        """The context of `n_seq` sequences of `n_ctx` cells each, the rewind of a recurrent state, the vocabulary
+        and the batch of the model's life."""
         threads = n_threads or backend.default_threads()
         cparams = llama_cpp.llama_context_default_params()
         # One KV region per sequence (not a unified cache): a slot's cells sit where they would sit alone, so
@@ -199,14 +232,6 @@ class LlamaModel:
         self.n_threads = threads
         self.kv_type = kv_type
         self.flash_attn = flash_attn
-        # MTP blocks loaded with the model (`MtpHead` runs them): the drafter `mtp` exists only with them.
-        self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if load_mtp else 0
-        # ... and those the file has (a library without MTP support loads none: the refusal then names the library)
-        self.nextn_layers_in_file = header.nextn_layers
-        self.n_gpu_layers = n_gpu_layers
-        # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
-        # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
-        self.on_gpu = n_gpu_layers != 0 and any(d.kind in ("gpu", "igpu", "rpc") for d in self.devices)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
@@ -218,8 +243,10 @@ class LlamaModel:
         self._replans = ubatch.Replans(self.ctx, int(llama_cpp.llama_model_n_embd(self.model)), n_seq > 1)
         self._cells_per_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))
 
-        # llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
-        # the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits.
+    def _samplers_and_probe(self, device_top_k: int, max_batch_error: float | None) -> None:
+        """llama.cpp's backend sampling: a top-k sampler chain that runs inside the decode graph (on the GPU when
+        the model is offloaded), so each output row comes back as k candidates instead of n_vocab logits; with
+        several sequences, the load probe that decides whether they may share batches."""
         self.device_top_k = device_top_k
         self.batches_sequences = True  # (until the load probe below says otherwise)
         self._samplers = DeviceSamplers(self.ctx, self.n_vocab, device_top_k, self.path.name)
@@ -227,7 +254,7 @@ class LlamaModel:
             self.device_top_k = 0  # this backend cannot run it: full logits it is
         self.sequence_batch_error = self.width_noise = 0.0
         self.batch_warning: str | None = None  # /health's line where the width noise defeats speculation
-        if n_seq > 1:
+        if self.n_seq > 1:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
             # On the CPU a sequence must score bit for bit as alone (both figures 0). A GPU's kernels differ with
             # the batch's width anyway (docs/gpu.md): there a shared batch counts as wrong only when it moves the

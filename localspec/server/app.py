@@ -13,29 +13,27 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localspec import __version__
 from localspec.chat import encode_messages
-from localspec.server.guard import Cors, Guard, error_body
+from localspec.server import errors
+from localspec.server.errors import ApiError
+from localspec.server.guard import Cors, Guard
 from localspec.server.handling import (
-    ApiError,
     Backend,
     ServerState,
     build_prompt,
     completion_prompt,
     guarded,
-    log_internal,
     read_body,
     run_request,
 )
 from localspec.server.llama_routes import add_llama_routes
 from localspec.server.router import ReleaseLeases, add_router_routes
-from localspec.server.schema import ChatRequest, CompletionRequest, RequestError, parse, parse_body
+from localspec.server.schema import ChatRequest, CompletionRequest, parse, parse_body
 from localspec.server.slot_routes import add_slot_routes
-from localspec.server.tools import ToolError, messages_for_template, parse_tools
+from localspec.server.tools import messages_for_template, parse_tools
 
 if TYPE_CHECKING:
     from localspec.engine import Engine
@@ -51,7 +49,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     app.add_middleware(Guard, state=state)  # before every route
     # Outermost, as llama-server's: preflights answered before the guard, refusals carrying the allowed origin.
     app.add_middleware(Cors, origins=cors_origins)
-    _install_error_handlers(app)
+    errors.install(app)  # every error answers in OpenAI's shape, through errors.api_error
     add_llama_routes(app, state)  # llama-server's own: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
     add_slot_routes(app, state)  # POST /slots/{id}?action=save|restore|erase
     add_router_routes(app, state)  # POST /models/load, /models/unload (several pairs)
@@ -70,7 +68,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              "slots_batch_error": max(m.sequence_batch_error for m in worker.engine.models),
                              "width_noise": max(m.width_noise for m in worker.engine.models),
                              # ... and per model: the target's slots may take turns beside a draft that shares
-                             # batches, which decides how the other slots are drafted (Engine._take_turns)
+                             # batches, which decides how the other slots are drafted (Schedule._take_turns)
                              # (a "warning" where the model's width alone moves its rows past the cap)
                              "slot_batches": {name: {"shared": m.batches_sequences,
                                                      "error": m.sequence_batch_error, "width_noise": m.width_noise,
@@ -94,10 +92,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
         if backend.template is None:
             raise ApiError(400, f"chat is unavailable: {backend.template_error}", param="messages",
                            code="no_chat_template")
-        try:
-            tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        except ToolError as exc:
-            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+        tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         messages, variables = messages_for_template([m.as_template_message() for m in req.messages], tools,
                                                     backend.template.reads_tools)
         backend.limits.check_messages([m["content"] for m in messages])  # before the template renders them all
@@ -123,44 +118,6 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/health", health, methods=["GET"])
     return app
-
-
-# -- errors --------------------------------------------------------------------------------------------------
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ApiError)
-        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
-
-    async def request_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestError)
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code, exc.extra), status_code=400)
-
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        if exc.status_code == 404:
-            message = f"no route {request.url.path}: this server has /v1/chat/completions, /v1/completions, " \
-                      "/v1/models, /health and llama-server's /completion, /infill, /tokenize, /detokenize, " \
-                      "/apply-template, /props, /slots (and /metrics with --metrics)"
-        else:
-            message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(message, "invalid_request_error", code=str(exc.status_code)),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"invalid request: {exc}", "invalid_request_error"), status_code=400)
-
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log_internal(request.url.path, exc)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error",
-                                       code="internal_error"), status_code=500)
-
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(RequestError, request_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, internal_error)
 
 
 def _named_models(engine: Engine) -> list[tuple[str, ScoringModel]]:

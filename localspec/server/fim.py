@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from localspec.llama.model import LlamaModel
-from localspec.server.schema import RequestError
+from localspec.server.errors import ApiError
 
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no FIM_SEP token
 
@@ -22,13 +22,13 @@ def fim_prompt(model: LlamaModel, prefix: str, suffix: str, middle: str = "",
                extra: Sequence[tuple[str, str]] = (), param: str = "input_prefix") -> list[int]:
     """The infill prompt's tokens. `extra`: (filename, text) chunks of other files, before the prefix; `middle`:
     the start of the middle (special tokens in it parsed, as in a prompt). A model without FIM tokens is a
-    RequestError naming the missing ones."""
+    400 naming the missing ones."""
     fim = model.fim_tokens()
     pre, suf, mid = fim["pre"], fim["suf"], fim["mid"]
     if pre is None or suf is None or mid is None:
         missing = ", ".join(f"FIM_{name.upper()}" for name in ("pre", "suf", "mid") if fim[name] is None)
-        raise RequestError(f"{param}: fill-in-the-middle needs the model's FIM tokens and {model.path.name} has "
-                           f"no {missing}", param=param, code="no_fim_tokens")
+        raise ApiError(400, f"{param}: fill-in-the-middle needs the model's FIM tokens and {model.path.name} has "
+                       f"no {missing}", param=param, code="no_fim_tokens")
 
     def text(s: str) -> list[int]:  # code as text: a `<FIM_PRE>` written in it is not a token
         return model.tokenize(s, add_special=False, parse_special=False)

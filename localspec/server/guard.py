@@ -44,7 +44,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS, RequestError
+from localspec.server.errors import ApiError, context_exceeded
+from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS
 
 log = logging.getLogger("localspec.server")
 
@@ -56,8 +57,8 @@ JSON_ESCAPE = 6  # the most bytes JSON needs for one byte of text (a control cha
 PER_TOKEN_OVERHEAD = 64  # JSON per message (role, braces) when every message is one token
 # asyncio accepts up to uvicorn's `backlog` connections per loop turn, and they reach a protocol (which counts and
 # sheds them) only two or three turns later, while a closed connection's file is released a turn after closing:
-# uvicorn's default of 2048 per turn overshoots any cap (measured: "Too many open files" with 512 to spare at
-# 128 per turn). So asyncio takes 32 per turn, the cap keeps room for eight turns, and the kernel's queue of
+# uvicorn's default of 2048 per turn overshoots any cap (even 128 per turn ran out of files: the hostile-requests
+# note in docs/lab/). So asyncio takes 32 per turn, the cap keeps room for eight turns, and the kernel's queue of
 # waiting connections is set larger again after uvicorn starts, so bursts wait there instead of being dropped.
 ACCEPT_BATCH = 32
 LISTEN_BACKLOG = 1024
@@ -81,20 +82,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, the one every error of this server has; `extra` adds fields beside them (llama.cpp's
-    `n_prompt_tokens`, ...)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
-
-
-def context_exceeded(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
-    """A prompt too long for the context: OpenAI's code, llama.cpp's type and numbers (its web UI reads them);
-    `n_prompt_tokens` at least the prompt's tokens where they were not all counted."""
-    return {"code": "context_length_exceeded", "kind": "exceed_context_size_error",
-            "extra": {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}}
 
 
 # -- prompt bounds ---------------------------------------------------------------------------------------------
@@ -126,7 +113,7 @@ class PromptLimits:
     def check_text(self, text: str, param: str) -> None:
         if self.text_chars is not None and self.max_piece_bytes is not None and len(text) > self.text_chars:
             at_least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_piece_bytes)  # tokens
-            raise RequestError(
+            raise ApiError(400,
                 f"{param}: {len(text)} characters are more than {self.n_ctx} tokens (no token of this model stands "
                 f"for more than {self.max_piece_bytes} bytes) and the context holds {self.n_ctx}: prompt and reply "
                 "must fit", param=param, **context_exceeded(at_least, self.n_ctx))
@@ -135,8 +122,8 @@ class PromptLimits:
         """Before the chat template runs: a message takes at least one token, and the text bound holds for all
         messages together."""
         if len(contents) >= self.n_ctx:
-            raise RequestError(f"messages: {len(contents)} messages cannot fit a context of {self.n_ctx} tokens",
-                               param="messages", **context_exceeded(len(contents), self.n_ctx))
+            raise ApiError(400, f"messages: {len(contents)} messages cannot fit a context of {self.n_ctx} tokens",
+                           param="messages", **context_exceeded(len(contents), self.n_ctx))
         self.check_text("".join(contents) if self.text_chars is not None else "", "messages")
 
 
@@ -215,13 +202,13 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await _respond(send, *refusal)  # no `Connection: close`: see the module docstring
+            await _respond(send, refusal)  # no `Connection: close`: see the module docstring
             return
         counted = scope["path"] not in UNGUARDED_PATHS
         if counted and self.running >= self.state.guard.max_requests:
-            await _respond(send, 503, error_body(
-                f"the server is handling {self.running} requests, its limit ([server] max_requests); retry later",
-                "server_error", code="too_many_requests"), {"Retry-After": "1"})
+            await _respond(send, ApiError(
+                503, f"the server is handling {self.running} requests, its limit ([server] max_requests); retry later",
+                kind="server_error", code="too_many_requests", headers={"Retry-After": "1"}))
             return
         self.running += counted
         try:
@@ -234,28 +221,25 @@ class Guard:
         finally:
             self.running -= counted
 
-    def _refusal(self, scope: Scope,
-                 headers: dict[str, str]) -> tuple[int, dict[str, Any], dict[str, str] | None] | None:
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> ApiError | None:
         key = self.state.api_key
         if key is None and "host" in headers and not self._host_allowed(headers["host"]):
             allowed = ", ".join(self._allowed_names())
-            return 403, error_body(
-                f"Host {headers['host'][:100]!r} is not this server's address: without an API key only {allowed} "
+            return ApiError(
+                403, f"Host {headers['host'][:100]!r} is not this server's address: without an API key only {allowed} "
                 "are answered (a web page can point its own name at this machine); allow more with --allowed-hosts "
-                "or [server] allowed_hosts, or set --api-key", "invalid_request_error", param="Host",
-                code="host_not_allowed"), None
+                "or [server] allowed_hosts, or set --api-key", param="Host", code="host_not_allowed")
         # A browser's CORS preflight carries no credentials (llama-server answers it without the key too).
         if key is not None and scope["path"] not in UNGUARDED_PATHS and scope["method"] != "OPTIONS" \
                 and not _key_matches(headers, key):
-            return 401, error_body("missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
-                                   "authentication_error", code="invalid_api_key"), {"WWW-Authenticate": "Bearer"}
+            return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                            kind="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json" and not kind.endswith("+json"):
-                return 415, error_body(
-                    f"Content-Type must be application/json (got {kind[:60]!r}): a browser sends other types "
-                    "cross-site without asking", "invalid_request_error", param="Content-Type",
-                    code="unsupported_media_type"), None
+                return ApiError(
+                    415, f"Content-Type must be application/json (got {kind[:60]!r}): a browser sends other types "
+                    "cross-site without asking", param="Content-Type", code="unsupported_media_type")
         return None
 
     def _allowed_names(self) -> list[str]:
@@ -278,12 +262,12 @@ class Guard:
         """The whole body within the limit and the read timeout, or None once an error is sent (or the client
         left)."""
         limit = self.state.body_limit()
-        too_large = error_body(
-            f"the request body is larger than {limit} bytes, more than any prompt this server's context can hold "
-            "needs", "invalid_request_error", code="request_too_large")
+        too_large = ApiError(
+            413, f"the request body is larger than {limit} bytes, more than any prompt this server's context can hold "
+            "needs", code="request_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _respond(send, 413, too_large)  # the connection drains the body: see the module docstring
+            await _respond(send, too_large)  # the connection drains the body: see the module docstring
             return None
         chunks, size = [], 0
         try:
@@ -295,15 +279,15 @@ class Guard:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        await _respond(send, 413, too_large)
+                        await _respond(send, too_large)
                         return None
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
         except TimeoutError:
-            await _respond(send, 408, error_body(
-                f"the request body did not arrive within {self.state.guard.read_timeout:g} s ([server] "
-                "read_timeout)", "invalid_request_error", code="request_timeout"), {"Connection": "close"})
+            await _respond(send, ApiError(
+                408, f"the request body did not arrive within {self.state.guard.read_timeout:g} s ([server] "
+                "read_timeout)", code="request_timeout", headers={"Connection": "close"}))
             return None
 
 
@@ -330,11 +314,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _respond(send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-    data = json.dumps(body).encode()
+async def _respond(send: Send, error: ApiError) -> None:
+    """A refusal before any route: the error's own status, body and headers."""
+    data = json.dumps(error.body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
+    raw += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
     await send({"type": "http.response.body", "body": data})
 
 

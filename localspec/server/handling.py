@@ -1,7 +1,8 @@
 """What every route shares, OpenAI's and llama-server's alike: the server's state (`ServerState`, the loaded
-`Backend`), OpenAI-shaped errors (`ApiError`), and the one path of a generation request: its prompt built off the
-event loop (`build_prompt`), its jobs queued on the worker (`run_request`), their output streamed as SSE or
-collected into one JSON body in a reply's shape (`Reply`: OpenAI's; llama_routes.NativeReply: llama-server's).
+`Backend`), `guarded` (a route's bug answered as errors.py's 500), and the one path of a generation request: its
+prompt built off the event loop (`build_prompt`), its jobs queued on the worker (`run_request`), their output
+streamed as SSE or collected into one JSON body in a reply's shape (`Reply`: OpenAI's; llama_routes.NativeReply:
+llama-server's). Errors are errors.py's `ApiError`.
 A client that leaves cancels its jobs, whether it was streaming or waiting for JSON.
 
 Routes live in app.py (OpenAI's) and llama_routes.py (llama-server's); both import from here, never from each
@@ -14,8 +15,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import logging
-import os
 import secrets
 import time
 import uuid
@@ -32,24 +31,18 @@ from sse_starlette.sse import EventSourceResponse
 from localspec import __version__, drafters
 from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
-from localspec.engine import Engine, GenerationStats
+from localspec.engine import Engine
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
+from localspec.events import GenerationStats
 from localspec.llama.model import LlamaModel
+from localspec.server.errors import ApiError, client_gone, context_exceeded, internal, shutting_down
 from localspec.server.fim import fim_prompt
-from localspec.server.guard import (
-    MIN_BODY_BYTES,
-    PROBE_BYTES_KEY,
-    GuardSettings,
-    PromptLimits,
-    context_exceeded,
-    error_body,
-)
+from localspec.server.guard import MIN_BODY_BYTES, PROBE_BYTES_KEY, GuardSettings, PromptLimits
 from localspec.server.schema import (
     FIELD_OF_KEY,
     MAX_TOKENS_LIMIT,
     ChatRequest,
     CompletionRequest,
-    RequestError,
     speculative_name,
 )
 from localspec.server.structured import (
@@ -69,27 +62,12 @@ from localspec.server.worker import (
     Item,
     Job,
     JobResult,
-    QueueFull,
     Worker,
     timings,
 )
 
-log = logging.getLogger("localspec.server")
-
 MAX_BODY_BYTES = 64 << 20  # far above any prompt a context can hold, far below trouble
 SHUTDOWN_GRACE_S = 5.0  # a cancelled job stops at the engine's next check: well within this
-
-
-class ApiError(Exception):
-    """Becomes an OpenAI-shaped error response."""
-
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(message, kind, param, code, extra)
-        self.headers = headers
 
 
 @dataclass
@@ -217,15 +195,15 @@ def completion_tokens(model: LlamaModel, source: str | list[int], param: str = "
     TooManyTokens past that many (see LlamaModel.tokenize)."""
     if suffix:
         if not isinstance(source, str):
-            raise RequestError("suffix: fill-in-the-middle needs a text prompt (the code before the gap)",
-                               param="suffix", code="invalid_value")
+            raise ApiError(400, "suffix: fill-in-the-middle needs a text prompt (the code before the gap)",
+                           param="suffix", code="invalid_value")
         return fim_prompt(model, source, suffix, param="suffix")
     if isinstance(source, list):
         n_vocab = model.n_vocab
         bad = next((t for t in source if not 0 <= t < n_vocab), None)
         if bad is not None:
-            raise RequestError(f"{param}: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
-                               param=param, code="invalid_value")
+            raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                           param=param, code="invalid_value")
         return list(source)
     # Special tokens in the text are parsed, as llama.cpp's server does: front-ends that apply a chat
     # template themselves (SillyTavern's text completion) send `<start_of_turn>` and expect a token.
@@ -240,22 +218,12 @@ def guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request],
     async def run(request: Request) -> Any:
         try:
             return await handler(request)
-        except (ApiError, RequestError):
+        except ApiError:
             raise
         except Exception as exc:
-            log_internal(request.url.path, exc)
-            raise ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
-                           code="internal_error") from None
+            raise internal(request.url.path, exc) from None
 
     return run
-
-
-def log_internal(where: str, exc: BaseException) -> None:
-    if os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0"):
-        log.error("internal error on %s", where, exc_info=exc)
-    else:
-        log.error("internal error on %s: %s: %s (LOCALSPEC_DEBUG=1 shows the traceback)", where,
-                  type(exc).__name__, exc)
 
 
 async def read_body(request: Request) -> bytes:
@@ -283,7 +251,7 @@ async def build_prompt(backend: Backend, build: Callable[[Callable[[], bool]], l
     try:
         prompt = await anyio.to_thread.run_sync(build, gone.is_set)
     except BuildCancelled:
-        raise ApiError(499, "the client disconnected", code="client_closed_request") from None
+        raise client_gone() from None
     except TooManyTokens as exc:
         raise ApiError(400, f"the prompt has {'' if exc.exact else 'at least '}{exc.tokens} tokens "
                             f"and the context holds {backend.n_ctx}: prompt and reply must fit",
@@ -331,9 +299,9 @@ def _check_drafter(engine: Engine, preset: Preset) -> None:
         why = drafters.unavailable(asked, engine.target, engine.draft) or "these models cannot run it"
         available = [f"{speculative_name(name)}" + (f" ({name})" if speculative_name(name) != name else "")
                      for name in engine.drafters] + [speculative_name(None)]
-        raise RequestError(f"speculative.type: {speculative_name(asked)!r} (drafter {asked!r}) is not available: "
-                           f"{why}; this server can run {', '.join(available)}", param="speculative.type",
-                           code="unsupported_value") from None
+        raise ApiError(400, f"speculative.type: {speculative_name(asked)!r} (drafter {asked!r}) is not available: "
+                       f"{why}; this server can run {', '.join(available)}", param="speculative.type",
+                       code="unsupported_value") from None
 
 
 async def run_request(state: ServerState, backend: Backend, request: Request, req: ChatRequest | CompletionRequest,
@@ -346,12 +314,12 @@ async def run_request(state: ServerState, backend: Backend, request: Request, re
     logprobs = chat_logprobs(req.logprobs, req.top_logprobs) if chat else completion_logprobs(req.logprobs)
     constraint = request_constraint(req.response_format, req.grammar)
     if tools is not None and constraint is not None:
-        raise RequestError("tools with response_format or grammar: give one of them", param="tools",
-                           code="invalid_value")
+        raise ApiError(400, "tools with response_format or grammar: give one of them", param="tools",
+                       code="invalid_value")
     if req.choices > 1 and (tools is not None or logprobs is not None):
         # A reply's tool-call scanner and logprob offsets are one choice's: not kept per choice (yet).
-        raise RequestError("n > 1 with tools or logprobs is not supported: one choice per request there",
-                           param="n", code="unsupported_parameter")
+        raise ApiError(400, "n > 1 with tools or logprobs is not supported: one choice per request there",
+                       param="n", code="unsupported_parameter")
     try:
         if tools is not None:
             constraint = tools.constraint()  # a parameters schema the converter cannot read fails here
@@ -362,7 +330,7 @@ async def run_request(state: ServerState, backend: Backend, request: Request, re
                                                            for _ in range(req.choices)])
     except LocalspecError as exc:  # GBNF that does not parse
         param = "tools" if tools is not None else "grammar" if req.grammar is not None else "response_format"
-        raise RequestError(str(exc), param=param, code="invalid_value") from None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     worker = backend.worker
     if req.slot is not None and req.slot >= worker.slots:
         raise ApiError(400, f"id_slot: slot {req.slot} does not exist (this server has {worker.slots}: "
@@ -387,11 +355,7 @@ async def run_request(state: ServerState, backend: Backend, request: Request, re
                 timings_per_token=bool(req.timings_per_token), grammar=grammars[i], logprobs=logprobs,
                 context=preset.context)
             for i in range(n)]
-    try:
-        worker.submit_all(jobs)
-    except QueueFull as exc:
-        raise ApiError(503, f"the server is busy ({exc}); retry later", kind="server_error", code="queue_full",
-                       headers={"Retry-After": str(worker.retry_after_s())}) from None
+    worker.submit_all(jobs)  # or the 503 that says why not
     reply = reply or Reply(state.model_id, chat, logprobs is not None, tools is not None)
     reply.model_id = backend.model_id or reply.model_id
     reply.settle(preset, max_tokens)
@@ -416,7 +380,7 @@ async def _collect(request: Request, items: asyncio.Queue[tuple[int, Item]], wor
                 for job in jobs:
                     worker.cancel(job)
                 # A job cancelled while queued never reports back: end the wait here.
-                items.put_nowait((0, Failed("the client disconnected", "gone")))
+                items.put_nowait((0, Failed(client_gone())))
                 return
 
     watcher = asyncio.create_task(cancel_on_disconnect())
@@ -426,11 +390,10 @@ async def _collect(request: Request, items: asyncio.Queue[tuple[int, Item]], wor
             index, item = await items.get()
             if isinstance(item, Finished):
                 if item.result.finish_reason == FINISH_CANCELLED:
-                    raise ApiError(503, "the request was cancelled: the server is shutting down",
-                                   kind="server_error", code="shutdown")
+                    raise shutting_down("the request was cancelled: the server is shutting down")
                 results[index] = item.result
             elif isinstance(item, Failed):
-                raise _failure(item)
+                raise item.error
         return [results[i] for i in range(len(jobs))]
     finally:
         watcher.cancel()
@@ -454,11 +417,10 @@ async def _stream(reply: Reply, items: asyncio.Queue[tuple[int, Item]], worker: 
                 for chunk in reply.delta_chunks(item, index=index):
                     yield chunk
             elif isinstance(item, Failed):
-                yield json_text(_failure(item).body)
+                yield json_text(item.error.body)
                 failed = True
             elif item.result.finish_reason == FINISH_CANCELLED:
-                yield json_text(error_body("the request was cancelled: the server is shutting down", "server_error",
-                                       code="shutdown"))
+                yield json_text(shutting_down("the request was cancelled: the server is shutting down").body)
                 failed = True
             else:
                 results[index] = item.result
@@ -470,21 +432,10 @@ async def _stream(reply: Reply, items: asyncio.Queue[tuple[int, Item]], worker: 
         if reply.done_marker:
             yield "[DONE]"
     except Exception as exc:  # a bug: tell the client and log one line, as guarded does for JSON routes
-        log_internal("stream", exc)
-        yield json_text(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
+        yield json_text(internal("stream", exc).body)
     finally:
         for job in jobs:
             worker.cancel(job)
-
-
-def _failure(item: Failed) -> ApiError:
-    if item.kind == "gone":  # nobody will read this: nginx's "client closed request"
-        return ApiError(499, item.message, code="client_closed_request")
-    if item.kind == "invalid_request":
-        return ApiError(400, item.message, code="invalid_value")
-    if item.kind == "shutdown":
-        return ApiError(503, item.message, kind="server_error", code="shutdown")
-    return ApiError(500, item.message, kind="server_error", code="internal_error")
 
 
 # -- response shapes -----------------------------------------------------------------------------------------

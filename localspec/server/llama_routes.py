@@ -21,9 +21,9 @@ from localspec import __version__
 from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
 from localspec.llama.model import LlamaModel
+from localspec.server.errors import ApiError
 from localspec.server.fim import fim_prompt
 from localspec.server.handling import (
-    ApiError,
     Backend,
     Reply,
     ServerState,
@@ -38,7 +38,6 @@ from localspec.server.handling import (
 from localspec.server.schema import (
     ChatRequest,
     CompletionRequest,
-    RequestError,
     _explain,
     _Strict,
     parse,
@@ -89,7 +88,7 @@ class InfillRequest(CompletionRequest):
 
 def _validate(cls: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -238,8 +237,8 @@ def add_llama_routes(app: FastAPI, state: ServerState) -> None:
     async def infill(request: Request) -> Any:
         req = _native_request(parse(InfillRequest, await body_of(request)))
         if req.suffix:
-            raise RequestError("suffix: /infill takes the code after the gap as input_suffix", param="suffix",
-                               code="invalid_value")
+            raise ApiError(400, "suffix: /infill takes the code after the gap as input_suffix", param="suffix",
+                           code="invalid_value")
         backend = await state.pick(req.model, request)
         for text, param in ((req.input_prefix, "input_prefix"), (req.input_suffix, "input_suffix"),
                             (req.prompt, "prompt")):
@@ -264,8 +263,8 @@ def _native_request(req: CompletionRequest) -> CompletionRequest:
     """/completion and /infill: no OpenAI logprobs (the native reply has no place for them; llama-server's n_probs
     is refused by name). The model's name is checked as on the OpenAI routes (`ServerState.pick`)."""
     if req.logprobs not in (None, 0, False):
-        raise RequestError("logprobs: llama-server's /completion shape has no OpenAI logprobs; use /v1/completions",
-                           param="logprobs", code="unsupported_parameter")
+        raise ApiError(400, "logprobs: llama-server's /completion shape has no OpenAI logprobs; use /v1/completions",
+                       param="logprobs", code="unsupported_parameter")
     return req
 
 

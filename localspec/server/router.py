@@ -44,9 +44,10 @@ from localspec.config import Preset, ServerSettings
 from localspec.errors import LocalspecError
 from localspec.memory import Estimate, GiB
 from localspec.prompt_cache import AUTO_SHARE, CacheBudget, limit_bytes
+from localspec.server.errors import ApiError, client_gone, shutting_down
 from localspec.server.guard import UNBOUNDED_BODY_BYTES
-from localspec.server.handling import ApiError, Backend, ServerState, guarded, read_body
-from localspec.server.schema import RequestError, parse_body
+from localspec.server.handling import Backend, ServerState, guarded, read_body
+from localspec.server.schema import parse_body
 from localspec.session import ModelFiles, Session, open_session, preflight
 
 LEASES_KEY = "localspec.leases"  # in an ASGI scope: what to call once its response has been sent
@@ -340,7 +341,7 @@ class PairRouter:
         running ones end and it is freed. A 503 only where the pair cannot fit with every other pair unloaded.
         The client leaving (`left`) while this waits calls off the drains it began (`_call_off`)."""
         if self._closed:
-            raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
+            raise shutting_down()
         if left.is_set():
             raise _left()
         if self.budget is not None and pair.footprint + self.cache_bytes > self.budget:
@@ -386,7 +387,7 @@ class PairRouter:
         self.loads += 1
         if self._closed:  # a shutdown came while it loaded
             await self._unload(pair)
-            raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
+            raise shutting_down()
         if pair.unload_wanted:  # POST /models/unload while it loaded
             pair.status = UNLOADING
         self._start_sweeper()
@@ -437,7 +438,7 @@ class PairRouter:
 
 
 def _left() -> ApiError:
-    return ApiError(499, "the client disconnected while its pair was being made ready", code="client_closed_request")
+    return client_gone("the client disconnected while its pair was being made ready")
 
 
 async def _departure(receive: Receive, left: asyncio.Event) -> None:
@@ -496,11 +497,11 @@ def add_router_routes(app: FastAPI, state: ServerState) -> None:
     async def change(request: Request) -> JSONResponse:
         data = parse_body(await read_body(request))
         if not isinstance(data, dict) or set(data) - {"model"}:
-            raise RequestError('the request body must be {"model": NAME}', param="model", code="invalid_value")
+            raise ApiError(400, 'the request body must be {"model": NAME}', param="model", code="invalid_value")
         name = data.get("model")
         if not isinstance(name, str):
-            raise RequestError('model: a pair\'s name is required ({"model": NAME})', param="model",
-                               code="invalid_value")
+            raise ApiError(400, 'model: a pair\'s name is required ({"model": NAME})', param="model",
+                           code="invalid_value")
         router = state.router
         if not isinstance(router, PairRouter):
             raise ApiError(501, "this server serves one pair, loaded at start; load and unload need several: "

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from localspec.config import DRAFTERS, key_metadata
 from localspec.drafters import LLAMA_SERVER_TYPES
+from localspec.server.errors import ApiError
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -38,20 +39,6 @@ SPECULATIVE_TYPES: dict[str, str | None] = {"none": None, **LLAMA_SERVER_TYPES, 
 def speculative_name(drafter: str | None) -> str:
     """A drafter's `speculative.type` (llama-server's name where it has one; None: "none")."""
     return next(name for name, meant in SPECULATIVE_TYPES.items() if meant == drafter)
-
-
-class RequestError(Exception):
-    """A request the server cannot run as sent: becomes an OpenAI-shaped 400 naming `param`; `kind` and `extra`
-    as in `guard.error_body` (llama.cpp's `exceed_context_size_error` with its numbers)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
-                 kind: str = "invalid_request_error", extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind
-        self.extra = extra
 
 
 def _limits(key: str) -> dict[str, Any]:
@@ -215,12 +202,12 @@ class _Generation(_Strict):
         """llama-server's `n_predict` is the same limit as OpenAI's: either may be given, or both alike."""
         native = None if self.n_predict in (None, -1) else self.n_predict
         if native is not None and limit is not None and native != limit:
-            raise RequestError(f"n_predict ({native}) and {name} ({limit}) disagree: give one of them",
-                               param="n_predict", code="invalid_value")
+            raise ApiError(400, f"n_predict ({native}) and {name} ({limit}) disagree: give one of them",
+                           param="n_predict", code="invalid_value")
         return limit if limit is not None else native
 
     def check_agreement(self) -> None:
-        """OpenAI's and llama-server's names for the same setting, both given, must agree (else RequestError)."""
+        """OpenAI's and llama-server's names for the same setting, both given, must agree (else a 400)."""
         self.limit()
         self.preset_overrides()
         _ = self.choices
@@ -228,8 +215,8 @@ class _Generation(_Strict):
     @property
     def choices(self) -> int:
         if self.n is not None and self.n_cmpl is not None and self.n != self.n_cmpl:
-            raise RequestError(f"n ({self.n}) and n_cmpl ({self.n_cmpl}) disagree: give one of them", param="n",
-                               code="invalid_value")
+            raise ApiError(400, f"n ({self.n}) and n_cmpl ({self.n_cmpl}) disagree: give one of them", param="n",
+                           code="invalid_value")
         return self.n or self.n_cmpl or 1
 
     @property
@@ -247,8 +234,8 @@ class _Generation(_Strict):
                                  ("drafter", self.speculative_type, nested.type)):
             if flat is not None and inner is not None and flat != inner:
                 name = FIELD_OF_KEY[key]
-                raise RequestError(f"{name} ({flat}) and speculative.{name.split('.')[1]} (nested, {inner}) "
-                                   f"disagree: give one of them", param=name, code="invalid_value")
+                raise ApiError(400, f"{name} ({flat}) and speculative.{name.split('.')[1]} (nested, {inner}) "
+                               f"disagree: give one of them", param=name, code="invalid_value")
             out[key] = flat if flat is not None else inner
         spec_type = out.pop("drafter")
         if spec_type == "none":
@@ -365,7 +352,7 @@ def parse_body(body: bytes) -> Any:
     try:
         data = json.loads(body, parse_constant=no_constants)
     except (ValueError, RecursionError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+        raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     _refuse_surrogates(data)
     return data
 
@@ -383,8 +370,8 @@ def _refuse_surrogates(data: Any) -> None:
             found = None if value.isascii() else _SURROGATE.search(value)
             if found:
                 param = _param(loc)
-                raise RequestError(f"{param or 'the request body'}: holds a lone surrogate ({found.group()!a}), "
-                                   "which is not text: send UTF-8 text", param=param or None, code="invalid_value")
+                raise ApiError(400, f"{param or 'the request body'}: holds a lone surrogate ({found.group()!a}), "
+                               "which is not text: send UTF-8 text", param=param or None, code="invalid_value")
         elif isinstance(value, dict):
             # A key is named by its escaped form: the error itself must be valid UTF-8.
             named = [(key.encode("utf-8", "backslashreplace").decode(), key, item) for key, item in value.items()]
@@ -395,9 +382,9 @@ def _refuse_surrogates(data: Any) -> None:
 
 
 def parse(cls: type[_Generation], data: Any) -> Any:
-    """Validate a decoded body into `cls` (ChatRequest or CompletionRequest), or raise RequestError."""
+    """Validate a decoded body into `cls` (ChatRequest or CompletionRequest), or raise a 400 naming the field."""
     if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object")
     unsupported = _CHAT_UNSUPPORTED if cls is ChatRequest else _COMPLETION_UNSUPPORTED
     _refuse(data, unsupported, "")
     # What passed is neutral: llama.cpp's native fields without a declared home are dropped here.
@@ -417,10 +404,10 @@ def parse(cls: type[_Generation], data: Any) -> Any:
 def _refuse(data: dict[str, Any], unsupported: dict[str, tuple[Callable[[Any], bool], str]], prefix: str) -> None:
     for name, (neutral, why) in unsupported.items():
         if name in data and not neutral(data[name]):
-            raise RequestError(f"{prefix}{name}: {why}", param=f"{prefix}{name}", code="unsupported_parameter")
+            raise ApiError(400, f"{prefix}{name}: {why}", param=f"{prefix}{name}", code="unsupported_parameter")
 
 
-def _explain(exc: ValidationError, cls: type[BaseModel]) -> RequestError:
+def _explain(exc: ValidationError, cls: type[BaseModel]) -> ApiError:
     """The first validation error as one line naming the field (OpenAI's `param`)."""
     err = exc.errors(include_url=False)[0]
     param = _param(err["loc"])
@@ -429,13 +416,13 @@ def _explain(exc: ValidationError, cls: type[BaseModel]) -> RequestError:
         known = list(cls.model_fields) if len(err["loc"]) == 1 else []
         hint = difflib.get_close_matches(name, known, n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return RequestError(f"unknown field {param!r}{suggestion}", param=param, code="unknown_parameter")
+        return ApiError(400, f"unknown field {param!r}{suggestion}", param=param, code="unknown_parameter")
     if err["type"] == "missing":
-        return RequestError(f"{param!r} is required", param=param, code="missing_required_parameter")
+        return ApiError(400, f"{param!r} is required", param=param, code="missing_required_parameter")
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "literal_error":
         message += f" (got {repr(err['input'])[:60]})"
-    return RequestError(f"{param}: {message}", param=param, code="invalid_value")
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
 def _param(loc: tuple[int | str, ...]) -> str:

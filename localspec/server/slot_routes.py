@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse
 
 from localspec.errors import WriteError
 from localspec.prompt_cache import SlotState
-from localspec.server.handling import ApiError, Backend, ServerState, guarded, read_body
+from localspec.server.errors import ApiError
+from localspec.server.handling import Backend, ServerState, guarded, read_body
 from localspec.server.llama_routes import _validate
-from localspec.server.schema import RequestError, _Strict, parse_body
-from localspec.server.worker import QueueFull
+from localspec.server.schema import _Strict, parse_body
 from localspec.slot_file import ModelIdentity, SlotFileError, identity, path_in, save_path_in
 from localspec.slot_file import read as read_slot_file
 from localspec.slot_file import write as write_slot_file
@@ -51,18 +51,18 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
         slot = _slot_id(request.path_params["id_slot"], backend.worker.slots)
         action = request.query_params.get("action")
         if action not in ACTIONS:
-            raise RequestError(f"Invalid action {action!r}: ?action= one of {', '.join(ACTIONS)}", param="action",
-                               code="invalid_value")
+            raise ApiError(400, f"Invalid action {action!r}: ?action= one of {', '.join(ACTIONS)}", param="action",
+                           code="invalid_value")
         if action == "erase":  # (llama-server reads no body for it)
             return await _erase(backend, slot)
         data = parse_body(body)
         if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object with a filename")
+            raise ApiError(400, "the request body must be a JSON object with a filename")
         name = _validate(SlotFileRequest, data).filename
         try:
             path = (save_path_in if action == "save" else path_in)(state.slot_save_path, name)
         except SlotFileError as exc:
-            raise RequestError(f"Invalid filename: {exc}", param="filename", code="invalid_value") from None
+            raise ApiError(400, f"Invalid filename: {exc}", param="filename", code="invalid_value") from None
         if action == "save":
             return await _save(backend, slot, name, path)
         return await _restore(backend, slot, name, path)
@@ -73,20 +73,14 @@ def add_slot_routes(app: FastAPI, state: ServerState) -> None:
 def _slot_id(text: str, slots: int) -> int:
     # ASCII digits, a few: str.isdigit() also holds for "²", which int() refuses, and int() refuses 4,301 digits.
     if not (text.isascii() and text.isdecimal() and len(text) <= 9) or int(text) >= slots:
-        raise RequestError(f"Invalid slot ID {text!r}: this server has {slots} slot(s), 0..{slots - 1}",
-                           param="id_slot", code="invalid_value")
+        raise ApiError(400, f"Invalid slot ID {text!r}: this server has {slots} slot(s), 0..{slots - 1}",
+                       param="id_slot", code="invalid_value")
     return int(text)
 
 
 async def _in_slot(backend: Backend, slot: int, action: Any) -> Any:
-    try:
-        future = backend.worker.in_slot(slot, action)
-    except QueueFull as exc:
-        raise ApiError(503, str(exc), kind="server_error", code="shutdown") from None
-    try:
-        return await asyncio.wrap_future(future)
-    except QueueFull as exc:
-        raise ApiError(503, str(exc), kind="server_error", code="shutdown") from None
+    """The action's result, or its exception (a 503 when the server shuts down first)."""
+    return await asyncio.wrap_future(backend.worker.in_slot(slot, action))
 
 
 def identities(backend: Backend) -> list[ModelIdentity]:
@@ -116,10 +110,10 @@ async def _restore(backend: Backend, slot: int, name: str, path: Path) -> JSONRe
     except SlotFileError as exc:
         # The path inside the save folder is the server's business: the client named the file.
         message = str(exc).replace(str(path), name)
-        raise RequestError(f"Unable to restore slot: {message}", param="filename", code="invalid_value") from None
+        raise ApiError(400, f"Unable to restore slot: {message}", param="filename", code="invalid_value") from None
     if not await _in_slot(backend, slot, lambda: engine.restore(slot, loaded.state)):
-        raise RequestError(f"Unable to restore slot: llama.cpp refused the state in {name} (the slot is empty now)",
-                           param="filename", code="invalid_value")
+        raise ApiError(400, f"Unable to restore slot: llama.cpp refused the state in {name} (the slot is empty now)",
+                       param="filename", code="invalid_value")
     return JSONResponse({"id_slot": slot, "filename": name, "n_restored": loaded.state.models[0].n_tokens,
                          "n_read": loaded.nbytes, "timings": {"restore_ms": _ms(t0)}})
 

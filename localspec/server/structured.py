@@ -14,7 +14,7 @@ from typing import Any
 
 from localspec.constraints import Constraint
 from localspec.errors import GrammarError
-from localspec.server.schema import RequestError
+from localspec.server.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
 
@@ -30,31 +30,31 @@ class TokenLogprob:
 
 
 def request_constraint(response_format: Any, grammar: Any) -> Constraint | None:
-    """The request's constraint, or None; a RequestError naming the field when it cannot be one."""
+    """The request's constraint, or None; a 400 naming the field when it cannot be one."""
     if grammar is not None and response_format not in (None, {"type": "text"}):
-        raise RequestError("grammar and response_format: give one of them", param="grammar", code="invalid_value")
+        raise ApiError(400, "grammar and response_format: give one of them", param="grammar", code="invalid_value")
     try:
         if grammar is not None:
             if not isinstance(grammar, str) or not grammar.strip():
-                raise RequestError("grammar: expected GBNF text", param="grammar", code="invalid_value")
+                raise ApiError(400, "grammar: expected GBNF text", param="grammar", code="invalid_value")
             return Constraint(grammar, "grammar")
         return _response_format(response_format)
     except GrammarError as exc:
         param = "grammar" if grammar is not None else "response_format"
-        raise RequestError(str(exc), param=param, code="invalid_value") from None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def _response_format(value: Any) -> Constraint | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise RequestError('response_format: expected {"type": "text" | "json_object" | "json_schema", ...}',
-                           param="response_format", code="invalid_value")
+        raise ApiError(400, 'response_format: expected {"type": "text" | "json_object" | "json_schema", ...}',
+                       param="response_format", code="invalid_value")
     kind = value["type"]
     extra = set(value) - {"type", "json_schema", "schema"}
     if extra:
-        raise RequestError(f"response_format: unknown field {sorted(extra)[0]!r}", param="response_format",
-                           code="unknown_parameter")
+        raise ApiError(400, f"response_format: unknown field {sorted(extra)[0]!r}", param="response_format",
+                       code="unknown_parameter")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -65,31 +65,31 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise RequestError('response_format.json_schema: expected {"name": ..., "schema": {...}}',
-                               param="response_format.json_schema", code="invalid_value")
+            raise ApiError(400, 'response_format.json_schema: expected {"name": ..., "schema": {...}}',
+                           param="response_format.json_schema", code="invalid_value")
         unknown = set(spec) - {"name", "description", "schema", "strict"}
         if unknown:
-            raise RequestError(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}",
-                               param="response_format.json_schema", code="unknown_parameter")
+            raise ApiError(400, f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}",
+                           param="response_format.json_schema", code="unknown_parameter")
         # No schema: any JSON value would do; OpenAI requires one, so the object grammar is the closest reading.
         schema = spec.get("schema")
         if schema is None:
             return Constraint.json_object("response_format.json_schema")
         return Constraint.json_schema(schema, "response_format.json_schema.schema")
-    raise RequestError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
-                       param="response_format.type", code="invalid_value")
+    raise ApiError(400, f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+                   param="response_format.type", code="invalid_value")
 
 
 def chat_logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
     """Chat's `logprobs: true` + `top_logprobs: N` → N alternatives per token (None: off)."""
     if logprobs is not None and type(logprobs) is not bool:
-        raise RequestError("logprobs: expected true or false", param="logprobs", code="invalid_value")
+        raise ApiError(400, "logprobs: expected true or false", param="logprobs", code="invalid_value")
     if top_logprobs is not None and (type(top_logprobs) is not int or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
-        raise RequestError(f"top_logprobs: expected an integer 0..{MAX_TOP_LOGPROBS}", param="top_logprobs",
-                           code="invalid_value")
+        raise ApiError(400, f"top_logprobs: expected an integer 0..{MAX_TOP_LOGPROBS}", param="top_logprobs",
+                       code="invalid_value")
     if not logprobs:
         if top_logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         return None
     return top_logprobs or 0
 
@@ -99,7 +99,7 @@ def completion_logprobs(logprobs: Any) -> int | None:
     if logprobs is None:
         return None
     if type(logprobs) is not int or not 0 <= logprobs <= 5:
-        raise RequestError("logprobs: expected an integer 0..5", param="logprobs", code="invalid_value")
+        raise ApiError(400, "logprobs: expected an integer 0..5", param="logprobs", code="invalid_value")
     return logprobs
 
 

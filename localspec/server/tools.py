@@ -26,17 +26,15 @@ from typing import Any
 
 from localspec.constraints import Constraint
 from localspec.llama.grammar import json_schema_gbnf
+from localspec.server.errors import ApiError
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
 
-class ToolError(ValueError):
-    """A tools field that cannot be used; `param` names it."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+def _refused(message: str, param: str) -> ApiError:
+    """A tools field that cannot be used: a 400 naming it."""
+    return ApiError(400, message, param=param, code="invalid_value")
 
 
 @dataclass(frozen=True)
@@ -56,30 +54,30 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
     """The request's tool fields; None when no tool may be called (no tools, or tool_choice "none")."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
-            raise ToolError("tool_choice needs tools", "tool_choice")
+            raise _refused("tool_choice needs tools", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise ToolError("tools: expected a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+        raise _refused("tools: expected a list of {\"type\": \"function\", \"function\": {...}}", "tools")
     functions = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ToolError(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
+            raise _refused(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
         f = tool["function"]
         unknown = set(f) - {"name", "description", "parameters", "strict"}
         if unknown:
-            raise ToolError(f"{where}.function: unknown field {sorted(unknown)[0]!r}", f"{where}.function")
+            raise _refused(f"{where}.function: unknown field {sorted(unknown)[0]!r}", f"{where}.function")
         name = f.get("name")
         if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name):
-            raise ToolError(f"{where}.function.name: letters, digits, _ and - only", f"{where}.function.name")
+            raise _refused(f"{where}.function.name: letters, digits, _ and - only", f"{where}.function.name")
         parameters = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
-            raise ToolError(f"{where}.function.parameters: expected a JSON schema object",
-                            f"{where}.function.parameters")
+            raise _refused(f"{where}.function.parameters: expected a JSON schema object",
+                           f"{where}.function.parameters")
         functions.append({"name": name, "description": f.get("description", ""), "parameters": parameters})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise ToolError("tools: two functions share a name", "tools")
+        raise _refused("tools: two functions share a name", "tools")
     if tool_choice is None or tool_choice == "auto":
         choice = "auto"
     elif tool_choice == "none":
@@ -91,12 +89,12 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
           and isinstance(tool_choice["function"].get("name"), str)):
         choice = tool_choice["function"]["name"]
         if choice not in names:
-            raise ToolError(f"tool_choice: no tool named {choice!r}", "tool_choice")
+            raise _refused(f"tool_choice: no tool named {choice!r}", "tool_choice")
     else:
-        raise ToolError('tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name"}}',
-                        "tool_choice")
+        raise _refused('tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name"}}',
+                       "tool_choice")
     if parallel_tool_calls is not None and type(parallel_tool_calls) is not bool:
-        raise ToolError("parallel_tool_calls: expected true or false", "parallel_tool_calls")
+        raise _refused("parallel_tool_calls: expected true or false", "parallel_tool_calls")
     return ToolRequest(tuple(functions), choice, parallel_tool_calls is not False)
 
 

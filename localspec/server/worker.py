@@ -6,10 +6,11 @@ prefix); every round then advances all running jobs at once (`Engine.step`: one 
 target decode for every verify), and a job that finishes or is cancelled leaves its slot free for the next round.
 With one slot (`--parallel 1`) this is a FIFO that runs one job at a time.
 
-Interface: `submit(job)` queues a Job or raises QueueFull; the job's `sink` receives `Delta`s and then exactly one
-`Finished` or `Failed`, called from the worker thread; `cancel(job)` takes a queued job out or stops a running one
-at the engine's next check (between rounds, or after the token being emitted), which keeps the engine's KV
-bookkeeping consistent; `shutdown()` cancels everything. A job's output does not depend on the others.
+Interface: `submit(job)` queues a Job or raises the 503 `ApiError` that says why not (the queue is full, or the
+server is shutting down); the job's `sink` receives `Delta`s and then exactly one `Finished` or `Failed`, called
+from the worker thread; `cancel(job)` takes a queued job out or stops a running one at the engine's next check
+(between rounds, or after the token being emitted), which keeps the engine's KV bookkeeping consistent;
+`shutdown()` cancels everything. A job's output does not depend on the others.
 
 Stop strings are matched here, on the worker thread, so the engine is stopped the moment one completes instead of
 whenever the event loop next looks.
@@ -31,17 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.engine import (
-    STOP_CONTEXT_FULL,
-    STOP_MAX_TOKENS,
-    DoneEvent,
-    Engine,
-    GenerationStats,
-    Stream,
-    TokenEvent,
-)
+from localspec.engine import Engine, Stream
 from localspec.errors import LocalspecError
+from localspec.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.llama.grammar import Grammar
+from localspec.server.errors import ApiError, shutting_down
 from localspec.server.stops import StopMatcher
 from localspec.server.structured import TokenLogprob
 
@@ -53,10 +48,6 @@ FINISH_CANCELLED = "cancelled"  # the client left or the server is shutting down
 # Seconds a closing server or an unloading pair waits for the engine thread to end (a cancelled job stops at the
 # engine's next check, after the decode under way) before it gives up on freeing the models.
 STOP_JOIN_S = 30.0
-
-
-class QueueFull(Exception):
-    """The FIFO holds its maximum of waiting jobs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +113,10 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    message: str
-    kind: str  # "invalid_request" (the prompt cannot run), "shutdown", "internal"; the app adds "gone"
+    """A job that ended without a reply: what its client is answered (a 400 where the prompt cannot run, a 503 at
+    shutdown, a 500 where generation failed; handling.py adds the 499 of a client that left)."""
+
+    error: ApiError
 
 
 Item = Delta | Finished | Failed
@@ -279,12 +272,14 @@ class Worker:
         """Queue all of `jobs` (one request's choices) or none of them."""
         with self._cond:
             if self._closed:
-                raise QueueFull("the server is shutting down")
+                raise shutting_down()
             # `queue_size` jobs may wait for a slot; those that free slots can take at once are not waiting.
             capacity = self.queue_size + self.slots - len(self._running)
             if len(self._pending) + len(jobs) > capacity:
                 self.stats.rejected += 1
-                raise QueueFull(f"{len(self._pending)} requests are already waiting")
+                raise ApiError(503, f"the server is busy ({len(self._pending)} requests are already waiting); retry "
+                               "later", kind="server_error", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after_s())})
             for job in jobs:
                 job.task_id = next(self._task_ids)
                 self._pending.append(job)
@@ -296,7 +291,7 @@ class Worker:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
-                raise QueueFull("the server is shutting down")
+                raise shutting_down()
             self._actions.append((slot, action, future))
             self._cond.notify()
         return future
@@ -337,12 +332,12 @@ class Worker:
             actions, self._actions = list(self._actions), collections.deque()
             self._cond.notify_all()
         for _, _, future in actions:
-            future.set_exception(QueueFull("the server is shutting down"))
+            future.set_exception(shutting_down())
         for r in running:
             r.job._cancelled.set()
         for job in pending:
             job._cancelled.set()
-            _deliver(job, Failed("the server is shutting down", "shutdown"))
+            _deliver(job, Failed(shutting_down()))
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -431,7 +426,7 @@ class Worker:
                                          slot=slot, prefill_in_rounds=True, grammar=job.grammar,
                                          logprobs=job.logprobs, context=job.context)
         except LocalspecError as exc:  # e.g. the prompt does not fit the context
-            self._end(r, Failed(str(exc), "invalid_request"))
+            self._end(r, Failed(ApiError(400, str(exc), code="invalid_value")))
         except Exception as exc:
             self._fail_all(exc)
 
@@ -460,7 +455,8 @@ class Worker:
         else:
             log.error("generation failed: %s: %s", type(exc).__name__, exc)
         for r in list(self._running):
-            self._end(r, Failed(f"generation failed: {type(exc).__name__}", "internal"))
+            self._end(r, Failed(ApiError(500, f"generation failed: {type(exc).__name__}", kind="server_error",
+                                         code="internal_error")))
 
     def _end(self, r: _Running, final: Finished | Failed) -> None:
         """Counters first, then the final item: a client that has its reply sees them updated."""

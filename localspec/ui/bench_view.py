@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
-from localspec.config import DRAFTER_FACTS
+from localspec.config import DRAFTER_TABLE
 from localspec.versus import TOOL, Comparison
 
 # The table's short headers, said in full once (they must stay short to fit 80 columns).
@@ -75,7 +75,7 @@ def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Te
     """The last line: which drafter to use on this machine, from every part measured (a part whose greedy check
     failed is never recommended)."""
     parts = [(report, "")] + ([(lookup, " on replies that repeat their prompt")] if lookup is not None else [])
-    measured = "; ".join(f"{DRAFTER_FACTS[r.preset.draft.drafter].title} {r.speedup:.2f}x "
+    measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title} {r.speedup:.2f}x "
                          f"plain{where}" for r, where in parts)
     paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed]
     if not paying:
