@@ -69,7 +69,7 @@ from synthetic import (  # noqa: E402
 )
 
 from localspec.fsutil import atomic_path  # noqa: E402
-from localspec.gguf_header import read_header  # noqa: E402
+from localspec.models.gguf_header import read_header  # noqa: E402
 
 Role = Literal["target", "draft"]
 QType = Literal["q4_k", "q6_k", "q8_0", "f32"]

@@ -42,14 +42,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from localspec.llama.model import LlamaModel  # noqa: E402,I001  -- llama.cpp before numpy (docs/architecture.md)
 import numpy as np  # noqa: E402
 
-from localspec.chat import ChatTemplate, encode_chat  # noqa: E402
+from localspec.sessions.chat import ChatTemplate, encode_chat  # noqa: E402
 from localspec.config import load_preset  # noqa: E402
-from localspec import constraints, versus  # noqa: E402
-from localspec.constraints import Constraint, masked_row  # noqa: E402
+from localspec.rounds import constraints  # noqa: E402
+from localspec.sessions import versus  # noqa: E402
+from localspec.rounds.constraints import Constraint, masked_row  # noqa: E402
 from localspec.server.tools import messages_for_template, parse_tools  # noqa: E402
-from localspec.events import collect  # noqa: E402
+from localspec.rounds.events import collect  # noqa: E402
 from localspec.errors import LocalspecError  # noqa: E402
-from localspec.session import Session, open_session, resolve_files  # noqa: E402
+from localspec.sessions.session import Session, open_session, resolve_files  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
@@ -256,7 +257,7 @@ def _speed_runs(args: argparse.Namespace, s: Session, modes: dict[str, tuple], r
     preset = s.preset
     prompts = {kind: _prompts(s, kind) for kind in {m[0] for m in modes.values()}}
     # (Only `--compare-early-stop` touches `constraints.settled`: without it this runs against an older
-    # localspec/constraints.py too, for a before/after of the whole masking path.)
+    # localspec/rounds/constraints.py too, for a before/after of the whole masking path.)
     early_stop = constraints.settled if not all(m[6] for m in modes.values()) else None
     try:
         for _ in range(args.runs):

@@ -190,7 +190,7 @@ class BenchSettings:
     # Logits: off the CPU, a speculative token that is not the target's single-token choice passes the greedy
     # check only as that row's runner-up within this much of its top (a near-tie kernel rounding can swap)
     near_tie: float = field(metadata=_rng(0.0, 1000.0, float))
-    # After the bench, llama.cpp's own speculative loop on the same files and prompts (localspec.versus)
+    # After the bench, llama.cpp's own speculative loop on the same files and prompts (localspec.sessions.versus)
     against: str = field(metadata={"kind": str, "choices": ("none", "llama.cpp")})
     # Its llama-speculative-simple, or the folder holding it ("": $LOCALSPEC_LLAMA_BIN, then PATH)
     llama_bin: str = field(metadata=_text(_any_path, "a path to llama-speculative-simple or its folder"))

@@ -42,7 +42,7 @@ def demo_home(tmp_path_factory) -> Path:
     old = os.environ.get("LOCALSPEC_HOME")
     os.environ["LOCALSPEC_HOME"] = str(home)
     try:
-        from localspec import demo
+        from localspec.models import demo
 
         demo.target_path()
         demo.draft_path()

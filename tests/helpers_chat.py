@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from localspec.chat import ChatSession
-from localspec.events import DoneEvent, TokenEvent
+from localspec.rounds.events import DoneEvent, TokenEvent
+from localspec.sessions.chat import ChatSession
 
 
 def reply(chat: ChatSession, text: str) -> tuple[list[int], DoneEvent | None]:

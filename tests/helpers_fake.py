@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from localspec.config import Sampling
-from localspec.sampling import candidates
-from localspec.scores import DeviceDist, Scores
+from localspec.rounds.sampling import candidates
+from localspec.rounds.scores import DeviceDist, Scores
 
 
 class FakeModel:
@@ -236,8 +236,8 @@ class Clock:
         """Be the clock of the loop, its streams and the model drafter (a pytest monkeypatch undoes it)."""
         import types
 
-        from localspec import engine, stream
         from localspec.drafters import model
+        from localspec.rounds import engine, stream
 
         timing = types.SimpleNamespace(perf_counter=self.perf_counter)
         for module in (engine, stream, model):
@@ -261,7 +261,7 @@ def draft_policy(cfg: Any, cost: Any = None, padded: bool = False) -> Any:
     """A stream's draft-length policy for the drafting settings `cfg`, with its drafter's cost rules attached as the
     engine attaches them (`Drafter.pricing`; the drafters are built on fake models that never run)."""
     from localspec import drafters
-    from localspec.policies import DraftCost, DraftLength
+    from localspec.rounds.policies import DraftCost, DraftLength
 
     cost = cost if cost is not None else DraftCost(cfg.n_draft)
     drafter = drafters.build(FakeModel(), FakeModel())[cfg.drafter]

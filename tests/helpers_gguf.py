@@ -135,13 +135,13 @@ class Tensor:
 
 def read_tensors(path: Path) -> list[Tensor]:
     """`path`'s tensors in file order, their data memory-mapped: the tensor infos from the header alone
-    (localspec.gguf_header), since gguf's reader spends seconds on a 49,152-token vocabulary's strings first."""
+    (localspec.models.gguf_header), since gguf's reader spends seconds on a 49,152-token vocabulary's strings first."""
     import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quant_shape_to_byte_shape
 
-    from localspec.gguf_header import read_header
+    from localspec.models.gguf_header import read_header
 
     # The types GGUFReader reads as numbers; every other type is read as its blocks' bytes.
     numeric = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
@@ -163,8 +163,8 @@ def read_tensors(path: Path) -> list[Tensor]:
 
 
 def read_fields(path: Path) -> dict[str, object]:
-    """`path`'s metadata as localspec.gguf_header reads it (the tokenizer's token list kept, other string arrays
+    """`path`'s metadata as localspec.models.gguf_header reads it (the tokenizer's token list kept, other string arrays
     as their length)."""
-    from localspec.gguf_header import read_header
+    from localspec.models.gguf_header import read_header
 
     return dict(read_header(path).metadata)

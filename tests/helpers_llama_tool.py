@@ -1,7 +1,7 @@
 """A stand-in for llama.cpp's `llama-speculative-simple` (beside the real one: tests/test_versus.py runs that too
-when a build is there): the same command-line surface that localspec.versus uses, its stdout (the prompt, then the
-generated text, then a blank line) and its end-of-run timing lines on stderr, in the format the real tool prints
-(tests/data/llama-speculative-simple/ holds a recorded run). It appends each command line it ran to a JSON-lines
+when a build is there): the same command-line surface that localspec.sessions.versus uses, its stdout (the prompt,
+then the generated text, then a blank line) and its end-of-run timing lines on stderr, in the format the real tool
+prints (tests/data/llama-speculative-simple/ holds a recorded run). It appends each command line it ran to a JSON-lines
 log, so a test can check what localspec asked of it."""
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from localspec.engine import Engine, Stream
-from localspec.events import DoneEvent, TokenEvent
+from localspec.rounds.engine import Engine, Stream
+from localspec.rounds.events import DoneEvent, TokenEvent
 
 
 def run_together(engine: Engine, requests: Sequence[dict], arrivals: Sequence[int],

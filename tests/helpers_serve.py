@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localspec import demo
 from localspec.cli.serve_cmd import listen, uvicorn_server
 from localspec.config import Preset, load_preset
-from localspec.engine import Engine
 from localspec.errors import TooManyTokens
-from localspec.events import DoneEvent, TokenEvent
+from localspec.models import demo
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import DoneEvent, TokenEvent
 from localspec.server.handling import Backend
-from localspec.session import ModelFiles
+from localspec.sessions.session import ModelFiles
 from tests.helpers_fake import FakeModel
 
 PROMPT = "The three primary colours are"

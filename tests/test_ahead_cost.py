@@ -21,7 +21,7 @@ from helpers_fake import draft_policy
 from localspec.config import load_preset
 from localspec.drafters.lookup import LookupCost
 from localspec.drafters.model import ModelCost
-from localspec.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 STEP, AHEAD_STEP, LAG, CONTENTION, HOST = 0.0019, 0.00415, 0.00235, 0.00208, 0.0004

@@ -21,9 +21,9 @@ from helpers_stats import chi_square, joint_probs
 from localspec.config import load_preset
 from localspec.drafters import model as model_drafter
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine
-from localspec.events import collect
-from localspec.scores import Scores
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
+from localspec.rounds.scores import Scores
 
 GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
@@ -223,7 +223,7 @@ def test_the_loop_tells_the_cost_model_what_the_bets_cost(ahead_length: str) -> 
 
 
 class _NumpyUses:
-    """Stands in for numpy inside the cost model (`localspec.policies`, the model drafter's `ModelCost`): records
+    """Stands in for numpy inside the cost model (`localspec.rounds.policies`, the model drafter's `ModelCost`): records
     each reach for it (the thread, the name)."""
 
     def __init__(self) -> None:
@@ -242,8 +242,8 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
     host share"). Counted, not timed: `best_ahead` is asked on the draft-ahead thread (beside the verify, off the
     loop's path) once a bet, the survival and verify tables are built at most once per observation, and nothing
     a fixed-length round asks or tells the cost model reaches for numpy."""
-    from localspec import policies
     from localspec.drafters import model as model_drafter
+    from localspec.rounds import policies
 
     asked: dict[str, list[str]] = {"best_ahead": [], "best_continuation": []}
 

@@ -164,16 +164,17 @@ def test_the_package_imports_without_llama_cpp() -> None:
     import sys
 
     code = ("import sys; sys.modules['llama_cpp'] = None\n"
-            "import localspec, localspec.config, localspec.registry, localspec.gguf_header, localspec.compat\n"
+            "import localspec, localspec.config, localspec.models.registry, localspec.models.gguf_header, "
+            "localspec.models.compat\n"
             "localspec.config.load_preset()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
 
 
 def _event_names() -> set[str]:
-    """What localspec/events.py defines at its top level (its classes, functions and constants)."""
+    """What localspec/rounds/events.py defines at its top level (its classes, functions and constants)."""
     names = set()
-    for node in ast.parse((PACKAGE / "events.py").read_text()).body:
+    for node in ast.parse((PACKAGE / "rounds" / "events.py").read_text()).body:
         if isinstance(node, ast.ClassDef | ast.FunctionDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -183,16 +184,17 @@ def _event_names() -> set[str]:
 
 
 def events_from_elsewhere(trees: dict[str, ast.Module], events: set[str]) -> list[str]:
-    """Imports of an event's name from anywhere but localspec.events (`from localspec.engine import DoneEvent`)."""
+    """Imports of an event's name from anywhere but localspec.rounds.events
+    (`from localspec.rounds.engine import DoneEvent`)."""
     return [f"{path}:{node.lineno} imports {alias.name} from {node.module}"
             for path, tree in trees.items() for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("localspec")
-            and node.module != "localspec.events" for alias in node.names if alias.name in events]
+            and node.module != "localspec.rounds.events" for alias in node.names if alias.name in events]
 
 
 def test_events_are_imported_from_events_py_only() -> None:
     """One home for what the loop yields: the package, its tests and the bench scripts import the events from
-    localspec/events.py, never through a module that happens to import them."""
+    localspec/rounds/events.py, never through a module that happens to import them."""
     trees = {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text())
              for folder in ("localspec", "tests", "bench") for p in sorted((ROOT / folder).rglob("*.py"))}
     assert events_from_elsewhere(trees, _event_names()) == []
@@ -200,8 +202,10 @@ def test_events_are_imported_from_events_py_only() -> None:
 
 def test_the_events_check_finds_an_event_imported_from_the_engine() -> None:
     assert {"DoneEvent", "TokenEvent", "GenerationStats", "collect", "STOP_EOG"} <= _event_names()
-    tree = ast.parse("from localspec.engine import Engine, DoneEvent\nfrom localspec.events import TokenEvent\n")
-    assert events_from_elsewhere({"x.py": tree}, _event_names()) == ["x.py:1 imports DoneEvent from localspec.engine"]
+    tree = ast.parse("from localspec.rounds.engine import Engine, DoneEvent\n"
+                     "from localspec.rounds.events import TokenEvent\n")
+    assert events_from_elsewhere({"x.py": tree}, _event_names()) == [
+        "x.py:1 imports DoneEvent from localspec.rounds.engine"]
 
 
 # -- the drafter table ------------------------------------------------------------------------------------------------
@@ -327,8 +331,8 @@ def family_drift(rows: list[tuple[str, tuple[str, ...], str, str]], families: se
     """Where the model-family places disagree: a family of models.toml with no row, an architecture whose kind
     gguf_header.py's sets do not give (attention, hybrid or recurrent; rolls back), a built-in chat template that
     chat.py's `_BUILTIN_BY_ARCH` does not name for it; and gguf_header.py's sets against each other."""
-    from localspec import chat
-    from localspec import gguf_header as g
+    from localspec.models import gguf_header as g
+    from localspec.sessions import chat
 
     problems = [f"family {f!r} of models.toml has no row in docs/architecture.md's families table"
                 for f in sorted(families - {row[0] for row in rows})]
@@ -415,10 +419,10 @@ ANECDOTE_PATTERNS = [
     r"\bon the (?:CUDA |GPU )?(?:image|box)\b",
 ]
 # Being rewritten elsewhere right now: each still carries a few anecdotes.
-ANECDOTES_ALLOWED = ("localspec/engine.py", "localspec/stream.py", "localspec/drafters/", "localspec/policies.py",
-                     "localspec/config.py", "localspec/llama/model.py", "localspec/session.py",
-                     "localspec/memory.py", "localspec/bench.py", "localspec/versus.py", "localspec/cli/chat_cmd.py",
-                     "localspec/cli/serve_cmd.py")
+ANECDOTES_ALLOWED = ("localspec/rounds/engine.py", "localspec/rounds/stream.py", "localspec/drafters/",
+                     "localspec/rounds/policies.py", "localspec/config.py", "localspec/llama/model.py",
+                     "localspec/sessions/session.py", "localspec/models/memory.py", "localspec/sessions/bench.py",
+                     "localspec/sessions/versus.py", "localspec/cli/chat_cmd.py", "localspec/cli/serve_cmd.py")
 
 
 def _comments_and_docstrings(source: str) -> list[tuple[int, str]]:
@@ -457,11 +461,11 @@ ENGINE_LINES, CLASS_LINES = 450, 400  # the loop stays the round; scheduling and
 
 
 def test_the_engine_stays_small_and_no_class_of_its_layer_grows_past_its_bound() -> None:
-    """localspec/engine.py is the round (draft, verify, accept, rewind) and its streams' bookkeeping: round
+    """localspec/rounds/engine.py is the round (draft, verify, accept, rewind) and its streams' bookkeeping: round
     scheduling lives in schedule.py, a slot's cells in slot_cells.py, a drafter's concerns in its own file. A new
     capability that lands in the engine instead fails here, as does a class of the engine's layer (the loop, its
     schedules, streams, slot cells, drafters) that outgrows one reading."""
-    engine = (PACKAGE / "engine.py").read_text()
+    engine = (PACKAGE / "rounds" / "engine.py").read_text()
     assert len(engine.splitlines()) <= ENGINE_LINES, "engine.py grew: move the new concern out (docs/architecture.md)"
     layer = {path for path, name in _documented().items() if name == "engine"}
     big = {f"{path}:{node.name}": node.end_lineno - node.lineno + 1 for path, tree in _modules().items()

@@ -69,7 +69,7 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
 
 @pytest.mark.slow
 def test_bench_greedy_preset_checks_token_identity_on_the_cpu(use_demo_home):
-    from localspec import demo
+    from localspec.models import demo
 
     # The demo's files by path, not by its name: the built-in demo's second part (prompt lookup, which prints the
     # same check lines) does not run, so the lines below are the draft model's.
@@ -174,8 +174,8 @@ def test_save_preset_needs_sweep(use_demo_home):
 def _scripted_bench(speedups: dict[str, float]):
     """`run_bench` as a script: one plain and one speculative run per part at the given speed-up (by drafter), then
     the report, so the printing order is tested without minutes of decoding (the real run: the slow test above)."""
-    from localspec.bench import PLAIN, SPEC, BenchReport, GreedyCheck, ModeSummary, RunDone, RunResult
-    from localspec.events import GenerationStats
+    from localspec.rounds.events import GenerationStats
+    from localspec.sessions.bench import PLAIN, SPEC, BenchReport, GreedyCheck, ModeSummary, RunDone, RunResult
 
     def run_bench(session, preset, prompts=None, raw=False):
         speedup = speedups[preset.draft.drafter]
@@ -197,7 +197,7 @@ def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args:
 
     from localspec import config
     from localspec.cli import bench_cmd, options
-    from localspec.session import ModelFiles
+    from localspec.sessions.session import ModelFiles
 
     @contextmanager
     def session(files, preset):

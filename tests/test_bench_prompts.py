@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from localspec.bench import BenchPrompt, load_prompts
 from localspec.errors import LocalspecError
+from localspec.sessions.bench import BenchPrompt, load_prompts
 
 
 def _file(tmp_path: Path, text: str, name: str = "prompts.txt") -> Path:

@@ -16,9 +16,9 @@ from localspec.config import load_preset
 from localspec.drafters.chain import ChainCost
 from localspec.drafters.lookup import LookupCost
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine
-from localspec.events import collect
-from localspec.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
+from localspec.rounds.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from localspec.drafters.model import ModelCost
-from localspec.events import collect
-from localspec.policies import DraftCost, DraftLength
+from localspec.rounds.events import collect
+from localspec.rounds.policies import DraftCost, DraftLength
 from tests.test_chain_cost import Clock
 from tests.test_engine import GREEDY, open_pair, prompts
 

@@ -30,11 +30,11 @@ import numpy as np
 import pytest
 from helpers_fake import FakeModel
 
-from localspec import bench
 from localspec.drafters import model as model_drafter
-from localspec.engine import Engine
-from localspec.events import collect
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
+from localspec.sessions import bench
+from localspec.sessions.session import ModelFiles, open_session
 from tests.test_chain_cost import Clock
 from tests.test_engine import GREEDY, open_pair
 
@@ -47,8 +47,8 @@ STEP, STEP_BESIDE = 0.0019, 0.0041
 
 
 def requantized(tmp_path_factory: pytest.TempPathFactory, ftype: str) -> Path:
-    from localspec.demo import smollm2_source_path
     from localspec.llama.backend import quantize
+    from localspec.models.demo import smollm2_source_path
 
     dest = tmp_path_factory.mktemp("replay") / f"smollm2-{ftype.lower()}.gguf"
     quantize(smollm2_source_path(), dest, ftype)
@@ -145,7 +145,7 @@ def charge(clock: Clock, model: object, on_loop: Callable[[int], float], beside:
 def plain_replies(prompts: str, names: tuple[str, ...], max_tokens: int) -> dict[str, list[int]]:
     """The target's plain greedy reply to each of `names`, from a session of its own (no draft, no fake clock):
     every drafter's replay is checked against the same replies, computed once (~5 s of real decoding a pass)."""
-    from localspec.demo import smollm2_source_path
+    from localspec.models.demo import smollm2_source_path
 
     preset = GREEDY.with_overrides(n_ctx=4096, n_draft=0)
     with open_session(ModelFiles(target=smollm2_source_path(), draft=None, name="plain"), preset) as s:
@@ -161,7 +161,7 @@ def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, draf
     them in turn, each checked against plain greedy (`plain_replies`); tok/s on the fake clock and the bets made
     and kept. (One pass, not the bench's 3: each failure below shows in the first, and a pass costs ~10 s of real
     decoding.)"""
-    from localspec.demo import smollm2_source_path
+    from localspec.models.demo import smollm2_source_path
 
     references = plain_replies(prompts, names, max_tokens)
     preset = GREEDY.with_overrides(n_ctx=4096)
@@ -269,7 +269,7 @@ def replay_reply(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path
     H200's (`ScriptedReply`), drafted by the real draft through llama.cpp at the embedded pair's costs with CUDA
     graphs; the first `misled` draft steps on the loop's path are wrong (the H200's warm-up: 8 drafts, 0 accepted).
     The speculative runs' speed-up over the plain ones, on the fake clock; each output is the reply."""
-    from localspec.demo import smollm2_source_path
+    from localspec.models.demo import smollm2_source_path
 
     preset = GREEDY.with_overrides(n_ctx=4096)
     drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, ahead_length="fit")

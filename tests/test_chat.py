@@ -1,4 +1,4 @@
-"""localspec.chat at library level: templates, commands, prefix reuse, reset, interrupt, save, full context.
+"""localspec.sessions.chat at library level: templates, commands, prefix reuse, reset, interrupt, save, full context.
 
 Templates and commands need no model. The rest runs the real engine: the demo pair (a real Gemma, so replies
 re-tokenize like real chat) for prefix reuse and interrupts, and the tiny generated pair (SmolLM2's tokenizer
@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from localspec import demo
-from localspec.chat import (
+from localspec.config import load_preset
+from localspec.errors import ContextFullError, LocalspecError
+from localspec.llama.model import LlamaModel
+from localspec.models import demo
+from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
+from localspec.sessions.chat import (
     STOP_INTERRUPTED,
     ChatSession,
     ChatTemplate,
@@ -22,11 +26,7 @@ from localspec.chat import (
     encode_chat,
     parse_command,
 )
-from localspec.config import load_preset
-from localspec.errors import ContextFullError, LocalspecError
-from localspec.events import STOP_CONTEXT_FULL, DoneEvent, TokenEvent
-from localspec.llama.model import LlamaModel
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_chat import reply
 
 CHATML = (

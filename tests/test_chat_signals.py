@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from localspec.chat import ChatSession
 from localspec.cli.chat_cmd import ChatView, CtrlC
 from localspec.config import load_preset
 from localspec.errors import UsageError
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.chat import ChatSession
+from localspec.sessions.session import ModelFiles, open_session
 
 pexpect = pytest.importorskip("pexpect")
 

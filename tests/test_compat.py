@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from gguf import LlamaFileType, TokenType
 
-from localspec import demo
-from localspec.compat import check_files
+from localspec.models import demo
+from localspec.models.compat import check_files
 from localspec.status import Status
 from tests.helpers_vocab import N_TOKENS, base_vocab, write_vocab
 

@@ -99,7 +99,7 @@ def test_qwen3_presets_carry_the_recommended_sampling():
 
 def test_a_pair_names_its_preset_and_the_command_line_still_wins(tmp_path, monkeypatch):
     from localspec.cli import options
-    from localspec.session import ModelFiles
+    from localspec.sessions.session import ModelFiles
 
     files = ModelFiles(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", name="qwen3-32b", n_ctx=8192,
                        n_draft=6, kv_type="q8_0", preset="qwen3-thinking")
@@ -123,7 +123,7 @@ def test_user_preset_roundtrip_and_precedence(home):
 
 
 def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
-    from localspec.session import ModelFiles, settle_preset
+    from localspec.sessions.session import ModelFiles, settle_preset
 
     files = ModelFiles(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", name="p", n_ctx=8192, n_draft=5)
     pair_only = settle_preset(load_preset(), files)
@@ -135,7 +135,7 @@ def test_pair_recommendations_sit_between_preset_and_command_line(tmp_path):
 
 
 def test_without_a_draft_model_the_drafter_is_lookup_unless_given(tmp_path):
-    from localspec.session import ModelFiles, settle_preset
+    from localspec.sessions.session import ModelFiles, settle_preset
 
     solo = ModelFiles(target=tmp_path / "t.gguf", draft=None, name="custom")
     assert settle_preset(load_preset(), solo).draft.drafter == "lookup"

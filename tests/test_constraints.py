@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
-from localspec.constraints import Constraint, masked_row
 from localspec.errors import GrammarError
-from localspec.events import DoneEvent, TokenEvent
 from localspec.llama.grammar import Grammar
 from localspec.llama.model import LlamaModel
-from localspec.sampling import candidates
+from localspec.rounds.constraints import Constraint, masked_row
+from localspec.rounds.events import DoneEvent, TokenEvent
+from localspec.rounds.sampling import candidates
 from localspec.server.errors import ApiError
 from localspec.server.structured import chat_logprobs, completion_logprobs, request_constraint
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
 
 GREEDY = load_preset("greedy").with_overrides(threads=1)  # one thread: a busy box stalls llama.cpp's spinning pool
@@ -220,7 +220,7 @@ def test_lookup_proposals_stop_at_the_first_token_the_grammar_refuses(tiny_pair)
     grammar copy after the kept ones (where a chained draft model continues)."""
     from localspec.drafters.base import DraftRequest
     from localspec.drafters.lookup import LookupDrafter
-    from localspec.events import GenerationStats
+    from localspec.rounds.events import GenerationStats
 
     with LlamaModel(tiny_pair[0], n_ctx=64, device_top_k=0, n_threads=1) as model:
         (brace,), (word,) = model.tokenize("{", add_special=False), model.tokenize("hello", add_special=False)
@@ -435,7 +435,7 @@ def test_logprobs_match_single_token_decoding(tiny_pair, temperature):
 @pytest.mark.slow
 def test_json_schema_output_of_the_chat_demo_parses(smollm2_path):
     """SmolLM2-Instruct drafting for itself (Q4_1 both): greedy JSON that the schema allows, ended by the model."""
-    from localspec.chat import ChatTemplate, encode_chat
+    from localspec.sessions.chat import ChatTemplate, encode_chat
 
     constraint = Constraint.json_schema(SCHEMA, "schema")
     with open_pair(smollm2_path, smollm2_path) as s:

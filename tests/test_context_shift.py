@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.context_shift import Shift, plan, shifted
+from localspec.rounds.context_shift import Shift, plan, shifted
 
 
 @pytest.mark.parametrize(("n_keep", "n_discard", "add_bos", "expected"), [

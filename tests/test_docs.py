@@ -17,8 +17,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from localspec import registry
 from localspec.cli.app import app
+from localspec.models import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

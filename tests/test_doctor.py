@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from localspec import config, demo, doctor, memory
-from localspec.placement import Dev
+from localspec import config
+from localspec.models import demo, doctor, memory
+from localspec.models.placement import Dev
 from localspec.status import Status
 
 PLENTY = memory.Devices(ram_available=64 << 30)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from localspec import engine
 from localspec.cli.app import app
 from localspec.config import load_preset
-from localspec.events import collect
-from localspec.session import ModelFiles, open_session
+from localspec.rounds import engine
+from localspec.rounds.events import collect
+from localspec.sessions.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from helpers_fake import draft_policy
 from localspec.config import Drafting, load_preset
 from localspec.drafters.chain import ChainCost
 from localspec.drafters.model import ModelCost
-from localspec.policies import DraftCost, Observation
-from localspec.policies import DraftLength as _DraftLength
+from localspec.rounds.policies import DraftCost, Observation
+from localspec.rounds.policies import DraftLength as _DraftLength
 
 
 def drafting(n_draft: int, p_min: float, adaptive: bool) -> Drafting:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from localspec.config import Drafting
 from localspec.drafters.base import DrafterBase, Proposal
-from localspec.policies import CostRule, DraftCost
-from localspec.sampling import point_mass
+from localspec.rounds.policies import CostRule, DraftCost
+from localspec.rounds.sampling import point_mass
 
 
 class ToyCost(CostRule):
@@ -92,8 +92,8 @@ from localspec.server.schema import ChatRequest
 from typer.testing import CliRunner
 
 from helpers_fake import FakeModel
-from localspec.engine import Engine
-from localspec.events import collect
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
 
 assert Path(localspec.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), localspec.__file__
 out = {"choices": list(config.DRAFTERS), "registry": list(drafters.REGISTRY)}

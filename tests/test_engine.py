@@ -11,11 +11,11 @@ import pytest
 from localspec.config import Drafting, load_preset
 from localspec.drafters.base import device_mode
 from localspec.errors import ContextFullError, IncompatiblePairError, UsageError
-from localspec.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
 from localspec.llama.model import LlamaModel
-from localspec.sampling import candidates
-from localspec.scores import DeviceDist
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, DoneEvent, TokenEvent
+from localspec.rounds.sampling import candidates
+from localspec.rounds.scores import DeviceDist
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def prompts(n: int, seed: int = 7, length: int = 12) -> list[list[int]]:
 
 def test_one_token_and_batch_give_identical_logits(tiny_pair, use_demo_home):
     """Greedy losslessness rests on this: a verify batch must score a position exactly as plain decoding."""
-    from localspec import demo
+    from localspec.models import demo
 
     for path in (tiny_pair[0], demo.target_path()):
         with LlamaModel(path, n_ctx=256, device_top_k=0) as model:
@@ -84,8 +84,8 @@ def test_greedy_is_token_identical_to_plain_decoding(tiny_pair, device_top_k):
 
 
 def test_greedy_lossless_on_demo_pair(use_demo_home):
-    from localspec import demo
-    from localspec.bench import PROMPTS
+    from localspec.models import demo
+    from localspec.sessions.bench import PROMPTS
 
     with open_pair(demo.target_path(), demo.draft_path()) as s:
         for _, text in PROMPTS:
@@ -117,8 +117,8 @@ def test_greedy_with_penalties_is_lossless_and_applies_them(use_demo_home):
     """At temperature 0 the penalties pick the argmax of the penalised logits (llama.cpp's order), for the draft
     and the target alike, so speculation stays token-identical to an independent penalised greedy loop. The demo
     model repeats itself on this prompt, so the penalties must change its reply."""
-    from localspec import demo
-    from localspec.sampling import apply_penalties
+    from localspec.models import demo
+    from localspec.rounds.sampling import apply_penalties
 
     penalised = GREEDY.with_overrides(frequency_penalty=1.0, presence_penalty=0.5, repeat_penalty=1.1).sampling
     n = 32
@@ -286,7 +286,7 @@ def test_stats_arithmetic(tiny_pair):
 
 
 def test_incompatible_pair_is_refused(use_demo_home, smollm2_path):
-    from localspec import demo
+    from localspec.models import demo
 
     with pytest.raises(IncompatiblePairError):
         open_pair(demo.target_path(), smollm2_path)
@@ -305,7 +305,7 @@ def test_greedy_draft_length_is_not_capped(tiny_pair_high):
 def test_constant_width_pads_short_drafts_and_stays_exact(tiny_pair):
     """GPU mode (forced here): early stops below p_min and the last round are padded to the generation's width;
     the padding never changes what is emitted, on the CPU to the bit."""
-    from localspec.engine import Engine
+    from localspec.rounds.engine import Engine
 
     with open_pair(*tiny_pair) as s:
         padded = Engine(s.target, s.draft, constant_width=True)
@@ -476,8 +476,8 @@ def test_a_constrained_round_counts_an_accepted_draft_on_a_row_decoded_again(tin
     stats and flagged `from_draft` (the round then emits no token of the target's own). Each round's verdict, read
     at `_rewind`, against its proposal: the drafts it calls accepted are the proposal's, and the next emitted one
     (if any) is the target's correction, never the draft itself; the events' flags follow the verdicts."""
-    from localspec.constraints import Constraint
-    from localspec.engine import Engine
+    from localspec.rounds.constraints import Constraint
+    from localspec.rounds.engine import Engine
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}

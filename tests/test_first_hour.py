@@ -15,13 +15,15 @@ from rich.console import Console
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
-from localspec import bench, config, demo, doctor, memory, registry
-from localspec.bench import PLAIN, SPEC, BenchReport, GreedyCheck, ModeSummary, RunProgress
+from localspec import config
 from localspec.cli import chat_cmd, serve_cmd
 from localspec.cli.app import app
 from localspec.errors import LocalspecError
+from localspec.models import demo, doctor, memory, registry
 from localspec.server.app import ServerState, create_app
-from localspec.session import ModelFiles, open_session
+from localspec.sessions import bench
+from localspec.sessions.bench import PLAIN, SPEC, BenchReport, GreedyCheck, ModeSummary, RunProgress
+from localspec.sessions.session import ModelFiles, open_session
 from localspec.status import Status
 from localspec.ui.bench_view import LEGEND, live_view, summary
 

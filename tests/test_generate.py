@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from localspec import demo
-from localspec.chat import ChatTemplate, encode_chat
 from localspec.cli import chat_cmd
 from localspec.cli.app import app
 from localspec.errors import LocalspecError
 from localspec.llama.model import LlamaModel
+from localspec.models import demo
+from localspec.sessions.chat import ChatTemplate, encode_chat
 
 PROMPT = "The three primary colours are"
 N = 24
@@ -72,7 +72,7 @@ def test_greedy_speculative_output_equals_plain_decoding(demo_home: Path, target
 def test_lookup_and_chained_drafting_equal_plain_decoding(demo_home: Path, target_path: Path) -> None:
     """A reply that may repeat its prompt (the bench's code edit): prompt lookup drafts, alone or chained with the
     draft model, and the text is plain decoding's, token for token; a single GGUF (--draft none) too."""
-    from localspec.bench import LOOKUP_PROMPTS
+    from localspec.sessions.bench import LOOKUP_PROMPTS
 
     prompt = dict(LOOKUP_PROMPTS)["code-edit"]
     common = ("generate", prompt, "--chat", "--temp", "0", "--max-tokens", "64", "--json", "--threads", "1")

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from gguf import GGMLQuantizationType
 
-from localspec.gguf_header import GGUFError, SkippedArray, read_header
+from localspec.models.gguf_header import GGUFError, SkippedArray, read_header
 from tests import helpers_gguf as G
 from tests.helpers_vocab import write_vocab
 
@@ -270,7 +270,7 @@ def test_a_fifo_is_named_not_opened(tmp_path: Path) -> None:
 # Peak RSS of this process since exec (VmHWM; ru_maxrss would start at pytest's own size, inherited at fork).
 _PEAK_RSS = """
 import sys
-from localspec.gguf_header import read_header
+from localspec.models.gguf_header import read_header
 def peak():
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))

@@ -24,7 +24,8 @@ accept    = 83.333%
 
 
 def _against(median: float, greedy: list[dict] | None = None) -> dict:
-    """The `against` section `localspec bench --against llama.cpp` writes (localspec.versus.Comparison.as_json)."""
+    """The `against` section `localspec bench --against llama.cpp` writes
+    (localspec.sessions.versus.Comparison.as_json)."""
     return {"against": "llama.cpp", "modes": [
         {"mode": "host", "runs": 3, "median_tps": median * 0.9, "min_tps": median * 0.8, "max_tps": median,
          "acceptance_rate": 0.8},

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from localspec import bench
-from localspec.bench import Divergence, GreedyCheck, PromptCheck
 from localspec.config import load_preset
-from localspec.engine import Engine
-from localspec.events import TokenEvent
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import TokenEvent
+from localspec.sessions import bench
+from localspec.sessions.bench import Divergence, GreedyCheck, PromptCheck
 
 NEAR_TIE = 1.0
 
@@ -98,7 +98,7 @@ def far_down(top: list[tuple[int, float]]) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_session(tiny_pair) -> Iterator:
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
 
     target, draft = tiny_pair
     preset = load_preset("greedy").with_overrides(n_ctx=256, threads=1, n_draft=4)

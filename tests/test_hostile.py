@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from localspec import demo
+from localspec.models import demo
 from tests import helpers_gguf as G
 from tests.conftest import BadFolder, fault_env, temp_files
 from tests.helpers_hub import COMMIT, FakeHub, HubFile, cache_file

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from localspec import hub
 from localspec.errors import LocalspecError
-from localspec.registry import ModelSpec
+from localspec.models import hub
+from localspec.models.registry import ModelSpec
 from tests.helpers_hub import FakeHub, HubFile
 
 CONTENT = os.urandom(3 << 20) + b"tail"  # 3 MiB: several http chunks, so a cut lands mid-transfer

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec import memory
 from localspec.config import load_preset
-from localspec.engine import Engine
 from localspec.errors import RollbackError, UsageError
-from localspec.events import TokenEvent, collect
+from localspec.models import memory
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import TokenEvent, collect
 from tests.helpers_fake import FakeModel
 from tests.helpers_stats import chi_square, joint_probs
 
@@ -113,7 +113,7 @@ def test_several_slots_with_a_recurrent_target_are_each_what_they_are_alone() ->
 
 
 def test_header_facts_of_a_hybrid_with_an_mtp_block(hybrid_pair) -> None:
-    from localspec.gguf_header import read_header
+    from localspec.models.gguf_header import read_header
 
     target, draft = (read_header(p) for p in hybrid_pair)
     assert target.nextn_layers == 1 and target.trunk_layers == 4 and draft.nextn_layers == 0
@@ -125,8 +125,8 @@ def test_header_facts_of_a_hybrid_with_an_mtp_block(hybrid_pair) -> None:
 
 
 def test_memory_counts_attention_kv_and_the_recurrent_state(hybrid_pair) -> None:
-    from localspec import memory
-    from localspec.gguf_header import read_header
+    from localspec.models import memory
+    from localspec.models.gguf_header import read_header
 
     target = read_header(hybrid_pair[0])
     s = preset_settings(n_ctx=1024, n_draft=6)
@@ -140,7 +140,7 @@ def test_memory_counts_attention_kv_and_the_recurrent_state(hybrid_pair) -> None
 
 def qwen36_27b_header(tmp_path):
     """A header with Qwen3.6-27B's text hyperparameters (its config.json as llama.cpp's converter writes it)."""
-    from localspec.gguf_header import read_header
+    from localspec.models.gguf_header import read_header
     from tests import helpers_gguf as G
     from tests.helpers_vocab import write_vocab
 
@@ -157,7 +157,7 @@ def test_qwen3_6_27b_state_and_kv(tmp_path) -> None:
     """The arithmetic behind models.toml's 27B lines: 48 Gated DeltaNet layers of (4 - 1) x (6144 + 2 x 16 x 128)
     convolution and 128 x 6144 state floats (llama.cpp's n_embd_r, n_embd_s); KV in the 16 attention layers only,
     4 KV heads of 256; the MTP block's own KV in the MTP context."""
-    from localspec import memory
+    from localspec.models import memory
 
     h = qwen36_27b_header(tmp_path)
     rec = h.recurrence
@@ -175,7 +175,7 @@ def _qwen36_header(name: str, arch: str, n_layer: int, n_embd: int, n_head: int,
                    nextn: int, weights: int):
     """Header facts of a Qwen3.5/3.6 GGUF (models.toml's config.json facts: heads of 256, linear attention heads of
     128, a full-attention layer every 4, 248320 tokens); the weights as one tensor of the listed bytes."""
-    from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo
+    from localspec.models.gguf_header import GGUFHeader, StringArray, TensorInfo
 
     a = arch
     meta = {"general.architecture": a, f"{a}.block_count": n_layer + nextn, f"{a}.attention.head_count": n_head,
@@ -190,7 +190,7 @@ def _qwen36_header(name: str, arch: str, n_layer: int, n_embd: int, n_head: int,
 
 def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
     """The 24 GB lines written in models.toml, from the estimator (a card with 23.5 GiB free, 5% kept back)."""
-    from localspec import memory, registry
+    from localspec.models import memory, registry
     from tests.test_memory import CARD_24GB, GiB
 
     pairs = registry.load_pairs()
@@ -212,9 +212,9 @@ def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
 
 
 def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
-    from localspec.gguf_header import read_header
     from localspec.llama import recurrent
-    from localspec.session import check_drafting
+    from localspec.models.gguf_header import read_header
+    from localspec.sessions.session import check_drafting
 
     hybrid, plain = read_header(hybrid_pair[0]), read_header(tiny_pair[0])
     spec = GREEDY.with_overrides(n_draft=4)
@@ -230,8 +230,8 @@ def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, mo
 
 def test_an_architecture_without_snapshots_is_refused(hybrid_pair, tmp_path) -> None:
     """llama.cpp keeps no snapshots for qwen3next: speculation there is refused in one line."""
-    from localspec.gguf_header import read_header
-    from localspec.session import check_drafting
+    from localspec.models.gguf_header import read_header
+    from localspec.sessions.session import check_drafting
     from tests.helpers_vocab import write_vocab
 
     path = write_vocab(tmp_path / "next.gguf", arch="qwen3next", hparams={"block_count": 4})
@@ -250,7 +250,7 @@ def hybrid_session(hybrid_pair, tmp_path_factory):
     both drafters' proposals overlap the target's candidates partly (accepted, and resampled)."""
     from synthetic import HYBRID_TINY, write_hybrid_model
 
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
 
     target = tmp_path_factory.mktemp("mtp-mid") / "target.gguf"
     write_hybrid_model(target, dataclasses.replace(HYBRID_TINY, mtp_noise=0.1), "target")
@@ -427,7 +427,7 @@ def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_r
 def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) -> None:
     """The draft model (itself hybrid), prompt lookup, the chain and the target's MTP head, at several lengths,
     fixed and adaptive: the tokens plain greedy decoding gives. Prompts repeat a phrase (lookup matches)."""
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
 
     files = request.getfixturevalue(pair)
     with open_session(ModelFiles(files[0], files[1], "hybrid"),
@@ -456,8 +456,8 @@ def test_constrained_greedy_with_every_drafter_is_constrained_plain_decoding(hyb
     """A JSON schema and a GBNF grammar on the hybrid target: each drafter's constrained greedy text is constrained
     plain decoding's, token for token. With `constrained_rows = "device"` too: a recurrent target reads its
     constrained rows whole (it cannot go back into a verify to decode one row again)."""
-    from localspec.constraints import Constraint
-    from localspec.session import ModelFiles, open_session
+    from localspec.rounds.constraints import Constraint
+    from localspec.sessions.session import ModelFiles, open_session
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -482,7 +482,7 @@ def test_a_next_prompt_reuses_the_cached_prompt_and_stays_exact(hybrid_pair, dra
     """A chat's next turn: the new prompt extends the last one (not its reply). The recurrent target goes back to
     its checkpoint at the last prompt's end and the MTP head to its row there, so only the new tokens are decoded,
     and the output is what a fresh engine gives."""
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
 
     first = prompts(1, seed=13, length=16)[0]
     second = [*first, *prompts(1, seed=14, length=5)[0]]
@@ -508,7 +508,7 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
     (and the draft's) from host RAM, and every reply is what a fresh engine gives. The MTP head's cells are not
     part of a slot's state: it needs the target's rows again, below a restored recurrent state's floor, so the
     target reads the prompt afresh (exact, without the cache's saving)."""
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
 
     files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
     preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1)
@@ -530,7 +530,7 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
 
 @pytest.mark.slow
 def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair) -> None:
-    from localspec.session import ModelFiles, open_session
+    from localspec.sessions.session import ModelFiles, open_session
     from tests.helpers_rounds import run_together
 
     reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
@@ -558,7 +558,7 @@ def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None
     s.engine.reset()
 
     def next_probs(context: list[int]) -> dict[int, float]:
-        from localspec.sampling import candidates
+        from localspec.rounds.sampling import candidates
 
         s.target.clear(0)
         s.target.use_device_sampler(None)  # the reference p comes from full logits
@@ -667,8 +667,8 @@ def test_a_hybrid_without_an_attention_layer_is_refused_before_llama_cpp_aborts_
 
 
 def test_a_pair_without_a_draft_names_a_drafter_that_needs_none(tmp_path) -> None:
-    from localspec import registry
     from localspec.errors import ConfigError
+    from localspec.models import registry
 
     body = ('[[pair]]\nname = "p"\ndescription = "d"\nn_ctx = 4096\nn_draft = 3\n{extra}'
             '[pair.target]\nrepo = "a/b"\nfile = "t.gguf"\nquant = "Q4_K_M"\nfamily = "qwen3.5"\nlicense = "x"\n')
@@ -759,8 +759,9 @@ def test_a_pair_with_its_own_mtp_head_pulls_one_file_and_resolves_to_the_mtp_dra
                                                                                      monkeypatch) -> None:
     from typer.testing import CliRunner
 
-    from localspec import registry, session
     from localspec.cli.app import app
+    from localspec.models import registry
+    from localspec.sessions import session
     from tests.helpers_hub import FakeHub, HubFile
 
     home = tmp_path / "home"
@@ -797,8 +798,8 @@ def test_a_head_sitting_rounds_out_keeps_a_bounded_number_of_target_rows(hybrid_
     at most ROWS_HELD of them (it reads them where they would pile up), and drafts as well when it comes back:
     output plain decoding's, its drafts mostly accepted."""
     from localspec.drafters import mtp
-    from localspec.policies import DraftLength
-    from localspec.session import ModelFiles, open_session
+    from localspec.rounds.policies import DraftLength
+    from localspec.sessions.session import ModelFiles, open_session
 
     held: list[int] = []
     accept, next_k = mtp.MtpDrafter.accept, DraftLength.next
@@ -831,7 +832,7 @@ def test_the_mtp_drafter_refuses_to_read_a_target_row_it_does_not_hold() -> None
     from localspec.drafters.base import DraftRequest
     from localspec.drafters.mtp import MtpDrafter, _Seq
     from localspec.errors import DecodeError
-    from localspec.events import GenerationStats
+    from localspec.rounds.events import GenerationStats
 
     drafter = MtpDrafter(FakeModel(vocab=8))
     req = DraftRequest(0, [1, 2, 3, 4, 5, 6], GREEDY.sampling, load_preset("greedy").draft, GenerationStats())

@@ -17,9 +17,9 @@ from localspec.drafters import lookup as lookup_drafter
 from localspec.drafters.base import DraftRequest
 from localspec.drafters.lookup import LookupCost, LookupDrafter, NgramIndex
 from localspec.drafters.model import ModelCost
-from localspec.engine import Engine
-from localspec.events import GenerationStats, collect
-from localspec.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import GenerationStats, collect
+from localspec.rounds.policies import DraftCost, DraftLength, Observation
 
 GREEDY = load_preset("greedy")
 
@@ -80,7 +80,7 @@ def test_lookup_does_not_search_while_its_tokens_are_a_loss(monkeypatch: pytest.
     where a wider verify costs far more than a narrow one: once the cost model judges lookup's tokens a loss, most
     rounds do not search (only probes and a periodic re-judgement do), and the output is plain greedy."""
     clock = Clock()
-    monkeypatch.setattr("localspec.engine.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr("localspec.rounds.engine.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     searches: list[int] = []
     original = NgramIndex.continuation
 

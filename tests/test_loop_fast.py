@@ -19,10 +19,10 @@ from localspec import drafters
 from localspec.config import DRAFTERS, load_preset
 from localspec.drafters.chain import ChainCost, ChainDrafter
 from localspec.drafters.lookup import continuation
-from localspec.engine import Engine
-from localspec.events import TokenEvent, collect
-from localspec.policies import DraftCost, DraftLength, Observation
-from localspec.sampling import accept_or_resample, candidates, point_mass
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import TokenEvent, collect
+from localspec.rounds.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.sampling import accept_or_resample, candidates, point_mass
 
 GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.constraints import FIRST_LOOK, WIDEN, best_ids, masked_row, masked_scores, settled
 from localspec.llama.grammar import matches_text_only
-from localspec.sampling import candidates, candidates_from_top_k
-from localspec.scores import Scores
+from localspec.rounds.constraints import FIRST_LOOK, WIDEN, best_ids, masked_row, masked_scores, settled
+from localspec.rounds.sampling import candidates, candidates_from_top_k
+from localspec.rounds.scores import Scores
 
 DEFAULT = load_preset("default").sampling  # T 0.7, top_k 40, top_p 0.9, min_p 0
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec import config, demo, memory
-from localspec.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
-from localspec.placement import Dev
+from localspec import config
+from localspec.models import demo, memory
+from localspec.models.gguf_header import GGUFHeader, StringArray, TensorInfo, read_header
+from localspec.models.placement import Dev
 from tests.helpers_vocab import write_vocab
 
 MiB = 2**20
@@ -176,7 +177,7 @@ def _qwen3_header(name: str, n_layer: int, n_head: int, n_embd: int, file_bytes:
 
 
 def test_qwen3_32b_fits_a_24_gb_card() -> None:
-    from localspec import registry
+    from localspec.models import registry
 
     pair = registry.get_pair("qwen3-32b")
     assert pair.target is not None and pair.draft is not None and pair.target.size and pair.draft.size
@@ -206,7 +207,7 @@ def test_qwen3_32b_fits_a_24_gb_card() -> None:
 def test_slots_multiply_the_kv_cache_and_fewer_slots_are_suggested() -> None:
     """`serve --parallel N`: each slot holds a KV cache of the whole context in both models. On a 24 GB card the
     Qwen3 pair's q8_0 KV holds 11,776 tokens beside the weights: 4 slots of 2,816 fit, 4 of 3,072 do not."""
-    from localspec import registry
+    from localspec.models import registry
 
     pair = registry.get_pair("qwen3-32b")
     assert pair.target is not None and pair.draft is not None

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from localspec import config, demo, memory, registry, session
+from localspec import config
 from localspec.cli.app import app
 from localspec.errors import IncompatiblePairError, LocalspecError
+from localspec.models import demo, memory, registry
+from localspec.sessions import session
 from tests.helpers_hub import FakeHub, HubFile
 from tests.helpers_vocab import write_vocab
 

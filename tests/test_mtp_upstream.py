@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.engine import Engine
 from localspec.errors import ModelLoadError, RollbackError, UsageError
+from localspec.rounds.engine import Engine
 
 GREEDY = load_preset("greedy").with_overrides(threads=1)
 VERSION = f"llama-cpp-python {llama_cpp.__version__} (the workaround was written against 0.3.36)"

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from localspec import config, demo, doctor, memory, placement, registry
+from localspec import config
 from localspec.cli import models_cmd
 from localspec.errors import ConfigError, LocalspecError
-from localspec.gguf_header import read_header
-from localspec.placement import Dev
+from localspec.models import demo, doctor, memory, placement, registry
+from localspec.models.gguf_header import read_header
+from localspec.models.placement import Dev
 from localspec.status import Status
 
 GiB = 1 << 30

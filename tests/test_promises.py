@@ -16,9 +16,9 @@ import pytest
 
 from localspec import drafters
 from localspec.config import load_preset
-from localspec.engine import Engine
 from localspec.errors import UsageError
-from localspec.events import STOP_CONTEXT_FULL, collect
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import STOP_CONTEXT_FULL, collect
 from tests.helpers_fake import FakeModel
 from tests.helpers_vocab import write_vocab
 
@@ -77,7 +77,7 @@ def test_generate_with_a_drafter_the_models_cannot_run_exits_2(demo_home: Path) 
     """The real entry point, the real model: `--drafter model` with no draft model is refused once loaded."""
     import os
 
-    from localspec import demo
+    from localspec.models import demo
 
     target = demo_home / "cache" / "demo" / demo.TARGET_FILE
     env = {**os.environ, "LOCALSPEC_HOME": str(demo_home)}
@@ -154,7 +154,7 @@ def test_logprobs_are_the_distribution_each_token_was_chosen_from(drafter: str |
 
 
 def test_logprob_alternatives_break_ties_as_the_greedy_choice_and_leave_out_masked_tokens() -> None:
-    from localspec.sampling import token_logprobs
+    from localspec.rounds.sampling import token_logprobs
 
     row = np.array([1.0, 3.0, 3.0, -np.inf, 3.0, 0.5], dtype=np.float32)
     for _ in range(20):  # (argpartition's pick among ties is arbitrary)
@@ -166,7 +166,7 @@ def test_logprob_alternatives_break_ties_as_the_greedy_choice_and_leave_out_mask
 
 def test_chat_refuses_a_preset_whose_drafter_the_models_cannot_run() -> None:
     """Before: `/preset default` in a chat without a draft model went on, decoding plainly."""
-    from localspec.chat import ChatSession
+    from localspec.sessions.chat import ChatSession
     from tests.helpers_serve import FakeTextModel
 
     target = FakeTextModel(seed=3)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from localspec.config import ConfigError, load_preset
-from localspec.prompt_cache import MIB, ModelState, PromptCache, SlotState, auto_limit, limit_bytes, shared_prefix
+from localspec.rounds.prompt_cache import (
+    MIB,
+    ModelState,
+    PromptCache,
+    SlotState,
+    auto_limit,
+    limit_bytes,
+    shared_prefix,
+)
 
 
 def state(tokens: list[int], size: int = 100, floor: int | None = None, draft: int | None = None) -> SlotState:

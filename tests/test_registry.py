@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from localspec import registry
 from localspec.errors import ConfigError
+from localspec.models import registry
 
 GOOD = """
 [[pair]]
@@ -185,8 +185,8 @@ def test_each_shipped_pair_passes_check_from_its_published_facts(pair: registry.
 @pytest.mark.slow
 def test_a_wrong_fact_in_models_toml_fails_the_check(tmp_path: Path) -> None:
     """The facts test above would catch a mistyped entry: a draft whose BOS or vocabulary differs."""
-    from localspec import compat
-    from localspec.gguf_header import read_header
+    from localspec.models import compat
+    from localspec.models.gguf_header import read_header
 
     pair = next(p for p in SHIPPED if p.name == "qwen3-32b")
     assert pair.target is not None and pair.draft is not None

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.engine import Engine
-from localspec.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, collect
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, collect
+from localspec.sessions.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ def test_the_worker_leaves_a_slot_as_plain_decoding_does_after_a_stop_string_and
 _CLOSED_UNDER_A_ROUND = """
 import gc, sys
 from localspec.config import load_preset
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 import dataclasses
 preset = load_preset("greedy").with_overrides(threads=1)
 session = open_session(ModelFiles(target=sys.argv[1], draft=sys.argv[2], name="tiny"), preset)

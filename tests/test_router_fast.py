@@ -19,12 +19,12 @@ import openai
 import pytest
 
 from localspec.config import ServerSettings, load_preset
-from localspec.engine import Engine
-from localspec.prompt_cache import CacheBudget, ModelState, PromptCache, SlotState
+from localspec.rounds.engine import Engine
+from localspec.rounds.prompt_cache import CacheBudget, ModelState, PromptCache, SlotState
 from localspec.server.app import create_app
 from localspec.server.handling import Backend, ServerState
 from localspec.server.router import Loaded, PairRouter, ServedPair, shared_cache
-from localspec.session import ModelFiles
+from localspec.sessions.session import ModelFiles
 from tests.helpers_hub import cache_file
 from tests.helpers_serve import FakeTextModel, fake_backend, live_server, wait_for
 
@@ -408,7 +408,7 @@ def test_the_prompt_cache_counts_within_models_budget() -> None:
 
 def test_the_shared_cache_budget_from_cache_ram_and_models_budget() -> None:
     from localspec.errors import LocalspecError
-    from localspec.prompt_cache import AUTO_SHARE
+    from localspec.rounds.prompt_cache import AUTO_SHARE
 
     def settings(**kw: str) -> ServerSettings:
         return dataclasses.replace(PRESET.server, **kw)

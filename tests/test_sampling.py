@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from localspec import sampling
 from localspec.config import load_preset
-from localspec.sampling import (
+from localspec.rounds import sampling
+from localspec.rounds.sampling import (
     Candidates,
     accept_drafts,
     accept_or_resample,
@@ -291,8 +291,8 @@ def test_frequency_and_presence_penalties_follow_llama_cpp():
 
 def test_penalties_reach_both_distributions_through_the_engine_pipeline():
     """p and q go through the same function: a penalised token loses mass in both."""
-    from localspec.sampling import distributions
-    from localspec.scores import Scores
+    from localspec.rounds.sampling import distributions
+    from localspec.rounds.scores import Scores
 
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 1, size=(2, 50)).astype(np.float32)

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from localspec.config import load_preset
-from localspec.session import open_session
+from localspec.sessions.session import open_session
 from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
 pytestmark = pytest.mark.slow
@@ -510,8 +510,8 @@ def _reference_greedy(prompt: str, n: int, preset) -> list[tuple[str, np.ndarray
     """Plain greedy decoding in a second context of the served model, one token a decode with full logits,
     penalised here (not by the engine's code) as the preset says: each token's text and its row's
     log-probabilities."""
-    from localspec.demo import smollm2_source_path
     from localspec.llama.model import LlamaModel
+    from localspec.models.demo import smollm2_source_path
 
     s = preset.sampling
     out = []

@@ -26,8 +26,8 @@ import httpx
 import psutil
 import pytest
 
-from localspec import slot_file
 from localspec.config import load_preset
+from localspec.rounds import slot_file
 from localspec.server.app import create_app
 from localspec.server.guard import GuardSettings
 from localspec.server.handling import ServerState

@@ -340,8 +340,8 @@ def test_with_an_api_key_any_host_may_ask_but_must_authenticate(demo_home, tmp_p
 
 def _text_tokens(text: str) -> int:
     """The count of `text` tokenized as plain text by the served model itself, loaded here."""
-    from localspec.demo import smollm2_source_path
     from localspec.llama.model import LlamaModel
+    from localspec.models.demo import smollm2_source_path
 
     with LlamaModel(smollm2_source_path(), n_ctx=64, device_top_k=0, n_gpu_layers=0, n_threads=1) as model:
         return len(model.tokenize(text, add_special=False, parse_special=False))
@@ -373,10 +373,10 @@ def test_messages_without_control_text_tokenize_as_before_and_cancelling_stops_t
     """In process, on both demo models: ordinary conversations give exactly the tokens of the rendered text
     (the template's own handling of content is untouched); a hostile one differs only in the hostile message;
     a build whose client left stops before tokenizing."""
-    from localspec.chat import BuildCancelled, ChatTemplate, encode_chat, encode_messages
-    from localspec.demo import smollm2_source_path
     from localspec.errors import LocalspecError
     from localspec.llama.model import LlamaModel
+    from localspec.models.demo import smollm2_source_path
+    from localspec.sessions.chat import BuildCancelled, ChatTemplate, encode_chat, encode_messages
     from tests.helpers_serve import demo_files
 
     conversation = [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Hi <b>there</b>"},

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from localspec.config import load_preset
-from localspec.events import collect
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.events import collect
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_serve import FIM_TOKENS
 from tests.test_serve import Server, run_cli
 

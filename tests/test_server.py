@@ -23,7 +23,7 @@ from localspec.server.app import Backend, ServerState, create_app
 from localspec.server.errors import ApiError
 from localspec.server.schema import ChatRequest, CompletionRequest, parse
 from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, Worker
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
 GREEDY = load_preset("greedy").with_overrides(n_ctx=512)

@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec import demo, slot_file
 from localspec.config import ContextSettings, load_preset
-from localspec.events import STOP_EOG, collect
 from localspec.llama.model import LlamaModel
-from localspec.session import ModelFiles, Session, open_session
+from localspec.models import demo
+from localspec.rounds import slot_file
+from localspec.rounds.events import STOP_EOG, collect
+from localspec.sessions.session import ModelFiles, Session, open_session
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def test_a_prompt_that_diverges_at_token_zero_is_read_whole(chat_pair) -> None:
 def test_eviction_at_the_budget_edge_and_replies_stay_a_cold_runs(tiny_pair) -> None:
     """A budget of two and a half conversations: a third one saved evicts the least recently used, which is then
     read in full; a cached one comes back from host RAM; every reply is a cold run's."""
-    from localspec.prompt_cache import PromptCache
+    from localspec.rounds.prompt_cache import PromptCache
 
     convs = [list(range(300 + 50 * i, 340 + 50 * i)) for i in range(4)]
     with open_pair(tiny_pair, n_ctx=256) as cold, open_pair(tiny_pair, n_ctx=256) as s:
@@ -210,7 +211,7 @@ def test_without_context_shift_it_stops_at_the_full_context(tiny_pair) -> None:
 def test_chat_save_then_load_in_a_new_session_goes_on_without_reading_again(chat_pair, tmp_path: Path) -> None:
     """Two turns, /save; a new session (another engine) /loads it: the third turn reads only its own message and
     replies as the uninterrupted conversation does."""
-    from localspec.chat import ChatSession
+    from localspec.sessions.chat import ChatSession
 
     preset = GREEDY.with_overrides(threads=1, n_ctx=1024)
     files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
@@ -232,8 +233,8 @@ def test_chat_save_then_load_in_a_new_session_goes_on_without_reading_again(chat
 
 
 def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, tmp_path: Path) -> None:
-    from localspec.chat import ChatSession
     from localspec.errors import LocalspecError
+    from localspec.sessions.chat import ChatSession
 
     preset = GREEDY.with_overrides(threads=1, n_ctx=512)
     files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
@@ -260,7 +261,7 @@ def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, t
 def test_chat_with_context_shift_keeps_the_system_prompt_and_goes_on(chat_pair) -> None:
     """A reply longer than the context goes on; what stays at the start is the system prompt; the next message
     drops the oldest turns to fit."""
-    from localspec.chat import ChatSession
+    from localspec.sessions.chat import ChatSession
 
     preset = GREEDY.with_overrides(threads=1, n_ctx=96, repeat_penalty=1.0, context_shift=True)
     files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")

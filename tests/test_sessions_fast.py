@@ -14,11 +14,11 @@ import pytest
 from helpers_fake import FakeModel
 
 from localspec.config import ContextSettings, load_preset
-from localspec.context_shift import plan, shifted
-from localspec.engine import Engine
 from localspec.errors import UsageError
-from localspec.events import STOP_CONTEXT_FULL, collect
-from localspec.prompt_cache import PromptCache
+from localspec.rounds.context_shift import plan, shifted
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import STOP_CONTEXT_FULL, collect
+from localspec.rounds.prompt_cache import PromptCache
 
 GREEDY = load_preset("greedy")
 SHIFT = ContextSettings(context_shift=True, n_keep=4, n_discard=0)

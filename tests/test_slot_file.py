@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from localspec import slot_file
-from localspec.prompt_cache import ModelState, SlotState
-from localspec.slot_file import ModelIdentity, SlotFileError, check_name, fingerprint, path_in, save_path_in
+from localspec.rounds import slot_file
+from localspec.rounds.prompt_cache import ModelState, SlotState
+from localspec.rounds.slot_file import ModelIdentity, SlotFileError, check_name, fingerprint, path_in, save_path_in
 from tests.conftest import temp_files
 from tests.helpers_gguf import STRING, kv, pack
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import slot_rounds
 
-from localspec.policies import LoadPolicy
+from localspec.rounds.policies import LoadPolicy
 
 
 @pytest.mark.parametrize("share", ["probe", "on", "off"])

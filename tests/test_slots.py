@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from localspec.config import Drafting, load_preset
-from localspec.events import STOP_MAX_TOKENS, TokenEvent, collect
 from localspec.llama.grammar import Grammar
-from localspec.policies import LoadPolicy
-from localspec.sampling import candidates
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.events import STOP_MAX_TOKENS, TokenEvent, collect
+from localspec.rounds.policies import LoadPolicy
+from localspec.rounds.sampling import candidates
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_rounds import run_together
 from tests.helpers_stats import chi_square
 
@@ -209,7 +209,7 @@ def test_parallel_sizes_each_slot_at_the_context(tiny_pair):
 def test_a_model_whose_sequence_batches_differ_takes_turns_and_stays_exact(use_demo_home):
     """Gemma 3's multi-sequence batches are not the single-sequence graph in llama.cpp (measured at load): its
     slots decode one after another inside each round, and every request still gets its output alone."""
-    from localspec import demo
+    from localspec.models import demo
 
     pair = (demo.target_path(), demo.draft_path())
     requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, 0.0, False), max_tokens=24)

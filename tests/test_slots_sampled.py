@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localspec.config import load_preset
-from localspec.policies import LoadPolicy as _LoadPolicy
+from localspec.rounds.policies import LoadPolicy as _LoadPolicy
 from tests.helpers_rounds import run_together
 from tests.test_slots import drafting, open_slots, prompts
 

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from localspec.chat import (
+from localspec.config import load_preset
+from localspec.errors import LocalspecError
+from localspec.rounds.events import STOP_MAX_TOKENS
+from localspec.sessions.chat import (
     ChatSession,
     ChatTemplate,
     Command,
@@ -25,10 +28,7 @@ from localspec.chat import (
     split_thinking,
     starts_in_thinking,
 )
-from localspec.config import load_preset
-from localspec.errors import LocalspecError
-from localspec.events import STOP_MAX_TOKENS
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_chat import reply
 
 # Written for these tests in the manner of Qwen3's template: earlier assistant turns lose their thinking (a closed

@@ -9,9 +9,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from localspec import config, doctor, machine, memory
-from localspec.bench import contention
-from localspec.session import ModelFiles, open_session
+from localspec import config, machine
+from localspec.models import doctor, memory
+from localspec.sessions.bench import contention
+from localspec.sessions.session import ModelFiles, open_session
 from localspec.status import Status
 
 

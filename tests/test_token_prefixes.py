@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec import demo
 from localspec.config import load_preset
-from localspec.constraints import Constraint, masked_row
 from localspec.llama.grammar import Grammar
 from localspec.llama.model import LlamaModel
+from localspec.models import demo
+from localspec.rounds.constraints import Constraint, masked_row
 from localspec.server.tools import parse_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

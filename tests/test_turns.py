@@ -19,8 +19,8 @@ from helpers_rounds import run_together
 from helpers_stats import chi_square, joint_probs
 
 from localspec.config import load_preset
-from localspec.engine import Engine
-from localspec.events import collect
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
 
 GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)

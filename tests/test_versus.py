@@ -1,6 +1,6 @@
-"""`localspec bench --against llama.cpp` (localspec.versus): finding llama-speculative-simple, reading what it prints
-(a recorded run of the real tool), running it on the bench's prompts and comparing; a stand-in tool beside the real
-one, which the slow test at the end runs when a build is found."""
+"""`localspec bench --against llama.cpp` (localspec.sessions.versus): finding
+llama-speculative-simple, reading what it prints (a recorded run of the real tool), running it on the bench's prompts
+and comparing; a stand-in tool beside the real one, which the slow test at the end runs when a build is found."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 from helpers_llama_tool import commands, write_tool
 
-from localspec import config, versus
-from localspec.bench import RunDone
+from localspec import config
 from localspec.errors import LocalspecError, UsageError
+from localspec.sessions import versus
+from localspec.sessions.bench import RunDone
 
 DATA = Path(__file__).resolve().parent / "data" / "llama-speculative-simple"
 

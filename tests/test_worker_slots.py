@@ -11,10 +11,10 @@ import time
 import pytest
 
 from localspec.config import load_preset
-from localspec.events import collect
+from localspec.rounds.events import collect
 from localspec.server.errors import ApiError
 from localspec.server.worker import Delta, Finished, Job, Worker
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 

@@ -118,7 +118,7 @@ if [[ "${SKIP_SPEAKS:-0}" != 1 ]]; then
             prompts="$set"
             if [[ "$set" != shipped && "$set" != lookup ]]; then  # one prompt of a shipped set, alone
                 prompts="$DRES/prompt-$set.jsonl"
-                python3 -c "import json, sys; from localspec.bench import PROMPT_SETS
+                python3 -c "import json, sys; from localspec.sessions.bench import PROMPT_SETS
 texts = {name: text for prompts in PROMPT_SETS.values() for name, text in prompts}
 print(json.dumps({'prompt': texts[sys.argv[1]]}))" "$set" > "$prompts" || { log "no shipped prompt $set"; continue; }
             fi

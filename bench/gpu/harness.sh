@@ -166,7 +166,7 @@ import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
 import sys
 from pathlib import Path
 
-from localspec.bench import PROMPTS
+from localspec.sessions.bench import PROMPTS
 from localspec.llama.backend import gpu_devices
 
 print("llama_cpp", llama_cpp.__version__, "python", sys.version.split()[0], "GPUs:",

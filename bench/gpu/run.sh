@@ -213,7 +213,7 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench, th
     fi
     [[ "${SKIP_LOCALSPEC:-0}" == 1 ]] && return 0
     # The comparison is the product's own: llama.cpp's loop on the same prompt tokens after localspec's runs
-    # (localspec.versus), each of its runs a process that loads the pair again: 5-8 s a prompt on the H200, two
+    # (localspec.sessions.versus), each of its runs a process that loads the pair again: 5-8 s a prompt on the H200, two
     # sampling modes, three prompts; localspec's own runs ~12 s a repetition at 256 tokens.
     local against=(--against llama.cpp --llama-bin "$BIN") need=$(( 20 + 55 * repeat ))
     [[ "${SKIP_LLAMA:-0}" == 1 ]] && { against=(); need=$(( 20 + 12 * repeat )); }

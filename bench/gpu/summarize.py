@@ -41,8 +41,8 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
 
 def llama_modes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """llama.cpp's side of one `localspec bench --against llama.cpp` run (its JSON's `against` section, written by
-    localspec.versus): per sampling mode ("host", "backend"), the median tok/s over complete repetitions, min, max,
-    acceptance and the repetitions counted."""
+    localspec.sessions.versus): per sampling mode ("host", "backend"), the median tok/s over complete repetitions,
+    min, max, acceptance and the repetitions counted."""
     return {m["mode"]: {"median": m["median_tps"], "min": m["min_tps"], "max": m["max_tps"],
                         "acceptance": m["acceptance_rate"], "runs": m["runs"]}
             for m in (doc.get("against") or {}).get("modes", [])}

@@ -1,7 +1,8 @@
 """Drafting-ahead variants one after the other on ONE loaded pair: `localspec bench`'s own measurement
-(`localspec.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per variant,
-each report written as `localspec bench --json` writes it. One process per pair instead of one per cell and variant:
-on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself (bench/lab/overlap.sh).
+(`localspec.sessions.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per
+variant, each report written as `localspec bench --json` writes it. One process per pair instead of one per cell
+and variant: on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself
+(bench/lab/overlap.sh).
 
     python bench/lab/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
@@ -21,10 +22,10 @@ from pathlib import Path
 
 import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
 
-from localspec.bench import BenchReport, run_bench
 from localspec.config import load_preset
 from localspec.fsutil import atomic_write
-from localspec.session import ModelFiles, open_session
+from localspec.sessions.bench import BenchReport, run_bench
+from localspec.sessions.session import ModelFiles, open_session
 
 VARIANTS = {  # name -> (drafts ahead, preset overrides)
     "on": (True, {"ahead_length": "full"}),  # whole bets (the default until the fourth H200 run: now "fit")

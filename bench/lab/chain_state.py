@@ -19,11 +19,11 @@ from pathlib import Path
 
 import llama_cpp  # noqa: F401, I001  -- before numpy: on the H200 the CUDA build segfaults otherwise (docs/gpu.md)
 
-from localspec import bench
 from localspec.config import load_preset
 from localspec.drafters.model import ModelCost
-from localspec.events import collect
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.events import collect
+from localspec.sessions import bench
+from localspec.sessions.session import ModelFiles, open_session
 
 
 def main(argv: list[str] | None = None) -> None:

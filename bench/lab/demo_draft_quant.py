@@ -2,7 +2,7 @@
 
 Greedy decoding of five chat prompts (through the model's own template), plain and with each candidate draft,
 runs interleaved (the order flips every repeat), medians reported. The result is written next to the choice in
-localspec/demo.py.
+localspec/models/demo.py.
 
     python bench/lab/demo_draft_quant.py --out /tmp/drafts --types Q4_0,Q5_0,Q8_0,Q2_K --tokens 64 --threads 1 \\
         --repeat 3
@@ -15,12 +15,12 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from localspec import demo
-from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import load_preset
-from localspec.engine import Engine
-from localspec.events import DoneEvent
 from localspec.llama.model import LlamaModel
+from localspec.models import demo
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import DoneEvent
+from localspec.sessions.chat import ChatTemplate, encode_chat
 
 PROMPTS = ["What is two plus two?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better.", "Why is the sky blue?", "Summarise the plot of Cinderella."]

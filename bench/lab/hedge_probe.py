@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402,F401,I001  -- before numpy (docs/gpu.md)
 
-from localspec.bench import PROMPT_SETS  # noqa: E402
+from localspec.sessions.bench import PROMPT_SETS  # noqa: E402
 from localspec.llama.model import LlamaModel  # noqa: E402
 
 # The H200 card pair at ~85%, T = 0 (docs/performance.md, "One GPU"): a round's ms and tokens, the bets kept

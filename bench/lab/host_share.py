@@ -42,14 +42,14 @@ from pathlib import Path
 import llama_cpp  # noqa: F401, I001  -- before numpy (docs/gpu.md)
 import numpy as np
 
-from localspec.bench import shipped_prompts, tokenize_prompts
 from localspec.config import Drafting, Sampling, load_preset
 from localspec.drafters.model import ModelCost, ModelDrafter
-from localspec.engine import Engine
-from localspec.events import GenerationStats
 from localspec.fsutil import atomic_write
-from localspec.policies import DraftLength
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import GenerationStats
+from localspec.rounds.policies import DraftLength
+from localspec.sessions.bench import shipped_prompts, tokenize_prompts
+from localspec.sessions.session import ModelFiles, open_session
 
 
 class _DecodeClock:

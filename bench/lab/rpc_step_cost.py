@@ -19,10 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a plain checkout
 
-from localspec import demo, rpc  # noqa: E402
+from localspec import rpc  # noqa: E402
 from localspec.errors import LocalspecError  # noqa: E402
 from localspec.llama import backend  # noqa: E402
 from localspec.llama.model import LlamaModel  # noqa: E402
+from localspec.models import demo  # noqa: E402
 
 
 def main() -> int:

@@ -37,10 +37,10 @@ import llama_cpp  # noqa: I001  -- before numpy (docs/gpu.md)
 import numpy as np
 
 from localspec.config import load_preset
-from localspec.engine import Engine
 from localspec.fsutil import atomic_write
-from localspec.policies import LoadPolicy as _LoadPolicy
-from localspec.session import ModelFiles, open_session
+from localspec.rounds.engine import Engine
+from localspec.rounds.policies import LoadPolicy as _LoadPolicy
+from localspec.sessions.session import ModelFiles, open_session
 
 _counts = {"ubatches": 0}
 

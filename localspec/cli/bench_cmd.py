@@ -11,8 +11,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from localspec import config, versus
-from localspec.bench import (
+from localspec import config
+from localspec.cli import options
+from localspec.errors import LocalspecError, WriteError
+from localspec.fsutil import atomic_write, check_writable
+from localspec.models.registry import DEMO
+from localspec.sessions import versus
+from localspec.sessions.bench import (
     BenchPrompt,
     BenchReport,
     CheckStarted,
@@ -28,11 +33,7 @@ from localspec.bench import (
     shipped_prompts,
     threads_line,
 )
-from localspec.cli import options
-from localspec.errors import LocalspecError, WriteError
-from localspec.fsutil import atomic_write, check_writable
-from localspec.registry import DEMO
-from localspec.session import open_session
+from localspec.sessions.session import open_session
 from localspec.ui.bench_view import drafter_choice, live_view, lookup_summary, summary, sweep_table, versus_view
 
 SweepOpt = Annotated[

@@ -26,8 +26,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from localspec import registry
-from localspec.chat import (
+from localspec.cli import options
+from localspec.config import DRAFTER_TABLE
+from localspec.errors import DecodeError, LocalspecError, UsageError
+from localspec.fsutil import not_utf8
+from localspec.models import registry
+from localspec.rounds.constraints import Constraint
+from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
+from localspec.sessions.chat import (
     COMMANDS,
     STOP_INTERRUPTED,
     ChatSession,
@@ -39,13 +45,7 @@ from localspec.chat import (
     split_thinking,
     starts_in_thinking,
 )
-from localspec.cli import options
-from localspec.config import DRAFTER_TABLE
-from localspec.constraints import Constraint
-from localspec.errors import DecodeError, LocalspecError, UsageError
-from localspec.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
-from localspec.fsutil import not_utf8
-from localspec.session import ModelFiles, Session, open_session
+from localspec.sessions.session import ModelFiles, Session, open_session
 
 EXIT_CONTEXT_FULL = 3  # generate: the completion stopped short because the context filled (message on stderr)
 DRAFT_STYLE = "cyan"  # accepted draft tokens; the target's own tokens keep the terminal's colour

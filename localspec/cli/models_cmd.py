@@ -12,11 +12,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from localspec import compat, config, demo, doctor, hub, memory, placement, registry
+from localspec import config
 from localspec.cli import options
 from localspec.errors import LocalspecError
-from localspec.gguf_header import read_header
-from localspec.session import ModelFiles, resolve_files
+from localspec.models import compat, demo, doctor, hub, memory, placement, registry
+from localspec.models.gguf_header import read_header
+from localspec.sessions.session import ModelFiles, resolve_files
 from localspec.status import Status
 from localspec.ui.marks import MARK
 

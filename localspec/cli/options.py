@@ -23,7 +23,7 @@ import typer
 
 from localspec import config
 from localspec.errors import LocalspecError
-from localspec.session import ModelFiles, auto_draft, resolve_files, settle_preset
+from localspec.sessions.session import ModelFiles, auto_draft, resolve_files, settle_preset
 
 FLAGS: dict[str, str] = {}  # preset key → the flag users type, for error messages
 

@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from localspec import registry
 from localspec.cli import options
 from localspec.errors import LocalspecError, UsageError
 from localspec.fsutil import check_writable
-from localspec.session import ModelFiles, Session, open_session, preflight
+from localspec.models import registry
+from localspec.sessions.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
     from localspec.server.handling import ServerState

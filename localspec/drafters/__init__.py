@@ -15,7 +15,7 @@ from types import ModuleType
 
 from localspec.config import DRAFTER_TABLE
 from localspec.drafters.base import Drafter
-from localspec.scores import ScoringModel
+from localspec.rounds.scores import ScoringModel
 
 Factory = Callable[[ScoringModel, ScoringModel | None, dict[str, Drafter]], Drafter | None]
 

@@ -21,12 +21,12 @@ from typing import Protocol
 import numpy as np
 
 from localspec.config import Drafting, Sampling
-from localspec.events import GenerationStats
 from localspec.llama.grammar import Grammar
-from localspec.policies import DraftCost, DraftLength, Observation, Pricing
-from localspec.prompt_cache import shared_prefix as shared_prefix
-from localspec.sampling import Candidates
-from localspec.scores import DeviceDist, ScoringModel
+from localspec.rounds.events import GenerationStats
+from localspec.rounds.policies import DraftCost, DraftLength, Observation, Pricing
+from localspec.rounds.prompt_cache import shared_prefix as shared_prefix
+from localspec.rounds.sampling import Candidates
+from localspec.rounds.scores import DeviceDist, ScoringModel
 
 PromptWork = tuple[ScoringModel, list[int], list[int]]  # (model, the tokens its cells hold, tokens still to decode)
 

@@ -25,8 +25,8 @@ from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal, Spent
 from localspec.drafters.lookup import LookupCost, LookupDrafter
 from localspec.drafters.model import Bet, ModelCost, ModelDrafter
-from localspec.policies import CostRule, DraftCost, DraftLength
-from localspec.scores import ScoringModel
+from localspec.rounds.policies import CostRule, DraftCost, DraftLength
+from localspec.rounds.scores import ScoringModel
 
 TITLE = "lookup chained with the model"  # how reports name it
 NEEDS = ("lookup", "model")  # built after its parts (the registry's order)

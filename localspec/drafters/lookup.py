@@ -21,9 +21,9 @@ import numpy as np
 from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal
 from localspec.llama.grammar import Grammar
-from localspec.policies import CostRule, DraftCost, DraftLength, Observation, Stepped
-from localspec.sampling import point_mass
-from localspec.scores import ScoringModel
+from localspec.rounds.policies import CostRule, DraftCost, DraftLength, Observation, Stepped
+from localspec.rounds.sampling import point_mass
+from localspec.rounds.scores import ScoringModel
 
 TITLE = "prompt lookup"  # how reports name it
 NEEDS_DRAFT_MODEL = False  # a pair may name it and no draft

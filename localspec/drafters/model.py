@@ -32,7 +32,6 @@ from typing import NamedTuple
 import numpy as np
 
 from localspec.config import Drafting
-from localspec.constraints import masked_scores
 from localspec.drafters.base import (
     NO_PROPOSAL,
     Drafter,
@@ -44,9 +43,10 @@ from localspec.drafters.base import (
     device_mode,
     prompt_work,
 )
-from localspec.policies import CostRule, DraftCost, Observation
-from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
-from localspec.scores import ScoringModel
+from localspec.rounds.constraints import masked_scores
+from localspec.rounds.policies import CostRule, DraftCost, Observation
+from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
+from localspec.rounds.scores import ScoringModel
 
 TITLE = "the draft model"  # how reports name it
 LLAMA_SERVER_TYPE = "draft-simple"  # its `speculative.type` (llama-server's name)

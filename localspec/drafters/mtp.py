@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localspec.config import Drafting
-from localspec.constraints import masked_scores
 from localspec.drafters.base import (
     NO_PROPOSAL,
     Drafter,
@@ -42,9 +41,10 @@ from localspec.drafters.base import (
 )
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
-from localspec.policies import DraftCost
-from localspec.sampling import Candidates, distributions, greedy_tokens, penalized
-from localspec.scores import Scores, ScoringModel
+from localspec.rounds.constraints import masked_scores
+from localspec.rounds.policies import DraftCost
+from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
+from localspec.rounds.scores import Scores, ScoringModel
 
 MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
 ROWS_HELD = MTP_BATCH  # the target rows a sequence keeps for a head sitting rounds out before it reads them

@@ -22,14 +22,14 @@ import numpy as np
 
 from localspec.config import LoadSettings, load_preset
 from localspec.errors import ContextFullError, DecodeError, ModelLoadError, RollbackError, TooManyTokens
-from localspec.gguf_header import GGUFHeader, read_header
 from localspec.llama import backend, ubatch
 from localspec.llama.backend import BackendDevice
 from localspec.llama.batch import Batch, DecodeItem
 from localspec.llama.hidden import HiddenRows, mtp_unsupported
 from localspec.llama.recurrent import RecurrentState, rollback_unsupported
 from localspec.llama.samplers import MAX_OUTPUTS_PER_DECODE, DeviceSamplers, Rows, as_scores, joined
-from localspec.scores import DeviceDist, Scores
+from localspec.models.gguf_header import GGUFHeader, read_header
+from localspec.rounds.scores import DeviceDist, Scores
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 _SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}

@@ -12,7 +12,7 @@ import llama_cpp  # noqa: I001  -- llama_cpp before numpy: on CUDA builds the ot
 import numpy as np
 
 from localspec.errors import DecodeError
-from localspec.scores import DeviceDist, Scores
+from localspec.rounds.scores import DeviceDist, Scores
 
 MAX_OUTPUTS_PER_DECODE = 64  # a verify batch is at most 33 tokens (k <= 32); headroom for the device sampler
 

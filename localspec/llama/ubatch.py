@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import llama_cpp
 
 from localspec.llama.batch import DecodeItem, Run
-from localspec.scores import DeviceDist
+from localspec.rounds.scores import DeviceDist
 
 Chunk = tuple[int, int, int]  # (item, its first token in this decode, tokens)
 Trim = tuple[int, int]  # (sequence, first position to remove after the decode): padding leaves the cache again

@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from localspec import __version__
-from localspec.chat import encode_messages
 from localspec.server import errors
 from localspec.server.errors import ApiError
 from localspec.server.guard import Cors, Guard
@@ -34,10 +33,11 @@ from localspec.server.router import ReleaseLeases, add_router_routes
 from localspec.server.schema import ChatRequest, CompletionRequest, parse, parse_body
 from localspec.server.slot_routes import add_slot_routes
 from localspec.server.tools import messages_for_template, parse_tools
+from localspec.sessions.chat import encode_messages
 
 if TYPE_CHECKING:
-    from localspec.engine import Engine
-    from localspec.scores import ScoringModel
+    from localspec.rounds.engine import Engine
+    from localspec.rounds.scores import ScoringModel
 
 __all__ = ["Backend", "ServerState", "create_app"]
 

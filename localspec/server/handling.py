@@ -29,12 +29,11 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from localspec import __version__, drafters
-from localspec.chat import BuildCancelled, ChatTemplate
 from localspec.config import Preset, key_metadata
-from localspec.engine import Engine
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
-from localspec.events import GenerationStats
 from localspec.llama.model import LlamaModel
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import GenerationStats
 from localspec.server.errors import ApiError, client_gone, context_exceeded, internal, shutting_down
 from localspec.server.fim import fim_prompt
 from localspec.server.guard import MIN_BODY_BYTES, PROBE_BYTES_KEY, GuardSettings, PromptLimits
@@ -65,6 +64,7 @@ from localspec.server.worker import (
     Worker,
     timings,
 )
+from localspec.sessions.chat import BuildCancelled, ChatTemplate
 
 MAX_BODY_BYTES = 64 << 20  # far above any prompt a context can hold, far below trouble
 SHUTDOWN_GRACE_S = 5.0  # a cancelled job stops at the engine's next check: well within this

@@ -42,13 +42,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from localspec import machine
 from localspec.config import Preset, ServerSettings
 from localspec.errors import LocalspecError
-from localspec.memory import Estimate, GiB
-from localspec.prompt_cache import AUTO_SHARE, CacheBudget, limit_bytes
+from localspec.models.memory import Estimate, GiB
+from localspec.rounds.prompt_cache import AUTO_SHARE, CacheBudget, limit_bytes
 from localspec.server.errors import ApiError, client_gone, shutting_down
 from localspec.server.guard import UNBOUNDED_BODY_BYTES
 from localspec.server.handling import Backend, ServerState, guarded, read_body
 from localspec.server.schema import parse_body
-from localspec.session import ModelFiles, Session, open_session, preflight
+from localspec.sessions.session import ModelFiles, Session, open_session, preflight
 
 LEASES_KEY = "localspec.leases"  # in an ASGI scope: what to call once its response has been sent
 log = logging.getLogger("localspec.server")

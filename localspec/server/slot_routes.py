@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from localspec.errors import WriteError
-from localspec.prompt_cache import SlotState
+from localspec.rounds.prompt_cache import SlotState
+from localspec.rounds.slot_file import ModelIdentity, SlotFileError, identity, path_in, save_path_in
+from localspec.rounds.slot_file import read as read_slot_file
+from localspec.rounds.slot_file import write as write_slot_file
 from localspec.server.errors import ApiError
 from localspec.server.handling import Backend, ServerState, guarded, read_body
 from localspec.server.llama_routes import _validate
 from localspec.server.schema import _Strict, parse_body
-from localspec.slot_file import ModelIdentity, SlotFileError, identity, path_in, save_path_in
-from localspec.slot_file import read as read_slot_file
-from localspec.slot_file import write as write_slot_file
 
 ACTIONS = ("save", "restore", "erase")
 

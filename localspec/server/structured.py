@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localspec.constraints import Constraint
 from localspec.errors import GrammarError
+from localspec.rounds.constraints import Constraint
 from localspec.server.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5

@@ -24,8 +24,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from localspec.constraints import Constraint
 from localspec.llama.grammar import json_schema_gbnf
+from localspec.rounds.constraints import Constraint
 from localspec.server.errors import ApiError
 
 TOOL_OPEN = "<tool_call>"

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.engine import Engine, Stream
 from localspec.errors import LocalspecError
-from localspec.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.llama.grammar import Grammar
+from localspec.rounds.engine import Engine, Stream
+from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
 from localspec.server.errors import ApiError, shutting_down
 from localspec.server.stops import StopMatcher
 from localspec.server.structured import TokenLogprob

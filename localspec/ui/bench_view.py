@@ -6,9 +6,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from localspec.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
 from localspec.config import DRAFTER_TABLE
-from localspec.versus import TOOL, Comparison
+from localspec.sessions.bench import PLAIN, SPEC, BenchReport, ModeSummary, RunProgress, RunResult, SweepReport
+from localspec.sessions.versus import TOOL, Comparison
 
 # The table's short headers, said in full once (they must stay short to fit 80 columns).
 LEGEND = ("accept: share of drafted tokens the target kept · mean acc: drafted tokens kept per round (plus one "

@@ -77,7 +77,7 @@ class DeviceDist:
     """Plain decoding's whole sampling pipeline as one device chain: top-k → top-p → min-p → temperature → a draw.
 
     llama.cpp's order and rules (top-p and min-p on the softmax at temperature 1), the same pipeline as
-    `localspec.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
+    `localspec.rounds.sampling`, so a token drawn here follows the same distribution as one drawn on the host.
     """
 
     top_k: int  # 0 = off

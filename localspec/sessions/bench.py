@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from localspec import __version__, machine
-from localspec.chat import ChatTemplate, encode_chat
 from localspec.config import Drafting, Preset, Sampling
 from localspec.errors import UsageError
-from localspec.events import STOP_EOG, DoneEvent, GenerationStats, collect
 from localspec.fsutil import read_text
-from localspec.session import Session
+from localspec.rounds.events import STOP_EOG, DoneEvent, GenerationStats, collect
+from localspec.sessions.chat import ChatTemplate, encode_chat
+from localspec.sessions.session import Session
 
 # Code, prose and Q&A: acceptance differs by kind of text, so the set mixes them.
 PROMPTS: tuple[tuple[str, str], ...] = (

@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from localspec.errors import HubError, LocalspecError
-from localspec.registry import ModelSpec
+from localspec.models.registry import ModelSpec
 
 PARTIAL_SUFFIX = ".localspec-partial"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -28,7 +28,7 @@ from itertools import accumulate
 import numpy as np
 
 from localspec.config import Sampling
-from localspec.scores import Scores
+from localspec.rounds.scores import Scores
 
 WIDEN = 8  # `best_ids` keeps its sample's answer while it holds at most this many times the ids asked for
 SAMPLE_STRIDE = 16  # `best_ids` reads every 16th logit of a row to place its threshold

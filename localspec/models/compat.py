@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from localspec.gguf_header import GGUFHeader, read_header
+from localspec.models.gguf_header import GGUFHeader, read_header
 from localspec.status import Status
 
 VOCAB_PAD_TOLERANCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from localspec.drafters.base import NO_PROPOSAL, Proposal
-from localspec.policies import LoadPolicy
-from localspec.scores import ScoringModel
-from localspec.stream import Stream, Verdict
+from localspec.rounds.policies import LoadPolicy
+from localspec.rounds.scores import ScoringModel
+from localspec.rounds.stream import Stream, Verdict
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from localspec import placement
 from localspec.config import DRAFTER_TABLE, LoadSettings, Preset
 from localspec.errors import LocalspecError
-from localspec.gguf_header import GGUFHeader
-from localspec.placement import Dev, ModelPlacement, Plan
+from localspec.models import placement
+from localspec.models.gguf_header import GGUFHeader
+from localspec.models.placement import Dev, ModelPlacement, Plan
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per element, ggml block sizes
 CTX_PAD = 256  # llama.cpp pads n_ctx to a multiple of 256

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from localspec import context_shift
 from localspec.drafters.base import Drafter, PromptWork, prompt_work
 from localspec.errors import UsageError
-from localspec.prompt_cache import ModelState, PromptCache, SlotState, shared_prefix
-from localspec.scores import ScoringModel
-from localspec.stream import Slot, Stream
+from localspec.rounds import context_shift
+from localspec.rounds.prompt_cache import ModelState, PromptCache, SlotState, shared_prefix
+from localspec.rounds.scores import ScoringModel
+from localspec.rounds.stream import Slot, Stream
 
 Cells = list[tuple[ScoringModel, list[int]]]  # (model, the tokens its cells of the slot hold)
 

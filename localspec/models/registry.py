@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localspec import demo, paths
+from localspec import paths
 from localspec.config import DRAFTERS, MODEL_FREE_DRAFTERS
 from localspec.errors import ConfigError
 from localspec.fsutil import atomic_write, read_text
+from localspec.models import demo
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -34,14 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localspec import __version__, slot_file
+from localspec import __version__
 from localspec.config import ContextSettings, Preset, load_preset
-from localspec.engine import Engine, shared_prefix
 from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
-from localspec.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
+from localspec.rounds import slot_file
+from localspec.rounds.engine import Engine, shared_prefix
+from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
 
 STOP_INTERRUPTED = "interrupted"  # the caller stopped iterating (Ctrl-C); the engine never says this itself
 

@@ -32,7 +32,7 @@ from localspec.config import Sampling
 from localspec.errors import GrammarError
 from localspec.llama.grammar import Grammar, json_object_gbnf, json_schema_gbnf
 from localspec.llama.model import LlamaModel
-from localspec.sampling import (
+from localspec.rounds.sampling import (
     NARROW,
     WIDEN,
     Candidates,
@@ -42,7 +42,7 @@ from localspec.sampling import (
     penalized,
     token_logprobs,
 )
-from localspec.scores import Scores
+from localspec.rounds.scores import Scores
 
 FIRST_LOOK = 64  # tokens of a row checked first (at least 4 x top_k); a miss widens the look eightfold, then to all
 NARROW_TOP_K = NARROW  # `settled` mirrors the pipeline's Python rows (top-k up to this wide)

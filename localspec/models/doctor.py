@@ -8,11 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, machine, memory, placement
+from localspec import machine
 from localspec.config import Preset
 from localspec.errors import LocalspecError
-from localspec.gguf_header import GGUFHeader, read_header
-from localspec.prompt_cache import limit_bytes
+from localspec.models import compat, memory, placement
+from localspec.models.gguf_header import GGUFHeader, read_header
+from localspec.rounds.prompt_cache import limit_bytes
 from localspec.status import Status
 
 GiB = float(1 << 30)

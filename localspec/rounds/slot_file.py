@@ -34,8 +34,8 @@ from typing import Any, BinaryIO
 from localspec import __version__
 from localspec.errors import LocalspecError
 from localspec.fsutil import atomic_file, not_a_file
-from localspec.gguf_header import read_header
-from localspec.prompt_cache import ModelState, SlotState
+from localspec.models.gguf_header import read_header
+from localspec.rounds.prompt_cache import ModelState, SlotState
 
 MAGIC = b"LOCALSPEC-SLOT\n\0"
 FORMAT = 1

@@ -17,11 +17,19 @@ import numpy as np
 
 from localspec.config import ContextSettings, Drafting, Sampling
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork, Proposal
-from localspec.events import STOP_EOG, STOP_MAX_TOKENS, STOP_REQUESTED, DoneEvent, Event, GenerationStats, TokenEvent
 from localspec.llama.grammar import Grammar
-from localspec.policies import DraftLength
-from localspec.sampling import accept_rows, penalized, token_logprobs
-from localspec.scores import Scores
+from localspec.rounds.events import (
+    STOP_EOG,
+    STOP_MAX_TOKENS,
+    STOP_REQUESTED,
+    DoneEvent,
+    Event,
+    GenerationStats,
+    TokenEvent,
+)
+from localspec.rounds.policies import DraftLength
+from localspec.rounds.sampling import accept_rows, penalized, token_logprobs
+from localspec.rounds.scores import Scores
 
 
 class Host(Protocol):

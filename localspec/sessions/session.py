@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec import compat, demo, hub, machine, memory, placement, registry
+from localspec import machine
 from localspec.config import DRAFTER_TABLE, Preset
-from localspec.engine import Engine
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
-from localspec.gguf_header import GGUFHeader, read_header
 from localspec.llama import backend, hidden, recurrent
 from localspec.llama.model import LlamaModel
-from localspec.prompt_cache import CacheBudget, PromptCache, limit_bytes
+from localspec.models import compat, demo, hub, memory, placement, registry
+from localspec.models.gguf_header import GGUFHeader, read_header
+from localspec.rounds.engine import Engine
+from localspec.rounds.prompt_cache import CacheBudget, PromptCache, limit_bytes
 from localspec.status import Status
 
 

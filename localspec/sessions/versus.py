@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localspec.bench import RunDone
 from localspec.config import DRAFTER_TABLE
 from localspec.drafters import LLAMA_SERVER_TYPES
 from localspec.errors import LocalspecError, UsageError
+from localspec.sessions.bench import RunDone
 
 if TYPE_CHECKING:
-    from localspec.bench import BenchPrompt, BenchReport
     from localspec.config import Preset
-    from localspec.session import Session
+    from localspec.sessions.bench import BenchPrompt, BenchReport
+    from localspec.sessions.session import Session
 
 LLAMA_CPP = "llama.cpp"  # `--against`'s one choice besides none
 TOOL = "llama-speculative-simple"
@@ -231,7 +231,7 @@ def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None
 def plan(session: Session, preset: Preset, tool: Tool, prompts: list[BenchPrompt] | None, raw: bool) -> Plan:
     """The prompts as llama.cpp must read them to see localspec's tokens: the rendered text, without a BOS the
     template wrote where llama.cpp adds one itself."""
-    from localspec.bench import render_prompts
+    from localspec.sessions.bench import render_prompts
 
     texts = [llama_prompt(session, name, text, tokens) for name, text, tokens in render_prompts(session, prompts, raw)]
     return plan_for(session, preset, tool, texts)

@@ -35,7 +35,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 from localspec import drafters
 from localspec.config import ContextSettings, Drafting, Sampling
-from localspec.constraints import accept_constrained
 from localspec.drafters.base import (
     NO_PROPOSAL,
     Drafter,
@@ -46,15 +45,16 @@ from localspec.drafters.base import (
 )
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, DecodeError, RollbackError, UsageError
-from localspec.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, STOP_REQUESTED, Event
 from localspec.llama.grammar import Grammar
-from localspec.policies import DraftLength, LoadPolicy, kept_length
-from localspec.prompt_cache import PromptCache, SlotState
-from localspec.schedule import Plan, Schedule
-from localspec.scores import ScoringModel
-from localspec.slot_cells import SlotCells
-from localspec.stream import Slot, Verdict
-from localspec.stream import Stream as Stream
+from localspec.rounds.constraints import accept_constrained
+from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, STOP_REQUESTED, Event
+from localspec.rounds.policies import DraftLength, LoadPolicy, kept_length
+from localspec.rounds.prompt_cache import PromptCache, SlotState
+from localspec.rounds.schedule import Plan, Schedule
+from localspec.rounds.scores import ScoringModel
+from localspec.rounds.slot_cells import SlotCells
+from localspec.rounds.stream import Slot, Verdict
+from localspec.rounds.stream import Stream as Stream
 
 
 class Engine:

@@ -1,0 +1,1 @@
+"""Model files: named pairs, downloads, GGUF headers, tokenizer compatibility, the memory plan and placement."""

@@ -1,0 +1,1 @@
+"""User sessions: a loaded pair (session), and the chat, bench and versus libraries over it."""
