@@ -173,9 +173,9 @@ class Drafting:
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
     lookup_max: int = field(metadata=_rng(1, 64, int))  # ... and the longest it tries first
-    # Draft-ahead's bet: "full" drafts the whole next round beside the verify; "fit" only what the cost model says
+    # Draft-ahead's length: "full" drafts the whole next round beside the verify; "fit" only what the cost model says
     # fits in it, stopping when the verify ends, the rest drafted (or not) by cost in the next round (policies).
-    ahead_length: str = field(metadata={"kind": str, "choices": ("full", "fit")})
+    draft_ahead_length: str = field(metadata={"kind": str, "choices": ("full", "fit")})
 
     def __post_init__(self) -> None:
         if self.lookup_min > self.lookup_max:
@@ -224,7 +224,7 @@ class LoadSettings:
     draft_device: str = field(metadata=_text(_draft_device, "auto, a GPU number or HOST:PORT"))
     rpc: str = field(metadata=_text(_endpoints, "HOST:PORT[,HOST:PORT...]"))
     # Draft the next round while the target verifies (auto: when the draft runs on another device than the target)
-    overlap: str = field(metadata={"kind": str, "choices": ("auto", "on", "off")})
+    draft_ahead: str = field(metadata={"kind": str, "choices": ("auto", "on", "off")})
     # Logits: on a GPU, slots share batches only where sharing moves a sequence's rows no further than this
     max_batch_error: float = field(metadata=_rng(0.0, 1000.0, float))
 
@@ -344,6 +344,15 @@ class Preset:
         return dataclasses.asdict(self)
 
 
+# Keys that were renamed: a preset or override that names the old one is told the new name in its error.
+RENAMED_KEYS = {"overlap": "draft_ahead", "ahead_length": "draft_ahead_length"}
+
+
+def _renamed(key: str) -> str:
+    """The unknown-key error's note for a key that was renamed ("", else "; `old` is now `new`")."""
+    return f"; `{key}` is now `{RENAMED_KEYS[key]}`" if key in RENAMED_KEYS else ""
+
+
 def section_of(key: str, prefer: str | None = None) -> str:
     """The preset section that holds `key` (`prefer` first, when it has it)."""
     if prefer in _SECTIONS and key in _keys(prefer):
@@ -351,7 +360,7 @@ def section_of(key: str, prefer: str | None = None) -> str:
     for section in _SECTIONS:
         if key in _keys(section):
             return section
-    raise ConfigError(f"unknown setting {key!r}")
+    raise ConfigError(f"unknown setting {key!r}{_renamed(key)}")
 
 
 def _keys(section: str) -> set[str]:
@@ -421,7 +430,8 @@ def _sections_from(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]
         known = _keys(section)
         for key, value in table.items():
             if key not in known:
-                raise ConfigError(f"{path}: unknown key {section}.{key} (allowed: {', '.join(sorted(known))})")
+                raise ConfigError(f"{path}: unknown key {section}.{key} (allowed: {', '.join(sorted(known))})"
+                                  f"{_renamed(key)}")
             out.setdefault(section, {})[key] = _check(section, key, value, where=f"{path}: {section}.{key}")
     return out
 

@@ -36,7 +36,7 @@ class HubFile:
     advertised_sha256: str | None = None  # None = the real sha256 of content
     advertised_size: int | None = None  # None = len(content)
     cut_first_get_at: int | None = None  # drop the connection after this many bytes, once
-    seconds_per_mib: float = 0.0  # serve GET bodies this slowly (concurrent pulls overlap)
+    seconds_per_mib: float = 0.0  # serve GET bodies this slowly (concurrent pulls draft_ahead)
     _cut_done: bool = False
 
     @property

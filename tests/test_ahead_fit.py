@@ -1,8 +1,8 @@
-"""`ahead_length = "fit"`: the draft-ahead stops when the verify ends, and a kept bet that holds fewer drafts than
-the round asks for goes on where it stopped. On the scripted fakes (tests/helpers_fake.py) with the verify's end
-in lockstep with the draft's decodes (`Gate`: no timing), so each bet holds exactly as many drafts as fit: the
-output is the sequential loop's token for token when the round drafts the rest, plain greedy whatever the cost
-model decides, and at T > 0 the emitted tokens follow the target's exact distribution."""
+"""`draft_ahead_length = "fit"`: the draft-ahead stops when the verify ends, and a draft-ahead that held with fewer
+drafts than the round asks for goes on where it stopped. On the scripted fakes (tests/helpers_fake.py) with the verify's
+end in lockstep with the draft's decodes (`Gate`: no timing), so each draft-ahead holds exactly as many drafts as fit:
+the output is the sequential loop's token for token when the round drafts the rest, plain greedy whatever the cost model
+decides, and at T > 0 the emitted tokens follow the target's exact distribution."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
 AHEAD_THREAD = "localspec-draft-ahead"
 
 
-def drafting(n: int, ahead_length: str = "fit"):
-    return dataclasses.replace(GREEDY.draft, n_draft=n, ahead_length=ahead_length)
+def drafting(n: int, draft_ahead_length: str = "fit"):
+    return dataclasses.replace(GREEDY.draft, n_draft=n, draft_ahead_length=draft_ahead_length)
 
 
 class Gate:
@@ -113,23 +113,23 @@ def gated(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def the_rest(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """A bet drafts until the verify ends (no limit from the cost model) and a kept bet's round drafts every token
-    it lacks (the sequential loop's proposal); the calls, recorded."""
+    """A draft-ahead drafts until the verify ends (no limit from the cost model) and the round of a draft-ahead that
+    held drafts every token it lacks (the sequential loop's proposal); the calls, recorded."""
     calls: list[tuple[int, int]] = []
 
     def continuation(self: ModelCost, ready: int, k: int, padded: bool) -> int:
         calls.append((ready, k))
         return k - ready
     monkeypatch.setattr(ModelCost, "continuation", continuation)
-    monkeypatch.setattr(ModelCost, "ahead_length", lambda self, k: k)
+    monkeypatch.setattr(ModelCost, "draft_ahead_length", lambda self, k: k)
     return calls
 
 
 @pytest.mark.parametrize("fits", [1, 2, 3])
 @pytest.mark.parametrize("sampling", [GREEDY.sampling, HOT], ids=["greedy", "hot"])
-def test_a_bet_cut_at_the_verify_and_drafted_on_is_the_sequential_loop(gated, the_rest, fits: int,
+def test_a_draft_ahead_cut_at_the_verify_and_drafted_on_is_the_sequential_loop(gated, the_rest, fits: int,
                                                                        sampling) -> None:
-    """Each bet holds exactly the drafts that fit (the decode in flight at the verify's end included, none
+    """Each draft-ahead holds exactly the drafts that fit (the decode in flight at the verify's end included, none
     after it), its kept rounds draft the rest where it stopped, and the output, the accepted drafts and the rounds
     are the sequential loop's (same seed: the same random stream, drawn in the same order)."""
     prompt = list(range(8))
@@ -141,16 +141,16 @@ def test_a_bet_cut_at_the_verify_and_drafted_on_is_the_sequential_loop(gated, th
     assert (ahead.stats.rounds, ahead.stats.drafted, ahead.stats.accepted) == (
         reference.stats.rounds, reference.stats.drafted, reference.stats.accepted)
     assert ahead.stats.ahead_kept >= 10
-    bets = list(gate.decodes.values())
-    assert max(bets) == fits + 1 and all(n <= fits + 1 for n in bets), bets  # (the guess, then the drafts)
+    made = list(gate.decodes.values())
+    assert max(made) == fits + 1 and all(n <= fits + 1 for n in made), made  # (the guess, then the drafts)
     assert the_rest and all(ready == fits for ready, _ in the_rest), the_rest
     if sampling.greedy:
         assert ahead.tokens == FakeModel(seed=3).greedy(prompt, 200)
 
 
 @pytest.mark.parametrize("fits", [1, 3])
-def test_fitted_bets_stay_plain_greedy_whatever_the_cost_model_drafts_on(gated, fits: int) -> None:
-    """Without the stand-in: the cost model decides how many more a kept bet drafts (measured on the fakes'
+def test_fitted_draft_aheads_stay_plain_greedy_whatever_the_cost_model_drafts_on(gated, fits: int) -> None:
+    """Without the stand-in: the cost model decides how many more a draft-ahead that held drafts (measured on the fakes'
     timings, whatever they are); greedy output is plain greedy, and the draft's cells stay a prefix of the
     committed tokens."""
     kept = 0
@@ -167,8 +167,8 @@ def test_fitted_bets_stay_plain_greedy_whatever_the_cost_model_drafts_on(gated, 
     assert kept > 0
 
 
-def test_fitted_bets_keep_the_targets_distribution(gated, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first four tokens over many seeds, with bets of 2 cut at the verify after one draft and kept rounds
+def test_fitted_draft_aheads_keep_the_targets_distribution(gated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first four tokens over many seeds, with draft-aheads of 2 cut at the verify after one draft and kept rounds
     that alternately verify the one draft and draft the other: their joint frequency fits the target's own
     p(t1) p(t2 | t1) ... (vocabulary 3: 81 outcomes)."""
     turns = {"n": 0}
@@ -177,7 +177,7 @@ def test_fitted_bets_keep_the_targets_distribution(gated, monkeypatch: pytest.Mo
         turns["n"] += 1
         return (k - ready) * (turns["n"] % 2)
     monkeypatch.setattr(ModelCost, "continuation", alternate)
-    monkeypatch.setattr(ModelCost, "ahead_length", lambda self, k: k)
+    monkeypatch.setattr(ModelCost, "draft_ahead_length", lambda self, k: k)
     engine, target, _ = gated(1, vocab=3, noise=3.0, seed=5)
     prompt = [0, 1, 2, 1]
     counts: Counter = Counter()
@@ -203,23 +203,23 @@ class SlowDraft(FakeModel):
         return super().decode_many(items)
 
 
-@pytest.mark.parametrize("ahead_length", ["full", "fit"])
-def test_the_loop_tells_the_cost_model_what_the_bets_cost(ahead_length: str) -> None:
-    """What the cost model's bet terms are measured from reaches it through the real loop: each draft-ahead's
-    decodes and seconds (a decode beside the verify: at least the draft's 4 ms), the wait after the verify (the
-    fake's verify takes microseconds, so the loop waits and the thread's lag is measured), and the bets that could
-    come true and did (the lag needs one round in which the loop waited, which a draft decode of 4 ms beside a
-    verify of microseconds makes every round). Bounds only from below: a busy machine makes a sleep longer."""
+@pytest.mark.parametrize("draft_ahead_length", ["full", "fit"])
+def test_the_loop_tells_the_cost_model_what_draft_aheads_cost(draft_ahead_length: str) -> None:
+    """What the cost model's draft-ahead terms are measured from reaches it through the real loop: each draft-ahead's
+    decodes and seconds (a decode beside the verify: at least the draft's 4 ms), the wait after the verify (the fake's
+    verify takes microseconds, so the loop waits and the thread's lag is measured), and the draft-aheads that could come
+    true and did (the lag needs one round in which the loop waited, which a draft decode of 4 ms beside a verify of
+    microseconds makes every round). Bounds only from below: a busy machine makes a sleep longer."""
     target, draft = FakeModel(seed=3), SlowDraft(0.004, seed=3, noise=0.3)
     engine = Engine(target, draft, draft_ahead=True)
-    gen = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, ahead_length), 40))
+    gen = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, draft_ahead_length), 40))
     engine.close()
     assert gen.tokens == target.greedy(list(range(8)), 40)
     model = next(iter(engine.slots[0].policies.values())).rule(ModelCost)
-    assert model.ahead_fit is (ahead_length == "fit")
-    assert model.ahead_step_s is not None and model.ahead_step_s >= 0.004
-    assert model.ahead_lag_s is not None and model.ahead_lag_s >= 0.0
-    assert gen.stats.ahead_kept > 0 and model.bets >= gen.stats.ahead_kept and model.bets_kept >= 1
+    assert model.draft_ahead_fit is (draft_ahead_length == "fit")
+    assert model.draft_ahead_step_s is not None and model.draft_ahead_step_s >= 0.004
+    assert model.draft_ahead_lag_s is not None and model.draft_ahead_lag_s >= 0.0
+    assert gen.stats.ahead_kept > 0 and model.guesses >= gen.stats.ahead_kept and model.guesses_right >= 1
 
 
 class _NumpyUses:
@@ -236,16 +236,16 @@ class _NumpyUses:
 
 def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_path(
         gated, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With fitted bets the cost model answers two questions a round: how many drafts fit beside the verify
-    (`best_ahead`) and how many more a kept bet cut short drafts now (`best_continuation`). Asked through numpy
-    arrays they cost ~0.5 ms of host time a round inside the loop on the 2-core CPU (docs/lab, "T > 0
-    host share"). Counted, not timed: `best_ahead` is asked on the draft-ahead thread (beside the verify, off the
-    loop's path) once a bet, the survival and verify tables are built at most once per observation, and nothing
+    """With fitted draft-aheads the cost model answers two questions a round: how many drafts fit beside the verify
+    (`best_draft_ahead`) and how many more a draft-ahead that held cut short drafts now (`best_continuation`). Asked
+    through numpy arrays they cost ~0.5 ms of host time a round inside the loop on the 2-core CPU (docs/lab, "T > 0 host
+    share"). Counted, not timed: `best_draft_ahead` is asked on the draft-ahead thread (beside the verify, off the
+    loop's path) once a draft-ahead, the survival and verify tables are built at most once per observation, and nothing
     a fixed-length round asks or tells the cost model reaches for numpy."""
     from localspec.drafters import model as model_drafter
     from localspec.rounds import policies
 
-    asked: dict[str, list[str]] = {"best_ahead": [], "best_continuation": []}
+    asked: dict[str, list[str]] = {"best_draft_ahead": [], "best_continuation": []}
 
     def recorded(method, calls: list[str]):  # type: ignore[no-untyped-def]
         def question(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -271,7 +271,7 @@ def test_the_cost_models_questions_each_round_stay_off_numpy_and_off_the_loops_p
     stats = stream.stats
     assert stats.ahead_kept >= 5 and stats.rounds >= 20
     assert numpy.uses == []
-    assert len(asked["best_ahead"]) == stats.ahead_made
-    assert set(asked["best_ahead"]) == {f"{AHEAD_THREAD}_0"}
+    assert len(asked["best_draft_ahead"]) == stats.ahead_made
+    assert set(asked["best_draft_ahead"]) == {f"{AHEAD_THREAD}_0"}
     assert asked["best_continuation"] and set(asked["best_continuation"]) == {threading.main_thread().name}
     assert len(built) <= stats.rounds + 1

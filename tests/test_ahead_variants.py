@@ -32,9 +32,9 @@ def test_each_variant_writes_its_own_bench_report(tiny_pair_high, tmp_path: Path
         for report in (off, fit):
             assert report["preset"]["sampling"]["temperature"] == float(temp)
             assert report["greedy_check"]["passed"]
-        assert (fit["preset"]["draft"]["ahead_length"], fit["preset"]["draft"]["adaptive"]) == ("fit", True)
+        assert (fit["preset"]["draft"]["draft_ahead_length"], fit["preset"]["draft"]["adaptive"]) == ("fit", True)
         on = json.loads((tmp_path / f"cell-t{temp}-on.json").read_text())
-        assert on["preset"]["draft"]["ahead_length"] == "full"  # whole bets, whatever the preset's default
+        assert on["preset"]["draft"]["draft_ahead_length"] == "full"  # whole rounds, whatever the default
         spec = [r for r in off["runs"] if r["mode"] == "speculative"]
         assert spec and all(r["ahead_made"] == 0 for r in spec)
         assert any(r["ahead_made"] > 0 for r in fit["runs"] if r["mode"] == "speculative")

@@ -418,11 +418,8 @@ ANECDOTE_PATTERNS = [
     r"\bissue #?\d+",
     r"\bon the (?:CUDA |GPU )?(?:image|box)\b",
 ]
-# Being rewritten elsewhere right now: each still carries a few anecdotes.
-ANECDOTES_ALLOWED = ("localspec/rounds/engine.py", "localspec/rounds/stream.py", "localspec/drafters/",
-                     "localspec/rounds/policies.py", "localspec/config.py", "localspec/llama/model.py",
-                     "localspec/sessions/session.py", "localspec/models/memory.py", "localspec/sessions/bench.py",
-                     "localspec/sessions/versus.py", "localspec/cli/chat_cmd.py", "localspec/cli/serve_cmd.py")
+# Files still allowed to carry run anecdotes: none (the whole package is checked).
+ANECDOTES_ALLOWED: tuple[str, ...] = ()
 
 
 def _comments_and_docstrings(source: str) -> list[tuple[int, str]]:

@@ -28,7 +28,7 @@ def timed(clock: Clock, model: object, base: float, per_token: float) -> None:
 
 
 # The CPU demo pair's step (a loss), a GPU-like one (pays); and that one with the model's rounds drafting ahead
-# beside their verify (`ChainDrafter.overlap`: bets kept and thrown through the real contexts).
+# beside their verify (`ChainDrafter.draft_ahead`: draft-aheads kept and thrown through the real contexts).
 @pytest.mark.parametrize(("draft_step", "ahead"), [(0.017, False), (0.0005, False), (0.0005, True)])
 def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, monkeypatch, draft_step: float,
                                                                     ahead: bool):

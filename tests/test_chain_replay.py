@@ -15,8 +15,9 @@ sync, no draft-ahead ran again to correct the figure, and the chain drafted like
 plain where the model made 1.94x).
 
 The second (`test_the_chain_keeps_the_models_pace_on_the_shipped_prompts`): the shipped prompts, where lookup finds
-little, with the Q8_0 requantization as the draft (right ~9 in 10, as the card's embedded pair): lookup's short
-matches threw the model's kept bets (docs/performance.md, "A held bet against lookup's match")."""
+little, with the Q8_0 requantization as the draft (right ~9 in 10, as the card's embedded pair): lookup's short matches
+threw the model's draft-aheads that held (docs/lab/2026-12-02-h200-fifth-run.md, "A held bet against lookup's
+match")."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class Beside:
     """The draft-ahead, deterministically: the model drafter's worker thread replaced by a job run when the loop
     waits for it (after the verify), on the fake clock as if it had run beside the verify: it starts `START_S`
     after the verify does (the thread's start), its decodes cost `STEP_BESIDE` each (the `slow`-th of the run:
-    `slow_s`), no step starts after the verify has ended (`ahead_length = "fit"`), and the loop waits until it
+    `slow_s`), no step starts after the verify has ended (`draft_ahead_length = "fit"`), and the loop waits until it
     ends."""
 
     START_S = 0.0023  # the H200's thread lag
@@ -158,14 +159,14 @@ def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, draf
            slow_s: float = 0.3, prompts: str = "lookup", names: tuple[str, ...] = ("code-edit",),
            max_tokens: int = 256) -> dict[str, float]:
     """The bench's sequence on `names` of the prompt set `prompts`: the warm-up on the first, then one pass over
-    them in turn, each checked against plain greedy (`plain_replies`); tok/s on the fake clock and the bets made
+    them in turn, each checked against plain greedy (`plain_replies`); tok/s on the fake clock and the draft-aheads made
     and kept. (One pass, not the bench's 3: each failure below shows in the first, and a pass costs ~10 s of real
     decoding.)"""
     from localspec.models.demo import smollm2_source_path
 
     references = plain_replies(prompts, names, max_tokens)
     preset = GREEDY.with_overrides(n_ctx=4096)
-    drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, ahead_length="fit")
+    drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, draft_ahead_length="fit")
     plain = dataclasses.replace(drafting, n_draft=0)
     with open_pair(smollm2_source_path(), draft_path, preset) as s:
         assert s.draft is not None
@@ -190,10 +191,10 @@ def replay(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path, draf
 
 
 def test_the_chain_mixes_its_parts_on_real_text_at_the_h200s_costs(monkeypatch, clock, q2k_draft) -> None:
-    """With a cold first draft-ahead, the chain still drafts with the model (its bets are made) and, mixing its
+    """With a cold first draft-ahead, the chain still drafts with the model (its draft-aheads are made) and, mixing its
     parts on this text (lookup where the reply quotes, the model between), beats both; the output is plain greedy.
-    On main's code (fd33a21): the chain 1.73x plain with no bet made (lookup alone: 1.76x, the model 1.70x); now
-    1.95x, 12 bets made to the model's 27 (lookup 1.76x, the model 1.79x)."""
+    On main's code (fd33a21): the chain 1.73x plain with no draft-ahead made (lookup alone: 1.76x, the model 1.70x); now
+    1.95x, 12 draft-aheads made to the model's 27 (lookup 1.76x, the model 1.79x)."""
     runs = {drafter: replay(clock, monkeypatch, q2k_draft, drafter) for drafter in ("lookup", "model", "chain")}
     speeds = {drafter: round(run["speed"] * H200_VERIFY[1], 3) for drafter, run in runs.items()}  # x plain
     assert speeds["model"] > 1.5 and speeds["lookup"] > 1.5, speeds  # (both parts pay here)
@@ -202,13 +203,13 @@ def test_the_chain_mixes_its_parts_on_real_text_at_the_h200s_costs(monkeypatch, 
 
 
 def test_the_chain_keeps_the_models_pace_on_the_shipped_prompts(monkeypatch, clock, q8_draft) -> None:
-    """The shipped prompts (code, prose, Q&A: lookup finds little there, alone 1.06x plain on this clock), 128
-    tokens each in turn, with a draft right ~9 in 10: the chain keeps the model drafter's pace, its bets kept as
-    often. On the H200 the chain made 0.89x the model (2.01x plain against 2.26x) and kept 21 of 50 bets against 37
-    of 61: lookup's short matches came first, and a round with them threw the model's kept bet. On main's code
-    (900291a) here: the chain 2.435x plain against the model's 2.547x (0.956x), bets kept 41 of 59 against 45 of
-    60; with a held bet weighed against lookup's match (`ChainCost.prefer_bet`): 2.512x (0.986x), 45 of 60.
-    (Lookup alone runs no draft model: 1.059x, not rerun here.)"""
+    """The shipped prompts (code, prose, Q&A: lookup finds little there, alone 1.06x plain on this clock), 128 tokens
+    each in turn, with a draft right ~9 in 10: the chain keeps the model drafter's pace, its draft-aheads kept as often.
+    On the H200 the chain made 0.89x the model (2.01x plain against 2.26x) and kept 21 of 50 draft-aheads against 37 of
+    61: lookup's short matches came first, and a round with them threw the model's draft-ahead that held. On main's code
+    (900291a) here: the chain 2.435x plain against the model's 2.547x (0.956x), draft-aheads kept 41 of 59 against 45 of
+    60; with a held draft-ahead weighed against lookup's match (`ChainCost.prefer_draft_ahead`): 2.512x (0.986x), 45 of
+    60. (Lookup alone runs no draft model: 1.059x, not rerun here.)"""
     runs = {drafter: replay(clock, monkeypatch, q8_draft, drafter, prompts="shipped",
                             names=("code", "prose", "qa"), max_tokens=128) for drafter in ("model", "chain")}
     speeds = {drafter: round(run["speed"] * H200_VERIFY[1], 3) for drafter, run in runs.items()}  # x plain
@@ -272,7 +273,7 @@ def replay_reply(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path
     from localspec.models.demo import smollm2_source_path
 
     preset = GREEDY.with_overrides(n_ctx=4096)
-    drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, ahead_length="fit")
+    drafting = dataclasses.replace(preset.draft, n_draft=6, drafter=drafter, draft_ahead_length="fit")
     plain = dataclasses.replace(drafting, n_draft=0)
     with open_pair(smollm2_source_path(), draft_path, preset) as s:
         assert s.draft is not None
@@ -319,11 +320,11 @@ def replay_reply(clock: Clock, monkeypatch: pytest.MonkeyPatch, draft_path: Path
 
 
 def test_the_chain_keeps_probing_after_a_bad_start_on_the_h200s_code_edit(monkeypatch, clock, q8_draft) -> None:
-    """The H200's code edit after `ee7a048`: the model drafter 1.93x plain, the chain 1.15x, each generation 94
-    tokens in 63 rounds, 48 drafted, one bet. Here, with the H200's reply and a misled warm-up, the step measured as
-    the least of a probe's steps (its average was uncaptured graphs) and a catch-up priced per token (3 tokens'
-    graph cost: 35 ms for 33, never affordable) did exactly that: each generation's in-sync first round was its
-    only model round (chain 1.14x, model 2.43x). Now the chain keeps within 0.85x of the model."""
+    """The H200's code edit after `ee7a048`: the model drafter 1.93x plain, the chain 1.15x, each generation 94 tokens
+    in 63 rounds, 48 drafted, one draft-ahead. Here, with the H200's reply and a misled warm-up, the step measured as
+    the least of a probe's steps (its average was uncaptured graphs) and a catch-up priced per token (3 tokens' graph
+    cost: 35 ms for 33, never affordable) did exactly that: each generation's in-sync first round was its only model
+    round (chain 1.14x, model 2.43x). Now the chain keeps within 0.85x of the model."""
     model = replay_reply(clock, monkeypatch, q8_draft, "model", misled=6)
     assert model > 2.0  # (the model pays here, as on the H200)
     for misled in (6, 10):

@@ -42,6 +42,20 @@ def test_unknown_key_names_file_and_key(tmp_path):
         load_preset(str(f))
 
 
+@pytest.mark.parametrize(("section", "old", "value", "new"), [("load", "overlap", '"on"', "draft_ahead"),
+                                                         ("draft", "ahead_length", '"fit"', "draft_ahead_length")])
+def test_a_renamed_key_is_unknown_and_names_its_new_name(tmp_path, section, old, value, new):
+    """Draft-ahead's keys were renamed: a preset or an override naming the old key is an unknown key whose error
+    says the new name (never silently taken)."""
+    f = write(tmp_path / "old.toml", f"[{section}]\n{old} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"old\.toml: unknown key {section}\.{old} .*`{old}` is now `{new}`"):
+        load_preset(str(f))
+    with pytest.raises(ConfigError, match=rf"unknown setting '{old}'; `{old}` is now `{new}`"):
+        load_preset().with_overrides(**{old: "on"})
+    write(tmp_path / "new.toml", f"[{section}]\n{new} = {value}\n")
+    assert getattr(getattr(load_preset(str(tmp_path / "new.toml")), section), new) == value.strip('"')
+
+
 def test_unknown_section(tmp_path):
     f = write(tmp_path / "s.toml", "[sampler]\ntop_k = 1\n")
     with pytest.raises(ConfigError, match=r"unknown section \[sampler\]"):

@@ -46,33 +46,33 @@ class _Cycle:
     def rule(self, kind: type) -> _Cycle:  # (it stands in for the model drafter's cost rule too)
         return self
 
-    def observe_ahead(self, *measured: object) -> None:
+    def observe_draft_ahead(self, *measured: object) -> None:
         pass
 
-    def ahead_length(self, k: int) -> int:
-        return k  # (with ahead_length = "fit" the bet still stops when the verify ends)
+    def draft_ahead_length(self, k: int) -> int:
+        return k  # (with draft_ahead_length = "fit" the draft-ahead still stops when the verify ends)
 
     def continuation(self, ready: int, k: int, padded: bool) -> int:
-        return k - ready  # a kept bet cut short drafts the rest: the sequential loop's proposal
+        return k - ready  # a draft-ahead that held cut short drafts the rest: the sequential loop's proposal
 
 
 @pytest.fixture
 def changing_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each generation gets a fresh `_Cycle` as its draft-length chooser (adaptive drafting's choice depends on
-    measured times, so two runs of it differ anyway): a bet made for one length is thrown when the next round asks
-    for another."""
+    """Each generation gets a fresh `_Cycle` as its draft-length chooser (adaptive drafting's choice depends on measured
+    times, so two runs of it differ anyway): a draft-ahead made for one length is thrown when the next round asks for
+    another."""
     monkeypatch.setattr(engine.Engine, "_draft_length", lambda self, *chosen_for: _Cycle())
 
 
 @pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])
 @pytest.mark.parametrize(("temperature", "repeat_penalty", "p_min", "lengths"), [
     (0.0, 1.0, 0.0, "fixed"),
-    (0.4, 1.0, 0.0, "fixed"),  # (0.4: peaked enough that the argmax bet on the sampled token often wins)
+    (0.4, 1.0, 0.0, "fixed"),  # (0.4: peaked enough that the argmax draft-ahead on the sampled token often wins)
     (0.4, 1.3, 0.0, "fixed"),  # full logits on the host, the penalty over the drafted-ahead history
     (0.4, 1.0, 0.2, "fixed"),  # drafts that stop early
     (0.0, 1.0, 0.0, "changing"),
     (0.4, 1.0, 0.0, "changing"),
-    (0.0, 1.0, 0.0, "fit"),  # bets stop when the verify ends; a kept one cut short drafts the rest
+    (0.0, 1.0, 0.0, "fit"),  # draft-aheads stop when the verify ends; a kept one cut short drafts the rest
     (0.4, 1.0, 0.0, "fit"),
 ])
 def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: str, temperature: float,
@@ -83,7 +83,7 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: st
         request.getfixturevalue("changing_length")
     preset = GREEDY.with_overrides(temperature=temperature, repeat_penalty=repeat_penalty, seed=11)
     drafting = dataclasses.replace(GREEDY.draft, n_draft=5, p_min=p_min, adaptive=False,
-                                   ahead_length="fit" if lengths == "fit" else "full")
+                                   draft_ahead_length="fit" if lengths == "fit" else "full")
     kept = made = 0
     with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
         assert not s.engine.draft_ahead  # auto: both models on the CPU share one device
@@ -99,8 +99,8 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: st
             assert sequential.stats.ahead_made == 0 and ahead.stats.ahead_s > 0
             kept += ahead.stats.ahead_kept
             made += ahead.stats.ahead_made
-    # The paths this must cover: bets kept (their drafts used) and bets thrown (their draws given back); on the
-    # pair that agrees almost always, greedy bets can all come true.
+    # The paths this must cover: draft-aheads kept (their drafts used) and draft-aheads thrown (their draws given back);
+    # on the pair that agrees almost always, greedy draft-aheads can all come true.
     assert 0 < kept <= made
     if pair == "tiny_pair" or temperature > 0:
         assert kept < made
@@ -109,11 +109,12 @@ def test_draft_ahead_is_token_identical_to_the_sequential_loop(request, pair: st
 @pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_high"])
 @pytest.mark.parametrize("n_draft", [3, 6])
 def test_fitted_draft_ahead_is_plain_greedy(request, pair: str, n_draft: int) -> None:
-    """`ahead_length = "fit"` through real llama.cpp contexts on the CPU: bets stop when the verify ends and the
-    cost model decides how many more a kept one drafts; the output is plain greedy decoding's, token for token."""
+    """`draft_ahead_length = "fit"` through real llama.cpp contexts on the CPU: draft-aheads stop when the verify ends
+    and the cost model decides how many more a kept one drafts; the output is plain greedy decoding's, token for
+    token."""
     target, draft = request.getfixturevalue(pair)
-    preset = GREEDY.with_overrides(overlap="on", ahead_length="fit", n_draft=n_draft, seed=11)
-    assert preset.draft.ahead_length == "fit"
+    preset = GREEDY.with_overrides(draft_ahead="on", draft_ahead_length="fit", n_draft=n_draft, seed=11)
+    assert preset.draft.draft_ahead_length == "fit"
     made = 0
     with open_session(ModelFiles(target=target, draft=draft, name="test"), preset) as s:
         assert s.engine.draft_ahead
@@ -126,23 +127,23 @@ def test_fitted_draft_ahead_is_plain_greedy(request, pair: str, n_draft: int) ->
     assert made > 0
 
 
-def test_overlap_setting_reaches_the_engine(tiny_pair) -> None:
+def test_draft_ahead_setting_reaches_the_engine(tiny_pair) -> None:
     files = ModelFiles(target=tiny_pair[0], draft=tiny_pair[1], name="test")
-    for overlap, expected in (("on", True), ("off", False), ("auto", False)):
-        with open_session(files, GREEDY.with_overrides(overlap=overlap)) as s:
+    for draft_ahead, expected in (("on", True), ("off", False), ("auto", False)):
+        with open_session(files, GREEDY.with_overrides(draft_ahead=draft_ahead)) as s:
             assert s.engine.draft_ahead is expected
 
 
-def test_bench_says_when_bets_are_fitted(tiny_pair_high, tmp_path) -> None:
-    """`localspec bench --overlap on --ahead-length fit` runs the fitted bets (its JSON's preset says so) and its
-    header says so."""
+def test_bench_says_when_draft_ahead_is_fitted(tiny_pair_high, tmp_path) -> None:
+    """`localspec bench --draft-ahead on --draft-ahead-length fit` runs fitted draft-aheads (its JSON's preset says
+    so) and its header says so."""
     target, draft = tiny_pair_high
     out = tmp_path / "fit.json"
-    result = CliRunner().invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--overlap", "on",
-                                      "--ahead-length", "fit", "--temp", "0", "--max-tokens", "16", "--repeat", "1",
-                                      "--warmup", "0", "--threads", "1", "--raw", "--json", str(out)])
+    result = CliRunner().invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--draft-ahead", "on",
+                                      "--draft-ahead-length", "fit", "--temp", "0", "--max-tokens", "16",
+                                      "--repeat", "1", "--warmup", "0", "--threads", "1", "--raw", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "draft-ahead on (bets fitted to the verify)" in result.output
+    assert "draft-ahead on (fitted to the verify)" in result.output
     report = json.loads(out.read_text())
-    assert report["preset"]["draft"]["ahead_length"] == "fit" and report["greedy_check"]["passed"]
+    assert report["preset"]["draft"]["draft_ahead_length"] == "fit" and report["greedy_check"]["passed"]
     assert report["speculative"]["ahead_hit_rate"] is not None

@@ -280,9 +280,9 @@ def test_a_step_is_the_steady_one_and_drafted_ahead_rounds_count_as_free():
     for i in range(40):
         plain.observe(Observation(6, 3, 6 * 0.004, 0.025, 7, first_s=0.004))
         ahead.observe(Observation(6, 3, 0.0 if i % 2 else 6 * 0.004, 0.025, 7, first_s=0.0 if i % 2 else 0.004,
-                      ahead=6 if i % 2 else 0))
+                      drafted_ahead=6 if i % 2 else 0))
     assert plain.step_s == ahead.step_s == pytest.approx(0.004)
-    assert 0.3 < ahead_model.ahead < 0.7 and plain_model.ahead == 0.0
+    assert 0.3 < ahead_model.drafted_ahead_share < 0.7 and plain_model.drafted_ahead_share == 0.0
     assert ahead_model.speed(0, 6) > plain_model.speed(0, 6)
 
 

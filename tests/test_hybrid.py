@@ -247,7 +247,7 @@ def test_an_architecture_without_snapshots_is_refused(hybrid_pair, tmp_path) -> 
 @pytest.fixture(scope="module")
 def hybrid_session(hybrid_pair, tmp_path_factory):
     """The tiny hybrid pair, its target's MTP head reading the hidden state a little (mtp_noise 0.1): at T > 0
-    both drafters' proposals overlap the target's candidates partly (accepted, and resampled)."""
+    both drafters' proposals draft_ahead the target's candidates partly (accepted, and resampled)."""
     from synthetic import HYBRID_TINY, write_hybrid_model
 
     from localspec.sessions.session import ModelFiles, open_session

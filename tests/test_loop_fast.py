@@ -143,21 +143,22 @@ def test_rejection_against_a_point_mass_is_exact() -> None:
         assert chi_square(counts, probs) < 26.1  # 7 degrees of freedom, 99.9th percentile
 
 
-@pytest.mark.parametrize("ahead_length", ["full", "fit"])
-def test_draft_ahead_is_token_identical_to_the_sequential_loop(ahead_length: str) -> None:
-    """Whole bets draft what the sequential loop drafts: the same tokens and the same acceptance, greedy or sampled.
-    Fitted bets (the default) stop with the verify, so how many drafts a round holds follows the clock: the same
-    greedy tokens (sampled, the draws follow the proposals' lengths: tests/test_ahead_fit.py checks the
+@pytest.mark.parametrize("draft_ahead_length", ["full", "fit"])
+def test_draft_ahead_is_token_identical_to_the_sequential_loop(draft_ahead_length: str) -> None:
+    """Whole draft-aheads draft what the sequential loop drafts: the same tokens and the same acceptance, greedy or
+    sampled. Fitted draft-aheads (the default) stop with the verify, so how many drafts a round holds follows the clock:
+    the same greedy tokens (sampled, the draws follow the proposals' lengths: tests/test_ahead_fit.py checks the
     distribution and, in lockstep with the verify, the tokens)."""
-    for sampling in (GREEDY.sampling, HOT) if ahead_length == "full" else (GREEDY.sampling,):
+    for sampling in (GREEDY.sampling, HOT) if draft_ahead_length == "full" else (GREEDY.sampling,):
         outs = []
         for ahead in (False, True):
             target, draft = pair(noise=0.5)
             engine = Engine(target, draft, draft_ahead=ahead)
-            gen = collect(engine.generate(list(range(8)), sampling, drafting(4, ahead_length=ahead_length), 50))
+            gen = collect(engine.generate(list(range(8)), sampling,
+                                          drafting(4, draft_ahead_length=draft_ahead_length), 50))
             engine.close()
             outs.append((gen.tokens, gen.stats.accepted, gen.stats.ahead_made > 0))
-        same = 2 if ahead_length == "full" else 1
+        same = 2 if draft_ahead_length == "full" else 1
         assert outs[0][:same] == outs[1][:same] and outs[1][2]
 
 
@@ -185,10 +186,10 @@ class _EveryRound:
     def extension(self, looked_up: int, k: int, policy: object, lag: int = 1) -> int:  # the chain's
         return k - looked_up
 
-    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
-        return False  # (every match whole: a held bet is thrown)
+    def prefer_draft_ahead(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
+        return False  # (every match whole: a held draft-ahead is thrown)
 
-    def ahead_length(self, k: int) -> int:  # the model's
+    def draft_ahead_length(self, k: int) -> int:  # the model's
         return k
 
     def continuation(self, ready: int, k: int, padded: bool) -> int:
@@ -197,14 +198,14 @@ class _EveryRound:
     def observe(self, *measured: object) -> None:
         pass
 
-    def observe_ahead(self, *measured: object) -> None:
+    def observe_draft_ahead(self, *measured: object) -> None:
         pass
 
 
 @pytest.mark.parametrize("sampling", [GREEDY.sampling, HOT], ids=["greedy", "hot"])
 def test_the_chain_drafts_ahead_on_the_models_rounds_token_for_token(monkeypatch: pytest.MonkeyPatch,
                                                                      sampling) -> None:
-    """The chain drafts the next round beside a verify of the model's drafts alone: a bet kept when the next
+    """The chain drafts the next round beside a verify of the model's drafts alone: a draft-ahead kept when the next
     round is again the model's alone (lookup found nothing), thrown when lookup's tokens come first or the length
     differs (its draws given back). The output, at T = 0 and T > 0, is the sequential loop's token for token, and
     the same draft and accept counts."""
@@ -220,21 +221,21 @@ def test_the_chain_drafts_ahead_on_the_models_rounds_token_for_token(monkeypatch
                      gen.stats.ahead_kept))
     (tokens, drafted, accepted, rounds, _, _), (*same, made, kept) = outs
     assert [tokens, drafted, accepted, rounds] == same
-    assert 0 < kept < made < rounds  # bets kept and thrown; none beside a lookup round
+    assert 0 < kept < made < rounds  # draft-aheads kept and thrown; none beside a lookup round
     if sampling.greedy:
         assert tokens == target.greedy(prompt, 80)
 
 
 class _Weighing(_EveryRound):
-    """`_EveryRound`, but a held bet is weighed against lookup's match by the real cost model
-    (`ChainCost.prefer_bet`), on figures scripted once (the rounds do not move them)."""
+    """`_EveryRound`, but a held draft-ahead is weighed against lookup's match by the real cost model
+    (`ChainCost.prefer_draft_ahead`), on figures scripted once (the rounds do not move them)."""
 
     def __init__(self, k: int, length: DraftLength) -> None:
         super().__init__(k)
         self.scripted = length
 
-    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
-        return self.scripted.rule(ChainCost).prefer_bet(looked_up, k, ready, room, self.scripted)
+    def prefer_draft_ahead(self, looked_up: int, k: int, ready: int, room: int, policy: object) -> bool:
+        return self.scripted.rule(ChainCost).prefer_draft_ahead(looked_up, k, ready, room, self.scripted)
 
 
 def scripted_costs(k: int, lookup_right: bool) -> DraftLength:
@@ -249,7 +250,7 @@ def scripted_costs(k: int, lookup_right: bool) -> DraftLength:
 
 
 class _Weighed(NamedTuple):
-    """A proposal, and how many of its tokens were drafted beside the last verify (the drafter's `Spent.ahead`)."""
+    """A proposal, and how many of its tokens were drafted beside the last verify (`Spent.drafted_ahead`)."""
 
     tokens: list[int]
     lead: int
@@ -257,8 +258,8 @@ class _Weighed(NamedTuple):
 
 
 def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[_Weighed]:
-    """Chains drafted from now on weigh held bets on `scripted_costs`; the list fills with the proposals of the
-    rounds that held a bet and found a lookup match."""
+    """Chains drafted from now on weigh held draft-aheads on `scripted_costs`; the list fills with the proposals of the
+    rounds that held a draft-ahead and found a lookup match."""
     monkeypatch.setattr(Engine, "_draft_length",
                         lambda self, drafting, *rest: _Weighing(drafting.n_draft,
                                                                 scripted_costs(drafting.n_draft, lookup_right)))
@@ -267,32 +268,33 @@ def weighing(monkeypatch: pytest.MonkeyPatch, lookup_right: bool) -> list[_Weigh
 
     def recording(self: ChainDrafter, jobs):  # type: ignore[no-untyped-def]
         [(req, n)] = jobs
-        held = self.model.bet(req) is not None
+        held = self.model.drafted_ahead(req) is not None
         match = continuation(req.tokens, req.drafting.lookup_min, req.drafting.lookup_max, n)
         out = chain_draft(self, jobs)
         if held and match:
-            weighed.append(_Weighed(out[0].tokens, out[0].lead, self.spent(req).ahead))
+            weighed.append(_Weighed(out[0].tokens, out[0].lead, self.spent(req).drafted_ahead))
         return out
     monkeypatch.setattr(ChainDrafter, "draft", recording)
     return weighed
 
 
 @pytest.mark.parametrize("lookup_right", [False, True], ids=["lookup-poor", "lookup-pays"])
-def test_the_chain_weighs_a_held_bet_against_lookups_match(monkeypatch: pytest.MonkeyPatch,
+def test_the_chain_weighs_a_held_draft_ahead_against_lookups_match(monkeypatch: pytest.MonkeyPatch,
                                                            lookup_right: bool) -> None:
-    """A bet that came true (drafted beside the last verify: no draft steps on the path) against a lookup match in
-    the same round: where lookup's tokens are rarely right (the H200's shipped prompts) the round proposes the
-    bet's drafts, not lookup's (which used to throw the bet); where they pay more (right in full: a round of k
-    sure tokens against the model's) lookup's. The output is plain greedy either way."""
+    """A draft-ahead that came true (drafted beside the last verify: no draft steps on the path) against a lookup match
+    in the same round: where lookup's tokens are rarely right (the H200's shipped prompts) the round proposes the
+    draft-ahead's drafts, not lookup's (which used to throw the draft-ahead); where they pay more (right in full: a
+    round of k sure tokens against the model's) lookup's. The output is plain greedy either way."""
     weighed = weighing(monkeypatch, lookup_right)
     target, draft = FakeModel(12, seed=3), FakeModel(12, seed=3, noise=0.2)
     prompt = [0, 3, 6, 9, 0, 3, 6, 9]  # (12 tokens: the reply soon repeats itself, and lookup matches)
     engine = Engine(target, draft, draft_ahead=True)
-    gen = collect(engine.generate(prompt, GREEDY.sampling, drafting(4, "chain", lookup_min=3, ahead_length="full"),
-                                  80))
+    gen = collect(engine.generate(prompt, GREEDY.sampling,
+                                  drafting(4, "chain", lookup_min=3, draft_ahead_length="full"), 80))
     engine.close()
     assert gen.tokens == target.greedy(prompt, 80)
-    # (Lookup's rounds draft nothing ahead: where lookup wins, a match meets a held bet only after a model round.)
+    # (Lookup's rounds draft nothing ahead: where lookup wins, a match meets a held draft-ahead only after a model
+    # round.)
     assert len(weighed) >= (1 if lookup_right else 3), weighed
     for proposal in weighed:
         if lookup_right:
@@ -301,10 +303,10 @@ def test_the_chain_weighs_a_held_bet_against_lookups_match(monkeypatch: pytest.M
             assert proposal.lead == 0 and proposal.ahead == len(proposal.tokens) > 0, proposal
 
 
-def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At T > 0 the chain takes held bets over lookup's poor matches (its point masses dropped, no draws to give
-    back; the bet's draws are the draft's own stream): the first four tokens over many seeds fit the target's own
-    p(t1) p(t2 | t1) ... (vocabulary 3: 81 outcomes)."""
+def test_a_draft_ahead_taken_over_lookups_match_keeps_the_targets_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At T > 0 the chain takes held draft-aheads over lookup's poor matches (its point masses dropped, no draws to give
+    back; the draft-ahead's draws are the draft's own stream): the first four tokens over many seeds fit the target's
+    own p(t1) p(t2 | t1) ... (vocabulary 3: 81 outcomes)."""
     weighed = weighing(monkeypatch, lookup_right=False)
     target, draft = FakeModel(3, seed=5), FakeModel(3, seed=5, noise=1.0)
     engine = Engine(target, draft, draft_ahead=True)
@@ -312,7 +314,7 @@ def test_a_bet_taken_over_lookups_match_keeps_the_targets_distribution(monkeypat
     counts: Counter = Counter()
     for seed in range(2000):
         gen = collect(engine.generate(prompt, dataclasses.replace(HOT, seed=seed),
-                                      drafting(2, "chain", lookup_min=2, ahead_length="full"), 6))
+                                      drafting(2, "chain", lookup_min=2, draft_ahead_length="full"), 6))
         counts[tuple(gen.tokens[:4])] += 1
     engine.close()
     joint = joint_probs(lambda context: target.next_probs(context, HOT), prompt, 4)
@@ -337,8 +339,8 @@ def test_the_wait_for_a_draft_ahead_is_counted_apart_from_host_work() -> None:
     # Each round's draft-ahead makes 1 + 4 decodes of >= 4 ms beside a verify of microseconds: the loop waits
     # >= 20 ms a round for it, which is neither a decode of its own nor host work (bookkeeping of microseconds).
     target, draft = FakeModel(seed=3), SlowFake(0.004, seed=3, noise=0.5)
-    engine = Engine(target, draft, draft_ahead=True)  # (whole bets: a fitted one stops with the verify)
-    stats = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, ahead_length="full"), 40)).stats
+    engine = Engine(target, draft, draft_ahead=True)  # (whole draft-aheads: a fitted one stops with the verify)
+    stats = collect(engine.generate(list(range(8)), GREEDY.sampling, drafting(4, draft_ahead_length="full"), 40)).stats
     engine.close()
     assert stats.ahead_made > 0
     assert stats.ahead_wait_s >= 0.004 * stats.ahead_made

@@ -390,10 +390,10 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
 def test_slots_that_take_turns_draft_beside_the_verifies_and_clients_get_what_each_gets_alone(demo_home,
                                                                                               tmp_path_factory):
     """The base demo's (`--pair demo`) Gemma 3 target shares no batch exactly (its slots take turns, `/health`),
-    and with `--overlap on` the draft model drafts the other slots' proposals beside each verify, as on a GPU:
+    and with `--draft-ahead on` the draft model drafts the other slots' proposals beside each verify, as on a GPU:
     three staggered `openai` clients at T = 0 each get, token for token, what they get alone."""
     server = Server(demo_home, tmp_path_factory.mktemp("serve-turns"), "--pair", "demo", "--parallel", "3",
-                    "--threads", "1", "--overlap", "on")
+                    "--threads", "1", "--draft-ahead", "on")
     try:
         client = server.client()
         model = client.models.list().data[0].id

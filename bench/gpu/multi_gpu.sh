@@ -8,8 +8,8 @@
 # 2. Per scale and temperature, `localspec bench` (warm-up, REPEAT interleaved plain/speculative runs over its three
 #    prompts, medians, greedy check, JSON) in each placement of CONFIGS:
 #      one-gpu    --split-mode none --draft-device 0               target and draft on GPU 0 (draft-ahead: auto = off)
-#      ahead      --split-mode none --draft-device 1 --overlap on  target on GPU 0, draft on GPU 1, drafting ahead
-#      no-ahead   --split-mode none --draft-device 1 --overlap off the same placement, rounds one after the other
+#      ahead      --split-mode none --draft-device 1 --draft-ahead on   target on GPU 0, draft on GPU 1, drafting ahead
+#      no-ahead   --split-mode none --draft-device 1 --draft-ahead off  the same placement, rounds one after the other
 #      split      --split-mode layer                               the 48 GB case: the target over both GPUs, the
 #                                                                  draft with its main GPU (GPU 0)
 #    and llama-speculative-simple on the same prompts, LLAMA_REPS times each: -dev CUDA0 -devd CUDA0 (one GPU) and
@@ -54,8 +54,8 @@ write_prompts "$RES/prompts" || { log "no prompts written: stopping"; finish; ex
 placement() {
     case "$1" in
         one-gpu) echo "--split-mode none --main-gpu 0 --draft-device 0" ;;
-        ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --overlap on" ;;
-        no-ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --overlap off" ;;
+        ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --draft-ahead on" ;;
+        no-ahead) echo "--split-mode none --main-gpu 0 --draft-device 1 --draft-ahead off" ;;
         split) echo "--split-mode layer" ;;
         *) return 1 ;;
     esac

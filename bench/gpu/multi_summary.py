@@ -55,7 +55,7 @@ def llama_runs(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def localspec_runs(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """(temp, config) -> plain and speculative medians, acceptance, draft-ahead's share of bets used, greedy ✓."""
+    """(temp, config) -> plain and speculative medians, acceptance, the share of draft-aheads used, greedy ✓."""
     out = {}
     for path in sorted(folder.glob("localspec-*.json")):
         m = _LOCALSPEC.search(path.name)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                          "llama_1gpu": llama.get((temp, "CUDA0")), "llama_2gpu": llama.get((temp, "CUDA1")),
                          **{config: ours.get((temp, config)) for config in ("one-gpu", "no-ahead", "ahead", "split")}})
     print("| scale | T | llama.cpp, 1 GPU | llama.cpp, draft on GPU 1 | localspec plain | localspec, 1 GPU | "
-          "draft on GPU 1 | draft on GPU 1 + draft-ahead (bets used) | draft-ahead / best llama.cpp |")
+          "draft on GPU 1 | draft on GPU 1 + draft-ahead (share used) | draft-ahead / best llama.cpp |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tok = lambda d, k="tok_s": d[k] if d else None  # noqa: E731

@@ -2,14 +2,14 @@
 (`localspec.sessions.bench.run_bench`: warm-up, plain and speculative runs interleaved, the greedy check) once per
 variant, each report written as `localspec bench --json` writes it. One process per pair instead of one per cell
 and variant: on the H200 loading the 19.8 GB card target costs ~20 s, as much as a short bench itself
-(bench/lab/overlap.sh).
+(bench/lab/draft_ahead.sh).
 
     python bench/lab/ahead_variants.py --target T.gguf --draft D.gguf --temps "0 0.7" --out-prefix RES/n0.013 \\
         [--variants "on fit fit+adaptive"] [--max-tokens 256] [--repeat 3] [--warmup 3]
 
-Variants: on (drafting ahead, whole bets: `ahead_length = "full"`), off (rounds one after the other), fit
-(`ahead_length = "fit"`), adaptive (whole bets with `adaptive = true`), fit+adaptive; per temperature, all variants
-one after the other. Writes
+Variants: on (drafting ahead, whole rounds: `draft_ahead_length = "full"`), off (rounds one after the other),
+fit (`draft_ahead_length = "fit"`), adaptive (whole rounds with `adaptive = true`), fit+adaptive; per temperature, all
+variants one after the other. Writes
 OUT_PREFIX-tTEMP-VARIANT.json (TEMP as given); one that exists is skipped.
 """
 
@@ -28,11 +28,11 @@ from localspec.sessions.bench import BenchReport, run_bench
 from localspec.sessions.session import ModelFiles, open_session
 
 VARIANTS = {  # name -> (drafts ahead, preset overrides)
-    "on": (True, {"ahead_length": "full"}),  # whole bets (the default until the fourth H200 run: now "fit")
+    "on": (True, {"draft_ahead_length": "full"}),  # whole bets (the default until the fourth H200 run: now "fit")
     "off": (False, {}),
-    "fit": (True, {"ahead_length": "fit"}),
-    "adaptive": (True, {"ahead_length": "full", "adaptive": True}),
-    "fit+adaptive": (True, {"ahead_length": "fit", "adaptive": True}),
+    "fit": (True, {"draft_ahead_length": "fit"}),
+    "adaptive": (True, {"draft_ahead_length": "full", "adaptive": True}),
+    "fit+adaptive": (True, {"draft_ahead_length": "fit", "adaptive": True}),
 }
 
 
@@ -53,7 +53,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     preset = load_preset("default").with_overrides(
-        prefer="bench", seed=42, n_draft=args.n_draft, n_ctx=4096, overlap="on", max_tokens=args.max_tokens,
+        prefer="bench", seed=42, n_draft=args.n_draft, n_ctx=4096, draft_ahead="on", max_tokens=args.max_tokens,
         repeat=args.repeat, warmup=args.warmup)
     files = ModelFiles(target=args.target, draft=args.draft, name=args.draft.stem)
     failed = False

@@ -50,12 +50,13 @@ def main(argv: list[str] | None = None) -> None:
             cost = next(c.cost for c in s.engine.slots[0].policies.values() if c.cost.k_max == 6)
             model = ModelCost.of(cost)
             ms = {f: None if getattr(o, f) is None else round(1000 * getattr(o, f), 2)
-                  for o, f in ((cost, "step_s"), (model, "ahead_step_s"), (model, "ahead_lag_s"))}
+                  for o, f in ((cost, "step_s"), (model, "draft_ahead_step_s"), (model, "draft_ahead_lag_s"))}
             verify = sorted((w, round(1000 * v, 2)) for w, v in cost.verify_s.items())
             catch_up = cost.catch_up_cost(64)
             print(f"{label} {name}: {st.decode_tps / base.decode_tps:.2f}x rounds {st.rounds} drafted {st.drafted}"
                   f" accepted {st.accepted} bets {st.ahead_made}/{st.ahead_kept} | step {ms['step_s']} ms,"
-                  f" ahead step {ms['ahead_step_s']} ms, lag {ms['ahead_lag_s']} ms, aheads {model.aheads},"
+                  f" ahead step {ms['draft_ahead_step_s']} ms, lag {ms['draft_ahead_lag_s']} ms,"
+                  f" aheads {model.draft_aheads},"
                   f" model rounds {cost.step_rounds}, on {model.model_on}, could pay (padded)"
                   f" {model.could_pay(0, 6, 7)}, interval {model.interval}, verify ms {verify}, catch-up of 64"
                   f" {None if catch_up is None else round(1000 * catch_up, 2)} ms",

@@ -2,7 +2,7 @@
 
     python bench/host_share.py --target T.gguf [--draft D.gguf] [--drafter model|lookup|chain]
         [--temperature 0.7] [--k 6] [--rounds 300] [--prompt-tokens 24] [--threads 1] [--profile 25] [--json OUT]
-        [--overlap on|off] [--ahead-length full|fit]
+        [--draft-ahead on|off] [--draft-ahead-length full|fit]
 
 Runs one stream through `Engine.step` for `--rounds` rounds (after a few warm-up rounds) and reports the stats'
 split (`GenerationStats`: draft_s, verify_s, host_s = the rest), per round. With a tiny pair the decodes are short,
@@ -14,7 +14,7 @@ candidates are what a GPU run gets (`device_top_k`, top-64 per row), where this 
 The prompt is random token ids, or (`--prompts shipped|lookup --max-tokens 128`) bench's prompt set through the
 chat template, one generation after another.
 
-`--overlap on` drafts ahead beside each verify and `--ahead-length full|fit` sets how far (both overlay the
+`--draft-ahead on` drafts ahead beside each verify and `--draft-ahead-length full|fit` sets how far (both overlay the
 preset, as bench's options do; on a CPU the two threads then compete for its cores). Host time is then also
 outside the wait for the draft-ahead thread (`ahead_wait_ms`). The CPU figures are the loop's thread's:
 `host_cpu_split_ms` splits them by the round's phases (plan; draft: the drafter's call on the path, a kept bet's
@@ -62,8 +62,8 @@ class _DecodeClock:
     "cost_model" its CPU time in the draft-length policy's questions and observations (all phases)."""
 
     PHASES = ("_plan", "_draft", "_verify")  # (the rest of a round: the rewind, the verdict, the observations)
-    COST_MODEL = ((DraftLength, "next"), (DraftLength, "verify_width"), (ModelCost, "ahead_length"),
-                  (ModelCost, "continuation"), (DraftLength, "observe"), (ModelCost, "observe_ahead"))
+    COST_MODEL = ((DraftLength, "next"), (DraftLength, "verify_width"), (ModelCost, "draft_ahead_length"),
+                  (ModelCost, "continuation"), (DraftLength, "observe"), (ModelCost, "observe_draft_ahead"))
 
     def __init__(self, engine: Engine) -> None:
         self.seconds = dict.fromkeys(("inside", "ahead", "cost_model", *self.PHASES), 0.0)
@@ -71,7 +71,7 @@ class _DecodeClock:
         for model in {id(m): m for m in engine.models}.values():  # (a drafter's model may be listed twice)
             model.decode_many = self._timed(model.decode_many, "inside")  # type: ignore[method-assign]
         for drafter in {id(d): d for d in engine.drafters.values() if isinstance(d, ModelDrafter)}.values():
-            drafter._draft_ahead = self._timed(drafter._draft_ahead, "ahead",  # type: ignore[method-assign]
+            drafter._draft_ahead_job = self._timed(drafter._draft_ahead_job, "ahead",  # type: ignore[method-assign]
                                                loop_only=False)
         for name in self.PHASES:  # (planning is the schedule's, drafting and verifying the engine's)
             owner, attr = (engine.schedule, "plan") if name == "_plan" else (engine, name)
@@ -170,15 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", choices=("random", "shipped", "lookup"), default="random",
                    help="random ids (one generation of --rounds), or a bench set: its prompts one after another")
     p.add_argument("--max-tokens", type=int, default=10**6, help="per prompt (with a bench set: 128 is bench's)")
-    p.add_argument("--overlap", choices=("auto", "on", "off"), help="draft ahead beside the verify (preset's)")
-    p.add_argument("--ahead-length", choices=("full", "fit"), help="how far it drafts ahead (preset's)")
+    p.add_argument("--draft-ahead", choices=("auto", "on", "off"), help="draft ahead beside the verify (preset's)")
+    p.add_argument("--draft-ahead-length", choices=("full", "fit"), help="how far it drafts ahead (preset's)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="then cProfile the rounds: N functions")
     p.add_argument("--sort", default="tottime", help="--profile: pstats sort key (tottime, cumulative)")
     p.add_argument("--json", type=Path, dest="json_out")
     args = p.parse_args(argv)
     preset = load_preset("default").with_overrides(temperature=args.temperature, n_draft=args.k,
-                                                   threads=args.threads, n_ctx=args.ctx, overlap=args.overlap,
-                                                   ahead_length=args.ahead_length)
+                                                   threads=args.threads, n_ctx=args.ctx, draft_ahead=args.draft_ahead,
+                                                   draft_ahead_length=args.draft_ahead_length)
     if args.draft is None and args.drafter != "lookup":
         p.error(f"--drafter {args.drafter} needs --draft")
     drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False, drafter=args.drafter)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         n = stats.rounds
         result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   "device_top_k": session.target.device_top_k, "draft_ahead": engine.draft_ahead,
-                  "ahead_length": drafting.ahead_length, "rounds": n,
+                  "draft_ahead_length": drafting.draft_ahead_length, "rounds": n,
                   "round_ms": 1e3 * stats.decode_s / n, "draft_ms": 1e3 * stats.draft_s / n,
                   "verify_ms": 1e3 * stats.verify_s / n, "host_ms": 1e3 * stats.host_s / n,
                   "ahead_wait_ms": 1e3 * stats.ahead_wait_s / n,

@@ -8,7 +8,7 @@
 # Environment (defaults in brackets; WORK, OUT, BUDGET_S, CARD_SIZE: bench/gpu/harness.sh): NOISES ["0.013 0.03"]
 #   TEMPS ["0"]  MODES ["on off"]  REPEAT [3]  WARMUP [3]  N_PREDICT [256]  NEED_S [75]: the budget a level needs
 #   left to start
-# MODES: on, off (--overlap), fit (drafting ahead with --ahead-length fit: the bet stops when the verify ends, the
+# MODES: on, off (--draft-ahead), fit (drafting ahead with --draft-ahead-length fit: the bet stops when the verify ends, the
 # rest drafted by cost), adaptive (drafting ahead with --adaptive: the draft length by the cost model that knows the
 # bet), fit+adaptive (both).
 # Results: $WORK/overlap/n<NOISE>-t<T>-<MODE>.json (one that exists is not measured again) and a table on stdout.

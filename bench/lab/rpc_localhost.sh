@@ -23,7 +23,7 @@ sleep 5
 # shellcheck disable=SC2086
 $LOCALSPEC bench $ARGS "$@" --rpc "127.0.0.1:$PORT" --json "$OUT/rpc.json" > "$OUT/rpc.log" 2>&1
 # shellcheck disable=SC2086
-$LOCALSPEC bench $ARGS "$@" --rpc "127.0.0.1:$PORT" --overlap off --json "$OUT/rpc-sequential.json" \
+$LOCALSPEC bench $ARGS "$@" --rpc "127.0.0.1:$PORT" --draft-ahead off --json "$OUT/rpc-sequential.json" \
     > "$OUT/rpc-sequential.log" 2>&1
 python3 - "$OUT" <<'PY'
 import json, sys

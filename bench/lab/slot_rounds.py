@@ -1,7 +1,7 @@
 """Rounds per second and llama.cpp ubatches per round with N busy slots (issue #18), through the engine.
 
     python bench/lab/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
-        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--timeline] [--overlap auto|on|off]
+        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--timeline] [--draft-ahead auto|on|off]
         [--device-top-k N] [--share-batches probe|on|off] [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
@@ -15,7 +15,7 @@ not timed (the debug log costs time).
 
 With `--timeline` every llama.cpp decode of the timed rounds is logged (model, thread, start, end): per round, the
 target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), and the
-rest of the round (host work, waits). `--overlap` and `--device-top-k` set the `[load]` keys of those names.
+rest of the round (host work, waits). `--draft-ahead` and `--device-top-k` set the `[load]` keys of those names.
 `--share-batches on|off` overrides the target's load probe (`LlamaModel.batches_sequences`: whether its slots share
 a verify or take turns), to price what the probe's verdict costs; the probe's figures are reported either way.
 """
@@ -94,8 +94,8 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
     if count:
         os.environ["LLAMA_BATCH_DEBUG"] = "1"
     preset = load_preset("default").with_overrides(
-        temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx, overlap=args.overlap,
-        device_top_k=args.device_top_k)
+        temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx,
+        draft_ahead=args.draft_ahead, device_top_k=args.device_top_k)
     files = ModelFiles(target=args.target, draft=args.draft, name="slot_rounds")
     _LoadPolicy.SHARES = (1.0,)  # every round drafts its full length: the same rounds before and after
     with open_session(files, preset, parallel=args.slots) as session:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=1024, help="context per slot")
     p.add_argument("--count-ubatches", action="store_true", help="also count llama.cpp's ubatches per round")
     p.add_argument("--timeline", action="store_true", help="log every decode of the timed rounds (see above)")
-    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--device-top-k", type=int, default=64)
     p.add_argument("--share-batches", choices=("probe", "on", "off"), default="probe")
     p.add_argument("--json", type=Path, dest="json_out")

@@ -217,9 +217,9 @@ def _measure(console: Console, session, chosen: config.Preset, prompt_set: list[
 
 def _print_placement(console: Console, session) -> None:
     where = placement(session)
-    fitted = where["draft_ahead"] and session.preset.draft.ahead_length == "fit"
+    fitted = where["draft_ahead"] and session.preset.draft.draft_ahead_length == "fit"
     console.print(f"placement: target {where['target']}, draft {where['draft']}; draft-ahead "
-                  f"{'on' if where['draft_ahead'] else 'off'}{' (bets fitted to the verify)' if fitted else ''}")
+                  f"{'on' if where['draft_ahead'] else 'off'}{' (fitted to the verify)' if fitted else ''}")
     console.print(f"threads: {threads_line(session)}")
 
 

@@ -135,7 +135,7 @@ tensor_split = _setting("tensor_split", "--tensor-split",
 main_gpu = _setting("main_gpu", "--main-gpu", "The GPU of the whole target with --split-mode none.", panel=PLACEMENT)
 draft_device = _setting("draft_device", "--draft-device", "Where the draft runs (auto = the target's main GPU).",
                         panel=PLACEMENT)
-overlap = _setting("overlap", "--overlap",
+draft_ahead = _setting("draft_ahead", "--draft-ahead",
                    "Draft the next round while the target verifies (auto: own device or both on GPUs).",
                    panel=DRAFTING)
 rpc = _setting("rpc", "--rpc", "llama.cpp RPC servers whose devices the target uses too.", panel=RPC)
@@ -144,7 +144,7 @@ drafter = _setting("drafter", "--drafter",
 adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "Choose the draft length (0..--draft) by measured cost: draft-step and verify seconds and the "
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)
-ahead_length = _setting("ahead_length", "--ahead-length",
+draft_ahead_length = _setting("draft_ahead_length", "--draft-ahead-length",
                         "Drafting ahead: the whole next round (full), or what fits beside the verify (fit).",
                         panel=DRAFTING)
 lookup_min = _setting("lookup_min", "--lookup-min", "Prompt lookup: the shortest n-gram that counts as a match.",
@@ -236,11 +236,11 @@ class RunOptions:
     tensor_split: str | None = None
     main_gpu: int | None = None
     draft_device: str | None = None
-    overlap: str | None = None
+    draft_ahead: str | None = None
     rpc: str | None = None
     drafter: str | None = None
     adaptive: bool | None = None
-    ahead_length: str | None = None
+    draft_ahead_length: str | None = None
     lookup_min: int | None = None
     lookup_max: int | None = None
 
@@ -271,8 +271,8 @@ _RUN_OPTIONS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
     "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
-    "main_gpu": main_gpu, "draft_device": draft_device, "overlap": overlap, "rpc": rpc, "drafter": drafter,
-    "adaptive": adaptive, "ahead_length": ahead_length, "lookup_min": lookup_min, "lookup_max": lookup_max,
+    "main_gpu": main_gpu, "draft_device": draft_device, "draft_ahead": draft_ahead, "rpc": rpc, "drafter": drafter,
+    "adaptive": adaptive, "draft_ahead_length": draft_ahead_length, "lookup_min": lookup_min, "lookup_max": lookup_max,
 }
 
 

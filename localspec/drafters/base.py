@@ -59,7 +59,8 @@ class Spent:
     # The least of its later steps (None: fewer than two). On CUDA the two calls after a width change (the first
     # step's catch-up) run the graph uncaptured, so an average step overstates a steady one.
     least_s: float | None = None
-    ahead: int = 0  # how many of the tokens (the first ones) were drafted beside the last verify (a kept bet)
+    # How many of the tokens (the first ones) were drafted beside the last verify (a draft-ahead that held)
+    drafted_ahead: int = 0
 
 
 NOTHING_SPENT = Spent()
@@ -83,7 +84,7 @@ def observe_round(length: DraftLength | None, proposal: Proposal, outcome: Outco
                   spent: Spent = NOTHING_SPENT) -> Observation:
     """The round as the cost model takes it (`DraftLength.observe`): the proposal, its verdict and what drafting
     it spent."""
-    seconds, ahead = spent.seconds, spent.ahead
+    seconds, ahead = spent.seconds, spent.drafted_ahead
     if outcome.beside_s is not None:
         seconds, ahead = outcome.beside_s, len(proposal.tokens) - proposal.lead
     round_ = Observation(len(proposal.tokens), outcome.accepted, seconds, outcome.verify_s, outcome.width,
@@ -141,18 +142,18 @@ class Drafter(Protocol):
         (and what drafting it spent in its own bookkeeping: `DrafterBase.spend`)."""
         ...
 
-    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
+    def draft_ahead(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
         """Work to do while the target verifies `proposal` (the block is the verify). The loop asks only for a
         request alone in its round, and only when the drafter's models have a device of their own (draft-ahead:
-        bet on the verdict and draft the next `k_next` tokens, or with `ahead_length = "fit"` what fits beside the
-        verify: it stops when the block ends)."""
+        assume the verdict and draft the next `k_next` tokens, or with `draft_ahead_length = "fit"` what fits beside
+        the verify: it stops when the block ends)."""
         ...
 
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
-        """`accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's committed tokens:
-        rewind whatever state went past them (and learn what only the drafter saw: draft-ahead's bet). A generation
-        that ends inside the round (a stop after one of its tokens) cuts `req.tokens` back to there and calls it
-        again with no proposal and 0: a round that drafted nothing, whose only news is the shorter tokens."""
+        """`accepted` of the proposal's tokens were kept and `req.tokens` now holds the round's committed tokens: rewind
+        whatever state went past them (and learn what only the drafter saw: whether its draft-ahead held). A generation
+        that ends inside the round (a stop after one of its tokens) cuts `req.tokens` back to there and calls it again
+        with no proposal and 0: a round that drafted nothing, whose only news is the shorter tokens."""
         ...
 
     def accept(self, req: DraftRequest, proposal: Proposal, outcome: Outcome) -> None:
@@ -197,7 +198,7 @@ class Drafter(Protocol):
 class DrafterBase:
     """What every drafter shares: per sequence, the stream's draft-length policy (`start`: its cost rules are
     reached through it, `rule`) and what the last proposal's drafting spent (`spend`, taken by `accept`); and the
-    seam's optional parts as no-ops: the target-rows hook (`reads_target` False), draft-ahead (`overlap`), models'
+    seam's optional parts as no-ops: the target-rows hook (`reads_target` False), draft-ahead (`draft_ahead`), models'
     cells (none), `reset`, `close`. A drafter overrides what it needs."""
 
     models: tuple[ScoringModel, ...] = ()
@@ -238,7 +239,7 @@ class DrafterBase:
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         pass
 
-    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
+    def draft_ahead(self, req: DraftRequest, proposal: Proposal, k_next: int) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def target_limit(self, req: DraftRequest, prompt: list[int]) -> int | None:

@@ -1,17 +1,17 @@
 """Chained drafting: prompt lookup first; then the draft model, where lookup finds nothing or to extend a match
 shorter than k, by as many tokens as the round's prices say pay (`ChainCost.extension`): up to k - m where a draft
-step is cheap against a verify (a GPU), none where it costs about a target step (the 2-core CPU demo pair; there a
+step is cheap against a verify (a GPU), none where it costs about a target step (a small pair on a CPU; there a
 round with no match is a plain step). Per round and per request, so a reply drafts by lookup while it quotes and by
 the model between. Lookup's length is chosen on the same measured verify costs as lookup alone's, with the model's
 best share after it priced in (`lookup.LookupCost.length`). A round of the model's tokens alone drafts ahead beside
-its verify as the model drafter does (`overlap`); where that bet came true and lookup matches too, the round is the
-bet's unless lookup's is expected to pay more (`ChainCost.prefer_bet`: the bet costs no draft steps on the path).
+its verify as the model drafter does (`draft_ahead`); where that draft-ahead held and lookup matches too, the round
+is the draft-ahead's unless lookup's is expected to pay more (`ChainCost.prefer_draft_ahead`: the draft-ahead costs no
+draft steps on the path).
 
-What it measured (docs/performance.md): on the H200 with SmolLM2 in the card's shapes, 0.95-0.96x the draft
-model's speed-up on the shipped and lookup prompt sets, and lookup's pace on a code edit answered in prose (1.15-
-1.18x plain against the model's 1.90-1.93x); on the 2-core CPU demo pair, prompt lookup's pace (1.41-1.59x on
-the lookup set against lookup's 1.43-1.62x, 1.45x against 1.40x on the shipped prompts). It makes no promise to
-keep up with the better of its parts (on that code edit it did not): on a GPU the draft model is the safe choice.
+It makes no promise to keep up with the better of its parts: it tracks the draft model's pace where lookup rarely
+matches and lookup's where drafting costs about a verify, but a reply that quotes little of its prompt can hold it near
+lookup's pace while the model alone would do better (docs/performance.md, "Drafters: the draft model, prompt lookup,
+both chained", has the figures): on a GPU the draft model is the safe choice.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal, Spent
 from localspec.drafters.lookup import LookupCost, LookupDrafter
-from localspec.drafters.model import Bet, ModelCost, ModelDrafter
+from localspec.drafters.model import DraftAhead, ModelCost, ModelDrafter
 from localspec.rounds.policies import CostRule, DraftCost, DraftLength
 from localspec.rounds.scores import ScoringModel
 
@@ -35,8 +35,8 @@ LLAMA_SERVER_TYPE = "ngram-simple,draft-simple"  # its `speculative.type` (llama
 
 class ChainCost(CostRule):
     """The chain's prices over its parts' rules (lookup's tokens lead the round, the model's follow): how many of
-    the model's tokens follow lookup's (`extension`), and a held bet weighed against lookup's match
-    (`prefer_bet`)."""
+    the model's tokens follow lookup's (`extension`), and a held draft-ahead weighed against lookup's match
+    (`prefer_draft_ahead`)."""
 
     def __init__(self, cost: DraftCost) -> None:
         super().__init__(cost)
@@ -65,8 +65,8 @@ class ChainCost(CostRule):
             return min(room, model.PROBE) if hopeless else room
         if not n and not looked_up and not hopeless and model.model_on:
             # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured
-            # over a few dozen rounds, and a streak of early rejections (the H200 replay at 85%: S(6) estimated
-            # 0.12 against 0.38) would otherwise switch off a model worth 1.4x plain until the next probe.
+            # over a few dozen rounds, and a streak of early rejections would otherwise switch off a paying model
+            # until the next probe (docs/lab/2026-12-01-drafters.md has the replay that showed it).
             best = 1 + int(np.argmax(speeds[1:]))
             n = best if policy.MIN_GAIN * speeds[best] >= speeds[0] else 0
         if n:
@@ -75,7 +75,7 @@ class ChainCost(CostRule):
         if not looked_up:
             model.model_on = False
         if hopeless:
-            # A loss even if every token were accepted (the 2-core CPU: a draft step ~ a one-token verify): no
+            # A loss even if every token were accepted (a draft step about a one-token verify, as on a CPU): no
             # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
             # interval, and only where the model's cells are current (catching up would be pure loss).
             model.interval = cost.PROBE_MAX
@@ -84,15 +84,16 @@ class ChainCost(CostRule):
         # ones, borrowing the last measured rate, would be judged on one rejection.
         return room if probe and not hopeless else probe
 
-    def prefer_bet(self, looked_up: int, k: int, ready: int, room: int, policy: DraftLength) -> bool:
-        """The chain holds a kept bet (`ready` drafts made beside the last verify, `room` more it may draft on the
-        path) and lookup found `looked_up` tokens in a round of at most k: whether the bet's round is expected to
-        be at least as fast (tokens per second) as lookup's tokens with the model's best extension on the path.
-        The bet unless lookup is expected to pay more (the bet cost no draft steps; unmeasured: the bet)."""
+    def prefer_draft_ahead(self, looked_up: int, k: int, ready: int, room: int, policy: DraftLength) -> bool:
+        """The chain holds a draft-ahead that held (`ready` drafts made beside the last verify, `room` more it may
+        draft on the path) and lookup found `looked_up` tokens in a round of at most k: whether the draft-ahead's
+        round is expected to be at least as fast (tokens per second) as lookup's tokens with the model's best
+        extension on the path. The draft-ahead unless lookup is expected to pay more (it cost no draft steps;
+        unmeasured: the draft-ahead)."""
         width = k + 1 if policy.padded else 0
-        bet = self.model.kept_bet_speed(ready, room, width)
+        held = self.model.held_draft_ahead_speed(ready, room, width)
         lookup = self.model.speeds(looked_up, k - looked_up, width)
-        return bet is None or lookup is None or float(lookup.max()) <= bet
+        return held is None or lookup is None or float(lookup.max()) <= held
 
 
 class ChainDrafter(DrafterBase):
@@ -117,34 +118,35 @@ class ChainDrafter(DrafterBase):
         # The model continues each lookup draft (from the committed tokens where lookup found nothing).
         lengths = []
         for i, ((req, k), p) in enumerate(zip(jobs, found, strict=True)):
-            # A bet drafted beside the last verify (`overlap`) that came true holds the model's round, drafted
+            # A draft-ahead made beside the last verify (`draft_ahead`) that held is the model's round, drafted
             # already; a round that uses it asks for its length (another length, or lookup's tokens first, throw
             # it, its draws given back).
-            bet = self.model.bet(req) if len(jobs) == 1 else None
-            if bet is not None and bet.k > k:
-                bet = None
-            if bet is not None and p.tokens and self._prefer_bet(req, k, len(p.tokens), bet):
+            held = self.model.drafted_ahead(req) if len(jobs) == 1 else None
+            if held is not None and held.k > k:
+                held = None
+            if held is not None and p.tokens and self._prefer_draft_ahead(req, k, len(p.tokens), held):
                 found[i] = Proposal([], None if p.q is None else [])  # (lookup's point masses: no draws to give back)
-                lengths.append(bet.k)
+                lengths.append(held.k)
                 continue
             n = self._extension(req, k, len(p.tokens))
-            # Where lookup found nothing and the model drafts, the bet's length (another would throw it).
-            lengths.append(bet.k if bet is not None and not p.tokens and n else n)
+            # Where lookup found nothing and the model drafts, the draft-ahead's length (another would throw it).
+            lengths.append(held.k if held is not None and not p.tokens and n else n)
         rest = self.model.draft([(req, n) for (req, _), n in zip(jobs, lengths, strict=True)],
                                 after=[p.tokens for p in found])
         out = []
         for (req, _), a, b in zip(jobs, found, rest, strict=True):
             spent = self.model.spent(req)  # (lookup's tokens cost no draft step)
-            self.spend(req, Spent(spent.seconds, spent.first_s, spent.least_s, spent.ahead))
+            self.spend(req, Spent(spent.seconds, spent.first_s, spent.least_s, spent.drafted_ahead))
             out.append(Proposal(a.tokens + b.tokens, None if a.q is None else a.q + (b.q or []), lead=len(a.tokens)))
         return out
 
-    def _prefer_bet(self, req: DraftRequest, k: int, looked_up: int, bet: Bet) -> bool:
-        """Lookup matched while a bet is held: the bet's round unless lookup's (with the model's extension on the
-        path) is expected to pay more. On the H200's shipped prompts lookup's short matches are rarely right, and
-        taking them threw the bet, and the next round's too (nothing is drafted ahead after lookup's tokens)."""
+    def _prefer_draft_ahead(self, req: DraftRequest, k: int, looked_up: int, held: DraftAhead) -> bool:
+        """Lookup matched while a draft-ahead is held: the draft-ahead's round unless lookup's (with the model's
+        extension on the path) is expected to pay more. Where lookup's short matches are rarely right, taking them
+        would throw the draft-ahead, and the next round's too (nothing is drafted ahead after lookup's tokens)."""
         length = self.length(req)
-        return length is not None and length.rule(ChainCost).prefer_bet(looked_up, k, bet.ready, bet.room, length)
+        return length is not None and length.rule(ChainCost).prefer_draft_ahead(looked_up, k, held.ready, held.room,
+                                                                                length)
 
     def _extension(self, req: DraftRequest, k: int, looked_up: int) -> int:
         length = self.length(req)
@@ -152,17 +154,17 @@ class ChainDrafter(DrafterBase):
             return k - looked_up
         return length.rule(ChainCost).extension(looked_up, k, length, lag=self.model.lag(req))
 
-    def overlap(self, req: DraftRequest, proposal: Proposal,
-                k_next: int) -> contextlib.AbstractContextManager[None]:
+    def draft_ahead(self, req: DraftRequest, proposal: Proposal,
+                    k_next: int) -> contextlib.AbstractContextManager[None]:
         """A round of the model's drafts alone lets it draft the next round beside the verify, as the model
-        drafter does (on the H200 that hides ~6-8 ms of a round's draft steps). The bet is used only if the next
-        round is the model's alone again with the same length (`draft`: where lookup matches, the bet's round unless
-        lookup's pays more); else it is thrown, its draws given back.
-        A round with lookup's tokens drafts nothing ahead: the bet's guess would follow tokens the model did not
-        draft, and the next round's lookup decides first."""
+        drafter does (it hides that round's draft steps: docs/lab/2026-12-01-drafters.md). The draft-ahead is used
+        only if the next round is the model's alone again with the same length (`draft`: where lookup matches, the
+        draft-ahead's round unless lookup's pays more); else it is thrown, its draws given back.
+        A round with lookup's tokens drafts nothing ahead: its guess would follow tokens the model did not draft,
+        and the next round's lookup decides first."""
         if proposal.lead or not proposal.tokens:
             return contextlib.nullcontext()
-        return self.model.overlap(req, proposal, k_next)
+        return self.model.draft_ahead(req, proposal, k_next)
 
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         self.model.rewind(req, proposal, accepted)

@@ -7,9 +7,9 @@ the target accepts. The proposal is a function of the context alone, so q is a p
 rejection sampling stays exact at T > 0.
 
 The search is an index per request (`NgramIndex`), extended by the tokens committed since the last round, so a
-round's host work does not grow with the context (a numpy rescan a round, with the cost model's questions, took 2-2.5
-ms a round on the 2-core CPU at 1,000-3,000 tokens, twice SmolLM2's whole H200 step); while lookup's cost rule
-(`LookupCost`) says its tokens are a loss, a round does no search at all.
+round's host work does not grow with the context (a rescan of the whole context every round grew with it, to more
+than a small draft model's whole GPU step at a few thousand tokens: docs/lab/2026-12-01-drafters.md); while lookup's
+cost rule (`LookupCost`) says its tokens are a loss, a round does no search at all.
 """
 
 from __future__ import annotations
@@ -200,10 +200,10 @@ class LookupCost(CostRule):
 
     def unmeasured(self, best: int, found: int) -> int | None:
         """A lookup length in 1..found whose verify width (length + 1) was never measured, the nearest `best` (the
-        shorter on a tie); None when each was. A verify's cost need not grow smoothly with its width: on the 2-core
-        CPU the demo target verifies 6 tokens in 119-140 ms and 7 in 192-198, which the line through the tried
-        widths cannot know (it put 6 at ~170 ms, so the chain proposed 6 tokens where 5 were 20% faster a token).
-        So each width a lookup round can choose is measured once before the costs decide: at most k - 1 rounds a
+        shorter on a tie); None when each was. A verify's cost need not grow smoothly with its width (on a CPU one
+        width can cost far more than the next narrower one: docs/lab/2026-12-01-drafters.md), which the line through
+        the tried widths cannot know, and the chain would propose a length whose width is slow a token. So each
+        width a lookup round can choose is measured once before the costs decide: at most k - 1 rounds a
         cost model, each still emitting its accepted tokens."""
         untried = [j for j in range(1, found + 1) if j + 1 not in self.cost.verify_s]
         return min(untried, key=lambda j: (abs(j - best), j)) if untried else None
@@ -246,9 +246,9 @@ class LookupCost(CostRule):
                 return untried
             if best < found:
                 # Cut short by the verify's cost at the longer widths: measured once, maybe in a slow moment, a
-                # width not verified again is never measured again (the 2-core CPU: v(7) stuck at 327 ms, 2.3x
-                # v(4), so lookup proposed 3 of 6 tokens right 99% of the time; under load, v(6) measured once
-                # at 1.7x v(4) held lookup at 3). Every EPOCH such rounds in a row, a longer length, the one whose
+                # width not verified again is never measured again, and one slow figure would hold lookup short of
+                # matches that are nearly always right (docs/lab/2026-12-01-drafters.md). Every EPOCH such rounds
+                # in a row, a longer length, the one whose
                 # width was measured longest ago (padded, where every width costs the same: all of them).
                 self.short += 1
                 if self.short >= DraftLength.EPOCH:

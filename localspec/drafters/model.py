@@ -5,16 +5,16 @@ argmax; at T > 0 it samples from its own pipeline q (the same `Sampling` as the 
 its own. An unsure draft (top probability below p_min) stops the request's drafting for the round.
 
 Draft-ahead (a draft on a device of its own, or both models on GPUs: `placement.draft_ahead`): while the target
-verifies a round, a worker thread drafts the next one, betting that every draft is accepted and that the target's
-own next token is the draft's argmax there. The bet is kept only when it came true and the next round asks for the
-same length; otherwise it is thrown away and the round drafts as usual. The draft samples from a random stream of
-its own that a thrown bet rewinds, so the output is the sequential loop's, token for token (given that the draft
-scores a token alone as it scores it in a batch, which localspec's losslessness already rests on).
+verifies a round, a worker thread drafts the next one, assuming that every draft is accepted and that the target's
+own next token is the draft's argmax there. The draft-ahead is kept only when it held (both came true) and the next
+round asks for the same length; otherwise it is thrown away and the round drafts as usual. The draft samples from a
+random stream of its own that a thrown draft-ahead rewinds, so the output is the sequential loop's, token for token
+(given that the draft scores a token alone as it scores it in a batch, which localspec's losslessness already rests on).
 
-With `ahead_length = "fit"` the bet drafts only as many tokens as the cost model says fit beside the verify
-(`ModelCost.ahead_length`), and stops after the decode in flight when the verify ends: the loop need not wait for
-drafts it could make faster alone. A kept bet that holds fewer than k drafts goes on where it stopped, on the path
-(the same random stream, the same tokens the sequential loop would draft), for as many more as the cost model says
+With `draft_ahead_length = "fit"` the draft-ahead makes only as many tokens as the cost model says fit beside the verify
+(`ModelCost.draft_ahead_length`), and stops after the decode in flight when the verify ends: the loop need not wait for
+drafts it could make faster alone. A draft-ahead that held with fewer than k drafts goes on where it stopped, on the
+path (the same random stream, the same tokens the sequential loop would draft), for as many more as the cost model says
 pay (`ModelCost.continuation`); what is verified is still a proposal with its q, so exactness is unchanged.
 """
 
@@ -53,21 +53,21 @@ LLAMA_SERVER_TYPE = "draft-simple"  # its `speculative.type` (llama-server's nam
 
 
 @dataclass(frozen=True, slots=True)
-class _Ahead:
+class _DraftedAhead:
     """The next round's drafts, made while this round's verify ran, and what keeping or throwing them needs."""
 
-    guess: int  # the target's next token, as the draft bet it (its argmax after the last draft)
+    guess: int  # the target's next token, as the draft guessed it (its argmax after the last draft)
     k: int  # the draft length they were made for
     drafts: list[int]
     q: list[Candidates] | None
-    rng_state: dict  # the draft's random stream before them: a thrown bet gives its draws back
+    rng_state: dict  # the draft's random stream before them: a thrown draft-ahead gives its draws back
     seconds: float  # spent in the draft's decodes, beside the verify
     decodes: int  # ... in this many decodes (the guess's and the drafts')
     complete: bool  # its drafting ended on its own (k drafts, an unsure one, ...), not cut short to fit the verify
 
 
-class Bet(NamedTuple):
-    """A kept drafted-ahead round, as another drafter weighing it sees it (`ModelDrafter.bet`)."""
+class DraftAhead(NamedTuple):
+    """A draft-ahead that held, as another drafter weighing it sees it (`ModelDrafter.drafted_ahead`)."""
 
     k: int  # the draft length it was made for: a round must ask for exactly this many to use it
     ready: int  # drafts it holds (made beside the last verify: no draft steps on the path)
@@ -87,7 +87,7 @@ class _Job:
     first_s: float = 0.0  # the first step's share of `seconds`
     least_s: float | None = None  # the least of the later steps (`Spent.least_s`)
     decodes: int = 0
-    limit: int | None = None  # draft at most this many (a bet fitted to the verify), else k
+    limit: int | None = None  # draft at most this many (a draft-ahead fitted to the verify), else k
     cut: bool = False  # stopped by `limit` or the verify's end with more to draft
 
 
@@ -100,8 +100,8 @@ class ModelDrafter(DrafterBase):
         self._unknown = draft.unknown_token
         self._kv: dict[int, list[int]] = {}  # per sequence: the tokens the draft's cells hold (a prefix of it)
         self._rng: dict[int, np.random.Generator] = {}  # per sequence: the draft's random stream
-        self._kept: dict[int, _Ahead] = {}  # per sequence: a drafted-ahead round whose bet came true
-        self._pending: dict[int, Future[_Ahead | None]] = {}  # per sequence: the draft-ahead beside the verify
+        self._kept: dict[int, _DraftedAhead] = {}  # per sequence: a draft-ahead that held
+        self._pending: dict[int, Future[_DraftedAhead | None]] = {}  # per sequence: the draft-ahead beside the verify
         self._worker: ThreadPoolExecutor | None = None  # started when first used
 
     # -- the seam ---------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ class ModelDrafter(DrafterBase):
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]],
               after: Sequence[list[int]] | None = None) -> list[Proposal]:
         """Up to k tokens per job; with `after`, continuing those tokens (another drafter's) past the committed
-        ones. A request alone here uses its drafted-ahead round when the bet came true and k is what it was
+        ones. A request alone here uses its draft-ahead when it held and k is what it was
         drafted for."""
         out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
         todo: list[tuple[int, _Job]] = []
@@ -143,18 +143,18 @@ class ModelDrafter(DrafterBase):
         return out
 
     @contextlib.contextmanager
-    def overlap(self, req: DraftRequest, proposal: Proposal, k_next: int) -> Iterator[None]:
+    def draft_ahead(self, req: DraftRequest, proposal: Proposal, k_next: int) -> Iterator[None]:
         """Draft ahead in the worker thread for as long as the block (the verify) runs. llama.cpp releases the GIL
         inside each decode, so the two models compute at once. Whatever happens in the block, the draft model is
-        idle again when it ends. With `ahead_length = "fit"` it drafts what the cost model says fits and stops
+        idle again when it ends. With `draft_ahead_length = "fit"` it drafts what the cost model says fits and stops
         after the decode in flight when the block ends."""
         if not (proposal.tokens and k_next > 0):
             yield
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-draft-ahead")
-        verified = threading.Event() if req.drafting.ahead_length == "fit" else None
-        job = self._pending[req.seq] = self._worker.submit(self._draft_ahead, req, list(proposal.tokens), k_next,
+        verified = threading.Event() if req.drafting.draft_ahead_length == "fit" else None
+        job = self._pending[req.seq] = self._worker.submit(self._draft_ahead_job, req, list(proposal.tokens), k_next,
                                                            verified)
         try:
             yield
@@ -165,8 +165,8 @@ class ModelDrafter(DrafterBase):
                 job.result()
 
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
-        """Keep the drafted-ahead round if its bet came true (else give its random draws back); drop the draft's
-        cells past the committed tokens but the newest (which the next draft feeds), unless a kept bet holds them."""
+        """Keep the draft-ahead if it held (else give its random draws back); drop the draft's cells past the
+        committed tokens but the newest (which the next draft feeds), unless a draft-ahead that held owns them."""
         seq = req.seq
         job = self._pending.pop(seq, None)
         ahead = job.result() if job is not None else None
@@ -177,20 +177,20 @@ class ModelDrafter(DrafterBase):
             keep = could_keep and req.tokens[-1] == ahead.guess
             length = self.length(req)
             if length is not None:
-                length.rule(ModelCost).observe_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
+                length.rule(ModelCost).observe_draft_ahead(ahead.seconds, ahead.decodes, could_keep, keep)
             if keep:
                 self._kept[seq] = ahead
                 return
             self._rng[seq].bit_generator.state = ahead.rng_state  # its cells go with the rejected ones, below
         self._cut(seq, len(req.tokens) - 1)
 
-    def bet(self, req: DraftRequest) -> Bet | None:
-        """The drafted-ahead round kept for this request (its bet came true), None when there is none: a round that
+    def drafted_ahead(self, req: DraftRequest) -> DraftAhead | None:
+        """The draft-ahead kept for this request (it held), None when there is none: a round that
         asks for exactly its k tokens, after no other drafter's, uses it."""
         kept = self._kept.get(req.seq)
         if kept is None:
             return None
-        return Bet(kept.k, len(kept.drafts), 0 if kept.complete else kept.k - len(kept.drafts))
+        return DraftAhead(kept.k, len(kept.drafts), 0 if kept.complete else kept.k - len(kept.drafts))
 
     def lag(self, req: DraftRequest) -> int:
         """How many committed tokens the draft's cells lack (1 when current: cur is fed by the next draft)."""
@@ -199,7 +199,7 @@ class ModelDrafter(DrafterBase):
     def pricing(self, cost: DraftCost, drafting: Drafting) -> ModelCost:
         """The model's cost rule on this stream's facts: it prices the loop's adaptive k."""
         rule = ModelCost.of(cost)
-        rule.ahead_fit = drafting.ahead_length == "fit"
+        rule.draft_ahead_fit = drafting.draft_ahead_length == "fit"
         return rule
 
     def cells(self, seq: int) -> list[tuple[ScoringModel, list[int]]]:
@@ -224,28 +224,28 @@ class ModelDrafter(DrafterBase):
 
     # -- inside -----------------------------------------------------------------------------------------------
 
-    def _go_on(self, req: DraftRequest, kept: _Ahead) -> Proposal:
-        """The round a kept bet drafted: as it is, or (cut short to fit the verify) with as many more drafts as
-        pay, drafted now where the bet stopped."""
+    def _go_on(self, req: DraftRequest, kept: _DraftedAhead) -> Proposal:
+        """The round a draft-ahead that held drafted: as it is, or (cut short to fit the verify) with as many more
+        drafts as pay, drafted now where the draft-ahead stopped."""
         more = 0
         if not kept.complete:
             ready, length = len(kept.drafts), self.length(req)
             more = (length.rule(ModelCost).continuation(ready, kept.k, length.padded)
                     if length is not None else kept.k - ready)
         if more <= 0:
-            self.spend(req, Spent(0.0, ahead=len(kept.drafts)))
+            self.spend(req, Spent(0.0, drafted_ahead=len(kept.drafts)))
             return Proposal(kept.drafts, kept.q)
         job = _Job(req, more, req.tokens + kept.drafts)
         self._draft([job])
         q = None if job.q is None else [*(kept.q or []), *job.q]
-        self.spend(req, Spent(job.seconds, job.first_s, job.least_s, ahead=len(kept.drafts)))
+        self.spend(req, Spent(job.seconds, job.first_s, job.least_s, drafted_ahead=len(kept.drafts)))
         return Proposal(kept.drafts + job.tokens, q)
 
     def _draft(self, jobs: list[_Job], until: threading.Event | None = None, checkpoint: bool = True) -> None:
         """Draft each job's tokens: one batched draft decode per step across the jobs still drafting (with `until`,
         no step starts after it is set). A recurrent draft model is checkpointed after the first step (the
         committed tokens: every later rewind goes back at least that far, and its one-token steps cannot be rolled
-        back otherwise); a bet drafted ahead is not (`checkpoint`: its cells may be thrown away whole)."""
+        back otherwise); a draft-ahead is not (`checkpoint`: its cells may be thrown away whole)."""
         draft = self.model
         todo = []
         for job in jobs:
@@ -314,11 +314,11 @@ class ModelDrafter(DrafterBase):
             todo = going
             step += 1
 
-    def _draft_ahead(self, req: DraftRequest, drafts: list[int], k: int,
-                     verified: threading.Event | None) -> _Ahead | None:
+    def _draft_ahead_job(self, req: DraftRequest, drafts: list[int], k: int,
+                         verified: threading.Event | None) -> _DraftedAhead | None:
         """Assume every draft is accepted: guess the target's next token (the draft's argmax: no random draw, so
         the draws that follow are the next round's own), then draft the next round behind it: its k tokens, or
-        with `verified` (fitted bets) as many as the cost model says fit, none started after it is set."""
+        with `verified` (fitted draft-aheads) as many as the cost model says fit, none started after it is set."""
         seq, kv = req.seq, self._kv[req.seq]
         state = self._rng[seq].bit_generator.state
         t = time.perf_counter()
@@ -335,15 +335,15 @@ class ModelDrafter(DrafterBase):
         # Asked here, beside the verify, rather than on the loop's path before it: the same answer, as nothing
         # tells the cost model anything until the loop has waited for this thread.
         length = self.length(req)
-        limit = length.rule(ModelCost).ahead_length(k) if verified is not None and length is not None else k
+        limit = length.rule(ModelCost).draft_ahead_length(k) if verified is not None and length is not None else k
         job = _Job(req, k, [*sequence, guess], limit=limit)
         if limit > 0:
             self._draft([job], verified, checkpoint=False)
         else:
             job.cut, job.q = True, None if req.sampling.greedy else []
-        return _Ahead(guess, k, job.tokens, job.q, state, time.perf_counter() - t, 1 + job.decodes, not job.cut)
+        return _DraftedAhead(guess, k, job.tokens, job.q, state, time.perf_counter() - t, 1 + job.decodes, not job.cut)
 
-    def _throw(self, req: DraftRequest, kept: _Ahead) -> None:
+    def _throw(self, req: DraftRequest, kept: _DraftedAhead) -> None:
         """Undo a kept drafted-ahead round that this round cannot use (it asks for another length, or other
         requests joined): its draws go back, its cells from cur on leave the draft's cache (the next draft feeds
         cur)."""
@@ -373,12 +373,12 @@ class ModelCost(CostRule):
     share after lookup's tokens (`chain.ChainCost`). A drafter that drafts token by token at a step's cost (a
     target's own multi-token-prediction head) may subclass it with a `SOURCE` of its own.
 
-    Draft-ahead's bet model (`seconds`): a bet is kept when every draft was accepted (S(k)) and the draft's argmax
-    guess of the target's own token came true (`guess_rate`, measured over the bets that could: their round accepted
-    every draft); a decode beside the verify costs `ahead_step_s` (contended); the ahead thread ends `ahead_lag_s`
-    later than its decodes alone would beside a verify that starts with it (thread start, the GIL: on the H200
-    2.3 ms), so the loop waits max(0, lag + decodes x step - verify). Until a bet is measured, the share of model
-    tokens drafted ahead discounts the steps on average.
+    Draft-ahead's model (`seconds`): a draft-ahead holds when every draft was accepted (S(k)) and the draft's argmax
+    guess of the target's own token came true (`guess_rate`, measured over the draft-aheads that could: their round
+    accepted every draft); a decode beside the verify costs `draft_ahead_step_s` (contended); the draft-ahead thread
+    ends `draft_ahead_lag_s` later than its decodes alone would beside a verify that starts with it (thread start,
+    the GIL: a few ms on a GPU, docs/lab/2026-12-01-drafters.md), so the loop waits max(0, lag + decodes x step -
+    verify). Until a draft-ahead is measured, the share of model tokens drafted ahead discounts the steps on average.
 
     The probe schedule: while the model is judged a loss it is not run, so every `interval` such rounds one round
     drafts PROBE tokens with it (`probe`; DraftCost's schedule: PROBE_FIRST doubling to PROBE_MAX; reset when it pays
@@ -388,33 +388,33 @@ class ModelCost(CostRule):
     more than the probe itself: a due probe goes ahead out of sync only while catching up is affordable
     (`_catch_up_affordable`: unmeasured, the first such probe measures `DraftCost.catch_up_cost`; on a GPU it reads
     hundreds of tokens in a few ms), else it waits for a round where the model's cells are current (a generation's
-    first round). (It used to wait 4 intervals before its first catch-up: on the H200 the chain then probed a model
-    worth 1.9x plain once in 64 rounds, and sat at lookup's pace.)
+    first round). A probe that waited several intervals before its first catch-up would leave the chain at lookup's
+    pace with a model worth more (docs/lab/2026-12-01-drafters.md has the run that showed it).
     """
 
     SOURCE = "model"
     PRIOR = 0.7  # a position's acceptance before anything is measured there
     PROBE = 2  # tokens of a cheap probe
     CATCH_UP_SHARE = 0.05  # a probe out of sync may cost this share of the rounds it waited in catching up
-    WAITED = 1e-4  # a wait shorter than this (s) is the ahead thread's bookkeeping, not a wait for its decodes
+    WAITED = 1e-4  # a wait shorter than this (s) is the draft-ahead thread's bookkeeping, not a wait for its decodes
 
     def __init__(self, cost: DraftCost) -> None:
         super().__init__(cost)
         self.source = self.SOURCE
         cost.add_source(self.SOURCE, self.PRIOR)
         # The share of model tokens drafted ahead (beside the last verify: no draft steps on the critical path);
-        # a round's draft steps cost that much less on average, which long drafts earn most. (Until the bet model
-        # has measured a draft-ahead: then it replaces this average.)
-        self.ahead = 0.0
-        self.bets, self.bets_kept = 0.0, 0.0
-        self.ahead_step_s: float | None = None
-        self.ahead_lag_s: float | None = None
-        self._ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_ahead`), for the lag
-        self._ahead_steps: deque[float] = deque(maxlen=cost.STEPS)  # recent bets' seconds a decode
-        self.aheads = 0  # draft-aheads told (`observe_ahead`): the first is cold and measures nothing
-        self._ahead_round: int | None = None  # the round the ahead figures were last measured in
-        self._ahead_stale = False  # this round's draft-ahead comes after a pause: its figures replace the old
-        self.ahead_fit = False  # the stream drafts ahead only what fits beside the verify (`best_ahead`)
+        # a round's draft steps cost that much less on average, which long drafts earn most. (Until draft-ahead's model
+        # has measured one: then it replaces this average.)
+        self.drafted_ahead_share = 0.0
+        self.guesses, self.guesses_right = 0.0, 0.0
+        self.draft_ahead_step_s: float | None = None
+        self.draft_ahead_lag_s: float | None = None
+        self._draft_ahead_s: float | None = None  # the last draft-ahead's seconds (`observe_draft_ahead`), for the lag
+        self._draft_ahead_steps: deque[float] = deque(maxlen=cost.STEPS)  # recent draft-aheads' seconds a decode
+        self.draft_aheads = 0  # draft-aheads told (`observe_draft_ahead`): the first is cold and measures nothing
+        self._draft_ahead_round: int | None = None  # the round the ahead figures were last measured in
+        self._draft_ahead_stale = False  # this round's draft-ahead comes after a pause: its figures replace the old
+        self.draft_ahead_fit = False  # the stream drafts ahead only what fits beside the verify (`best_draft_ahead`)
         self.idle = 0  # rounds the model sat out since it last drafted (judged a loss)
         self.model_on = True  # the model alone was last judged to pay (`ChainCost.extension`'s hysteresis)
         self.interval = cost.PROBE_FIRST
@@ -422,91 +422,93 @@ class ModelCost(CostRule):
     def observed(self, round_: Observation) -> None:
         from_model = round_.drafted - round_.lead
         if from_model > 0:
-            self.ahead = (1 - self.cost.EMA) * self.ahead + self.cost.EMA * (round_.ahead / from_model)
+            share = round_.drafted_ahead / from_model
+            self.drafted_ahead_share = (1 - self.cost.EMA) * self.drafted_ahead_share + self.cost.EMA * share
         wait_s, verify_s = round_.wait_s, round_.verify_s
-        if wait_s is not None and self._ahead_s is not None:
+        if wait_s is not None and self._draft_ahead_s is not None:
             # Waited: the ahead thread ended `wait_s` after the verify, so it lagged wait + verify - its decodes.
             # Not waited: it ended before the verify did, which bounds the lag from above (a bound from one noisy
             # round moves the figure a step towards it, as a measurement does).
             ema = self.cost.EMA
-            lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._ahead_s)
-            old = None if self._ahead_stale else self.ahead_lag_s
-            self._ahead_round = self.cost.rounds
+            lag = max(0.0, (wait_s if wait_s > self.WAITED else 0.0) + verify_s - self._draft_ahead_s)
+            old = None if self._draft_ahead_stale else self.draft_ahead_lag_s
+            self._draft_ahead_round = self.cost.rounds
             if wait_s > self.WAITED:
-                self.ahead_lag_s = lag if old is None else (1 - ema) * old + ema * lag
+                self.draft_ahead_lag_s = lag if old is None else (1 - ema) * old + ema * lag
             elif old is not None:
-                self.ahead_lag_s = (1 - ema) * old + ema * min(old, lag)
-            elif self.ahead_lag_s is not None:  # stale: the bound replaces a larger old figure
-                self.ahead_lag_s = min(self.ahead_lag_s, lag)
-        self._ahead_s = None
+                self.draft_ahead_lag_s = (1 - ema) * old + ema * min(old, lag)
+            elif self.draft_ahead_lag_s is not None:  # stale: the bound replaces a larger old figure
+                self.draft_ahead_lag_s = min(self.draft_ahead_lag_s, lag)
+        self._draft_ahead_s = None
 
-    def observe_ahead(self, seconds: float, decodes: int, could_keep: bool, kept: bool) -> None:
-        """The draft-ahead beside this round's verify: `decodes` draft decodes in `seconds`; whether its bet could
-        come true (the round accepted every draft) and whether it did (the guess was the target's token too).
+    def observe_draft_ahead(self, seconds: float, decodes: int, could_keep: bool, kept: bool) -> None:
+        """The draft-ahead beside this round's verify: `decodes` draft decodes in `seconds`; whether it could
+        hold (the round accepted every draft) and whether it did (the guess was the target's token too).
         Told before the round's `observe`."""
         self.cost.changed()
-        self.aheads += 1
-        # The stream's first draft-ahead is cold (the worker thread starts; on the H200 its first decodes may
-        # capture a graph): its seconds are no step and no lag. Taken whole, one slow first bet made the model a
+        self.draft_aheads += 1
+        # The stream's first draft-ahead is cold (the worker thread starts; on CUDA its first decodes may
+        # capture a graph): its seconds are no step and no lag. Taken whole, one slow first draft-ahead made the model a
         # loss "even if every draft were accepted" and locked it out of the chain for good (docs/performance.md).
-        cold = self.aheads == 1
+        cold = self.draft_aheads == 1
         # After a pause (the model sat out) the figures are old: the next measurement replaces them, as a step
         # after a pause does, rather than moving them 20% (a wrong figure kept the model out for many probes).
-        self._ahead_stale = self._ahead_round is None or self.cost.rounds - self._ahead_round > self.cost.DECAY
-        self._ahead_s = None if cold else seconds
+        last = self._draft_ahead_round
+        self._draft_ahead_stale = last is None or self.cost.rounds - last > self.cost.DECAY
+        self._draft_ahead_s = None if cold else seconds
         if decodes and not cold:
-            # The least of the recent bets' figures (two at least), as the step is: one slow bet (a call that
+            # The least of the recent draft-aheads' figures (two at least), as the step is: one slow one (a call that
             # captured a graph, a busy moment) is no step, and taken whole it ruled the model out until a probe.
-            if self._ahead_stale:
-                self._ahead_steps.clear()
-            self._ahead_steps.append(seconds / decodes)
-            self.ahead_step_s = min(self._ahead_steps) if len(self._ahead_steps) > 1 else None
+            if self._draft_ahead_stale:
+                self._draft_ahead_steps.clear()
+            self._draft_ahead_steps.append(seconds / decodes)
+            self.draft_ahead_step_s = min(self._draft_ahead_steps) if len(self._draft_ahead_steps) > 1 else None
         if could_keep:
-            self.bets += 1.0
-            self.bets_kept += kept
-            if self.bets >= 2 * self.cost.DECAY:  # the guess rate drifts with the text too
-                self.bets, self.bets_kept = self.bets / 2, self.bets_kept / 2
+            self.guesses += 1.0
+            self.guesses_right += kept
+            if self.guesses >= 2 * self.cost.DECAY:  # the guess rate drifts with the text too
+                self.guesses, self.guesses_right = self.guesses / 2, self.guesses_right / 2
 
     @property
     def guess_rate(self) -> float:
-        """P(the bet's guess of the target's own token is right | every draft was accepted)."""
-        return (self.bets_kept + self.cost.PRIOR_WEIGHT * self.PRIOR) / (self.bets + self.cost.PRIOR_WEIGHT)
+        """P(draft-ahead's guess of the target's own token is right | every draft was accepted)."""
+        return (self.guesses_right + self.cost.PRIOR_WEIGHT * self.PRIOR) / (self.guesses + self.cost.PRIOR_WEIGHT)
 
-    def ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
+    def draft_ahead_wait(self, decodes: np.ndarray | int, verify_s: np.ndarray | float) -> np.ndarray:
         """Expected seconds the loop waits after a verify of `verify_s` for a draft-ahead of `decodes` decodes
-        (0 before the thread's lag was measured), elementwise: `_ahead_wait`'s arithmetic on arrays (the
+        (0 before the thread's lag was measured), elementwise: `_draft_ahead_wait`'s arithmetic on arrays (the
         vectorised questions ask it for a whole table at once)."""
-        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+        step, lag = self.draft_ahead_step_s or 0.0, self.draft_ahead_lag_s or 0.0
         return np.maximum(0.0, lag + np.asarray(decodes) * step - np.asarray(verify_s))
 
-    def _ahead_wait(self, decodes: int, verify_s: float) -> float:
-        step, lag = self.ahead_step_s or 0.0, self.ahead_lag_s or 0.0
+    def _draft_ahead_wait(self, decodes: int, verify_s: float) -> float:
+        step, lag = self.draft_ahead_step_s or 0.0, self.draft_ahead_lag_s or 0.0
         return max(0.0, lag + decodes * step - verify_s)
 
     # The two questions below are asked every round with draft-ahead fitted to the verify, so they run on Python
     # floats (the same operations in the same order as the arrays they replaced: the same choices, bit for bit;
-    # tests/test_ahead_cost.py checks them against the numpy formulas). On the 2-core CPU the numpy version cost
-    # ~0.5 ms a round inside the loop (docs/performance.md, "T > 0 host share").
+    # tests/test_ahead_cost.py checks them against the numpy formulas): numpy's per-call overhead on arrays this
+    # small cost a measurable share of a round on a CPU (docs/lab/2026-12-01-host-share.md).
 
-    def best_ahead(self, k: int, verify_s: float | None = None) -> int:
-        """How many of the next round's k drafts to make beside a verify (`ahead_length = "fit"`): the j in
-        0..k that minimises the wait for them plus the steps left to the round when its bet is kept,
+    def best_draft_ahead(self, k: int, verify_s: float | None = None) -> int:
+        """How many of the next round's k drafts to make beside a verify (`draft_ahead_length = "fit"`): the j in
+        0..k that minimises the wait for them plus the steps left to the round when the draft-ahead holds,
         wait(1 + j) + P(kept) x (k - j) x step (the longer on a tie); k until the costs are measured."""
-        if k <= 0 or self.ahead_step_s is None or self.ahead_lag_s is None or self.cost.step_s is None:
+        if k <= 0 or self.draft_ahead_step_s is None or self.draft_ahead_lag_s is None or self.cost.step_s is None:
             return k
         if verify_s is None:
             verify_s = self.cost.verify_cost(k + 1)
         kept, step = self.cost.tables().survival[self.SOURCE][k] * self.guess_rate, self.cost.step_s
         best, choice = float("inf"), k
         for j in range(k, -1, -1):  # (the longer on a tie)
-            cost = self._ahead_wait(1 + j, verify_s) + kept * (k - j) * step
+            cost = self._draft_ahead_wait(1 + j, verify_s) + kept * (k - j) * step
             if cost < best:
                 best, choice = cost, j
         return choice
 
     def best_continuation(self, ready: int, room: int, width: int = 0) -> int:
-        """A kept bet holds `ready` drafts of a round of ready + room: how many more to draft now, on the path
-        (0..room), for the fastest round: E(ready + n) / (verify + n steps); all of them until a step is
+        """A draft-ahead that held has `ready` drafts of a round of ready + room: how many more to draft now, on the
+        path (0..room), for the fastest round: E(ready + n) / (verify + n steps); all of them until a step is
         measured."""
         if room <= 0:
             return 0
@@ -514,18 +516,18 @@ class ModelCost(CostRule):
             return room
         return self._kept_round(ready, room, width)[0]
 
-    def kept_bet_speed(self, ready: int, room: int, width: int = 0) -> float | None:
-        """Expected tokens per second of the round a kept bet holds: its `ready` drafts (made beside the last
-        verify: no draft steps on the path) and the best continuation of up to `room` more; None until a verify
+    def held_draft_ahead_speed(self, ready: int, room: int, width: int = 0) -> float | None:
+        """Expected tokens per second of the round a draft-ahead that held drafted: its `ready` drafts (made beside the
+        last verify: no draft steps on the path) and the best continuation of up to `room` more; None until a verify
         (and, with room, a step) was measured. The chain weighs it against lookup's round
-        (`chain.ChainCost.prefer_bet`)."""
+        (`chain.ChainCost.prefer_draft_ahead`)."""
         if not self.cost.verify_s or (room > 0 and self.cost.step_s is None):
             return None
         return self._kept_round(ready, max(room, 0), width)[1]
 
     def _kept_round(self, ready: int, room: int, width: int) -> tuple[int, float]:
-        """(n, speed): the n in 0..room more drafts that make a kept bet's round fastest, E(ready + n) / (verify +
-        n steps), the shorter on a tie; and that speed."""
+        """(n, speed): the n in 0..room more drafts that make a held draft-ahead's round fastest, E(ready + n) / (verify
+        + n steps), the shorter on a tie; and that speed."""
         expected, step = self.cost.tables().cumulative[self.SOURCE], self.cost.step_s or 0.0
         best, choice = -float("inf"), 0
         for n in range(room + 1):  # (the shorter on a tie)
@@ -545,27 +547,27 @@ class ModelCost(CostRule):
     def seconds(self, lead: np.ndarray, n: np.ndarray, verify: np.ndarray, perfect: bool) -> np.ndarray:
         """What n model tokens after `lead` lead tokens add to a round verified in `verify` seconds (`Stepped`):
         their steps (`perfect`: on the path; before any draft-ahead is measured, less the share drafted ahead),
-        else the bet model's terms."""
+        else draft-ahead's model's terms."""
         if perfect:
             return n * (self.cost.step_s or 0.0)
-        if self.ahead_step_s is None:  # no draft-ahead measured: its share of the steps, on average
-            return n * (self.cost.step_s or 0.0) * (1 - self.ahead)
-        return self._ahead_terms(lead, n, verify)
+        if self.draft_ahead_step_s is None:  # no draft-ahead measured: its share of the steps, on average
+            return n * (self.cost.step_s or 0.0) * (1 - self.drafted_ahead_share)
+        return self._draft_ahead_terms(lead, n, verify)
 
-    def _ahead_terms(self, lead: np.ndarray, n: np.ndarray, verify: np.ndarray) -> np.ndarray:
-        """Seconds a round of `n` model tokens adds to its verify when the model drafts ahead: the bet on it made
-        beside the last verify is kept with P = S(n) x guess rate (only where nothing was looked up: the model
-        alone drafts ahead), so its round drafts n - j tokens on the path (j: those the bet drafted; `ahead_fit`
+    def _draft_ahead_terms(self, lead: np.ndarray, n: np.ndarray, verify: np.ndarray) -> np.ndarray:
+        """Seconds a round of `n` model tokens adds to its verify when the model drafts ahead: the draft-ahead made
+        beside the last verify is kept with P = S(n) x guess rate (only where nothing was looked up: the model alone
+        drafts ahead), so its round drafts n - j tokens on the path (j: those the draft-ahead made; `draft_ahead_fit`
         fits j to the verify, else j = n) and n when it is thrown; plus the wait after the verify for the next
-        bet's 1 + j decodes. n = 0 is a plain step: nothing beside it."""
+        draft-ahead's 1 + j decodes. n = 0 is a plain step: nothing beside it."""
         step = self.cost.step_s or 0.0
         kept = np.where(lead == 0, self.cost.tables().arrays()[0][self.SOURCE][n] * self.guess_rate, 0.0)
         n, verify = np.broadcast_arrays(n, verify)
         ahead = n.copy()
-        if self.ahead_fit:
+        if self.draft_ahead_fit:
             for (row, col), m in np.ndenumerate(n):
-                ahead[row, col] = self.best_ahead(int(m), float(verify[row, col]))
-        wait = np.where(n > 0, self.ahead_wait(1 + ahead, verify), 0.0)
+                ahead[row, col] = self.best_draft_ahead(int(m), float(verify[row, col]))
+        wait = np.where(n > 0, self.draft_ahead_wait(1 + ahead, verify), 0.0)
         return step * (n - kept * ahead) + wait
 
     def speed(self, lead: int, n: int, width: int = 0) -> float | None:
@@ -607,9 +609,9 @@ class ModelCost(CostRule):
 
     def _catch_up_affordable(self, lag: int) -> bool:
         """Whether reading `lag` tokens first (`catch_up_cost`) costs at most CATCH_UP_SHARE of the rounds the probe
-        waited (each at least a one-token verify). On the 2-core CPU the draft model reads a token in about a fifth
-        of a target step and a round commits several: a probe that caught up on 64 rounds cost ~1 s, several
-        rounds' time; on a GPU it reads hundreds of tokens in a few ms and probes go on."""
+        waited (each at least a one-token verify). On a CPU the draft model reads a token in a sizeable share of a
+        target step and a round commits several, so catching up on many rounds costs several rounds' time
+        (docs/lab/2026-12-01-drafters.md); on a GPU it reads hundreds of tokens in a few ms and probes go on."""
         cost = self.cost.catch_up_cost(lag)
         if cost is None or not self.cost.verify_s:
             return True  # (unmeasured: the first such probe measures it)
@@ -619,7 +621,7 @@ class ModelCost(CostRule):
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
         self.idle, self.interval, self.model_on = 0, self.cost.PROBE_FIRST, True
 
-    # -- the loop's questions: its adaptive k (`Pricing`), a kept bet's round, the bet's length ------------------
+    # -- the loop's questions: its adaptive k (`Pricing`), a held draft-ahead's round, its length ------------------
 
     def best_length(self, room: int) -> int | None:
         return self.best_extension(0, room)
@@ -628,13 +630,13 @@ class ModelCost(CostRule):
         return self.speed(0, n)
 
     def continuation(self, ready: int, k: int, padded: bool) -> int:
-        """A kept bet holds `ready` of the round's k drafts: how many more the round drafts on the path."""
+        """A draft-ahead that held has `ready` of the round's k drafts: how many more the round drafts on the path."""
         return self.best_continuation(ready, k - ready, k + 1 if padded else 0)
 
-    def ahead_length(self, k: int) -> int:
-        """How many of the next round's k drafts to make beside this verify: all of them, or with `ahead_length =
-        "fit"` what the cost model says fits (`best_ahead`; the drafter also stops when the verify ends)."""
-        return self.best_ahead(k) if self.ahead_fit else k
+    def draft_ahead_length(self, k: int) -> int:
+        """How many of the next round's k drafts to make beside this verify: all of them, or with `draft_ahead_length =
+        "fit"` what the cost model says fits (`best_draft_ahead`; the drafter also stops when the verify ends)."""
+        return self.best_draft_ahead(k) if self.draft_ahead_fit else k
 
 
 def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:

@@ -16,8 +16,8 @@ judged it a loss) would keep a row per token until it drafts again; past `ROWS_H
 decode, as a prompt's rows are read), so what it keeps stays bounded whatever the context.
 
 Its prices (`MtpCost`): a head step is a draft step, each of its tokens right at the head's own measured rate, so
-the draft model's rule prices it (`model.ModelCost`) under a source of its own; no draft-ahead (`overlap` does
-nothing), so no bets.
+the draft model's rule prices it (`model.ModelCost`) under a source of its own; no draft-ahead (`draft_ahead` does
+nothing).
 """
 
 from __future__ import annotations

@@ -373,11 +373,11 @@ class LlamaModel:
         is MMQ's: a step between the two kernels is not the rounding a verify of several slots brings). (On the
         CPU that costs twice the rows, each a whole output head.)
 
-        llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some
-        architectures that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores
-        differ on the CPU in llama-cpp-python 0.3.36, where Llama-style models match bit for bit. A batch from
-        position 0 is not measured: made-up text there drives some models' first rows far from any text's (a
-        synthetic target moved 79 logits on an H200). Both sequences are cleared again."""
+        llama.cpp runs consecutive sequences of a non-unified cache as streams of one ubatch, and for some architectures
+        that graph is not the single-sequence one: Gemma 3 (sliding-window attention) scores differ on the CPU in
+        llama-cpp-python 0.3.36, where Llama-style models match bit for bit. A batch from position 0 is not measured:
+        made-up text there drives some models' first rows far from any text's (a synthetic target's by tens of logits on
+        a GPU: docs/lab/2026-12-01-drafters.md). Both sequences are cleared again."""
         modes = dict(self._samplers.modes)
         for seq in modes:
             self.use_device_sampler(None, seq)
@@ -447,8 +447,8 @@ class LlamaModel:
             # (Several sequences' chains need covering calls, whose stand-in tokens a recurrent state cannot undo.
             # Slots that take turns decode one sequence's rows a call, its chain on them and the others' on stand-in
             # rows: each turn's graph differs from the last in where the chains run, so llama.cpp would plan its
-            # graphs afresh before every verify (`ubatch.Replans`; ~40 ms a turn on the card's 32B target on an
-            # H200, where reading 7 full rows costs ~1 ms): full rows there.)
+            # graphs afresh before every verify (`ubatch.Replans`; far dearer a turn on a large target than reading
+            # its few full rows: docs/lab/2026-12-01-drafters.md): full rows there.)
             mode = None
         if mode == self._samplers.modes.get(seq):
             return mode is not None

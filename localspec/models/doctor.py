@@ -229,9 +229,9 @@ def _placement_check(preset: Preset, n_ctx: int, dev: memory.Devices,
         plan = memory.plan_for(s, dev)
     except LocalspecError as exc:
         return Check(Status.FAIL, "placement", str(exc), "see `localspec doctor` for the GPUs llama.cpp sees"), s
-    ahead = placement.draft_ahead(preset.load.overlap, plan)
+    ahead = placement.draft_ahead(preset.load.draft_ahead, plan)
     detail = (f"target: {plan.target.describe()}; draft: {plan.draft.describe()}; draft-ahead "
-              f"{'on' if ahead else 'off'} ({preset.load.overlap})")
+              f"{'on' if ahead else 'off'} ({preset.load.draft_ahead})")
     if len(dev.gpus) > 1 and not plan.separate and not plan.draft.on_cpu:
         return Check(Status.INFO, "placement", detail, "on two GPUs, --draft-device 1 gives the draft a GPU of its "
                      "own: drafting ahead then shares no GPU with the verify (measure with `localspec bench`)"), s

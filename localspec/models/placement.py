@@ -151,12 +151,12 @@ def rpc_servers(load: LoadSettings) -> tuple[str, ...]:
     return tuple(dict.fromkeys(servers))
 
 
-def draft_ahead(overlap: str, plan: Plan) -> bool:
-    """Whether to draft the next round while the target verifies (`overlap`: on, off or auto). Auto means when
-    the draft computes on devices the target does not use, or when both models sit on local GPUs only: a
-    Qwen3-0.6B-shaped draft's kernels are launch-bound and run on their own CUDA stream beside the verify, which
-    hides most of the drafting (docs/performance.md has the card pair's figures on one GPU). Not when
-    either computes on the CPU or over RPC with the other: they would share its cores or its link (not measured)."""
-    if overlap in ("on", "off"):
-        return overlap == "on"
+def draft_ahead(setting: str, plan: Plan) -> bool:
+    """Whether to draft the next round while the target verifies (`setting`: the preset's `[load] draft_ahead`, on, off
+    or auto). Auto means when the draft computes on devices the target does not use, or when both models sit on local
+    GPUs only: a Qwen3-0.6B-shaped draft's kernels are launch-bound and run on their own CUDA stream beside the verify,
+    which hides most of the drafting (docs/performance.md has the card pair's figures on one GPU). Not when either
+    computes on the CPU or over RPC with the other: they would share its cores or its link (not measured)."""
+    if setting in ("on", "off"):
+        return setting == "on"
     return plan.separate or (plan.target.on_local_gpus and plan.draft.on_local_gpus)

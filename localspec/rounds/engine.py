@@ -276,7 +276,8 @@ class Engine:
         done = self.schedule.run(live, plans)
         verify_s, draft_s, verdicts = done.verify_s, done.draft_s, done.verdicts
         for i, (s, proposal, verdict) in enumerate(zip(live, done.proposals, verdicts, strict=True)):
-            outcome = Outcome(verdict.accepted, verdict.width, verify_s, verdict.ahead_wait_s, done.beside_s.get(i))
+            outcome = Outcome(verdict.accepted, verdict.width, verify_s, verdict.draft_ahead_wait_s,
+                              done.beside_s.get(i))
             # Its drafting on the path (the drafter's own figure, unless the round counts one for every stream).
             on_path = draft_s if draft_s is not None else s.drafter.spent(s.req).seconds if s.drafter else 0.0
             if s.drafter is None:
@@ -347,9 +348,9 @@ class Engine:
 
     def _verify(self, live: Sequence[Stream], plans: Sequence[Plan], proposals: Sequence[Proposal],
                 beside: contextlib.AbstractContextManager[None] | None = None,
-                ahead: bool = False) -> tuple[list[Verdict], float, float | None]:
+                draft_ahead: bool = False) -> tuple[list[Verdict], float, float | None]:
         """One target decode of every stream's [cur] + drafts (each padded to its width), then acceptance per
-        stream. `beside`: work that runs while the decode does (`ahead`: the lone stream's draft-ahead, whose wait
+        stream. `beside`: work that runs while the decode does (`draft_ahead`: the lone stream's draft-ahead, whose wait
         its stats count). Returns the verdicts, the decode's seconds, and how long the loop then waited for the
         work beside it (None: none ran)."""
         items, widths = [], []
@@ -370,7 +371,7 @@ class Engine:
         wait: float | None = None
         if beside is not None:  # the block's exit waited for the work beside the verify to finish
             wait = time.perf_counter() - t
-        if ahead:
+        if draft_ahead:
             assert wait is not None
             live[0].stats.ahead_wait_s += wait
         if any(s.grammar is not None and r is not None and not r.full for s, r in zip(live, scores, strict=True)):
@@ -400,8 +401,8 @@ class Engine:
                 if redecoded:  # a row decoded again is verify time (masking rows aside)
                     s.stats.full_rows += redecoded
                     spent += time.perf_counter() - t_accept
-            if ahead:
-                verdict = dataclasses.replace(verdict, ahead_wait_s=wait)
+            if draft_ahead:
+                verdict = dataclasses.replace(verdict, draft_ahead_wait_s=wait)
             verdicts.append(verdict)
         return verdicts, spent, wait
 

@@ -40,8 +40,8 @@ class GenerationStats:
     draft_s: float = 0.0  # inside llama_decode of the draft (including logits sync)
     verify_s: float = 0.0  # inside llama_decode of the target
     decode_s: float = 0.0  # wall time of all rounds
-    ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, betting on it
-    ahead_kept: int = 0  # ... and the bets that came true: rounds whose drafts cost no time on the critical path
+    ahead_made: int = 0  # draft-ahead: rounds drafted while the previous round's verify ran, assuming its verdict
+    ahead_kept: int = 0  # ... and those that held: rounds whose drafts cost no time on the critical path
     ahead_s: float = 0.0  # draft decodes made ahead, beside a verify (not in draft_s: off the critical path)
     ahead_wait_s: float = 0.0  # after a verify, waiting for the draft-ahead beside it to finish (on the path)
     full_rows: int = 0  # constrained verify rows whose device candidates held too few legal tokens: decoded again

@@ -23,7 +23,7 @@ from localspec.config import Drafting
 @dataclass(slots=True)
 class _Tables:
     """What one observation of `DraftCost` implies, per source and per verify width: Python floats, read one by one
-    by the questions every round asks (the draft model's `best_ahead`, `best_continuation`: inside the loop,
+    by the questions every round asks (the draft model's `best_draft_ahead`, `best_continuation`: inside the loop,
     between decodes, each numpy call cost more than the arithmetic it did), and as arrays, made when first asked, by
     the vectorised ones (`DraftCost.speeds`)."""
 
@@ -57,8 +57,8 @@ def _least_squares(points: Iterable[tuple[float, float]]) -> tuple[float, float,
 class Observation:
     """One round as it was measured (`DraftCost.observe`): its verdict and costs, handed to each drafter's rule after
     the shared facts took it. `drafted` tokens, the first `lead` from the lead source and the rest stepped (which
-    took `draft_s`, the first step `first_s`: None if unknown, the least of the later steps `least_s`; `ahead` of
-    them were drafted beside the last verify, off the path), of which `accepted` were; the verify of `width` tokens
+    took `draft_s`, the first step `first_s`: None if unknown, the least of the later steps `least_s`; `drafted_ahead`
+    of them were drafted beside the last verify, off the path), of which `accepted` were; the verify of `width` tokens
     took `verify_s`, then the loop waited `wait_s` for the work beside it (None: none ran)."""
 
     drafted: int
@@ -68,7 +68,7 @@ class Observation:
     width: int
     lead: int = 0
     first_s: float | None = None
-    ahead: int = 0
+    drafted_ahead: int = 0
     wait_s: float | None = None
     least_s: float | None = None
 
@@ -216,7 +216,7 @@ class DraftCost:
     def observe(self, round_: Observation) -> None:
         """One round (`Observation`)."""
         drafted, accepted, draft_s, lead = round_.drafted, round_.accepted, round_.draft_s, round_.lead
-        first_s, ahead, least_s = round_.first_s, round_.ahead, round_.least_s
+        first_s, ahead, least_s = round_.first_s, round_.drafted_ahead, round_.least_s
         self.rounds += 1
         self._tables = None
         verified = min(accepted + 1, drafted)  # positions 1..accepted passed; the next one (if drafted) failed
@@ -243,8 +243,9 @@ class DraftCost:
         if on_path > 0 and draft_s > 0.0:  # (0 s: drafted ahead, beside the last verify: no step measured)
             # A step after the first: the first also reads what the drafter had not seen (a catch-up after sitting
             # out, lookup's drafts) and may capture a CUDA graph; a one-step round stands in until one is measured.
-            # The least of them: on CUDA the two after the catch-up's width change run uncaptured (a probe's
-            # average was 2.6-2.8 ms on the H200 where a step is 1.35, and judged the model a loss).
+            # The least of them: on CUDA the two after the catch-up's width change run uncaptured, and a probe's
+            # average step, about twice a steady one, judged the model a loss
+            # (docs/lab/2026-12-02-chain-code-edit-replay.md).
             if least_s is not None:
                 steady: float | None = least_s
             elif first_s is None:
@@ -394,9 +395,9 @@ class DraftCost:
         """Seconds a probe's first step adds to read `lag` tokens first, from the measured catch-ups; None:
         unmeasured. With CUDA graphs a part per call (a graph for the new width) and a part per token: a line through
         them (slope and intercept at least 0); measured at one lag only, the two cannot be told apart, so a longer lag
-        is priced at that lag's cost until a probe measures one (priced per token, a 3.2-ms catch-up of 3 tokens,
-        nearly all the graph's, kept the H200 chain from ever probing 30 tokens out of sync: docs/lab). On a CPU
-        the tokens' part is all of it (8 ms a token on the 2-core CPU): per token."""
+        is priced at that lag's cost until a probe measures one (priced per token, a short catch-up that was nearly all
+        the graph's kept the chain from ever probing far out of sync: docs/lab/2026-12-02-chain-code-edit-replay.md).
+        On a CPU the tokens' part is all of it (docs/lab/2026-12-01-drafters.md): per token."""
         if not self.catch_ups:
             return None
         mean_lag, mean_s, slope = _least_squares(self.catch_ups)

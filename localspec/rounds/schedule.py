@@ -7,8 +7,8 @@ only speed differs.
 
 - Shared batch (the default): every drafter drafts for its streams together, one target decode verifies all;
   `LoadPolicy` shortens the drafts at batch sizes where that measures faster.
-- Draft-ahead: a stream alone in its round lets its drafter work beside the verify (`Drafter.overlap`: the draft
-  model's draft-ahead, drafters/model.py; when it runs: placement.draft_ahead).
+- Draft-ahead: a stream alone in its round lets its drafter work beside the verify (`Drafter.draft_ahead`: the draft
+  model's, drafters/model.py; when it runs: placement.draft_ahead).
 - Turns: when the target's slots take turns (its multi-sequence batches are not exact:
   `LlamaModel.batches_sequences`), the round verifies one stream at a time and drafts the other streams'
   proposals beside those verifies (`_take_turns`): only the first stream drafts on the path.
@@ -66,7 +66,7 @@ class Loop(Protocol):
 
     def _verify(self, live: Sequence[Stream], plans: Sequence[Plan], proposals: Sequence[Proposal],
                 beside: contextlib.AbstractContextManager[None] | None = None,
-                ahead: bool = False) -> tuple[list[Verdict], float, float | None]:
+                draft_ahead: bool = False) -> tuple[list[Verdict], float, float | None]:
         """One target decode of the streams' proposals, with `beside` running meanwhile: the verdicts, the decode's
         seconds and the wait for the work beside it (None: none ran)."""
         ...
@@ -110,9 +110,9 @@ class Schedule:
         prompt + reply stay within n_ctx (with context shift the next round shifts there: `Engine._begin`)."""
         return self.loop.n_ctx - len(s.slot.tokens) - 1
 
-    def length(self, s: Stream, k_round: int, ahead: int = 0) -> int:
-        """The longest draft max_tokens and the context leave room for, `ahead` tokens past the committed ones."""
-        return min(k_round, s.max_tokens - s.stats.tokens - ahead - 1, self._room(s) - ahead)
+    def length(self, s: Stream, k_round: int, past: int = 0) -> int:
+        """The longest draft max_tokens and the context leave room for, `past` tokens past the committed ones."""
+        return min(k_round, s.max_tokens - s.stats.tokens - past - 1, self._room(s) - past)
 
     def run(self, live: Sequence[Stream], plans: Sequence[Plan]) -> Scheduled:
         """The round's draft, verify and rewind of every stream in `live`, as this round's schedule runs them."""
@@ -120,8 +120,8 @@ class Schedule:
             return self._take_turns(live, plans)
         loop = self.loop
         proposals = loop._draft(live, plans)
-        beside, ahead = self._ahead(live, plans, proposals)
-        verdicts, verify_s, _ = loop._verify(live, plans, proposals, beside, ahead)
+        beside, drafts_ahead = self._draft_ahead_beside(live, plans, proposals)
+        verdicts, verify_s, _ = loop._verify(live, plans, proposals, beside, drafts_ahead)
         for s, proposal, verdict in zip(live, proposals, verdicts, strict=True):
             loop._rewind(s, proposal, verdict)
         return Scheduled(proposals, verdicts, verify_s)  # (a drafter's streams share one drafting: each says)
@@ -179,18 +179,18 @@ class Schedule:
                         proposals[j], beside_s[j] = drafted, wait or 0.0
         return Scheduled(proposals, verdicts, verify_s, draft_s, beside_s)
 
-    def _ahead(self, live: Sequence[Stream], plans: Sequence[Plan],
-               proposals: Sequence[Proposal]) -> tuple[contextlib.AbstractContextManager[None] | None, bool]:
-        """A stream alone in its round lets its drafter draft ahead beside the verify (not a constrained one: a bet
-        drafted beside the verify would need the grammar after it). Returns the work beside the verify (or None)
+    def _draft_ahead_beside(self, live: Sequence[Stream], plans: Sequence[Plan], proposals: Sequence[Proposal]
+                            ) -> tuple[contextlib.AbstractContextManager[None] | None, bool]:
+        """A stream alone in its round lets its drafter draft ahead beside the verify (not a constrained one: a draft
+        made beside the verify would need the grammar after it). Returns the work beside the verify (or None)
         and whether it is a draft-ahead."""
         if not (self.loop.draft_ahead and len(live) == 1 and live[0].drafter is not None
                 and live[0].grammar is None):
             return None, False
         s, proposal = live[0], proposals[0]
         # If every draft is accepted, the next round has this many more tokens behind it.
-        k_next = self.length(s, plans[0].k_round, ahead=len(proposal.tokens) + 1)
-        return s.drafter.overlap(s.req, proposal, k_next), True  # type: ignore[union-attr]
+        k_next = self.length(s, plans[0].k_round, past=len(proposal.tokens) + 1)
+        return s.drafter.draft_ahead(s.req, proposal, k_next), True  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ class Verdict:
     width: int  # the verify batch's width
     # with logprobs: each emitted token's logprob and the best alternatives (sampling.token_logprobs)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
-    ahead_wait_s: float | None = None  # the wait after the verify for the draft-ahead beside it (None: none ran)
+    draft_ahead_wait_s: float | None = None  # the wait after the verify for the draft-ahead beside it (None: none ran)
 
 
 NO_VERDICT = Verdict([], 0, [], 0)

@@ -207,7 +207,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     if prompt_cache:
         cache = PromptCache(budget=cache_budget) if cache_budget is not None else \
             PromptCache(limit_bytes(preset.server.cache_ram, machine.ram_available()))
-    engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.overlap, plan),
+    engine = Engine(target, draft, draft_ahead=draft is not None and placement.draft_ahead(load.draft_ahead, plan),
                     constrained_rows=load.constrained_rows, prompt_cache=cache)
     try:
         engine.check_drafter(preset.draft)  # before any work: never plain decoding in a drafter's place
