@@ -28,7 +28,6 @@ from localspec.drafters.model import DraftAhead, ModelCost, ModelDrafter
 from localspec.rounds.policies import CostRule, DraftCost, DraftLength
 from localspec.rounds.scores import ScoringModel
 
-TITLE = "lookup chained with the model"  # how reports name it
 NEEDS = ("lookup", "model")  # built after its parts (the registry's order)
 LLAMA_SERVER_TYPE = "ngram-simple,draft-simple"  # its `speculative.type` (llama-server's --spec-type list)
 

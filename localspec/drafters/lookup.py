@@ -25,8 +25,6 @@ from localspec.rounds.policies import CostRule, DraftCost, DraftLength, Observat
 from localspec.rounds.sampling import point_mass
 from localspec.rounds.scores import ScoringModel
 
-TITLE = "prompt lookup"  # how reports name it
-NEEDS_DRAFT_MODEL = False  # a pair may name it and no draft
 LLAMA_SERVER_TYPE = "ngram-simple"  # its `speculative.type` (llama-server's name)
 
 

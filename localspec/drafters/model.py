@@ -48,7 +48,6 @@ from localspec.rounds.policies import CostRule, DraftCost, Observation
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.rounds.scores import ScoringModel
 
-TITLE = "the draft model"  # how reports name it
 LLAMA_SERVER_TYPE = "draft-simple"  # its `speculative.type` (llama-server's name)
 
 

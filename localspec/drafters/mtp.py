@@ -48,9 +48,6 @@ from localspec.rounds.scores import Scores, ScoringModel
 
 MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
 ROWS_HELD = MTP_BATCH  # the target rows a sequence keeps for a head sitting rounds out before it reads them
-TITLE = "the MTP head"  # how reports name it
-NEEDS_DRAFT_MODEL = False  # the target's own layer drafts
-TARGET_HEAD = True  # the head's context: its KV and compute buffer (memory.py), the library's MTP support
 LLAMA_SERVER_TYPE = "draft-mtp"  # its `speculative.type` (llama-server's name)
 
 
