@@ -2,7 +2,14 @@
 when a build is there): the same command-line surface that localspec.sessions.versus uses, its stdout (the prompt,
 then the generated text, then a blank line) and its end-of-run timing lines on stderr, in the format the real tool
 prints (tests/data/llama-speculative-simple/ holds a recorded run). It appends each command line it ran to a JSON-lines
-log, so a test can check what localspec asked of it."""
+log, so a test can check what localspec asked of it.
+
+Its environment sets what it is and how fast it runs: STANDIN_DRAFT_SAMPLING=1 makes it a newer llama.cpp with
+--spec-draft-sampling (else the option is an error, as in a build that predates it); STANDIN_VERSION its --version
+line; a run's decode seconds are STANDIN_SECONDS times each factor of STANDIN_FACTORS (JSON: "k=N", "greedy",
+"probabilistic", "backend" -> factor) that names its configuration, and from its STANDIN_AFTER-th call on (counting
+from 0, the log's lines) each of STANDIN_LATER_FACTORS too, so a configuration can be fast in a first pass and slow
+in the repeats that follow."""
 
 from __future__ import annotations
 
@@ -21,12 +28,17 @@ USAGE = """----- common params -----
 --spec-type [none|draft-simple|draft-eagle3|draft-mtp|ngram-simple]
 --spec-draft-n-max, --draft-max N
 """
+DRAFT_SAMPLING = """--spec-draft-sampling {greedy,probabilistic}
+                        how the draft is sampled (default: greedy)
+"""
+newer = os.environ.get("STANDIN_DRAFT_SAMPLING") == "1"
 args = sys.argv[1:]
 if "--help" in args:
-    print(os.environ.get("STANDIN_USAGE", USAGE))
+    print(os.environ.get("STANDIN_USAGE", USAGE + (DRAFT_SAMPLING if newer else "")))
     sys.exit(0)
 if "--version" in args:
-    print("version: 4242 (standin)\nbuilt with cc for x86_64-linux-gnu", file=sys.stderr)
+    print(os.environ.get("STANDIN_VERSION", "version: 4242 (standin)") + "\nbuilt with cc for x86_64-linux-gnu",
+          file=sys.stderr)
     sys.exit(0)
 opts = {}
 i = 0
@@ -37,8 +49,13 @@ while i < len(args):
     else:
         opts[args[i]] = True
         i += 1
-with open(os.environ["STANDIN_LOG"], "a") as log:
+log_path = os.environ["STANDIN_LOG"]
+call = sum(1 for _ in open(log_path)) if os.path.exists(log_path) else 0
+with open(log_path, "a") as log:
     log.write(json.dumps(args) + "\n")
+if "--spec-draft-sampling" in opts and not newer:
+    print("error: invalid argument: --spec-draft-sampling", file=sys.stderr)
+    sys.exit(1)
 if os.environ.get("STANDIN_FAIL"):
     print("main: error: " + os.environ["STANDIN_FAIL"], file=sys.stderr)
     sys.exit(1)
@@ -51,6 +68,14 @@ n = int(opts["-n"])
 seconds = float(os.environ.get("STANDIN_SECONDS", "0.5"))
 if "--backend-sampling" in opts:
     seconds *= float(os.environ.get("STANDIN_BACKEND_FACTOR", "1.0"))
+names = {"k=" + opts["--spec-draft-n-max"], opts.get("--spec-draft-sampling", "greedy")}
+names |= {"backend"} if "--backend-sampling" in opts else set()
+factors = dict(json.loads(os.environ.get("STANDIN_FACTORS", "{}")))
+if call >= int(os.environ.get("STANDIN_AFTER", "1000000")):
+    for name, factor in json.loads(os.environ.get("STANDIN_LATER_FACTORS", "{}")).items():
+        factors[name] = factors.get(name, 1.0) * factor
+for name in names:
+    seconds *= factors.get(name, 1.0)
 tokens = os.environ.get("STANDIN_PROMPT_TOKENS")
 prompt_tokens = int(tokens) if tokens else len(prompt.split())
 sys.stdout.write("\n\n" + prompt + reply + "\n\n\n\n")

@@ -120,3 +120,102 @@ def test_the_embedded_pair_is_written_only_from_a_real_model_and_reused_once_the
     (tmp_path / "real.gguf").write_bytes(b"GGUF")
     there = bash(show, tmp_path, BUDGET_S="100", REAL_TARGET=str(tmp_path / "real.gguf"))
     assert "rc=0" in there.stdout and "write-speaks" not in there.stdout, there.stdout + there.stderr
+
+
+def _tool(folder: Path, says: str) -> None:
+    """A stand-in llama-speculative-simple (and libllama.so) in a build's bin folder that prints `says`, its
+    arguments and the library path it was started with."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "libllama.so").touch()
+    tool = folder / "llama-speculative-simple"
+    tool.write_text(f'#!/bin/sh\necho "{says} $* LD=$LD_LIBRARY_PATH"\n')
+    tool.chmod(0o755)
+
+
+def test_the_yardstick_is_the_newest_build_where_it_exists_unless_the_pinned_one_is_asked_for(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    show = ('results_in "$WORK/res"; use_build; yardstick; echo "rc=$? $YARDSTICK $YARDSTICK_BIN"; '
+            '"$YARDSTICK_BIN/llama-speculative-simple" --version')
+    _tool(work / "build" / "bin", "pinned")
+    alone = bash(show, tmp_path)
+    assert alone.stdout.splitlines()[-2:] == [f"rc=0 pinned {work}/build/bin",
+                                              f"pinned --version LD={work}/build/bin"], alone.stdout + alone.stderr
+    _tool(work / "build-newest" / "bin", "newest")
+    newest = bash(show, tmp_path)
+    # through a wrapper that puts the newest build's libraries before the pinned ones use_build names
+    assert newest.stdout.splitlines()[-2:] == [f"rc=0 newest {work}/yardstick-newest",
+                                               f"newest --version LD={work}/build-newest/bin:{work}/build/bin"], \
+        newest.stdout + newest.stderr
+    asked = bash(show, tmp_path, LLAMA_YARDSTICK="pinned")
+    assert asked.stdout.splitlines()[-1] == f"pinned --version LD={work}/build/bin"
+    wrong = bash('results_in "$WORK/res"; yardstick; echo "rc=$?"', tmp_path, LLAMA_YARDSTICK="latest")
+    assert "LLAMA_YARDSTICK=latest: expected newest or pinned" in wrong.stdout and "rc=1" in wrong.stdout
+    (work / "build-newest" / "bin" / "llama-speculative-simple").unlink()
+    missing = bash('results_in "$WORK/res"; yardstick; echo "rc=$?"', tmp_path, LLAMA_YARDSTICK="newest")
+    assert "LLAMA_YARDSTICK=newest: no llama-speculative-simple in" in missing.stdout and "rc=1" in missing.stdout
+
+
+RUN_SH = ROOT / "bench" / "gpu" / "run.sh"
+
+
+def run_sh_functions(*names: str) -> str:
+    """run.sh's definitions of these functions (run.sh itself builds and measures when sourced)."""
+    text = RUN_SH.read_text()
+    found = []
+    for name in names:
+        match = re.search(rf"^{name}\(\) \{{.*?^\}}$", text, re.M | re.S)
+        assert match, f"run.sh defines no {name}()"
+        found.append(match.group(0))
+    return "\n".join(found)
+
+
+def test_run_sh_builds_the_newest_source_beside_the_pinned_one_with_the_same_flags() -> None:
+    text = RUN_SH.read_text()
+    build_tree = run_sh_functions("build_tree")
+    # one function builds both, so the flags cannot drift apart; the newest adds only its build number and commit
+    assert re.search(r'^build\(\) \{ build_tree "\$CARRY/llama\.cpp\.tar\.gz" "\$SRC" "\$BUILD" ""; \}$', text, re.M)
+    newest = run_sh_functions("build_newest")
+    assert '"$CARRY/llama.cpp-newest.tar.gz" "$SRC_NEWEST" "$BUILD_NEWEST"' in newest
+    assert "-DLLAMA_BUILD_NUMBER=" in newest and "-DLLAMA_BUILD_COMMIT=" in newest
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" in build_tree
+    assert 'targets=(llama-bench llama-speculative-simple); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)' \
+        in build_tree
+    assert 'BUILD_NEWEST="$WORK/build-newest"' in text and "run build-newest 200 build_newest" in text
+    assert '--llama-bin "$YARDSTICK_BIN"' in text and '--llama-bin "$BIN"' not in text
+
+
+def test_the_newest_builds_number_and_commit_come_from_the_manifest(tmp_path: Path) -> None:
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    show = run_sh_functions("manifest") + '; echo "$(manifest newest-build 0) $(manifest newest-commit unknown)"'
+    assert bash(show, tmp_path, CARRY=str(carry)).stdout.strip() == "0 unknown"  # no manifest: the defaults
+    (carry / "MANIFEST.txt").write_text("sdist: x\nnewest-sdist: xllamacpp-1.tar.gz (sha256 ab)\nnewest-build: 11549\n"
+                                        "newest-commit: 8f2c1a0\n")
+    assert bash(show, tmp_path, CARRY=str(carry)).stdout.strip() == "11549 8f2c1a0"
+
+
+def test_a_comparisons_time_counts_every_configuration_of_the_first_pass_and_the_finalists(tmp_path: Path) -> None:
+    show = run_sh_functions("n_lengths", "against_need") + (
+        '; for l in "" 2-6 2,4,6 3 "2-3,6"; do printf "%s " "$(n_lengths "$l")"; done; echo; '
+        'echo "$(against_need 0 3) $(against_need 0.7 3)"; AGAINST_LENGTHS=3; echo "$(against_need 0.7 5)"')
+    r = bash(show, tmp_path)
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["5", "5", "3", "1", "3"], r.stdout + r.stderr
+    # T = 0: 5 lengths x host/backend = 10 configurations; T = 0.7: x 2 draft sampling modes = 20
+    assert lines[1].split() == [str(20 + 12 * 3 + 5 * 3 * 10 + 5 * 3 * 2 * 3),
+                                str(20 + 12 * 3 + 5 * 3 * 20 + 5 * 3 * 2 * 3)]
+    assert lines[2] == str(20 + 12 * 5 + 5 * 3 * 4 + 5 * 3 * 2 * 5)  # one length: 4 configurations
+
+
+def test_make_archive_packs_the_newest_source_pinned_by_its_sha256() -> None:
+    text = (ROOT / "bench" / "gpu" / "make_archive.sh").read_text()
+    sha = re.search(r"^NEWEST_SHA256=([0-9a-f]{64})$", text, re.M)
+    assert sha and re.search(r"^NEWEST_BUILD=11549$", text, re.M) and re.search(r"^NEWEST_VERSION=2026\.10\.11549$",
+                                                                                  text, re.M)
+    # fetched by PyPI's JSON URL and checked against the pin; both sources trimmed by the same function
+    assert "https://pypi.org/pypi/{package}/json" in text and "digest.hexdigest() != sha256" in text
+    assert 'pack_llama "$SRC/vendor" "$CARRY/llama.cpp.tar.gz"' in text
+    assert 'pack_llama "$NEWEST_SRC" "$CARRY/llama.cpp-newest.tar.gz"' in text
+    assert '"--spec-draft-sampling"' in text  # a source without the option is refused
+    for line in ("newest-sdist: ", "newest-build: ", "newest-commit: "):
+        assert f'echo "{line}' in text

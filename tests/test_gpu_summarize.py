@@ -210,3 +210,42 @@ def test_the_rollback_costs_of_a_hybrid_pair_come_with_its_table(tmp_path):
     assert "mtp: rolling the recurrent state back (k = 3, medians of 30; ms)" in text
     assert "per rejected token, by tokens rolled back: 1: 0.012  2: 0.010  3: 0.011" in text
     assert "the rollback call 14.2 us; checkpoint 0.200, restore 0.250" in text
+
+
+def test_each_row_names_the_llama_cpp_build_and_configuration_it_was_compared_against(tmp_path):
+    """Since the draft-length search the `against` section holds two finalists (labelled by draft length, draft
+    sampling and sampling mode), the first pass of every configuration, and the build the tool's --version named."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.txt").write_text("Hi\n")
+    pair = tmp_path / "card-n0.013"
+    pair.mkdir()
+
+    def mode(n: int, draft: str, sampling: str, median: float) -> dict:
+        return {"mode": sampling, "n_draft": n, "draft_sampling": draft, "label": f"k={n} {draft}-draft {sampling}",
+                "runs": 3, "median_tps": median, "min_tps": median - 1, "max_tps": median + 1,
+                "acceptance_rate": 0.7}
+
+    finalists = [mode(4, "probabilistic", "backend", 150.0), mode(3, "greedy", "host", 140.0)]
+    first = finalists + [mode(2, "greedy", "backend", 120.0)]
+    against = {"against": "llama.cpp", "version": "version: 11549 (unknown)", "build": 11549, "commit": "unknown",
+               "modes": finalists, "search": {"first_pass": first, "finalists": [m["label"] for m in finalists]},
+               "greedy": [], "runs": []}
+    check = {"exact": True, "invariant_holds": True, "prompts": []}
+    doc = {"plain": {"median_tps": 100.0}, "speculative": {"median_tps": 180.0, "acceptance_rate": 0.8,
+                                                           "host_fraction": 0.01},
+           "speedup": 1.8, "greedy_check": check, "runs": [], "against": against}
+    (pair / "localspec-t0.7.json").write_text(json.dumps(doc))
+    old = {**doc, "against": {**_against(205.6), "version": "version: 1 (b3b5a3f)"}}  # before the search
+    (pair / "localspec-t0.json").write_text(json.dumps(old))
+    result = summarize.summarize(tmp_path)
+    t07, t0 = result["pairs"]["card-n0.013"]["temps"]["0.7"], result["pairs"]["card-n0.013"]["temps"]["0"]
+    assert t07["ratio_vs_llama_cpp"] == pytest.approx(180.0 / 150.0)
+    assert t07["llama_cpp_faster"] == "k=4 probabilistic-draft backend" and t07["llama_cpp_build"] == "b11549"
+    assert t07["llama_cpp_backend"]["median"] == 150.0 and t07["llama_cpp_host"]["median"] == 140.0
+    assert t07["llama_cpp_first_pass"]["k=2 greedy-draft backend"] == 120.0
+    assert t0["llama_cpp_build"] == "b1 (b3b5a3f)" and t0["llama_cpp_faster"] == "backend"
+    text = summarize.tables(result)
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("card-n0.013 |") and "| 0.7 |" in line)
+    assert "b11549, k=4 probabilistic-draft backend" in row and f"{180.0 / 150.0:.2f}x" in row
+    assert ("card-n0.013 T=0.7: llama.cpp's first pass (one repetition each, tok/s): k=4 probabilistic-draft backend "
+            "150.0, k=3 greedy-draft host 140.0, k=2 greedy-draft backend 120.0") in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -156,7 +157,9 @@ def test_every_prompt_runs_in_each_mode_per_repetition_with_the_bench_settings(t
     assert opt["-ngl"] == "all" and opt["-ngld"] == "all" and opt["-c"] == "4096" and opt["-t"] == "1"
     assert "--backend-sampling" not in first and "--backend-sampling" in ran[2]
     # host: 17 tokens in 0.25 s a prompt, 34 / 0.5 = 68 tok/s; backend: twice that
-    modes = {m.mode: m for m in comparison.modes}
+    modes = {m.config.mode: m for m in comparison.modes}
+    assert [m.mode for m in comparison.modes] == ["k=5 host", "k=5 backend"]  # as the view names them
+    assert comparison.first_pass == [] and comparison.first_pass_runs == []  # two configurations: no first pass
     assert modes["host"].median_tps == pytest.approx(68.0) and modes["host"].runs == 3
     assert modes["backend"].median_tps == pytest.approx(136.0)
     assert modes["host"].acceptance_rate == pytest.approx(0.75)
@@ -220,13 +223,15 @@ def test_greedy_texts_are_compared_with_plain_decoding_and_token_counts_checked(
     assert sampled.greedy == []  # sampled texts are not compared
     assert sampled.warnings == [
         f"prompt {p.name!r}: llama-speculative-simple read 5 prompt tokens where localspec read 4: the two did not "
-        "decode the same prompt" for p in PROMPTS]
+        "decode the same prompt" for p in PROMPTS] + [
+        "this llama-speculative-simple has no --spec-draft-sampling (an older llama.cpp): its draft is greedy only, "
+        "no probabilistic draft was compared"]
 
 
 def test_a_failing_run_names_the_prompt_mode_and_its_last_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("STANDIN_LOG", str(tmp_path / "ran.jsonl"))
     monkeypatch.setenv("STANDIN_FAIL", "failed to load model '/m/target.gguf'")
-    with pytest.raises(LocalspecError, match=r"llama-speculative-simple failed on prompt 'code' \(host sampling, "
+    with pytest.raises(LocalspecError, match=r"llama-speculative-simple failed on prompt 'code' \(k=5 host sampling, "
                                              r"exit 1 .*main: error: failed to load model '/m/target.gguf'"):
         _run(_plan(write_tool(tmp_path)), _report())
 
@@ -244,6 +249,168 @@ def test_what_it_cannot_run_alike_is_refused_before_loading() -> None:
     versus.check_comparable(preset.with_overrides(drafter="mtp"), False, sweep=False)  # no draft model needed
     with pytest.raises(UsageError, match="leave out --adaptive"):
         versus.check_comparable(preset.with_overrides(adaptive=True), True, sweep=False)
+
+
+# -- the search: draft lengths, draft sampling, sampling modes ------------------------------------------------------
+
+
+def _newer(monkeypatch, tmp_path: Path, **env: str) -> Path:
+    """A stand-in for a llama.cpp with --spec-draft-sampling; its command lines logged to tmp_path/ran.jsonl."""
+    monkeypatch.setenv("STANDIN_LOG", str(tmp_path / "ran.jsonl"))
+    monkeypatch.setenv("STANDIN_DRAFT_SAMPLING", "1")
+    monkeypatch.setenv("STANDIN_PROMPT_TOKENS", "4")  # what localspec read of PROMPTS
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return write_tool(tmp_path / "newer")
+
+
+def _searched(tool: Path, temperature: float, lengths: tuple[int, ...] = (2, 3, 4), **overrides: object) -> versus.Plan:
+    plan = _plan(tool, temperature=temperature, **overrides)
+    return dataclasses.replace(plan, lengths=lengths,
+                               draft_samplings=versus.draft_samplings(plan.tool, temperature))
+
+
+def _option(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_the_probe_finds_the_draft_sampling_option_and_the_version_gives_build_and_commit(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    old = versus.probe_tool(write_tool(tmp_path / "old"))
+    assert not old.draft_sampling and old.build == (4242, "standin")
+    new = versus.probe_tool(_newer(monkeypatch, tmp_path, STANDIN_VERSION="version: 11549 (8f2c1a0)"))
+    assert new.draft_sampling and new.build == (11549, "8f2c1a0")
+    assert versus.Tool(Path("x"), "", False).build == (None, None)
+    # Both draft sampling modes where it has them and the temperature samples; greedy alone at T = 0; none named
+    # where the tool predates the option.
+    assert versus.draft_samplings(new, 0.7) == ("greedy", "probabilistic")
+    assert versus.draft_samplings(new, 0.0) == ("greedy",)
+    assert versus.draft_samplings(old, 0.7) == (None,)
+
+
+def test_every_configuration_is_a_length_a_draft_sampling_and_a_sampling_mode(tmp_path: Path, monkeypatch) -> None:
+    plan = _searched(_newer(monkeypatch, tmp_path), 0.7)
+    assert len(plan.configs) == 3 * 2 * 2
+    assert plan.configs[0] == versus.Config(2, "greedy", "host")
+    assert {c.label for c in plan.configs} >= {"k=2 greedy-draft host", "k=4 probabilistic-draft backend"}
+    cmd = plan.command(Path("p.txt"), versus.Config(4, "probabilistic", "backend"))
+    assert _option(cmd, "--spec-draft-n-max") == "4" and _option(cmd, "--spec-draft-sampling") == "probabilistic"
+    assert "--backend-sampling" in cmd
+    old = plan.command(Path("p.txt"), versus.Config(3, None, "host"))
+    assert "--spec-draft-sampling" not in old and "--backend-sampling" not in old
+    assert _option(old, "--spec-draft-n-max") == "3"
+    # Without lengths (bench/structured.py's plans): the preset's draft length, no draft sampling named.
+    assert _plan(tool=write_tool(tmp_path / "old")).configs == (versus.Config(5, None, "host"),
+                                                               versus.Config(5, None, "backend"))
+
+
+def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_comparison(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """12 configurations at T = 0.7: a first pass of one repetition each picks the two fastest (k = 3, then k = 4,
+    both probabilistic drafts with backend sampling); in the full repeats the first pass's winner turns out slower
+    (the stand-in slows k = 3 down from then on), so the other finalist's median is the comparison."""
+    factors = {"k=2": 2.0, "k=3": 1.0, "k=4": 1.2, "probabilistic": 0.7, "backend": 0.8}
+    tool = _newer(monkeypatch, tmp_path, STANDIN_SECONDS="0.25", STANDIN_FACTORS=json.dumps(factors),
+                  STANDIN_AFTER=str(12 * 2), STANDIN_LATER_FACTORS=json.dumps({"k=3": 1.5}))
+    done, comparison = _run(_searched(tool, 0.7), _report())
+    first, full = done[:24], done[24:]
+    assert {e.total for e in done} == {24 + 2 * 3 * 2} and [e.done for e in done] == list(range(1, 37))
+    assert {e.result.repetition for e in first} == {0} and len({e.result.config for e in first}) == 12
+
+    def rate(*names: str) -> float:  # a configuration's tok/s: 17 tokens a prompt in 0.25 s times its factors
+        return 17 / (0.25 * math.prod(factors.get(n, 1.0) for n in names))
+
+    by_config = {m.config: m for m in comparison.first_pass}
+    assert len(by_config) == 12 and all(m.runs == 1 for m in by_config.values())
+    assert by_config[versus.Config(2, "greedy", "host")].median_tps == pytest.approx(rate("k=2"))
+    # seconds factors 0.56 (k = 3), 0.672 (k = 4), then 0.7 (k = 3 probabilistic, host sampling), ...
+    ranked = sorted(by_config.values(), key=lambda m: -m.median_tps)
+    k3, k4 = versus.Config(3, "probabilistic", "backend"), versus.Config(4, "probabilistic", "backend")
+    assert [m.config for m in ranked[:3]] == [k3, k4, versus.Config(3, "probabilistic", "host")]
+    assert [m.config for m in comparison.modes] == [k3, k4] and all(m.runs == 3 for m in comparison.modes)
+    assert {e.result.config for e in full} == {k3, k4} and len(full) == 2 * 3 * 2
+    # in the repeats k = 3 runs 1.5 times slower (0.84): k = 4 is the comparison
+    assert comparison.best.config == k4
+    assert comparison.best.median_tps == pytest.approx(rate("k=4", "probabilistic", "backend"))
+    assert comparison.ratio == pytest.approx(96.0 / rate("k=4", "probabilistic", "backend"))
+    assert _option(comparison.command, "--spec-draft-sampling") == "probabilistic"
+    assert _option(comparison.command, "--spec-draft-n-max") == "4" and "--backend-sampling" in comparison.command
+    assert comparison.warnings == [] and comparison.greedy == []  # sampled: no greedy texts compared
+    data = json.loads(json.dumps(comparison.as_json()))
+    assert data["search"]["lengths"] == [2, 3, 4] and data["search"]["draft_sampling"] == ["greedy", "probabilistic"]
+    assert data["search"]["probabilistic_draft"] is True
+    assert data["search"]["finalists"] == ["k=3 probabilistic-draft backend", "k=4 probabilistic-draft backend"]
+    assert len(data["search"]["first_pass"]) == 12 and len(data["first_pass_runs"]) == 24 and len(data["runs"]) == 12
+    assert data["best"]["n_draft"] == 4 and data["best"]["draft_sampling"] == "probabilistic"
+    assert data["best_mode"] == "backend" and data["ratio"] == pytest.approx(comparison.ratio)
+    assert data["runs"][0]["n_draft"] in (3, 4) and data["runs"][0]["draft_sampling"] == "probabilistic"
+    assert data["build"] == 4242 and data["commit"] == "standin"
+    # what it ran: the first pass's 24, then the finalists' repeats, alternating
+    ran = commands(tmp_path / "ran.jsonl")
+    assert len(ran) == 36
+    repeats = [(_option(c, "--spec-draft-n-max"), _option(c, "--spec-draft-sampling")) for c in ran[24:]]
+    assert repeats[:4] == [("3", "probabilistic")] * 2 + [("4", "probabilistic")] * 2  # (two prompts)
+    assert repeats[4:8] == [("4", "probabilistic")] * 2 + [("3", "probabilistic")] * 2
+
+
+def test_an_older_tool_runs_greedy_drafts_only_and_the_report_says_so(tmp_path: Path, monkeypatch) -> None:
+    log = tmp_path / "ran.jsonl"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    monkeypatch.setenv("STANDIN_PROMPT_TOKENS", "4")
+    tool = write_tool(tmp_path / "old")
+    plan = _searched(tool, 0.7, lengths=(2, 3), modes=(versus.HOST,))
+    _, comparison = _run(plan, _report())
+    assert all("--spec-draft-sampling" not in c for c in commands(log))  # it would refuse the option
+    assert comparison.first_pass == [] and [m.mode for m in comparison.modes] == ["k=2 host", "k=3 host"]
+    assert comparison.warnings == ["this llama-speculative-simple has no --spec-draft-sampling (an older llama.cpp): "
+                                   "its draft is greedy only, no probabilistic draft was compared"]
+    data = comparison.as_json()
+    assert data["search"]["probabilistic_draft"] is False and data["search"]["draft_sampling"] == [None]
+
+
+def test_at_t0_each_finalist_drafts_greedily_and_its_text_is_checked(tmp_path: Path, monkeypatch) -> None:
+    tool = _newer(monkeypatch, tmp_path, STANDIN_FACTORS=json.dumps({"k=2": 3.0}),
+                  STANDIN_REPLIES=json.dumps({"Write code.\n": " def f(): pass",
+                                              "Question: why?\nAnswer:": " because of physics"}))
+    plain = {"code": " def f(): pass", "qa": " because of chemistry"}
+    _, comparison = _run(_searched(tool, 0.0, modes=(versus.HOST,)), _report(plain))
+    assert {_option(c, "--spec-draft-sampling") for c in commands(tmp_path / "ran.jsonl")} == {"greedy"}
+    assert [m.mode for m in comparison.modes] == ["k=3 greedy-draft host", "k=4 greedy-draft host"]
+    assert [(g.mode, g.prompt, g.first_divergence) for g in comparison.greedy] == [
+        ("k=3 greedy-draft host", "code", None), ("k=3 greedy-draft host", "qa", len(" because of ")),
+        ("k=4 greedy-draft host", "code", None), ("k=4 greedy-draft host", "qa", len(" because of "))]
+    assert comparison.warnings == []
+
+
+# -- the preset key and its option ------------------------------------------------------------------------------
+
+
+def test_the_draft_lengths_are_a_range_or_a_list_and_a_bad_one_names_its_key(tmp_path: Path) -> None:
+    assert config.load_preset("default").bench.against_lengths == "2-6"
+    assert config.parse_draft_lengths("2-6") == (2, 3, 4, 5, 6)
+    assert config.parse_draft_lengths(" 6, 2-3,3 ") == (2, 3, 6)
+    assert config.parse_draft_lengths("4") == (4,)
+    for bad in ("", "6-2", "0-3", "2-33", "two", "2-", "-3", "2..6"):
+        with pytest.raises(ValueError):
+            config.parse_draft_lengths(bad)
+    preset = config.load_preset("default").with_overrides(against_lengths="3-5")
+    assert preset.bench.against_lengths == "3-5"
+    with pytest.raises(config.ConfigError, match=r"--against-lengths = '6-2': draft lengths must be between 1 and 32"):
+        config.load_preset("default").with_overrides(against_lengths="6-2", flags={"against_lengths":
+                                                                                   "--against-lengths"})
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[bench]\nagainst_lengths = "2 to 6"\n')
+    with pytest.raises(config.ConfigError, match=r"mine\.toml.*bench\.against_lengths = '2 to 6': expected draft "
+                                                 r"lengths as a range or a list, e\.g\. 2-6 or 2,4,6"):
+        config.load_preset(str(mine))
+
+
+def test_a_bad_against_lengths_option_is_one_line_and_exit_2(tiny_pair) -> None:
+    target, draft = tiny_pair
+    r = localspec("bench", "--target", str(target), "--draft", str(draft), "--against-lengths", "0-4")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert "--against-lengths" in r.stderr and "between 1 and 32" in r.stderr
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
@@ -270,19 +437,27 @@ def test_bench_against_a_stand_in_writes_the_comparison_into_the_json(tiny_pair,
     log, out = tmp_path / "ran.jsonl", tmp_path / "bench.json"
     r = localspec("bench", "--target", str(target), "--draft", str(draft), "--against", "llama.cpp",
                   "--llama-bin", str(tool.parent), "--repeat", "2", "--warmup", "0", "--max-tokens", "8",
-                  "--threads", "1", "--temp", "0", "--json", str(out), env={"STANDIN_LOG": str(log)})
+                  "--threads", "1", "--temp", "0", "--json", str(out), "--against-lengths", "2-4",
+                  env={"STANDIN_LOG": str(log), "STANDIN_FACTORS": json.dumps({"k=2": 2.0})})
     assert r.returncode == 0, r.stdout + r.stderr
     said = " ".join(r.stdout.split())
     assert "against llama.cpp" in said and "localspec / llama.cpp:" in said
+    assert "3 configurations (draft lengths 2, 3, 4; greedy draft; host sampling) once each, then the 2 fastest" in said
     report = json.loads(out.read_text())
     against = report["against"]
     assert against["tool"] == str(tool) and against["best_mode"] == "host"  # on a CPU: host sampling only
-    assert len(against["runs"]) == 2 * 3 and against["temperature"] == 0
-    assert against["ratio"] == pytest.approx(report["speculative"]["median_tps"] / against["modes"][0]["median_tps"])
+    # the first pass: each length once over the 3 prompts; then the two fastest (k = 3, 4; k = 2 is twice as slow)
+    assert [m["n_draft"] for m in against["search"]["first_pass"]] == [2, 3, 4]
+    assert against["search"]["finalists"] == ["k=3 host", "k=4 host"] and against["search"]["lengths"] == [2, 3, 4]
+    assert len(against["first_pass_runs"]) == 3 * 3 and len(against["runs"]) == 2 * 2 * 3
+    assert against["temperature"] == 0
+    best = max(m["median_tps"] for m in against["modes"])
+    assert against["ratio"] == pytest.approx(report["speculative"]["median_tps"] / best)
+    assert {g["mode"] for g in against["greedy"]} == {"k=3 host", "k=4 host"}  # each finalist's greedy text
     assert "gpus" in report["environment"] and "gpu_notes" in report["environment"]
     # The prompt files hold the text localspec read, and llama.cpp was given the bench's settings.
     ran = commands(log)
-    assert len(ran) == 6 and all(c[c.index("-n") + 1] == "8" and c[c.index("--temp") + 1] == "0" for c in ran)
+    assert len(ran) == 9 + 12 and all(c[c.index("-n") + 1] == "8" and c[c.index("--temp") + 1] == "0" for c in ran)
 
 
 def _real_tool() -> Path | None:

@@ -13,6 +13,9 @@
 #   VOCAB                     tokenizer of the synthetic pairs ('' = synthetic.py's own); unset: the carried Qwen2
 #                             vocabulary for the 32B-shaped presets (gpu32b, card32b), synthetic.py's own for the rest
 #   RERUN [0]                 1 = forget this script's earlier results
+#   LLAMA_YARDSTICK           which llama.cpp `--against llama.cpp` runs: newest (WORK/build-newest, made by run.sh
+#                             from the carried llama.cpp-newest.tar.gz) or pinned (WORK/build, the one localspec
+#                             loads); unset: newest where that build exists, else pinned
 T0=$(date +%s)
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$REPO/bench/gpu"
@@ -23,6 +26,7 @@ BUDGET_S="${BUDGET_S:-570}"
 SIZE="${SIZE:-gpu32b}"
 CARD_SIZE="${CARD_SIZE:-card32b}"
 BIN="$WORK/build/bin"
+BIN_NEWEST="$WORK/build-newest/bin"  # the yardstick: the newest llama.cpp's tools (run.sh builds them)
 MODELS="$WORK/models"
 SEED=42
 # localspec's CLI with llama.cpp imported before numpy (docs/gpu.md: the CUDA build segfaults the other way round)
@@ -80,11 +84,37 @@ have_build() {
 # use_build. The scripts after run.sh on a warm machine find it there.
 ensure_build() {
     if ! have_build "${1:-}"; then
-        run prepare 330 env SCALES="" CARD_NOISES="" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
+        # (NEWEST=0: the scripts that need a build need the pinned one; run.sh builds the yardstick)
+        run prepare 330 env SCALES="" CARD_NOISES="" NEWEST="${NEWEST:-0}" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
             BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
     fi
     use_build
     have_build || { log "no llama.cpp build in $BIN (see $RES/prepare.log)"; return 1; }
+}
+# yardstick: which llama.cpp's tools `localspec bench --against llama.cpp` runs (LLAMA_YARDSTICK: newest, the build
+# of the carried newest source in WORK/build-newest; pinned, WORK/build, the llama.cpp localspec loads; unset:
+# newest where that build exists, else pinned). Sets YARDSTICK (newest|pinned) and YARDSTICK_BIN, the folder for
+# --llama-bin; 1 (and a log line) when the one asked for is not there. The newest build's tools are reached through
+# a wrapper that puts their own libraries first: use_build's LD_LIBRARY_PATH names the pinned build's, which would
+# win over the tools' RUNPATH.
+yardstick() {
+    local want="${LLAMA_YARDSTICK:-}"
+    if [[ -z "$want" ]]; then
+        [[ -x "$BIN_NEWEST/llama-speculative-simple" ]] && want=newest || want=pinned
+    fi
+    case "$want" in
+        pinned) YARDSTICK=pinned YARDSTICK_BIN="$BIN" ;;
+        newest)
+            [[ -x "$BIN_NEWEST/llama-speculative-simple" ]] \
+                || { log "LLAMA_YARDSTICK=newest: no llama-speculative-simple in $BIN_NEWEST"; return 1; }
+            YARDSTICK=newest YARDSTICK_BIN="$WORK/yardstick-newest"
+            mkdir -p "$YARDSTICK_BIN"
+            # shellcheck disable=SC2016  # the wrapper expands LD_LIBRARY_PATH when it runs
+            printf '#!/usr/bin/env bash\nexport LD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"\nexec "%s" "$@"\n' \
+                "$BIN_NEWEST" "$BIN_NEWEST/llama-speculative-simple" > "$YARDSTICK_BIN/llama-speculative-simple"
+            chmod +x "$YARDSTICK_BIN/llama-speculative-simple" ;;
+        *) log "LLAMA_YARDSTICK=$want: expected newest or pinned"; return 1 ;;
+    esac
 }
 # snapshot_env FILE: the machine, its GPUs and the tools, for the record.
 snapshot_env() {

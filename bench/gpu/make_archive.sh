@@ -10,16 +10,27 @@
 #                          GPU image lacks or may hold at other versions (wheels for CPython 3.12, x86-64 Linux):
 #                          the CLI's, `localspec serve`'s HTTP stack, and the `openai` client that
 #                          bench/concurrency.py drives the servers with
+#   llama.cpp-newest.tar.gz  the yardstick: the newest public llama.cpp source obtainable from PyPI, the one vendored
+#                          unpatched in the xllamacpp sdist pinned below (its thirdparty/llama.cpp), trimmed alike;
+#                          run.sh builds its tools beside the pinned build, and `--against llama.cpp` runs them
 #   ggml-vocab-qwen2.gguf  tokenizer metadata for the synthetic 32B pair (Qwen2, 151,936 tokens): the sdist's
 #                          vendor/llama.cpp/models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file)
 #   MANIFEST.txt           sizes, sources and the versions packed
 # Run here (any machine with Python and pip, network to PyPI), from anywhere:  bash bench/gpu/make_archive.sh
-# Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep pip's downloads there to rerun offline.
+# Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep the downloads there to rerun offline.
 set -euo pipefail
 # shellcheck source=bench/gpu/harness.sh
 source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"  # HERE, CARRY (bench/gpu/carry unless set)
 PYTHON="${PYTHON:-python3}"
 LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"  # = pyproject.toml's pin: the bindings must match the library's ABI
+# The yardstick's source: llama.cpp b11549 (2026-10-10; it has --spec-draft-sampling), vendored unpatched in this
+# sdist (xllamacpp applies its patches at build time; none ship in the sdist). Fetched by the URL PyPI's JSON API
+# gives and checked against this sha256. The sdist does not record llama.cpp's commit: "unknown" until found.
+NEWEST_PACKAGE=xllamacpp
+NEWEST_VERSION=2026.10.11549
+NEWEST_SHA256=c17ee1163006f70726abb9f72137830818f3d8cb60bfc34cb232d08428eaa22b
+NEWEST_BUILD=11549
+NEWEST_COMMIT=unknown
 # Pure-Python packages for the device's Python 3.12, the versions localspec is tested with; pydantic-core is the one
 # compiled wheel (typer >= 0.27 validates through pydantic).
 WHEELS=(
@@ -54,26 +65,79 @@ VOCAB="$VENDOR/models/ggml-vocab-qwen2.gguf"
 [[ -f "$VOCAB" ]] || { echo "the sdist $sdist holds no $VOCAB (llama.cpp moved its tokenizer test files?)" >&2; exit 1; }
 
 # -- llama.cpp source ----------------------------------------------------------------------------------------------
-# Excluded: what no CMake target we build reads (models/docs/media/benches/tests/web UI, CI files, Python
-# converters, app bundles for other platforms). Every examples/ and tools/ folder that a CMakeLists.txt
-# add_subdirectory()s stays, or configure fails.
-excludes=()
-for d in models docs media benches tests tools/ui .github .devops gguf-py conversion examples/llama.android \
-    examples/llama.swiftui examples/model-conversion 'build*'; do
-    excludes+=(--exclude="llama.cpp/$d")
-done
-tar -C "$SRC/vendor" -cf "$STAGE/llama.cpp.tar" --exclude-vcs --exclude='__pycache__' "${excludes[@]}" llama.cpp
+# pack_llama PARENT OUT: PARENT/llama.cpp as OUT, a tar.gz whose top folder is llama.cpp/. Excluded: what no CMake
+# target we build reads (models/docs/media/benches/tests/web UI, CI files, Python converters, app bundles for other
+# platforms). Every examples/ and tools/ folder that a CMakeLists.txt add_subdirectory()s stays, or configure fails.
 # llama-server's CMake adds tools/ui (the web UI, 8.5 MB of Svelte sources) and embeds whatever assets it finds
 # there; with no assets, no npm build (LLAMA_BUILD_UI defaults to OFF) and no download (run.sh configures
 # LLAMA_USE_PREBUILT_UI=OFF) it builds a server without the UI, which the API does not need. These four files
 # are all that CMake reads of that folder then.
 UI_FILES=(CMakeLists.txt sources.cmake ui.cpp.in ui.h.in)
-for f in "${UI_FILES[@]}"; do
-    [[ -f "$VENDOR/tools/ui/$f" ]] \
-        || { echo "the sdist has no vendor/llama.cpp/tools/ui/$f (llama.cpp moved its UI?)" >&2; exit 1; }
-done
-tar -C "$SRC/vendor" -rf "$STAGE/llama.cpp.tar" "${UI_FILES[@]/#/llama.cpp/tools/ui/}"
-gzip -9 < "$STAGE/llama.cpp.tar" > "$CARRY/llama.cpp.tar.gz"
+pack_llama() {
+    local parent="$1" out="$2" d f excludes=()
+    for d in models docs media benches tests tools/ui .github .devops gguf-py conversion examples/llama.android \
+        examples/llama.swiftui examples/model-conversion skills 'build*'; do
+        excludes+=(--exclude="llama.cpp/$d")
+    done
+    for f in "${UI_FILES[@]}"; do
+        [[ -f "$parent/llama.cpp/tools/ui/$f" ]] \
+            || { echo "$parent/llama.cpp has no tools/ui/$f (llama.cpp moved its UI?)" >&2; exit 1; }
+    done
+    tar -C "$parent" -cf "$STAGE/pack.tar" --exclude-vcs --exclude='__pycache__' "${excludes[@]}" llama.cpp
+    tar -C "$parent" -rf "$STAGE/pack.tar" "${UI_FILES[@]/#/llama.cpp/tools/ui/}"
+    gzip -9 < "$STAGE/pack.tar" > "$out"
+    rm -f "$STAGE/pack.tar"
+}
+pack_llama "$SRC/vendor" "$CARRY/llama.cpp.tar.gz"
+
+# -- the newest llama.cpp (the yardstick) --------------------------------------------------------------------------
+# Its sdist is not built, so not fetched through pip (pip download would build its metadata): the URL comes from
+# PyPI's JSON API, the file's sha256 is checked against the pin above and PyPI's own; one already in DOWNLOADS with
+# that sha256 is reused.
+newest="$DOWNLOADS/$NEWEST_PACKAGE-$NEWEST_VERSION.tar.gz"
+if [[ ! -f "$newest" || "$(sha256sum "$newest" | cut -d' ' -f1)" != "$NEWEST_SHA256" ]]; then
+    "$PYTHON" - "$NEWEST_PACKAGE" "$NEWEST_VERSION" "$NEWEST_SHA256" "$newest" <<'EOF'
+import hashlib
+import json
+import sys
+import urllib.error
+import urllib.request
+from urllib.parse import urljoin
+
+package, version, sha256, dest = sys.argv[1:]
+api, files = "", None
+for api in (f"https://pypi.org/pypi/{package}/{version}/json", f"https://pypi.org/pypi/{package}/json"):
+    try:
+        with urllib.request.urlopen(api, timeout=60) as r:
+            doc = json.load(r)
+    except urllib.error.HTTPError:
+        continue  # (a mirror may lack the per-version page; the project's lists every release)
+    files = doc.get("urls") if api.endswith(f"/{version}/json") else doc.get("releases", {}).get(version)
+    if files:
+        break
+sdist = next((f for f in files or [] if f["packagetype"] == "sdist"), None)
+if sdist is None:
+    sys.exit(f"PyPI lists no sdist of {package} {version}")
+if sdist["digests"]["sha256"] != sha256:
+    sys.exit(f"PyPI's sha256 of {sdist['filename']} is {sdist['digests']['sha256']}, not the pinned {sha256}")
+url = urljoin(api, sdist["url"])  # an absolute URL, or one relative to the API's page
+digest = hashlib.sha256()
+with urllib.request.urlopen(url, timeout=600) as r, open(dest + ".part", "wb") as out:
+    while chunk := r.read(1 << 20):
+        digest.update(chunk)
+        out.write(chunk)
+if digest.hexdigest() != sha256:
+    sys.exit(f"{url}: sha256 {digest.hexdigest()}, not the pinned {sha256}")
+print(f"downloaded {url}")
+EOF
+    mv "$newest.part" "$newest"
+fi
+newest_top="$NEWEST_PACKAGE-$NEWEST_VERSION"
+tar -C "$STAGE/src" -xzf "$newest" "$newest_top/thirdparty/llama.cpp"
+NEWEST_SRC="$STAGE/src/$newest_top/thirdparty"
+grep -q -- '"--spec-draft-sampling"' "$NEWEST_SRC/llama.cpp/common/arg.cpp" \
+    || { echo "$newest: its llama.cpp has no --spec-draft-sampling: not the yardstick" >&2; exit 1; }
+pack_llama "$NEWEST_SRC" "$CARRY/llama.cpp-newest.tar.gz"
 
 # -- Python packages -----------------------------------------------------------------------------------------------
 cp -r "$SRC/llama_cpp" "$STAGE/py/"
@@ -94,8 +158,11 @@ cp "$VOCAB" "$CARRY/ggml-vocab-qwen2.gguf"
     echo "made $(date -u +%FT%TZ) by bench/gpu/make_archive.sh"
     echo "sdist: $(basename "$sdist") (sha256 $(sha256sum "$sdist" | cut -d' ' -f1))"
     echo "vocab: $top/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"
+    echo "newest-sdist: $NEWEST_PACKAGE-$NEWEST_VERSION.tar.gz (sha256 $NEWEST_SHA256)"
+    echo "newest-build: $NEWEST_BUILD"
+    echo "newest-commit: $NEWEST_COMMIT"
     echo "wheels:"; (cd "$DOWNLOADS/wheels" && ls -1 ./*.whl | sed 's,^\./,  ,')
-    (cd "$CARRY" && ls -l --block-size=K llama.cpp.tar.gz py.tar.gz ggml-vocab-qwen2.gguf)
+    (cd "$CARRY" && ls -l --block-size=K llama.cpp.tar.gz llama.cpp-newest.tar.gz py.tar.gz ggml-vocab-qwen2.gguf)
 } > "$CARRY/MANIFEST.txt"
 cat "$CARRY/MANIFEST.txt"
 du -sh "$CARRY"

@@ -27,7 +27,13 @@
 #   REAL_PAIR                    "NAME:TARGET.gguf:DRAFT.gguf", a real pair for the greedy-fidelity check
 #                                (greedy only, REAL_REPEAT [1] runs of each loop)
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
-#   BUILD_SERVER [1]             0 = leave llama-server out of the build (only concurrency.sh needs it)
+#   BUILD_SERVER [1]             0 = leave llama-server out of the builds (only concurrency.sh needs it)
+#   NEWEST [1]                   build the carried newest llama.cpp (llama.cpp-newest.tar.gz) into WORK/build-newest
+#                                too, beside the pinned one; 0 = not (then LLAMA_YARDSTICK falls back to pinned)
+#   LLAMA_YARDSTICK              newest|pinned: whose llama-speculative-simple `--against llama.cpp` runs
+#                                (harness.sh; unset: newest where its build exists). Measurements wait for the newest
+#                                build unless it is pinned; results already in WORK are kept: RERUN=1 to redo them
+#   AGAINST_LENGTHS              llama.cpp's draft lengths to search (`--against-lengths`; unset: the preset's 2-6)
 #   JOBS [nproc]  FORCE_BUILD  SKIP_BUILD  SKIP_WRITE  SKIP_LLAMA_BENCH  SKIP_LOCALSPEC  SKIP_WIDTHS
 #   SKIP_LLAMA [0]               1 = `localspec bench` without --against llama.cpp
 #   KEEP_MODELS [0]              keep each target after its pairs' runs (else deleted when the disk is short)
@@ -54,6 +60,9 @@ BUILD_SERVER="${BUILD_SERVER:-1}"
 KEEP_MODELS="${KEEP_MODELS:-0}"
 SRC="$WORK/llama.cpp"
 BUILD="$WORK/build"
+NEWEST="${NEWEST:-1}"
+SRC_NEWEST="$WORK/llama.cpp-newest"
+BUILD_NEWEST="$WORK/build-newest"  # its tools land in BIN_NEWEST (harness.sh)
 PYDIR="$WORK/pyenv"
 results_in "$WORK/results"
 STEPS="$RES/steps.tsv"
@@ -156,51 +165,103 @@ for p in "${PAIRS[@]}"; do
 done
 
 # -- build ---------------------------------------------------------------------------------------------------------
+# Two llama.cpp builds, with the same flags: WORK/build from the pinned source (the library localspec loads, and the
+# tools of the same commit) and WORK/build-newest from the newest source carried (llama.cpp-newest.tar.gz), the
+# yardstick that `--against llama.cpp` runs unless LLAMA_YARDSTICK=pinned (harness.sh's `yardstick`).
 have_bins() { [[ -x "$BIN/llama-bench" && -x "$BIN/llama-speculative-simple" && -e "$BIN/libllama.so" ]]; }
-build() {
+# build_tree ARCHIVE SRC BUILD LOG_SUFFIX [CMAKE_FLAGS...]: ARCHIVE unpacked into SRC (again when it changed), then
+# configured and its tools built in BUILD; logs RES/cmake-configure<SUFFIX>.log and RES/cmake-build<SUFFIX>.log.
+build_tree() {
     set -e
-    if [[ "$(cat "$SRC/.stamp" 2>/dev/null)" != "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]; then
-        rm -rf "$SRC" "$BUILD" && mkdir -p "$SRC"
-        tar -C "$SRC" --strip-components=1 -xzf "$CARRY/llama.cpp.tar.gz"
-        sum_of "$CARRY/llama.cpp.tar.gz" > "$SRC/.stamp"
+    local archive="$1" src="$2" build="$3" suffix="$4"; shift 4
+    if [[ "$(cat "$src/.stamp" 2>/dev/null)" != "$(sum_of "$archive")" ]]; then
+        rm -rf "$src" "$build" && mkdir -p "$src"
+        tar -C "$src" --strip-components=1 -xzf "$archive"
+        sum_of "$archive" > "$src/.stamp"
     fi
     local flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-        -DGGML_CCACHE=OFF)
+        -DGGML_CCACHE=OFF "$@")
     if [[ "$CUDA" == 1 ]]; then
         flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
     else  # CPU dry run: a portable AVX2 build (native builds have crashed on AMX machines)
         flags+=(-DGGML_CUDA=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
     fi
     # (Re)configure a build dir from before llama-server was built (LLAMA_BUILD_SERVER=OFF in its cache).
-    if [[ ! -f "$BUILD/build.ninja" ]] || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$BUILD/CMakeCache.txt"; then
-        cmake -S "$SRC" -B "$BUILD" "${flags[@]}" > "$RES/cmake-configure.log" 2>&1
+    if [[ ! -f "$build/build.ninja" ]] || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$build/CMakeCache.txt"; then
+        cmake -S "$src" -B "$build" "${flags[@]}" > "$RES/cmake-configure$suffix.log" 2>&1
     fi
-    # libllama.so and libggml*.so are dependencies of the tools, so they land in $BIN too. `-k 0`: a failing
+    # libllama.so and libggml*.so are dependencies of the tools, so they land in its bin/ too. `-k 0`: a failing
     # llama-server (only concurrency.sh needs it) does not stop the other two from building.
     local targets=(llama-bench llama-speculative-simple); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)
-    cmake --build "$BUILD" --target "${targets[@]}" -j "$JOBS" -- -k 0 > "$RES/cmake-build.log" 2>&1
+    cmake --build "$build" --target "${targets[@]}" -j "$JOBS" -- -k 0 > "$RES/cmake-build$suffix.log" 2>&1
 }
-export -f build sum_of
-export SRC BUILD CARRY CUDA JOBS RES BUILD_SERVER
-build_current() {
-    have_bins && { [[ "$BUILD_SERVER" != 1 ]] || [[ -x "$BIN/llama-server" ]]; } \
-        && [[ "$(cat "$SRC/.stamp" 2>/dev/null)" == "$(sum_of "$CARRY/llama.cpp.tar.gz")" ]]
+build() { build_tree "$CARRY/llama.cpp.tar.gz" "$SRC" "$BUILD" ""; }
+# The newest source has no .git: its build number and commit (MANIFEST.txt) are given to CMake, so its tools'
+# --version names them as an upstream build does ("version: 11549 (<commit>)").
+build_newest() {
+    build_tree "$CARRY/llama.cpp-newest.tar.gz" "$SRC_NEWEST" "$BUILD_NEWEST" "-newest" \
+        -DLLAMA_BUILD_NUMBER="$(manifest newest-build 0)" -DLLAMA_BUILD_COMMIT="$(manifest newest-commit unknown)"
 }
-if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current; }; then
+manifest() { local v; v="$(sed -n "s/^$1: //p" "$CARRY/MANIFEST.txt" 2>/dev/null | head -1)"; echo "${v:-$2}"; }
+export -f build build_tree build_newest manifest sum_of
+export SRC BUILD SRC_NEWEST BUILD_NEWEST CARRY CUDA JOBS RES BUILD_SERVER
+build_current() {  # build_current BIN SRC ARCHIVE
+    [[ -x "$1/llama-bench" && -x "$1/llama-speculative-simple" && -e "$1/libllama.so" ]] \
+        && { [[ "$BUILD_SERVER" != 1 ]] || [[ -x "$1/llama-server" ]]; } \
+        && [[ "$(cat "$2/.stamp" 2>/dev/null)" == "$(sum_of "$3")" ]]
+}
+if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current "$BIN" "$SRC" "$CARRY/llama.cpp.tar.gz"; }; then
     log "build: reusing $BIN"
 elif ! run build 200 build; then
     log "build failed: $(tail -20 "$RES/cmake-build.log" 2>/dev/null || tail -20 "$RES/cmake-configure.log")"
 fi
 have_bins || { log "no llama.cpp binaries in $BIN: stopping"; wait; finish; exit 1; }
 ls -l "$BIN" > "$RES/bin-ls.txt" 2>&1
+# The newest llama.cpp, when carried (NEWEST=0: not built; measurements then compare with the pinned build).
+WANT_NEWEST=0
+[[ "$NEWEST" == 1 && -f "$CARRY/llama.cpp-newest.tar.gz" && "${LLAMA_YARDSTICK:-}" != pinned ]] && WANT_NEWEST=1
+if (( WANT_NEWEST )); then
+    if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] \
+            && build_current "$BIN_NEWEST" "$SRC_NEWEST" "$CARRY/llama.cpp-newest.tar.gz"; }; then
+        log "build-newest: reusing $BIN_NEWEST"
+    elif ! run build-newest 200 build_newest; then
+        log "build-newest failed or ran out of time: $(tail -5 "$RES/cmake-build-newest.log" 2>/dev/null \
+            || tail -5 "$RES/cmake-configure-newest.log")"
+    fi
+fi
 use_build  # now with the build's libllama
+if (( WANT_NEWEST )) && [[ ! -x "$BIN_NEWEST/llama-speculative-simple" ]]; then
+    # Never a silent fallback: results measured against the pinned build would be kept and skipped later.
+    log "the newest llama.cpp is not built yet ($BIN_NEWEST): measuring nothing in this call; the next call" \
+        "resumes its build (LLAMA_YARDSTICK=pinned or NEWEST=0 compares with the pinned build instead)"
+    wait; finish; exit 0
+fi
+yardstick || { log "no llama.cpp to compare with: stopping"; wait; finish; exit 1; }
+log "yardstick: $YARDSTICK llama.cpp ($("$YARDSTICK_BIN/llama-speculative-simple" --version 2>&1 | grep -m1 '^version:'))"
 
 write_prompts "$RES/prompts" || { log "no prompts written: stopping"; finish; exit 1; }
 
 NGL=99
 
 # -- one pair ------------------------------------------------------------------------------------------------------
+# against_need TEMP REPEAT: seconds one `localspec bench --against llama.cpp` needs on the H200: localspec's runs
+# (~12 s a repetition at 256 tokens), then llama.cpp's first pass (every configuration once: each draft length, both
+# draft sampling modes at T > 0, host and backend sampling; ~5 s a prompt, a model load each) and its two finalists'
+# repetitions.
+n_lengths() {  # n_lengths [LENGTHS]: how many draft lengths "2-6" or "2,4,6" names (the preset's 2-6 when unset)
+    local part n=0
+    for part in ${1//,/ }; do
+        if [[ "$part" == *-* ]]; then n=$(( n + ${part#*-} - ${part%-*} + 1 )); else n=$(( n + 1 )); fi
+    done
+    echo $(( n > 0 ? n : 5 ))
+}
+against_need() {
+    local configs=$(( $(n_lengths "${AGAINST_LENGTHS:-}") * 2 ))
+    [[ "$1" != 0 ]] && configs=$(( configs * 2 ))
+    (( configs <= 2 )) && configs=0  # two configurations or fewer: no first pass
+    echo $(( 20 + 12 * $2 + 5 * 3 * configs + 5 * 3 * 2 * $2 ))
+}
 done_ok() { [[ -s "$1" ]]; }
 measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench, then `localspec bench --against`
     local name="$1" T="$2" DR="$3" temps="$4" repeat="$5"
@@ -215,12 +276,16 @@ measure_pair() {  # measure_pair NAME TARGET DRAFT TEMPS REPEAT: llama-bench, th
     # The comparison is the product's own: llama.cpp's loop on the same prompt tokens after localspec's runs
     # (localspec.sessions.versus), each of its runs a process that loads the pair again: 5-8 s a prompt on the H200, two
     # sampling modes, three prompts; localspec's own runs ~12 s a repetition at 256 tokens.
-    local against=(--against llama.cpp --llama-bin "$BIN") need=$(( 20 + 55 * repeat ))
-    [[ "${SKIP_LLAMA:-0}" == 1 ]] && { against=(); need=$(( 20 + 12 * repeat )); }
+    # The yardstick's tools (harness.sh's `yardstick`: the newest build unless LLAMA_YARDSTICK=pinned); its search
+    # over draft lengths and draft sampling runs each configuration once, then the two fastest `repeat` times.
+    # shellcheck disable=SC2086  # AGAINST_LENGTHS is one word
+    local against=(--against llama.cpp --llama-bin "$YARDSTICK_BIN" ${AGAINST_LENGTHS:+--against-lengths "$AGAINST_LENGTHS"})
     local temp
     for temp in $temps; do
         local json="$D/localspec-t$temp.json"
         done_ok "$json" && continue
+        local need; need=$(against_need "$temp" "$repeat")
+        [[ "${SKIP_LLAMA:-0}" == 1 ]] && { against=(); need=$(( 20 + 12 * repeat )); }
         # Exit 1: its greedy check failed; 2: llama.cpp did not run (the JSON says why either way): keep going.
         # --raw: the prompts as plain text, as llama-speculative-simple reads them (no chat template there).
         # shellcheck disable=SC2086  # LOCALSPEC_ARGS is a word list on purpose

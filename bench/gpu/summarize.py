@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,30 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
 
 def llama_modes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """llama.cpp's side of one `localspec bench --against llama.cpp` run (its JSON's `against` section, written by
-    localspec.sessions.versus): per sampling mode ("host", "backend"), the median tok/s over complete repetitions,
-    min, max, acceptance and the repetitions counted."""
-    return {m["mode"]: {"median": m["median_tps"], "min": m["min_tps"], "max": m["max_tps"],
-                        "acceptance": m["acceptance_rate"], "runs": m["runs"]}
+    localspec.sessions.versus): per configuration that ran the full repeats (its label, "k=4 probabilistic-draft
+    backend"; a run from before the draft-length search: its sampling mode, "host" or "backend"), the median tok/s
+    over complete repetitions, min, max, acceptance, the repetitions counted and its sampling mode."""
+    return {m.get("label") or m["mode"]: {"median": m["median_tps"], "min": m["min_tps"], "max": m["max_tps"],
+                                          "acceptance": m["acceptance_rate"], "runs": m["runs"], "sampling": m["mode"]}
             for m in (doc.get("against") or {}).get("modes", [])}
+
+
+def fastest(llama: dict[str, dict[str, Any]], sampling: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The fastest of `llama_modes`' configurations with that sampling mode (None: any): (its name, its figures)."""
+    found = [(k, c) for k, c in llama.items() if c.get("median") and sampling in (None, c["sampling"])]
+    return max(found, key=lambda kc: kc[1]["median"], default=None)
+
+
+def llama_build(against: dict[str, Any]) -> str | None:
+    """Which llama.cpp the row was compared against: "b11549" (its build number; with the commit where known),
+    else its version line as printed, else None."""
+    build, commit = against.get("build"), against.get("commit")
+    if build is None:
+        found = re.search(r"version:\s*(\d+)\s*\(([^)]*)\)", against.get("version") or "")
+        build, commit = (int(found.group(1)), found.group(2)) if found else (None, None)
+    if build is None:
+        return against.get("version") or None
+    return f"b{build}" + (f" ({commit})" if commit and commit != "unknown" else "")
 
 
 def fidelity(check: dict[str, Any], against: dict[str, Any]) -> dict[str, Any]:
@@ -56,12 +76,12 @@ def fidelity(check: dict[str, Any], against: dict[str, Any]) -> dict[str, Any]:
         "invariant_holds": check["invariant_holds"], "exact": check["exact"],
         "prompts": {name: {"first_divergence": p["first_divergence"], "plain_margin": p["plain_margin"],
                            "spec_margin": p["spec_margin"]} for name, p in prompts.items()}}}
-    for mode in ("host", "backend"):
+    # per sampling mode ("host", "backend") or, since the draft-length search, per finalist ("k=4 greedy-draft host")
+    for mode in dict.fromkeys(g["mode"] for g in against.get("greedy", [])):
         per_prompt = {g["prompt"]: {"first_divergence": g["first_divergence"], "plain_margin": g["plain_margin"],
                                     "same_text_every_run": g["same_every_run"]}
                       for g in against.get("greedy", []) if g["mode"] == mode}
-        if per_prompt:
-            result[f"llama_cpp_{mode}"] = {"prompts": per_prompt}
+        result[f"llama_cpp_{mode}"] = {"prompts": per_prompt}
     for entry in result.values():
         p = entry["prompts"]
         entry["diverged"] = sum(v["first_divergence"] is not None for v in p.values())
@@ -123,14 +143,19 @@ def summarize(res: Path) -> dict[str, Any]:
             temp = f"{float(js.stem.removeprefix('localspec-t')):g}"
             ls_plain, ls_spec = doc["plain"], doc["speculative"]
             llama = llama_modes(doc)
-            host, backend = llama.get("host"), llama.get("backend")
-            faster = max((c for c in (host, backend) if c and c.get("median")), key=lambda c: c["median"],
-                         default=None)
+            against = doc.get("against") or {}
+            # the faster finalist of each sampling mode (a run from before the search: that mode's result)
+            host, backend, best = fastest(llama, "host"), fastest(llama, "backend"), fastest(llama, None)
+            host, backend = (host or (None, None))[1], (backend or (None, None))[1]
+            faster = best[1] if best else None
             pair["temps"][temp] = {
                 "localspec_plain": ls_plain, "localspec_spec": ls_spec, "llama_cpp_host": host,
                 "llama_cpp_backend": backend, "llama_cpp_error": (doc.get("against") or {}).get("error"),
                 "ratio_vs_llama_cpp": ls_spec["median_tps"] / faster["median"] if faster else None,
-                "llama_cpp_faster": ("host" if faster is host else "backend") if faster else None,
+                "llama_cpp_faster": best[0] if best else None,
+                "llama_cpp_build": llama_build(against) if against and "error" not in against else None,
+                "llama_cpp_first_pass": {m.get("label") or m["mode"]: m["median_tps"]
+                                         for m in (against.get("search") or {}).get("first_pass", [])},
                 "ratio_plain_vs_llama_bench": ls_plain["median_tps"] / tg if tg else None,
                 "speedup_vs_plain": doc.get("speedup"),
                 "profile": round_profile(doc),
@@ -222,7 +247,7 @@ def _llama(c: dict[str, Any] | None) -> str:
 
 def tables(result: dict[str, Any]) -> str:
     rows = [("pair", "T", "bench tg", "ls plain", "ls spec (acc)", "host", "llama.cpp host", "llama.cpp backend",
-             "ls/llama.cpp", "plain/bench")]
+             "ls/llama.cpp", "llama.cpp build, best config", "plain/bench")]
     for name, pair in result["pairs"].items():
         tg = (pair["llama_bench"].get("target") or {}).get("tok_s")
         for temp, r in pair["temps"].items():
@@ -230,10 +255,20 @@ def tables(result: dict[str, Any]) -> str:
             rows.append((name, temp, _f(tg), _f(lp["median_tps"]),
                          f"{ls['median_tps']:.1f} ({ls['acceptance_rate']:.0%})", _f(ls["host_fraction"], "{:.1%}"),
                          _llama(r["llama_cpp_host"]), _llama(r["llama_cpp_backend"]),
-                         _f(r["ratio_vs_llama_cpp"], "{:.2f}x"), _f(r["ratio_plain_vs_llama_bench"], "{:.3f}")))
+                         _f(r["ratio_vs_llama_cpp"], "{:.2f}x"),
+                         f"{r.get('llama_cpp_build') or '—'}, {r.get('llama_cpp_faster') or '—'}",
+                         _f(r["ratio_plain_vs_llama_bench"], "{:.3f}")))
     out = [_table(rows) if len(rows) > 1 else "(no localspec results)"]
-    out.append("tok/s, medians; llama.cpp: median [min-max] (acceptance, complete runs); ls/llama.cpp = localspec "
-               "speculative / the faster llama.cpp column; host = localspec's share of a round outside llama_decode")
+    out.append("tok/s, medians; llama.cpp: median [min-max] (acceptance, complete runs) of the faster finalist with "
+               "that sampling; ls/llama.cpp = localspec speculative / the faster llama.cpp column; llama.cpp build = "
+               "the llama.cpp compared against (its build number), best config = its faster finalist (draft length, "
+               "draft sampling, sampling); host = localspec's share of a round outside llama_decode")
+    firsts = [f"{name} T={temp}: llama.cpp's first pass (one repetition each, tok/s): "
+              + ", ".join(f"{label} {tps:.1f}" for label, tps in sorted(r["llama_cpp_first_pass"].items(),
+                                                                         key=lambda lt: -lt[1]))
+              for name, pair in result["pairs"].items() for temp, r in pair["temps"].items()
+              if r.get("llama_cpp_first_pass")]
+    out += firsts
     out += [f"{name} T={temp}: llama.cpp did not run: {r['llama_cpp_error']}" for name, pair in result["pairs"].items()
             for temp, r in pair["temps"].items() if r.get("llama_cpp_error")]
 

@@ -1,14 +1,21 @@
 """`localspec bench --against llama.cpp`: llama.cpp's own speculative loop, `llama-speculative-simple`, on the same
-model files, prompt tokens, draft length, token count and sampling as the bench that just ran, as data: its runs,
-their medians, the ratio to localspec's speculative median, and where its greedy text leaves plain decoding's.
+model files, prompt tokens, token count and sampling as the bench that just ran, in its fastest configuration, as
+data: its runs, their medians, the ratio to localspec's speculative median, and where its greedy text leaves plain
+decoding's.
 
 llama-speculative-simple decodes one prompt per process (a model load each time; its decode timer starts after the
 load and the prompt), prints the prompt and the generated text on stdout and its timings on stderr. It has no chat
 template, so each prompt is written as the text localspec's target reads, with one extra trailing newline because
-its `-f` drops one, and the prompt tokens it reports are checked against localspec's. On a GPU it runs with its
-sampling on the host and with `--backend-sampling`, and the faster one is the comparison, as the GPU benchmarks have
-always compared. Runs alternate modes across repetitions; a repetition's tok/s is all its prompts' tokens over all
-their decode seconds, the same measure as a bench run.
+its `-f` drops one, and the prompt tokens it reports are checked against localspec's.
+
+It runs in every configuration it has, and the fastest is the comparison: each draft length of
+`bench.against_lengths` (llama.cpp's own default is 3), at T > 0 each of its draft sampling modes where it has
+`--spec-draft-sampling` (greedy: the draft's argmax, accepted where the target's sample matches; probabilistic: the
+draft sampled, rejection sampling on the target), and on a GPU its sampling on the host and with
+`--backend-sampling`. Every run loads the models again, so the search has two stages: one repetition of every
+configuration over the prompts, then the bench's full repeats of the two fastest, alternating; the faster
+finalist's median is the comparison. A repetition's tok/s is all its prompts' tokens over all their decode seconds,
+the same measure as a bench run.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localspec.config import DRAFTER_TABLE
+from localspec.config import DRAFTER_TABLE, parse_draft_lengths
 from localspec.drafters import LLAMA_SERVER_TYPES
 from localspec.errors import LocalspecError, UsageError
 from localspec.sessions.bench import RunDone
@@ -41,6 +49,12 @@ LLAMA_CPP = "llama.cpp"  # `--against`'s one choice besides none
 TOOL = "llama-speculative-simple"
 BIN_ENV = "LOCALSPEC_LLAMA_BIN"  # where to look when neither --llama-bin nor the preset's bench.llama_bin says
 HOST, BACKEND = "host", "backend"  # llama.cpp's sampling: on the CPU after each decode, or in the device graph
+# How its draft is sampled (`--spec-draft-sampling`, in llama.cpp since b11368 or so): its argmax, the target's sample
+# accepted where it matches; or sampled, the target verifying by rejection sampling. A build without the option
+# drafts greedily.
+DRAFT_SAMPLING_FLAG = "--spec-draft-sampling"
+GREEDY_DRAFT, PROBABILISTIC_DRAFT = "greedy", "probabilistic"
+FINALISTS = 2  # configurations the first pass keeps for the full repeats
 INSTALL = (f"build llama.cpp's {TOOL} (cmake -B build && cmake --build build --target {TOOL}) and pass "
            f"--llama-bin build/bin, set {BIN_ENV}, or put it on PATH")
 PROBE_TIMEOUT_S = 60
@@ -49,6 +63,7 @@ PROBE_TIMEOUT_S = 60
 TOOL_SPEC_TYPES = ("draft-simple", "draft-mtp")
 SPEC_TYPES = {name: spec for spec, name in LLAMA_SERVER_TYPES.items() if spec in TOOL_SPEC_TYPES}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_VERSION = re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)")
 _TIMINGS = {
     "encoded": re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
     "decoded": re.compile(r"decoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds"),
@@ -116,6 +131,17 @@ class Tool:
     path: Path
     version: str  # its --version line ("version: 1 (abc123)"), or "" when it printed none
     backend_sampling: bool  # it has --backend-sampling
+    draft_sampling: bool = False  # it has --spec-draft-sampling (greedy or probabilistic drafts)
+
+    @property
+    def build(self) -> tuple[int | None, str | None]:
+        return version_build(self.version)
+
+
+def version_build(version: str) -> tuple[int | None, str | None]:
+    """The build number and commit a --version line names ("version: 11549 (8f2c1a0)"); None where unknown."""
+    found = _VERSION.search(version)
+    return (int(found.group(1)), found.group(2)) if found else (None, None)
 
 
 def find_tool(given: str = "", env: dict[str, str] | None = None) -> Path:
@@ -155,7 +181,8 @@ def probe_tool(path: Path, spec_type: str = TOOL_SPEC_TYPES[0]) -> Tool:
                          f"llama.cpp, or not the tool: {last}); build a current llama.cpp")
     version = next((line.strip() for line in (versioned.stderr + versioned.stdout).splitlines()
                     if line.strip().startswith("version:")), "")
-    return Tool(path=path, version=version, backend_sampling="--backend-sampling" in usage)
+    return Tool(path=path, version=version, backend_sampling="--backend-sampling" in usage,
+                draft_sampling=DRAFT_SAMPLING_FLAG in usage)
 
 
 def _last_line(text: str) -> str:
@@ -174,6 +201,21 @@ class LlamaPrompt:
 
 
 @dataclass(frozen=True)
+class Config:
+    """One way llama.cpp's loop can run: its draft length, how it samples the draft, where it samples."""
+
+    n_draft: int
+    draft_sampling: str | None  # GREEDY_DRAFT or PROBABILISTIC_DRAFT; None: a build without the option (greedy)
+    mode: str  # HOST or BACKEND
+
+    @property
+    def label(self) -> str:
+        """How the comparison names it, e.g. `k=4 probabilistic-draft backend` (the view adds " sampling")."""
+        drafts = f" {self.draft_sampling}-draft" if self.draft_sampling else ""
+        return f"k={self.n_draft}{drafts} {self.mode}"
+
+
+@dataclass(frozen=True)
 class Plan:
     tool: Tool
     target: Path
@@ -183,9 +225,18 @@ class Plan:
     prompts: tuple[LlamaPrompt, ...]
     modes: tuple[str, ...]
     extra: tuple[str, ...] = ()  # more of the tool's options (bench/structured.py: --grammar-file)
+    lengths: tuple[int, ...] = ()  # its draft lengths to try (): the preset's draft length
+    draft_samplings: tuple[str | None, ...] = (None,)  # its draft sampling modes to try (None: leave the option out)
 
-    def command(self, prompt_file: Path, mode: str) -> list[str]:
-        """The tool's command line for one prompt: the bench's files, lengths, context, threads and sampling."""
+    @property
+    def configs(self) -> tuple[Config, ...]:
+        """Every (draft length, draft sampling, sampling mode) the tool runs here."""
+        lengths = self.lengths or (self.preset.draft.n_draft,)
+        return tuple(Config(n, ds, mode) for n in lengths for ds in self.draft_samplings for mode in self.modes)
+
+    def command(self, prompt_file: Path, config: Config) -> list[str]:
+        """The tool's command line for one prompt: the bench's files, context, threads and sampling, and the
+        configuration's draft length, draft sampling and sampling mode."""
         s, d, load = self.preset.sampling, self.preset.draft, self.preset.load
         layers = lambda n: "all" if n < 0 else str(n)  # noqa: E731 -- localspec's -1 is llama.cpp's "all"
         cmd = [str(self.tool.path), "-m", str(self.target), "-ngl", layers(load.n_gpu_layers),
@@ -199,16 +250,26 @@ class Plan:
                "--top-p", f"{s.top_p:g}", "--min-p", f"{s.min_p:g}", "--repeat-penalty", f"{s.repeat_penalty:g}",
                "--repeat-last-n", str(s.repeat_last_n), "--presence-penalty", f"{s.presence_penalty:g}",
                "--frequency-penalty", f"{s.frequency_penalty:g}",
-               "--spec-type", SPEC_TYPES[d.drafter], "--spec-draft-n-max", str(d.n_draft), "--spec-draft-n-min", "0",
-               "--spec-draft-p-min", f"{d.p_min:g}"]
+               "--spec-type", SPEC_TYPES[d.drafter], "--spec-draft-n-max", str(config.n_draft),
+               "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{d.p_min:g}"]
+        if config.draft_sampling is not None:
+            cmd += [DRAFT_SAMPLING_FLAG, config.draft_sampling]
         if load.split_mode != "layer" or load.tensor_split or load.main_gpu:
             cmd += ["-sm", load.split_mode, "-mg", str(load.main_gpu)]
             cmd += ["-ts", load.tensor_split] if load.tensor_split else []
         if load.rpc:
             cmd += ["--rpc", load.rpc]
-        if mode == BACKEND:
+        if config.mode == BACKEND:
             cmd.append("--backend-sampling")
         return cmd + list(self.extra)
+
+
+def draft_samplings(tool: Tool, temperature: float) -> tuple[str | None, ...]:
+    """The tool's draft sampling modes worth comparing: both at T > 0 where it has the option; greedy at T = 0
+    (both draft the argmax there); none named where it lacks the option (its draft is greedy)."""
+    if not tool.draft_sampling:
+        return (None,)
+    return (GREEDY_DRAFT, PROBABILISTIC_DRAFT) if temperature > 0 else (GREEDY_DRAFT,)
 
 
 def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None:
@@ -230,17 +291,20 @@ def check_comparable(preset: Preset, has_draft_model: bool, sweep: bool) -> None
 
 def plan(session: Session, preset: Preset, tool: Tool, prompts: list[BenchPrompt] | None, raw: bool) -> Plan:
     """The prompts as llama.cpp must read them to see localspec's tokens: the rendered text, without a BOS the
-    template wrote where llama.cpp adds one itself."""
+    template wrote where llama.cpp adds one itself; every draft length of `bench.against_lengths` and draft
+    sampling mode the tool has."""
     from localspec.sessions.bench import render_prompts
 
     texts = [llama_prompt(session, name, text, tokens) for name, text, tokens in render_prompts(session, prompts, raw)]
-    return plan_for(session, preset, tool, texts)
+    return dataclasses.replace(plan_for(session, preset, tool, texts),
+                               lengths=parse_draft_lengths(preset.bench.against_lengths),
+                               draft_samplings=draft_samplings(tool, preset.sampling.temperature))
 
 
 def plan_for(session: Session, preset: Preset, tool: Tool, prompts: list[LlamaPrompt],
              extra: tuple[str, ...] = ()) -> Plan:
-    """The tool's runs of `prompts` on the session's files, threads and devices: host sampling, and on a GPU
-    device sampling too."""
+    """The tool's runs of `prompts` on the session's files, threads and devices at the preset's draft length:
+    host sampling, and on a GPU device sampling too."""
     target = session.target
     uses_draft = session.draft is not None and DRAFTER_TABLE[preset.draft.drafter].needs_draft_model
     draft = session.draft.path if uses_draft else None
@@ -265,32 +329,42 @@ def llama_prompt(session: Session, name: str, text: str, tokens: list[int]) -> L
 @dataclass(frozen=True)
 class LlamaRun:
     prompt: str
-    mode: str
+    config: Config
     repetition: int
     timings: Timings
     text: str | None = field(repr=False)  # the generated text (None: the prompt was not found on stdout)
 
+    @property
+    def mode(self) -> str:
+        """Its sampling mode (host or backend)."""
+        return self.config.mode
+
     def as_dict(self) -> dict[str, Any]:
-        t = self.timings
-        return {"prompt": self.prompt, "mode": self.mode, "repetition": self.repetition,
-                "prompt_tokens": t.prompt_tokens, "tokens": t.tokens, "seconds": t.seconds, "drafted": t.drafted,
-                "accepted": t.accepted, "text": self.text}
+        t, c = self.timings, self.config
+        return {"prompt": self.prompt, "mode": c.mode, "n_draft": c.n_draft, "draft_sampling": c.draft_sampling,
+                "repetition": self.repetition, "prompt_tokens": t.prompt_tokens, "tokens": t.tokens,
+                "seconds": t.seconds, "drafted": t.drafted, "accepted": t.accepted, "text": self.text}
 
 
 @dataclass(frozen=True)
-class ModeResult:
-    mode: str
+class ConfigResult:
+    config: Config
     runs: int  # complete repetitions (every prompt once)
     median_tps: float
     min_tps: float
     max_tps: float
     acceptance_rate: float | None  # accepted over drafted, all runs (None: nothing drafted)
 
+    @property
+    def mode(self) -> str:
+        """The configuration as the comparison names it (`k=3 greedy-draft host`)."""
+        return self.config.label
+
     @classmethod
-    def of(cls, mode: str, runs: list[LlamaRun], prompts: int) -> ModeResult | None:
+    def of(cls, config: Config, runs: list[LlamaRun], prompts: int) -> ConfigResult | None:
         by_rep: dict[int, list[LlamaRun]] = {}
         for run in runs:
-            if run.mode == mode:
+            if run.config == config:
                 by_rep.setdefault(run.repetition, []).append(run)
         complete = [rep for rep in by_rep.values() if len(rep) == prompts]
         tps = [sum(r.timings.tokens for r in rep) / s for rep in complete
@@ -299,8 +373,14 @@ class ModeResult:
             return None
         drafted = sum(r.timings.drafted for rep in complete for r in rep)
         accepted = sum(r.timings.accepted for rep in complete for r in rep)
-        return cls(mode=mode, runs=len(tps), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
-                   acceptance_rate=accepted / drafted if drafted else None)
+        return cls(config=config, runs=len(tps), median_tps=statistics.median(tps), min_tps=min(tps),
+                   max_tps=max(tps), acceptance_rate=accepted / drafted if drafted else None)
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {"mode": c.mode, "n_draft": c.n_draft, "draft_sampling": c.draft_sampling, "label": c.label,
+                "runs": self.runs, "median_tps": self.median_tps, "min_tps": self.min_tps, "max_tps": self.max_tps,
+                "acceptance_rate": self.acceptance_rate}
 
 
 @dataclass(frozen=True)
@@ -308,7 +388,7 @@ class GreedyMatch:
     """At temperature 0: where llama.cpp's greedy text of a prompt leaves localspec's plain decoding."""
 
     prompt: str
-    mode: str
+    mode: str  # the configuration, as ConfigResult.mode names it
     first_divergence: int | None  # the plain token where it first differs; None: the same text
     plain_margin: float | None  # plain decoding's top-1 minus top-2 logit there: how close the call was
     same_every_run: bool
@@ -318,108 +398,167 @@ class GreedyMatch:
 class Comparison:
     tool: str
     version: str
-    command: list[str]  # the command line in the first mode, PROMPT.txt for each prompt's file, for the record
+    command: list[str]  # the best configuration's command line, PROMPT.txt for each prompt's file, for the record
     temperature: float
-    modes: list[ModeResult]
+    modes: list[ConfigResult]  # the finalists' full repeats
     localspec_tps: float  # localspec's speculative median, same prompts
-    runs: list[LlamaRun]
+    runs: list[LlamaRun]  # the finalists' full repeats
     greedy: list[GreedyMatch]
     warnings: list[str]
+    first_pass: list[ConfigResult] = field(default_factory=list)  # every configuration once ([]: no first pass)
+    first_pass_runs: list[LlamaRun] = field(default_factory=list)
+    lengths: tuple[int, ...] = ()
+    draft_samplings: tuple[str | None, ...] = (None,)
+    has_draft_sampling: bool = False  # the tool has --spec-draft-sampling (a probabilistic draft)
 
     @property
-    def best(self) -> ModeResult | None:
+    def best(self) -> ConfigResult | None:
         return max(self.modes, key=lambda m: m.median_tps, default=None)
 
     @property
     def ratio(self) -> float | None:
-        """localspec's speculative median over llama.cpp's faster mode's."""
+        """localspec's speculative median over llama.cpp's faster finalist's."""
         best = self.best
         return self.localspec_tps / best.median_tps if best and best.median_tps else None
 
     def as_json(self) -> dict[str, Any]:
         best = self.best
-        return {"against": LLAMA_CPP, "tool": self.tool, "version": self.version, "command": self.command,
-                "temperature": self.temperature, "modes": [dataclasses.asdict(m) for m in self.modes],
-                "best_mode": best.mode if best else None, "localspec_tps": self.localspec_tps, "ratio": self.ratio,
+        build, commit = version_build(self.version)
+        return {"against": LLAMA_CPP, "tool": self.tool, "version": self.version, "build": build, "commit": commit,
+                "command": self.command, "temperature": self.temperature,
+                "search": {"lengths": list(self.lengths), "draft_sampling": list(self.draft_samplings),
+                           "probabilistic_draft": self.has_draft_sampling,
+                           "first_pass": [m.as_dict() for m in self.first_pass],
+                           "finalists": [m.config.label for m in self.modes]},
+                "modes": [m.as_dict() for m in self.modes],
+                "best_mode": best.config.mode if best else None,
+                "best": best.as_dict() if best else None, "localspec_tps": self.localspec_tps, "ratio": self.ratio,
                 "greedy": [dataclasses.asdict(g) for g in self.greedy], "warnings": self.warnings,
-                "runs": [r.as_dict() for r in self.runs]}
+                "runs": [r.as_dict() for r in self.runs],
+                "first_pass_runs": [r.as_dict() for r in self.first_pass_runs]}
+
+
+ModeResult = ConfigResult  # (its name before draft lengths and draft sampling joined the sampling mode)
 
 
 def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
                 timeout_s: float | None = None) -> Iterator[RunDone[LlamaRun] | Comparison]:
-    """`repeat` repetitions (the bench's) of every prompt in each mode, modes alternating; then the comparison.
+    """Every configuration once over the prompts (the first pass), then the bench's `repeat` repetitions of the
+    FINALISTS fastest, alternating; then the comparison. With FINALISTS configurations or fewer there is no first
+    pass: all of them run the full repeats.
 
     Run after localspec's session has closed: on a 24 GB card the two loops' models do not fit together."""
     if timeout_s is None:  # a generous multiple of what localspec's plain decoding took, plus loading
         slowest = max(report.plain.min_tps, 1e-3)
         timeout_s = 120.0 + 20.0 * plan.preset.bench.max_tokens / slowest
+    repeat = repeat or plan.preset.bench.repeat
+    configs, prompts = plan.configs, len(plan.prompts)
+    searched = len(configs) > FINALISTS
+    total = (len(configs) * prompts if searched else 0) + min(FINALISTS, len(configs)) * repeat * prompts
+    first_runs: list[LlamaRun] = []
     runs: list[LlamaRun] = []
-    for done in run_prompts(plan, repeat or plan.preset.bench.repeat, timeout_s):
-        runs.append(done.result)
-        yield done
-    yield compare(plan, report, runs, plan.command(Path("PROMPT.txt"), plan.modes[0]))
+    with _prompt_files(plan) as files:
+        finalists = configs
+        if searched:
+            for done in _runs(plan, files, configs, 1, timeout_s, 0, total):
+                first_runs.append(done.result)
+                yield done
+            ranked = sorted((r for c in configs if (r := ConfigResult.of(c, first_runs, prompts)) is not None),
+                            key=lambda r: r.median_tps, reverse=True)
+            finalists = tuple(r.config for r in ranked[:FINALISTS])
+        for done in _runs(plan, files, finalists, repeat, timeout_s, len(first_runs), total):
+            runs.append(done.result)
+            yield done
+    yield compare(plan, report, runs, first_runs)
 
 
 def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[RunDone[LlamaRun]]:
-    """Every prompt once per mode and repetition, the modes' order alternating between repetitions."""
-    total = repeat * len(plan.modes) * len(plan.prompts)
-    done = 0
+    """Every prompt once per configuration and repetition, the configurations' order alternating between
+    repetitions."""
+    configs = plan.configs
+    with _prompt_files(plan) as files:
+        yield from _runs(plan, files, configs, repeat, timeout_s, 0, repeat * len(configs) * len(plan.prompts))
+
+
+@contextmanager
+def _prompt_files(plan: Plan) -> Iterator[dict[str, Path]]:
+    """Each prompt in a file of its own for the tool's -f, for as long as the runs last."""
     with tempfile.TemporaryDirectory(prefix="localspec-llama-") as folder:
         files = {}
         for i, p in enumerate(plan.prompts):
             files[p.name] = Path(folder) / f"prompt-{i}.txt"
             files[p.name].write_text(p.text + "\n", encoding="utf-8")  # its -f drops one trailing newline
-        for rep in range(repeat):
-            for mode in plan.modes if rep % 2 == 0 else tuple(reversed(plan.modes)):
-                for p in plan.prompts:
-                    done += 1
-                    yield RunDone(_one_run(plan.command(files[p.name], mode), p, mode, rep, timeout_s), done, total)
+        yield files
 
 
-def _one_run(cmd: list[str], prompt: LlamaPrompt, mode: str, rep: int, timeout_s: float) -> LlamaRun:
+def _runs(plan: Plan, files: dict[str, Path], configs: tuple[Config, ...], repeat: int, timeout_s: float,
+          done: int, total: int) -> Iterator[RunDone[LlamaRun]]:
+    """`repeat` repetitions of every prompt in each of `configs`, their order reversed every other repetition (so
+    neither side of a pair always runs first); `done`: the runs already made, `total`: all of them."""
+    for rep in range(repeat):
+        for config in configs if rep % 2 == 0 else tuple(reversed(configs)):
+            for p in plan.prompts:
+                done += 1
+                yield RunDone(_one_run(plan.command(files[p.name], config), p, config, rep, timeout_s), done, total)
+
+
+def _one_run(cmd: list[str], prompt: LlamaPrompt, config: Config, rep: int, timeout_s: float) -> LlamaRun:
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        raise LocalspecError(f"{TOOL} did not finish prompt {prompt.name!r} ({mode} sampling) in {timeout_s:.0f} s; "
-                             f"command: {' '.join(cmd)}") from None
+        raise LocalspecError(f"{TOOL} did not finish prompt {prompt.name!r} ({config.label} sampling) in "
+                             f"{timeout_s:.0f} s; command: {' '.join(cmd)}") from None
     except OSError as exc:
         raise LocalspecError(f"{cmd[0]}: could not run it ({exc.strerror or exc})") from None
     stderr = done.stderr.decode("utf-8", "replace")
     timings = parse_timings(stderr)
     if done.returncode != 0 or timings is None:
         said = _last_line(stderr) or "no output"
-        raise LocalspecError(f"{TOOL} failed on prompt {prompt.name!r} ({mode} sampling, exit {done.returncode} "
-                             f"after {time.perf_counter() - start:.0f} s): {said}")
+        raise LocalspecError(f"{TOOL} failed on prompt {prompt.name!r} ({config.label} sampling, exit "
+                             f"{done.returncode} after {time.perf_counter() - start:.0f} s): {said}")
     # The generated text, as written: \r\n stays (decoding the bytes, not a text-mode read).
     text = generated_text(done.stdout.decode("utf-8", "replace"), prompt.text)
-    return LlamaRun(prompt.name, mode, rep, timings, text)
+    return LlamaRun(prompt.name, config, rep, timings, text)
 
 
-def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun], command: list[str]) -> Comparison:
-    """The medians per mode, the ratio, the prompt-token check and, at temperature 0, the greedy texts against
-    plain decoding's (the bench's greedy check holds plain decoding's text)."""
-    modes = [m for mode in plan.modes if (m := ModeResult.of(mode, runs, len(plan.prompts))) is not None]
+def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun],
+            first_runs: list[LlamaRun] | None = None) -> Comparison:
+    """The finalists' medians, the ratio, the prompt-token check and, at temperature 0, each finalist's greedy
+    texts against plain decoding's (the bench's greedy check holds plain decoding's text); with the first pass's
+    figures for the record."""
+    first_runs = first_runs or []
+    finalists = tuple(dict.fromkeys(r.config for r in runs))
+    modes = [m for c in finalists if (m := ConfigResult.of(c, runs, len(plan.prompts))) is not None]
+    first_pass = [m for c in plan.configs if (m := ConfigResult.of(c, first_runs, len(plan.prompts))) is not None]
     warnings = []
     for p in plan.prompts:
-        seen = sorted({r.timings.prompt_tokens for r in runs if r.prompt == p.name})
+        seen = sorted({r.timings.prompt_tokens for r in runs + first_runs if r.prompt == p.name})
         if seen and seen != [p.tokens]:
             warnings.append(f"prompt {p.name!r}: {TOOL} read {', '.join(map(str, seen))} prompt tokens where "
                             f"localspec read {p.tokens}: the two did not decode the same prompt")
-    greedy = []
     temperature = plan.preset.sampling.temperature
+    if temperature > 0 and not plan.tool.draft_sampling:
+        warnings.append(f"this {TOOL} has no {DRAFT_SAMPLING_FLAG} (an older llama.cpp): its draft is greedy only, "
+                        "no probabilistic draft was compared")
+    greedy = []
     if temperature == 0:
         plain = {c.name: c for c in report.greedy_check.prompts}
-        for mode in plan.modes:
+        for config in finalists:
             for p in plan.prompts:
-                texts = [r.text for r in runs if r.prompt == p.name and r.mode == mode and r.text is not None]
+                texts = [r.text for r in runs if r.prompt == p.name and r.config == config and r.text is not None]
                 check = plain.get(p.name)
                 if not texts or check is None:
                     continue
                 first = first_divergence(check.plain_text, check.plain_token_ends, texts[0])
                 margin = check.plain_margins[first] if first is not None and first < len(check.plain_margins) \
                     else None
-                greedy.append(GreedyMatch(p.name, mode, first, margin, len(set(texts)) == 1))
-    return Comparison(tool=str(plan.tool.path), version=plan.tool.version, command=command,
-                      temperature=temperature, modes=modes, localspec_tps=report.speculative.median_tps, runs=runs,
-                      greedy=greedy, warnings=warnings)
+                greedy.append(GreedyMatch(p.name, config.label, first, margin, len(set(texts)) == 1))
+    best = max(modes, key=lambda m: m.median_tps, default=None)
+    shown = best.config if best else (finalists or plan.configs)[0]
+    return Comparison(tool=str(plan.tool.path), version=plan.tool.version,
+                      command=plan.command(Path("PROMPT.txt"), shown), temperature=temperature, modes=modes,
+                      localspec_tps=report.speculative.median_tps, runs=runs, greedy=greedy, warnings=warnings,
+                      first_pass=first_pass, first_pass_runs=first_runs, lengths=tuple(sorted({c.n_draft for c in
+                      plan.configs})), draft_samplings=plan.draft_samplings,
+                      has_draft_sampling=plan.tool.draft_sampling)
