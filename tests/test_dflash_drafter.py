@@ -1,0 +1,281 @@
+"""The DFlash and DSpark drafters (localspec/drafters/dflash.py, docs/dflash.md) through the real llama.cpp, on the
+tiny synthetic target and block drafters written for it (bench/synthetic.py `write_block_drafter`): greedy output bit
+for bit plain decoding's (several prompts, several slots each what it is alone), the target's distribution at T > 0
+(chi-square), the bad pairs refused in one line before anything is decoded, DSpark's confidence cut, and the block's
+price (one drafter decode whatever its length)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from synthetic import TINY, BlockDrafterSpec, write_block_drafter
+
+from localspec.config import load_preset
+from localspec.drafters.dflash import BlockDrafter, DFlashCost
+from localspec.errors import UsageError
+from localspec.llama.model import LlamaModel
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import collect
+from localspec.rounds.policies import DraftCost
+from tests.helpers_stats import chi_square, joint_probs
+
+GREEDY = load_preset("greedy").with_overrides(threads=1)
+SPECS = {
+    "dflash": BlockDrafterSpec(block_size=4),
+    "dspark": BlockDrafterSpec(block_size=4, markov_rank=8),
+    # The Markov head barely moves the anchor's row, which then reads like the target's next token: drafts accepted
+    # now and then at T > 0 (the others' almost never are).
+    "dspark-soft": BlockDrafterSpec(block_size=4, markov_rank=8, markov_std=0.01),
+}
+
+
+def drafting(k: int, drafter: str, **changes: object):
+    # (a fixed drafting pattern: these tests check the drafts themselves; tests/test_stand_aside.py checks standing
+    # aside, which follows the clock)
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, **{"stand_aside": False, **changes})
+
+
+def sampled(seed: int, temperature: float = 1.5, top_k: int = 4):
+    return dataclasses.replace(load_preset("default").sampling, temperature=temperature, top_k=top_k, top_p=1.0,
+                               seed=seed)
+
+
+def prompts(n: int, seed: int = 7, length: int = 12) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40_000, size=length).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def block_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("block-drafters")
+    out = {}
+    for name, spec in SPECS.items():
+        out[name] = folder / f"{name}.gguf"
+        write_block_drafter(out[name], TINY, spec)
+    return out
+
+
+class Pair:
+    """The tiny target and a block drafter loaded over it, and an engine over both."""
+
+    def __init__(self, target: Path, drafter: Path, n_seq: int = 1) -> None:
+        self.target = LlamaModel(target, load=GREEDY.load, n_ctx=256, n_threads=1, n_seq=n_seq)
+        self.draft = LlamaModel(drafter, load=GREEDY.load, n_ctx=256, n_threads=1, n_seq=n_seq, other=self.target)
+        self.engine = Engine(self.target, self.draft)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.draft.close()
+        self.target.close()
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_pair, block_files) -> Iterator[dict[str, Pair]]:
+    made = {name: Pair(tiny_pair[0], path) for name, path in block_files.items()}
+    yield made
+    for pair in made.values():
+        pair.close()
+
+
+def _kind(name: str) -> str:
+    return name.split("-")[0]
+
+
+# -- greedy: bit for bit plain decoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_greedy_output_is_plain_decodings(pairs, name) -> None:
+    pair = pairs[name]
+    assert set(pair.engine.drafters) >= {_kind(name)} and isinstance(pair.engine.drafters[_kind(name)], BlockDrafter)
+    for i, prompt in enumerate(prompts(3, seed=11)):
+        pair.engine.reset()
+        plain = collect(pair.engine.generate(prompt, GREEDY.sampling, drafting(0, name), 24)).tokens
+        pair.engine.reset()
+        done = collect(pair.engine.generate(prompt, GREEDY.sampling, drafting(3 + i, _kind(name)), 24))
+        assert done.tokens == plain and len(plain) == 24
+        assert done.stats.drafted > 0  # (it drafted: the block's rows, every round)
+        # A next turn that shares the prompt: the drafter keeps its features, the target decodes only the rest.
+        follow = [*prompt, *plain, *prompts(1, seed=40 + i, length=4)[0]]
+        again = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, _kind(name)), 12))
+        assert again.stats.prompt_tokens_processed < len(follow) - 1
+        pair.engine.reset()
+        assert again.tokens == collect(pair.engine.generate(follow, GREEDY.sampling, drafting(0, name), 12)).tokens
+
+
+def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files) -> None:
+    from tests.helpers_rounds import run_together
+
+    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=16 + 3 * i)
+            for i, (p, k, d) in enumerate(zip(prompts(3, seed=5), (3, 0, 2), ("dspark", "dspark", "dspark"),
+                                              strict=True))]
+    alone = Pair(tiny_pair[0], block_files["dspark"])
+    try:
+        expected = []
+        for r in reqs:
+            alone.engine.reset()
+            expected.append(collect(alone.engine.generate(**r)).tokens)
+    finally:
+        alone.close()
+    together = Pair(tiny_pair[0], block_files["dspark"], n_seq=3)
+    try:
+        assert run_together(together.engine, reqs, [0, 1, 1], slots=[2, 0, 1]) == expected
+    finally:
+        together.close()
+
+
+# -- T > 0: the target's distribution ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dflash", "dspark-soft"])
+def test_sampling_keeps_the_target_distribution(pairs, name) -> None:
+    """The joint distribution of the first two emitted tokens (both from one speculative round, through its
+    rejections and the rewind) is the target's own, by chi-square at p = 0.001."""
+    pair = pairs[name]
+    prompt = prompts(1, seed=23, length=6)[0]
+    sampling = sampled(0)
+
+    def next_probs(context: list[int]) -> dict[int, float]:
+        from localspec.rounds.sampling import candidates
+
+        pair.target.clear(0)
+        pair.target.want_hidden(0, False)
+        pair.target.use_device_sampler(None)  # the reference p comes from full logits
+        p = candidates(pair.target.decode(context, 0).logits, sampling)
+        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+
+    joint = joint_probs(next_probs, prompt, 2)
+    pair.engine.reset()
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(1600):
+        done = collect(pair.engine.generate(prompt, dataclasses.replace(sampling, seed=seed),
+                                            drafting(3, _kind(name)), 2))
+        counts[tuple(done.tokens)] += 1
+        drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    assert drafted > 0
+    if name == "dspark-soft":
+        assert 0 < accepted < drafted  # (both the accepted and the resampled paths ran)
+    assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom at p = 0.001
+
+
+# -- DSpark's confidence head --------------------------------------------------------------------------------------
+
+
+def test_dspark_confidence_cuts_the_block(pairs) -> None:
+    pair = pairs["dspark"]
+    drafter = pair.engine.drafters["dspark"]
+    assert isinstance(drafter, BlockDrafter) and drafter.facts.confidence
+    prompt = prompts(1, seed=31)[0]
+    lengths = {}
+    for p_cut in (0.0, 0.999):
+        pair.engine.reset()
+        done = collect(pair.engine.generate(prompt, GREEDY.sampling, drafting(4, "dspark", dspark_p_min=p_cut), 12))
+        lengths[p_cut] = done.stats.draft_lengths
+    # The whole block (4 drafts) a round (the last rounds fewer, within max_tokens).
+    assert lengths[0.0][:4] == [4, 4, 4, 4]
+    assert all(n == 0 for n in lengths[0.999])  # a confidence is a sigmoid: never 0.999 on random weights
+    assert drafter.confidence_cuts(0) > 0
+    # A threshold inside the head's range cuts some blocks and not others: the head chooses the length per round.
+    conf = _confidences(drafter, pair, prompt)
+    middle = float(np.median(conf))
+    pair.engine.reset()
+    done = collect(pair.engine.generate(prompt, GREEDY.sampling, drafting(4, "dspark", dspark_p_min=middle), 12))
+    assert any(n < 4 for n in done.stats.draft_lengths)
+
+
+def _confidences(drafter: BlockDrafter, pair: Pair, prompt: list[int]) -> np.ndarray:
+    """The confidence rows of the blocks a greedy run over `prompt` decodes (the drafter's own readings)."""
+    seen: list[np.ndarray] = []
+    original = drafter._decode_blocks
+
+    def spy(reqs):  # type: ignore[no-untyped-def]
+        rows, conf = original(reqs)
+        assert conf is not None
+        seen.extend(conf)
+        return rows, conf
+
+    drafter._decode_blocks = spy  # type: ignore[method-assign]
+    try:
+        pair.engine.reset()
+        collect(pair.engine.generate(prompt, GREEDY.sampling, drafting(4, "dspark"), 12))
+    finally:
+        del drafter._decode_blocks
+    values = np.concatenate(seen)
+    assert np.all((values > 0) & (values < 1)) and values.std() > 0
+    return values
+
+
+# -- the bad pairs, before anything is decoded -----------------------------------------------------------------
+
+
+def test_a_draft_that_is_no_block_drafter_is_refused_by_name(tiny_pair) -> None:
+    target = LlamaModel(tiny_pair[0], load=GREEDY.load, n_ctx=256, n_threads=1)
+    draft = LlamaModel(tiny_pair[1], load=GREEDY.load, n_ctx=256, n_threads=1)
+    try:
+        engine = Engine(target, draft)
+        decodes = target.decodes
+        for name in ("dflash", "dspark"):
+            with pytest.raises(UsageError) as err:
+                engine.start([1, 2, 3], GREEDY.sampling, drafting(4, name), 8)
+            line = str(err.value)
+            assert "\n" not in line and f"drafter {name!r} cannot run" in line
+            assert "general.architecture is 'qwen3', not a block drafter" in line
+        assert target.decodes == decodes  # refused before any decode
+    finally:
+        draft.close()
+        target.close()
+
+
+def test_a_drafter_of_the_other_kind_or_for_other_layers_is_refused(tiny_pair, block_files, tmp_path) -> None:
+    pair = Pair(tiny_pair[0], block_files["dspark"])
+    try:
+        decodes = pair.target.decodes
+        with pytest.raises(UsageError, match="is a DSpark with a confidence head, .* drafter: --drafter dspark"):
+            pair.engine.start([1, 2, 3], GREEDY.sampling, drafting(4, "dflash"), 8)
+        assert pair.target.decodes == decodes  # refused before any decode
+    finally:
+        pair.close()
+    bad = tmp_path / "far-layers.gguf"
+    write_block_drafter(bad, TINY, dataclasses.replace(SPECS["dflash"], target_layers=(1, 4)))
+    pair = Pair(tiny_pair[0], bad)  # (loading it is safe: llama.cpp aborts only when layer 4's input is asked for)
+    try:
+        assert "dflash" not in pair.engine.drafters
+        with pytest.raises(UsageError) as err:
+            pair.engine.start([1, 2, 3], GREEDY.sampling, drafting(4, "dflash"), 8)
+        assert "dflash.target_layers [1, 4] names layer 4" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        pair.close()
+
+
+def test_the_cli_refuses_dflash_without_a_block_drafter_with_exit_2(tiny_pair, tmp_path) -> None:
+    env = {**os.environ, "LOCALSPEC_HOME": str(tmp_path)}
+    env.pop("LOCALSPEC_DEBUG", None)
+    r = subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "generate", "hi",
+                        "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--drafter", "dflash",
+                        "--threads", "1", "--ctx", "256", "--max-tokens", "4"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "not a block drafter" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the price -------------------------------------------------------------------------------------------------
+
+
+def test_a_block_costs_one_decode_whatever_its_length() -> None:
+    cost = DraftCost(k_max=8)
+    rule = DFlashCost.of(cost)
+    rule.max_drafts = 4
+    cost.step_s = 0.01
+    n = np.arange(9)
+    seconds = rule.seconds(np.zeros_like(n), n, np.full(9, 0.02), perfect=False)
+    assert seconds[0] == 0.0 and np.all(seconds[1:5] == 0.01) and np.all(np.isinf(seconds[5:]))
