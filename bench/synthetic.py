@@ -1223,6 +1223,102 @@ def hybrid_model_or_tiny(path: Path | None, folder: str | Path) -> Path:
     return tiny
 
 
+# -- block drafters: DFlash and DSpark (docs/dflash.md) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockDrafterSpec:
+    """A DFlash drafter for a `PairSpec` target, in llama.cpp's layout (src/models/dflash.cpp); `markov_rank` > 0
+    adds DSpark's Markov head (and `confidence` its confidence head). The knobs that make a file wrong on purpose
+    (tests of the pair's checks) are plain fields: `target_layers`, `n_embd`, `block_size`, `mask_token`."""
+
+    target_layers: tuple[int, ...] = (1, 3)
+    block_size: int = 4
+    n_blocks: int = 1
+    markov_rank: int = 0  # > 0: DSpark
+    confidence: bool = True  # DSpark's conf_proj (ignored without the Markov head)
+    sample_from_anchor: bool = True  # DSpark: slot 0 predicts the first draft
+    own_head: bool = False  # token_embd in the file (else it reads the target's through ctx_other)
+    n_embd: int | None = None  # None: the target's (the feature width; another is a mismatch)
+    mask_token: int | None = None  # None: the vocabulary's last token
+    seed: int = 99
+    weight_std: float = 0.05
+    markov_std: float = 1.0  # DSpark's Markov weights: strong enough to move the argmax; small: the anchor row's own
+
+
+def block_drafter_plan(target: PairSpec, spec: BlockDrafterSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The drafter's tensors by name, numpy shape (ggml's ne reversed): the names and shapes llama.cpp's loader
+    asks for (`llama_model_dflash::load_arch_tensors`)."""
+    e = spec.n_embd or target.n_embd
+    q_dim, kv_dim = target.n_head * target.head_dim, target.n_head_kv * target.head_dim
+    plan: list[tuple[str, tuple[int, ...]]] = [
+        ("fc.weight", (e, len(spec.target_layers) * e)),
+        ("enc.output_norm.weight", (e,)),
+        ("output_norm.weight", (e,)),
+    ]
+    if spec.own_head:
+        plan.append(("token_embd.weight", (n_vocab, e)))
+    for b in range(spec.n_blocks):
+        plan += [
+            (f"blk.{b}.attn_norm.weight", (e,)),
+            (f"blk.{b}.attn_q.weight", (q_dim, e)),
+            (f"blk.{b}.attn_k.weight", (kv_dim, e)),
+            (f"blk.{b}.attn_v.weight", (kv_dim, e)),
+            (f"blk.{b}.attn_output.weight", (e, q_dim)),
+            (f"blk.{b}.attn_q_norm.weight", (target.head_dim,)),
+            (f"blk.{b}.attn_k_norm.weight", (target.head_dim,)),
+            (f"blk.{b}.ffn_norm.weight", (e,)),
+            (f"blk.{b}.ffn_gate.weight", (target.n_ff, e)),
+            (f"blk.{b}.ffn_up.weight", (target.n_ff, e)),
+            (f"blk.{b}.ffn_down.weight", (e, target.n_ff)),
+        ]
+    if spec.markov_rank > 0:
+        r = spec.markov_rank
+        plan += [("markov_w1.weight", (n_vocab, r)), ("markov_w2.weight", (n_vocab, r))]
+        if spec.confidence:
+            plan += [("conf_proj.weight", (1, e + r)), ("conf_proj.bias", (1,))]
+    return plan
+
+
+def block_drafter_tensor(spec: BlockDrafterSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor's F32 values, deterministic in (seed, name): norms all ones, the rest N(0, weight_std)."""
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    key = [spec.seed, *name.encode()]
+    std = spec.markov_std if name.startswith("markov_") else spec.weight_std  # (1.0: a bias that moves the argmax)
+    return (np.random.default_rng(key).standard_normal(shape) * std).astype(np.float32)
+
+
+def write_block_drafter(path: Path, target: PairSpec, spec: BlockDrafterSpec,
+                        vocab_source: Path | None = None) -> None:
+    """A DFlash (or, with `markov_rank`, DSpark) drafter GGUF for `target`'s shape and vocabulary, F32, with the
+    keys llama.cpp's loader reads (`llama_model_dflash::load_arch_hparams`) and its loop reads
+    (common/speculative.cpp: block_size, sample_from_anchor, has_confidence_head, the vocabulary's mask token)."""
+    vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
+    vocab_kv = [kv for kv in vocab_kv if kv.key != "tokenizer.ggml.mask_token_id"]
+    e = spec.n_embd or target.n_embd
+    shape = Shape(e, target.n_head, target.n_head_kv, target.head_dim, target.n_ff, spec.n_blocks)
+    plan = block_drafter_plan(target, spec, n_vocab)
+    with atomic_path(path, "synthetic block drafter", parents=True) as tmp:
+        w = gguf.GGUFWriter(tmp, "dflash")
+        kind = "DSpark" if spec.markov_rank else "DFlash"
+        _add_kv(w, shape, arch="dflash", file_type=int(gguf.LlamaFileType.ALL_F32), ctx=target.ctx,
+                rope_freq_base=target.rope_freq_base, rms_eps=target.rms_eps, vocab_kv=vocab_kv,
+                name=f"localspec synthetic {kind} drafter (layers {list(spec.target_layers)})")
+        w.add_array("dflash.target_layers", [int(i) for i in spec.target_layers])
+        w.add_uint32("dflash.block_size", spec.block_size)
+        w.add_uint32("tokenizer.ggml.mask_token_id", n_vocab - 1 if spec.mask_token is None else spec.mask_token)
+        if spec.markov_rank:
+            w.add_bool("dflash.sample_from_anchor", spec.sample_from_anchor)
+            w.add_bool("dflash.has_confidence_head", spec.confidence)
+        for name, shp in plan:
+            w.add_tensor(name, block_drafter_tensor(spec, name, shp))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+
 # -- measuring agreement -------------------------------------------------------------------------------------
 
 

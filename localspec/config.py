@@ -92,6 +92,20 @@ def _models_budget(text: str) -> object:
     return text.strip()
 
 
+def parse_draft_lengths(text: str) -> tuple[int, ...]:
+    """`2-6` or `2,4,6` (or both, `2-4,6`): draft lengths from 1 to 32, sorted, each once."""
+    lengths: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        low, dash, high = part.partition("-")
+        if not low.strip().isdigit() or (dash and not high.strip().isdigit()):
+            raise ValueError("expected draft lengths as a range or a list, e.g. 2-6 or 2,4,6")
+        first, last = int(low), int(high or low)
+        if not 1 <= first <= last <= 32:
+            raise ValueError("draft lengths must be between 1 and 32, a range's low end first")
+        lengths.update(range(first, last + 1))
+    return tuple(sorted(lengths))
+
+
 def _any_path(text: str) -> object:
     if "\n" in text or "\0" in text:
         raise ValueError("a path on one line")
@@ -157,11 +171,17 @@ DRAFTER_TABLE: dict[str, DrafterFacts] = {
     "model": DrafterFacts("localspec.drafters.model", "the draft model"),
     "mtp": DrafterFacts("localspec.drafters.mtp", "the MTP head", needs_draft_model=False, reads_target=True,
                         target_head=True),
+    "suffix": DrafterFacts("localspec.drafters.suffix", "suffix lookup", needs_draft_model=False),
+    "dflash": DrafterFacts("localspec.drafters.dflash", "the DFlash drafter", reads_target=True),
+    "dspark": DrafterFacts("localspec.drafters.dspark", "the DSpark drafter", reads_target=True),
 }
 
 DRAFTERS = tuple(sorted(DRAFTER_TABLE))
 # Drafters that need no draft model (a pair may name one and no draft).
 MODEL_FREE_DRAFTERS = tuple(name for name, facts in sorted(DRAFTER_TABLE.items()) if not facts.needs_draft_model)
+# Drafters whose draft GGUF is a block drafter reading the target's layers (general.architecture dflash): no other
+# drafter can step such a file, and it cannot draft for another (sessions.session.check_drafting).
+BLOCK_DRAFTERS = ("dflash", "dspark")
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,9 @@ class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # the draft model's length by measured cost (policies)
+    # Drafting stands aside (drafts nothing, probed now and then) while its measured price says a round of k drafts
+    # is slower than plain decoding (the draft model's and the MTP head's rule: policies, drafters/model.py)
+    stand_aside: bool = field(metadata={"kind": bool})
     # Who drafts: a drafter of localspec/drafters/ (the draft model, prompt lookup, lookup then the model, ...).
     drafter: str = field(metadata={"kind": str, "choices": DRAFTERS})
     lookup_min: int = field(metadata=_rng(1, 64, int))  # prompt lookup: the shortest n-gram that counts as a match
@@ -176,6 +199,16 @@ class Drafting:
     # Draft-ahead's length: "full" drafts the whole next round beside the verify; "fit" only what the cost model says
     # fits in it, stopping when the verify ends, the rest drafted (or not) by cost in the next round (policies).
     draft_ahead_length: str = field(metadata={"kind": str, "choices": ("full", "fit")})
+    # The suffix drafter (drafters/suffix.py): the deepest match it measures, its draft's length as a multiple of the
+    # match's depth, the path probability below which it stops, and the tokens of past requests it keeps per pair.
+    suffix_depth: int = field(metadata=_rng(3, 256, int))
+    suffix_factor: float = field(metadata=_rng(0.25, 16.0, float))
+    suffix_min_prob: float = field(metadata=_rng(0.0, 1.0, float))
+    suffix_budget: int = field(metadata=_rng(0, 1 << 26, int))
+    # The chain's lead (drafters/chain.py): prompt lookup's or suffix lookup's tokens first, then the draft model's.
+    chain_lead: str = field(metadata={"kind": str, "choices": ("lookup", "suffix")})
+    # DSpark (drafters/dflash.py): its confidence head cuts a block's drafts at the first position it rates below this.
+    dspark_p_min: float = field(metadata=_rng(0.0, 1.0, float))
 
     def __post_init__(self) -> None:
         if self.lookup_min > self.lookup_max:
@@ -194,6 +227,8 @@ class BenchSettings:
     against: str = field(metadata={"kind": str, "choices": ("none", "llama.cpp")})
     # Its llama-speculative-simple, or the folder holding it ("": $LOCALSPEC_LLAMA_BIN, then PATH)
     llama_bin: str = field(metadata=_text(_any_path, "a path to llama-speculative-simple or its folder"))
+    # llama.cpp's draft lengths to try there (the best of them is the comparison): a range or a list
+    against_lengths: str = field(metadata=_text(parse_draft_lengths, "draft lengths, e.g. 2-6 or 2,4,6"))
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,9 @@ def fake_backend(*, vocab: int = 16, n_ctx: int = 256, slots: int = 1, delay: fl
     target = FakeTextModel(vocab=vocab, seed=3, n_ctx=n_ctx, n_seq=slots, delay=delay, device_top_k=64)
     helper = FakeTextModel(vocab=vocab, seed=3, noise=1.0, n_ctx=n_ctx, n_seq=slots,
                            name="fake-draft.gguf") if draft else None
-    chosen = preset or load_preset("greedy").with_overrides(n_ctx=n_ctx)
+    # (a fixed drafting pattern: the fake models' costs would make standing aside follow the clock, and these
+    # tests hold seeds and drafts to exact texts; tests/test_stand_aside.py checks standing aside)
+    chosen = preset or load_preset("greedy").with_overrides(n_ctx=n_ctx, stand_aside=False)
     return Backend.build(Engine(target, helper), target, chosen, queue)  # type: ignore[arg-type]
 
 

@@ -31,7 +31,10 @@ AHEAD_THREAD = "localspec-draft-ahead"
 
 
 def drafting(n: int, draft_ahead_length: str = "fit"):
-    return dataclasses.replace(GREEDY.draft, n_draft=n, draft_ahead_length=draft_ahead_length)
+    return dataclasses.replace(GREEDY.draft, n_draft=n, draft_ahead_length=draft_ahead_length,
+                               # (a fixed drafting pattern, token for token: standing aside follows the clock;
+                               # tests/test_stand_aside.py checks it)
+                               stand_aside=False)
 
 
 class Gate:

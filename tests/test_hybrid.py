@@ -529,12 +529,15 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
 
 
 @pytest.mark.slow
-def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair) -> None:
+@pytest.mark.parametrize("lengths", [(6, 3, 0, 5), (0, 3, 0, 5)], ids=["drafting", "two-plain"])
+def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair, lengths) -> None:
+    """"two-plain": slots 2 and 3 verify one token each, so they would share a ubatch while slot 0's verify rolls
+    back: llama.cpp's cell re-ordering lost slot 0's snapshots there (the canary below)."""
     from localspec.sessions.session import ModelFiles, open_session
     from tests.helpers_rounds import run_together
 
     reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
-            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), (6, 3, 0, 5), ("model", "mtp", "model", "mtp"),
+            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), lengths, ("model", "mtp", "model", "mtp"),
                                               strict=True))]
     files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
     preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, threads=1)
@@ -583,7 +586,7 @@ def test_mtp_without_mtp_layers_is_refused_as_every_drafter_the_models_cannot_ru
     """Engine.check_drafter, the one refusal of a drafter the models cannot run: it says why (the target's missing
     MTP layers) and names those they can run, before anything is decoded."""
     target, draft = fake_pair(None, None)
-    for d, can in ((draft, "lookup, model, chain"), (None, "lookup")):
+    for d, can in ((draft, "lookup, model, suffix, chain"), (None, "lookup, suffix")):
         engine = Engine(target, d)
         with pytest.raises(UsageError) as err:
             engine.start([1, 2, 3], GREEDY.sampling, drafting(4, "mtp"), 8)
@@ -603,8 +606,8 @@ def test_mtp_on_a_model_without_mtp_layers_is_one_line_and_exit_2(tiny_pair) -> 
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"localspec: error: drafter 'mtp' cannot run with these models ({tiny_pair[0].name} has no MTP layers: its "
-        "GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup (or draft "
-        "length 0: plain decoding)"]
+        "GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup, suffix (or "
+        "draft length 0: plain decoding)"]
 
 
 @pytest.mark.slow
@@ -731,7 +734,7 @@ def test_the_server_drafts_with_the_mtp_head_and_refuses_what_it_cannot(hybrid_p
             assert err.value.body["message"] == (  # type: ignore[index]
                 f"speculative.type: 'draft-mtp' (drafter 'mtp') is not available: {tiny_pair[0].name} has no MTP "
                 "layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them; this server can "
-                "run ngram-simple (lookup), none")
+                "run ngram-simple (lookup), suffix, none")
     finally:
         s.stop()
 
@@ -845,3 +848,45 @@ def test_the_mtp_drafter_refuses_to_read_a_target_row_it_does_not_hold() -> None
     drafter._seqs[0] = _Seq(tokens=[1, 2, 3, 4], rows=list(rows), rows_from=3)
     with pytest.raises(DecodeError, match="at position 5 and holds positions 3..4"):
         drafter._pairs(req, 6)
+
+
+def _rolled_back_row(path: Path, n_seq: int, grouped: bool = False) -> np.ndarray:
+    """Sequence 0 verifies four tokens, rolls one back and decodes on; with n_seq = 4, sequences 2 and 3 (whose
+    cells llama.cpp gave out before and after sequence 0's) each decode one token after its verify in the same
+    `decode_many`: one ubatch of both with `grouped`, else one call each (what `ubatch.whole_plan` does where a
+    state keeps rollback snapshots)."""
+    from localspec.llama import ubatch
+    from localspec.llama.model import LlamaModel
+
+    first = [5, 9, 12, 40, 7, 3, 22, 18, 30, 31, 32]
+    with LlamaModel(path, n_ctx=256, device_top_k=0, n_threads=1, rewind=6, n_seq=n_seq) as m:
+        if n_seq > 1:
+            m.decode([11, 4, 8, 30, 2, 1, 2, 3, 4, 5, 6], 0, seq=2)  # cell 0
+        m.decode(first, 0, seq=0)  # cell 1
+        items = [(0, [54, 55, 56, 57], 11, True)]
+        if n_seq > 1:
+            m.decode([6, 6, 13, 27, 1, 9, 9, 8, 7, 6, 5], 0, seq=3)  # cell 2
+            items += [(2, [61], 11, True), (3, [70], 11, True)]
+        plain_calls = ubatch.plain_calls
+        try:
+            if grouped:  # (what llama.cpp does with a batch of several sequences of equal runs)
+                ubatch.plain_calls = lambda *a, **k: plain_calls(*a, **{**k, "snapshots": False})
+            m.decode_many(items)
+        finally:
+            ubatch.plain_calls = plain_calls
+        assert m.truncate(14, 0) == 14
+        return m.decode([58, 59], 14, all_logits=True, seq=0).logits.copy()
+
+
+def test_a_rollback_after_other_sequences_decoded_is_what_the_sequence_alone_gives(hybrid_pair) -> None:
+    """Several slots of a hybrid target: a verify rolled back after other slots' rows were decoded gives the rows
+    the slot alone would (one sequence a call: `ubatch.whole_plan`)."""
+    assert np.array_equal(_rolled_back_row(hybrid_pair[0], 4), _rolled_back_row(hybrid_pair[0], 1))
+
+
+def test_canary_llamacpp_loses_a_moved_cells_snapshots(hybrid_pair) -> None:
+    """Canary (docs/upstream.md): a ubatch of sequences 2 and 3 makes llama.cpp gather their states into
+    neighbouring cells, swapping sequence 0's cell out of the way without its per-token snapshots, so sequence 0's
+    rollback then reads another cell's snapshot. When this fails, llama.cpp moves snapshots with their cells:
+    `whole_plan` may group sequences with snapshots again."""
+    assert not np.array_equal(_rolled_back_row(hybrid_pair[0], 4, grouped=True), _rolled_back_row(hybrid_pair[0], 1))

@@ -30,7 +30,9 @@ CHI2_99_9 = {15: 37.7}  # chi-square 99.9th percentile by degrees of freedom
 
 
 def drafting(n: int = 6, drafter: str = "model", **more: object):
-    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, **more)
+    # (a fixed drafting pattern, token for token: standing aside follows the clock;
+    # tests/test_stand_aside.py checks it)
+    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, **{"stand_aside": False, **more})
 
 
 def pair(**draft: object) -> tuple[FakeModel, FakeModel]:
@@ -47,8 +49,9 @@ def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
     assert tuple(drafters.REGISTRY) == tuple(sorted(DRAFTERS, key=list(drafters.REGISTRY).index))
     assert set(drafters.REGISTRY) == set(DRAFTERS)
     target, draft = pair()
-    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp"}  # (a fake has no MTP layers)
-    assert set(drafters.build(target, None)) == {"lookup"}  # the chain would be lookup alone: not offered
+    # (a fake has no MTP layers, and its draft is no block drafter)
+    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp", "dflash", "dspark"}
+    assert set(drafters.build(target, None)) == {"lookup", "suffix"}  # the chain would be lookup alone: not offered
 
 
 def test_lookup_takes_the_longest_match_and_the_latest_on_a_tie() -> None:
@@ -167,12 +170,16 @@ class _EveryRound:
     runs of a loop then draft the same, whatever their timings). It stands in for every drafter rule too."""
 
     padded = False
+    aside = None  # (it never stands aside: every round drafts k)
 
     def __init__(self, k: int) -> None:
         self.k = k
 
     def next(self) -> int:
         return self.k
+
+    def stand_aside(self, k: int, policy: object, lag: int = 1) -> int:  # the model's rule
+        return k
 
     def rule(self, kind: type) -> _EveryRound:
         return self

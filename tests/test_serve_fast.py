@@ -229,12 +229,12 @@ def test_a_speculative_type_the_models_cannot_run_is_a_400_naming_what_they_can(
             error = r.json()["error"]
             assert error["param"] == "speculative.type" and error["code"] == "unsupported_value"
             assert "no draft model is loaded" in error["message"]
-            assert "this server can run ngram-simple (lookup), none" in error["message"]
+            assert "this server can run ngram-simple (lookup), suffix, none" in error["message"]
         for fine in ("ngram-simple", "lookup", "none"):
             r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "speculative.type": fine})
             assert r.status_code == 200, r.text
         props = client.get("/props").json()["localspec"]
-        assert props["drafters"] == ["lookup"]
+        assert props["drafters"] == ["lookup", "suffix"]
         assert client.app.state.localspec.backend.worker.stats.served == 3
 
 

@@ -109,7 +109,7 @@ def test_props_has_llama_server_fields_and_localspec_own(server):
     own = props["localspec"]
     # The drafter is the engine's (drafters.build): the preset's default, and what a request may choose instead.
     assert own["draft_model"].endswith(".gguf") and own["drafter"] == "model"
-    assert own["drafters"] == ["chain", "lookup", "model"] and params["speculative.type"] == "draft-simple"
+    assert own["drafters"] == ["chain", "lookup", "model", "suffix"] and params["speculative.type"] == "draft-simple"
     assert own["speculative.n_max"] == params["speculative.n_max"] and type(own["acceptance_rate"]) is float
 
 

@@ -25,7 +25,9 @@ SHIFT = ContextSettings(context_shift=True, n_keep=4, n_discard=0)
 
 
 def drafting(n: int = 4, drafter: str = "model"):
-    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter)
+    # (a fixed drafting pattern, token for token: standing aside follows the clock;
+    # tests/test_stand_aside.py checks it)
+    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, stand_aside=False)
 
 
 def engine(cache: int | None = 1 << 20, n_ctx: int = 512, **fake: object) -> tuple[Engine, FakeModel, FakeModel]:

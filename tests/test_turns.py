@@ -28,7 +28,9 @@ BESIDE = "localspec-draft-beside"
 
 
 def drafting(n: int = 6, drafter: str = "model", **more: object):
-    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, **more)
+    # (a fixed drafting pattern, token for token: standing aside follows the clock;
+    # tests/test_stand_aside.py checks it)
+    return dataclasses.replace(GREEDY.draft, n_draft=n, drafter=drafter, **{"stand_aside": False, **more})
 
 
 class Recording(FakeModel):

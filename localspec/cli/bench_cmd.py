@@ -69,6 +69,7 @@ def bench(
     max_tokens: options.max_tokens = None,
     against: options.against = None,
     llama_bin: options.llama_bin = None,
+    against_lengths: options.against_lengths = None,
     json_path: JsonOpt = None,
     prompts: PromptsOpt = None,
     raw: RawFlag = False,
@@ -86,7 +87,7 @@ def bench(
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens,
-                                        against=against, llama_bin=llama_bin)
+                                        against=against, llama_bin=llama_bin, against_lengths=against_lengths)
     if files.draft is None and chosen.draft.drafter not in config.MODEL_FREE_DRAFTERS:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup "
                              "(or mtp, for a target with MTP layers)")
@@ -171,9 +172,15 @@ def _run(console: Console, files, chosen: config.Preset, prompt_set: list[BenchP
 def _against(console: Console, plan: versus.Plan, report: BenchReport) -> versus.Comparison:
     """llama.cpp's speculative loop on the same prompts, each run's rate shown as it ends; then the comparison."""
     console.line()
+    configs = plan.configs
+    lengths = ", ".join(str(n) for n in sorted({c.n_draft for c in configs}))
+    search = (f"{len(configs)} configurations (draft lengths {lengths}; "
+              f"{', '.join(ds or 'greedy' for ds in plan.draft_samplings)} draft; {', '.join(plan.modes)} sampling) "
+              f"once each, then the {versus.FINALISTS} fastest" if len(configs) > versus.FINALISTS
+              else ", ".join(c.label for c in configs))
     console.print(f"[bold]against llama.cpp[/]: {plan.tool.path} ({plan.tool.version or 'version unknown'}), "
-                  f"{', '.join(plan.modes)} sampling, {plan.preset.bench.repeat} runs of {len(plan.prompts)} "
-                  "prompt(s) each (one process per prompt: every run loads the models again)")
+                  f"{search}: {plan.preset.bench.repeat} runs of {len(plan.prompts)} prompt(s) each (one process "
+                  "per prompt: every run loads the models again)")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True) as progress:
         task = None
@@ -183,7 +190,7 @@ def _against(console: Console, plan: versus.Plan, report: BenchReport) -> versus
                 break
             task = task if task is not None else progress.add_task("llama.cpp", total=event.total)
             t = event.result.timings
-            progress.update(task, completed=event.done, description=f"llama.cpp {event.result.mode} "
+            progress.update(task, completed=event.done, description=f"llama.cpp {event.result.config.label} "
                             f"{event.result.prompt}: {t.tokens / t.seconds if t.seconds else 0:.1f} tok/s")
     console.print(versus_view(comparison))
     return comparison

@@ -32,7 +32,14 @@ from localspec.errors import DecodeError, LocalspecError, UsageError
 from localspec.fsutil import not_utf8
 from localspec.models import registry
 from localspec.rounds.constraints import Constraint
-from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, DoneEvent, GenerationStats, TokenEvent
+from localspec.rounds.events import (
+    STOP_CONTEXT_FULL,
+    STOP_MAX_TOKENS,
+    DoneEvent,
+    GenerationStats,
+    TokenEvent,
+    drafting_note,
+)
 from localspec.sessions.chat import (
     COMMANDS,
     STOP_INTERRUPTED,
@@ -326,7 +333,7 @@ class ChatView:
 def stats_line(turn: TurnRecord) -> str:
     """The one line after each reply."""
     s = turn.stats or GenerationStats()
-    acceptance = f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "no drafting"
+    acceptance = drafting_note(s, turn.aside)
     reread = f" ({turn.reread} re-read: the template rewrote the history)" if turn.reread else ""
     return (
         f"{turn.tokens} tokens · {s.decode_tps:.1f} tok/s · {acceptance} · "

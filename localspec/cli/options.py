@@ -144,6 +144,9 @@ drafter = _setting("drafter", "--drafter",
 adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "Choose the draft length (0..--draft) by measured cost: draft-step and verify seconds and the "
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)
+stand_aside = _setting("stand_aside", "--stand-aside/--always-draft",
+                       "Draft nothing while a round of --draft drafts measures slower than plain decoding (probed "
+                       "now and then); --always-draft drafts every round.", panel=DRAFTING)
 draft_ahead_length = _setting("draft_ahead_length", "--draft-ahead-length",
                         "Drafting ahead: the whole next round (full), or what fits beside the verify (fit).",
                         panel=DRAFTING)
@@ -160,6 +163,8 @@ against = _setting("against", "--against",
 llama_bin = _setting("llama_bin", "--llama-bin",
                      "llama-speculative-simple, or the folder holding it (a llama.cpp build's build/bin); unset: "
                      "$LOCALSPEC_LLAMA_BIN, then PATH.")
+against_lengths = _setting("against_lengths", "--against-lengths",
+                           "llama.cpp's draft lengths to try with --against (e.g. 2-6 or 2,4,6); the fastest counts.")
 generate_max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate at most.", section="generate")
 chat_max_tokens = _setting("max_tokens", "--max-tokens", "Reply limit in tokens, per turn.", section="chat")
 host = _setting("host", "--host", "Address to listen on.", section="server")
@@ -240,6 +245,7 @@ class RunOptions:
     rpc: str | None = None
     drafter: str | None = None
     adaptive: bool | None = None
+    stand_aside: bool | None = None
     draft_ahead_length: str | None = None
     lookup_min: int | None = None
     lookup_max: int | None = None
@@ -272,7 +278,8 @@ _RUN_OPTIONS: dict[str, Any] = {
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
     "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
     "main_gpu": main_gpu, "draft_device": draft_device, "draft_ahead": draft_ahead, "rpc": rpc, "drafter": drafter,
-    "adaptive": adaptive, "draft_ahead_length": draft_ahead_length, "lookup_min": lookup_min, "lookup_max": lookup_max,
+    "adaptive": adaptive, "stand_aside": stand_aside, "draft_ahead_length": draft_ahead_length,
+    "lookup_min": lookup_min, "lookup_max": lookup_max,
 }
 
 

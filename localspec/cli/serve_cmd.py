@@ -25,6 +25,7 @@ from localspec.cli import options
 from localspec.errors import LocalspecError, UsageError
 from localspec.fsutil import check_writable
 from localspec.models import registry
+from localspec.rounds.events import drafting_note
 from localspec.sessions.session import ModelFiles, Session, open_session, preflight
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ def _status(state: ServerState, files: ModelFiles) -> Text:
                     f"{cache.limit / 2**30:.1f} GiB")
     if stats.last is not None:
         last = stats.last.stats
-        accepted = f"acceptance {last.acceptance_rate:.0%}" if last.drafted else "no drafting"
+        accepted = drafting_note(last, stats.last.aside)
         line.append(f" · last: {last.tokens} tokens, {last.decode_tps:.1f} tok/s, {accepted}, mean accepted "
                     f"{last.mean_accepted:.2f}, prompt {stats.last.prompt_n}/{last.prompt_tokens} processed",
                     style="dim")

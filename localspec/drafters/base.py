@@ -222,6 +222,18 @@ class DrafterBase:
         """The stream's draft-length policy (None: none was given, so no cost rule decides)."""
         return self._lengths.get(req.seq)
 
+    def stand_aside(self, req: DraftRequest, k: int, rule: type, lag: int = 1) -> int:
+        """The round's length with `[draft] stand_aside` (where `adaptive` does not choose k): k, or none while its
+        cost `rule` (a `model.ModelCost` kind: the draft model's, the MTP head's, a block drafter's) prices a round
+        of k below plain decoding (`ModelCost.stand_aside`, which probes now and then); `lag`: committed tokens
+        its models lack. A round drafting nothing is counted in the request's `stats.stood_aside`."""
+        length = self.length(req)
+        if k <= 0 or not req.drafting.stand_aside or req.drafting.adaptive or length is None:
+            return k
+        n = length.rule(rule).stand_aside(k, length, lag)
+        req.stats.stood_aside += n == 0
+        return n
+
     def spend(self, req: DraftRequest, spent: Spent) -> None:
         """What drafting the request's proposal of this round spent (`accept` hands it to the cost model)."""
         self._spent[req.seq] = spent

@@ -6,7 +6,8 @@ the model between. Lookup's length is chosen on the same measured verify costs a
 best share after it priced in (`lookup.LookupCost.length`). A round of the model's tokens alone drafts ahead beside
 its verify as the model drafter does (`draft_ahead`); where that draft-ahead held and lookup matches too, the round
 is the draft-ahead's unless lookup's is expected to pay more (`ChainCost.prefer_draft_ahead`: the draft-ahead costs no
-draft steps on the path).
+draft steps on the path). The lead may be suffix lookup instead (`[draft] chain_lead = "suffix"`: the deepest match
+in the context and in past requests, `drafters/suffix.py`), priced by the same rule over its own acceptance.
 
 It makes no promise to keep up with the better of its parts: it tracks the draft model's pace where lookup rarely
 matches and lookup's where drafting costs about a verify, but a reply that quotes little of its prompt can hold it near
@@ -25,10 +26,12 @@ from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal, Spent
 from localspec.drafters.lookup import LookupCost, LookupDrafter
 from localspec.drafters.model import DraftAhead, ModelCost, ModelDrafter
+from localspec.drafters.model import unavailable as model_unavailable
+from localspec.drafters.suffix import SuffixCost, SuffixDrafter
 from localspec.rounds.policies import CostRule, DraftCost, DraftLength
 from localspec.rounds.scores import ScoringModel
 
-NEEDS = ("lookup", "model")  # built after its parts (the registry's order)
+NEEDS = ("lookup", "model", "suffix")  # built after its parts (the registry's order)
 LLAMA_SERVER_TYPE = "ngram-simple,draft-simple"  # its `speculative.type` (llama-server's --spec-type list)
 
 
@@ -39,7 +42,10 @@ class ChainCost(CostRule):
 
     def __init__(self, cost: DraftCost) -> None:
         super().__init__(cost)
-        self.lookup, self.model = LookupCost.of(cost), ModelCost.of(cost)
+        # The lead's rule: prompt lookup's, or suffix lookup's where the stream's lead is suffix lookup (`[draft]
+        # chain_lead`: its pricing attached it first, as the stream's lead source).
+        lead = SuffixCost if cost.lead_source == SuffixCost.SOURCE else LookupCost
+        self.lookup, self.model = lead.of(cost), ModelCost.of(cost)
 
     def extension(self, looked_up: int, k: int, policy: DraftLength, lag: int = 1) -> int:
         """How many draft-model tokens should follow `looked_up` lookup tokens in a round of at most k drafts of
@@ -96,24 +102,28 @@ class ChainCost(CostRule):
 
 
 class ChainDrafter(DrafterBase):
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter, suffix: SuffixDrafter | None = None) -> None:
         super().__init__()
-        self.lookup, self.model = lookup, model
+        self.lookup, self.model, self.suffix = lookup, model, suffix
         self.models = model.models
+
+    def lead(self, drafting: Drafting) -> LookupDrafter | SuffixDrafter:
+        """Whose tokens come first (`[draft] chain_lead`): prompt lookup's or suffix lookup's."""
+        return self.suffix if drafting.chain_lead == "suffix" and self.suffix is not None else self.lookup
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         length = self.length(req)  # (its parts reach their rules through the same policy)
-        return self.lookup.start(req, prompt, length) + self.model.start(req, prompt, length)
+        return self.lead(req.drafting).start(req, prompt, length) + self.model.start(req, prompt, length)
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Its parts' rules on this stream's facts; k stays fixed (each round's shares are decided by cost)."""
-        self.lookup.pricing(cost, drafting)
+        self.lead(drafting).pricing(cost, drafting)
         self.model.pricing(cost, drafting)
         ChainCost.of(cost)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
         # Lookup's length with the model's best share after it priced in.
-        found = [self.lookup.propose(req, k, ModelCost) for req, k in jobs]
+        found = [self.lead(req.drafting).propose(req, k, ModelCost) for req, k in jobs]
         # The model continues each lookup draft (from the committed tokens where lookup found nothing).
         lengths = []
         for i, ((req, k), p) in enumerate(zip(jobs, found, strict=True)):
@@ -166,20 +176,21 @@ class ChainDrafter(DrafterBase):
         return self.model.draft_ahead(req, proposal, k_next)
 
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
+        self.lead(req.drafting).rewind(req, proposal, accepted)
         self.model.rewind(req, proposal, accepted)
 
     # (Its parts are the registry's too: their cells, `reset` and `close` answer there.)
 
 
 def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
-    """Why these models have no chain (one clause), None when they have one."""
-    return "no draft model is loaded" if draft is None else None
+    """Why these models have no chain (one clause), None when they have one: the draft model's reason."""
+    return model_unavailable(target, draft)
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:
     """Without a draft model the chain is lookup alone."""
-    lookup, model = built["lookup"], built.get("model")
+    lookup, model, suffix = built["lookup"], built.get("model"), built.get("suffix")
     if model is None:
         return lookup
     assert isinstance(lookup, LookupDrafter) and isinstance(model, ModelDrafter)
-    return ChainDrafter(lookup, model)
+    return ChainDrafter(lookup, model, suffix if isinstance(suffix, SuffixDrafter) else None)

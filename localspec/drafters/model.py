@@ -43,8 +43,9 @@ from localspec.drafters.base import (
     device_mode,
     prompt_work,
 )
+from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS
 from localspec.rounds.constraints import masked_scores
-from localspec.rounds.policies import CostRule, DraftCost, Observation
+from localspec.rounds.policies import CostRule, DraftCost, DraftLength, Observation
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.rounds.scores import ScoringModel
 
@@ -133,6 +134,8 @@ class ModelDrafter(DrafterBase):
                 continue
             if kept is not None:
                 self._throw(req, kept)
+            if after is None:  # (the chain decides its model's share itself)
+                k = self.stand_aside(req, k, ModelCost, self.lag(req))
             if k > 0:
                 todo.append((i, _Job(req, k, req.tokens + after[i] if after else req.tokens)))
         self._draft([job for _, job in todo])
@@ -620,6 +623,60 @@ class ModelCost(CostRule):
         """The model pays again: probing starts over from PROBE_FIRST when it next does not."""
         self.idle, self.interval, self.model_on = 0, self.cost.PROBE_FIRST, True
 
+    # -- standing aside (`[draft] stand_aside`): k or nothing ---------------------------------------------------
+
+    def stand_aside(self, k: int, policy: DraftLength, lag: int = 1) -> int:
+        """How many of the round's k drafts to make with `stand_aside`: all k while a round of k is priced at least
+        as fast as a plain step, none while it is priced slower (probed now and then: `probe`), so drafting never
+        runs at a loss for long and, where it pays, drafts the preset's length (a length chosen by price instead,
+        `adaptive`, can lose to the fixed one where the prices are a little off: docs/performance.md). The verdict
+        and its reason are on `DraftCost.aside`.
+
+        Steps: until a draft step and a verify are measured, draft k (they are measured by drafting); on a CPU, one
+        plain round next when a one-token verify was never measured (the plain price is a measurement, not the
+        prior slope's guess; a plain round costs nothing over plain decoding); a round of k that would lose even if
+        every draft were kept (`could_pay`: a draft step about a one-token verify, as on a CPU) stands aside at once
+        and is probed at the longest interval, in sync only; otherwise the expected prices decide after WARMUP
+        steady steps, with hysteresis: drafting that paid stops when a round of k is priced below a plain step,
+        and comes back when priced MIN_GAIN above it."""
+        if k <= 0:
+            return k
+        cost = self.cost
+        width = k + 1 if policy.padded else 0
+        speeds = self.speeds(0, k, width)
+        if speeds is None:
+            return k  # (measured by drafting)
+        if not policy.padded and 1 not in cost.verify_s:
+            return 0  # one plain round prices plain decoding (a CPU: no width to keep warm)
+        hopeless = not self.could_pay(0, k, width)
+        if cost.step_rounds < policy.WARMUP and not hopeless:
+            return k
+        plain, drafting = float(speeds[0]), float(speeds[k])
+        pays = not hopeless and drafting >= (plain if self.model_on else policy.MIN_GAIN * plain)
+        if pays:
+            self.pays()
+            cost.aside = None
+            return k
+        self.model_on = False
+        if k >= policy.k or cost.aside is None:  # (a round cut short by the reply's end keeps the full round's words)
+            cost.aside = self._aside_reason(k, width, hopeless, drafting / plain if plain > 0 else 0.0)
+        if hopeless:
+            self.interval = cost.PROBE_MAX  # no acceptance a probe measures could turn it on; only a change of costs
+        probe = self.probe(k, lag, in_sync_only=hopeless)
+        return k if probe and not hopeless else probe
+
+    def _aside_reason(self, k: int, width: int, hopeless: bool, ratio: float) -> str:
+        """Why drafting stands aside, in one line, from the measured prices."""
+        cost = self.cost
+        step = (cost.step_s or 0.0) / cost.verify_cost(1)
+        if hopeless:
+            drafts = f"{k} drafts" if k > 1 else "a draft"
+            return (f"a draft step costs {step:.2f} of a one-token verify, so {drafts} would lose even if every one "
+                    f"were kept")
+        kept = float(cost.tables().cumulative[self.SOURCE][k]) - 1.0
+        return (f"at {kept:.1f} of {k} drafts kept a round (a draft step {step:.2f} of a one-token verify), drafting "
+                f"would run {ratio:.2f}x plain decoding")
+
     # -- the loop's questions: its adaptive k (`Pricing`), a held draft-ahead's round, its length ------------------
 
     def best_length(self, room: int) -> int | None:
@@ -640,9 +697,14 @@ class ModelCost(CostRule):
 
 def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
     """Why these models have no model drafter (one clause), None when they have one."""
-    return "no draft model is loaded" if draft is None else None
+    if draft is None:
+        return "no draft model is loaded"
+    if getattr(draft, "arch", None) in BLOCK_DRAFTER_ARCHS:
+        # (its context reads the target's features, not tokens alone: stepping it token by token drafts nonsense)
+        return f"{draft.path.name} is a block drafter (general.architecture dflash): --drafter dflash or dspark"  # type: ignore[attr-defined]
+    return None
 
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter | None:
-    """The registry's factory: there is a model drafter only with a draft model."""
-    return None if draft is None else ModelDrafter(draft, target.n_vocab)
+    """The registry's factory: there is a model drafter only with a draft model that steps token by token."""
+    return None if draft is None or unavailable(target, draft) else ModelDrafter(draft, target.n_vocab)

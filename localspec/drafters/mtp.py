@@ -169,6 +169,7 @@ class MtpDrafter(DrafterBase):
         out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
         for req, _ in jobs:
             self.spend(req, Spent())
+        jobs = [(req, self.stand_aside(req, k, MtpCost)) for req, k in jobs]
         todo = [(i, req, k) for i, (req, k) in enumerate(jobs) if k > 0]
         if not todo:
             return out

@@ -1,6 +1,7 @@
 """A model's hidden states, one row per decoded token (llama.cpp's NextN embeddings: the final norm's output), for
 the drafters that read them (the MTP head). They come from llama-cpp-python's staging API (`llama_cpp_ext`) and a few
 fields of its structs; an older build lacks them, and then MTP drafting is refused with one line (`mtp_unsupported`).
+A sequence may ask for the inputs of some layers instead (a block drafter's features: `layer_features`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from localspec.errors import DecodeError, ModelLoadError
 from localspec.llama.batch import Run
+from localspec.llama.layer_features import LayerFeatures
 from localspec.llama.recurrent import has_field
 
 try:
@@ -39,34 +41,56 @@ def mtp_unsupported() -> str | None:
 
 
 class HiddenRows:
-    """Which sequences of a context return hidden rows, and copying them out of a decode."""
+    """Which sequences of a context return hidden rows (NextN rows, or some layers' inputs), and copying them out
+    of a decode."""
 
-    def __init__(self, ctx: ctypes.c_void_p, n_embd_out: int, name: str) -> None:
+    def __init__(self, ctx: ctypes.c_void_p, n_embd_out: int, name: str, n_layer: int = 0, n_embd: int = 0) -> None:
         self._ctx = ctx
         self._n_embd = n_embd_out
         self._name = name  # the model file's name, for errors
-        self.seqs: set[int] = set()
+        self._n_layer, self._n_embd_inp = n_layer, n_embd  # (a layer's input row: n_embd wide)
+        self.seqs: set[int] = set()  # every sequence that wants rows, of either kind
+        self._nextn: set[int] = set()
+        self._layers: dict[int, LayerFeatures] = {}  # sequence -> the layers whose inputs it gets instead
+        self._features: dict[tuple[int, ...], LayerFeatures] = {}  # one per layer set asked for, switched on in use
 
-    def want(self, seq: int, on: bool) -> None:
-        was = bool(self.seqs)
-        if on:
+    def want(self, seq: int, on: bool, layers: Sequence[int] | None = None) -> None:
+        """`layers`: the inputs of these layers instead of the NextN rows, one row a token of `len(layers) *
+        n_embd` floats (`LayerFeatures`: what a block drafter's `fc` reads)."""
+        was = bool(self._nextn)
+        self.seqs.discard(seq)
+        self._nextn.discard(seq)
+        self._layers.pop(seq, None)
+        if on and layers is not None:
+            key = tuple(layers)
+            if key not in self._features:
+                self._features[key] = LayerFeatures(self._ctx, self._n_layer, self._n_embd_inp, key, self._name)
+            self._layers[seq] = self._features[key]
+            self.seqs.add(seq)
+        elif on:
             if llama_cpp_ext is None:
                 raise ModelLoadError(mtp_unsupported() or "no nextn embeddings in this llama-cpp-python")
+            self._nextn.add(seq)
             self.seqs.add(seq)
-        else:
-            self.seqs.discard(seq)
-        if bool(self.seqs) != was:  # (a context-wide switch: only when it changes)
-            llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, bool(self.seqs), False)
+        if bool(self._nextn) != was:  # (a context-wide switch: only when it changes)
+            llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, bool(self._nextn), False)
+        in_use = {id(f) for f in self._layers.values()}
+        for features in self._features.values():  # (context-wide too: `switch` acts only on a change)
+            features.switch(id(features) in in_use)
 
     def copy(self, runs: Sequence[Run], hidden: list[list[np.ndarray]]) -> None:
         """Each wanted item's hidden rows of the last decode (these runs): one per token, by batch index."""
+        for features in {id(f): f for f in self._layers.values()}.values():
+            features.copy(runs, {seq for seq, f in self._layers.items() if f is features}, hidden)
+        if not self._nextn:
+            return
         base = llama_cpp_ext.llama_get_embeddings_nextn(self._ctx)
         if not base:
             raise DecodeError(f"{self._name}: llama.cpp returned no hidden states")
         n = 0
         for run in runs:
             take = len(run.tokens)
-            if run.item >= 0 and run.seq in self.seqs:
+            if run.item >= 0 and run.seq in self._nextn:
                 rows = np.ctypeslib.as_array(base, shape=(n + take, self._n_embd))[n : n + take]
                 hidden[run.item].append(rows[: take if run.real is None else run.real].copy())
             n += take

@@ -96,6 +96,7 @@ class LlamaModel:
         n_seq: int = 1,
         flash_attn: str = "auto",
         rewind: int = 0,
+        other: LlamaModel | None = None,
     ) -> None:
         """`load`: the preset's `[load]` settings (None: the default preset's); an argument left None takes its
         value from there (`n_threads` from `threads`, 0: llama.cpp's default count; a draft model passes
@@ -105,8 +106,9 @@ class LlamaModel:
         many tokens a recurrent or hybrid model must be able to roll back (the longest draft); llama.cpp keeps that
         many snapshots of its state (`n_rs_seq`), and a model it cannot roll back is refused (RollbackError).
         `max_batch_error`: on a GPU, the most (logits) a shared batch may move a sequence's rows for its sequences
-        to share batches (`shares_batches`). Three steps: the weights (`_load`), the context (`_context`), the
-        device samplers and the load probe (`_samplers_and_probe`)."""
+        to share batches (`shares_batches`). `other`: the target a block drafter (DFlash, DSpark) without token
+        embeddings or output head of its own reads them from (llama.cpp's `ctx_other`). Three steps: the weights
+        (`_load`), the context (`_context`), the device samplers and the load probe (`_samplers_and_probe`)."""
         s = load if load is not None else load_preset().load
         backend.init()
         self.path = Path(path)
@@ -128,7 +130,7 @@ class LlamaModel:
                             s.main_gpu if main_gpu is None else main_gpu)
         self._context(header, s.n_ctx if n_ctx is None else n_ctx, s.n_batch if n_batch is None else n_batch,
                       kv_type, s.threads if n_threads is None else n_threads, flash_attn, n_seq, rewind,
-                      s.device_top_k if device_top_k is None else device_top_k)
+                      s.device_top_k if device_top_k is None else device_top_k, other)
         self._samplers_and_probe(s.device_top_k if device_top_k is None else device_top_k,
                                  s.max_batch_error if max_batch_error is None else max_batch_error)
 
@@ -166,6 +168,7 @@ class LlamaModel:
         self.mtp_layers = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if load_mtp else 0
         # ... and those the file has (a library without MTP support loads none: the refusal then names the library)
         self.nextn_layers_in_file = header.nextn_layers
+        self.arch = header.arch  # (general.architecture: a block drafter's file steps no token alone)
         self.n_gpu_layers = n_gpu_layers
         # Where the layers run decides what is exact and what is fast (batch logits, graph capture): docs/gpu.md.
         # RPC devices count as GPUs, as ggml reports them (a lent machine is usually lent for its GPU).
@@ -173,7 +176,8 @@ class LlamaModel:
         return header
 
     def _context(self, header: GGUFHeader, n_ctx: int, n_batch: int, kv_type: str, n_threads: int,
-                 flash_attn: str, n_seq: int, rewind: int, device_top_k: int) -> None:
+                 flash_attn: str, n_seq: int, rewind: int, device_top_k: int,
+                 other: LlamaModel | None = None) -> None:
         """The context of `n_seq` sequences of `n_ctx` cells each, the rewind of a recurrent state, the vocabulary
         and the batch of the model's life."""
         threads = n_threads or backend.default_threads()
@@ -194,6 +198,8 @@ class LlamaModel:
         cparams.no_perf = True
         if device_top_k:
             cparams.n_outputs_max_per_seq = MAX_OUTPUTS_PER_DECODE
+        if other is not None:
+            cparams.ctx_other = other.ctx
         self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
                               or llama_cpp.llama_model_is_hybrid(self.model))
         if self.recurrent and rewind > 0:
@@ -220,7 +226,9 @@ class LlamaModel:
                 raise RollbackError(f"{self.path.name}: llama.cpp cannot roll back a {header.arch} model's recurrent "
                                     "state, which speculative decoding needs (plain decoding works: --n-draft 0)")
             self._recurrent = RecurrentState(self.ctx, self.memory, self.rewind_depth, self.path.name)
-        self._hidden = HiddenRows(self.ctx, int(llama_cpp.llama_model_n_embd_out(self.model)), self.path.name)
+        self._hidden = HiddenRows(self.ctx, int(llama_cpp.llama_model_n_embd_out(self.model)), self.path.name,
+                                  int(llama_cpp.llama_model_n_layer(self.model)),
+                                  int(llama_cpp.llama_model_n_embd(self.model)))
         # `recurrent` (above) also decides what a saved state may serve once restored, and whether a context shift
         # can drop tokens (restore_floor).
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))
@@ -313,7 +321,8 @@ class LlamaModel:
             items, modes, self.n_batch, self._cells_per_seq,
             lambda seq: int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1, self.unknown_token,
         ) if cover and self.n_seq > 1 and modes else None
-        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent), [])
+        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent,
+                                                       snapshots=bool(self.rewind_depth)), [])
         pieces: list[list[Rows]] = [[] for _ in items]
         hidden: list[list[np.ndarray]] = [[] for _ in items]
         views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses
@@ -510,10 +519,11 @@ class LlamaModel:
         else:
             self.truncate(0, seq)
 
-    def want_hidden(self, seq: int, on: bool) -> None:
+    def want_hidden(self, seq: int, on: bool, layers: Sequence[int] | None = None) -> None:
         """Whether sequence `seq`'s decodes return the hidden state after each token (`Scores.hidden`: what an MTP
-        head drafts from; llama.cpp's nextn embeddings, the final norm's output, one row per token)."""
-        self._hidden.want(seq, on)
+        head drafts from; llama.cpp's nextn embeddings, the final norm's output, one row per token); with `layers`,
+        the inputs of those layers instead, concatenated per token (a block drafter's features: DFlash, DSpark)."""
+        self._hidden.want(seq, on, layers)
 
     # -- a sequence's state: the prompt cache and slot files -------------------------------------------------
 

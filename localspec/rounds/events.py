@@ -47,6 +47,7 @@ class GenerationStats:
     full_rows: int = 0  # constrained verify rows whose device candidates held too few legal tokens: decoded again
     context_shifts: int = 0  # times the context filled and a block of tokens was dropped (context shift)
     shift_tokens: int = 0  # ... tokens decoded again at their new positions then (in decode_s)
+    stood_aside: int = 0  # rounds the drafter drafted nothing because drafting was priced below plain decoding
     draft_lengths: list[int] = field(default_factory=list)
 
     def count_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -104,7 +105,7 @@ class GenerationStats:
         keys = ("prompt_tokens", "prompt_tokens_processed", "prefill_s", "tokens", "rounds", "drafted",
                 "accepted", "draft_s", "verify_s", "decode_s", "host_s", "host_fraction", "acceptance_rate",
                 "mean_accepted", "decode_tps", "prefill_tps", "ahead_made", "ahead_kept", "ahead_s",
-                "ahead_wait_s", "ahead_hit_rate", "full_rows", "context_shifts", "shift_tokens")
+                "ahead_wait_s", "ahead_hit_rate", "full_rows", "context_shifts", "shift_tokens", "stood_aside")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -119,9 +120,20 @@ class DoneEvent:
     stats: GenerationStats
     stop_reason: str  # STOP_EOG, STOP_MAX_TOKENS, STOP_CONTEXT_FULL or STOP_REQUESTED
     message: str
+    # Why drafting stood aside when the generation ended (`[draft] stand_aside`: one line from the measured
+    # prices), None while it drafted
+    aside: str | None = None
 
 
 Event = TokenEvent | DoneEvent
+
+
+def drafting_note(stats: GenerationStats, aside: str | None) -> str:
+    """How a generation drafted, in a few words for a status line: its acceptance, that drafting stood aside
+    (`[draft] stand_aside`, with the measured reason), or no drafting."""
+    if aside is not None and stats.stood_aside:
+        return f"drafting stood aside: {aside}"
+    return f"acceptance {stats.acceptance_rate:.0%}" if stats.drafted else "no drafting"
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,6 +182,9 @@ class DraftCost:
         self.probe_lag = 0
         self._tables: _Tables | None = None  # what the last observation implies, computed once when first asked
         self._rules: dict[type, CostRule] = {}
+        # Why drafting stands aside now, in one line from these prices (`[draft] stand_aside`: the drafter's rule
+        # sets it), None while it drafts; kept with the facts across a slot's generations, as the verdict is.
+        self.aside: str | None = None
 
     def rule(self, kind: type[Rule]) -> Rule:
         """The drafter rule `kind` kept with these facts (made on first use)."""
@@ -446,6 +449,11 @@ class DraftLength:
     def rule(self, kind: type[Rule]) -> Rule:
         """The stream's drafter rule `kind` (`DraftCost.rule`): what a drafter asks its own prices through."""
         return self.cost.rule(kind)
+
+    @property
+    def aside(self) -> str | None:
+        """Why drafting stands aside now (`[draft] stand_aside`, the drafter's rule says: `DraftCost.aside`)."""
+        return self.cost.aside
 
     def next(self) -> int:
         if not self.adaptive:

@@ -159,7 +159,7 @@ class Stream:
 
     def _finish(self, stop: str, message: str) -> None:
         self.stats.decode_s = time.perf_counter() - self.t_start
-        self.done = DoneEvent(self.stats, stop, message)
+        self.done = DoneEvent(self.stats, stop, message, self.chooser.aside if self.use_draft else None)
         self.slot.busy = False
         for grammar in (self.grammar, self.req.grammar):
             if grammar is not None:

@@ -75,6 +75,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                                                      **({"warning": m.batch_warning} if m.batch_warning else {})}
                                               for name, m in _named_models(worker.engine)},
                              "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
+                             # `[draft] stand_aside`: rounds served without drafting because it was priced below
+                             # plain decoding, and why the last reply's drafting stood aside (null: it drafted)
+                             "drafting": {"stood_aside_rounds": stats.totals.stood_aside,
+                                          "aside": stats.last.aside if stats.last is not None else None},
                              "queued": worker.queued,
                              "served": stats.served, "cancelled": stats.cancelled, "failed": stats.failed,
                              "rejected": stats.rejected})

@@ -69,6 +69,7 @@ class JobResult:
     engine_tokens: int  # tokens the engine generated (>= stats.tokens: a stop string ends inside a token)
     logprobs: list[TokenLogprob] | None = None  # one per returned token, with logprobs on
     slot: int = -1  # the slot it ran in
+    aside: str | None = None  # why drafting stood aside at its end (`DoneEvent.aside`), None: it drafted
 
     @property
     def prompt_n(self) -> int:
@@ -103,6 +104,8 @@ def timings(s: GenerationStats) -> dict[str, float | int]:
         "draft_n_accepted": s.accepted,
         "acceptance_rate": round(s.acceptance_rate, 4),
         "mean_accepted": round(s.mean_accepted, 4),
+        # rounds that drafted nothing because drafting was priced below plain decoding (`[draft] stand_aside`)
+        "draft_stood_aside": s.stood_aside,
     }
 
 
@@ -506,7 +509,7 @@ def _result(job: Job, text: str, matcher: StopMatcher, done: DoneEvent, starts: 
                                 accepted=sum(from_draft[:returned]),
                                 draft_lengths=done.stats.draft_lengths[:rounds])
     return JobResult(text=text, finish_reason=finish, stop_string=matcher.matched, stats=stats,
-                     engine_tokens=done.stats.tokens, slot=slot)
+                     engine_tokens=done.stats.tokens, slot=slot, aside=done.aside)
 
 
 def _logprob_entry(event: TokenEvent, piece: Callable[[int], bytes]) -> TokenLogprob:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from localspec import __version__, machine
-from localspec.config import Drafting, Preset, Sampling
+from localspec.config import DRAFTER_TABLE, Drafting, Preset, Sampling
 from localspec.errors import UsageError
 from localspec.fsutil import read_text
 from localspec.rounds.events import STOP_EOG, DoneEvent, GenerationStats, collect
@@ -195,9 +195,11 @@ class RunResult:
     stats: GenerationStats
     prefill_tps: float  # median over the prompts that processed any prompt tokens
     outputs: dict[str, list[int]] = field(repr=False)
+    aside: str | None = None  # why drafting stood aside at the run's last generation's end (`DoneEvent.aside`)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "index": self.index, "prefill_tps": self.prefill_tps, **self.stats.as_dict()}
+        return {"mode": self.mode, "index": self.index, "prefill_tps": self.prefill_tps, **self.stats.as_dict(),
+                "aside": self.aside}
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,10 @@ class ModeSummary:
     mean_accepted: float
     host_fraction: float  # share of decode time spent outside llama_decode
     ahead_hit_rate: float | None = None  # draft-ahead: share of the rounds drafted ahead that were used (None: off)
+    # `[draft] stand_aside`: the share of rounds that drafted nothing because drafting was priced below plain
+    # decoding, and why (the last run's reason; None: it drafted at the end)
+    stood_aside: float = 0.0
+    aside: str | None = None
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
@@ -220,7 +226,16 @@ class ModeSummary:
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
             acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
             host_fraction=total.host_fraction, ahead_hit_rate=total.ahead_hit_rate if total.ahead_made else None,
+            stood_aside=total.stood_aside / total.rounds if total.rounds else 0.0, aside=runs[-1].aside,
         )
+
+    @property
+    def standing_aside(self) -> str | None:
+        """One line when drafting stood aside in most rounds (`[draft] stand_aside`), with the measured reason."""
+        if self.stood_aside < 0.5:
+            return None
+        why = f": {self.aside}" if self.aside else ""
+        return f"drafting stood aside in {self.stood_aside:.0%} of rounds (plain decoding's steps){why}"
 
 
 @dataclass(frozen=True)
@@ -344,6 +359,10 @@ class BenchReport:
 
     @property
     def verdict(self) -> str:
+        aside = self.speculative.standing_aside
+        if aside is not None:
+            return (f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside: "
+                    f"{self.speedup:.2f}x plain decoding; {aside}")
         if self.speedup >= 1.0:
             return f"speculative decoding is {self.speedup:.2f}x plain decoding on this pair and machine"
         return (f"speculative decoding is SLOWER than plain decoding on this pair and machine ({self.speedup:.2f}x): "
@@ -433,6 +452,7 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
     drafting = preset.draft if mode == SPEC else dataclasses.replace(preset.draft, n_draft=0)
     outputs: dict[str, list[int]] = {}
     stats: list[GenerationStats] = []
+    aside: str | None = None
     start = last = time.perf_counter()
     total = len(prompts) * max_tokens
     for name, prompt in prompts:
@@ -440,6 +460,7 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
         for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens):
             if isinstance(event, DoneEvent):
                 stats.append(event.stats)
+                aside = event.aside
                 break
             tokens.append(event.token)
             now = time.perf_counter()
@@ -449,7 +470,7 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
                 yield RunProgress(mode, index, done, total, done / (now - start))
     prefill = [s.prefill_tps for s in stats if s.prompt_tokens_processed]
     return RunResult(mode=mode, index=index, stats=GenerationStats.total(stats),
-                     prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs)
+                     prefill_tps=statistics.median(prefill) if prefill else 0.0, outputs=outputs, aside=aside)
 
 
 def greedy_check(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, max_tokens: int, *,

@@ -371,6 +371,7 @@ class TurnRecord:
     thinking: str = ""  # the reply's <think> block, if any
     answer: str = ""  # the reply without it (what history shows for earlier turns)
     max_tokens: int = 0  # the reply limit in force
+    aside: str | None = None  # why drafting stood aside at the reply's end (`DoneEvent.aside`), None: it drafted
 
     def as_dict(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -477,7 +478,7 @@ class ChatSession:
             prompt_tokens_processed=processed,
             n_draft=drafting.n_draft if drafting.drafter in self.engine.drafters else 0,
             temperature=sampling.temperature, dropped_turns=dropped,
-            stats=done.stats if done else None,
+            stats=done.stats if done else None, aside=done.aside if done else None,
             reread=min(processed, len(cached) - common) if processed is not None else 0,
             thinking=thinking, answer=answer, max_tokens=limit,
         )

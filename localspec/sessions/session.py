@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec import machine
-from localspec.config import DRAFTER_TABLE, Preset
+from localspec.config import BLOCK_DRAFTERS, DRAFTER_TABLE, Preset
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.llama import backend, hidden, recurrent
+from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, check_block_drafter
 from localspec.llama.model import LlamaModel
 from localspec.models import compat, demo, hub, memory, placement, registry
 from localspec.models.gguf_header import GGUFHeader, read_header
@@ -139,6 +140,13 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
                                 "which speculative decoding needs (plain decoding works: --n-draft 0)")
     if draft is not None and draft.recurrence is not None and (why := recurrent.rollback_unsupported()):
         raise RollbackError(f"{draft.name} (the draft) is a {draft.recurrence.kind} model: {why}")
+    # A block drafter's GGUF (DFlash, DSpark) reads the target's layers: its header must fit the target's before
+    # either loads (a width or layer llama.cpp would abort on); any other drafter cannot step it token by token.
+    if draft is not None and draft.arch in BLOCK_DRAFTER_ARCHS:
+        if drafting.drafter not in BLOCK_DRAFTERS:
+            raise UsageError(f"{draft.name} is a block drafter (general.architecture {draft.arch}): --drafter "
+                             f"{' or '.join(BLOCK_DRAFTERS)}, not {drafting.drafter}")
+        check_block_drafter(target, draft, verify_width=preset.load.n_batch)
     # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
     if DRAFTER_TABLE[drafting.drafter].target_head and target.nextn_layers \
             and (why := hidden.mtp_unsupported()):
@@ -196,8 +204,10 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     draft = None
     try:
         if files.draft is not None:
+            # A block drafter shares the target's embeddings and output head (llama.cpp's ctx_other).
+            block = read_header(files.draft).arch in BLOCK_DRAFTER_ARCHS
             draft = LlamaModel(files.draft, load=load, n_gpu_layers=load.draft_n_gpu_layers, n_threads=threads,
-                               n_seq=parallel, **_placed(plan.draft))
+                               n_seq=parallel, other=target if block else None, **_placed(plan.draft))
     except BaseException:
         if draft is not None:
             draft.close()

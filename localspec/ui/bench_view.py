@@ -75,10 +75,14 @@ def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Te
     """The last line: which drafter to use on this machine, from every part measured (a part whose greedy check
     failed is never recommended)."""
     parts = [(report, "")] + ([(lookup, " on replies that repeat their prompt")] if lookup is not None else [])
-    measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title} {r.speedup:.2f}x "
+    measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title}"
+                         f"{' stood aside,' if r.speculative.standing_aside else ''} {r.speedup:.2f}x "
                          f"plain{where}" for r, where in parts)
-    paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed]
+    paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed and not r.speculative.standing_aside]
     if not paying:
+        if all(r.speculative.standing_aside for r, _ in parts):
+            return Text(f"on this machine: drafting does not pay here and stands aside by itself ({measured}): "
+                        "the default decodes at about plain speed", style="bold yellow")
         return Text(f"on this machine: no drafter measured here beats plain decoding ({measured}); plain decoding "
                     "(`--draft 0`) is the faster choice here", style="bold yellow")
     best = max(paying, key=lambda r: r.speedup)

@@ -1,0 +1,225 @@
+"""Standing aside (`[draft] stand_aside`, the default): the draft model (or MTP head) drafts nothing while a round of
+k drafts is priced slower than plain decoding, is probed now and then, comes back when it pays, and every report
+says so with the measured reason.
+
+The decisions first on scripted costs (no clock: each round is fed what a machine would have measured), then through
+the real loop over fake models whose decodes take scripted time (the fake-target harness), then the reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from helpers_fake import FakeModel, draft_policy
+from helpers_stats import chi_square
+
+from localspec.config import Drafting, load_preset
+from localspec.drafters.model import ModelCost
+from localspec.rounds.engine import Engine
+from localspec.rounds.events import DoneEvent, GenerationStats, collect, drafting_note
+from localspec.rounds.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.scores import Scores
+
+GREEDY = load_preset("greedy")
+HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
+
+
+def drafting(k: int = 6, stand_aside: bool = True, **more: object) -> Drafting:
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter="model", stand_aside=stand_aside, **more)
+
+
+# -- the rule on scripted costs -------------------------------------------------------------------------------------
+
+
+def guarded(padded: bool = False, k: int = 6) -> tuple[DraftLength, ModelCost]:
+    cost = DraftCost(k, graphs=padded)
+    chooser = draft_policy(drafting(k), cost, padded)
+    return chooser, chooser.rule(ModelCost)
+
+
+def feed(chooser: DraftLength, rule: ModelCost, rounds: int, accepted_of: Callable[[int], int], step: float,
+         verify_base: float, verify_per_token: float, lag: int = 1) -> list[int]:
+    """Rounds of the draft model with standing aside: what each drafted (its rule's choice), fed back as measured."""
+    drafted = []
+    for _ in range(rounds):
+        n = rule.stand_aside(chooser.next(), chooser, lag)
+        drafted.append(n)
+        width = n + 1 if not chooser.padded or n else (chooser.k + 1)
+        chooser.observe(Observation(n, accepted_of(n), step * n, verify_base + verify_per_token * width, width,
+                                    least_s=step if n else None))
+    return drafted
+
+
+def test_a_draft_step_that_costs_about_a_verify_stands_aside_after_two_rounds_and_is_probed_rarely() -> None:
+    """A CPU's small draft (a step 0.9 of a one-token verify, a 7-token verify three of them): even six drafts all
+    kept would lose, so after one round of six and one plain round (pricing plain decoding) it stands aside, and
+    probes only at the longest interval, in sync."""
+    chooser, rule = guarded()
+    drafted = feed(chooser, rule, 600, lambda n: n, step=0.045, verify_base=0.040, verify_per_token=0.010)
+    assert drafted[:2] == [6, 0]
+    assert sum(1 for n in drafted[2:] if n) <= 600 // DraftCost.PROBE_MAX + 1  # probes only
+    assert max(drafted[2:]) <= ModelCost.PROBE  # ... of a probe's length
+    assert chooser.aside is not None
+    assert "draft step costs 0.9" in chooser.aside and "even if every one" in chooser.aside
+
+
+def test_a_cheap_draft_that_is_mostly_right_keeps_the_presets_length() -> None:
+    chooser, rule = guarded()
+    drafted = feed(chooser, rule, 200, lambda n: n - (n > 4), step=0.002, verify_base=0.040, verify_per_token=0.004)
+    assert drafted[1] == 0 and all(n == 6 for i, n in enumerate(drafted) if i != 1)  # (round 2 prices plain)
+    assert chooser.aside is None
+
+
+def test_on_a_gpu_it_never_spends_a_round_pricing_plain_decoding() -> None:
+    """Padded verifies (CUDA graphs): a plain round would change the width twice; the prior prices it instead."""
+    chooser, rule = guarded(padded=True)
+    drafted = feed(chooser, rule, 100, lambda n: n, step=0.002, verify_base=0.030, verify_per_token=0.001)
+    assert drafted == [6] * 100
+
+
+def test_poor_acceptance_stands_aside_then_a_probe_brings_it_back_when_drafts_come_right() -> None:
+    """A draft step 0.2 of a verify: six drafts pay if most are kept and lose if none are. None kept: it stands
+    aside (saying how many were kept a round); once they come right, a probe measures it and drafting resumes."""
+    right = {"now": False}
+    chooser, rule = guarded()
+    first = feed(chooser, rule, 40, lambda n: n if right["now"] else 0, step=0.010, verify_base=0.040,
+                 verify_per_token=0.008)
+    assert first[-1] == 0 and first.count(0) > 20
+    assert chooser.aside is not None and "of 6 drafts kept a round" in chooser.aside
+    right["now"] = True
+    later = feed(chooser, rule, 200, lambda n: n if right["now"] else 0, step=0.010, verify_base=0.040,
+                 verify_per_token=0.008)
+    back = later.index(6)
+    assert back < 2 * DraftCost.PROBE_FIRST * 4 and all(n == 6 for n in later[back + 40:])
+    assert chooser.aside is None
+
+
+def test_drafting_that_paid_is_not_dropped_on_a_price_within_the_hysteresis() -> None:
+    """Priced a little above plain decoding it keeps drafting; a loss stops it (and only a clear gain restarts)."""
+    chooser, rule = guarded()
+    # 6 drafts, about 2.2 kept: (3.2 tokens) / (0.040 + 0.008 x 7 + 6 x 0.0045) = 26.0 tok/s vs plain 1 / 0.048
+    drafted = feed(chooser, rule, 120, lambda n: min(n, 2 + (len(str(n)) > 5)), step=0.0045, verify_base=0.040,
+                   verify_per_token=0.008)
+    assert drafted[-60:].count(6) == 60
+
+
+# -- through the loop: fake models whose decodes take scripted time --------------------------------------------
+
+
+class Timed(FakeModel):
+    """A fake model whose decodes take `base + per_token x tokens` seconds of wall time (slept)."""
+
+    def __init__(self, base: float, per_token: float, **fake: object) -> None:
+        super().__init__(**fake)  # type: ignore[arg-type]
+        self.base, self.per_token = base, per_token
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        time.sleep(self.base + self.per_token * sum(len(tokens) for _, tokens, _, _ in items))
+        return super().decode_many(items)
+
+
+def timed_pair(draft_step: float, noise: float = 1.0) -> tuple[Timed, Timed]:
+    target = Timed(0.004, 0.0012, seed=3)  # a 7-token verify ~ 2.5 one-token ones (a CPU's shape)
+    return target, Timed(draft_step, 0.0, seed=3, noise=noise)
+
+
+def test_a_draft_that_costs_a_verify_stands_aside_with_plain_decodings_output_and_says_why() -> None:
+    target, draft = timed_pair(draft_step=0.005)
+    engine = Engine(target, draft)
+    prompt = [1, 2, 3, 4]
+    gen = collect(engine.generate(prompt, GREEDY.sampling, drafting(), 40))
+    assert gen.tokens == target.greedy(prompt, 40)  # exact: plain decoding's tokens
+    assert gen.stats.stood_aside >= gen.stats.rounds - 4 and gen.stats.drafted <= 6 + ModelCost.PROBE
+    assert gen.done.aside is not None and "draft step costs" in gen.done.aside
+    assert drafting_note(gen.stats, gen.done.aside).startswith("drafting stood aside: a draft step costs")
+    # The verdict is the slot's: the next reply stands aside from its first round.
+    again = collect(engine.generate([4, 3, 2, 1], GREEDY.sampling, drafting(), 20))
+    assert again.stats.drafted == 0 and again.done.aside is not None
+    assert again.done.aside.startswith("a draft step costs")
+    assert again.done.aside.endswith("6 drafts would lose even if every one were kept")
+    # Off, the same draft drafts every round.
+    fixed = collect(Engine(*timed_pair(draft_step=0.005)).generate(prompt, GREEDY.sampling, drafting(stand_aside=False),
+                                                                   40))
+    assert fixed.tokens == gen.tokens and fixed.stats.stood_aside == 0 and fixed.done.aside is None
+    assert all(n for n in fixed.stats.draft_lengths[:-1])
+
+
+def test_a_cheap_right_draft_keeps_drafting_through_the_loop() -> None:
+    target, draft = timed_pair(draft_step=0.0002, noise=0.0)  # the draft is the target: every draft kept
+    gen = collect(Engine(target, draft).generate([1, 2, 3, 4], GREEDY.sampling, drafting(), 60))
+    assert gen.tokens == target.greedy([1, 2, 3, 4], 60)
+    assert gen.stats.stood_aside <= 1 and gen.done.aside is None and gen.stats.acceptance_rate == 1.0
+
+
+def test_standing_aside_and_probing_keep_the_targets_distribution() -> None:
+    """At T > 0 rounds that stand aside (plain steps drawn on the host), the probes' drafts and the first rounds'
+    all follow the target: the joint frequency of the first two tokens over many seeds fits p(a) p(b | a)."""
+    # Four tokens (16 outcomes, each likely enough for the statistic); shorter sleeps: many generations.
+    target, draft = Timed(0.0015, 0.0004, vocab=4, seed=5), Timed(0.0015, 0.0, vocab=4, seed=5, noise=1.5)
+    engine = Engine(target, draft)
+    prompt = [0, 1, 2, 3, 0, 1, 2]
+    counts: Counter = Counter()
+    stood = drafted = 0
+    for seed in range(2500):
+        gen = collect(engine.generate(prompt, dataclasses.replace(HOT, seed=seed), drafting(2), 2))
+        counts[tuple(gen.tokens)] += 1
+        stood += gen.stats.stood_aside
+        drafted += gen.stats.drafted
+    first = target.next_probs(prompt, HOT)
+    joint = {(a, b): pa * pb for a, pa in first.items() for b, pb in target.next_probs([*prompt, a], HOT).items()}
+    assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom, 99.9th percentile
+    assert stood > 100 and drafted > 0  # both kinds of round ran
+
+
+# -- what reports say ---------------------------------------------------------------------------------------------
+
+
+def test_the_bench_summary_verdict_and_closing_line_say_it_stood_aside_and_why() -> None:
+    from localspec.sessions.bench import BenchReport, ModeSummary, RunResult
+    from localspec.ui.bench_view import drafter_choice
+
+    reason = "a draft step costs 0.88 of a one-token verify, so 6 drafts would lose even if every one were kept"
+    stats = GenerationStats(tokens=100, rounds=98, drafted=4, accepted=4, decode_s=5.0, stood_aside=96)
+    spec = ModeSummary.of("speculative", [RunResult("speculative", 0, stats, 0.0, {}, aside=reason)])
+    assert spec.stood_aside == 96 / 98 and spec.aside == reason
+    assert spec.standing_aside == f"drafting stood aside in 98% of rounds (plain decoding's steps): {reason}"
+    plain = ModeSummary.of("plain", [RunResult("plain", 0, GenerationStats(tokens=100, rounds=100, decode_s=4.9),
+                                               0.0, {})])
+    assert plain.standing_aside is None
+
+    def report(drafter: str, summary: ModeSummary, plain_tps: float) -> BenchReport:
+        preset = GREEDY.with_overrides(drafter=drafter)
+        check = type("Check", (), {"passed": True, "exact": True})()
+        return BenchReport(preset, 6, 128, dataclasses.replace(plain, median_tps=plain_tps), summary, check, [],
+                           {})  # type: ignore[arg-type]
+
+    aside = report("model", dataclasses.replace(spec, median_tps=19.6), 20.0)
+    assert aside.verdict.startswith("the draft model does not pay here, so it stood aside: 0.98x plain decoding;")
+    lookup = report("lookup", dataclasses.replace(plain, mode="speculative", median_tps=44.0), 20.0)
+    line = drafter_choice(aside, lookup).plain
+    assert line.startswith("on this machine: use `--drafter lookup` (the draft model stood aside, 0.98x plain;")
+    alone = drafter_choice(aside).plain
+    assert "stands aside by itself" in alone and "the default decodes at about plain speed" in alone
+
+
+def test_the_chat_line_and_the_servers_timings_say_it() -> None:
+    from localspec.cli.chat_cmd import stats_line
+    from localspec.server.worker import timings
+    from localspec.sessions.chat import TurnRecord
+
+    stats = GenerationStats(tokens=30, rounds=29, drafted=2, accepted=1, decode_s=1.0, stood_aside=27)
+    turn = TurnRecord("hi", "hello", "eog", 30, 1, 10, 9, 6, 0.7, stats=stats, aside="a draft step costs 0.9 …")
+    assert "drafting stood aside: a draft step costs 0.9 …" in stats_line(turn)
+    assert timings(stats)["draft_stood_aside"] == 27
+    drafting_only = GenerationStats(tokens=30, rounds=10, drafted=30, accepted=20, decode_s=1.0)
+    assert drafting_note(drafting_only, None) == "acceptance 67%"
+
+
+def test_the_done_event_carries_no_reason_without_drafting() -> None:
+    gen = collect(Engine(FakeModel(seed=3), FakeModel(seed=3)).generate([1, 2], GREEDY.sampling, drafting(0), 5))
+    assert isinstance(gen.done, DoneEvent) and gen.done.aside is None and gen.stats.stood_aside == 0
+    assert np.array_equal(gen.tokens, FakeModel(seed=3).greedy([1, 2], 5))
