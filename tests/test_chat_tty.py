@@ -74,7 +74,7 @@ def ctrl_c_at_the_prompt(child) -> None:
 
 def test_conversation_commands_and_save(demo_home: Path, tmp_path: Path) -> None:
     # The Gemma base demo, named: it never ends a turn early, so every reply runs to --max-tokens.
-    child = spawn(demo_home, "--pair", "demo", "--max-tokens", "16", "--temp", "0", "--system",
+    child = spawn(demo_home, "--pair", "demo", "--max-tokens", "16", "--temp", "0", "--always-draft", "--system",
                   "You are a helpful assistant.")
     try:
         reply1, s1, notes = turn_with_notes(child, "Name a large city in France.")

@@ -24,7 +24,9 @@ from localspec.server.structured import chat_logprobs, completion_logprobs, requ
 from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_stats import chi_square
 
-GREEDY = load_preset("greedy").with_overrides(threads=1)  # one thread: a busy box stalls llama.cpp's spinning pool
+# One thread: a busy box stalls llama.cpp's spinning pool; drafts every round: these tests look at drafts (standing
+# aside: tests/test_stand_aside.py).
+GREEDY = load_preset("greedy").with_overrides(threads=1, stand_aside=False)
 LETTERS = 'root ::= [a-z]+ "."'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}

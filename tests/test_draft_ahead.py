@@ -15,12 +15,14 @@ from localspec.cli.app import app
 from localspec.config import load_preset
 from localspec.rounds import engine
 from localspec.rounds.events import collect
+from localspec.rounds.policies import DraftCost
 from localspec.sessions.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 
 # One thread: a load skips the automatic choice's 0.2 s CPU sample, and two test workers never split a core.
-GREEDY = load_preset("greedy").with_overrides(threads=1)
+# (drafts every round: these tests look at drafts; standing aside: tests/test_stand_aside.py)
+GREEDY = load_preset("greedy").with_overrides(threads=1, stand_aside=False)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -42,6 +44,12 @@ class _Cycle:
 
     def observe(self, *measured: object) -> None:
         self.rounds += 1
+
+    aside = None  # (it never stands aside)
+    cost = DraftCost(6)  # (the stream reads its verdict: never hopeless)
+
+    def stand_aside(self, k: int, policy: object, lag: int = 1) -> int:  # (as the model's rule: every round drafts)
+        return k
 
     def rule(self, kind: type) -> _Cycle:  # (it stands in for the model drafter's cost rule too)
         return self

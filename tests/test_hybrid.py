@@ -29,7 +29,9 @@ def preset_settings(**values: object) -> memory.Settings:
 
 
 def drafting(k: int, drafter: str = "model", adaptive: bool = False, p_min: float = 0.0):
-    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, adaptive=adaptive, p_min=p_min)
+    # (drafts every round: these tests look at drafts; standing aside: tests/test_stand_aside.py)
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, adaptive=adaptive, p_min=p_min,
+                               stand_aside=False)
 
 
 def sampled(seed: int, temperature: float = 0.7, top_k: int = 40):
@@ -622,8 +624,8 @@ def test_bench_runs_speculative_with_rollback_on_a_hybrid_target(hybrid_pair, tm
 
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--threads",
-                                      "1", "--repeat", "1", "--warmup", "0", "--max-tokens", "32", "--json",
-                                      str(out)])
+                                      "1", "--repeat", "1", "--warmup", "0", "--max-tokens", "32", "--always-draft",
+                                      "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["greedy_check"]["passed"] is True, report["greedy_check"]

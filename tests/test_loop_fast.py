@@ -171,6 +171,7 @@ class _EveryRound:
 
     padded = False
     aside = None  # (it never stands aside: every round drafts k)
+    cost = DraftCost(6)  # (the stream reads its verdict: never hopeless)
 
     def __init__(self, k: int) -> None:
         self.k = k

@@ -23,7 +23,8 @@ from localspec.sessions.session import ModelFiles, open_session
 
 pytestmark = pytest.mark.slow
 
-GREEDY = load_preset("greedy").with_overrides(threads=1)
+# (drafts every round: these tests look at drafts; standing aside: tests/test_stand_aside.py)
+GREEDY = load_preset("greedy").with_overrides(threads=1, stand_aside=False)
 CHAT = "<|im_start|>user\nWrite one short sentence about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -139,7 +139,7 @@ def test_target_layers_on_rpc_give_the_local_output(tiny_pair, rpc_server: str) 
     """Greedy output with the target's layers on the RPC server (the draft local) equals the all-local run."""
     target, draft = tiny_pair
     args = ["generate", "The", "--target", str(target), "--draft", str(draft), "--temp", "0", "--max-tokens", "40",
-            "--json"]
+            "--always-draft", "--json"]  # (drafts every round: the two runs' acceptance is compared)
     local = run_cli(*args)
     assert local.returncode == 0, local.stderr
     remote = run_cli(*args, "--rpc", rpc_server, debug=True)

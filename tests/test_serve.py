@@ -97,7 +97,8 @@ class Server:
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
     # The base demo, named (serve's default is the instruct demo): its greedy output is checked against plain
     # decoding below, and its slots take turns (tests of the batched ones use demo-chat).
-    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--pair", "demo", "--cors-origin", "http://ui.example",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve"), "--always-draft",
+               "--pair", "demo", "--cors-origin", "http://ui.example",
                "--threads", "1")
     yield s
     s.stop()
@@ -106,7 +107,8 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def guarded(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key and room for one waiting request."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--pair", "demo", "--api-key", KEY, "--queue", "1",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-key"), "--always-draft",
+               "--pair", "demo", "--api-key", KEY, "--queue", "1",
                "--threads", "1")
     yield s
     s.stop()
@@ -177,7 +179,7 @@ def test_greedy_chat_equals_generate_and_streams_draft_stats(server, demo_home):
 
 
 def test_stop_inside_an_accepted_draft_run_leaks_nothing(server, demo_home):
-    greedy = load_preset("greedy")
+    greedy = load_preset("greedy").with_overrides(stand_aside=False)  # (the server drafts every round too)
     with open_session(demo_files(demo_home), greedy.with_overrides(n_ctx=256)) as local:
         case = find_stop_in_draft_run(local.engine, local.target.tokenize(PROMPT), greedy.sampling, greedy.draft, 40)
     client = server.client()
@@ -337,7 +339,8 @@ def test_ctrl_c_cancels_in_flight_work_and_exits_0(guarded):
 @pytest.fixture(scope="module")
 def slots4(demo_home, tmp_path_factory) -> Iterator[Server]:
     # SmolLM2 (Llama-style): llama.cpp batches its sequences exactly (Gemma 3's are checked in test_slots.py).
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-slots"), "--parallel", "4", "--pair", "demo-chat",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-slots"), "--always-draft",
+               "--parallel", "4", "--pair", "demo-chat",
                "--threads", "1")
     yield s
     s.stop()
@@ -392,7 +395,8 @@ def test_slots_that_take_turns_draft_beside_the_verifies_and_clients_get_what_ea
     """The base demo's (`--pair demo`) Gemma 3 target shares no batch exactly (its slots take turns, `/health`),
     and with `--draft-ahead on` the draft model drafts the other slots' proposals beside each verify, as on a GPU:
     three staggered `openai` clients at T = 0 each get, token for token, what they get alone."""
-    server = Server(demo_home, tmp_path_factory.mktemp("serve-turns"), "--pair", "demo", "--parallel", "3",
+    server = Server(demo_home, tmp_path_factory.mktemp("serve-turns"), "--always-draft",
+                    "--pair", "demo", "--parallel", "3",
                     "--threads", "1", "--draft-ahead", "on")
     try:
         client = server.client()
@@ -456,7 +460,8 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
 @pytest.fixture(scope="module")
 def chat_server(demo_home, tmp_path_factory) -> Iterator[Server]:
     """The instruct demo, one llama.cpp thread (a busy test box stalls a spinning pool)."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-chat"), "--pair", "demo-chat", "--threads", "1")
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-chat"), "--always-draft",
+               "--pair", "demo-chat", "--threads", "1")
     yield s
     s.stop()
 

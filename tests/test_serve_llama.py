@@ -32,7 +32,8 @@ SUFFIX = "\n\nprint(add(2, 3))\n"
 
 @pytest.fixture(scope="module")
 def server(demo_home, tmp_path_factory) -> Iterator[Server]:
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama"), "--pair", "demo-chat", "--parallel", "2",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama"), "--always-draft",
+               "--pair", "demo-chat", "--parallel", "2",
                "--metrics", "--cors-origin", "*", "--model-alias", "x", "--threads", "1")  # the tests' clients name "x"
     yield s
     s.stop()
@@ -41,7 +42,8 @@ def server(demo_home, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def keyed(demo_home, tmp_path_factory) -> Iterator[Server]:
     """An API key, metrics off (the default), the Gemma 3 demo pair (no FIM tokens)."""
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--api-key", KEY, "--model-alias", "x",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-llama-key"), "--always-draft",
+               "--api-key", KEY, "--model-alias", "x",
                "--threads", "1")
     yield s
     s.stop()
@@ -295,7 +297,8 @@ def test_cors_star_echoes_the_origin_with_credentials(server):
 @pytest.fixture(scope="module")
 def fim_server(demo_home, tiny_fim_pair, tmp_path_factory) -> Iterator[Server]:
     target, draft = tiny_fim_pair
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-fim"), "--target", str(target), "--draft", str(draft),
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-fim"), "--always-draft",
+               "--target", str(target), "--draft", str(draft),
                "--ctx", "512", "--model-alias", "x")
     yield s
     s.stop()

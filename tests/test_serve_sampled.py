@@ -21,7 +21,8 @@ PROMPTS = [f"Write one sentence about the number {i} and a colour." for i in ran
 
 @pytest.fixture(scope="module")
 def slots16(demo_home, tmp_path_factory) -> Iterator[Server]:
-    s = Server(demo_home, tmp_path_factory.mktemp("serve-16"), "--parallel", str(N), "--pair", "demo-chat",
+    s = Server(demo_home, tmp_path_factory.mktemp("serve-16"), "--always-draft",
+               "--parallel", str(N), "--pair", "demo-chat",
                "--ctx", "256", "--threads", "1", "--queue", str(N))
     yield s
     s.stop()
@@ -80,7 +81,8 @@ def test_a_seed_gives_the_same_reply_with_one_slot_or_several(demo_home, tmp_pat
     replies = []
     for parallel in (1, 3):
         (tmp_path / f"p{parallel}").mkdir()
-        s = Server(demo_home, tmp_path / f"p{parallel}", "--parallel", str(parallel), "--pair", "demo-chat",
+        s = Server(demo_home, tmp_path / f"p{parallel}", "--always-draft",
+                   "--parallel", str(parallel), "--pair", "demo-chat",
                    "--ctx", "512", "--threads", "1")
         try:
             out = s.client().completions.create(

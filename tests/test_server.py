@@ -26,7 +26,8 @@ from localspec.server.worker import FINISH_STOP, Delta, Failed, Finished, Job, W
 from localspec.sessions.session import ModelFiles, open_session
 from tests.helpers_serve import PROMPT, demo_files, find_stop_in_draft_run
 
-GREEDY = load_preset("greedy").with_overrides(n_ctx=512)
+# (drafts every round: these tests look at drafts; standing aside: tests/test_stand_aside.py)
+GREEDY = load_preset("greedy").with_overrides(n_ctx=512, stand_aside=False)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from tests.helpers_stats import chi_square
 pytestmark = pytest.mark.slow
 
 # One thread: a load skips the automatic choice's 0.2 s CPU sample, and two test workers never split a core.
-GREEDY = load_preset("greedy").with_overrides(threads=1)
+# (drafts every round: these tests look at drafts; standing aside: tests/test_stand_aside.py)
+GREEDY = load_preset("greedy").with_overrides(threads=1, stand_aside=False)
 
 
 def drafting(n_draft: int, p_min: float, adaptive: bool) -> Drafting:

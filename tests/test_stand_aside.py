@@ -56,11 +56,11 @@ def feed(chooser: DraftLength, rule: ModelCost, rounds: int, accepted_of: Callab
 
 def test_a_draft_step_that_costs_about_a_verify_stands_aside_after_two_rounds_and_is_probed_rarely() -> None:
     """A CPU's small draft (a step 0.9 of a one-token verify, a 7-token verify three of them): even six drafts all
-    kept would lose, so after one round of six and one plain round (pricing plain decoding) it stands aside, and
-    probes only at the longest interval, in sync."""
+    kept would lose, so after one round of a probe's two drafts (pricing a step) and one plain round (pricing plain
+    decoding) it stands aside, and probes only at the longest interval, in sync."""
     chooser, rule = guarded()
     drafted = feed(chooser, rule, 600, lambda n: n, step=0.045, verify_base=0.040, verify_per_token=0.010)
-    assert drafted[:2] == [6, 0]
+    assert drafted[:2] == [ModelCost.PROBE, 0]
     assert sum(1 for n in drafted[2:] if n) <= 600 // DraftCost.PROBE_MAX + 1  # probes only
     assert max(drafted[2:]) <= ModelCost.PROBE  # ... of a probe's length
     assert chooser.aside is not None
@@ -70,7 +70,8 @@ def test_a_draft_step_that_costs_about_a_verify_stands_aside_after_two_rounds_an
 def test_a_cheap_draft_that_is_mostly_right_keeps_the_presets_length() -> None:
     chooser, rule = guarded()
     drafted = feed(chooser, rule, 200, lambda n: n - (n > 4), step=0.002, verify_base=0.040, verify_per_token=0.004)
-    assert drafted[1] == 0 and all(n == 6 for i, n in enumerate(drafted) if i != 1)  # (round 2 prices plain)
+    assert drafted[:2] == [ModelCost.PROBE, 0]  # (a cheap first measure; round 2 prices plain decoding)
+    assert all(n == 6 for n in drafted[2:])
     assert chooser.aside is None
 
 
@@ -146,6 +147,27 @@ def test_a_draft_that_costs_a_verify_stands_aside_with_plain_decodings_output_an
                                                                    40))
     assert fixed.tokens == gen.tokens and fixed.stats.stood_aside == 0 and fixed.done.aside is None
     assert all(n for n in fixed.stats.draft_lengths[:-1])
+
+
+def test_where_drafting_cannot_pay_whole_generations_decode_plainly_and_every_sixteenth_is_judged_again() -> None:
+    """Once hopeless, a generation is plain decoding (its tokens drawn on the device as plain decoding's are: no
+    per-round host sampling), said as standing aside; every PLAIN_GENERATIONS-th goes through the rule again."""
+    target = Timed(0.004, 0.0012, seed=3, device_top_k=64)
+    draft = Timed(0.005, 0.0, seed=3, noise=1.0)
+    engine = Engine(target, draft)
+    hot = dataclasses.replace(HOT, top_k=8)
+    first = collect(engine.generate([1, 2, 3, 4], hot, drafting(), 24))
+    assert first.done.aside is not None and "draft step costs" in first.done.aside
+    modes: list[str] = []
+    use = target.use_device_sampler
+    target.use_device_sampler = lambda mode, seq=0: modes.append(type(mode).__name__) or use(mode, seq)  # type: ignore
+    for i in range(DraftCost.PLAIN_GENERATIONS):
+        gen = collect(engine.generate([4, 3, 2, 1 + i % 3], dataclasses.replace(hot, seed=i), drafting(), 8))
+        assert gen.stats.stood_aside >= gen.stats.rounds - 1 and gen.stats.drafted == 0  # (the last: k = 0 anyway)
+        assert gen.done.aside is not None and "draft step costs" in gen.done.aside
+    # The target's rows: drawn on the device in the plain generations, the top candidates ("top_k") in the judged
+    # one, the PLAIN_GENERATIONS-th after the verdict.
+    assert modes == ["DeviceDist"] * (DraftCost.PLAIN_GENERATIONS - 1) + ["str"], modes
 
 
 def test_a_cheap_right_draft_keeps_drafting_through_the_loop() -> None:

@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    draft_ahead_length=args.draft_ahead_length)
     if args.draft is None and args.drafter != "lookup":
         p.error(f"--drafter {args.drafter} needs --draft")
-    drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False, drafter=args.drafter)
+    # (a fixed length: what drafting costs is the question, so it never stands aside)
+    drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False, drafter=args.drafter,
+                                   stand_aside=False)
     files = ModelFiles(target=args.target, draft=args.draft, name="host_share")
     with open_session(files, preset, parallel=1) as session:
         engine: Engine = session.engine

@@ -254,7 +254,7 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
         _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
         events = run_sweep(session, chosen, lengths, prompt_set, raw)
-        total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1)
+        total = chosen.bench.warmup + chosen.bench.repeat * (len(lengths) + 1 + chosen.draft.stand_aside)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as progress:
             task = progress.add_task("sweeping", total=total)
@@ -272,6 +272,13 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
     best = report.best
     console.print(f"best draft length here: [bold]{best.n_draft}[/] "
                   f"({best.summary.median_tps:.1f} tok/s, {best.summary.median_tps / report.plain_tps:.2f}x plain)")
+    default = report.default
+    if default is not None:  # the preset's own policy: its length, standing aside where drafting loses
+        d = default.summary
+        aside = f"; {d.standing_aside}" if d.standing_aside else ""
+        console.print(f"the default (draft length {default.n_draft}, standing aside where drafting loses): "
+                      f"{d.median_tps:.1f} tok/s, {d.median_tps / report.plain_tps:.2f}x plain, "
+                      f"{d.median_tps / best.summary.median_tps:.2f}x the best fixed length{aside}")
     if json_path is not None:
         _write_json(json_path, report)
         console.print(f"report written to {json_path}")

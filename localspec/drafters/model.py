@@ -632,20 +632,23 @@ class ModelCost(CostRule):
         `adaptive`, can lose to the fixed one where the prices are a little off: docs/performance.md). The verdict
         and its reason are on `DraftCost.aside`.
 
-        Steps: until a draft step and a verify are measured, draft k (they are measured by drafting); on a CPU, one
-        plain round next when a one-token verify was never measured (the plain price is a measurement, not the
-        prior slope's guess; a plain round costs nothing over plain decoding); a round of k that would lose even if
-        every draft were kept (`could_pay`: a draft step about a one-token verify, as on a CPU) stands aside at once
-        and is probed at the longest interval, in sync only; otherwise the expected prices decide after WARMUP
-        steady steps, with hysteresis: drafting that paid stops when a round of k is priced below a plain step,
-        and comes back when priced MIN_GAIN above it."""
+        Steps: until a draft step and a verify are measured, draft k (on a CPU: PROBE tokens, as cheap a measure as
+        a probe); on a CPU, one plain round next when a one-token verify was never measured (the plain price is a
+        measurement, not the prior slope's guess; a plain round costs nothing over plain decoding); a round of k that
+        would lose even if every draft were kept (`could_pay`: a draft step about a one-token verify, as on a CPU)
+        stands aside at once and is probed at the longest interval, in sync only (`DraftCost.hopeless`: whole
+        generations then decode plainly, `Stream`); otherwise the expected prices decide after WARMUP steady steps,
+        with hysteresis: drafting that paid stops when a round of k is priced below a plain step, and comes back
+        when priced MIN_GAIN above it."""
         if k <= 0:
             return k
         cost = self.cost
         width = k + 1 if policy.padded else 0
         speeds = self.speeds(0, k, width)
         if speeds is None:
-            return k  # (measured by drafting)
+            # Measured by drafting: on a CPU as cheaply as a probe (a loss there costs the whole length's steps);
+            # on a GPU the length it verifies at (a padded verify costs its width either way).
+            return k if policy.padded else min(k, self.PROBE)
         if not policy.padded and 1 not in cost.verify_s:
             return 0  # one plain round prices plain decoding (a CPU: no width to keep warm)
         hopeless = not self.could_pay(0, k, width)
@@ -655,11 +658,12 @@ class ModelCost(CostRule):
         pays = not hopeless and drafting >= (plain if self.model_on else policy.MIN_GAIN * plain)
         if pays:
             self.pays()
-            cost.aside = None
+            cost.aside, cost.hopeless = None, False
             return k
         self.model_on = False
         if k >= policy.k or cost.aside is None:  # (a round cut short by the reply's end keeps the full round's words)
             cost.aside = self._aside_reason(k, width, hopeless, drafting / plain if plain > 0 else 0.0)
+            cost.hopeless = hopeless
         if hopeless:
             self.interval = cost.PROBE_MAX  # no acceptance a probe measures could turn it on; only a change of costs
         probe = self.probe(k, lag, in_sync_only=hopeless)

@@ -148,6 +148,7 @@ class DraftCost:
     EMA = 0.2
     DECAY = 16
     PROBE_FIRST, PROBE_MAX = 16, 256
+    PLAIN_GENERATIONS = 16  # hopeless drafting: generations decoded plainly for each one its rule judges (and probes)
     STEPS = 8  # recent rounds' steady step figures kept: the least is the step (a slow one-off call is no step)
 
     def __init__(self, k_max: int, graphs: bool = False) -> None:
@@ -185,6 +186,10 @@ class DraftCost:
         # Why drafting stands aside now, in one line from these prices (`[draft] stand_aside`: the drafter's rule
         # sets it), None while it drafts; kept with the facts across a slot's generations, as the verdict is.
         self.aside: str | None = None
+        # ... and whether it would lose at any acceptance (a draft step about a one-token verify): then whole
+        # generations decode plainly (`Stream`), all but every PLAIN_GENERATIONS-th, whose rounds the rule judges
+        self.hopeless = False
+        self.plain_generations = 0
 
     def rule(self, kind: type[Rule]) -> Rule:
         """The drafter rule `kind` kept with these facts (made on first use)."""

@@ -113,6 +113,15 @@ class Stream:
         self.rng = np.random.default_rng(sampling.seed)  # acceptance and the target's own tokens
         self.chooser = engine._draft_length(drafting if self.use_draft else dataclasses.replace(drafting, n_draft=0),
                                             sampling, slot, self.drafter)
+        # Standing aside where drafting would lose at any acceptance (`DraftCost.hopeless`, the drafter's rule says):
+        # the whole generation decodes plainly, its tokens drawn as plain decoding's are (on the device, no per-round
+        # host sampling: ~3% of a CPU round), all but every PLAIN_GENERATIONS-th, whose rounds the rule judges again.
+        self.aside: str | None = None
+        cost = self.chooser.cost
+        if self.drafter is not None and cost.hopeless and drafting.stand_aside and not drafting.adaptive:
+            cost.plain_generations += 1
+            if cost.plain_generations % cost.PLAIN_GENERATIONS:
+                self.aside, self.drafter = cost.aside, None
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
                                 grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
@@ -159,7 +168,10 @@ class Stream:
 
     def _finish(self, stop: str, message: str) -> None:
         self.stats.decode_s = time.perf_counter() - self.t_start
-        self.done = DoneEvent(self.stats, stop, message, self.chooser.aside if self.use_draft else None)
+        if self.aside is not None:  # (a generation decoded plainly: every round stood aside)
+            self.stats.stood_aside = self.stats.rounds
+        aside = self.aside if self.aside is not None else self.chooser.aside if self.use_draft else None
+        self.done = DoneEvent(self.stats, stop, message, aside)
         self.slot.busy = False
         for grammar in (self.grammar, self.req.grammar):
             if grammar is not None:

@@ -686,6 +686,9 @@ def placement(session: Session) -> dict[str, Any]:
 class SweepRow:
     n_draft: int  # 0 = plain decoding (the baseline row)
     summary: ModeSummary
+    # The preset's own policy at its draft length (standing aside where drafting loses: `[draft] stand_aside`),
+    # beside the fixed lengths, which always draft
+    default: bool = False
 
 
 @dataclass
@@ -700,17 +703,27 @@ class SweepReport:
 
     @property
     def best(self) -> SweepRow:
-        return max((r for r in self.rows if r.n_draft > 0), key=lambda r: r.summary.median_tps)
+        """The fastest fixed draft length."""
+        return max((r for r in self.rows if r.n_draft > 0 and not r.default), key=lambda r: r.summary.median_tps)
+
+    @property
+    def default(self) -> SweepRow | None:
+        """The preset's own policy's row (None: the preset always drafts its length, a fixed row already)."""
+        return next((r for r in self.rows if r.default), None)
 
     def as_json(self) -> dict[str, Any]:
+        default = self.default
         return {
             "localspec_sweep": 1,
             "environment": self.environment,
             "preset": self.preset.as_dict(),
-            "rows": [{"n_draft": r.n_draft, **dataclasses.asdict(r.summary),
+            "rows": [{"n_draft": r.n_draft, "policy": "default" if r.default else "fixed",
+                      **dataclasses.asdict(r.summary),
                       "speedup": r.summary.median_tps / self.plain_tps if self.plain_tps else 0.0}
                      for r in self.rows],
             "best_n_draft": self.best.n_draft,
+            "default_over_best_fixed": default.summary.median_tps / self.best.summary.median_tps
+            if default is not None and self.best.summary.median_tps else None,
         }
 
 
@@ -728,16 +741,22 @@ def run_sweep(session: Session, preset: Preset, lengths: list[int], prompts: lis
         yield from _one_run(session, [prompts[i % len(prompts)]], preset, SPEC if i % 2 else PLAIN, -1,
                             WARMUP_TOKENS)
         yield WarmupStep(i + 1, settings.warmup)
+    # Fixed lengths always draft; the preset's own policy (standing aside where drafting loses) is a row of its own,
+    # "default", so the sweep shows what it gives up against the best fixed length (-1 below).
     ks = [0, *sorted(set(lengths) - {0})]
+    if preset.draft.stand_aside and preset.draft.n_draft > 0:
+        ks.append(-1)
     by_k: dict[int, list[RunResult]] = {k: [] for k in ks}
     total = settings.repeat * len(ks)
     done = 0
     for i in range(settings.repeat):
         for k in ks if i % 2 == 0 else reversed(ks):
-            tuned = dataclasses.replace(preset, draft=dataclasses.replace(preset.draft, n_draft=k))
+            drafting = preset.draft if k < 0 else dataclasses.replace(preset.draft, n_draft=k, stand_aside=False)
+            tuned = dataclasses.replace(preset, draft=drafting)
             result = yield from _one_run(session, prompts, tuned, SPEC if k else PLAIN, i, settings.max_tokens)
             by_k[k].append(result)
             done += 1
             yield RunDone(result, done, total)
-    rows = [SweepRow(k, ModeSummary.of(f"k={k}" if k else PLAIN, by_k[k])) for k in ks]
+    rows = [SweepRow(preset.draft.n_draft, ModeSummary.of("default", by_k[k]), default=True) if k < 0 else
+            SweepRow(k, ModeSummary.of(f"k={k}" if k else PLAIN, by_k[k])) for k in ks]
     yield SweepReport(preset=preset, rows=rows, environment=environment(session))

@@ -121,9 +121,10 @@ def sweep_table(report: SweepReport) -> Table:
     for row in report.rows:
         s = row.summary
         bar = "█" * max(1, round(30 * s.median_tps / top))
-        style = "bold green" if row.n_draft == best else ("dim" if row.n_draft == 0 else "")
+        style = "bold green" if row.n_draft == best and not row.default else ("dim" if row.n_draft == 0 else "")
+        label = f"default ({row.n_draft})" if row.default else "plain" if row.n_draft == 0 else str(row.n_draft)
         table.add_row(
-            "plain" if row.n_draft == 0 else str(row.n_draft), f"{s.median_tps:.1f}",
+            label, f"{s.median_tps:.1f}",
             f"{s.median_tps / report.plain_tps:.2f}x" if report.plain_tps else "",
             f"{s.acceptance_rate:.1%}" if row.n_draft else "—", f"{s.mean_accepted:.2f}" if row.n_draft else "—",
             Text(bar, style=style or "cyan"),

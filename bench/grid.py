@@ -1,0 +1,121 @@
+"""The default policy against plain decoding and the best fixed draft length, over a grid of drafters x prompt
+classes x reply lengths: the figures behind docs/performance.md's "Never slower than plain" table.
+
+Each cell is one `localspec bench --sweep` (the one benchmark): plain decoding, the fixed draft lengths (always
+drafting) and the preset's own policy (its draft length, standing aside where drafting loses), interleaved, medians
+of --repeat runs; the sweep's JSON report is kept beside the CSV. The CSV's rows are what the script read from those
+reports, one per cell:
+
+    drafter, class, max_tokens, clients, plain_tps, default_tps, default_over_plain, best_k, best_fixed_tps,
+    default_over_best_fixed, stood_aside (share of the default's rounds), aside (its reason), report (the JSON)
+
+Usage (from the repository root, on an otherwise idle machine; `--threads` fixed, or the choice follows the load):
+
+    python bench/grid.py --pair demo --out bench/results/DATE-cpu-grid.csv --threads 2 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from localspec.sessions.bench import LOOKUP_PROMPTS, PROMPTS  # noqa: E402  (the shipped prompt texts, one home)
+
+# The prompt classes: the shipped prompts that stand for each (a code edit and a JSON reformat repeat their prompt;
+# prose and Q&A do not).
+CLASSES = {
+    "code-edit": dict(LOOKUP_PROMPTS)["code-edit"],
+    "prose": dict(PROMPTS)["prose"],
+    "qa": dict(PROMPTS)["qa"],
+    "json": dict(LOOKUP_PROMPTS)["json"],
+}
+COLUMNS = ("drafter", "class", "max_tokens", "clients", "plain_tps", "default_tps", "default_over_plain", "best_k",
+           "best_fixed_tps", "default_over_best_fixed", "stood_aside", "aside", "report")
+
+
+def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path) -> dict[str, object]:
+    """One cell: a sweep of the fixed lengths with the default's row, read back from its JSON report."""
+    prompts = folder / f"{name}.jsonl"
+    prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
+    report = args.reports / f"{drafter}-{name}-{max_tokens}.json"
+    cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", "--pair", args.pair,
+           "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
+           "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--sweep", args.sweep, "--json", str(report)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-400:]}")
+    data = json.loads(report.read_text())
+    rows = data["rows"]
+    plain = next(r for r in rows if r["n_draft"] == 0)
+    default = next(r for r in rows if r["policy"] == "default")
+    best = max((r for r in rows if r["n_draft"] > 0 and r["policy"] == "fixed"), key=lambda r: r["median_tps"])
+    return {
+        "drafter": drafter, "class": name, "max_tokens": max_tokens, "clients": 1,
+        "plain_tps": round(plain["median_tps"], 2), "default_tps": round(default["median_tps"], 2),
+        "default_over_plain": round(default["median_tps"] / plain["median_tps"], 3),
+        "best_k": best["n_draft"], "best_fixed_tps": round(best["median_tps"], 2),
+        "default_over_best_fixed": round(default["median_tps"] / best["median_tps"], 3),
+        "stood_aside": round(default["stood_aside"], 3), "aside": default["aside"] or "",
+        "report": str(report.relative_to(args.out.parent)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="demo")
+    parser.add_argument("--out", type=Path, required=True, help="the CSV to write (its reports go beside it)")
+    parser.add_argument("--drafters", default="model,lookup,chain")
+    parser.add_argument("--classes", default=",".join(CLASSES))
+    parser.add_argument("--lengths", default="32,400")
+    parser.add_argument("--sweep", default="1,2,4,6", help="the fixed draft lengths")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    args.reports = args.out.with_suffix("")
+    args.reports.mkdir(parents=True, exist_ok=True)
+    classes = args.classes.split(",")
+    unknown = sorted(set(classes) - set(CLASSES))
+    if unknown:
+        raise SystemExit(f"--classes: unknown {', '.join(unknown)} (known: {', '.join(CLASSES)})")
+    lines = [f"# written-by: bench/grid.py {' '.join(sys.argv[1:])}",
+             f"# date: {datetime.date.today().isoformat()}",
+             f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+             f"# what: the default policy vs plain decoding and the best fixed draft length (--sweep {args.sweep}), "
+             f"medians of {args.repeat} interleaved runs per row, one prompt per class, raw completion"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for drafter in args.drafters.split(","):
+            for name in classes:
+                for length in (int(x) for x in args.lengths.split(",")):
+                    row = cell(args, drafter, name, length, Path(tmp))
+                    print(" ".join(f"{k}={row[k]}" for k in COLUMNS[:11]), flush=True)
+                    rows.append(row)
+    with args.out.open("w", newline="", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    worst_plain = min(rows, key=lambda r: r["default_over_plain"])
+    worst_fixed = min(rows, key=lambda r: r["default_over_best_fixed"])
+    print(f"worst default cell vs plain: {worst_plain['default_over_plain']}x ({worst_plain['drafter']}, "
+          f"{worst_plain['class']}, {worst_plain['max_tokens']} tokens)")
+    print(f"worst default cell vs the best fixed length: {worst_fixed['default_over_best_fixed']}x "
+          f"({worst_fixed['drafter']}, {worst_fixed['class']}, {worst_fixed['max_tokens']} tokens)")
+
+
+if __name__ == "__main__":
+    main()
