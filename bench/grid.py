@@ -30,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from localspec import paths  # noqa: E402
 from localspec.sessions.bench import LOOKUP_PROMPTS, PROMPTS  # noqa: E402  (the shipped prompt texts, one home)
 
 # The prompt classes: the shipped prompts that stand for each (a code edit and a JSON reformat repeat their prompt;
@@ -53,9 +54,16 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
            "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--sweep", args.sweep, "--json", str(report)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-400:]}")
+    if not (args.reuse and report.is_file()):  # (--reuse: the CSV again from reports an earlier run wrote)
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-400:]}")
+    # The report as the bench wrote it, but for the machine's own folder: its model paths under the localspec home
+    # are kept as $LOCALSPEC_HOME/... (a tracked file names no machine's folders).
+    text = report.read_text()
+    home = str(paths.home())
+    if home in text:
+        report.write_text(text.replace(json.dumps(home)[1:-1], "$LOCALSPEC_HOME"))
     data = json.loads(report.read_text())
     rows = data["rows"]
     plain = next(r for r in rows if r["n_draft"] == 0)
@@ -83,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the cells' JSON reports already beside --out instead of measuring them again")
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.reports = args.out.with_suffix("")
@@ -92,10 +102,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--classes: unknown {', '.join(unknown)} (known: {', '.join(CLASSES)})")
     lines = [f"# written-by: bench/grid.py {' '.join(sys.argv[1:])}",
+             f"# command: python bench/grid.py {' '.join(sys.argv[1:])}",
+             "# source: each row read by bench/grid.py from its cell's `localspec bench --sweep --json` report (the "
+             "folder beside this file)",
              f"# date: {datetime.date.today().isoformat()}",
              f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
              f"# what: the default policy vs plain decoding and the best fixed draft length (--sweep {args.sweep}), "
-             f"medians of {args.repeat} interleaved runs per row, one prompt per class, raw completion"]
+             f"medians of {args.repeat} interleaved runs per row, one prompt per class, raw completion"
+             + (" (--reuse: the reports the same command without --reuse measured)" if args.reuse else "")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for drafter in args.drafters.split(","):

@@ -268,6 +268,26 @@ def test_the_cli_refuses_dflash_without_a_block_drafter_with_exit_2(tiny_pair, t
     assert "not a block drafter" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_check_reports_the_drafters_kind_and_layers_and_refuses_a_bad_pair(tiny_pair, block_files, tmp_path) -> None:
+    """`localspec check TARGET DRAFT` on block drafters: their kind and the target layers they read, from headers;
+    a drafter reading a layer the target lacks is one line and exit 1, before the tokenizer comparison."""
+    env = {**os.environ, "LOCALSPEC_HOME": str(tmp_path), "COLUMNS": "200"}
+
+    def check(draft: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", "check",
+                               str(tiny_pair[0]), str(draft)], capture_output=True, text=True, env=env, timeout=120)
+
+    r = check(block_files["dspark"])
+    assert r.returncode == 0, r.stderr
+    assert "block drafter: DSpark with a confidence head, block 4, reads target layers 1, 3 (--drafter dspark)" \
+        in r.stdout
+    bad = tmp_path / "far-layers.gguf"
+    write_block_drafter(bad, TINY, dataclasses.replace(SPECS["dflash"], target_layers=(1, 4)))
+    r = check(bad)
+    assert r.returncode == 1 and "dflash.target_layers [1, 4] names layer 4" in r.stdout
+    assert "verdict: incompatible" in r.stdout and "same tokenizer" not in r.stdout
+
+
 # -- the price -------------------------------------------------------------------------------------------------
 
 

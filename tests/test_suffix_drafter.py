@@ -29,15 +29,9 @@ def drafting(n: int = 6, **more: object):
     return dataclasses.replace(GREEDY.draft, **{"n_draft": n, "drafter": "suffix", **more})
 
 
-@dataclasses.dataclass(eq=False)
-class OwnedRequest(DraftRequest):
-    """A request that names its caller (what a server with several API keys would hand the drafter)."""
-
-    owner: str = ""
-
-
-def request(seq: int, tokens: list[int], owner: str = "", **more: object) -> OwnedRequest:
-    return OwnedRequest(seq, tokens, GREEDY.sampling, drafting(**more), GenerationStats(), owner=owner)
+def request(seq: int, tokens: list[int], owner: str = "", **more: object) -> DraftRequest:
+    """A request of `owner` (`DraftRequest.owner`: whose text it may draft from)."""
+    return DraftRequest(seq, tokens, GREEDY.sampling, drafting(**more), GenerationStats(), owner=owner)
 
 
 def proposed(drafter: SuffixDrafter, req: DraftRequest, k: int = 6) -> list[int]:

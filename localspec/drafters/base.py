@@ -109,6 +109,9 @@ class DraftRequest:
     grammar: Grammar | None = None
     # How its models read rows under that grammar (`device_mode`'s grammar_rows): "full" or "device" candidates.
     grammar_rows: str = "full"
+    # Whose request it is: a drafter that keeps text across requests (suffix lookup) drafts one owner's requests
+    # only from that owner's text. A server answers one API key, so every request to it has one owner ("").
+    owner: str = ""
 
 
 class Drafter(Protocol):

@@ -38,11 +38,9 @@ CONTEXT_WINDOW = 1 << 18  # a request's latest tokens its own context is searche
 
 
 def owner_of(req: DraftRequest) -> str:
-    """Whose text the request may draft from: its `owner` where the request carries one (a server with several API
-    keys would set it to the key's identity), else "" (one caller: a server has at most one API key, so every
-    request to one of its pairs is the same caller's)."""
-    owner = getattr(req, "owner", None)
-    return owner if isinstance(owner, str) else ""
+    """Whose text the request may draft from: its `owner` (`DraftRequest.owner`; "" for every request to a server,
+    which answers one API key)."""
+    return req.owner
 
 
 class SuffixCost(LookupCost):
