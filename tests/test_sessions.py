@@ -49,7 +49,9 @@ def open_pair(pair: tuple[Path, Path], parallel: int = 1, cache_mib: int = 0, **
 
 
 def drafting(k: int = 4, drafter: str = "model"):
-    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter)
+    # (drafts every round: what the slots and the prompt cache hold must not follow the clock; standing aside:
+    # tests/test_stand_aside.py)
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, stand_aside=False)
 
 
 def words(model: LlamaModel, text: str) -> list[int]:
