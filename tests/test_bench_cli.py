@@ -56,6 +56,8 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     said_first = f"the draft model does not pay here, so it stood aside: {report['speedup']:.2f}x"
     assert report["verdict"].startswith(said_first)
     assert spec["aside"] in report["verdict"] and "stood aside" in result.output
+    # ... and suggests no draft-length sweep: no length could pay (the GPU quick start instead)
+    assert report["advice"][-1].startswith("next: with an NVIDIA GPU") and "--sweep" not in " ".join(report["advice"])
     # The built-in demo's second part: prompt lookup (no draft model), greedy, on the lookup prompt set.
     lookup = report["lookup_demo"]
     assert lookup["preset"]["draft"]["drafter"] == "lookup" and lookup["preset"]["sampling"]["temperature"] == 0.0

@@ -372,7 +372,8 @@ class BenchReport:
     def advice(self) -> list[str]:
         """What the verdict means here and what to run next: one or two lines, then the command."""
         on_cpu = self.greedy_check.exact  # the CPU backend: batch and single-token logits are bitwise equal
-        if self.speedup >= 1.0:
+        aside = self.speculative.standing_aside is not None  # (then no draft length would pay: no sweep to suggest)
+        if self.speedup >= 1.0 and not aside:
             return [f"next: {SWEEP_NEXT} finds the best draft length here; `localspec chat` uses it"]
         if on_cpu:
             return [
@@ -383,8 +384,8 @@ class BenchReport:
                 "on an H200, synthetic models with the recommended pair's shapes and quant types (random weights, "
                 "acceptance set to 70-85%) decoded 1.7-2.3x plain (docs/performance.md); real models on an "
                 "RTX 3090/4090 are not measured yet.",
-                f"next: with an NVIDIA GPU, the README's GPU quick start ({GPU_NEXT}); on this CPU, "
-                f"{SWEEP_NEXT} tries shorter drafts",
+                f"next: with an NVIDIA GPU, the README's GPU quick start ({GPU_NEXT})" + (
+                    "" if aside else f"; on this CPU, {SWEEP_NEXT} tries shorter drafts"),
             ]
         return ["on a GPU this usually means few drafts are accepted (see accept) or a draft too large for its "
                 f"target; next: {SWEEP_NEXT}, or a smaller draft of the same family"]
