@@ -13,7 +13,7 @@ models' cells).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,11 +22,12 @@ import numpy as np
 
 from localspec.config import Drafting, Sampling
 from localspec.llama.grammar import Grammar
+from localspec.rounds.constraints import masked_scores
 from localspec.rounds.events import GenerationStats
 from localspec.rounds.policies import DraftCost, DraftLength, Observation, Pricing
 from localspec.rounds.prompt_cache import shared_prefix as shared_prefix
-from localspec.rounds.sampling import Candidates
-from localspec.rounds.scores import DeviceDist, ScoringModel
+from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
+from localspec.rounds.scores import DeviceDist, Scores, ScoringModel
 
 PromptWork = tuple[ScoringModel, list[int], list[int]]  # (model, the tokens its cells hold, tokens still to decode)
 
@@ -315,3 +316,31 @@ def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain:
     if 0 < sampling.top_k <= model.device_top_k:
         return "top_k"
     return None
+
+
+def row_draft(req: DraftRequest, logits: np.ndarray, drafted: list[int], q: list[Candidates] | None,
+              rng: np.random.Generator, is_eog: Callable[[int], bool]) -> tuple[int | None, bool]:
+    """A draft token from one row of a drafter's own logits (an MTP head's step, a block drafter's position) after
+    `drafted` tokens this round, and whether the drafter is sure enough of it to draft on (p_min): the argmax at T = 0,
+    else a draw from the row's distribution under the request's sampling (appended to `q`); the grammar's allowed
+    tokens only (advanced by the token); None where the grammar leaves too little to propose."""
+    sampling, p_min = req.sampling, req.drafting.p_min
+    history = req.tokens + drafted if sampling.penalized else req.tokens
+    row = Scores(logits[None, :])
+    if req.grammar is not None:  # propose only what the grammar allows after the drafts so far
+        masked = masked_scores(penalized(row, history, sampling), 0, req.grammar, sampling)
+        if masked is None:
+            return None, False
+        row, history = masked, []
+    if sampling.greedy:
+        token = int(greedy_tokens(row, history, sampling)[0])
+        confident = p_min == 0.0 or row.top_prob(0) >= p_min
+    else:
+        dist = distributions(row, history, sampling)
+        token = dist.sample(0, rng)
+        assert q is not None
+        q.append(dist)
+        confident = p_min == 0.0 or dist.top_prob(0) >= p_min
+    if req.grammar is not None and not is_eog(token):
+        req.grammar.accept(token)
+    return token, confident

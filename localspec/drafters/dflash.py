@@ -42,6 +42,7 @@ from localspec.drafters.base import (
     PromptWork,
     Proposal,
     Spent,
+    row_draft,
     shared_prefix,
 )
 from localspec.drafters.model import ModelCost
@@ -52,10 +53,9 @@ from localspec.llama.layer_features import (
     check_block_drafter,
     layer_features_unsupported,
 )
-from localspec.rounds.constraints import masked_scores
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
-from localspec.rounds.scores import Scores, ScoringModel
+from localspec.rounds.sampling import Candidates
+from localspec.rounds.scores import ScoringModel
 
 LLAMA_SERVER_TYPE = "draft-dflash"  # its `speculative.type` (llama-server's name)
 ROWS_HELD = 64  # the target rows a sequence keeps for a drafter sitting rounds out before it injects them
@@ -176,7 +176,7 @@ class BlockDrafter(DrafterBase):
             drafted: list[int] = []
             q: list[Candidates] | None = None if req.sampling.greedy else []
             for row in rows[j][:n]:
-                token, confident = self._choose(req, row, drafted, q)
+                token, confident = row_draft(req, row, drafted, q, self._rng[req.seq], self.target.is_eog)
                 if token is None:
                     break
                 drafted.append(token)
@@ -233,31 +233,6 @@ class BlockDrafter(DrafterBase):
     def _decode_blocks(self, reqs: list[DraftRequest]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
         """Each request's block at cur's position: its drafting rows and (a confidence head's) confidences."""
         return self._context.blocks([(req.seq, req.tokens[-1], len(req.tokens) - 1) for req in reqs])
-
-    def _choose(self, req: DraftRequest, logits: np.ndarray, drafted: list[int],
-                q: list[Candidates] | None) -> tuple[int | None, bool]:
-        """The draft token from the drafter's row, and whether it is sure enough of it to draft on (p_min); None
-        where the grammar leaves too little to propose. (The MTP drafter's choice, on a block's row.)"""
-        sampling, p_min = req.sampling, req.drafting.p_min
-        history = req.tokens + drafted if sampling.penalized else req.tokens
-        row = Scores(logits[None, :])
-        if req.grammar is not None:  # propose only what the grammar allows after the drafts so far
-            masked = masked_scores(penalized(row, history, sampling), 0, req.grammar, sampling)
-            if masked is None:
-                return None, False
-            row, history = masked, []
-        if sampling.greedy:
-            token = int(greedy_tokens(row, history, sampling)[0])
-            confident = p_min == 0.0 or row.top_prob(0) >= p_min
-        else:
-            dist = distributions(row, history, sampling)
-            token = dist.sample(0, self._rng[req.seq])
-            assert q is not None
-            q.append(dist)
-            confident = p_min == 0.0 or dist.top_prob(0) >= p_min
-        if req.grammar is not None and not self.target.is_eog(token):
-            req.grammar.accept(token)
-        return token, confident
 
 
 # -- the factory ----------------------------------------------------------------------------------------------------

@@ -37,14 +37,14 @@ from localspec.drafters.base import (
     PromptWork,
     Proposal,
     Spent,
+    row_draft,
     shared_prefix,
 )
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
-from localspec.rounds.constraints import masked_scores
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
-from localspec.rounds.scores import Scores, ScoringModel
+from localspec.rounds.sampling import Candidates
+from localspec.rounds.scores import ScoringModel
 
 MTP_BATCH = 64  # entries per head decode: its compute buffer holds this many rows of logits (memory.py)
 ROWS_HELD = MTP_BATCH  # the target rows a sequence keeps for a head sitting rounds out before it reads them
@@ -201,7 +201,8 @@ class MtpDrafter(DrafterBase):
                     st.rows, st.rows_from = [], len(req.tokens) - 1  # consumed: the verify's rows come next
                 elif least_s[i] is None or spent < least_s[i]:  # type: ignore[operator]
                     least_s[i] = spent
-                token, confident = self._choose(req, logits, drafted[i], qs[i])
+                token, confident = row_draft(req, logits, drafted[i], qs[i], self._rng[req.seq],
+                                             self.target.is_eog)
                 if token is None:
                     continue
                 drafted[i].append(token)
@@ -280,31 +281,6 @@ class MtpDrafter(DrafterBase):
         keep = last - st.rows_from  # the row at position `last`, which position last + 1 needs
         st.rows = st.rows[keep:]
         st.rows_from = last
-
-    def _choose(self, req: DraftRequest, logits: np.ndarray, drafted: list[int],
-                q: list[Candidates] | None) -> tuple[int | None, bool]:
-        """The draft token from the head's row, and whether the head is sure enough of it to draft on (p_min);
-        None where the grammar leaves too little to propose."""
-        sampling, p_min = req.sampling, req.drafting.p_min
-        history = req.tokens + drafted if sampling.penalized else req.tokens
-        row = Scores(logits[None, :])
-        if req.grammar is not None:  # propose only what the grammar allows after the drafts so far
-            masked = masked_scores(penalized(row, history, sampling), 0, req.grammar, sampling)
-            if masked is None:
-                return None, False
-            row, history = masked, []
-        if sampling.greedy:
-            token = int(greedy_tokens(row, history, sampling)[0])
-            confident = p_min == 0.0 or row.top_prob(0) >= p_min
-        else:
-            dist = distributions(row, history, sampling)
-            token = dist.sample(0, self._rng[req.seq])
-            assert q is not None
-            q.append(dist)
-            confident = p_min == 0.0 or dist.top_prob(0) >= p_min
-        if req.grammar is not None and not self.target.is_eog(token):
-            req.grammar.accept(token)
-        return token, confident
 
 
 def unavailable(target: ScoringModel, draft: ScoringModel | None = None) -> str | None:
