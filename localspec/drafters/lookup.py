@@ -123,14 +123,7 @@ class LookupDrafter(DrafterBase):
         if k <= 0 or (rule is not None and not rule.wanted()):
             # Backed off: no search (the index catches up when lookup is wanted again).
             return Proposal([], None if req.sampling.greedy else [])
-        tokens = self._index(req).continuation(req.tokens, k)
-        if rule is not None:
-            assert length is not None
-            after = length.rule(extension) if extension is not None else None
-            tokens = tokens[: rule.length(len(tokens), k, length, after)]
-        if req.grammar is not None:
-            tokens = _allowed_prefix(tokens, req.grammar)
-        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens], lead=len(tokens))
+        return priced_proposal(req, self._index(req).continuation(req.tokens, k), k, length, rule, extension)
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Lookup's cost rule on this stream's facts; k stays fixed (its tokens cost no draft steps)."""
@@ -275,3 +268,17 @@ class LookupCost(CostRule):
 
 def build(target: ScoringModel, draft: ScoringModel | None, built: dict[str, Drafter]) -> Drafter:
     return LookupDrafter()
+
+
+def priced_proposal(req: DraftRequest, tokens: list[int], k: int, length: DraftLength | None,
+                    rule: LookupCost | None, extension: type[CostRule] | None = None) -> Proposal:
+    """A lead drafter's found continuation as its proposal (prompt lookup's, suffix lookup's): cut to as many as pay
+    by its `rule` on the stream's `length` policy (with `extension`, the `Stepped` rule of a drafter that drafts
+    after them, whose best share is priced in), then to what the grammar allows; point masses at T > 0."""
+    if rule is not None:
+        assert length is not None
+        after = length.rule(extension) if extension is not None else None
+        tokens = tokens[: rule.length(len(tokens), k, length, after)]
+    if req.grammar is not None:
+        tokens = _allowed_prefix(tokens, req.grammar)
+    return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens], lead=len(tokens))

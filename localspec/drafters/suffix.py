@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from localspec.config import Drafting
 from localspec.drafters._suffix_index import ContextStream, SuffixStore, best_continuation
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal
-from localspec.drafters.lookup import LookupCost, _allowed_prefix
+from localspec.drafters.lookup import LookupCost, priced_proposal
 from localspec.rounds.policies import CostRule, DraftCost
-from localspec.rounds.sampling import point_mass
 from localspec.rounds.scores import ScoringModel
 
 CONTEXT_WINDOW = 1 << 18  # a request's latest tokens its own context is searched over (a context is n_ctx at most)
@@ -115,13 +114,7 @@ class SuffixDrafter(DrafterBase):
         tokens = best_continuation(streams, req.tokens, k, depth=drafting.suffix_depth,
                                    factor=drafting.suffix_factor, min_prob=drafting.suffix_min_prob,
                                    follows_query=held.stream).tokens
-        if rule is not None:
-            assert length is not None
-            after = length.rule(extension) if extension is not None else None
-            tokens = tokens[: rule.length(len(tokens), k, length, after)]
-        if req.grammar is not None:
-            tokens = _allowed_prefix(tokens, req.grammar)
-        return Proposal(tokens, None if req.sampling.greedy else [point_mass(t) for t in tokens], lead=len(tokens))
+        return priced_proposal(req, tokens, k, length, rule, extension)
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Its cost rule on this stream's facts; k stays fixed (its tokens cost no draft steps)."""
