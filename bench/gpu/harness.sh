@@ -83,7 +83,8 @@ have_build() {
 # ensure_build [llama-server]: build llama.cpp through run.sh (measuring nothing) unless WORK has it; then
 # use_build. The scripts after run.sh on a warm machine find it there.
 ensure_build() {
-    if ! have_build "${1:-}"; then
+    # (NEWEST=1: the yardstick's build too, when it is missing)
+    if ! have_build "${1:-}" || { [[ "${NEWEST:-0}" == 1 ]] && [[ ! -x "$BIN_NEWEST/llama-speculative-simple" ]]; }; then
         # (NEWEST=0: the scripts that need a build need the pinned one; run.sh builds the yardstick)
         run prepare 330 env SCALES="" CARD_NOISES="" NEWEST="${NEWEST:-0}" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
             BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1

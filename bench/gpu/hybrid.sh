@@ -34,6 +34,11 @@ WARMUP="${WARMUP:-2}"
 ROLLBACK_REPS="${ROLLBACK_REPS:-30}"
 DRAFT_PAIR="${DRAFT_PAIR:-0}"
 export BUILD_SERVER=0  # run.sh's build: llama-server is not needed here
+# The yardstick: the newest llama.cpp's draft-mtp loop (harness.sh's `yardstick`), built beside the pinned one unless
+# LLAMA_YARDSTICK=pinned; AGAINST_LENGTHS: its draft lengths searched (unset: the preset's).
+export NEWEST="${NEWEST:-1}"
+[[ "${LLAMA_YARDSTICK:-}" == pinned ]] && NEWEST=0
+LLAMA_YARDSTICK="${LLAMA_YARDSTICK:-newest}"
 results_in "$WORK/results-hybrid"
 snapshot_env "$RES/env.txt"
 T="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"
@@ -69,6 +74,11 @@ fi
 [[ -f "$T" ]] || { log "no target model (see $RES/write.log)"; exit 1; }
 log "target $T ($(du -h "$T" | cut -f1))"
 write_prompts "$RES/prompts" || { log "no prompts written"; exit 1; }
+# Never a silent fallback to the pinned build: without the yardstick asked for, nothing is measured.
+yardstick || { log "no $LLAMA_YARDSTICK llama.cpp to compare with (see $RES/prepare.log): stopping"; exit 1; }
+log "yardstick: $YARDSTICK llama.cpp ($("$YARDSTICK_BIN/llama-speculative-simple" --version 2>&1 | grep -m1 '^version:'))"
+# shellcheck disable=SC2086  # AGAINST_LENGTHS is one word
+AGAINST=(--against llama.cpp --llama-bin "$YARDSTICK_BIN" ${AGAINST_LENGTHS:+--against-lengths "$AGAINST_LENGTHS"})
 
 # bench_at NAME DRAFTER K TEMP [DRAFT]: `localspec bench --against llama.cpp` (the product's own comparison: its
 # runs, then llama-speculative-simple with the same --spec-type on the same prompt tokens, REPEAT times per
@@ -89,7 +99,7 @@ bench_at() {
     # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
     run "localspec-$name-t$temp" $(( 40 + 45 * REPEAT )) "${LOCALSPEC[@]}" bench --raw --target "$T" "${args[@]}" \
         --temp "$temp" --max-tokens "$N_PREDICT" --repeat "$REPEAT" --warmup "$WARMUP" --seed "$SEED" --ctx 4096 \
-        --against llama.cpp --llama-bin "$BIN" --json "$dir/localspec-t$temp.json" ${BENCH_ARGS:-} \
+        "${AGAINST[@]}" --json "$dir/localspec-t$temp.json" ${BENCH_ARGS:-} \
         > "$dir/localspec-t$temp.log" 2>&1
 }
 
