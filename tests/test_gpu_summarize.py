@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -249,3 +251,53 @@ def test_each_row_names_the_llama_cpp_build_and_configuration_it_was_compared_ag
     assert "b11549, k=4 probabilistic-draft backend" in row and f"{180.0 / 150.0:.2f}x" in row
     assert ("card-n0.013 T=0.7: llama.cpp's first pass (one repetition each, tok/s): k=4 probabilistic-draft backend "
             "150.0, k=3 greedy-draft host 140.0, k=2 greedy-draft backend 120.0") in text
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+H100_HYBRID = RESULTS / "2026-12-06-h100-hybrid-mtp.csv"
+
+
+def _csv_rows(path: Path) -> tuple[list[str], list[str]]:
+    lines = path.read_text().splitlines()
+    return [x for x in lines if x.startswith("#")], [x for x in lines if not x.startswith("#")]
+
+
+def test_a_kept_raw_csv_is_what_the_script_writes_from_the_kept_reports(tmp_path):
+    """The raw CSV beside its `localspec bench` reports is the script's output, not a retyped table: written again
+    from the same reports with the command its `# written-by:` line records, every row comes out the same."""
+    heads, rows = _csv_rows(H100_HYBRID)
+    written_by = next(x for x in heads if x.startswith("# written-by: "))
+    argv = shlex.split(written_by.removeprefix("# written-by: bench/gpu/summarize.py "))
+    results, options = Path(argv[0]), list(zip(argv[1::2], argv[2::2], strict=True))
+    copy = tmp_path / "results" / H100_HYBRID.stem
+    shutil.copytree(RESULTS.parent.parent / results, copy)
+    out = tmp_path / "results" / H100_HYBRID.name
+    args = [str(copy), "--csv", str(out)]
+    for key, value in options:
+        if key == "--csv":
+            continue
+        if key == "--report":
+            pair, _, path = value.partition("=")
+            value = f"{pair}={copy / Path(path).relative_to(results)}"
+        args += [key, value]
+    assert summarize.main(args) == 0
+    assert _csv_rows(out)[1] == rows
+    assert len(rows) > 10 and rows[0].startswith("pair,report,kind,temperature")
+
+
+def test_a_raw_csv_refuses_reports_from_two_machines(tmp_path):
+    """A ratio is never taken across machines: reports whose environments name other GPUs are refused, naming the
+    odd report."""
+    src = RESULTS / "2026-12-06-h100-hybrid-mtp" / "mtp"
+    (tmp_path / "mtp").mkdir()
+    for name in ("localspec-t0.json", "localspec-t0.7.json"):
+        doc = json.loads((src / name).read_text())
+        if name == "localspec-t0.7.json":
+            doc["environment"]["gpus"][0]["name"] = "NVIDIA H200"
+        (tmp_path / "mtp" / name).write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match=r"localspec-t0\.json: measured on another machine|localspec-t0\.7\.json"):
+        summarize.main([str(tmp_path), "--csv", str(tmp_path / "x.csv"), "--what", "w", "--code", "c",
+                        "--command", "c"])
+    assert not (tmp_path / "x.csv").exists()
+    with pytest.raises(SystemExit, match="--csv needs --code, --command"):
+        summarize.main([str(tmp_path), "--csv", str(tmp_path / "x.csv"), "--what", "w"])

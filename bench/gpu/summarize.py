@@ -14,8 +14,10 @@ and verify-widths.json, and prompts/<prompt>.txt; kernels/ holds bench/gpu/kerne
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,8 +62,10 @@ def llama_build(against: dict[str, Any]) -> str | None:
     """Which llama.cpp the row was compared against: "b11549" (its build number; with the commit where known),
     else its version line as printed, else None."""
     build, commit = against.get("build"), against.get("commit")
-    if build is None:
-        found = re.search(r"version:\s*(\d+)\s*\(([^)]*)\)", against.get("version") or "")
+    if build is None:  # "version: 11549 (abc123)" (an upstream build), "version: 0.6.0-dev (build 11549, commit X)"
+        version = against.get("version") or ""
+        found = (re.search(r"version:\s*(\d+)\s*\(([^)]*)\)", version)
+                 or re.search(r"\(build (\d+), commit ([^)]*)\)", version))
         build, commit = (int(found.group(1)), found.group(2)) if found else (None, None)
     if build is None:
         return against.get("version") or None
@@ -376,12 +380,113 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
     return _table(table)
 
 
+# -- the raw CSV (bench/results/README.md): one row per `localspec bench` report, read from the reports themselves --
+CSV_COLUMNS = ("pair", "report", "kind", "temperature", "n_draft", "policy", "plain_tps", "spec_tps", "acceptance_pct",
+               "mean_accepted", "host_share_pct", "llama_best_tps", "llama_best_runs", "llama_best_acceptance_pct",
+               "llama_best_config", "llama_build", "spec_over_llama_best", "spec_over_plain", "over_best_fixed",
+               "round_ms", "draft_ms", "verify_ms", "host_ms", "tokens_per_round")
+
+
+def _r(x: float | None, digits: int) -> float | str:
+    return "" if x is None else round(x, digits)
+
+
+def report_rows(doc: dict[str, Any], pair: str, report: str) -> list[dict[str, Any]]:
+    """The rows of one `localspec bench --json` report: a bench run (its speculative mode against plain and, with
+    --against llama.cpp, against llama.cpp's faster finalist) or a sweep (one row per draft length and the
+    default policy, each against plain and against the best fixed length)."""
+    temp = doc["preset"]["sampling"]["temperature"]
+    base = {"pair": pair, "report": report, "temperature": f"{temp:g}"}
+    if "localspec_sweep" in doc:
+        rows = doc["rows"]
+        best = max((r["median_tps"] for r in rows if r["n_draft"] > 0 and r["policy"] == "fixed"), default=None)
+        return [{**base, "kind": "sweep", "n_draft": r["n_draft"], "policy": r["policy"],
+                 "spec_tps": _r(r["median_tps"], 1), "acceptance_pct": _r(100 * r["acceptance_rate"], 1),
+                 "mean_accepted": _r(r["mean_accepted"], 2), "host_share_pct": _r(100 * r["host_fraction"], 1),
+                 "spec_over_plain": _r(r["speedup"], 3),
+                 "over_best_fixed": _r(r["median_tps"] / best if best and r["n_draft"] else None, 3)} for r in rows]
+    spec, plain = doc["speculative"], doc["plain"]
+    best = fastest(llama_modes(doc), None)
+    against = doc.get("against") or {}
+    profile = round_profile(doc) or {}
+    return [{**base, "kind": "bench", "n_draft": doc["n_draft"], "policy": "default" if doc["preset"]["draft"].get(
+                 "stand_aside") else "fixed",
+             "plain_tps": _r(plain["median_tps"], 1), "spec_tps": _r(spec["median_tps"], 1),
+             "acceptance_pct": _r(100 * spec["acceptance_rate"], 1), "mean_accepted": _r(spec["mean_accepted"], 2),
+             "host_share_pct": _r(100 * spec["host_fraction"], 1),
+             "llama_best_tps": _r(best[1]["median"], 1) if best else "",
+             "llama_best_runs": best[1]["runs"] if best else "",
+             "llama_best_acceptance_pct": _r(100 * best[1]["acceptance"], 1) if best else "",
+             "llama_best_config": best[0] if best else "",
+             "llama_build": (llama_build(against) or "") if against and "error" not in against else "",
+             "spec_over_llama_best": _r(spec["median_tps"] / best[1]["median"], 3) if best else "",
+             "spec_over_plain": _r(doc.get("speedup"), 3),
+             **{k: _r(profile.get(k), 2) for k in ("round_ms", "draft_ms", "verify_ms", "host_ms",
+                                                   "tokens_per_round")}}]
+
+
+def write_csv(out: Path, reports: list[tuple[str, Path]], header: dict[str, str], argv: list[str]) -> int:
+    """The raw CSV of `reports` ((pair, JSON path) in order), its `#` lines first: what, date and machine (from the
+    first report's environment), code, command, source, written-by. Every report must come from one machine (a
+    ratio is never taken across machines): a second machine is an error naming the report."""
+    rows, machines = [], {}
+    for pair, path in reports:
+        doc = _load(path)
+        if not doc:
+            raise SystemExit(f"{path}: not a localspec bench JSON report")
+        env = doc.get("environment", {})
+        gpus = ", ".join(f"{g['name']} ({g['vram_total_bytes'] // 2**20:,} MiB)" for g in env.get("gpus") or [])
+        machines[path] = f"{gpus or 'no GPU'}, {env.get('cpu_cores_physical')} CPU cores, {env.get('platform')}"
+        rows += report_rows(doc, pair, path.relative_to(out.parent).as_posix() if path.is_relative_to(out.parent)
+                            else path.name)
+    if len(set(machines.values())) > 1:
+        first = next(iter(machines.values()))
+        odd = next(p for p, m in machines.items() if m != first)
+        raise SystemExit(f"{odd}: measured on another machine ({machines[odd]}) than {first}")
+    first_doc = _load(reports[0][1])
+    lines = [f"# what: {header['what']}", f"# date: {str(first_doc['environment'].get('time', ''))[:10]}",
+             f"# machine: {next(iter(machines.values()))}", f"# code: {header['code']}",
+             f"# command: {header['command']}",
+             "# source: each row read by bench/gpu/summarize.py from the `localspec bench --json` report its `report` "
+             "column names (kept beside this file)",
+             f"# written-by: bench/gpu/summarize.py {shlex.join(argv)}"]  # (shlex.split reads it back)
+    with out.open("w", newline="", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path)
+    p.add_argument("--csv", type=Path, help="also write the raw CSV of the results' `localspec bench` reports "
+                   "(bench/results/README.md's format) to this file")
+    p.add_argument("--report", action="append", default=[], metavar="PAIR=JSON",
+                   help="with --csv: one more `localspec bench --json` report (a bench or a sweep), after the pairs'")
+    p.add_argument("--what", default="", help="with --csv: its `# what:` line")
+    p.add_argument("--code", default="", help="with --csv: its `# code:` line (the commit measured)")
+    p.add_argument("--command", default="", help="with --csv: its `# command:` line (how the results were made)")
     a = p.parse_args(argv)
     result = summarize(a.results)
     (a.results / "summary.json").write_text(json.dumps(result, indent=2))
+    if a.csv:
+        reports = [(pair_dir.name, js) for pair_dir in sorted(d for d in a.results.iterdir() if d.is_dir())
+                   for js in sorted(pair_dir.glob("localspec-t*.json"))]
+        for item in a.report:
+            pair, sep, path = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--report {item!r}: expected PAIR=JSON")
+            reports.append((pair, Path(path).resolve()))
+        if not reports:
+            raise SystemExit(f"{a.results}: no localspec bench reports to write a CSV from")
+        missing = [k for k in ("what", "code", "command") if not getattr(a, k)]
+        if missing:
+            raise SystemExit(f"--csv needs --{', --'.join(missing)}")
+        n = write_csv(a.csv.resolve(), [(pair, js.resolve()) for pair, js in reports],
+                      {"what": a.what, "code": a.code, "command": a.command}, sys.argv[1:] if argv is None else argv)
+        print(f"{a.csv}: {n} rows", file=sys.stderr)
     print(tables(result))
     if result.get("kernels"):
         print("\nverify kernels (bench/gpu/kernels.sh): ms per verify batch by width, device greedy sampler, "

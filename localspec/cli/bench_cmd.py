@@ -250,7 +250,7 @@ def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None
 
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,
            save_preset: str | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
-    with open_session(files, chosen) as session:
+    with open_session(files, chosen, longest_draft=max(lengths)) as session:
         _print_placement(console, session)
         _say_prompts(console, session, prompt_set, raw)
         events = run_sweep(session, chosen, lengths, prompt_set, raw)

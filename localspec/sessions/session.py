@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,19 +189,26 @@ class Session:
 
 
 def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_cache: bool = False,
-                 cache_budget: CacheBudget | None = None) -> Session:
+                 cache_budget: CacheBudget | None = None, longest_draft: int | None = None) -> Session:
     """Check the pair from its headers (no weights read), then load both models and wire up an Engine with
     `parallel` slots (each a sequence of n_ctx cells in both models); with `prompt_cache`, finished slots' cells
     are kept in host RAM up to `[server] cache_ram` (the server), or within `cache_budget`, shared with other
-    pairs' caches (the router's)."""
-    plan = preflight(files, preset, parallel=parallel).estimate.plan
+    pairs' caches (the router's). `longest_draft`: the longest draft length the session will be asked for, where
+    it can exceed the preset's (a sweep): a recurrent target keeps that many snapshots of its state, and the memory
+    check counts them."""
+    rewind = max(preset.draft.n_draft, longest_draft or 0)
+    if rewind != preset.draft.n_draft:  # (the check and the load see the longest length; the session the preset)
+        checked = dataclasses.replace(preset, draft=dataclasses.replace(preset.draft, n_draft=rewind))
+    else:
+        checked = preset
+    plan = preflight(files, checked, parallel=parallel).estimate.plan
     load = preset.load
     # Chosen once, so both models get the same count and bench and doctor can say why.
     choice = machine.thread_choice() if load.threads == 0 else None
     threads = choice.threads if choice is not None else load.threads
     # Both models take every setting from the preset's [load], but where the placement and the thread choice decide.
     target = LlamaModel(files.target, load=load, n_threads=threads, n_seq=parallel,
-                        rewind=preset.draft.n_draft,  # (a recurrent target keeps that many snapshots of its state)
+                        rewind=rewind,  # (a recurrent target keeps that many snapshots of its state)
                         **_placed(plan.target))
     draft = None
     try:
