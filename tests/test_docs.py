@@ -398,7 +398,7 @@ def check_tables(text: str) -> list[str]:
 def test_every_performance_table_figure_is_its_raw_row_and_column() -> None:
     text = PERFORMANCE.read_text()
     assert not check_tables(text), "\n".join(check_tables(text))
-    assert text.count("<!-- raw columns:") >= 14
+    assert text.count("<!-- raw columns:") >= 13  # (the hybrid's rollback-cost table moved to docs/lab/ on 2026-12-06)
 
 
 @pytest.mark.parametrize("doc", FIGURE_DOCS, ids=rel)
