@@ -22,9 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
+import os
+import platform
 import random
+import re
+import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +40,17 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from concurrency import Request, _at_least, _Parser, guarded, served_model, stream_one, write_json
+from concurrency import (
+    BenchError,
+    Request,
+    _at_least,
+    _Parser,
+    guarded,
+    served_model,
+    server_health,
+    stream_one,
+    write_json,
+)
 
 SYSTEM = ("You are a coding agent working in a Python repository. Each user message is the output of a tool you ran. "
           "Answer with the next step; when asked for a file, reply with the whole file and nothing else.")
@@ -142,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, dest="json_out", help="write the results here")
     p.add_argument("--label", default="", help="what is measured (into the JSON)")
     p.add_argument("--api-key", default="none", help="API key (Bearer); servers without one ignore it")
+    p.add_argument("--serve", metavar="ARGS", help="start `localspec serve --port 0 ARGS` for each of --drafters "
+                   "(a fresh server each: suffix lookup's index of past requests starts empty), replay, stop it")
+    p.add_argument("--drafters", help="with --serve: comma-separated drafters, each replayed on its own server; the "
+                   "first is the baseline of the CSV's ratio column")
+    p.add_argument("--csv", type=Path, help="with --serve: write one row per drafter here (bench/results/README.md's "
+                   "raw format: `#` lines, then the table); each drafter's JSON goes beside it")
     return p
 
 
@@ -161,8 +184,13 @@ def summarize(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     drafted = sum(r["draft_n"] or 0 for r in ok)
     accepted = sum(r["draft_n_accepted"] or 0 for r in ok)
+    # The whole replay's decode rate: every turn's tokens after the first over its decode seconds, summed (a turn's
+    # decode_tps is (tokens - 1) / its decode time: concurrency.Request).
+    timed = [(r["tokens"] - 1, (r["tokens"] - 1) / r["decode_tps"]) for r in ok if r["decode_tps"]]
+    seconds = sum(t for _, t in timed)
     return {"requests": len(rows), "errors": len(rows) - len(ok), "wall_s": round(wall, 3),
             "decode_tps_median": round(statistics.median(tps), 3) if tps else None,
+            "decode_tps_total": round(sum(n for n, _ in timed) / seconds, 3) if seconds else None,
             "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
             "completion_tokens": sum(r["tokens"] for r in ok), "draft_n": drafted, "draft_n_accepted": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
@@ -226,9 +254,89 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if any(r["error"] for r in rows) else 0
 
 
+CLI = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
+CSV_COLUMNS = ("drafter", "requests", "errors", "completion_tokens", "decode_tps_total", "decode_tps_median",
+               "over_first", "ttft_s_median", "acceptance", "draft_n", "draft_n_accepted", "prompt_n_total",
+               "cache_n_total", "json")
+
+
+def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """`localspec serve --port 0 ARGS` in its own process, its URL once /health answers 200."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([*CLI, "serve", "--port", "0", *serve_args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "COLUMNS": "200"})
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"localspec serve exited ({proc.returncode}): {log.read_text().strip()[-300:]}")
+        found = re.search(r"http://127\.0\.0\.1:\d+/v1", log.read_text())
+        if found and server_health(found.group(0), "none") is not None:  # (None while it loads: 503)
+            return proc, found.group(0)
+        time.sleep(0.3)
+    proc.kill()
+    raise BenchError("localspec serve did not become ready in 900 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serve_and_compare(args: argparse.Namespace, full: list[str]) -> int:
+    """Each drafter of --drafters on a server of its own (the same --serve arguments), replayed in turn; the CSV's
+    rows read from each replay's JSON, the ratio against the first drafter's whole-run decode rate."""
+    if not args.drafters or args.csv is None:
+        raise BenchError("--serve needs --drafters and --csv")
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    out = args.csv.resolve()
+    folder = out.with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, rc = [], 0
+    for drafter in drafters:
+        json_path = folder / f"{drafter}.json"
+        proc, url = start_server(shlex.split(args.serve), folder / f"{drafter}-serve.log")
+        try:
+            one = argparse.Namespace(**{**vars(args), "url": url, "drafter": drafter, "json_out": json_path,
+                                        "label": f"{args.label or 'replay'}: {drafter}"})
+            rc = max(rc, asyncio.run(run(one, full)))
+        finally:
+            stop_server(proc)
+        summary = json.loads(json_path.read_text())["summary"]
+        rows.append({"drafter": drafter, **{k: summary.get(k) for k in CSV_COLUMNS if k in summary},
+                     "json": json_path.relative_to(out.parent).as_posix()})
+    base = rows[0]["decode_tps_total"]
+    for row in rows:
+        row["over_first"] = round(row["decode_tps_total"] / base, 3) if base and row["decode_tps_total"] else None
+    lines = [f"# what: bench/agent_replay.py's coding-agent sessions ({args.sessions} sessions x {args.turns} turns, "
+             f"{args.max_tokens} tokens a reply, temperature {args.temperature:g}, seed {args.seed}) replayed on "
+             f"`localspec serve {args.serve}`, a fresh server per drafter; over_first = decode_tps_total / the "
+             f"first drafter's ({drafters[0]})",
+             f"# date: {datetime.now(UTC).date().isoformat()}",
+             f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+             f"# command: python bench/agent_replay.py {shlex.join(full[1:])}",
+             "# source: each row read by bench/agent_replay.py from its drafter's replay JSON (the folder beside this "
+             "file)",
+             f"# written-by: bench/agent_replay.py {shlex.join(full[1:])}"]
+    with out.open("w", newline="", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    for row in rows:
+        print(f"{row['drafter']}: {row['decode_tps_total']} tok/s over the replay ({row['over_first']}x "
+              f"{drafters[0]}), acceptance {row['acceptance']}, TTFT median {row['ttft_s_median']} s")
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     full = list(sys.argv) if argv is None else [__file__, *argv]
     args = build_parser().parse_args(full[1:])
+    if args.serve is not None:
+        return guarded("agent_replay.py", lambda: serve_and_compare(args, full))
     return guarded("agent_replay.py", lambda: asyncio.run(run(args, full)))
 
 

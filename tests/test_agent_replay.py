@@ -45,3 +45,49 @@ def test_two_turns_against_serve(demo_home, tmp_path, capsys) -> None:
     assert run["settings"]["drafter"] == "suffix" and run["summary"]["requests"] == 2
     printed = capsys.readouterr().out
     assert "acceptance" in printed and "decode median" in printed
+
+
+@pytest.mark.slow
+def test_serve_mode_replays_each_drafter_on_a_fresh_server_into_one_csv(demo_home, tmp_path, monkeypatch) -> None:
+    """`--serve ARGS --drafters a,b --csv F`: a server per drafter (started, replayed, stopped), one CSV row each read
+    from that drafter's replay JSON, the ratio against the first drafter, the `#` lines of a raw result."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(demo_home))
+    out = tmp_path / "replay.csv"
+    rc = agent_replay.main(["--serve", "--pair demo-chat --preset agent --threads 1 --ctx 4096 --cache-ram 64",
+                            "--drafters", "model,chain", "--sessions", "1", "--turns", "2", "--functions", "3",
+                            "--max-tokens", "16", "--csv", str(out)])
+    assert rc == 0
+    heads, rows = _read_csv(out)
+    assert heads["written-by"].startswith("bench/agent_replay.py --serve '--pair demo-chat --preset agent")
+    assert [r["drafter"] for r in rows] == ["model", "chain"] and rows[0]["over_first"] == "1.0"
+    for row in rows:
+        run = json.loads((tmp_path / row["json"]).read_text())
+        assert run["settings"]["drafter"] == row["drafter"] and run["summary"]["errors"] == 0
+        assert float(row["decode_tps_total"]) == run["summary"]["decode_tps_total"] > 0
+    logs = sorted(p.name for p in (tmp_path / "replay").glob("*-serve.log"))
+    assert logs == ["chain-serve.log", "model-serve.log"]  # a server of its own each
+
+
+def _read_csv(path) -> tuple[dict[str, str], list[dict[str, str]]]:
+    import csv
+
+    lines = path.read_text().splitlines()
+    heads = dict(line[2:].split(": ", 1) for line in lines if line.startswith("# "))
+    return heads, list(csv.DictReader(line for line in lines if not line.startswith("#")))
+
+
+def test_the_kept_replay_csv_is_its_jsons_summaries() -> None:
+    """The raw CSV of the CPU replay (bench/results) holds what its drafters' replay JSONs say, and its ratio column
+    is their decode rates' ratio: no figure typed in."""
+    from pathlib import Path
+
+    csv_path = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-12-06-cpu-agent-replay.csv"
+    heads, rows = _read_csv(csv_path)
+    assert heads["written-by"].startswith("bench/agent_replay.py --serve")
+    first = None
+    for row in rows:
+        summary = json.loads((csv_path.parent / row["json"]).read_text())["summary"]
+        for key in ("decode_tps_total", "acceptance", "ttft_s_median", "draft_n", "completion_tokens"):
+            assert float(row[key]) == float(summary[key]), (row["drafter"], key)
+        first = first or summary["decode_tps_total"]
+        assert float(row["over_first"]) == round(summary["decode_tps_total"] / first, 3)
