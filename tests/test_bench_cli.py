@@ -96,7 +96,7 @@ def test_unknown_preset_is_one_line_and_exit_2(demo_home):
     r = localspec("bench", "--preset", "nope", env=env)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "localspec: error: unknown preset 'nope' (available: default, greedy, qwen3-instruct, qwen3-thinking, "
+        "localspec: error: unknown preset 'nope' (available: agent, default, greedy, qwen3-instruct, qwen3-thinking, "
         "smollm2-chat)"]
     assert "Traceback" not in r.stderr
 

@@ -79,7 +79,7 @@ def test_bad_values_name_key_and_range(tmp_path, text, pattern):
 
 
 def test_unknown_preset_lists_available():
-    with pytest.raises(ConfigError, match=r"unknown preset 'fast' \(available: default, greedy, qwen3-instruct"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'fast' \(available: agent, default, greedy, qwen3-instruct"):
         load_preset("fast")
 
 
@@ -201,3 +201,9 @@ def test_each_drafter_declares_its_own_facts_and_config_reads_them_without_impor
     code = "import sys, localspec.config; print(sorted(m for m in sys.modules if m.startswith('localspec.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "drafters" not in loaded and "llama_cpp" not in loaded, loaded
+
+
+def test_the_agent_preset_chains_suffix_lookup_before_the_draft_model():
+    agent = load_preset("agent")
+    assert (agent.draft.drafter, agent.draft.chain_lead) == ("chain", "suffix")
+    assert agent.sampling == load_preset().sampling  # it changes drafting only
