@@ -28,8 +28,8 @@ GREEDY = load_preset("greedy")
 HOT = dataclasses.replace(GREEDY.sampling, temperature=0.8, top_k=0, top_p=1.0)
 
 
-def drafting(k: int = 6, stand_aside: bool = True, **more: object) -> Drafting:
-    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter="model", stand_aside=stand_aside, **more)
+def drafting(k: int = 6, stand_aside: bool = True, drafter: str = "model", **more: object) -> Drafting:
+    return dataclasses.replace(GREEDY.draft, n_draft=k, drafter=drafter, stand_aside=stand_aside, **more)
 
 
 # -- the rule on scripted costs -------------------------------------------------------------------------------------
@@ -245,3 +245,35 @@ def test_the_done_event_carries_no_reason_without_drafting() -> None:
     gen = collect(Engine(FakeModel(seed=3), FakeModel(seed=3)).generate([1, 2], GREEDY.sampling, drafting(0), 5))
     assert isinstance(gen.done, DoneEvent) and gen.done.aside is None and gen.stats.stood_aside == 0
     assert np.array_equal(gen.tokens, FakeModel(seed=3).greedy([1, 2], 5))
+
+
+class Counted(Timed):
+    """A timed fake that counts the tokens it decodes (prompt and drafts)."""
+
+    decoded = 0
+
+    def decode_many(self, items: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[Scores | None]:
+        self.decoded += sum(len(tokens) for _, tokens, _, _ in items)
+        return super().decode_many(items)
+
+
+def test_a_chain_whose_draft_model_cannot_pay_leaves_it_behind_but_every_sixteenth_generation() -> None:
+    """The chain's draft model judged a loss at any acceptance drafts only in sync, so its generations read none of
+    the prompt into it (the lead drafts on), but every PLAIN_GENERATIONS-th, which reads it and may probe; the output
+    is plain decoding's throughout."""
+    target, draft = Timed(0.004, 0.0012, seed=3), Counted(0.005, 0.0, seed=3, noise=1.0)
+    engine = Engine(target, draft)
+    chain = drafting(drafter="chain")
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 6
+    first = collect(engine.generate(prompt, GREEDY.sampling, chain, 24))
+    assert first.tokens == target.greedy(prompt, 24)
+    reads = []
+    for i in range(DraftCost.PLAIN_GENERATIONS + 1):
+        asked = [1 + i % 5, 7 - i % 3] + prompt  # (another start each time: nothing of it in the cells)
+        before = draft.decoded
+        gen = collect(engine.generate(asked, GREEDY.sampling, chain, 12))
+        assert gen.tokens == target.greedy(asked, 12)
+        reads.append(draft.decoded - before)
+    behind = [n for n in reads if n == 0]
+    assert len(behind) >= DraftCost.PLAIN_GENERATIONS - 2, reads  # (the verdict may come in the first of them)
+    assert any(n >= len(prompt) for n in reads), reads  # a judged generation reads the prompt into the draft

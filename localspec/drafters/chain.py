@@ -68,6 +68,7 @@ class ChainCost(CostRule):
         hopeless = (not n or cost.step_rounds < policy.WARMUP) and not model.could_pay(0, k, width)
         if cost.step_rounds < policy.WARMUP:
             return min(room, model.PROBE) if hopeless else room
+        cost.model_hopeless = hopeless
         if not n and not looked_up and not hopeless and model.model_on:
             # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured
             # over a few dozen rounds, and a streak of early rejections would otherwise switch off a paying model
@@ -113,7 +114,19 @@ class ChainDrafter(DrafterBase):
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         length = self.length(req)  # (its parts reach their rules through the same policy)
-        return self.lead(req.drafting).start(req, prompt, length) + self.model.start(req, prompt, length)
+        lead = self.lead(req.drafting).start(req, prompt, length)
+        cost = length.cost if length is not None else None
+        if cost is not None and cost.model_hopeless:
+            # A draft model that would lose at any acceptance drafts only in sync, so reading the prompt into it
+            # buys nothing but the generation's first-round probe: read it every PLAIN_GENERATIONS-th generation
+            # (whose first rounds probe, the interval permitting), else leave the draft behind (its cells cut to
+            # what they share with the prompt; nothing decoded). On a small pair on a CPU the draft reads a prompt
+            # about as slowly as the target: the time to first token doubled.
+            cost.model_generations += 1
+            if cost.model_generations % cost.PLAIN_GENERATIONS:
+                self.model.start_behind(req, prompt, length)
+                return lead
+        return lead + self.model.start(req, prompt, length)
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> None:
         """Its parts' rules on this stream's facts; k stays fixed (each round's shares are decided by cost)."""

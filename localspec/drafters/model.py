@@ -118,6 +118,12 @@ class ModelDrafter(DrafterBase):
         model, kv, todo = prompt_work(self.model, self._kv.setdefault(seq, []), prompt[:-1], seq)
         return [(model, list(kv), todo)]  # (a copy: what the loop decodes comes back through `set_cells`)
 
+    def start_behind(self, req: DraftRequest, prompt: list[int], length: DraftLength | None) -> None:
+        """Start a generation reading none of the prompt: the draft's cells are cut back to what they share with it
+        (`prompt_work` trims them and the bookkeeping in place), and its rest is left unread, so the model is `lag`
+        tokens behind until a round catches it up (`probe`: only where that is affordable)."""
+        self.start(req, prompt, length)  # (the prompt work it returns is not decoded)
+
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]],
               after: Sequence[list[int]] | None = None) -> list[Proposal]:
         """Up to k tokens per job; with `after`, continuing those tokens (another drafter's) past the committed

@@ -190,6 +190,11 @@ class DraftCost:
         # generations decode plainly (`Stream`), all but every PLAIN_GENERATIONS-th, whose rounds the rule judges
         self.hopeless = False
         self.plain_generations = 0
+        # The chain's draft model alone judged so (`ChainCost.extension`): its generations read none of the prompt
+        # into the draft (`ChainDrafter.begin`: it could draft only after catching up, which a hopeless model never
+        # does), all but every PLAIN_GENERATIONS-th, which reads it and probes in sync; the chain's lead drafts on.
+        self.model_hopeless = False
+        self.model_generations = 0
 
     def rule(self, kind: type[Rule]) -> Rule:
         """The drafter rule `kind` kept with these facts (made on first use)."""
