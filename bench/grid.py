@@ -53,7 +53,7 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
     cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", "--pair", args.pair,
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
            "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--sweep", args.sweep, "--json", str(report)]
+           "--sweep", args.sweep, "--json", str(report), *(["--preset", args.preset] if args.preset else [])]
     if not (args.reuse and report.is_file()):  # (--reuse: the CSV again from reports an earlier run wrote)
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
         if done.returncode != 0:
@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--pair", default="demo")
     parser.add_argument("--out", type=Path, required=True, help="the CSV to write (its reports go beside it)")
     parser.add_argument("--drafters", default="model,lookup,chain")
+    parser.add_argument("--preset", help="the preset every cell's bench runs (e.g. agent: the chain led by suffix "
+                        "lookup); default: the pair's")
     parser.add_argument("--classes", default=",".join(CLASSES))
     parser.add_argument("--lengths", default="32,400")
     parser.add_argument("--sweep", default="1,2,4,6", help="the fixed draft lengths")

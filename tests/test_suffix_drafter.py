@@ -82,6 +82,48 @@ def test_a_later_request_drafts_what_an_earlier_one_wrote() -> None:
     assert accepted["suffix"] >= 20 and accepted["suffix"] > accepted["lookup"], accepted
 
 
+def test_the_owner_a_generation_is_given_decides_whose_past_it_drafts_from() -> None:
+    """`Engine.generate(owner=...)` reaches the drafter: the same second request drafts the first one's reply when
+    both are one owner's, and only from its own context when it is another's."""
+    target = FakeModel(64, seed=4, scale=4.0, n_ctx=1024)
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 64, size=10).tolist()
+    reply = target.greedy(first, 60)
+    second = rng.integers(0, 64, size=10).tolist() + reply[:4]
+    accepted = {}
+    for owner in ("a", "b"):
+        engine = Engine(target, None)
+        collect(engine.generate(first, GREEDY.sampling, drafting(6), 60, owner="a"))
+        gen = collect(engine.generate(second, GREEDY.sampling, drafting(6), 30, owner=owner))
+        assert gen.tokens == target.greedy(second, 30)
+        accepted[owner] = gen.stats.accepted
+    assert accepted["a"] >= 20 and accepted["b"] < accepted["a"] // 2, accepted
+
+
+def test_the_bench_gives_every_generation_an_owner_of_its_own(tiny_pair, monkeypatch) -> None:
+    """A bench run of a prompt is a first request: suffix lookup never drafts it from the earlier runs of the same
+    prompt (each would look faster than the last), so every generation the bench makes, warm-ups, runs and the
+    greedy check, is an owner no other generation was."""
+    from localspec import config
+    from localspec.sessions import bench
+    from localspec.sessions.session import ModelFiles, open_session
+
+    preset = config.load_preset("greedy").with_overrides(n_ctx=256, repeat=2, warmup=1, max_tokens=8, threads=1,
+                                                        drafter="suffix")
+    owners: list[str] = []
+    with open_session(ModelFiles(target=tiny_pair[0], draft=None, name="custom"), preset) as session:
+        generate = session.engine.generate
+
+        def recorded(*args: object, owner: str = "", **kwargs: object):
+            owners.append(owner)
+            return generate(*args, owner=owner, **kwargs)
+
+        monkeypatch.setattr(session.engine, "generate", recorded)
+        list(bench.run_bench(session, preset, [bench.BenchPrompt("p", text="one two one two one two")], raw=True))
+    drafting_runs = 2 + 1 + 1  # the speculative runs, a warm-up, the greedy check's speculative generation
+    assert len(owners) >= drafting_runs and "" not in owners and len(set(owners)) == len(owners), owners
+
+
 def test_sampled_pairs_follow_the_targets_distribution() -> None:
     """Two tokens at T > 0 after a prompt whose end occurred before (point-mass q), 3000 seeds on one engine: each
     generation's proposal comes from the earlier generations' samples (the most frequent continuation so far), and

@@ -159,7 +159,8 @@ class Engine:
     def generate(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
                  grammar: Grammar | None = None, constrain_draft: bool = True,
-                 logprobs: int | None = None, context: ContextSettings | None = None) -> Iterator[Event]:
+                 logprobs: int | None = None, context: ContextSettings | None = None,
+                 owner: str = "") -> Iterator[Event]:
         """Yield a TokenEvent per emitted token, then one DoneEvent with the stats and why it stopped: the one-slot
         case of `start` + `step` + `events`.
 
@@ -171,7 +172,8 @@ class Engine:
         the bench's greedy check; the device then returns candidates rather than only the argmax.
         """
         stream = self.start(prompt, sampling, drafting, max_tokens, should_stop, trace=trace, slot=slot,
-                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs, context=context)
+                            grammar=grammar, constrain_draft=constrain_draft, logprobs=logprobs, context=context,
+                            owner=owner)
         try:
             while True:
                 self.step([stream])
@@ -184,7 +186,7 @@ class Engine:
     def start(self, prompt: Sequence[int], sampling: Sampling, drafting: Drafting, max_tokens: int,
               should_stop: Callable[[], bool] | None = None, *, trace: bool = False, slot: int = 0,
               prefill_in_rounds: bool = False, grammar: Grammar | None = None, constrain_draft: bool = True,
-              logprobs: int | None = None, context: ContextSettings | None = None) -> Stream:
+              logprobs: int | None = None, context: ContextSettings | None = None, owner: str = "") -> Stream:
         """Begin a generation in `slot`: set its samplers, bring its cells to the prompt (reusing the prefix they
         hold) and return its Stream, ready for `step`. With `prefill_in_rounds` the prompt is decoded one batch
         per model per round instead (`step` does it), so the streams already running keep going meanwhile; the
@@ -198,7 +200,10 @@ class Engine:
         legal tokens.
 
         `context` with `context_shift` on: a generation that fills the context drops tokens after the first n_keep
-        and goes on (`SlotCells.shift`); off or None, it stops there."""
+        and goes on (`SlotCells.shift`); off or None, it stops there.
+
+        `owner`: whose request it is (`DraftRequest.owner`): a drafter that keeps text across requests (suffix
+        lookup) drafts it from that owner's past requests only."""
         if not prompt:
             raise UsageError("the prompt must hold at least one token (a BOS token will do)")
         if len(prompt) > self.n_ctx:
@@ -213,7 +218,7 @@ class Engine:
             self.check_context_shift()
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
-                        logprobs, context)
+                        logprobs, context, owner)
         seq = chosen.seq
         self.target.want_hidden(seq, stream.drafter is not None and stream.drafter.reads_target)
         # Plain decoding at T > 0 draws on the device only with one slot: several slots' chains must not keep

@@ -94,7 +94,7 @@ class Stream:
     def __init__(self, engine: Host, slot: Slot, sampling: Sampling, drafting: Drafting, max_tokens: int,
                  should_stop: Callable[[], bool] | None, trace: bool, grammar: Grammar | None = None,
                  constrain_draft: bool = True, logprobs: int | None = None,
-                 context: ContextSettings | None = None) -> None:
+                 context: ContextSettings | None = None, owner: str = "") -> None:
         self.slot = slot
         # With context shift on: what a full context keeps (n_keep, n_discard); None: the generation stops there.
         self.shift = context if context is not None and context.context_shift else None
@@ -125,7 +125,7 @@ class Stream:
         self.stats = GenerationStats()
         self.req = DraftRequest(slot.seq, slot.tokens, sampling, drafting, self.stats,
                                 grammar.clone() if grammar is not None and constrain_draft and self.use_draft else None,
-                                engine.constrained_rows)
+                                engine.constrained_rows, owner=owner)
         self.done: DoneEvent | None = None
         self._done_sent = False
         self.prefill: list[PromptWork] = []  # prompt tokens not yet in the caches

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import itertools
 import json
 import math
 import platform
@@ -447,6 +448,17 @@ class RunProgress:
 BenchEvent = WarmupStep | RunProgress | RunDone[RunResult] | CheckStarted | BenchReport
 
 
+_GENERATIONS = itertools.count()
+
+
+def _first_time() -> str:
+    """An owner of its own for each of the bench's generations (`DraftRequest.owner`): a drafter that keeps text
+    across requests (suffix lookup) drafts a bench prompt from that prompt's own context alone, as a first request
+    would be, never from the earlier runs of the same prompt (which would make it look the faster with every run;
+    `bench/agent_replay.py` measures drafting from earlier requests)."""
+    return f"bench generation {next(_GENERATIONS)}"
+
+
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
              max_tokens: int) -> Generator[RunProgress, None, RunResult]:
     """One run over the prompt set; yields its progress every PROGRESS_EVERY_S and returns its result."""
@@ -458,7 +470,7 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
     total = len(prompts) * max_tokens
     for name, prompt in prompts:
         tokens = outputs[name] = []
-        for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens):
+        for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens, owner=_first_time()):
             if isinstance(event, DoneEvent):
                 stats.append(event.stats)
                 aside = event.aside
@@ -484,8 +496,10 @@ def greedy_check(session: Session, prompts: list[tuple[str, list[int]]], preset:
     plain_drafting = dataclasses.replace(preset.draft, n_draft=0)
     checks = []
     for name, prompt in prompts:
-        plain = collect(session.engine.generate(prompt, sampling, plain_drafting, max_tokens, trace=True))
-        spec = collect(session.engine.generate(prompt, sampling, preset.draft, max_tokens, trace=True))
+        plain = collect(session.engine.generate(prompt, sampling, plain_drafting, max_tokens, trace=True,
+                                                owner=_first_time()))
+        spec = collect(session.engine.generate(prompt, sampling, preset.draft, max_tokens, trace=True,
+                                               owner=_first_time()))
         n = min(len(plain.tokens), len(spec.tokens))
         first = next((i for i in range(n) if plain.tokens[i] != spec.tokens[i]), None)
         if first is None and len(plain.tokens) != len(spec.tokens):
