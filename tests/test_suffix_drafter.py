@@ -270,7 +270,9 @@ def test_greedy_equals_plain_over_smollm2() -> None:
         s.engine.reset()
         spec = [collect(s.engine.generate(p, preset.sampling, drafting(6), 48)) for p in prompts]
     assert [g.tokens for g in spec] == [g.tokens for g in plain]
-    assert sum(g.stats.accepted for g in spec) > 0
+    # It drafted: its first matches are proposed whole, before any measured price could cut them (on a busy machine
+    # the prices after them may judge every later match a loss, so how many were kept follows the clock).
+    assert sum(g.stats.drafted for g in spec) > 0, [g.stats for g in spec]
 
 
 @pytest.mark.parametrize("k", [2, 4, 7])
