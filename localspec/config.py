@@ -187,6 +187,9 @@ BLOCK_DRAFTERS = ("dflash", "dspark")
 @dataclass(frozen=True)
 class Drafting:
     n_draft: int = field(metadata=_rng(0, 32, int))  # 0 = plain decoding through the same engine
+    # The MTP head's length where a layer (a preset over the default, a pair, an option, a request) switches the
+    # drafter to "mtp" naming no length: a chained head's acceptance falls faster with depth than a draft model's.
+    mtp_n_draft: int = field(metadata=_rng(1, 32, int))
     p_min: float = field(metadata=_rng(0.0, 1.0, float))  # stop a draft early below this top probability
     adaptive: bool = field(metadata={"kind": bool})  # the draft model's length by measured cost (policies)
     # Drafting stands aside (drafts nothing, probed now and then) while its measured price says a round of k drafts
@@ -370,6 +373,7 @@ class Preset:
             section = section_of(key, prefer)
             where = (flags or {}).get(key) or f"command line: {section}.{key}"
             changes[section][key] = _check(section, key, value, where=where)
+        _mtp_length(changes["draft"], self.draft.drafter, self.draft.mtp_n_draft)
         return dataclasses.replace(
             self, **{section: dataclasses.replace(getattr(self, section), **values)
                      for section, values in changes.items()},
@@ -377,6 +381,13 @@ class Preset:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _mtp_length(layer: dict[str, Any], drafter: str, mtp_n_draft: int) -> None:
+    """A layer of settings that switches the drafter to the MTP head (from `drafter`, the one below it) and names no
+    draft length gets the head's own, `mtp_n_draft` (the layer's, else the one below's), in place."""
+    if layer.get("drafter") == "mtp" and drafter != "mtp" and "n_draft" not in layer:
+        layer["n_draft"] = layer.get("mtp_n_draft", mtp_n_draft)
 
 
 # Keys that were renamed: a preset or override that names the old one is told the new name in its error.
@@ -505,6 +516,9 @@ def load_preset(name: str = "default") -> Preset:
     path = preset_path(name)
     if path.resolve() != base_path.resolve():
         for section, values in _sections_from(path, _read_toml(path)).items():
+            if section == "draft":
+                base = merged.get("draft", {})
+                _mtp_length(values, base.get("drafter", ""), base.get("mtp_n_draft", 0))
             merged.setdefault(section, {}).update(values)
     built: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():

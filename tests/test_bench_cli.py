@@ -263,7 +263,8 @@ def test_a_one_part_bench_ends_with_the_drafter_to_use(monkeypatch, speedups, la
 
 def test_a_sweep_past_the_preset_length_on_a_hybrid_target(hybrid_pair, tmp_path, monkeypatch):
     """A recurrent target keeps as many snapshots as the longest length it is asked for: a sweep to 7 with the
-    preset's 6 loads for 7 (before, "draft length 7: this model's recurrent state rolls back at most 6 tokens")."""
+    MTP head's preset length, 4, loads for 7 (before, "draft length 7: this model's recurrent state rolls back at
+    most 4 tokens")."""
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
     out = tmp_path / "sweep.json"
     result = runner.invoke(app, ["bench", "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--sweep", "2,7",
@@ -271,5 +272,5 @@ def test_a_sweep_past_the_preset_length_on_a_hybrid_target(hybrid_pair, tmp_path
                                  "--threads", "1", "--raw", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["n_draft"], r["policy"]) for r in rows] == [(0, "fixed"), (2, "fixed"), (7, "fixed"), (6, "default")]
+    assert [(r["n_draft"], r["policy"]) for r in rows] == [(0, "fixed"), (2, "fixed"), (7, "fixed"), (4, "default")]
     assert rows[2]["acceptance_rate"] > 0  # the 7-token rounds drafted and were verified

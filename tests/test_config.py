@@ -207,3 +207,24 @@ def test_the_agent_preset_chains_suffix_lookup_before_the_draft_model():
     agent = load_preset("agent")
     assert (agent.draft.drafter, agent.draft.chain_lead) == ("chain", "suffix")
     assert agent.sampling == load_preset().sampling  # it changes drafting only
+
+
+def test_switching_to_the_mtp_head_without_a_length_takes_its_own(tmp_path, monkeypatch):
+    """`mtp_n_draft`: a layer that switches the drafter to the MTP head naming no length (an option, a request, a
+    pair, a preset over the default) drafts the head's length; a length named with it, or a drafter that was the
+    MTP head already, keeps its own."""
+    base = load_preset()
+    assert (base.draft.n_draft, base.draft.mtp_n_draft) == (6, 4)
+    assert base.with_overrides(drafter="mtp").draft.n_draft == 4
+    assert base.with_overrides(drafter="mtp", n_draft=5).draft.n_draft == 5
+    assert base.with_overrides(drafter="mtp", n_draft=0).draft.n_draft == 0  # plain decoding stays plain
+    assert base.with_overrides(drafter="mtp", mtp_n_draft=2).draft.n_draft == 2
+    assert base.with_overrides(drafter="lookup").draft.n_draft == 6
+    chosen = base.with_overrides(drafter="mtp", n_draft=7)
+    assert chosen.with_overrides(drafter="mtp").draft.n_draft == 7  # (already the head: a request keeps the length)
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    folder = tmp_path / "presets"
+    folder.mkdir()
+    (folder / "head.toml").write_text('[draft]\ndrafter = "mtp"\n')
+    (folder / "head5.toml").write_text('[draft]\ndrafter = "mtp"\nn_draft = 5\n')
+    assert load_preset("head").draft.n_draft == 4 and load_preset("head5").draft.n_draft == 5
