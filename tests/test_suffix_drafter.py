@@ -62,15 +62,22 @@ def test_greedy_output_is_plain_greedy(k: int) -> None:
         assert drafted > 0
 
 
-def test_a_later_request_drafts_what_an_earlier_one_wrote() -> None:
-    """Request 2's prompt ends with the start of request 1's reply (unseen in its own context): from its first
-    round the suffix drafter proposes the rest of that reply, which the target accepts; prompt lookup, searching
-    the context alone, accepts fewer."""
+def _quoting_requests() -> tuple[FakeModel, list[int], list[int], list[int]]:
+    """A target, a first request, its greedy reply, and a second request whose prompt ends with that reply's start
+    (unseen in its own context)."""
     target = FakeModel(64, seed=4, scale=4.0, n_ctx=1024)
     rng = np.random.default_rng(0)
     first = rng.integers(0, 64, size=10).tolist()
     reply = target.greedy(first, 60)
     second = rng.integers(0, 64, size=10).tolist() + reply[:4]
+    return target, first, reply, second
+
+
+def test_a_later_request_drafts_what_an_earlier_one_wrote() -> None:
+    """Request 2's prompt ends with the start of request 1's reply (unseen in its own context): from its first
+    round the suffix drafter proposes the rest of that reply, which the target accepts; prompt lookup, searching
+    the context alone, accepts fewer."""
+    target, first, reply, second = _quoting_requests()
     accepted = {}
     for name in ("suffix", "lookup"):
         engine = Engine(target, None)
@@ -85,11 +92,7 @@ def test_a_later_request_drafts_what_an_earlier_one_wrote() -> None:
 def test_the_owner_a_generation_is_given_decides_whose_past_it_drafts_from() -> None:
     """`Engine.generate(owner=...)` reaches the drafter: the same second request drafts the first one's reply when
     both are one owner's, and only from its own context when it is another's."""
-    target = FakeModel(64, seed=4, scale=4.0, n_ctx=1024)
-    rng = np.random.default_rng(0)
-    first = rng.integers(0, 64, size=10).tolist()
-    reply = target.greedy(first, 60)
-    second = rng.integers(0, 64, size=10).tolist() + reply[:4]
+    target, first, reply, second = _quoting_requests()
     accepted = {}
     for owner in ("a", "b"):
         engine = Engine(target, None)

@@ -429,11 +429,12 @@ def write_csv(out: Path, reports: list[tuple[str, Path]], header: dict[str, str]
     """The raw CSV of `reports` ((pair, JSON path) in order), its `#` lines first: what, date and machine (from the
     first report's environment), code, command, source, written-by. Every report must come from one machine (a
     ratio is never taken across machines): a second machine is an error naming the report."""
-    rows, machines = [], {}
+    rows, machines, dates = [], {}, []
     for pair, path in reports:
         doc = _load(path)
         if not doc:
             raise SystemExit(f"{path}: not a localspec bench JSON report")
+        dates.append(str(doc.get("environment", {}).get("time", ""))[:10])
         env = doc.get("environment", {})
         gpus = ", ".join(f"{g['name']} ({g['vram_total_bytes'] // 2**20:,} MiB)" for g in env.get("gpus") or [])
         machines[path] = f"{gpus or 'no GPU'}, {env.get('cpu_cores_physical')} CPU cores, {env.get('platform')}"
@@ -443,8 +444,7 @@ def write_csv(out: Path, reports: list[tuple[str, Path]], header: dict[str, str]
         first = next(iter(machines.values()))
         odd = next(p for p, m in machines.items() if m != first)
         raise SystemExit(f"{odd}: measured on another machine ({machines[odd]}) than {first}")
-    first_doc = _load(reports[0][1])
-    lines = [f"# what: {header['what']}", f"# date: {str(first_doc['environment'].get('time', ''))[:10]}",
+    lines = [f"# what: {header['what']}", f"# date: {dates[0]}",
              f"# machine: {next(iter(machines.values()))}", f"# code: {header['code']}",
              f"# command: {header['command']}",
              "# source: each row read by bench/gpu/summarize.py from the `localspec bench --json` report its `report` "
