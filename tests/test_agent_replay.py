@@ -91,3 +91,9 @@ def test_the_kept_replay_csv_is_its_jsons_summaries() -> None:
             assert float(row[key]) == float(summary[key]), (row["drafter"], key)
         first = first or summary["decode_tps_total"]
         assert float(row["over_first"]) == round(summary["decode_tps_total"] / first, 3)
+
+
+def test_serve_mode_needs_its_drafters_and_a_csv(tmp_path, capsys) -> None:
+    assert agent_replay.main(["--serve", "--pair demo-chat", "--csv", str(tmp_path / "r.csv")]) == 1
+    assert "agent_replay.py: error: --serve needs --drafters and --csv" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -301,3 +301,10 @@ def test_a_raw_csv_refuses_reports_from_two_machines(tmp_path):
     assert not (tmp_path / "x.csv").exists()
     with pytest.raises(SystemExit, match="--csv needs --code, --command"):
         summarize.main([str(tmp_path), "--csv", str(tmp_path / "x.csv"), "--what", "w"])
+
+
+def test_a_report_option_names_its_pair(tmp_path) -> None:
+    with pytest.raises(SystemExit, match=r"--report 'x\.json': expected PAIR=JSON"):
+        summarize.main([str(tmp_path), "--csv", str(tmp_path / "x.csv"), "--report", "x.json", "--what", "w",
+                        "--code", "c", "--command", "c"])
+    assert not (tmp_path / "x.csv").exists()
