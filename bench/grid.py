@@ -12,6 +12,8 @@ reports, one per cell:
 Usage (from the repository root, on an otherwise idle machine; `--threads` fixed, or the choice follows the load):
 
     python bench/grid.py --pair demo --out bench/results/DATE-cpu-grid.csv --threads 2 --repeat 3
+
+On a GPU machine, the files themselves: `--target T.gguf --draft D.gguf` in place of `--pair`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
     prompts = folder / f"{name}.jsonl"
     prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
     report = args.reports / f"{drafter}-{name}-{max_tokens}.json"
-    cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", "--pair", args.pair,
+    models = ["--target", str(args.target), *(["--draft", str(args.draft)] if args.draft else [])] if args.target \
+        else ["--pair", args.pair]
+    cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", *models,
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
            "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--sweep", args.sweep, "--json", str(report), *(["--preset", args.preset] if args.preset else [])]
@@ -83,6 +87,8 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="demo")
+    parser.add_argument("--target", type=Path, help="a target GGUF instead of --pair (a GPU machine's files)")
+    parser.add_argument("--draft", type=Path, help="the draft GGUF beside --target")
     parser.add_argument("--out", type=Path, required=True, help="the CSV to write (its reports go beside it)")
     parser.add_argument("--drafters", default="model,lookup,chain")
     parser.add_argument("--preset", help="the preset every cell's bench runs (e.g. agent: the chain led by suffix "
@@ -96,6 +102,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="read the cells' JSON reports already beside --out instead of measuring them again")
     args = parser.parse_args()
+    if args.draft and not args.target:
+        raise SystemExit("--draft needs --target")
     args.out = args.out.resolve()
     args.reports = args.out.with_suffix("")
     args.reports.mkdir(parents=True, exist_ok=True)
