@@ -57,7 +57,8 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
     cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", *models,
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
            "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--sweep", args.sweep, "--json", str(report), *(["--preset", args.preset] if args.preset else [])]
+           "--sweep", args.sweep, "--json", str(report), *(["--preset", args.preset] if args.preset else []),
+           *args.bench_arg]
     if not (args.reuse and report.is_file()):  # (--reuse: the CSV again from reports an earlier run wrote)
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
         if done.returncode != 0:
@@ -93,6 +94,8 @@ def main() -> None:
     parser.add_argument("--drafters", default="model,lookup,chain")
     parser.add_argument("--preset", help="the preset every cell's bench runs (e.g. agent: the chain led by suffix "
                         "lookup); default: the pair's")
+    parser.add_argument("--bench-arg", action="append", default=[],
+                        help="one more argument for every cell's bench (repeat it: --bench-arg=--adaptive)")
     parser.add_argument("--classes", default=",".join(CLASSES))
     parser.add_argument("--lengths", default="32,400")
     parser.add_argument("--sweep", default="1,2,4,6", help="the fixed draft lengths")
