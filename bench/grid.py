@@ -119,7 +119,7 @@ def main() -> None:
              "# source: each row read by bench/grid.py from its cell's `localspec bench --sweep --json` report (the "
              "folder beside this file)",
              f"# date: {datetime.date.today().isoformat()}",
-             f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+             "# machine: MACHINE",
              f"# what: the default policy vs plain decoding and the best fixed draft length (--sweep {args.sweep}), "
              f"medians of {args.repeat} interleaved runs per row, one prompt per class, raw completion"
              + (" (--reuse: the reports the same command without --reuse measured)" if args.reuse else "")]
@@ -131,6 +131,11 @@ def main() -> None:
                     row = cell(args, drafter, name, length, Path(tmp))
                     print(" ".join(f"{k}={row[k]}" for k in COLUMNS[:11]), flush=True)
                     rows.append(row)
+    # The machine as the reports saw it: a GPU's name where the bench ran on one (this process never loads a model).
+    first = json.loads((args.out.parent / rows[0]["report"]).read_text())
+    gpus = ", ".join(g["name"] for g in first.get("environment", {}).get("gpus") or [])
+    lines[lines.index("# machine: MACHINE")] = (
+        f"# machine: {gpus + ', ' if gpus else ''}{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     with args.out.open("w", newline="", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -31,3 +31,33 @@ def test_one_cell_with_a_preset_is_its_reports_row(use_demo_home, tmp_path) -> N
     default = next(r for r in report["rows"] if r["policy"] == "default")
     assert float(row["default_tps"]) == round(default["median_tps"], 2)
     assert (row["drafter"], row["class"], row["max_tokens"]) == ("chain", "qa", "8")
+
+
+@pytest.mark.slow
+def test_files_in_place_of_a_pair_and_settings_for_every_cell(use_demo_home, tmp_path) -> None:
+    """A GPU machine has files, not pairs: --target/--draft reach the bench, and each --bench-arg reaches every cell
+    (here the temperature: the cell's report says 0, where the pair's preset says 0.7)."""
+    from localspec.models import demo
+
+    out = tmp_path / "grid.csv"
+    run = subprocess.run([sys.executable, str(GRID), "--target", str(demo.target_path()), "--draft",
+                          str(demo.draft_path()), "--out", str(out), "--drafters", "model", "--classes", "qa",
+                          "--lengths", "8", "--sweep", "2", "--repeat", "1", "--warmup", "0", "--threads", "1",
+                          "--bench-arg=--temp", "--bench-arg=0"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = out.read_text().splitlines()
+    (row,) = csv.DictReader(line for line in lines if not line.startswith("#"))
+    report = json.loads((tmp_path / row["report"]).read_text())
+    assert report["preset"]["sampling"]["temperature"] == 0
+    home = str(use_demo_home)
+    assert report["environment"]["pair"] == "custom"  # the files, not the demo pair by name
+    assert report["environment"]["target"]["path"] == str(demo.target_path()).replace(home, "$LOCALSPEC_HOME")
+    assert report["environment"]["draft"]["path"] == str(demo.draft_path()).replace(home, "$LOCALSPEC_HOME")
+    machine = next(line for line in lines if line.startswith("# machine: "))
+    assert "MACHINE" not in machine and "CPUs" in machine
+
+
+def test_a_draft_without_a_target_is_a_one_line_error(tmp_path) -> None:
+    run = subprocess.run([sys.executable, str(GRID), "--draft", "d.gguf", "--out", str(tmp_path / "g.csv")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr.strip() == "--draft needs --target"
