@@ -9,7 +9,8 @@ Its environment sets what it is and how fast it runs: STANDIN_DRAFT_SAMPLING=1 m
 line; a run's decode seconds are STANDIN_SECONDS times each factor of STANDIN_FACTORS (JSON: "k=N", "greedy",
 "probabilistic", "backend" -> factor) that names its configuration, and from its STANDIN_AFTER-th call on (counting
 from 0, the log's lines) each of STANDIN_LATER_FACTORS too, so a configuration can be fast in a first pass and slow
-in the repeats that follow."""
+in the repeats that follow. STANDIN_PROBABILISTIC_ACCEPT: what a run with a probabilistic draft accepts of its 60
+drafts (unset: 45, as a greedy draft's: the option changes nothing, as in llama.cpp b11549's tool)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ if call >= int(os.environ.get("STANDIN_AFTER", "1000000")):
         factors[name] = factors.get(name, 1.0) * factor
 for name in names:
     seconds *= factors.get(name, 1.0)
+accepted = 45
+if opts.get("--spec-draft-sampling") == "probabilistic":  # (unset: the option changes nothing, as in b11549's tool)
+    accepted = int(os.environ.get("STANDIN_PROBABILISTIC_ACCEPT", accepted))
 tokens = os.environ.get("STANDIN_PROMPT_TOKENS")
 prompt_tokens = int(tokens) if tokens else len(prompt.split())
 sys.stdout.write("\n\n" + prompt + reply + "\n\n\n\n")
@@ -84,7 +88,7 @@ sys.stderr.write(
     % (prompt_tokens, 0.05, prompt_tokens / 0.05)
     + "decoded %4d tokens in %8.3f seconds, speed: %8.3f t/s\n" % (n + 1, seconds, (n + 1) / seconds)
     + "\nn_draft   = %s\nn_predict = %d\nn_drafted = %d\nn_accept  = %d\naccept    = %.3f%%\n"
-    % (opts["--spec-draft-n-max"], n + 1, 60, 45, 75.0)
+    % (opts["--spec-draft-n-max"], n + 1, 60, accepted, 100.0 * accepted / 60)
     + "\ndraft:\n\nllama_perf_context_print:        load time =      12.34 ms\n"
 )
 '''

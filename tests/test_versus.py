@@ -311,7 +311,8 @@ def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_co
     (the stand-in slows k = 3 down from then on), so the other finalist's median is the comparison."""
     factors = {"k=2": 2.0, "k=3": 1.0, "k=4": 1.2, "probabilistic": 0.7, "backend": 0.8}
     tool = _newer(monkeypatch, tmp_path, STANDIN_SECONDS="0.25", STANDIN_FACTORS=json.dumps(factors),
-                  STANDIN_AFTER=str(12 * 2), STANDIN_LATER_FACTORS=json.dumps({"k=3": 1.5}))
+                  STANDIN_AFTER=str(12 * 2), STANDIN_LATER_FACTORS=json.dumps({"k=3": 1.5}),
+                  STANDIN_PROBABILISTIC_ACCEPT="50")
     done, comparison = _run(_searched(tool, 0.7), _report())
     first, full = done[:24], done[24:]
     assert {e.total for e in done} == {24 + 2 * 3 * 2} and [e.done for e in done] == list(range(1, 37))
@@ -338,7 +339,7 @@ def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_co
     assert comparison.warnings == [] and comparison.greedy == []  # sampled: no greedy texts compared
     data = json.loads(json.dumps(comparison.as_json()))
     assert data["search"]["lengths"] == [2, 3, 4] and data["search"]["draft_sampling"] == ["greedy", "probabilistic"]
-    assert data["search"]["probabilistic_draft"] is True
+    assert data["search"]["probabilistic_draft"] is True and data["search"]["probabilistic_changed"] is True
     assert data["search"]["finalists"] == ["k=3 probabilistic-draft backend", "k=4 probabilistic-draft backend"]
     assert len(data["search"]["first_pass"]) == 12 and len(data["first_pass_runs"]) == 24 and len(data["runs"]) == 12
     assert data["best"]["n_draft"] == 4 and data["best"]["draft_sampling"] == "probabilistic"
@@ -351,6 +352,26 @@ def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_co
     repeats = [(_option(c, "--spec-draft-n-max"), _option(c, "--spec-draft-sampling")) for c in ran[24:]]
     assert repeats[:4] == [("3", "probabilistic")] * 2 + [("4", "probabilistic")] * 2  # (two prompts)
     assert repeats[4:8] == [("4", "probabilistic")] * 2 + [("3", "probabilistic")] * 2
+
+
+def test_a_probabilistic_draft_that_changes_nothing_is_reported_as_sample_and_match(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """llama.cpp b11549's llama-speculative-simple takes --spec-draft-sampling probabilistic and still verifies by
+    sample-and-match (its rejection sampling is llama-server's): the same runs both ways. The report must not pass
+    such a comparison off as one with llama.cpp's rejection sampling."""
+    tool = _newer(monkeypatch, tmp_path)  # the stand-in's probabilistic runs accept what its greedy ones do
+    _, comparison = _run(_searched(tool, 0.7, lengths=(3,)), _report())
+    assert comparison.probabilistic_changed is False
+    (warning,) = comparison.warnings
+    assert warning.startswith("--spec-draft-sampling probabilistic changed nothing in this llama-speculative-simple")
+    assert warning.endswith("this comparison at T = 0.7 is with sample-and-match")
+    assert comparison.as_json()["search"]["probabilistic_changed"] is False
+    # One configuration's probabilistic runs differing is enough to call it changed; at T = 0 nothing is compared.
+    monkeypatch.setenv("STANDIN_PROBABILISTIC_ACCEPT", "52")
+    _, changed = _run(_searched(tool, 0.7, lengths=(3,)), _report())
+    assert changed.probabilistic_changed is True and changed.warnings == []
+    _, greedy = _run(_searched(tool, 0.0, lengths=(3,)), _report())
+    assert greedy.probabilistic_changed is None
 
 
 def test_an_older_tool_runs_greedy_drafts_only_and_the_report_says_so(tmp_path: Path, monkeypatch) -> None:

@@ -51,7 +51,8 @@ BIN_ENV = "LOCALSPEC_LLAMA_BIN"  # where to look when neither --llama-bin nor th
 HOST, BACKEND = "host", "backend"  # llama.cpp's sampling: on the CPU after each decode, or in the device graph
 # How its draft is sampled (`--spec-draft-sampling`, in llama.cpp since b11368 or so): its argmax, the target's sample
 # accepted where it matches; or sampled, the target verifying by rejection sampling. A build without the option
-# drafts greedily.
+# drafts greedily. A build may take the option in this tool and still match samples (b11549 verifies by rejection in
+# llama-server only): `probabilistic_changed` checks each comparison's runs, and the report says so.
 DRAFT_SAMPLING_FLAG = "--spec-draft-sampling"
 GREEDY_DRAFT, PROBABILISTIC_DRAFT = "greedy", "probabilistic"
 FINALISTS = 2  # configurations the first pass keeps for the full repeats
@@ -410,6 +411,7 @@ class Comparison:
     lengths: tuple[int, ...] = ()
     draft_samplings: tuple[str | None, ...] = (None,)
     has_draft_sampling: bool = False  # the tool has --spec-draft-sampling (a probabilistic draft)
+    probabilistic_changed: bool | None = None  # its probabilistic drafts ran otherwise than greedy ones (T > 0)
 
     @property
     def best(self) -> ConfigResult | None:
@@ -428,6 +430,7 @@ class Comparison:
                 "command": self.command, "temperature": self.temperature,
                 "search": {"lengths": list(self.lengths), "draft_sampling": list(self.draft_samplings),
                            "probabilistic_draft": self.has_draft_sampling,
+                           "probabilistic_changed": self.probabilistic_changed,
                            "first_pass": [m.as_dict() for m in self.first_pass],
                            "finalists": [m.config.label for m in self.modes]},
                 "modes": [m.as_dict() for m in self.modes],
@@ -541,6 +544,12 @@ def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun],
     if temperature > 0 and not plan.tool.draft_sampling:
         warnings.append(f"this {TOOL} has no {DRAFT_SAMPLING_FLAG} (an older llama.cpp): its draft is greedy only, "
                         "no probabilistic draft was compared")
+    changed = probabilistic_changed(first_runs + runs) if temperature > 0 else None
+    if changed is False:
+        warnings.append(f"{DRAFT_SAMPLING_FLAG} {PROBABILISTIC_DRAFT} changed nothing in this {TOOL}: each of its "
+                        f"runs drafted, accepted and wrote what the same configuration's greedy draft did, so it "
+                        f"matched the target's samples either way (llama.cpp b11549 gives its rejection sampling to "
+                        f"llama-server only): this comparison at T = {temperature:g} is with sample-and-match")
     greedy = []
     if temperature == 0:
         plain = {c.name: c for c in report.greedy_check.prompts}
@@ -561,4 +570,19 @@ def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun],
                       localspec_tps=report.speculative.median_tps, runs=runs, greedy=greedy, warnings=warnings,
                       first_pass=first_pass, first_pass_runs=first_runs, lengths=tuple(sorted({c.n_draft for c in
                       plan.configs})), draft_samplings=plan.draft_samplings,
-                      has_draft_sampling=plan.tool.draft_sampling)
+                      has_draft_sampling=plan.tool.draft_sampling, probabilistic_changed=changed)
+
+
+def probabilistic_changed(runs: list[LlamaRun]) -> bool | None:
+    """Whether the tool's probabilistic drafts ran otherwise than its greedy ones: a run's text, drafted and accepted
+    counts against the same prompt, length and sampling mode's with a greedy draft. None where no configuration ran
+    both. A loop that verifies by sample-and-match whatever the option says gives the same run both ways (seeded)."""
+    outcomes: dict[tuple[str, int, str, str | None], set[tuple[object, ...]]] = {}
+    for run in runs:
+        c, t = run.config, run.timings
+        outcomes.setdefault((run.prompt, c.n_draft, c.mode, c.draft_sampling), set()).add(
+            (run.text, t.tokens, t.drafted, t.accepted))
+    pairs = [(seen, outcomes.get((prompt, k, mode, PROBABILISTIC_DRAFT)))
+             for (prompt, k, mode, sampling), seen in outcomes.items() if sampling == GREEDY_DRAFT]
+    pairs = [(greedy, probabilistic) for greedy, probabilistic in pairs if probabilistic]
+    return any(greedy != probabilistic for greedy, probabilistic in pairs) if pairs else None
