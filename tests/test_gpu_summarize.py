@@ -66,13 +66,29 @@ def test_summarize_compares_both_loops_from_the_bench_json(tmp_path):
     assert result["pairs"]["s1"]["temps"]["0.7"]["ratio_vs_llama_cpp"] is None
 
 
-def _pair_folder(root: Path, name: str, spec_tps: float, acceptance: float) -> None:
+def test_the_comparisons_warnings_are_printed_with_the_tables(tmp_path):
+    """A comparison the bench warned about (its llama.cpp matched samples though asked for rejection) says so in the
+    summary a maintainer reads, not only in the JSON."""
+    (tmp_path / "prompts").mkdir()
+    _pair_folder(tmp_path, "card-n0.013", 180.0, 0.85,
+                 warnings=["--spec-draft-sampling probabilistic changed nothing in this llama-speculative-simple"])
+    text = summarize.tables(summarize.summarize(tmp_path))
+    assert "card-n0.013 T=0: ⚠ --spec-draft-sampling probabilistic changed nothing in this" in text
+    plain = tmp_path / "plain"
+    (plain / "prompts").mkdir(parents=True)
+    _pair_folder(plain, "card-n0.013", 180.0, 0.85)
+    assert "⚠" not in summarize.tables(summarize.summarize(plain))
+
+
+def _pair_folder(root: Path, name: str, spec_tps: float, acceptance: float,
+                 warnings: list[str] | None = None) -> None:
     pair = root / name
     pair.mkdir(parents=True)
     check = {"exact": True, "invariant_holds": True, "prompts": []}
     doc = {"plain": {"median_tps": 100.0}, "speculative": {"median_tps": spec_tps, "acceptance_rate": acceptance,
                                                            "host_fraction": 0.01},
-           "speedup": spec_tps / 100.0, "greedy_check": check, "runs": [], "against": _against(205.6)}
+           "speedup": spec_tps / 100.0, "greedy_check": check, "runs": [],
+           "against": {**_against(205.6), "warnings": warnings or []}}
     (pair / "localspec-t0.json").write_text(json.dumps(doc))
 
 

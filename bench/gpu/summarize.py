@@ -158,6 +158,7 @@ def summarize(res: Path) -> dict[str, Any]:
                 "ratio_vs_llama_cpp": ls_spec["median_tps"] / faster["median"] if faster else None,
                 "llama_cpp_faster": best[0] if best else None,
                 "llama_cpp_build": llama_build(against) if against and "error" not in against else None,
+                "llama_cpp_warnings": list(against.get("warnings") or []),
                 "llama_cpp_first_pass": {m.get("label") or m["mode"]: m["median_tps"]
                                          for m in (against.get("search") or {}).get("first_pass", [])},
                 "ratio_plain_vs_llama_bench": ls_plain["median_tps"] / tg if tg else None,
@@ -275,6 +276,8 @@ def tables(result: dict[str, Any]) -> str:
     out += firsts
     out += [f"{name} T={temp}: llama.cpp did not run: {r['llama_cpp_error']}" for name, pair in result["pairs"].items()
             for temp, r in pair["temps"].items() if r.get("llama_cpp_error")]
+    out += [f"{name} T={temp}: ⚠ {w}" for name, pair in result["pairs"].items() for temp, r in pair["temps"].items()
+            for w in r.get("llama_cpp_warnings", [])]
 
     side = side_by_side(result)
     if side:
