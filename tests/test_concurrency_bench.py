@@ -113,12 +113,41 @@ def test_summary_finds_the_crossover(tmp_path, capsys):
     assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "crossover: speculative falls below k = 0 between 4 and 8 clients; below at 8, 16" in printed
-    assert "localspec spec below llama-server at: 4 clients" in printed
-    assert "| 1 | 100.0 | 180.0 | 170.0 | 50.0 | 50.0 | 50.0 | 1.80 | 1.06 | 80.0% | 80.0% |" in printed
+    assert "localspec spec below llama-server's best at: 4 clients" in printed
+    assert "| 1 | 100.0 | 180.0 | 170.0 | 50.0 | 50.0 | 50.0 | 1.80 | 1.06 | 80.0% | 80.0% | greedy draft |" in printed
     assert "crossover: not measured" in printed
     summary = json.loads(out.read_text())
     assert summary["8e-5"]["0"]["spec_below_k0"] == [8, 16]
     assert summary["8e-5"]["0.7"]["compared_with_k0"] == []
+
+
+def test_summary_compares_with_llama_servers_best_configuration_at_each_concurrency(tmp_path, capsys):
+    """llama-server runs three ways (greedy draft, probabilistic draft, no draft); at each concurrency localspec is
+    compared with whichever ran fastest there, and the table names it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    folder = tmp_path / "card-n0.013"
+    folder.mkdir()
+    reports = {
+        "k0-t0.7": {1: 70.0, 16: 900.0},
+        "spec-t0.7": {1: 180.0, 16: 850.0},
+        "llama-t0.7": {1: 110.0, 16: 700.0},
+        "llamaprob-t0.7": {1: 150.0, 16: 720.0},
+        "llamaplain-t0.7": {1: 75.0, 16: 950.0},
+    }
+    for name, agg in reports.items():
+        (folder / f"{name}.json").write_text(json.dumps(_report(agg)))
+    out = tmp_path / "summary.json"
+    assert concurrency_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 | 70.0 | 180.0 | 150.0 | 50.0 | 50.0 | 50.0 | 2.57 | 1.20 | 80.0% | 80.0% | probabilistic draft |" \
+        in printed
+    assert "| 16 | 900.0 | 850.0 | 950.0 |" in printed and printed.count("| no draft |") == 1
+    assert "localspec spec below llama-server's best at: 16 clients" in printed
+    rows = json.loads(out.read_text())["card-n0.013"]["0.7"]["rows"]
+    assert [r["llama_best"] for r in rows] == ["llamaprob", "llamaplain"]
+    assert rows[1]["spec_over_llama"] == pytest.approx(850.0 / 950.0)
 
 
 def test_summary_reads_the_card_pairs_folders_first(tmp_path, capsys):

@@ -155,6 +155,23 @@ def test_the_yardstick_is_the_newest_build_where_it_exists_unless_the_pinned_one
     assert "LLAMA_YARDSTICK=newest: no llama-speculative-simple in" in missing.stdout and "rc=1" in missing.stdout
 
 
+def test_the_yardsticks_llama_server_is_wrapped_beside_its_speculative_tool(tmp_path: Path) -> None:
+    """concurrency.sh's llama-server is the newest build's where it has one, started with its own libraries first;
+    a newest build without llama-server gets no wrapper (the script then leaves llama-server's rows empty)."""
+    work = tmp_path / "work"
+    _tool(work / "build" / "bin", "pinned")
+    _tool(work / "build-newest" / "bin", "newest")
+    show = 'results_in "$WORK/res"; use_build; yardstick; ls "$YARDSTICK_BIN"'
+    assert bash(show, tmp_path).stdout.split() == ["llama-speculative-simple"]
+    server = work / "build-newest" / "bin" / "llama-server"
+    server.write_text('#!/bin/sh\necho "newest server $* LD=$LD_LIBRARY_PATH"\n')
+    server.chmod(0o755)
+    ran = bash(show + '; "$YARDSTICK_BIN/llama-server" --version', tmp_path)
+    assert ran.stdout.splitlines()[-3:] == ["llama-server", "llama-speculative-simple",
+                                            f"newest server --version LD={work}/build-newest/bin:{work}/build/bin"], \
+        ran.stdout + ran.stderr
+
+
 RUN_SH = ROOT / "bench" / "gpu" / "run.sh"
 
 

@@ -14,8 +14,13 @@
 #      spec   localspec serve --draft DRAFT --draft K --parallel P   speculative, draft length K (the engine may
 #                                                                     choose shorter rounds under load)
 #      llama  llama-server -md DRAFT --spec-type draft-simple --spec-draft-n-max K --spec-draft-n-min 0
-#             --spec-draft-p-min 0 -np P -c P*CTX -fa on -ngl 99 -ngld 99
-#    The client sends the same body to all three: temperature, max_tokens, seed 42, and top_k 40, top_p 0.9,
+#             --spec-draft-p-min 0 -np P -c P*CTX -fa on -ngl 99 -ngld 99      its draft's argmax, sample-and-match
+#      llamaprob  the same with --spec-draft-sampling probabilistic: llama.cpp's rejection sampling (T > 0 only;
+#             at T = 0 it is llama's loop)
+#      llamaplain llama-server -np P -c P*CTX -fa on -ngl 99 without a draft: its plain batched decoding
+#    llama-server is the yardstick's (the newest llama.cpp's build, harness.sh's `yardstick`) where it is built,
+#    else the pinned one's (versions.txt says which); the summary compares localspec with llama-server's best
+#    configuration at each concurrency. The client sends the same body to all of them: temperature, max_tokens, seed 42, and top_k 40, top_p 0.9,
 #    min_p 0 (localspec's preset `default`; llama-server's own defaults differ: top_p 0.95, min_p 0.05).
 # 3. bench/gpu/concurrency_summary.py: aggregate and per-request tok/s per concurrency, the ratios, the crossover
 #    where speculative falls below k = 0 (summary.md, summary.json).
@@ -27,7 +32,7 @@
 #                             stand-in (Q4_0 32B target, 2-block draft) at that block scale (8e-5, 1.2e-4)
 #                             speaks-<SIZE>: a real small model (REAL_TARGET, or REAL_PARTS: harness.sh) embedded
 #                             in SIZE's shapes (card32b) by bench/embed.py: real language, so real batch margins
-#   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
+#   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama llamaprob llamaplain"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
 #   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
@@ -40,7 +45,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
 PAIRS="${PAIRS:-card-n0.013}"
 TEMPS="${TEMPS:-0 0.7}"
-CONFIGS="${CONFIGS:-k0 spec llama}"
+CONFIGS="${CONFIGS:-k0 spec llama llamaprob llamaplain}"
 CLIENTS="${CLIENTS:-1,4,8,16}"
 PARALLEL="${PARALLEL:-16}"
 REQUESTS="${REQUESTS:-2}"
@@ -65,7 +70,13 @@ snapshot_env "$RES/env.txt"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 ensure_build llama-server || { finish; exit 1; }
-[[ -x "$BIN/llama-server" ]] || log "no llama-server in $BIN (see $WORK/results/cmake-build.log): its rows stay empty"
+# llama-server: the yardstick's (newest) where it is built, else the pinned build's; never one silently for the other.
+LLAMA_SERVER="$BIN/llama-server"
+if yardstick && [[ "$YARDSTICK" == newest ]]; then
+    if [[ -x "$YARDSTICK_BIN/llama-server" ]]; then LLAMA_SERVER="$YARDSTICK_BIN/llama-server"
+    else log "the newest llama.cpp has no llama-server ($BIN_NEWEST): the llama rows stay empty"; LLAMA_SERVER=""; fi
+fi
+[[ -n "$LLAMA_SERVER" && -x "$LLAMA_SERVER" ]] || { log "no llama-server (see $WORK/results/cmake-build*.log): its rows stay empty"; LLAMA_SERVER=""; }
 export COLUMNS=200  # rich wraps serve's help and status lines at 80 columns when not on a terminal
 pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unless they exist
     case "$1" in
@@ -78,7 +89,8 @@ pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unle
 declare -A FILES=()
 for pair in $PAIRS; do FILES[$pair]="$(pair_files "$pair")"; done
 
-{ "${LOCALSPEC[@]}" serve --help; "$BIN/llama-server" --version; } > "$RES/versions.txt" 2>&1
+{ "${LOCALSPEC[@]}" serve --help; echo "llama-server: ${LLAMA_SERVER:-none} (${YARDSTICK:-pinned})"
+  [[ -n "$LLAMA_SERVER" ]] && "$LLAMA_SERVER" --version; } > "$RES/versions.txt" 2>&1
 python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$RES/run.log"
 
 # -- 2. measure ----------------------------------------------------------------------------------------------------
@@ -92,12 +104,17 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
             SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" --parallel "$PARALLEL"
                 --queue $(( 4 * PARALLEL )) --ctx "$LOCALSPEC_CTX" --host 127.0.0.1 --port "$PORT" --seed "$SEED"
                 "${extra[@]}") ;;
-        llama)
+        llama|llamaprob)
             read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
-            SERVER_CMD=("$BIN/llama-server" -m "$T" -md "$D" --spec-type draft-simple
+            [[ "$config" == llamaprob ]] && extra=(--spec-draft-sampling probabilistic "${extra[@]}")
+            SERVER_CMD=("$LLAMA_SERVER" -m "$T" -md "$D" --spec-type draft-simple
                 --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 -np "$PARALLEL"
                 -c $(( PARALLEL * CTX )) -fa on -ngl 99 -ngld 99 --host 127.0.0.1 --port "$PORT" --seed "$SEED"
                 "${extra[@]}") ;;
+        llamaplain)
+            read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
+            SERVER_CMD=("$LLAMA_SERVER" -m "$T" -np "$PARALLEL" -c $(( PARALLEL * CTX )) -fa on -ngl 99
+                --host 127.0.0.1 --port "$PORT" --seed "$SEED" "${extra[@]}") ;;
         *) return 1 ;;
     esac
 }
@@ -108,9 +125,12 @@ for s in $PAIRS; do
     mkdir -p "$RES/$s"
     for config in $CONFIGS; do
         todo=()
-        for temp in $TEMPS; do [[ -s "$RES/$s/$config-t$temp.json" ]] || todo+=("$temp"); done
+        for temp in $TEMPS; do
+            [[ "$config" == llamaprob && "$temp" == 0 ]] && continue  # (at T = 0 rejection is sample-and-match)
+            [[ -s "$RES/$s/$config-t$temp.json" ]] || todo+=("$temp")
+        done
         (( ${#todo[@]} )) || continue
-        [[ "$config" == llama && ! -x "$BIN/llama-server" ]] && continue
+        [[ "$config" == llama* && -z "$LLAMA_SERVER" ]] && continue
         need=$(( 60 + CLIENT_S * ${#todo[@]} ))  # loading ~20 GB from the page cache, then a client run per T
         if (( $(left) < need )); then log "SKIP $s-$config: $(left)s left, needs ~${need}s"; continue; fi
         server_cmd "$config" "$T" "$D" || { log "unknown configuration $config"; continue; }

@@ -4,10 +4,12 @@
 
 RESULTS_DIR holds <pair>/<config>-t<temp>.json (card-n<noise>, or s<scale> for the old stand-in), each written by
 bench/concurrency.py against one server:
-k0 (`localspec serve`, plain batched decoding), spec (`localspec serve`, speculative) and llama (`llama-server -np N`
-with the same draft model and draft length). Per pair and temperature, one table: aggregate tok/s (all completion
-tokens / the level's wall time) and median per-request tok/s at each concurrency, speculative's ratio to k = 0 and to
-llama-server, acceptance; then the crossover: the concurrency levels where localspec's speculative aggregate falls
+k0 (`localspec serve`, plain batched decoding), spec (`localspec serve`, speculative) and llama-server (`-np N`) in
+three configurations: llama (the same draft model and draft length, its draft's argmax, sample-and-match), llamaprob
+(the same with a probabilistic draft verified by rejection sampling, T > 0) and llamaplain (no draft). Per pair and
+temperature, one table: aggregate tok/s (all completion tokens / the level's wall time) and median per-request tok/s
+at each concurrency, speculative's ratio to k = 0 and to llama-server's best configuration at that concurrency (which
+one it was), acceptance; then the crossover: the concurrency levels where localspec's speculative aggregate falls
 below its own k = 0 (issue #14's target: none), and where it falls below llama-server's. Then, per configuration
 that drafts (spec, llama), every request's own acceptance (its `timings`: draft_n_accepted / draft_n) against the
 pair's solo median (the median request at 1 client, same configuration and T): per level the lowest request, how
@@ -25,9 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ("k0", "spec", "llama")
-NAMES = {"k0": "localspec k=0", "spec": "localspec spec", "llama": "llama-server"}
-_RESULT = re.compile(r"^(?P<config>k0|spec|llama)-t(?P<temp>[\d.]+)\.json$")
+LLAMA_SERVER = ("llama", "llamaprob", "llamaplain")  # llama-server's configurations: the best one is compared with
+CONFIGS = ("k0", "spec", *LLAMA_SERVER)
+NAMES = {"k0": "localspec k=0", "spec": "localspec spec", "llama": "llama-server (greedy draft)",
+         "llamaprob": "llama-server (probabilistic draft)", "llamaplain": "llama-server (no draft)"}
+SHORT = {"llama": "greedy draft", "llamaprob": "probabilistic draft", "llamaplain": "no draft"}
+_RESULT = re.compile(r"^(?P<config>k0|spec|llamaprob|llamaplain|llama)-t(?P<temp>[\d.]+)\.json$")
 
 
 _SCALE = re.compile(r"^s(?P<scale>[\d.]+(e[-+]?\d+)?)$")
@@ -88,8 +93,10 @@ def compare(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "per_request_tps_min": lv["per_request_tps_min"], "ttft_s_median": lv["ttft_s_median"],
                 "acceptance": lv["acceptance"], "errors": lv["errors"], "requests": lv["requests"]}
         agg = {c: (row[c] or {}).get("aggregate_tps") for c in CONFIGS}
+        ran = [c for c in LLAMA_SERVER if agg[c] is not None]
+        row["llama_best"] = max(ran, key=lambda c: agg[c]) if ran else None  # llama-server at its best here
         row["spec_over_k0"] = _ratio(agg["spec"], agg["k0"])
-        row["spec_over_llama"] = _ratio(agg["spec"], agg["llama"])
+        row["spec_over_llama"] = _ratio(agg["spec"], agg[row["llama_best"]] if ran else None)
         rows.append(row)
     both = [r for r in rows if r["spec_over_k0"] is not None]
     below_k0 = [r["clients"] for r in both if r["spec_over_k0"] < 1]
@@ -99,7 +106,7 @@ def compare(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "compared_with_llama": [r["clients"] for r in vs_llama], "spec_below_llama": below_llama}
 
 
-DRAFTING = ("spec", "llama")
+DRAFTING = ("spec", "llama", "llamaprob")
 
 
 def request_acceptance(level: dict[str, Any]) -> list[float]:
@@ -183,16 +190,19 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table(cmp: dict[str, Any]) -> list[str]:
-    head = ("clients", "aggregate tok/s: k=0", "spec", "llama-server", "per-request tok/s: k=0", "spec",
-            "llama-server", "spec ÷ k=0", "spec ÷ llama-server", "acceptance: spec", "llama-server")
+    head = ("clients", "aggregate tok/s: k=0", "spec", "llama-server's best", "per-request tok/s: k=0", "spec",
+            "llama-server's best", "spec ÷ k=0", "spec ÷ llama-server's best", "acceptance: spec",
+            "llama-server's best", "llama-server's best configuration")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for r in cmp["rows"]:
+        shown = ("k0", "spec", r["llama_best"])
         cells = [str(r["clients"])]
-        cells += [_fmt((r[c] or {}).get("aggregate_tps"), ".1f") for c in CONFIGS]
-        cells += [_fmt((r[c] or {}).get("per_request_tps_median"), ".1f") for c in CONFIGS]
+        cells += [_fmt((r[c] or {}).get("aggregate_tps") if c else None, ".1f") for c in shown]
+        cells += [_fmt((r[c] or {}).get("per_request_tps_median") if c else None, ".1f") for c in shown]
         cells += [_fmt(r["spec_over_k0"], ".2f"), _fmt(r["spec_over_llama"], ".2f")]
-        cells += [_fmt((r[c] or {}).get("acceptance"), ".1%") for c in ("spec", "llama")]
+        cells += [_fmt((r[c] or {}).get("acceptance") if c else None, ".1%") for c in ("spec", r["llama_best"])]
+        cells += [SHORT.get(r["llama_best"] or "", "–")]
         lines.append("| " + " | ".join(cells) + " |")
         for c in CONFIGS:
             if r[c] and r[c]["errors"]:
@@ -234,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{crossover_text(cmp)}")
             if cmp["compared_with_llama"]:
                 below = cmp["spec_below_llama"]
-                print("localspec spec below llama-server at: " + (_list(below) if below else "none") + " clients")
+                print("localspec spec below llama-server's best at: " + (_list(below) if below else "none")
+                      + " clients")
         by_request = acceptance_by_request(data[scale])
         if by_request:
             print(f"\n## {what}: each request's acceptance against the solo median\n")

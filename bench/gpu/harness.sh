@@ -84,7 +84,8 @@ have_build() {
 # use_build. The scripts after run.sh on a warm machine find it there.
 ensure_build() {
     # (NEWEST=1: the yardstick's build too, when it is missing)
-    if ! have_build "${1:-}" || { [[ "${NEWEST:-0}" == 1 ]] && [[ ! -x "$BIN_NEWEST/llama-speculative-simple" ]]; }; then
+    if ! have_build "${1:-}" || { [[ "${NEWEST:-0}" == 1 ]] && { [[ ! -x "$BIN_NEWEST/llama-speculative-simple" ]] \
+            || [[ "${1:-}" == llama-server && ! -x "$BIN_NEWEST/llama-server" ]]; }; }; then
         # (NEWEST=0: the scripts that need a build need the pinned one; run.sh builds the yardstick)
         run prepare 330 env SCALES="" CARD_NOISES="" NEWEST="${NEWEST:-0}" OUT="$RES/prepare" WORK="$WORK" CARRY="$CARRY" \
             BUDGET_S="$(left)" bash "$HERE/run.sh" > "$RES/prepare.log" 2>&1
@@ -110,10 +111,14 @@ yardstick() {
                 || { log "LLAMA_YARDSTICK=newest: no llama-speculative-simple in $BIN_NEWEST"; return 1; }
             YARDSTICK=newest YARDSTICK_BIN="$WORK/yardstick-newest"
             mkdir -p "$YARDSTICK_BIN"
-            # shellcheck disable=SC2016  # the wrapper expands LD_LIBRARY_PATH when it runs
-            printf '#!/usr/bin/env bash\nexport LD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"\nexec "%s" "$@"\n' \
-                "$BIN_NEWEST" "$BIN_NEWEST/llama-speculative-simple" > "$YARDSTICK_BIN/llama-speculative-simple"
-            chmod +x "$YARDSTICK_BIN/llama-speculative-simple" ;;
+            local tool
+            for tool in llama-speculative-simple llama-server; do  # (llama-server: concurrency.sh's)
+                [[ -x "$BIN_NEWEST/$tool" ]] || continue
+                # shellcheck disable=SC2016  # the wrapper expands LD_LIBRARY_PATH when it runs
+                printf '#!/usr/bin/env bash\nexport LD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"\nexec "%s" "$@"\n' \
+                    "$BIN_NEWEST" "$BIN_NEWEST/$tool" > "$YARDSTICK_BIN/$tool"
+                chmod +x "$YARDSTICK_BIN/$tool"
+            done ;;
         *) log "LLAMA_YARDSTICK=$want: expected newest or pinned"; return 1 ;;
     esac
 }
