@@ -167,6 +167,8 @@ class DrafterFacts:
 # that disagree with what the module's factory builds.
 DRAFTER_TABLE: dict[str, DrafterFacts] = {
     "chain": DrafterFacts("localspec.drafters.chain", "lookup chained with the model"),
+    "chain-mtp": DrafterFacts("localspec.drafters.chain_mtp", "lookup or the MTP head", needs_draft_model=False,
+                              reads_target=True, target_head=True),
     "lookup": DrafterFacts("localspec.drafters.lookup", "prompt lookup", needs_draft_model=False),
     "model": DrafterFacts("localspec.drafters.model", "the draft model"),
     "mtp": DrafterFacts("localspec.drafters.mtp", "the MTP head", needs_draft_model=False, reads_target=True,

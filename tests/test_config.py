@@ -161,8 +161,8 @@ def test_without_a_draft_model_the_drafter_is_lookup_unless_given(tmp_path):
 def test_lookup_sizes_are_checked_together():
     with pytest.raises(ConfigError, match="draft.lookup_min = 9 is above draft.lookup_max = 8"):
         load_preset().with_overrides(lookup_min=9)
-    with pytest.raises(ConfigError,
-                       match="--drafter = 'medusa': choose one of chain, dflash, dspark, lookup, model, mtp, suffix"):
+    with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of chain, chain-mtp, dflash, dspark, "
+                                          "lookup, model, mtp, suffix"):
         load_preset().with_overrides(drafter="medusa", flags={"drafter": "--drafter"})
 
 
@@ -196,7 +196,8 @@ def test_each_drafter_declares_its_own_facts_and_config_reads_them_without_impor
     assert DRAFTER_TABLE["lookup"].title == "prompt lookup" and not DRAFTER_TABLE["lookup"].needs_draft_model
     assert DRAFTER_TABLE["mtp"].target_head and not DRAFTER_TABLE["mtp"].needs_draft_model
     assert DRAFTER_TABLE["model"].needs_draft_model and DRAFTER_TABLE["chain"].needs_draft_model
-    assert set(MODEL_FREE_DRAFTERS) == {"lookup", "mtp", "suffix"}
+    assert set(MODEL_FREE_DRAFTERS) == {"chain-mtp", "lookup", "mtp", "suffix"}
+    assert DRAFTER_TABLE["chain-mtp"].target_head and DRAFTER_TABLE["chain-mtp"].reads_target
     # Presets and header checks must not load llama.cpp: reading the facts imports no drafter module.
     code = "import sys, localspec.config; print(sorted(m for m in sys.modules if m.startswith('localspec.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

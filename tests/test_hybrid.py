@@ -440,7 +440,8 @@ def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) 
             plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 48)).tokens
             for d in (drafting(1, "mtp"), drafting(3, "mtp"), drafting(6, "mtp"), drafting(6, "mtp", adaptive=True),
                       drafting(2), drafting(6), drafting(6, "lookup"), drafting(6, "chain"),
-                      drafting(6, "mtp", p_min=0.5)):
+                      drafting(6, "mtp", p_min=0.5), drafting(6, "chain-mtp"),
+                      dataclasses.replace(drafting(4, "chain-mtp"), chain_lead="suffix")):
                 done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 48))
                 assert done.tokens == plain, (d.drafter, d.n_draft)
                 if d.drafter == "mtp":
@@ -531,16 +532,20 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lengths", [(6, 3, 0, 5), (0, 3, 0, 5)], ids=["drafting", "two-plain"])
-def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair, lengths) -> None:
+@pytest.mark.parametrize(("lengths", "drafters"), [((6, 3, 0, 5), ("model", "mtp", "model", "mtp")),
+                                                   ((0, 3, 0, 5), ("model", "mtp", "model", "mtp")),
+                                                   ((6, 3, 4, 5), ("chain-mtp", "mtp", "chain-mtp", "model"))],
+                         ids=["drafting", "two-plain", "chain-mtp"])
+def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair, lengths, drafters) -> None:
     """"two-plain": slots 2 and 3 verify one token each, so they would share a ubatch while slot 0's verify rolls
-    back: llama.cpp's cell re-ordering lost slot 0's snapshots there (the canary below)."""
+    back: llama.cpp's cell re-ordering lost slot 0's snapshots there (the canary below). "chain-mtp": the
+    lookup-or-MTP chain beside the head alone and the draft model, on prompts that repeat (lookup matches)."""
     from localspec.sessions.session import ModelFiles, open_session
     from tests.helpers_rounds import run_together
 
-    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
-            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), lengths, ("model", "mtp", "model", "mtp"),
-                                              strict=True))]
+    repeat = 2 if "chain-mtp" in drafters else 1
+    reqs = [dict(prompt=p * repeat, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
+            for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), lengths, drafters, strict=True))]
     files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
     preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, threads=1)
     with open_session(files, preset) as alone:
@@ -584,6 +589,76 @@ def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None
     assert chi_square(counts, joint) < 37.7  # 15 degrees of freedom at p = 0.001
 
 
+@pytest.mark.slow
+def test_lookup_or_the_mtp_head_keeps_the_target_distribution(hybrid_session) -> None:
+    """The lookup-or-MTP chain at T > 0: a prompt whose end repeats its start, one draft a round, three tokens: the
+    first round is lookup's point mass; where it is rejected the context no longer repeats and the next round is the
+    head's draw. The joint distribution of the three emitted tokens is the target's own (chi-square at p = 0.001),
+    and both sources drafted."""
+    s = hybrid_session
+    base = prompts(1, seed=29, length=6)[0]
+    prompt = base + base[:3]
+    sampling = sampled(0, temperature=1.5, top_k=3)
+    s.engine.reset()
+
+    def next_probs(context: list[int]) -> dict[int, float]:
+        from localspec.rounds.sampling import candidates
+
+        s.target.clear(0)
+        s.target.use_device_sampler(None)  # the reference p comes from full logits
+        p = candidates(s.target.decode(context, 0).logits, sampling)
+        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+
+    joint = joint_probs(next_probs, prompt, 3)
+    s.engine.reset()
+    counts: Counter = Counter()
+    seen: Counter = Counter()
+    d = drafting(1, "chain-mtp")
+    for seed in range(1600):
+        for slot in s.engine.slots:  # a fresh cost model each time
+            slot.policies.clear()
+        done = collect(s.engine.generate(prompt, dataclasses.replace(sampling, seed=seed), d, 3))
+        counts[tuple(done.tokens)] += 1
+        policy = next(p for slot in s.engine.slots for (kept, _), p in slot.policies.items() if kept == d)
+        seen.update(policy.cost.seen)
+    assert seen["lookup"] > 0 and seen["mtp"] > 0, seen
+    assert len(joint) == 27 and chi_square(counts, joint) < 54.05  # 26 degrees of freedom at p = 0.001
+
+
+@pytest.mark.slow
+def test_lookup_or_the_mtp_head_takes_the_match_where_it_pays_and_the_head_between(hybrid_session) -> None:
+    """Greedy, a prompt that repeats a phrase: the rounds that quote it are lookup's, the rest the head's (the cost
+    model counts both sources), no round carries both (the head cannot draft after unverified tokens), the head
+    drafts at most `mtp_n_draft` while lookup proposes up to `n_draft`, and the text is plain decoding's."""
+    s = hybrid_session
+    s.engine.reset()
+    base = prompts(1, seed=41, length=10)[0]
+    prompt = base + base + base[:4]
+    plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0), 40)).tokens
+    d = dataclasses.replace(drafting(6, "chain-mtp"), mtp_n_draft=2)
+    rounds: list = []
+    drafter = s.engine.drafters["chain-mtp"]
+    real_draft = drafter.draft
+
+    def recording(jobs):
+        out = real_draft(jobs)
+        rounds.extend(out)
+        return out
+
+    drafter.draft = recording
+    try:
+        done = collect(s.engine.generate(prompt, GREEDY.sampling, d, 40))
+    finally:
+        del drafter.draft
+    assert done.tokens == plain
+    policy = next(p for slot in s.engine.slots for (kept, _), p in slot.policies.items() if kept == d)
+    assert policy.cost.seen["lookup"] > 0 and policy.cost.seen["mtp"] > 0, policy.cost.seen
+    assert any(r.lead for r in rounds) and any(r.tokens and not r.lead for r in rounds)
+    assert all(r.lead in (0, len(r.tokens)) for r in rounds)
+    # The lead may propose the round's whole length, the head at most its own cap (mtp_n_draft).
+    assert max(r.lead for r in rounds) > 2 and max(len(r.tokens) for r in rounds if not r.lead) <= 2
+
+
 def test_mtp_without_mtp_layers_is_refused_as_every_drafter_the_models_cannot_run() -> None:
     """Engine.check_drafter, the one refusal of a drafter the models cannot run: it says why (the target's missing
     MTP layers) and names those they can run, before anything is decoded."""
@@ -604,12 +679,13 @@ def test_mtp_on_a_model_without_mtp_layers_is_one_line_and_exit_2(tiny_pair) -> 
     """Through the engine's check, before any prompt is decoded: one line, exit 2."""
     from tests.test_bench_cli import localspec
 
-    r = localspec("bench", "--target", str(tiny_pair[0]), "--drafter", "mtp", "--threads", "1")
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [
-        f"localspec: error: drafter 'mtp' cannot run with these models ({tiny_pair[0].name} has no MTP layers: its "
-        "GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup, suffix (or "
-        "draft length 0: plain decoding)"]
+    for drafter in ("mtp", "chain-mtp"):  # (the lookup-or-MTP chain needs the head too)
+        r = localspec("bench", "--target", str(tiny_pair[0]), "--drafter", drafter, "--threads", "1")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"localspec: error: drafter '{drafter}' cannot run with these models ({tiny_pair[0].name} has no MTP "
+            "layers: its GGUF has no nextn_predict_layers; an MTP GGUF of the model has them); they can run: lookup, "
+            "suffix (or draft length 0: plain decoding)"]
 
 
 @pytest.mark.slow
@@ -700,6 +776,9 @@ def test_speculative_type_mtp_selects_the_mtp_drafter() -> None:
     for kind in ("mtp", "draft-mtp"):
         req = parse(ChatRequest, {**body, "speculative": {"type": kind, "n_max": 3}})
         assert req.preset_overrides()["drafter"] == "mtp"
+    for kind in ("chain-mtp", "ngram-simple,draft-mtp"):
+        req = parse(ChatRequest, {**body, "speculative": {"type": kind, "n_max": 3}})
+        assert req.preset_overrides()["drafter"] == "chain-mtp"
 
 
 @pytest.mark.slow
