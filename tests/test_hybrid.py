@@ -557,6 +557,20 @@ def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair, lengths, d
         assert run_together(s.engine, reqs, [0, 0, 1, 3], slots=[2, 0, 3, 1]) == expected
 
 
+def target_next_probs(s, sampling):
+    """The target's own next-token distribution under `sampling` after a context, from full logits: the reference
+    the chi-square tests compare the speculative stream with."""
+    def next_probs(context: list[int]) -> dict[int, float]:
+        from localspec.rounds.sampling import candidates
+
+        s.target.clear(0)
+        s.target.use_device_sampler(None)  # the reference p comes from full logits
+        p = candidates(s.target.decode(context, 0).logits, sampling)
+        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+
+    return next_probs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["model", "mtp"])
 def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None:
@@ -566,16 +580,7 @@ def test_sampling_keeps_the_target_distribution(hybrid_session, drafter) -> None
     prompt = prompts(1, seed=23, length=6)[0]
     sampling = sampled(0, temperature=1.5, top_k=4)
     s.engine.reset()
-
-    def next_probs(context: list[int]) -> dict[int, float]:
-        from localspec.rounds.sampling import candidates
-
-        s.target.clear(0)
-        s.target.use_device_sampler(None)  # the reference p comes from full logits
-        p = candidates(s.target.decode(context, 0).logits, sampling)
-        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
-
-    joint = joint_probs(next_probs, prompt, 2)
+    joint = joint_probs(target_next_probs(s, sampling), prompt, 2)
     s.engine.reset()
     counts: Counter = Counter()
     drafted = accepted = 0
@@ -600,16 +605,7 @@ def test_lookup_or_the_mtp_head_keeps_the_target_distribution(hybrid_session) ->
     prompt = base + base[:3]
     sampling = sampled(0, temperature=1.5, top_k=3)
     s.engine.reset()
-
-    def next_probs(context: list[int]) -> dict[int, float]:
-        from localspec.rounds.sampling import candidates
-
-        s.target.clear(0)
-        s.target.use_device_sampler(None)  # the reference p comes from full logits
-        p = candidates(s.target.decode(context, 0).logits, sampling)
-        return dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
-
-    joint = joint_probs(next_probs, prompt, 3)
+    joint = joint_probs(target_next_probs(s, sampling), prompt, 3)
     s.engine.reset()
     counts: Counter = Counter()
     seen: Counter = Counter()
