@@ -124,7 +124,7 @@ def test_a_slower_verdict_on_a_cpu_says_why_what_a_gpu_does_and_what_to_run_next
     text = " ".join(_text(summary(_report(0.42))).split())
     assert "SLOWER than plain decoding on this pair and machine (0.42x)" in text
     assert "expected on a CPU" in text and "verifying 7 tokens in one batch" in text
-    assert "on an H200, synthetic models with the recommended pair's shapes" in text
+    assert "on an H100, synthetic models with the recommended pair's shapes" in text
     assert "real models on an RTX 3090/4090 are not measured yet" in text  # what was not measured is labelled so
     assert "next: with an NVIDIA GPU" in text and "localspec bench --pair qwen3-32b" in text
     faster = " ".join(_text(summary(_report(1.6))).split())

@@ -50,7 +50,7 @@ def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
     assert set(drafters.REGISTRY) == set(DRAFTERS)
     target, draft = pair()
     # (a fake has no MTP layers, and its draft is no block drafter)
-    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp", "dflash", "dspark"}
+    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp", "chain-mtp", "dflash", "dspark"}
     assert set(drafters.build(target, None)) == {"lookup", "suffix"}  # the chain would be lookup alone: not offered
 
 

@@ -52,7 +52,7 @@ def test_the_available_drafters_are_the_registrys() -> None:
     block = {"dflash", "dspark"}  # (they need a block drafter's GGUF as the draft)
     assert list(drafters.build(target, draft)) == [name for name in drafters.REGISTRY if name not in block]
     # the chain without its model: lookup alone
-    assert list(drafters.build(target, None)) == ["lookup", "suffix", "mtp"]
+    assert list(drafters.build(target, None)) == ["lookup", "suffix", "mtp", "chain-mtp"]
 
 
 def _main(*args: str) -> subprocess.CompletedProcess[str]:

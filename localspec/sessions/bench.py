@@ -382,8 +382,8 @@ class BenchReport:
                 f"{self.n_draft + 1} tokens in one batch costs several single-token steps, so a model draft "
                 "rarely pays here.",
                 "on a GPU a 32B int4 target is read once per verify batch, which is where a draft model pays: "
-                "on an H200, synthetic models with the recommended pair's shapes and quant types (random weights, "
-                "acceptance set to 70-85%) decoded 1.7-2.3x plain (docs/performance.md); real models on an "
+                "on an H100, synthetic models with the recommended pair's shapes and quant types (random weights, "
+                "~85% of drafts accepted) decoded 2.2-2.4x plain (docs/performance.md); real models on an "
                 "RTX 3090/4090 are not measured yet.",
                 f"next: with an NVIDIA GPU, the README's GPU quick start ({GPU_NEXT})" + (
                     "" if aside else f"; on this CPU, {SWEEP_NEXT} tries shorter drafts"),
