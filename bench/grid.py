@@ -47,11 +47,13 @@ COLUMNS = ("drafter", "class", "max_tokens", "clients", "plain_tps", "default_tp
            "best_fixed_tps", "default_over_best_fixed", "stood_aside", "aside", "report")
 
 
-def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path) -> dict[str, object]:
-    """One cell: a sweep of the fixed lengths with the default's row, read back from its JSON report."""
+def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path,
+         time: int = 1) -> dict[str, object]:
+    """One cell: a sweep of the fixed lengths with the default's row, read back from its JSON report; `time`: the
+    how-manyth run of the same cell (a drafter named again in --drafters), whose report gets a name of its own."""
     prompts = folder / f"{name}.jsonl"
     prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
-    report = args.reports / f"{drafter}-{name}-{max_tokens}.json"
+    report = args.reports / f"{drafter}-{name}-{max_tokens}{'' if time == 1 else f'-{time}'}.json"
     models = ["--target", str(args.target), *(["--draft", str(args.draft)] if args.draft else [])] if args.target \
         else ["--pair", args.pair]
     cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", *models,
@@ -125,10 +127,12 @@ def main() -> None:
              + (" (--reuse: the reports the same command without --reuse measured)" if args.reuse else "")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for drafter in args.drafters.split(","):
+        named: dict[str, int] = {}
+        for drafter in args.drafters.split(","):  # (a drafter named again runs its cells again: interleaved repeats)
+            named[drafter] = named.get(drafter, 0) + 1
             for name in classes:
                 for length in (int(x) for x in args.lengths.split(",")):
-                    row = cell(args, drafter, name, length, Path(tmp))
+                    row = cell(args, drafter, name, length, Path(tmp), named[drafter])
                     print(" ".join(f"{k}={row[k]}" for k in COLUMNS[:11]), flush=True)
                     rows.append(row)
     # The machine as the reports saw it: a GPU's name where the bench ran on one (this process never loads a model).

@@ -36,17 +36,24 @@ def test_one_cell_with_a_preset_is_its_reports_row(use_demo_home, tmp_path) -> N
 @pytest.mark.slow
 def test_files_in_place_of_a_pair_and_settings_for_every_cell(use_demo_home, tmp_path) -> None:
     """A GPU machine has files, not pairs: --target/--draft reach the bench, and each --bench-arg reaches every cell
-    (here the temperature: the cell's report says 0, where the pair's preset says 0.7)."""
+    (here the temperature: the cell's report says 0, where the pair's preset says 0.7). A drafter named twice
+    repeats its cells (interleaved repeats), each report kept."""
     from localspec.models import demo
 
     out = tmp_path / "grid.csv"
     run = subprocess.run([sys.executable, str(GRID), "--target", str(demo.target_path()), "--draft",
-                          str(demo.draft_path()), "--out", str(out), "--drafters", "model", "--classes", "qa",
+                          str(demo.draft_path()), "--out", str(out), "--drafters", "model,model", "--classes", "qa",
                           "--lengths", "8", "--sweep", "2", "--repeat", "1", "--warmup", "0", "--threads", "1",
                           "--bench-arg=--temp", "--bench-arg=0"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = out.read_text().splitlines()
-    (row,) = csv.DictReader(line for line in lines if not line.startswith("#"))
+    first, row = csv.DictReader(line for line in lines if not line.startswith("#"))
+    # A drafter named twice runs its cells twice, each with a report of its own that its row was read from.
+    assert (first["report"], row["report"]) == ("grid/model-qa-8.json", "grid/model-qa-8-2.json")
+    for each in (first, row):
+        default = next(r for r in json.loads((tmp_path / each["report"]).read_text())["rows"]
+                       if r["policy"] == "default")
+        assert float(each["default_tps"]) == round(default["median_tps"], 2)
     report = json.loads((tmp_path / row["report"]).read_text())
     assert report["preset"]["sampling"]["temperature"] == 0
     home = str(use_demo_home)
