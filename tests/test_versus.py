@@ -306,16 +306,19 @@ def test_every_configuration_is_a_length_a_draft_sampling_and_a_sampling_mode(tm
 
 def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_comparison(tmp_path: Path,
                                                                                         monkeypatch) -> None:
-    """12 configurations at T = 0.7: a first pass of one repetition each picks the two fastest (k = 3, then k = 4,
+    """12 configurations at T = 0.7: a probe (one prompt, k = 2 with a greedy and a probabilistic draft: they differ,
+    so the search keeps both), then a first pass of one repetition each picks the two fastest (k = 3, then k = 4,
     both probabilistic drafts with backend sampling); in the full repeats the first pass's winner turns out slower
     (the stand-in slows k = 3 down from then on), so the other finalist's median is the comparison."""
     factors = {"k=2": 2.0, "k=3": 1.0, "k=4": 1.2, "probabilistic": 0.7, "backend": 0.8}
     tool = _newer(monkeypatch, tmp_path, STANDIN_SECONDS="0.25", STANDIN_FACTORS=json.dumps(factors),
-                  STANDIN_AFTER=str(12 * 2), STANDIN_LATER_FACTORS=json.dumps({"k=3": 1.5}),
+                  STANDIN_AFTER=str(2 + 12 * 2), STANDIN_LATER_FACTORS=json.dumps({"k=3": 1.5}),
                   STANDIN_PROBABILISTIC_ACCEPT="50")
     done, comparison = _run(_searched(tool, 0.7), _report())
-    first, full = done[:24], done[24:]
-    assert {e.total for e in done} == {24 + 2 * 3 * 2} and [e.done for e in done] == list(range(1, 37))
+    probe, first, full = done[:2], done[2:26], done[26:]
+    assert {e.total for e in done} == {2 + 24 + 2 * 3 * 2} and [e.done for e in done] == list(range(1, 39))
+    assert [(e.result.repetition, e.result.config) for e in probe] == [
+        (-1, versus.Config(2, "greedy", "host")), (-1, versus.Config(2, "probabilistic", "host"))]
     assert {e.result.repetition for e in first} == {0} and len({e.result.config for e in first}) == 12
 
     def rate(*names: str) -> float:  # a configuration's tok/s: 17 tokens a prompt in 0.25 s times its factors
@@ -341,15 +344,16 @@ def test_the_first_pass_picks_two_finalists_and_the_better_full_median_is_the_co
     assert data["search"]["lengths"] == [2, 3, 4] and data["search"]["draft_sampling"] == ["greedy", "probabilistic"]
     assert data["search"]["probabilistic_draft"] is True and data["search"]["probabilistic_changed"] is True
     assert data["search"]["finalists"] == ["k=3 probabilistic-draft backend", "k=4 probabilistic-draft backend"]
-    assert len(data["search"]["first_pass"]) == 12 and len(data["first_pass_runs"]) == 24 and len(data["runs"]) == 12
+    assert len(data["search"]["first_pass"]) == 12 and len(data["runs"]) == 12
+    assert len(data["first_pass_runs"]) == 2 + 24  # (the probe's runs, repetition -1, and the first pass's)
     assert data["best"]["n_draft"] == 4 and data["best"]["draft_sampling"] == "probabilistic"
     assert data["best_mode"] == "backend" and data["ratio"] == pytest.approx(comparison.ratio)
     assert data["runs"][0]["n_draft"] in (3, 4) and data["runs"][0]["draft_sampling"] == "probabilistic"
     assert data["build"] == 4242 and data["commit"] == "standin"
-    # what it ran: the first pass's 24, then the finalists' repeats, alternating
+    # what it ran: the probe's 2, the first pass's 24, then the finalists' repeats, alternating
     ran = commands(tmp_path / "ran.jsonl")
-    assert len(ran) == 36
-    repeats = [(_option(c, "--spec-draft-n-max"), _option(c, "--spec-draft-sampling")) for c in ran[24:]]
+    assert len(ran) == 38
+    repeats = [(_option(c, "--spec-draft-n-max"), _option(c, "--spec-draft-sampling")) for c in ran[26:]]
     assert repeats[:4] == [("3", "probabilistic")] * 2 + [("4", "probabilistic")] * 2  # (two prompts)
     assert repeats[4:8] == [("4", "probabilistic")] * 2 + [("3", "probabilistic")] * 2
 
@@ -360,16 +364,24 @@ def test_a_probabilistic_draft_that_changes_nothing_is_reported_as_sample_and_ma
     sample-and-match (its rejection sampling is llama-server's): the same runs both ways. The report must not pass
     such a comparison off as one with llama.cpp's rejection sampling."""
     tool = _newer(monkeypatch, tmp_path)  # the stand-in's probabilistic runs accept what its greedy ones do
-    _, comparison = _run(_searched(tool, 0.7, lengths=(3,)), _report())
+    done, comparison = _run(_searched(tool, 0.7, lengths=(3, 4)), _report())
     assert comparison.probabilistic_changed is False
     (warning,) = comparison.warnings
     assert warning.startswith("--spec-draft-sampling probabilistic changed nothing in this llama-speculative-simple")
-    assert warning.endswith("this comparison at T = 0.7 is with sample-and-match")
+    assert warning.endswith("this comparison at T = 0.7 is with sample-and-match; the search then ran greedy drafts "
+                            "only")
+    # The probe's two runs showed it, so the search left the probabilistic configurations out: 4 of 8 configurations
+    # once over the 2 prompts, then 2 finalists x 3 repetitions x 2 prompts.
+    ran = commands(tmp_path / "ran.jsonl")
+    assert [_option(c, "--spec-draft-sampling") for c in ran[:2]] == ["greedy", "probabilistic"]
+    assert len(ran) == 2 + 4 * 2 + 2 * 3 * 2 and all(_option(c, "--spec-draft-sampling") == "greedy" for c in ran[2:])
+    assert {e.total for e in done[2:]} == {2 + 4 * 2 + 2 * 3 * 2}
     assert comparison.as_json()["search"]["probabilistic_changed"] is False
     # One configuration's probabilistic runs differing is enough to call it changed; at T = 0 nothing is compared.
     monkeypatch.setenv("STANDIN_PROBABILISTIC_ACCEPT", "52")
     _, changed = _run(_searched(tool, 0.7, lengths=(3,)), _report())
     assert changed.probabilistic_changed is True and changed.warnings == []
+    assert {m.config.draft_sampling for m in changed.first_pass} == {"greedy", "probabilistic"}  # all searched
     _, greedy = _run(_searched(tool, 0.0, lengths=(3,)), _report())
     assert greedy.probabilistic_changed is None
 

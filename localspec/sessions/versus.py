@@ -448,7 +448,8 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
                 timeout_s: float | None = None) -> Iterator[RunDone[LlamaRun] | Comparison]:
     """Every configuration once over the prompts (the first pass), then the bench's `repeat` repetitions of the
     FINALISTS fastest, alternating; then the comparison. With FINALISTS configurations or fewer there is no first
-    pass: all of them run the full repeats.
+    pass: all of them run the full repeats. At T > 0 a probe comes first: one prompt with a greedy and a
+    probabilistic draft; where the two ran alike, the probabilistic configurations are left out of the search.
 
     Run after localspec's session has closed: on a 24 GB card the two loops' models do not fit together."""
     if timeout_s is None:  # a generous multiple of what localspec's plain decoding took, plus loading
@@ -456,14 +457,29 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
         timeout_s = 120.0 + 20.0 * plan.preset.bench.max_tokens / slowest
     repeat = repeat or plan.preset.bench.repeat
     configs, prompts = plan.configs, len(plan.prompts)
-    searched = len(configs) > FINALISTS
-    total = (len(configs) * prompts if searched else 0) + min(FINALISTS, len(configs)) * repeat * prompts
     first_runs: list[LlamaRun] = []
     runs: list[LlamaRun] = []
     with _prompt_files(plan) as files:
+        probe = _sampling_probe(configs)
+        full = (len(configs) * prompts if len(configs) > FINALISTS else 0) + min(FINALISTS, len(configs)) * repeat \
+            * prompts
+        if probe:
+            # Does the tool's probabilistic draft change anything? One prompt, both draft samplings, one
+            # configuration (repetition -1: no part of the first pass's medians). Where it ran alike, the
+            # probabilistic configurations would repeat the greedy ones' runs: they leave the search, and the
+            # comparison says why (`probabilistic_changed`).
+            for i, config in enumerate(probe):
+                first_runs.append(_one_run(plan.command(files[plan.prompts[0].name], config), plan.prompts[0],
+                                           config, -1, timeout_s))
+                yield RunDone(first_runs[-1], i + 1, len(probe) + full)
+            if probabilistic_changed(first_runs) is False:
+                configs = tuple(c for c in configs if c.draft_sampling != PROBABILISTIC_DRAFT)
+        searched = len(configs) > FINALISTS
+        total = len(first_runs) + (len(configs) * prompts if searched else 0) \
+            + min(FINALISTS, len(configs)) * repeat * prompts
         finalists = configs
         if searched:
-            for done in _runs(plan, files, configs, 1, timeout_s, 0, total):
+            for done in _runs(plan, files, configs, 1, timeout_s, len(first_runs), total):
                 first_runs.append(done.result)
                 yield done
             ranked = sorted((r for c in configs if (r := ConfigResult.of(c, first_runs, prompts)) is not None),
@@ -473,6 +489,18 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
             runs.append(done.result)
             yield done
     yield compare(plan, report, runs, first_runs)
+
+
+def _sampling_probe(configs: tuple[Config, ...]) -> tuple[Config, ...]:
+    """The pair of configurations that tells whether the tool's probabilistic draft changes anything: the first
+    configuration with a greedy draft and its probabilistic twin; () where the search has no such pair (T = 0, a
+    tool without the option)."""
+    for config in configs:
+        if config.draft_sampling == GREEDY_DRAFT:
+            twin = dataclasses.replace(config, draft_sampling=PROBABILISTIC_DRAFT)
+            if twin in configs:
+                return config, twin
+    return ()
 
 
 def run_prompts(plan: Plan, repeat: int, timeout_s: float) -> Iterator[RunDone[LlamaRun]]:
@@ -546,10 +574,13 @@ def compare(plan: Plan, report: BenchReport, runs: list[LlamaRun],
                         "no probabilistic draft was compared")
     changed = probabilistic_changed(first_runs + runs) if temperature > 0 else None
     if changed is False:
+        probed = not any(r.config.draft_sampling == PROBABILISTIC_DRAFT and r.repetition >= 0
+                         for r in first_runs + runs)
         warnings.append(f"{DRAFT_SAMPLING_FLAG} {PROBABILISTIC_DRAFT} changed nothing in this {TOOL}: each of its "
                         f"runs drafted, accepted and wrote what the same configuration's greedy draft did, so it "
                         f"matched the target's samples either way (llama.cpp b11549 gives its rejection sampling to "
-                        f"llama-server only): this comparison at T = {temperature:g} is with sample-and-match")
+                        f"llama-server only): this comparison at T = {temperature:g} is with sample-and-match"
+                        + ("; the search then ran greedy drafts only" if probed else ""))
     greedy = []
     if temperature == 0:
         plain = {c.name: c for c in report.greedy_check.prompts}
