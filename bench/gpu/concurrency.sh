@@ -38,6 +38,7 @@
 #   LOCALSPEC_CTX [CTX]       `localspec serve --ctx`: per slot, as --parallel's help says
 #   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)
 #   CLIENT_S [90]             seconds one client run (every level at one T) is given room for in the budget
+#   NEWEST [1]                build the newest llama.cpp (the yardstick) too: its llama-server is the one compared
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
 set -uo pipefail
 # shellcheck source=bench/gpu/harness.sh
@@ -69,6 +70,7 @@ trap 'log "terminated"; exit 143' TERM INT
 snapshot_env "$RES/env.txt"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
+export NEWEST="${NEWEST:-1}"  # the yardstick's build too (its llama-server has the probabilistic draft)
 ensure_build llama-server || { finish; exit 1; }
 # llama-server: the yardstick's (newest) where it is built, else the pinned build's; never one silently for the other.
 LLAMA_SERVER="$BIN/llama-server"
