@@ -24,6 +24,7 @@ import numpy as np
 
 from localspec.config import Drafting
 from localspec.drafters.base import (
+    NO_PROPOSAL,
     NOTHING_SPENT,
     Drafter,
     DrafterBase,
@@ -77,7 +78,7 @@ class ChainMtpDrafter(DrafterBase):
         self.mtp.pricing(cost, drafting)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
-        out: list[Proposal | None] = []
+        out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
         heads: list[tuple[int, DraftRequest, int]] = []
         for i, (req, k) in enumerate(jobs):
             found = self.lead(req.drafting).propose(req, k)
@@ -86,16 +87,15 @@ class ChainMtpDrafter(DrafterBase):
             head_k = min(k, req.drafting.mtp_n_draft)
             if found.tokens and (length is None or lead_pays(length, len(found.tokens), head_k)):
                 self.spend(req, NOTHING_SPENT)  # (the lead's tokens cost no draft step)
-                out.append(found)
+                out[i] = found
             else:
-                out.append(None)
                 heads.append((i, req, head_k))
         if heads:
             drafted = self.mtp.draft([(req, k) for _, req, k in heads])
             for (i, req, _), proposal in zip(heads, drafted, strict=True):
                 self.spend(req, self.mtp.spent(req))
                 out[i] = Proposal(proposal.tokens, proposal.q)
-        return [p for p in out if p is not None]
+        return out
 
     def rewind(self, req: DraftRequest, proposal: Proposal, accepted: int) -> None:
         self.lead(req.drafting).rewind(req, proposal, accepted)

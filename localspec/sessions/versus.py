@@ -460,9 +460,11 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
     first_runs: list[LlamaRun] = []
     runs: list[LlamaRun] = []
     with _prompt_files(plan) as files:
+        def planned(searched: tuple[Config, ...]) -> int:  # the first pass's runs (if any) and the finalists'
+            first = len(searched) * prompts if len(searched) > FINALISTS else 0
+            return first + min(FINALISTS, len(searched)) * repeat * prompts
+
         probe = _sampling_probe(configs)
-        full = (len(configs) * prompts if len(configs) > FINALISTS else 0) + min(FINALISTS, len(configs)) * repeat \
-            * prompts
         if probe:
             # Does the tool's probabilistic draft change anything? One prompt, both draft samplings, one
             # configuration (repetition -1: no part of the first pass's medians). Where it ran alike, the
@@ -471,14 +473,12 @@ def run_against(plan: Plan, report: BenchReport, repeat: int | None = None,
             for i, config in enumerate(probe):
                 first_runs.append(_one_run(plan.command(files[plan.prompts[0].name], config), plan.prompts[0],
                                            config, -1, timeout_s))
-                yield RunDone(first_runs[-1], i + 1, len(probe) + full)
+                yield RunDone(first_runs[-1], i + 1, len(probe) + planned(configs))
             if probabilistic_changed(first_runs) is False:
                 configs = tuple(c for c in configs if c.draft_sampling != PROBABILISTIC_DRAFT)
-        searched = len(configs) > FINALISTS
-        total = len(first_runs) + (len(configs) * prompts if searched else 0) \
-            + min(FINALISTS, len(configs)) * repeat * prompts
+        total = len(first_runs) + planned(configs)
         finalists = configs
-        if searched:
+        if len(configs) > FINALISTS:
             for done in _runs(plan, files, configs, 1, timeout_s, len(first_runs), total):
                 first_runs.append(done.result)
                 yield done
