@@ -3,6 +3,7 @@ pair, and its one-line failures."""
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 import sys
@@ -198,3 +199,45 @@ def test_summary_puts_each_requests_acceptance_against_the_solo_median(tmp_path,
     found = json.loads(out.read_text())["8e-5"]["0.7"]["acceptance_by_request"]["spec"]
     assert [r["below_by_more_than_spread"] for r in found["levels"]] == [0, 1]
     assert found["levels"][1]["each"] == [0.85, 0.3, 0.81, 0.9]
+
+
+def test_summary_writes_the_raw_csv_from_the_client_reports(tmp_path, capsys):
+    """--csv: bench/results/README.md's format, written by the script (a `# written-by:` line), one row per
+    configuration and concurrency, the spec rows' ratios against k = 0 and llama-server's best, the machine from
+    env.txt, llama-server's build from versions.txt, whether localspec's target slots shared batches."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu"))
+    import concurrency_summary
+
+    results = tmp_path / "2026-12-06-h100-card-concurrency"
+    folder = results / "card-n0.013"
+    folder.mkdir(parents=True)
+    for name, agg in {"k0-t0.7": {1: 70.0, 16: 60.0}, "spec-t0.7": {1: 150.0, 16: 140.0},
+                      "llamaprob-t0.7": {1: 100.0, 16: 90.0}, "llamaplain-t0.7": {1: 65.0, 16: 400.0}}.items():
+        (folder / f"{name}.json").write_text(json.dumps(_report(agg)))
+    (folder / "spec.health.json").write_text(json.dumps({"slot_batches": {"target": {"shared": False}}}))
+    out = tmp_path / "x.csv"
+    args = [str(results), "--csv", str(out), "--what", "w", "--code", "main abc"]
+    assert concurrency_summary.main(args) == 1  # --command missing
+    assert "--csv needs --command" in capsys.readouterr().err
+    args += ["--command", "bash bench/gpu/concurrency.sh"]
+    with pytest.raises(SystemExit, match="env.txt"):  # no machine recorded: no file
+        concurrency_summary.main(args)
+    assert not out.exists()
+    (results / "env.txt").write_text("2026-12-06T10:37:13Z\nLinux vm\n16\nindex, name, memory.total [MiB]\n"
+                                     "0, NVIDIA H100 80GB HBM3, 81559 MiB, 0 MiB, 580.159.04, 1980 MHz\n")
+    (results / "versions.txt").write_text("llama-server: /w/llama-server (newest)\nversion: 0.6.0-dev (build 11549)\n")
+    assert concurrency_summary.main(args) == 0
+    head = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    assert "# date: 2026-12-06" in head and "# machine: NVIDIA H100 80GB HBM3 (81559 MiB), 16 CPU cores" in head
+    assert head[-1].startswith("# written-by: bench/gpu/concurrency_summary.py ")
+    assert "build 11549" in next(h for h in head if h.startswith("# code: main abc"))
+    with out.open() as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert [(r["config"], r["clients"]) for r in rows] == [
+        ("k0", "1"), ("k0", "16"), ("spec", "1"), ("spec", "16"), ("llamaprob", "1"), ("llamaprob", "16"),
+        ("llamaplain", "1"), ("llamaplain", "16")]
+    spec16 = rows[3]
+    assert spec16["llama_best_config"] == "llamaplain" and spec16["spec_over_llama_best"] == "0.35"
+    assert spec16["spec_over_k0"] == "2.33" and spec16["target_slots_shared"] == "False"
+    assert rows[0]["target_slots_shared"] == "" and rows[4]["spec_over_llama_best"] == ""
+    assert spec16["report"] == "2026-12-06-h100-card-concurrency/card-n0.013/spec-t0.7.json"

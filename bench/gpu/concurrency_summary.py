@@ -1,6 +1,7 @@
 """Summarise bench/gpu/concurrency.sh's results (issue #14): Markdown tables (stdout) and JSON (--json).
 
     python3 bench/gpu/concurrency_summary.py RESULTS_DIR [--json summary.json]
+        [--csv FILE.csv --what TEXT --code COMMIT --command TEXT]
 
 RESULTS_DIR holds <pair>/<config>-t<temp>.json (card-n<noise>, or s<scale> for the old stand-in), each written by
 bench/concurrency.py against one server:
@@ -15,13 +16,20 @@ that drafts (spec, llama), every request's own acceptance (its `timings`: draft_
 pair's solo median (the median request at 1 client, same configuration and T): per level the lowest request, how
 far it falls below, and how many fall below by more than the T = 0 spread (at T = 0, the furthest any request
 falls below its own solo median: what prompts alone account for). Issue #18's target: at T > 0, none.
+
+--csv writes the raw CSV (bench/results/README.md's format): one row per pair, temperature, configuration and
+concurrency, read from the client JSONs its `report` column names, with the ratios of the localspec spec rows and,
+for localspec's servers, whether the load probe let their target's slots share batches (CONFIG.health.json). The
+machine line is env.txt's GPU (concurrency.sh's snapshot_env); llama-server's build is versions.txt's.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -222,13 +230,113 @@ def settings_line(data: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> str:
     return "no results"
 
 
+CSV_COLUMNS = ("pair", "temperature", "config", "server", "clients", "requests", "errors", "completion_tokens",
+               "wall_s", "aggregate_tok_s", "per_request_tok_s_median", "ttft_s_median", "acceptance_pct",
+               "target_slots_shared", "spec_over_k0", "llama_best_config", "spec_over_llama_best", "report")
+
+
+def _r(x: float | None, digits: int) -> float | str:
+    return "" if x is None else round(x, digits)
+
+
+def machine_line(folder: Path) -> str:
+    """env.txt's GPU line (nvidia-smi's CSV: index, name, memory.total, ...) and CPU count, or what is missing."""
+    try:
+        lines = (folder / "env.txt").read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"{folder / 'env.txt'}: {exc.strerror}: the machine is not recorded") from exc
+    gpus = [line.split(", ") for line in lines if re.match(r"^\d+, ", line)]
+    cores = next((line for line in lines if line.strip().isdigit()), "?")
+    named = "; ".join(f"{g[1]} ({g[2]})" for g in gpus if len(g) > 2) or "no GPU"
+    return f"{named}, {cores.strip()} CPU cores"
+
+
+def slots_shared(folder: Path, config: str) -> bool | str:
+    """Whether a localspec server's target slots shared batches (its /health `slot_batches`), "" where unknown."""
+    try:
+        health = json.loads((folder / f"{config}.health.json").read_text())
+        return bool(health["slot_batches"]["target"]["shared"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def csv_rows(results: Path, data: dict[str, dict[str, dict[str, dict[str, Any]]]],
+             summary: dict[str, Any], relative_to: Path) -> list[dict[str, Any]]:
+    rows = []
+    for pair in sorted(data, key=pair_order):
+        folder = next(d for d in results.iterdir() if d.is_dir() and pair_name(d.name) == pair)
+        for temp in sorted(data[pair], key=float):
+            ratios = {r["clients"]: r for r in summary[pair][temp]["rows"]}
+            for config in CONFIGS:
+                report = data[pair][temp].get(config)
+                if not report:
+                    continue
+                path = folder / f"{config}-t{temp}.json"
+                where = (path.resolve().relative_to(relative_to).as_posix()
+                         if path.resolve().is_relative_to(relative_to) else path.name)
+                for n, lv in sorted(_levels(report).items()):
+                    r = ratios[n]
+                    spec = config == "spec"
+                    rows.append({
+                        "pair": pair, "temperature": temp, "config": config,
+                        "server": "llama-server" if config in LLAMA_SERVER else "localspec", "clients": n,
+                        "requests": lv["requests"], "errors": lv["errors"],
+                        "completion_tokens": lv.get("completion_tokens", ""), "wall_s": _r(lv.get("wall_s"), 2),
+                        "aggregate_tok_s": _r(lv["aggregate_tps"], 1),
+                        "per_request_tok_s_median": _r(lv["per_request_tps_median"], 1),
+                        "ttft_s_median": _r(lv.get("ttft_s_median"), 3),
+                        "acceptance_pct": _r(None if lv.get("acceptance") is None else 100 * lv["acceptance"], 1),
+                        "target_slots_shared": "" if config in LLAMA_SERVER else slots_shared(folder, config),
+                        "spec_over_k0": _r(r["spec_over_k0"], 2) if spec else "",
+                        "llama_best_config": (r["llama_best"] or "") if spec else "",
+                        "spec_over_llama_best": _r(r["spec_over_llama"], 2) if spec else "",
+                        "report": where})
+    return rows
+
+
+def write_csv(out: Path, results: Path, data: dict[str, dict[str, dict[str, dict[str, Any]]]],
+              summary: dict[str, Any], header: dict[str, str], argv: list[str]) -> int:
+    """The raw CSV: `#` lines (what, date, machine, code, command, source, written-by), then one row per pair,
+    temperature, configuration and concurrency."""
+    try:
+        env = (results / "env.txt").read_text().splitlines()
+        versions = (results / "versions.txt").read_text()
+    except OSError as exc:
+        raise SystemExit(f"{exc.filename}: {exc.strerror}: concurrency.sh writes it beside the results") from exc
+    server = re.search(r"^llama-server: (.*)$", versions, re.M)
+    build = re.search(r"^version: .*$", versions, re.M)
+    rows = csv_rows(results, data, summary, out.parent.resolve())
+    lines = [f"# what: {header['what']}", f"# date: {env[0][:10] if env else ''}",
+             f"# machine: {machine_line(results)}",
+             f"# code: {header['code']}; llama-server: {server[1] if server else 'none'}"
+             f"{' ' + build[0] if build else ''}",
+             f"# command: {header['command']}",
+             "# source: each row read by bench/gpu/concurrency_summary.py from the client JSON (bench/concurrency.py "
+             "--json) its `report` column names (kept beside this file)",
+             f"# written-by: bench/gpu/concurrency_summary.py {shlex.join(argv)}"]
+    with out.open("w", newline="", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", type=Path)
     p.add_argument("--json", type=Path, dest="json_out")
+    p.add_argument("--csv", type=Path, help="also write the raw CSV (bench/results/README.md's format)")
+    p.add_argument("--what", default="", help="with --csv: its `# what:` line")
+    p.add_argument("--code", default="", help="with --csv: its `# code:` line (the commit measured)")
+    p.add_argument("--command", default="", help="with --csv: its `# command:` line (how the results were made)")
     args = p.parse_args(argv)
     if not args.results.is_dir():
         print(f"concurrency_summary.py: error: {args.results} is not a folder", file=sys.stderr)
+        return 1
+    if args.csv and not all((args.what, args.code, args.command)):
+        missing = [k for k in ("what", "code", "command") if not getattr(args, k)]
+        print(f"concurrency_summary.py: error: --csv needs --{', --'.join(missing)}", file=sys.stderr)
         return 1
     data = load(args.results)
     print("# Concurrent clients (bench/gpu/concurrency.sh)\n")
@@ -256,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(acceptance_table(config, temp, found)) + "\n")
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.csv:
+        n = write_csv(args.csv, args.results, data, summary,
+                      {"what": args.what, "code": args.code, "command": args.command},
+                      sys.argv[1:] if argv is None else argv)
+        print(f"{args.csv}: {n} rows", file=sys.stderr)
     return 0
 
 
