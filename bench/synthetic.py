@@ -1467,3 +1467,80 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- a multimodal projector (mmproj) for a text model: pictures through libmtmd, mechanics not answers ---------------
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """A tiny random-weight projector of llama.cpp's `gemma3` type (tools/mtmd/clip.cpp): a SigLIP-style vision
+    tower (patch embedding, learned positions, `n_layer` pre-norm blocks, a final norm), then Gemma 3's projector
+    (average pool by `scale_factor`, an RMS norm, one projection to the text model's width). Every picture is resized
+    to `image_size` square, so it always takes ((image_size / patch_size) / scale_factor)^2 tokens. Why this type:
+    its projector is two tensors and its output width is the projection's, so it fits any text model."""
+
+    n_embd_text: int  # the text model's embedding width (libmtmd refuses a projector of another)
+    image_size: int = 32
+    patch_size: int = 4  # 8 x 8 patches
+    scale_factor: int = 2  # pooled to 4 x 4 = 16 tokens
+    n_embd: int = 32
+    n_head: int = 2
+    n_ff: int = 64  # not n_embd: clip.cpp swaps a square FFN's up and down matrices (an old-conversion fix)
+    n_layer: int = 1
+    seed: int = 0
+    std: float = 0.02  # of the random weights; the projection's is `projection_std` (a tiny text model's embeddings
+    projection_std: float = 0.02  # are large: a picture that should move its output needs a larger one)
+
+    @property
+    def n_image_tokens(self) -> int:
+        return (self.image_size // self.patch_size // self.scale_factor) ** 2
+
+
+def write_projector(path: Path, spec: ProjectorSpec) -> Path:
+    """Write `spec`'s projector GGUF (F32, ~0.1 MB). clip.cpp reads its integer hyperparameters as uint32 and
+    asserts the type (a wrong one aborts the process), and needs image_mean/image_std of 3 floats each."""
+    side = spec.image_size // spec.patch_size
+    if spec.image_size % spec.patch_size or side % spec.scale_factor or spec.n_embd % spec.n_head:
+        raise ValueError("image_size must be a multiple of patch_size, the patches a side of scale_factor, "
+                         "n_embd of n_head")
+    rng = np.random.default_rng(spec.seed)
+
+    def rand(*shape: int, std: float = spec.std) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    d, f, p = spec.n_embd, spec.n_ff, spec.patch_size
+    ones, zeros = np.ones(d, np.float32), np.zeros(d, np.float32)
+    # numpy shapes; the writer stores (a, b) as ggml's ne [b, a]
+    tensors: dict[str, np.ndarray] = {"v.patch_embd.weight": rand(d, 3, p, p), "v.patch_embd.bias": zeros,
+                                      "v.position_embd.weight": rand(side * side, d)}
+    for i in range(spec.n_layer):
+        b = f"v.blk.{i}"
+        tensors |= {f"{b}.ln1.weight": ones, f"{b}.ln1.bias": zeros, f"{b}.ln2.weight": ones, f"{b}.ln2.bias": zeros}
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors |= {f"{b}.{name}.weight": rand(d, d), f"{b}.{name}.bias": zeros}
+        tensors |= {f"{b}.ffn_up.weight": rand(f, d), f"{b}.ffn_up.bias": np.zeros(f, np.float32),
+                    f"{b}.ffn_down.weight": rand(d, f), f"{b}.ffn_down.bias": zeros}
+    tensors |= {"v.post_ln.weight": ones, "v.post_ln.bias": zeros, "mm.soft_emb_norm.weight": ones,
+                "mm.input_projection.weight": rand(d, spec.n_embd_text, std=spec.projection_std)}
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    writer.add_name("localspec synthetic projector")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in (("image_size", spec.image_size), ("patch_size", spec.patch_size),
+                       ("embedding_length", d), ("feed_forward_length", f), ("block_count", spec.n_layer),
+                       ("projection_dim", spec.n_embd_text), ("attention.head_count", spec.n_head),
+                       ("projector.scale_factor", spec.scale_factor)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -327,6 +327,16 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class ImageSettings:
+    """What a picture (`--image`, chat's /image, a request's image_url part) may be at most: checked from its
+    header before a pixel is decoded (llama.vision)."""
+
+    max_image_bytes: int = field(metadata=_rng(1, 1 << 31, int))
+    max_image_side: int = field(metadata=_rng(1, 1 << 16, int))
+    max_image_pixels: int = field(metadata=_rng(1, 1 << 31, int))
+
+
+@dataclass(frozen=True)
 class ContextSettings:
     """What a generation does when it fills its context (llama-server's --context-shift, n_keep, n_discard)."""
 
@@ -344,6 +354,7 @@ _SECTIONS: dict[str, type] = {
     "load": LoadSettings,
     "server": ServerSettings,
     "context": ContextSettings,
+    "images": ImageSettings,
     "rpc_server": RpcServerSettings,  # after server: an unqualified host or port means `localspec serve`'s
 }
 
@@ -359,6 +370,7 @@ class Preset:
     load: LoadSettings
     server: ServerSettings
     context: ContextSettings
+    images: ImageSettings
     rpc_server: RpcServerSettings
 
     def with_overrides(self, *, prefer: str | None = None, flags: dict[str, str] | None = None,

@@ -30,6 +30,7 @@ from localspec.cli import options
 from localspec.config import DRAFTER_TABLE
 from localspec.errors import DecodeError, LocalspecError, UsageError
 from localspec.fsutil import not_utf8
+from localspec.llama import vision
 from localspec.models import registry
 from localspec.rounds.constraints import Constraint
 from localspec.rounds.events import (
@@ -68,6 +69,12 @@ NoThinkFlag = Annotated[
 PromptArg = Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)]
 ChatFlag = Annotated[bool, typer.Option("--chat", metavar="", help="Wrap the prompt in the model's chat template.")]
 JsonFlag = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object: text, stop reason, stats.")]
+ImageOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--image", metavar="PATH", help="A picture (PNG, JPEG, GIF, BMP, WebP) for the prompt, read by the "
+                 "target's projector (--mmproj); it goes where the prompt says <__media__>, else before the text. "
+                 "Repeatable.", show_default=False, readable=False),
+]
 JsonSchemaFile = Annotated[Path | None, typer.Option(
     "--json-schema", metavar="FILE", help="Hold the output to this JSON schema (a JSON file).", show_default=False)]
 GrammarFile = Annotated[Path | None, typer.Option(
@@ -398,6 +405,7 @@ def generate(
     json_out: JsonFlag = False,
     json_schema: JsonSchemaFile = None,
     grammar_file: GrammarFile = None,
+    image: ImageOpt = None,
 ) -> None:
     """Print the completion of PROMPT to stdout, and nothing else (pipeable). Exit 3: the context filled first."""
     constraint = Constraint.from_files(json_schema, grammar_file)  # a bad file fails before any model loads
@@ -411,6 +419,12 @@ def generate(
     fallback = registry.DEMO_CHAT.name if chat_template else None
     files, chosen = options.resolve_run(run, "generate", fallback_pair=fallback, max_tokens=max_tokens, **shift)
     limit = chosen.generate.max_tokens
+    # Pictures are read and checked before any model loads: a bad one costs nothing.
+    pictures = [vision.read_picture(path, chosen.images) for path in image or ()]
+    if pictures and files.mmproj is None:
+        raise UsageError("--image needs the target's projector: --mmproj PATH")
+    if pictures:
+        text = vision.with_markers(text, len(pictures))
     with open_session(files, chosen) as session:
         model = session.target
         opens_thinking = False
@@ -422,7 +436,10 @@ def generate(
             variables = {"enable_thinking": False} if no_think else {}
             rendered = template.render([{"role": "user", "content": text}], **variables)
             opens_thinking = starts_in_thinking(rendered)
-            tokens = encode_chat(model, rendered)
+            tokens = encode_chat(model, rendered, pictures=pictures)
+        elif pictures:
+            assert model.projector is not None
+            tokens = model.projector.tokenize(text, pictures, add_special=True, parse_special=False)
         else:
             tokens = model.tokenize(text, add_special=True, parse_special=False)
         out: list[int] = []

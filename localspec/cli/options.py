@@ -99,6 +99,12 @@ TargetOpt = Annotated[
     typer.Option("--target", help="Target GGUF file (the big model).", show_default=False, readable=False,
                  rich_help_panel=MODELS),
 ]
+MmprojOpt = Annotated[
+    Path | None,
+    typer.Option("--mmproj", help="The target's multimodal projector GGUF (mmproj): prompts may then hold pictures "
+                 "(generate --image, chat's /image, the server's image_url parts).", show_default=False,
+                 readable=False, rich_help_panel=MODELS),
+]
 DraftOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -228,6 +234,7 @@ class RunOptions:
 
     pair: str | None = None
     target: Path | None = None
+    mmproj: Path | None = None
     draft: list[str] | None = None
     preset: str | None = None
     temperature: float | None = None
@@ -256,11 +263,13 @@ class RunOptions:
         _, draft_model = split_draft_values(self.draft)
         fallback = {"fallback": fallback_pair} if fallback_pair else {}
         if draft_model == NO_DRAFT_MODEL:
-            return dataclasses.replace(resolve_files(self.pair, self.target, None, **fallback), draft=None)
-        if draft_model == AUTO_DRAFT:
+            files = dataclasses.replace(resolve_files(self.pair, self.target, None, **fallback), draft=None)
+        elif draft_model == AUTO_DRAFT:
             files = resolve_files(self.pair, self.target, None, **fallback)
-            return dataclasses.replace(files, draft=auto_draft(files.target))
-        return resolve_files(self.pair, self.target, draft_model, **fallback)
+            files = dataclasses.replace(files, draft=auto_draft(files.target))
+        else:
+            files = resolve_files(self.pair, self.target, draft_model, **fallback)
+        return dataclasses.replace(files, mmproj=self.mmproj) if self.mmproj is not None else files
 
     def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
         """The preset with every value overlaid: command line first, then what the pair recommends (its preset,
@@ -274,7 +283,8 @@ class RunOptions:
 
 
 _RUN_OPTIONS: dict[str, Any] = {
-    "pair": PairOpt, "target": TargetOpt, "draft": DraftOpt, "preset": PresetOpt, "temperature": temperature,
+    "pair": PairOpt, "target": TargetOpt, "mmproj": MmprojOpt, "draft": DraftOpt, "preset": PresetOpt,
+    "temperature": temperature,
     "seed": seed, "n_gpu_layers": n_gpu_layers, "draft_n_gpu_layers": draft_n_gpu_layers, "n_ctx": n_ctx,
     "kv_type": kv_type, "threads": threads, "split_mode": split_mode, "tensor_split": tensor_split,
     "main_gpu": main_gpu, "draft_device": draft_device, "draft_ahead": draft_ahead, "rpc": rpc, "drafter": drafter,

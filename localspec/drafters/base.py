@@ -25,6 +25,7 @@ from localspec.llama.grammar import Grammar
 from localspec.rounds.constraints import masked_scores
 from localspec.rounds.events import GenerationStats
 from localspec.rounds.policies import DraftCost, DraftLength, Observation, Pricing
+from localspec.rounds.prompt_cache import picture_boundary
 from localspec.rounds.prompt_cache import shared_prefix as shared_prefix
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.rounds.scores import DeviceDist, Scores, ScoringModel
@@ -286,7 +287,7 @@ def prompt_work(model: ScoringModel, kv: list[int], body: list[int], seq: int,
     model can rewind towards it (a recurrent state: a checkpoint, or nothing); what is left to decode."""
     keep = shared_prefix(kv, body)
     if limit is not None:
-        keep = min(keep, limit)
+        keep = picture_boundary(body, min(keep, limit))
     # Truncate even when the bookkeeping says nothing is extra: a decode interrupted by an exception may have left
     # cells the bookkeeping never recorded. Bookkeeping first: an interrupted truncate leaves it claiming less.
     del kv[keep:]

@@ -21,6 +21,7 @@ import numpy as np
 from localspec.config import Drafting
 from localspec.drafters.base import Drafter, DrafterBase, DraftRequest, PromptWork, Proposal
 from localspec.llama.grammar import Grammar
+from localspec.llama.vision import text_prefix
 from localspec.rounds.policies import CostRule, DraftCost, DraftLength, Observation, Stepped
 from localspec.rounds.sampling import point_mass
 from localspec.rounds.scores import ScoringModel
@@ -275,6 +276,7 @@ def priced_proposal(req: DraftRequest, tokens: list[int], k: int, length: DraftL
     """A lead drafter's found continuation as its proposal (prompt lookup's, suffix lookup's): cut to as many as pay
     by its `rule` on the stream's `length` policy (with `extension`, the `Stepped` rule of a drafter that drafts
     after them, whose best share is priced in), then to what the grammar allows; point masses at T > 0."""
+    tokens = text_prefix(tokens)  # (a context holding a picture: its placeholder ids are no tokens to draft)
     if rule is not None:
         assert length is not None
         after = length.rule(extension) if extension is not None else None

@@ -49,6 +49,11 @@ def interrupt_handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
 
+def log_callback() -> ctypes._CFuncPtr:
+    """The callback llama.cpp's log goes through (kept alive here), for libmtmd's log too (llama.vision)."""
+    return _log_to_stderr_when_debugging
+
+
 def init() -> None:
     """Once per process, before anything else is asked of llama.cpp: route its log through our callback, start
     it, and open ggml's device registry (libggml next to libllama, every device enumerated). Every entry point

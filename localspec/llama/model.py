@@ -28,6 +28,7 @@ from localspec.llama.batch import Batch, DecodeItem
 from localspec.llama.hidden import HiddenRows, mtp_unsupported
 from localspec.llama.recurrent import RecurrentState, rollback_unsupported
 from localspec.llama.samplers import MAX_OUTPUTS_PER_DECODE, DeviceSamplers, Rows, as_scores, joined
+from localspec.llama.vision import Projector, holds_pictures, runs
 from localspec.models.gguf_header import GGUFHeader, read_header
 from localspec.rounds.scores import DeviceDist, Scores
 
@@ -116,6 +117,9 @@ class LlamaModel:
             raise ModelLoadError(f"{self.path}: model file not found")
         self.model = None
         self.ctx = None
+        # A target's projector (images: llama.vision), set by the session; None: a picture's placeholder ids are
+        # read as a filler token (a draft model's view of a picture: it drafts without it).
+        self.projector: Projector | None = None
         self._batch: Batch | None = None
         self._samplers: DeviceSamplers | None = None
         self._recurrent: RecurrentState | None = None  # the rewind of a recurrent state (hybrid models)
@@ -284,8 +288,35 @@ class LlamaModel:
         into llama.cpp's buffer, valid until the next decode): one row per token with `all_logits`, else one row
         for the last token; None for no tokens. Prompt-sized inputs are split into n_batch chunks.
         """
+        if holds_pictures(tokens):
+            return self._decode_pictures(tokens, start_pos, all_logits, seq)
         raw, hidden = self._decode_batched([(seq, tokens, start_pos, all_logits)])
         return as_scores(raw[0], hidden[0])
+
+    def _decode_pictures(self, tokens: Sequence[int], start_pos: int, all_logits: bool, seq: int) -> Scores | None:
+        """`decode` of tokens that hold pictures' placeholder ids: with a projector, each picture through it and
+        the text between in batches of its own (the scores are the last text run's; rows of a picture's positions
+        there are none); without one, the filler token in each placeholder's place (what a draft model reads)."""
+        if self.projector is None:
+            filled = [self.unknown_token if t < 0 else t for t in tokens]
+            raw, hidden = self._decode_batched([(seq, filled, start_pos, all_logits)])
+            return as_scores(raw[0], hidden[0])
+        if all_logits:
+            raise DecodeError(f"{self.path.name}: rows of every position were asked for across a picture")
+        pictures = dict(self.projector.pictures_in(tokens))
+        scores: Scores | None = None
+        for is_picture, start, end in runs(tokens):
+            if not is_picture:
+                raw, hidden = self._decode_batched([(seq, tokens[start:end], start_pos + start, False)])
+                scores = as_scores(raw[0], hidden[0])
+                continue
+            i = start
+            while i < end:
+                self.projector.decode(tokens[i], start_pos + i, seq)
+                self.decodes += 1
+                i += pictures[i]
+            scores = None  # (the last position is a picture's: no row)
+        return scores
 
     def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
@@ -293,6 +324,11 @@ class LlamaModel:
         (`ubatch.covering_calls`); otherwise the items go in ascending sequence order, one ubatch a call
         (`ubatch.decode_plan`). A model whose multi-sequence batches are not exact here (`batches_sequences`) decodes
         the items one after another, each in a batch of its own (one item too: covering would pad the others in)."""
+        if any(holds_pictures(item[1]) for item in items):
+            if self.projector is not None:  # (pictures reach a target in its prompt's decode only)
+                raise DecodeError(f"{self.path.name}: a picture's placeholder ids in a batch of several sequences")
+            items = [(seq, [self.unknown_token if t < 0 else t for t in tokens], pos, rows)
+                     for seq, tokens, pos, rows in items]
         if self.batches_sequences:
             raws, hidden = self._decode_batched(items, cover=True)
             return [as_scores(r, h) for r, h in zip(raws, hidden, strict=True)]
@@ -637,6 +673,9 @@ class LlamaModel:
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.projector is not None:  # (its context refers to this model's)
+            self.projector.close()
+            self.projector = None
         if self.ctx and self._samplers is not None:
             self._samplers.close()
         if self._batch is not None:

@@ -18,7 +18,7 @@ from localspec.status import Status
 
 GiB = float(1 << 30)
 GPU_BUILD_FIX = (
-    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON -DLLAVA_BUILD=OFF" pip install --force-reinstall '
+    'reinstall with CUDA: CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON -DLLAVA_BUILD=ON" pip install --force-reinstall '
     "--no-cache-dir llama-cpp-python==0.3.36"
 )
 

@@ -42,12 +42,21 @@ KEEP_SHARE = 0.25
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`)."""
+    """How many leading tokens two sequences share (what a KV cache holding `a` can keep of `b`), never ending
+    inside a picture of `b` (`picture_boundary`)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
+    return picture_boundary(b, n)
+
+
+def picture_boundary(tokens: Sequence[int], n: int) -> int:
+    """`n`, or less where tokens[:n] would end inside a run of a picture's placeholder ids (negative:
+    llama.vision): a picture is decoded whole or not at all, so a kept prefix stops before the run."""
+    while 0 < n < len(tokens) and tokens[n] < 0 and tokens[n - 1] < 0:
+        n -= 1
     return n
 
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from localspec.drafters.base import Drafter, PromptWork, prompt_work
 from localspec.errors import UsageError
 from localspec.rounds import context_shift
-from localspec.rounds.prompt_cache import ModelState, PromptCache, SlotState, shared_prefix
+from localspec.rounds.prompt_cache import ModelState, PromptCache, SlotState, picture_boundary, shared_prefix
 from localspec.rounds.scores import ScoringModel
 from localspec.rounds.stream import Slot, Stream
 
@@ -174,7 +174,7 @@ class SlotCells:
     def decode(self, s: Stream, whole: bool) -> None:
         """Decode the stream's pending prompt work into every model: all of it, or one batch of each."""
         for model, kv, todo in s.prefill:
-            take = todo if whole else todo[: model.n_batch]
+            take = todo if whole else todo[: batch_cut(todo, model.n_batch)]
             scores = model.decode(take, len(kv), seq=s.slot.seq)
             if model is self.target and s.drafter is not None and s.drafter.reads_target:
                 assert scores is not None and scores.hidden is not None
@@ -216,3 +216,12 @@ class SlotCells:
         found = cache.best(body, better_than=kept)
         if found is not None:
             self.restore(slot.seq, found[0])
+
+
+def batch_cut(todo: Sequence[int], n_batch: int) -> int:
+    """How much of a prompt's pending tokens one round's batch takes: n_batch, never a part of a picture (a picture
+    goes whole; pictures at the front go together, each in its own decode)."""
+    n = picture_boundary(todo, n_batch)
+    if n == 0 and todo and todo[0] < 0:
+        n = next((i for i, t in enumerate(todo) if t >= 0), len(todo))
+    return n

@@ -29,17 +29,18 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localspec import __version__
 from localspec.config import ContextSettings, Preset, load_preset
-from localspec.errors import ContextFullError, LocalspecError, TooManyTokens
+from localspec.errors import ContextFullError, LocalspecError, TooManyTokens, UsageError
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
+from localspec.llama.vision import Picture
 from localspec.rounds import slot_file
 from localspec.rounds.engine import Engine, shared_prefix
 from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
@@ -112,9 +113,18 @@ def _token_text(model: LlamaModel, token: int) -> str:
     return model.token_text(token) if token >= 0 else ""
 
 
-def encode_chat(model: LlamaModel, text: str, limit: int | None = None) -> list[int]:
+def encode_chat(model: LlamaModel, text: str, limit: int | None = None,
+                pictures: Sequence[Picture] = ()) -> list[int]:
     """Tokenize rendered chat text: its special tokens (`<start_of_turn>`, ...) are real tokens. `limit`: raise
-    TooManyTokens past that many (see LlamaModel.tokenize)."""
+    TooManyTokens past that many (see LlamaModel.tokenize). With `pictures`, the target's projector reads them where
+    the text holds its markers (llama.vision)."""
+    if pictures:
+        if model.projector is None:
+            raise UsageError("pictures need the target's projector: --mmproj PATH")
+        tokens = model.projector.tokenize(text, pictures, add_special=False, parse_special=True)
+        if limit is not None and len(tokens) > limit:
+            raise TooManyTokens(f"the prompt has {len(tokens)} tokens; at most {limit}")
+        return _with_bos(model, tokens)
     return _with_bos(model, model.tokenize(text, add_special=False, parse_special=True, limit=limit))
 
 

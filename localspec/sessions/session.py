@@ -8,11 +8,12 @@ from pathlib import Path
 
 from localspec import machine
 from localspec.config import BLOCK_DRAFTERS, DRAFTER_TABLE, Preset
-from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
+from localspec.errors import IncompatiblePairError, LocalspecError, ModelLoadError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.llama import backend, hidden, recurrent
 from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, check_block_drafter
 from localspec.llama.model import LlamaModel
+from localspec.llama.vision import Projector, check_projector_file
 from localspec.models import compat, demo, hub, memory, placement, registry
 from localspec.models.gguf_header import GGUFHeader, read_header
 from localspec.rounds.engine import Engine
@@ -32,6 +33,7 @@ class ModelFiles:
     kv_type: str | None = None
     preset: str | None = None  # the preset the pair names (used when --preset is not given)
     drafter: str | None = None  # the drafter the pair names (a pair without a draft model: "mtp")
+    mmproj: Path | None = None  # the target's multimodal projector (pictures in prompts), if any
 
 
 def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
@@ -200,6 +202,8 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
         checked = dataclasses.replace(preset, draft=dataclasses.replace(preset.draft, n_draft=rewind))
     else:
         checked = preset
+    if files.mmproj is not None:  # (a wrong file stops here, before the target's weights are read)
+        check_projector_file(files.mmproj)
     plan = preflight(files, checked, parallel=parallel).estimate.plan
     load = preset.load
     # Chosen once, so both models get the same count and bench and doctor can say why.
@@ -211,6 +215,11 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
                         **_placed(plan.target))
     draft = None
     try:
+        if files.mmproj is not None:
+            if target.recurrent:
+                raise ModelLoadError(f"{files.mmproj}: pictures with a recurrent or hybrid target "
+                                     f"({files.target.name}) are not supported yet")
+            target.projector = Projector(files.mmproj, target, threads)
         if files.draft is not None:
             # A block drafter shares the target's embeddings and output head (llama.cpp's ctx_other).
             block = read_header(files.draft).arch in BLOCK_DRAFTER_ARCHS

@@ -1,0 +1,336 @@
+"""Images: a multimodal projector (an mmproj GGUF) loaded beside the target through llama.cpp's libmtmd, pictures
+checked and decoded before llama.cpp sees them, and a prompt's text and pictures as one list of token ids.
+
+A picture's positions in a prompt are placeholder ids, negative numbers no vocabulary holds: each is drawn from the
+picture's digest and its index within the picture (31 bits each), so two prompts that share a picture share its
+ids (a slot's cells, the prompt cache and llama-server's `cache_prompt` reuse them as any prefix), and a prefix that
+shares a picture's first ids but not its pixels cannot be mistaken for it. The target decodes a picture's ids as the
+picture (`Projector.decode`: libmtmd's encoder, then its embeddings at those positions, in one batch where the
+projector wants non-causal attention); a model without the projector (a draft model) reads a filler token in their
+place: what a drafter sees never changes what the target accepts, so speculation stays exact, it only drafts
+without the picture. A prefix reused from a slot never ends inside a picture (`prompt_cache.shared_prefix`).
+
+Pictures are decoded by Pillow, not by libmtmd's own loader: its stb_image decodes whatever it is handed, at any
+size, and a buffer it cannot decode goes to an ffmpeg subprocess where one is installed (mtmd-helper's video path).
+Here the file's size, the format (PNG, JPEG, GIF, BMP, WebP), the pixel count and each side are checked from the
+header before any pixel is decoded, and a truncated file is an error, not a grey picture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import io
+import struct
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localspec.config import ImageSettings
+from localspec.errors import ModelLoadError, UsageError
+
+if TYPE_CHECKING:  # (the model imports nothing of this module's at load time)
+    from localspec.llama.model import LlamaModel
+
+FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")  # what Pillow may open: stills only, no exotic decoders
+PLACEHOLDER_BITS = 31  # a placeholder id is -(1 + a 31-bit number): an int32, as every token list holds
+
+
+class ImageError(UsageError):
+    """A picture that cannot be used: one line naming it (a file, a request's content part)."""
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A decoded picture: RGB pixels, row by row, and the digest its placeholder ids come from."""
+
+    width: int
+    height: int
+    rgb: bytes
+    digest: bytes
+
+    @property
+    def name(self) -> str:
+        return self.digest.hex()[:16]
+
+
+def decode_picture(data: bytes, name: str, limits: ImageSettings) -> Picture:
+    """`data` (a file's bytes) as a Picture, or an ImageError naming `name` and what is wrong with it."""
+    from PIL import Image, UnidentifiedImageError  # (only a run with pictures pays for the import)
+
+    if len(data) > limits.max_image_bytes:
+        raise ImageError(f"{name}: {len(data):,} bytes; a picture may have at most {limits.max_image_bytes:,} "
+                         "([images] max_image_bytes)")
+    if not data:
+        raise ImageError(f"{name}: empty: not a picture")
+    try:
+        with warnings.catch_warnings():
+            # Pillow's own bomb check warns at half its limit and raises above it; ours below is the one that counts.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise ImageError(f"{name}: not a picture localspec reads ({', '.join(FORMATS)})") from None
+    except Image.DecompressionBombError:  # (Pillow's own limit, far above ours: its header declares too many)
+        raise ImageError(f"{name}: declares too many pixels; at most {limits.max_image_side} a side and "
+                         f"{limits.max_image_pixels:,} in all ([images] max_image_side, max_image_pixels)") from None
+    except (OSError, ValueError, SyntaxError, struct.error) as exc:
+        raise ImageError(f"{name}: unreadable picture ({exc})") from None
+    with image:
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise ImageError(f"{name}: a picture of {width} x {height} pixels")
+        if max(width, height) > limits.max_image_side or width * height > limits.max_image_pixels:
+            raise ImageError(f"{name}: {width} x {height} pixels; at most {limits.max_image_side} a side and "
+                             f"{limits.max_image_pixels:,} in all ([images] max_image_side, max_image_pixels)")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image.seek(0)  # an animation's first frame
+                rgb = image.convert("RGB").tobytes()
+        except (OSError, ValueError, SyntaxError, struct.error, EOFError, Image.DecompressionBombError) as exc:
+            raise ImageError(f"{name}: truncated or corrupt picture ({exc})") from None
+    digest = hashlib.sha256(struct.pack("<II", width, height) + rgb).digest()
+    return Picture(width, height, rgb, digest)
+
+
+def read_picture(path: Path, limits: ImageSettings) -> Picture:
+    """A picture file (`--image`, chat's `/image`), checked as `decode_picture` checks bytes."""
+    try:
+        size = path.stat().st_size
+        if size > limits.max_image_bytes:  # (not read into memory first)
+            raise ImageError(f"{path}: {size:,} bytes; a picture may have at most {limits.max_image_bytes:,} "
+                             "([images] max_image_bytes)")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ImageError(f"{path}: {exc.strerror or exc}") from None
+    return decode_picture(data, str(path), limits)
+
+
+MARKER = "<__media__>"  # libmtmd's default marker (mtmd_default_marker): where a picture goes in a prompt's text
+
+
+def with_markers(text: str, n: int) -> str:
+    """`text` with a marker for each of n pictures: as it is where it holds them, else one per picture before it
+    (as llama.cpp's mtmd-cli does)."""
+    return text if MARKER in text else "".join(MARKER + "\n" for _ in range(n)) + text
+
+
+def placeholder_ids(digest: bytes, n: int) -> list[int]:
+    """The n placeholder ids of a picture's positions: -(1 + 31 bits of sha256(digest, index))."""
+    mask = (1 << PLACEHOLDER_BITS) - 1
+    return [-(1 + (int.from_bytes(hashlib.sha256(digest + i.to_bytes(4, "little")).digest()[:4], "little")
+                   & mask)) for i in range(n)]
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
+
+
+def holds_pictures(tokens: Sequence[int]) -> bool:
+    return any(t < 0 for t in tokens)
+
+
+def text_prefix(tokens: list[int]) -> list[int]:
+    """`tokens` up to the first placeholder: a drafter that copies from the context never proposes a picture."""
+    for i, token in enumerate(tokens):
+        if token < 0:
+            return tokens[:i]
+    return tokens
+
+
+def runs(tokens: Sequence[int]) -> list[tuple[bool, int, int]]:
+    """(is a picture's, start, end) of each run of text ids or of placeholder ids, in order."""
+    out: list[tuple[bool, int, int]] = []
+    start = 0
+    for i in range(1, len(tokens) + 1):
+        if i == len(tokens) or (tokens[i] < 0) != (tokens[start] < 0):
+            out.append((tokens[start] < 0, start, i))
+            start = i
+    return out
+
+
+def check_projector_file(path: Path) -> None:
+    """A missing file, or one that is no projector, stops with one line naming it (libmtmd would log and return
+    NULL, or abort on a malformed header); the header is read bounded, no weights."""
+    from localspec.models.gguf_header import read_header  # (the header reader of every model file)
+
+    if not Path(path).is_file():
+        raise ModelLoadError(f"{path}: projector file not found")
+    header = read_header(Path(path))
+    if header.arch != "clip":
+        raise ModelLoadError(f"{path}: not a projector (general.architecture is {header.arch!r}, a projector's is "
+                             "'clip')")
+    _mtmd()
+
+
+_logging_routed = False
+
+
+def _mtmd():  # noqa: ANN202 (the bindings module)
+    """llama-cpp-python's libmtmd bindings, or a ModelLoadError saying the build has none; libmtmd's log (and
+    clip's) goes where llama.cpp's does (stderr with LOCALSPEC_DEBUG=1 only)."""
+    global _logging_routed
+    try:
+        from llama_cpp import mtmd_cpp
+    except (ImportError, OSError, FileNotFoundError) as exc:
+        raise ModelLoadError(
+            "this llama-cpp-python was built without libmtmd (images): reinstall it with -DLLAVA_BUILD=ON in "
+            f"CMAKE_ARGS (README) ({exc})") from None
+    if not _logging_routed:
+        from localspec.llama import backend
+
+        backend.init()
+        mtmd_cpp.mtmd_helper_log_set(backend.log_callback(), ctypes.c_void_p(0))
+        _logging_routed = True
+    return mtmd_cpp
+
+
+class Projector:
+    """An mmproj GGUF loaded for one target (libmtmd's context), its pictures' chunks by their first placeholder id.
+
+    `tokenize` turns a prompt's text (with one `marker` per picture) and its pictures into token ids, pictures as
+    placeholder ids, and keeps each picture's chunk (the most recent `keep` pictures) for `decode`, which the target
+    calls for a run of a picture's ids."""
+
+    def __init__(self, path: Path, target: LlamaModel, n_threads: int, keep: int = 64) -> None:
+        self.path = Path(path)
+        check_projector_file(self.path)
+        m = _mtmd()
+        self._m = m
+        self.target = target
+        params = m.mtmd_context_params_default()
+        params.use_gpu = target.on_gpu
+        params.n_threads = n_threads
+        params.print_timings = False
+        params.warmup = False
+        self.ctx = m.mtmd_init_from_file(str(self.path).encode(), target.model, params)
+        if not self.ctx:
+            raise ModelLoadError(f"{self.path}: libmtmd could not load this projector for {target.path.name} "
+                                 "(its width must be the target's embedding width; LOCALSPEC_DEBUG=1 shows why)")
+        if not m.mtmd_support_vision(self.ctx):
+            self.close()
+            raise ModelLoadError(f"{self.path}: this projector reads no pictures (audio only)")
+        if m.mtmd_decode_use_mrope(self.ctx):
+            self.close()
+            raise ModelLoadError(
+                f"{self.path}: this projector places pictures with M-RoPE positions (Qwen2/2.5/3-VL and their "
+                "successors), which localspec does not place yet")
+        self.marker = m.mtmd_default_marker().decode()
+        if self.marker != MARKER:
+            self.close()
+            raise ModelLoadError(f"libmtmd's picture marker is {self.marker!r}, not {MARKER!r}: another version")
+        self._keep = keep
+        self._chunks: OrderedDict[int, tuple[ctypes.c_void_p, int]] = OrderedDict()  # first id -> (chunk, n)
+
+    def tokenize(self, text: str, pictures: Sequence[Picture], *, add_special: bool,
+                 parse_special: bool) -> list[int]:
+        """The prompt's token ids: its text's, and each picture's placeholder ids where its marker stands."""
+        m = self._m
+        if text.count(self.marker) != len(pictures):
+            raise ImageError(f"the prompt has {text.count(self.marker)} picture markers ({self.marker}) for "
+                             f"{len(pictures)} pictures")
+        bitmaps = []
+        chunks = m.mtmd_input_chunks_init()
+        try:
+            for picture in pictures:
+                buf = (ctypes.c_uint8 * len(picture.rgb)).from_buffer_copy(picture.rgb)
+                bitmap = m.mtmd_bitmap_init(picture.width, picture.height, buf)
+                if not bitmap:
+                    raise ImageError(f"picture {picture.name}: libmtmd refused its pixels")
+                m.mtmd_bitmap_set_id(bitmap, picture.digest.hex().encode())
+                bitmaps.append(bitmap)
+            entry = m.mtmd_input_text()
+            encoded = text.encode()
+            entry.text = encoded
+            entry.text_len = len(encoded)
+            entry.add_special = add_special
+            entry.parse_special = parse_special
+            array = (m.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(entry), array, len(bitmaps))
+            if rc != 0:
+                raise ImageError(f"libmtmd could not read the prompt's pictures (mtmd_tokenize: {rc})")
+            tokens: list[int] = []
+            by_digest = {p.digest.hex(): p for p in pictures}
+            for i in range(m.mtmd_input_chunks_size(chunks)):
+                chunk = m.mtmd_input_chunks_get(chunks, i)
+                kind = m.mtmd_input_chunk_get_type(chunk)
+                if kind == m.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t(0)
+                    ids = m.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                    tokens += [int(ids[j]) for j in range(n.value)]
+                    continue
+                if kind != m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    raise ImageError("the prompt holds a medium localspec does not read (audio)")
+                n_tokens = int(m.mtmd_input_chunk_get_n_tokens(chunk))
+                n_pos = int(m.mtmd_input_chunk_get_n_pos(chunk))
+                if n_pos != n_tokens:  # (M-RoPE projectors are refused at load; this would be another layout)
+                    raise ImageError(f"a picture of {n_tokens} tokens at {n_pos} positions: not supported")
+                if n_tokens > self.target.n_batch:
+                    raise ImageError(f"a picture of {n_tokens} tokens does not fit one batch of "
+                                     f"{self.target.n_batch} ([load] n_batch): raise it")
+                picture = by_digest[m.mtmd_input_chunk_get_id(chunk).decode()]
+                ids = placeholder_ids(picture.digest, n_tokens)
+                self._remember(ids[0], m.mtmd_input_chunk_copy(chunk), n_tokens)
+                tokens += ids
+            return tokens
+        finally:
+            m.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                m.mtmd_bitmap_free(bitmap)
+
+    def _remember(self, first: int, chunk: ctypes.c_void_p, n: int) -> None:
+        old = self._chunks.pop(first, None)
+        if old is not None:
+            self._m.mtmd_input_chunk_free(old[0])
+        self._chunks[first] = (chunk, n)
+        while len(self._chunks) > self._keep:
+            _, (dropped, _) = self._chunks.popitem(last=False)
+            self._m.mtmd_input_chunk_free(dropped)
+
+    def pictures_in(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """(start, length) of each picture in `tokens` (a run of placeholder ids may hold several)."""
+        out = []
+        for is_picture, start, end in runs(tokens):
+            i = start
+            while is_picture and i < end:
+                found = self._chunks.get(tokens[i])
+                if found is None:
+                    raise ImageError("a picture's ids without its picture (it left the projector's memory of the "
+                                     f"last {self._keep} pictures, or the ids were cut): send the picture again")
+                out.append((i, found[1]))
+                i += found[1]
+        return out
+
+    def decode(self, first: int, start_pos: int, seq: int) -> None:
+        """The picture whose first placeholder id is `first`, encoded and decoded into the target's sequence `seq`
+        at positions start_pos.. (one batch; non-causal attention where the projector wants it)."""
+        from localspec.errors import DecodeError
+
+        found = self._chunks.get(first)
+        if found is None:
+            raise ImageError("a picture's ids without its picture: send the picture again")
+        chunk, n = found
+        self._chunks.move_to_end(first)
+        new_pos = ctypes.c_int(0)
+        rc = self._m.mtmd_helper_eval_chunk_single(self.ctx, self.target.ctx, chunk, start_pos, seq,
+                                                   self.target.n_batch, False, ctypes.byref(new_pos))
+        if rc != 0:
+            raise DecodeError(f"{self.path.name}: decoding a picture failed (mtmd_helper_eval_chunk_single: {rc})")
+        if new_pos.value != start_pos + n:
+            raise DecodeError(f"{self.path.name}: a picture of {n} tokens took positions {start_pos}.."
+                              f"{new_pos.value}")
+
+    def close(self) -> None:
+        if getattr(self, "_chunks", None):
+            for chunk, _ in self._chunks.values():
+                self._m.mtmd_input_chunk_free(chunk)
+            self._chunks.clear()
+        if getattr(self, "ctx", None):
+            self._m.mtmd_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,299 @@
+"""Pictures in prompts (llama.vision): a synthetic projector (bench/synthetic.py's `gemma3`-type mmproj) beside the
+tiny synthetic pairs, through the real libmtmd. Greedy output with a picture and speculation equals plain decoding
+with it, and equals libmtmd's own helper path in a context of its own (a reference that shares none of localspec's
+code); a picture reaches the model; hostile pictures and files are one line each, before any model loads."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import random
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+from llama_cpp import mtmd_cpp as mtmd  # noqa: E402  (the README's build has libmtmd: no skip where it lacks)
+
+from localspec.config import load_preset
+from localspec.errors import ModelLoadError, UsageError
+from localspec.llama import vision
+from localspec.llama.vision import ImageError, Picture, decode_picture, placeholder_ids
+from localspec.rounds.events import collect
+from localspec.rounds.prompt_cache import picture_boundary, shared_prefix
+from localspec.rounds.slot_cells import batch_cut
+from localspec.sessions.session import ModelFiles, open_session
+from tests.helpers_rounds import run_together
+
+GREEDY = load_preset("greedy").with_overrides(threads=1, stand_aside=False)
+LIMITS = GREEDY.images
+
+
+def png(width: int, height: int, seed: int = 1, *, crc: bool = True, body: bytes | None = None) -> bytes:
+    """A PNG written by hand (8-bit RGB, one IDAT): random pixels, or `body` as the compressed data."""
+    r = random.Random(seed)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        check = zlib.crc32(kind + data) if crc else 0
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", check)
+
+    if body is None:
+        raw = b"".join(b"\0" + bytes(r.randrange(256) for _ in range(3 * width)) for _ in range(height))
+        body = zlib.compress(raw)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def projector(tmp_path_factory, tiny_pair_high) -> Path:
+    from synthetic import TINY_HIGH, ProjectorSpec, write_projector
+
+    return write_projector(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf",
+                           ProjectorSpec(n_embd_text=TINY_HIGH.n_embd, projection_std=1.0))
+
+
+def files(pair, mmproj: Path | None) -> ModelFiles:
+    return ModelFiles(target=pair[0], draft=pair[1], name="test", mmproj=mmproj)
+
+
+def picture(seed: int, width: int = 40, height: int = 24) -> Picture:
+    return decode_picture(png(width, height, seed), f"picture {seed}", LIMITS)
+
+
+def prompt(session, text: str, pictures: list[Picture]) -> list[int]:
+    return session.target.projector.tokenize(vision.with_markers(text, len(pictures)), pictures,
+                                             add_special=True, parse_special=False)
+
+
+def request(tokens: list[int], n_draft: int, drafter: str = "model", max_tokens: int = 24) -> dict:
+    drafting = dataclasses.replace(GREEDY.draft, n_draft=n_draft, drafter=drafter, p_min=0.0, adaptive=False)
+    return dict(prompt=tokens, sampling=GREEDY.sampling, drafting=drafting, max_tokens=max_tokens)
+
+
+# -- pictures in, checked before anything decodes them --------------------------------------------------------------
+
+
+def test_a_picture_decodes_to_its_pixels_and_a_digest_of_them():
+    a, b = picture(1), picture(2)
+    assert (a.width, a.height, len(a.rgb)) == (40, 24, 40 * 24 * 3)
+    assert a.digest != b.digest and picture(1).digest == a.digest
+    ids = placeholder_ids(a.digest, 16)
+    assert all(-(2**31) <= t < 0 for t in ids) and len(set(ids)) == 16  # int32, negative, distinct
+    assert placeholder_ids(b.digest, 16) != ids
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"", "empty"),
+    (b"hello, this is text and no picture", "not a picture localspec reads"),
+    (png(40, 24)[:60], "truncated or corrupt"),  # cut inside the pixels
+    (png(40, 24, crc=False), "not a picture localspec reads"),  # checksums that do not match
+    (png(20_000, 20_000, body=zlib.compress(b"\0" * 1000)), "declares too many pixels"),  # a bomb
+    (png(8000, 6000, body=zlib.compress(b"\0" * 1000)), "8000 x 6000 pixels; .*max_image_pixels"),
+    (png(9000, 10, body=zlib.compress(b"\0" * 100)), "9000 x 10 pixels"),  # one side too long
+    (b"\x00\x00\x00\x18ftypmp42" + b"\0" * 64, "not a picture"),  # a video's header: never handed to ffmpeg
+])
+def test_a_bad_picture_is_one_line_naming_it(data, why):
+    with pytest.raises(ImageError, match=why) as caught:
+        decode_picture(data, "part 2", LIMITS)
+    assert str(caught.value).startswith("part 2: ") and "\n" not in str(caught.value)
+
+
+def test_a_picture_over_the_byte_limit_is_refused_unread(tmp_path):
+    big = tmp_path / "big.png"
+    with big.open("wb") as f:
+        f.truncate(LIMITS.max_image_bytes + 1)  # sparse: nothing is written, and nothing may be read
+    with pytest.raises(ImageError, match=r"big\.png: 20,000,001 bytes; .*max_image_bytes"):
+        vision.read_picture(big, LIMITS)
+    with pytest.raises(ImageError, match="No such file"):
+        vision.read_picture(tmp_path / "missing.png", LIMITS)
+
+
+def test_a_kept_prefix_never_ends_inside_a_picture():
+    tokens = [5, 6, -1, -2, -3, 7, -4, -5, 8]
+    assert [picture_boundary(tokens, n) for n in range(10)] == [0, 1, 2, 2, 2, 5, 6, 6, 8, 9]
+    assert shared_prefix([5, 6, -1, -2, 99], tokens) == 2  # a slot holding half of the picture keeps none of it
+    assert shared_prefix([5, 6, -1, -2, -3, 7], tokens) == 6
+    assert batch_cut(tokens, 4) == 2 and batch_cut(tokens[2:], 2) == 3  # a batch takes a picture whole
+    assert vision.text_prefix([3, 4, -9, 5]) == [3, 4]
+
+
+# -- the projector file ------------------------------------------------------------------------------------------
+
+
+def test_a_file_that_is_no_projector_is_one_line_before_any_load(tiny_pair_high, tmp_path):
+    with pytest.raises(ModelLoadError, match="not a projector .*'clip'"):
+        vision.check_projector_file(tiny_pair_high[0])
+    with pytest.raises(ModelLoadError, match="projector file not found"):
+        open_session(files(tiny_pair_high, tmp_path / "nope.gguf"), GREEDY)
+
+
+def test_a_projector_of_another_width_is_refused(tiny_pair_high, tmp_path):
+    from synthetic import ProjectorSpec, write_projector
+
+    other = write_projector(tmp_path / "wide.gguf", ProjectorSpec(n_embd_text=576))
+    with pytest.raises(ModelLoadError, match="could not load this projector .*embedding width"):
+        open_session(files(tiny_pair_high, other), GREEDY)
+
+
+# -- generation with pictures --------------------------------------------------------------------------------------
+
+
+def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Picture], n: int) -> list[int]:
+    """Greedy tokens after the prompt through libmtmd's own helper (`mtmd_helper_eval_chunks`: its tokenizer, its
+    chunk evaluation) and single-token llama_decode calls, in a context of its own: no localspec code on the path."""
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False  # (as localspec loads it: one token and a batch score alike on the CPU)
+    model = llama_cpp.llama_model_load_from_file(str(target).encode(), mparams)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = 1024, 512, 512, 1, 1
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    mp = mtmd.mtmd_context_params_default()
+    mp.use_gpu, mp.n_threads, mp.warmup, mp.print_timings = False, 1, False, False
+    mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, mp)
+    chunks = mtmd.mtmd_input_chunks_init()
+    bitmaps = [mtmd.mtmd_bitmap_init(p.width, p.height, (ctypes.c_uint8 * len(p.rgb)).from_buffer_copy(p.rgb))
+               for p in pictures]
+    entry = mtmd.mtmd_input_text()
+    encoded = vision.with_markers(text, len(pictures)).encode()
+    entry.text, entry.text_len, entry.add_special, entry.parse_special = encoded, len(encoded), True, False
+    assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(entry),
+                              (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps), len(bitmaps)) == 0
+    n_past = ctypes.c_int(0)
+    assert mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    out: list[int] = []
+    batch = llama_cpp.llama_batch_init(1, 0, 1)
+    try:
+        for _ in range(n):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            token = int(np.argmax(logits))
+            out.append(token)
+            batch.n_tokens, batch.token[0], batch.pos[0], batch.n_seq_id[0] = 1, token, n_past.value, 1
+            batch.seq_id[0][0], batch.logits[0] = 0, True
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            n_past.value += 1
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        for b in bitmaps:
+            mtmd.mtmd_bitmap_free(b)
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_free(mctx)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return out
+
+
+def test_greedy_with_a_picture_is_plain_decoding_with_it_for_every_drafter(tiny_pair_high, projector):
+    """The same picture and text: plain decoding, the draft model, prompt lookup and the chain emit the same tokens
+    as libmtmd's helper path alone; another picture gives other tokens (the picture reaches the model)."""
+    text = "Describe the picture in a few words, then the picture again:"
+    pictures = [picture(1)]
+    expected = reference_greedy(tiny_pair_high[0], projector, text, pictures, 24)
+    with open_session(files(tiny_pair_high, projector), GREEDY) as s:
+        tokens = prompt(s, text, pictures)
+        assert sum(t < 0 for t in tokens) == 16 and tokens[-1] >= 0
+        runs = {}
+        for name, k in (("plain", 0), ("model", 4), ("lookup", 4), ("chain", 4)):
+            s.engine.reset()
+            runs[name] = collect(s.engine.generate(**request(tokens, k, "model" if name == "plain" else name)))
+        assert all(r.tokens == expected for r in runs.values()), {n: r.tokens for n, r in runs.items()}
+        assert runs["model"].done.stats.drafted > 0 and runs["model"].done.stats.accepted > 0
+
+        def last_row(tokens: list[int]) -> np.ndarray:
+            s.engine.reset()
+            s.target.use_device_sampler(None, 0)  # full logits
+            scores = s.target.decode(tokens, 0, seq=0)
+            assert scores is not None and scores.logits is not None
+            return scores.logits[-1].copy()
+
+        # (the tiny synthetic model's next token hardly depends on anything but the last one: compare logits)
+        assert np.abs(last_row(tokens) - last_row(prompt(s, text, [picture(2)]))).max() > 1e-3
+        np.testing.assert_array_equal(last_row(tokens), last_row(prompt(s, text, [picture(1)])))
+
+
+def test_a_slot_keeps_a_picture_it_holds_and_drops_one_it_does_not(tiny_pair_high, projector):
+    """The next request with the same picture reuses the slot's cells past it; with another picture at the same
+    place the cells are cut before it (never inside), and the output is what a fresh slot gives."""
+    text = "What is in it?"
+    with open_session(files(tiny_pair_high, projector), GREEDY) as s:
+        first = prompt(s, text, [picture(1)])
+        collect(s.engine.generate(**request(first, 4)))
+        again = collect(s.engine.generate(**request(first + [first[-1]], 4)))
+        assert again.done.stats.prompt_tokens_processed <= 2  # the picture and text were kept
+        swapped = prompt(s, text, [picture(3)])
+        reused = collect(s.engine.generate(**request(swapped, 4)))
+        start = next(i for i, t in enumerate(swapped) if t < 0)
+        assert reused.done.stats.prompt_tokens_processed == len(swapped) - 1 - start
+        s.engine.reset()
+        assert collect(s.engine.generate(**request(swapped, 4))).tokens == reused.tokens
+
+
+def test_slots_with_pictures_each_get_what_they_get_alone(tiny_pair_high, projector):
+    """Three requests with different pictures (one with two), arriving at different rounds in a 3-slot engine."""
+    asked = [("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4)], 3, "lookup"),
+             ("Three, in a sentence:", [picture(5)], 0, "model")]
+
+    def requests(s) -> list[dict]:  # (each session's projector reads its own prompts' pictures)
+        return [request(prompt(s, text, pics), k, drafter) for text, pics, k, drafter in asked]
+
+    with open_session(files(tiny_pair_high, projector), GREEDY, parallel=3) as s:
+        together = run_together(s.engine, requests(s), arrivals=[0, 2, 1])
+    with open_session(files(tiny_pair_high, projector), GREEDY) as alone:
+        for r, got in zip(requests(alone), together, strict=True):
+            alone.engine.reset()
+            assert collect(alone.engine.generate(**r)).tokens == got
+
+
+def test_what_a_prompt_with_pictures_cannot_do_is_one_line(tiny_pair_high, projector):
+    with open_session(files(tiny_pair_high, projector), GREEDY) as s:
+        tokens = prompt(s, "x", [picture(1)])
+        with pytest.raises(UsageError, match="ends with a picture"):
+            s.engine.generate(**request(tokens[: tokens.index(next(t for t in tokens if t < 0)) + 16], 4)).__next__()
+        shifted = GREEDY.with_overrides(context_shift=True).context
+        with pytest.raises(UsageError, match="context shift cannot drop part of a picture"):
+            next(s.engine.generate(**request(tokens, 4), context=shifted))
+        with pytest.raises(ImageError, match="2 picture markers .* for 1 pictures"):
+            s.target.projector.tokenize("<__media__> <__media__>", [picture(1)], add_special=True,
+                                        parse_special=False)
+    no_projector = r"no projector \(mmproj\) is loaded for the target \(--mmproj PATH\)"
+    with open_session(files(tiny_pair_high, None), GREEDY) as plain, pytest.raises(UsageError, match=no_projector):
+        next(plain.engine.generate(**request(tokens, 4)))
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+
+
+def localspec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from localspec.cli.app import main; main()", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_with_an_image_prints_what_the_engine_decodes(tiny_pair_high, projector, tmp_path):
+    (tmp_path / "a.png").write_bytes(png(40, 24, 1))
+    common = ["generate", "--target", str(tiny_pair_high[0]), "--draft", str(tiny_pair_high[1]), "--mmproj",
+              str(projector), "--image", str(tmp_path / "a.png"), "--temp", "0", "--threads", "1",
+              "--max-tokens", "12"]
+    plain, spec = localspec(*common, "--draft", "0", "Say it"), localspec(*common, "--draft", "4", "Say it")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr[-2000:] + spec.stderr[-2000:]
+    assert plain.stdout == spec.stdout and plain.stdout.strip()
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    (["--image", "{tmp}/bad.png"], "bad.png: not a picture localspec reads"),
+    (["--image", "{tmp}/a.png", "--no-mmproj"], "--image needs the target's projector: --mmproj PATH"),
+])
+def test_generate_refuses_a_bad_image_in_one_line_before_loading(tiny_pair_high, projector, tmp_path, extra, why):
+    (tmp_path / "a.png").write_bytes(png(8, 8))
+    (tmp_path / "bad.png").write_bytes(b"GIF87a? no")
+    args = ["generate", "--target", str(tiny_pair_high[0]), "--draft", "none", "--threads", "1"]
+    if "--no-mmproj" not in extra:
+        args += ["--mmproj", str(projector)]
+    args += [e.format(tmp=tmp_path) for e in extra if e != "--no-mmproj"] + ["hi"]
+    done = localspec(*args)
+    assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
