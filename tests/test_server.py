@@ -147,7 +147,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "stop": ["ok", ""]}, "stop", "must not be empty"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "got 'function'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content", "only text parts"),
+     "messages[0].content", "an image_url part is"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]},
+     "messages[0].content", "picture URLs are not fetched"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content", "parts are text or image_url"),
+    ({"messages": [{"role": "user", "content": "see <__media__>"}]}, "messages[0].content", "picture marker"),
     ({"messages": []}, "messages", "at least 1"),
     ({}, "messages", "required"),
 ])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -297,3 +298,54 @@ def test_generate_refuses_a_bad_image_in_one_line_before_loading(tiny_pair_high,
     done = localspec(*args)
     assert done.returncode == 2 and why in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# -- the server: image_url parts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_server_reads_image_url_parts_and_refuses_bad_ones_with_400(tiny_pair_high, projector, tmp_path):
+    """Through the official client on a real port: a data: URI picture with speculation answers what it answers
+    without (greedy), /props says vision; a bad picture, an http URL and a picture without a projector are a 400
+    naming the part."""
+    import base64
+
+    import httpx
+    import openai
+
+    from tests.test_serve import Server
+
+    home = tmp_path / "home"
+    home.mkdir()
+    uri = "data:image/png;base64," + base64.b64encode(png(40, 24, 1)).decode()
+
+    def ask(client: openai.OpenAI, url: str, **extra: object) -> str:
+        r = client.chat.completions.create(model="target", max_tokens=12, temperature=0, extra_body=extra,
+                                           messages=[{"role": "user", "content": [
+                                               {"type": "text", "text": "What is this?"},
+                                               {"type": "image_url", "image_url": {"url": url}}]}])
+        return r.choices[0].message.content or ""
+
+    s = Server(home, tmp_path, "--target", str(tiny_pair_high[0]), "--draft", str(tiny_pair_high[1]), "--mmproj",
+               str(projector), "--threads", "1", "--always-draft")
+    try:
+        client = s.client()
+        assert httpx.get(f"{s.root}/props", timeout=10).json()["modalities"]["vision"] is True
+        spec = ask(client, uri, **{"speculative.n_max": 4})
+        assert spec and spec == ask(client, uri, **{"speculative.type": "none"})
+        bad = "data:image/png;base64," + base64.b64encode(png(40, 24, 1)[:70]).decode()
+        for url, needle in ((bad, "messages[0] picture 1: truncated or corrupt"),
+                            ("https://example.com/a.png", "picture URLs are not fetched"),
+                            ("data:image/png;base64,@@@", "does not decode")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
+                ask(client, url)
+        assert ask(client, uri, **{"speculative.n_max": 4}) == spec  # (the server goes on serving)
+    finally:
+        s.stop()
+    s = Server(home, tmp_path, "--target", str(tiny_pair_high[0]), "--draft", "none", "--threads", "1")
+    try:
+        assert httpx.get(f"{s.root}/props", timeout=10).json()["modalities"]["vision"] is False
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\] picture 1: this model reads no pictures"):
+            ask(s.client(), uri)
+    finally:
+        s.stop()

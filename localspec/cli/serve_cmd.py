@@ -215,6 +215,8 @@ def _pair_runs(run: options.RunOptions, pairs: list[str],
         raise UsageError("--target with several --pair: serve named pairs only (a file pair goes in models.toml)")
     if model_alias:
         raise UsageError("--model-alias with several --pair: each pair is requested by its own name")
+    if run.mmproj is not None:
+        raise UsageError("--mmproj with several --pair: a projector fits one target (serve that pair alone)")
     twice = next((p for i, p in enumerate(pairs) if p in pairs[:i]), None)
     if twice is not None:
         raise UsageError(f"--pair {twice}: given twice")

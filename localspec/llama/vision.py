@@ -27,13 +27,20 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from localspec.config import ImageSettings
 from localspec.errors import ModelLoadError, UsageError
 
-if TYPE_CHECKING:  # (the model imports nothing of this module's at load time)
-    from localspec.llama.model import LlamaModel
+
+class Target(Protocol):
+    """What a projector needs of its target (a `LlamaModel`; named here so that model.py may import this module)."""
+
+    path: Path
+    model: Any
+    ctx: Any
+    n_batch: int
+    on_gpu: bool
 
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")  # what Pillow may open: stills only, no exotic decoders
 PLACEHOLDER_BITS = 31  # a placeholder id is -(1 + a 31-bit number): an int32, as every token list holds
@@ -94,6 +101,20 @@ def decode_picture(data: bytes, name: str, limits: ImageSettings) -> Picture:
             raise ImageError(f"{name}: truncated or corrupt picture ({exc})") from None
     digest = hashlib.sha256(struct.pack("<II", width, height) + rgb).digest()
     return Picture(width, height, rgb, digest)
+
+
+def data_uri_bytes(uri: str, name: str) -> bytes:
+    """The bytes of a data:image/...;base64 URI (a request's image_url part), or an ImageError naming `name`."""
+    import base64
+    import binascii
+
+    _, sep, payload = uri.partition(";base64,")
+    if not sep:
+        raise ImageError(f"{name}: not a data:image/<type>;base64 URI")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{name}: its base64 data does not decode") from None
 
 
 def read_picture(path: Path, limits: ImageSettings) -> Picture:
@@ -195,7 +216,7 @@ class Projector:
     placeholder ids, and keeps each picture's chunk (the most recent `keep` pictures) for `decode`, which the target
     calls for a run of a picture's ids."""
 
-    def __init__(self, path: Path, target: LlamaModel, n_threads: int, keep: int = 64) -> None:
+    def __init__(self, path: Path, target: Target, n_threads: int, keep: int = 64) -> None:
         self.path = Path(path)
         check_projector_file(self.path)
         m = _mtmd()
@@ -280,6 +301,11 @@ class Projector:
             m.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
                 m.mtmd_bitmap_free(bitmap)
+
+    def picture_tokens(self, picture: Picture) -> list[int]:
+        """One picture's tokens alone: its placeholder ids with the projector's own wrapping text around them
+        (Gemma 3's `<start_of_image>`, as special tokens): what `tokenize` puts where its marker is."""
+        return self.tokenize(MARKER, [picture], add_special=False, parse_special=True)
 
     def _remember(self, first: int, chunk: ctypes.c_void_p, n: int) -> None:
         old = self._chunks.pop(first, None)

@@ -46,7 +46,6 @@ from localspec.drafters.base import (
 from localspec.drafters.base import shared_prefix as shared_prefix
 from localspec.errors import ContextFullError, DecodeError, RollbackError, UsageError
 from localspec.llama.grammar import Grammar
-from localspec.llama.vision import holds_pictures
 from localspec.rounds.constraints import accept_constrained
 from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, STOP_REQUESTED, Event
 from localspec.rounds.policies import DraftLength, LoadPolicy, kept_length
@@ -126,22 +125,6 @@ class Engine:
             why = f" ({why})" if why else ""
             raise UsageError(f"drafter {drafting.drafter!r} cannot run with these models{why}; they can run: "
                              f"{', '.join(self.drafters) or 'none'} (or draft length 0: plain decoding)")
-
-    def check_pictures(self, prompt: Sequence[int], drafting: Drafting, context: ContextSettings | None) -> None:
-        """A prompt that holds pictures (llama.vision's placeholder ids) needs the target's projector, text after
-        its last picture, and a drafter that does not read the target's rows (the picture's positions give none);
-        context shift would cut a picture: each a UsageError naming it."""
-        if getattr(self.target, "projector", None) is None:
-            raise UsageError("the prompt holds a picture, but no projector (mmproj) is loaded for the target "
-                             "(--mmproj PATH)")
-        if prompt[-1] < 0:
-            raise UsageError("the prompt ends with a picture: text must follow it (a chat template adds it)")
-        if drafting.n_draft > 0 and drafting.drafter in self.drafters and self.drafters[drafting.drafter].reads_target:
-            raise UsageError(f"drafter {drafting.drafter!r} reads the target's rows, which a picture's positions do "
-                             "not give: with pictures, draft with model, lookup, suffix or chain")
-        if context is not None and context.context_shift:
-            raise UsageError("context shift cannot drop part of a picture: turn context_shift off for prompts with "
-                             "pictures")
 
     @property
     def load(self) -> LoadPolicy:
@@ -233,8 +216,6 @@ class Engine:
                 f"(loaded for that draft length); ask for n_draft <= {depth}, or load it with a longer one")
         if context is not None and context.context_shift:
             self.check_context_shift()
-        if holds_pictures(prompt):
-            self.check_pictures(prompt, drafting, context)
         chosen = self.slots[slot]
         stream = Stream(self, chosen, sampling, drafting, max_tokens, should_stop, trace, grammar, constrain_draft,
                         logprobs, context, owner)

@@ -60,6 +60,22 @@ class SlotCells:
                 raise UsageError(f"context shift: the {'target' if i == 0 else 'draft'} has a recurrent state, which "
                                  "cannot drop tokens from its middle (turn context_shift off)")
 
+    def check_pictures(self, prompt: Sequence[int], s: Stream) -> None:
+        """A prompt that holds pictures (llama.vision's placeholder ids) needs the target's projector, text after
+        its last picture, and a drafter that does not read the target's rows (a picture's positions give none);
+        context shift would cut a picture: each a UsageError naming it (before any cell changes)."""
+        if getattr(self.target, "projector", None) is None:
+            raise UsageError("the prompt holds a picture, but no projector (mmproj) is loaded for the target "
+                             "(--mmproj PATH)")
+        if prompt[-1] < 0:
+            raise UsageError("the prompt ends with a picture: text must follow it (a chat template adds it)")
+        if s.drafter is not None and s.drafter.reads_target:
+            raise UsageError(f"drafter {s.drafting.drafter!r} reads the target's rows, which a picture's positions do "
+                             "not give: with pictures, draft with model, lookup, suffix or chain")
+        if s.shift is not None:
+            raise UsageError("context shift cannot drop part of a picture: turn context_shift off for prompts with "
+                             "pictures")
+
     def snapshot(self, slot: int) -> SlotState:
         """Slot `slot`'s cells in every model, each rolled back to a prefix of its committed tokens (a draft's
         cells may hold drafted tokens past them), as llama.cpp serialises them. The slot must be idle."""
@@ -159,6 +175,8 @@ class SlotCells:
     def prefill(self, s: Stream, prompt: list[int]) -> list[PromptWork]:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
+        if any(t < 0 for t in prompt):
+            self.check_pictures(prompt, s)
         slot = s.slot
         limit = s.drafter.target_limit(s.req, prompt) if s.drafter is not None else None
         self.start_afresh_below_floor(slot.seq, prompt[:-1], limit)

@@ -170,6 +170,8 @@ def write(path: Path, state: SlotState, models: Sequence[ModelIdentity], extra: 
     written."""
     if len(models) != len(state.models):
         raise ValueError("one identity per model state")
+    if any(t < 0 for t in state.tokens):  # (a picture's placeholder ids: llama.vision)
+        raise SlotFileError(f"{path.name}: the {what}'s cells hold a picture, which {what}s do not keep yet")
     header = {
         "format": FORMAT, "localspec": __version__, "llama_cpp_python": _llama_cpp_version(),
         "tokens": len(state.tokens),

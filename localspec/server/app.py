@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from localspec import __version__
+from localspec.llama.vision import data_uri_bytes, decode_picture
 from localspec.server import errors
 from localspec.server.errors import ApiError
 from localspec.server.guard import Cors, Guard
@@ -101,10 +102,17 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                                                     backend.template.reads_tools)
         backend.limits.check_messages([m["content"] for m in messages])  # before the template renders them all
 
+        sent = [(f"messages[{i}] picture {j + 1}", uri) for i, m in enumerate(req.messages)
+                for j, uri in enumerate(m.pictures)]
+        if sent and backend.model.projector is None:
+            raise ApiError(400, f"{sent[0][0]}: this model reads no pictures (the server was started without "
+                           "--mmproj)", param="messages", code="invalid_value")
+
         def build(cancelled: Callable[[], bool]) -> list[int]:
             assert backend.template is not None
+            pictures = [decode_picture(data_uri_bytes(uri, name), name, backend.preset.images) for name, uri in sent]
             return encode_messages(backend.model, backend.template, messages, control_tokens=state.control_tokens,
-                                   limit=backend.n_ctx, cancelled=cancelled, variables=variables)
+                                   limit=backend.n_ctx, cancelled=cancelled, variables=variables, pictures=pictures)
 
         prompt = await build_prompt(backend, build, request)
         return await run_request(state, backend, request, req, prompt, chat=True, tools=tools)

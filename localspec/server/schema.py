@@ -18,10 +18,11 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from localspec.config import DRAFTERS, key_metadata
 from localspec.drafters import LLAMA_SERVER_TYPES
+from localspec.llama.vision import MARKER
 from localspec.server.errors import ApiError
 
 MAX_STOPS = 16
@@ -251,31 +252,41 @@ class _Generation(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str = ""
+    # A string, or content parts: `_parts` checks them, `_pictures` turns them into text with the picture marker
+    # where each image_url part was (its data: URI into `pictures`), so after validation it is always a string.
+    content: str | list[dict[str, Any]] = ""
     name: str | None = None
     refusal: Any = None
     tool_calls: Any = None
     tool_call_id: Any = None
     function_call: Any = None
+    pictures: list[str] = Field(default_factory=list, exclude=True)  # (not a request field: filled from the parts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pictures_field(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "pictures" in data:
+            raise ValueError("pictures: not a message field (send pictures as image_url content parts)")
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text(cls, value: Any) -> str:
-        """A string, null (an assistant turn with no text), or text parts joined by newlines."""
+    def _parts(cls, value: Any) -> str | list[dict[str, Any]]:
+        """A string, null (an assistant turn with no text), or text and image_url parts (`content_parts`)."""
         if value is None or isinstance(value, str):
+            if value and MARKER in value:
+                raise ValueError(f"text may not hold {MARKER} (the picture marker): send an image_url part")
             return value or ""
         if not isinstance(value, list):
-            raise ValueError("expected a string or a list of text parts")
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise ValueError('expected parts like {"type": "text", "text": "..."}')
-            if part["type"] != "text":
-                raise ValueError(f"only text parts are supported (got type {part['type']!r})")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise ValueError('a text part is {"type": "text", "text": "..."}')
-            texts.append(part["text"])
-        return "\n".join(texts)
+            raise ValueError("expected a string or a list of text and image_url parts")
+        content_parts(value)  # (checked here, so an error names the content)
+        return value
+
+    @model_validator(mode="after")
+    def _pictures(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            self.content, self.pictures = content_parts(self.content)
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
@@ -287,6 +298,40 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def content_parts(parts: list[Any]) -> tuple[str, list[str]]:
+    """OpenAI content parts as (text, data: URIs): text parts joined by newlines, each image_url part as the
+    picture marker in its place. A picture is sent inline (a data: URI); an http(s) URL is never fetched."""
+    texts: list[str] = []
+    pictures: list[str] = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f'content[{j}]: expected parts like {{"type": "text", "text": "..."}}')
+        if part["type"] == "text":
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(f'content[{j}]: a text part is {{"type": "text", "text": "..."}}')
+            if MARKER in part["text"]:
+                raise ValueError(f"content[{j}]: text may not hold {MARKER} (the picture marker): send an image_url "
+                                 "part")
+            texts.append(part["text"])
+        elif part["type"] == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if set(part) != {"type", "image_url"} or not isinstance(url, str) or (
+                    isinstance(image, dict) and not set(image) <= {"url", "detail"}):
+                raise ValueError(f'content[{j}]: an image_url part is {{"type": "image_url", "image_url": '
+                                 '{"url": "data:image/png;base64,..."}}')
+            if re.match(r"(?i)https?:", url):
+                raise ValueError(f"content[{j}]: picture URLs are not fetched: send the picture inline, as a "
+                                 "data:image/...;base64 URI")
+            if not re.match(r"(?i)data:image/[\w.+-]+;base64,", url):
+                raise ValueError(f"content[{j}]: a picture is a data:image/<type>;base64,<data> URI")
+            texts.append(MARKER)
+            pictures.append(url)
+        else:
+            raise ValueError(f"content[{j}]: parts are text or image_url (got type {part['type']!r})")
+    return "\n".join(texts), pictures
 
 
 _MESSAGE_UNSUPPORTED = {

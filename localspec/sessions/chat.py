@@ -40,7 +40,7 @@ from localspec.errors import ContextFullError, LocalspecError, TooManyTokens, Us
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
-from localspec.llama.vision import Picture
+from localspec.llama.vision import MARKER, Picture
 from localspec.rounds import slot_file
 from localspec.rounds.engine import Engine, shared_prefix
 from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
@@ -169,8 +169,11 @@ _finders: weakref.WeakKeyDictionary[LlamaModel, _ControlFinder] = weakref.WeakKe
 def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Message], *,
                     control_tokens: bool = False, limit: int | None = None,
                     cancelled: Callable[[], bool] | None = None,
-                    variables: dict[str, Any] | None = None) -> list[int]:
+                    variables: dict[str, Any] | None = None, pictures: Sequence[Picture] = ()) -> list[int]:
     """Render a conversation and tokenize it for a model that serves others' text (the server).
+
+    `pictures`: one for each picture marker in the messages' contents, in order; each goes where its marker is,
+    through the target's projector (its own wrapping text, `<start_of_image>`, as special tokens).
 
     The template's own control tokens (`<|im_start|>`) become special tokens. Unless `control_tokens`, no text in
     a message does: a message whose content holds a control token's text is rendered as a placeholder and its
@@ -182,8 +185,10 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
     token's text is refused (a LocalspecError naming it) unless `control_tokens`.
     """
     variables = variables or {}
+    if pictures and model.projector is None:
+        raise UsageError("this model reads no pictures: start the server with the target's projector (--mmproj)")
     if control_tokens:
-        return encode_chat(model, template.render(messages, **variables), limit)
+        return encode_chat(model, template.render(messages, **variables), limit, pictures=pictures)
     finder = _finders.get(model)
     if finder is None:
         finder = _finders[model] = _ControlFinder(model.control_texts)
@@ -204,10 +209,21 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
     text = template.render([{**m, "content": hide(m.get("content", ""))} for m in messages], **variables)
     tokens: list[int] = []
 
+    waiting = list(pictures)
+
     def add(piece: str, special: bool) -> None:
         if cancelled is not None and cancelled():
             raise BuildCancelled
         if not piece:
+            return
+        if pictures and MARKER in piece:
+            first, _, rest = piece.partition(MARKER)
+            add(first, special)
+            if not waiting:
+                raise UsageError(f"the prompt holds more picture markers than the {len(pictures)} pictures sent")
+            assert model.projector is not None
+            tokens.extend(model.projector.picture_tokens(waiting.pop(0)))
+            add(rest, special)
             return
         room = None if limit is None else limit - len(tokens)
         try:
@@ -222,6 +238,10 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
         add(hidden[int(mark.group(1))], False)
         at = mark.end()
     add(text[at:], True)
+    if waiting:  # (a template that drops a message's content: its pictures would be lost silently)
+        raise UsageError(f"the chat template kept {len(pictures) - len(waiting)} of the {len(pictures)} pictures")
+    if limit is not None and len(tokens) > limit:
+        raise TooManyTokens(f"the prompt has {len(tokens)} tokens", len(tokens))
     return _with_bos(model, tokens)
 
 
