@@ -349,3 +349,42 @@ def test_the_server_reads_image_url_parts_and_refuses_bad_ones_with_400(tiny_pai
             ask(s.client(), uri)
     finally:
         s.stop()
+
+
+# -- chat: /image -----------------------------------------------------------------------------------------------
+
+
+def test_chat_attaches_a_picture_to_the_next_message_and_keeps_it_in_the_history(tiny_pair_high, projector,
+                                                                                  tmp_path):
+    from localspec.errors import LocalspecError
+    from localspec.sessions.chat import ChatSession, parse_command
+
+    assert parse_command("/image cat.png").arg == "cat.png"
+    (tmp_path / "a.png").write_bytes(png(40, 24, 1))
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    preset = GREEDY.with_overrides(n_draft=4)
+    with open_session(files(tiny_pair_high, projector), preset) as s:
+        chat = ChatSession(s.engine, s.target, preset, max_tokens=8)
+        with pytest.raises(ImageError, match=r"bad\.png: "):
+            chat.attach(tmp_path / "bad.png")
+        assert chat.attach(tmp_path / "a.png").width == 40 and len(chat.attached) == 1
+        with pytest.raises(LocalspecError, match="picture marker"):
+            list(chat.send("look: <__media__>"))
+        list(chat.send("What is it?"))
+        first = chat.turns[-1]
+        assert first.pictures == 1 and not chat.attached and first.stats.drafted > 0
+        prompt_one = chat.prompt_tokens(chat.messages[:-1])
+        assert sum(t < 0 for t in prompt_one) == 16
+        # the reply matches the engine alone on the same prompt
+        s.engine.reset()
+        alone = collect(s.engine.generate(**request(prompt_one, 4, max_tokens=8)))
+        assert s.target.detokenize(alone.tokens).strip() == first.reply
+        list(chat.send("And again?"))
+        second = chat.turns[-1]
+        assert second.pictures == 0 and sum(t < 0 for t in chat.prompt_tokens()) == 16  # the picture stays, once
+        with pytest.raises(LocalspecError, match="holds a picture"):
+            chat.save(tmp_path / "chat.json")
+        assert not (tmp_path / "chat.json").exists() and not (tmp_path / "chat.json.kv").exists()
+    with open_session(files(tiny_pair_high, None), preset) as plain, \
+            pytest.raises(UsageError, match="/image needs the target's projector"):
+        ChatSession(plain.engine, plain.target, preset).attach(tmp_path / "a.png")

@@ -237,6 +237,10 @@ class ChatView:
             loaded = chat.load(Path(str(arg)))
             out(f"[dim]loaded {len(chat.messages)} messages from {escape(str(loaded.transcript))}; "
                 f"{loaded.tokens} tokens of KV cells restored (not read again)[/]")
+        elif name == "image":
+            picture = chat.attach(Path(str(arg)))
+            out(f"[dim]picture {escape(str(arg))} ({picture.width} x {picture.height}) goes with your next message "
+                f"({len(chat.attached)} attached)[/]")
         elif name == "color":
             self.color = not self.color
             out(f"[dim]draft-token colour {'on' if self.color else 'off'}[/]")

@@ -40,7 +40,7 @@ from localspec.errors import ContextFullError, LocalspecError, TooManyTokens, Us
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
-from localspec.llama.vision import MARKER, Picture
+from localspec.llama.vision import MARKER, Picture, read_picture, with_markers
 from localspec.rounds import slot_file
 from localspec.rounds.engine import Engine, shared_prefix
 from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
@@ -329,6 +329,7 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "nothink": (None, "answer without thinking"),
     "save": ("FILE", "write the transcript and per-turn stats as JSON, and both models' KV cells to FILE.kv"),
     "load": ("FILE", "resume a conversation /save wrote: its messages and KV cells (nothing is read again)"),
+    "image": ("PATH", "attach a picture (PNG, JPEG, GIF, BMP, WebP) to your next message (needs --mmproj)"),
     "color": (None, "toggle the colour of tokens that came from accepted drafts"),
     "exit": (None, "leave (Ctrl-D does too)"),
 }
@@ -402,6 +403,7 @@ class TurnRecord:
     answer: str = ""  # the reply without it (what history shows for earlier turns)
     max_tokens: int = 0  # the reply limit in force
     aside: str | None = None  # why drafting stood aside at the reply's end (`DoneEvent.aside`), None: it drafted
+    pictures: int = 0  # pictures attached to the user's message (/image)
 
     def as_dict(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -429,6 +431,7 @@ class ChatSession:
         self.info = dict(info or {})
         self.messages: list[Message] = []
         self.turns: list[TurnRecord] = []
+        self.attached: list[Picture] = []  # /image: pictures for the next message
         self.reset()
 
     # -- conversation ---------------------------------------------------------------------------------------
@@ -441,6 +444,7 @@ class ChatSession:
         """Forget the conversation (not the system prompt) and both KV caches: the next turn starts clean."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.turns = []
+        self.attached = []
         self.engine.reset()
 
     @property
@@ -449,10 +453,21 @@ class ChatSession:
 
     def prompt_text(self, messages: list[Message] | None = None) -> str:
         variables = {} if self.thinking is None else {"enable_thinking": self.thinking}
-        return self.template.render(self.messages if messages is None else messages, **variables)
+        shown = [{k: v for k, v in m.items() if k != "pictures"} for m in
+                 (self.messages if messages is None else messages)]  # (a message's pictures: its markers say where)
+        return self.template.render(shown, **variables)
 
     def prompt_tokens(self, messages: list[Message] | None = None) -> list[int]:
-        return encode_chat(self.model, self.prompt_text(messages))
+        pictures = [p for m in (self.messages if messages is None else messages) for p in m.get("pictures", ())]
+        return encode_chat(self.model, self.prompt_text(messages), pictures=pictures)
+
+    def attach(self, path: Path) -> Picture:
+        """/image PATH: a picture for the next message, read and checked now (the preset's [images])."""
+        if self.model.projector is None:
+            raise UsageError("/image needs the target's projector: start the chat with --mmproj PATH")
+        picture = read_picture(Path(path).expanduser(), self.preset.images)
+        self.attached.append(picture)
+        return picture
 
     def splitter(self) -> ThinkSplitter:
         """A splitter for the next reply's stream (the template may open the thinking block itself)."""
@@ -468,7 +483,14 @@ class ChatSession:
         text = text.strip()
         if not text:
             raise LocalspecError("the message is empty")
-        messages, prompt, dropped = self._fit([*self.messages, {"role": "user", "content": text}])
+        if MARKER in text:
+            raise LocalspecError(f"the message holds {MARKER}, the picture marker: attach pictures with /image")
+        message: Message = {"role": "user", "content": text}
+        if self.attached:  # (kept attached until a reply starts: a message the context refuses keeps them)
+            message = {"role": "user", "content": with_markers(text, len(self.attached)),
+                       "pictures": list(self.attached)}
+        messages, prompt, dropped = self._fit([*self.messages, message])
+        self.attached = []
         sampling, drafting = self.preset.sampling, self.preset.draft
         limit = self.reply_limit
         cached = self.engine.cached_tokens
@@ -503,7 +525,8 @@ class ChatSession:
         thinking, answer = split_thinking(raw, thinking=opens_thinking)
         processed = done.stats.prompt_tokens_processed if done else None
         record = TurnRecord(
-            user=text, reply=reply, stop_reason=done.stop_reason if done else STOP_INTERRUPTED,
+            user=text, pictures=len(message.get("pictures", ())), reply=reply,
+            stop_reason=done.stop_reason if done else STOP_INTERRUPTED,
             tokens=len(tokens), from_draft=from_draft, prompt_tokens=len(prompt),
             prompt_tokens_processed=processed,
             n_draft=drafting.n_draft if drafting.drafter in self.engine.drafters else 0,
@@ -629,6 +652,8 @@ class ChatSession:
         """Write both models' KV cells to PATH.kv (slot_file.py), then the transcript as JSON to PATH, naming the
         state file and the id both carry; each write atomic (fsutil: a temporary file, then a rename)."""
         path = Path(path).expanduser()
+        if any(m.get("pictures") for m in self.messages):
+            raise LocalspecError("/save: the conversation holds a picture, which saved chats do not keep yet")
         kv = kv_path(path)
         check_writable(path, what="transcript")
         save_id = uuid.uuid4().hex
