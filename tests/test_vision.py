@@ -388,3 +388,58 @@ def test_chat_attaches_a_picture_to_the_next_message_and_keeps_it_in_the_history
     with open_session(files(tiny_pair_high, None), preset) as plain, \
             pytest.raises(UsageError, match="/image needs the target's projector"):
         ChatSession(plain.engine, plain.target, preset).attach(tmp_path / "a.png")
+
+
+# -- memory: the projector in the plan, doctor -------------------------------------------------------------------
+
+
+def header_only_projector(path: Path, image_size: int, patch_size: int, heads: int, n_ff: int) -> Path:
+    """A projector's header without tensors (doctor and the memory plan read headers only)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch="clip")
+    w.add_string("clip.projector_type", "gemma3")
+    for key, value in (("image_size", image_size), ("patch_size", patch_size), ("attention.head_count", heads),
+                       ("feed_forward_length", n_ff), ("embedding_length", 1152)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_the_memory_plan_counts_the_projector_with_the_target(tiny_pair_high, projector, tmp_path):
+    from localspec.models import memory
+    from localspec.models.gguf_header import read_header
+
+    t, d = read_header(tiny_pair_high[0]), read_header(tiny_pair_high[1])
+    header = read_header(projector)
+    weights, compute = memory.projector_memory(header)
+    assert weights == header.tensor_bytes > 0
+    assert compute == 4 * (64 * 64 * 2 + 4 * 64 * 64)  # 8 x 8 patches, 2 heads, n_ff 64
+    devices = memory.Devices(ram_available=64 * 2**30)
+    plain = memory.estimate(t, d, memory.settings_from_preset(GREEDY), devices)
+    with_it = memory.estimate(t, d, memory.settings_from_preset(GREEDY, projector=header), devices)
+    assert with_it.models[0].total - plain.models[0].total == weights + compute
+    assert with_it.models[1] == plain.models[1]  # (the draft reads no pictures)
+    # Gemma 3's projector (SigLIP at 896 px, patches of 14, 16 heads): ~1.3 GiB of compute for a picture
+    siglip = read_header(header_only_projector(tmp_path / "siglip.gguf", 896, 14, 16, 4304))
+    assert memory.projector_memory(siglip)[1] == 4 * (4096 * 4096 * 16 + 4 * 4096 * 4304)
+
+
+def test_doctor_counts_the_projector_and_says_what_fits_a_24_gb_card(tiny_pair_high, projector, tmp_path):
+    from localspec.models import doctor
+    from localspec.status import Status
+
+    def checks(mmproj: Path) -> dict[str, doctor.Check]:
+        found = doctor.run_checks(tiny_pair_high[0], tiny_pair_high[1], GREEDY, mmproj=mmproj)
+        return {c.name: c for c in found}
+
+    good = checks(projector)
+    assert good["projector"].status == Status.OK and "gemma3" in good["projector"].detail
+    assert good["on a 24 GiB card"].status == Status.OK
+    bad = checks(tiny_pair_high[0])
+    assert bad["projector"].status == Status.FAIL and "not a projector" in bad["projector"].detail
+    # a projector whose picture needs more than the card holds: a warning with what would fit
+    huge = checks(header_only_projector(tmp_path / "huge.gguf", 2048, 4, 64, 4096))
+    assert huge["on a 24 GiB card"].status == Status.WARN and "no context fits" in huge["on a 24 GiB card"].detail

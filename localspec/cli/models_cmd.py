@@ -240,7 +240,8 @@ def doctor_cmd(run: options.RunOptions, parallel: options.parallel = None) -> No
     chosen = run.settle(files, "doctor", parallel=parallel)
     checks = doctor.run_checks(files.target if files else None, files.draft if files else None, chosen,
                                n_ctx=chosen.load.n_ctx, missing=missing, parallel=chosen.server.parallel,
-                               demo=files is not None and files.name in registry.BUILTIN)
+                               demo=files is not None and files.name in registry.BUILTIN,
+                               mmproj=files.mmproj if files else None)
     console.print(
         f"[bold]localspec doctor[/] pair [cyan]{files.name if files else run.pair or '?'}[/], "
         f"preset {chosen.name}"

@@ -5,7 +5,7 @@ Every check reads headers, the preset and the machine; none loads a weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localspec import machine
@@ -261,6 +261,7 @@ def run_checks(
     parallel: int = 1,
     demo: bool = False,
     threads: machine.ThreadChoice | None = None,
+    mmproj: Path | None = None,
 ) -> list[Check]:
     """The checklist in order. `missing` explains why there are no files (e.g. a pair not pulled yet);
     `parallel`: the fit of `serve`'s slots, each with a KV cache of the context; `demo`: the files are a
@@ -280,8 +281,55 @@ def run_checks(
     checks.extend(_machine_checks(dev, servers))
     checks.append(threads_check(preset.load.threads, threads or machine.thread_choice()))
     checks.append(prompt_cache_check(preset.server.cache_ram, dev.ram_available))
+    projector = None
+    if mmproj is not None:
+        found, projector = projector_check(mmproj)
+        checks.append(found)
     placed, settings = _placement_check(preset, ctx, dev, parallel)
+    if projector is not None:
+        settings = replace(settings, projector=memory.projector_memory(projector))
     checks.append(placed)
     if t is not None and placed.status != Status.FAIL:
         checks.append(_fit_check(t, d, settings, dev))
+        if projector is not None:
+            checks.append(card_check(t, d, settings))
     return checks
+
+
+CARD_BYTES = 24 * 2**30  # an RTX 3090/4090
+CARD_RAM = 64 * 2**30  # (the host's RAM is not the question on that card: plenty)
+
+
+def projector_check(path: Path) -> tuple[Check, GGUFHeader | None]:
+    """The target's projector: a readable mmproj file and a build with libmtmd; what it adds to the target's
+    memory (its weights and the compute buffer of its largest picture)."""
+    from localspec.llama import vision
+
+    try:
+        vision.check_projector_file(path)
+    except LocalspecError as exc:
+        return Check(Status.FAIL, "projector", str(exc), "give --mmproj the mmproj GGUF of the target's model"), None
+    header = read_header(path)
+    weights, compute = memory.projector_memory(header)
+    kind = header.metadata.get("clip.projector_type", "?")
+    return Check(Status.OK, "projector", f"{path.name} ({kind}): {weights / 2**20:.0f} MiB of weights and up to "
+                 f"{compute / 2**20:.0f} MiB of compute for a picture, counted with the target"), header
+
+
+def card_check(t: GGUFHeader, d: GGUFHeader | None, s: memory.Settings) -> Check:
+    """Whether the pair with its projector fits a 24 GiB card whole (every layer on it), at these settings, and the
+    longest context that does."""
+    card = memory.Devices(ram_available=CARD_RAM,
+                          gpus=(memory.DeviceMem(placement.Dev("gpu", 0), "a 24 GiB card", CARD_BYTES, CARD_BYTES),))
+    whole = s.changed(n_gpu_layers=-1, draft_n_gpu_layers=-1, split_mode="none", tensor_split=(), main_gpu=0,
+                      draft_device="auto", rpc=())
+    try:
+        est = memory.estimate(t, d, whole, card)
+    except LocalspecError as exc:
+        return Check(Status.INFO, "on a 24 GiB card", f"not estimated: {exc}")
+    if est.fits:
+        return Check(Status.OK, "on a 24 GiB card", f"the pair and its projector fit at context {whole.load.n_ctx} "
+                     f"({est.where()})")
+    longest = memory.largest_ctx(t, d, whole, card)
+    room = f"the longest context that fits: {longest}" if longest else "no context fits"
+    return Check(Status.WARN, "on a 24 GiB card", f"{est.problem}; {room}", "a smaller --ctx or --kv-type q8_0")

@@ -65,6 +65,7 @@ class Settings:
     n_draft: int
     n_seq: int
     drafter: str
+    projector: tuple[int, int] = (0, 0)  # a multimodal projector's (weights, compute) bytes, beside the target
 
     def changed(self, **values: object) -> Settings:
         """These settings with other values: `n_draft`, `n_seq`, `drafter`, or any `[load]` key (`tensor_split`
@@ -290,10 +291,25 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
     return need, ram
 
 
+def projector_memory(header: GGUFHeader) -> tuple[int, int]:
+    """A projector's (weights, compute) bytes: its tensors, and libmtmd's buffer for its largest picture: every
+    patch's attention scores over every other in each head (F32; flash attention needs less) and its activations
+    through the widest layer, the way clip.cpp sizes the graph it reserves (an upper bound, not a measurement)."""
+    meta = header.metadata
+    size, patch = int(meta.get("clip.vision.image_size", 0) or 0), int(meta.get("clip.vision.patch_size", 1) or 1)
+    patches = (size // max(1, patch)) ** 2
+    heads = int(meta.get("clip.vision.attention.head_count", 1) or 1)
+    width = max(int(meta.get("clip.vision.feed_forward_length", 0) or 0),
+                int(meta.get("clip.vision.embedding_length", 0) or 0))
+    return header.tensor_bytes, 4 * (patches * patches * heads + 4 * patches * width)
+
+
 def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
-    models = [model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.load.n_gpu_layers,
-                           mtp=s.drafter in DRAFTER_TABLE and DRAFTER_TABLE[s.drafter].target_head,
-                           snapshots=s.n_draft)]
+    first = model_memory(target, s, n_outputs=s.n_draft + 1, n_gpu_layers=s.load.n_gpu_layers,
+                         mtp=s.drafter in DRAFTER_TABLE and DRAFTER_TABLE[s.drafter].target_head, snapshots=s.n_draft)
+    if any(s.projector):  # (libmtmd puts the projector where the target's layers go: counted with them)
+        first = replace(first, weights=first.weights + s.projector[0], compute=first.compute + s.projector[1])
+    models = [first]
     if draft is not None:
         models.append(model_memory(draft, s, n_outputs=1, n_gpu_layers=s.load.draft_n_gpu_layers))
     return tuple(models)
@@ -348,7 +364,7 @@ def _fits(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: De
     return all(n.fits for n in per_device) and ram <= devices.ram_available * (1 - HEADROOM) and s.load.n_ctx > s.window
 
 
-def _largest_ctx(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> int | None:
+def largest_ctx(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices: Devices) -> int | None:
     ctx = (s.load.n_ctx // 2 // CTX_PAD) * CTX_PAD
     while ctx >= MIN_CTX:
         if _fits(target, draft, s.changed(n_ctx=ctx), devices):
@@ -398,7 +414,7 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
         if KV_BYTES[kv] < KV_BYTES[s.load.kv_type] and _fits(target, draft, s.changed(kv_type=kv), devices):
             out.append(f"--kv-type {kv} (keeps context {s.load.n_ctx})")
             break
-    ctx = _largest_ctx(target, draft, s, devices)
+    ctx = largest_ctx(target, draft, s, devices)
     if ctx is not None:
         out.append(f"--ctx {ctx}")
     for n_seq in range(s.n_seq - 1, 0, -1):
@@ -427,9 +443,10 @@ def _suggest(target: GGUFHeader, draft: GGUFHeader | None, s: Settings, devices:
 
 
 def settings_from_preset(preset: Preset, n_ctx: int | None = None, n_draft: int | None = None, n_seq: int = 1,
-                         **load: object) -> Settings:
+                         projector: GGUFHeader | None = None, **load: object) -> Settings:
     """The preset's load settings (and the pair's recommendations when the preset leaves them; `load`: other
-    values of `[load]` keys, as `Settings.changed` takes them)."""
+    values of `[load]` keys, as `Settings.changed` takes them); `projector`: the target's mmproj, if any."""
     s = Settings(load=preset.load, n_draft=preset.draft.n_draft if n_draft is None else n_draft, n_seq=n_seq,
-                 drafter=preset.draft.drafter)
+                 drafter=preset.draft.drafter,
+                 projector=projector_memory(projector) if projector is not None else (0, 0))
     return s.changed(n_ctx=n_ctx or preset.load.n_ctx, **load)

@@ -118,7 +118,8 @@ def preflight(files: ModelFiles, preset: Preset, devices: memory.Devices | None 
     if verdict is not None and not verdict.compatible:
         raise IncompatiblePairError(verdict.reason)
     check_drafting(target, draft, preset)
-    settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx, n_seq=parallel)
+    projector = read_header(files.mmproj) if files.mmproj is not None else None
+    settings = memory.settings_from_preset(preset, n_ctx=preset.load.n_ctx, n_seq=parallel, projector=projector)
     # RPC servers are checked here, before any weight is read: a dead one is a one-line error naming it.
     est = memory.estimate(target, draft, settings, devices or memory.probe_devices(placement.rpc_servers(preset.load)))
     if not est.fits:
