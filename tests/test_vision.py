@@ -443,3 +443,48 @@ def test_doctor_counts_the_projector_and_says_what_fits_a_24_gb_card(tiny_pair_h
     # a projector whose picture needs more than the card holds: a warning with what would fit
     huge = checks(header_only_projector(tmp_path / "huge.gguf", 2048, 4, 64, 4096))
     assert huge["on a 24 GiB card"].status == Status.WARN and "no context fits" in huge["on a 24 GiB card"].detail
+
+
+@pytest.mark.slow
+def test_sampling_after_a_picture_preserves_the_target_distribution(tiny_pair_high, projector):
+    """At T > 0 the first token after a prompt with a picture follows the target's own p (read from its full logits
+    after the picture), whether the draft's token is accepted or resampled."""
+    from collections import Counter
+
+    from localspec.rounds.sampling import candidates
+    from tests.helpers_stats import chi_square
+
+    preset = GREEDY.with_overrides(temperature=1.5, top_k=6, top_p=1.0)
+    with open_session(files(tiny_pair_high, projector), preset) as s:
+        tokens = prompt(s, "Name it:", [picture(7)])
+        s.engine.reset()
+        s.target.use_device_sampler(None, 0)
+        p = candidates(s.target.decode(tokens, 0, seq=0).logits, preset.sampling)
+        s.engine.reset()
+        firsts: Counter[int] = Counter()
+        accepted = 0
+        for seed in range(1200):
+            r = request(tokens, 1, max_tokens=2)
+            r["sampling"] = dataclasses.replace(preset.sampling, seed=seed)
+            run = collect(s.engine.generate(**r))
+            firsts[run.tokens[0]] += 1
+            accepted += run.done.stats.accepted
+    assert 0 < accepted < 1200  # both branches: accepted drafts and resampled rejections
+    p_first = dict(zip(p.ids[0].tolist(), p.probs[0].tolist(), strict=True))
+    assert chi_square(firsts, p_first) < 20.5  # 5 degrees of freedom at p = 0.001
+
+
+def test_a_prompt_cache_entry_with_a_picture_serves_a_later_prompt_exactly(tiny_pair_high, projector):
+    """A slot given to another prompt goes to the prompt cache with its picture's cells; the conversation that
+    comes back is served from there (its picture not read again) and answers what a fresh slot answers."""
+    with open_session(files(tiny_pair_high, projector), GREEDY, prompt_cache=True) as s:
+        first = prompt(s, "Tell me about it.", [picture(1)])
+        collect(s.engine.generate(**request(first, 4)))
+        collect(s.engine.generate(**request(prompt(s, "Something else entirely, and longer than that.",
+                                                   [picture(2)]), 4)))
+        back = first + first[-3:]
+        served = collect(s.engine.generate(**request(back, 4)))
+        assert served.done.stats.prompt_tokens_processed < len(back) - 16  # the picture came from the cache
+        s.engine.reset()
+        s.engine.prompt_cache.clear()
+        assert collect(s.engine.generate(**request(back, 4))).tokens == served.tokens

@@ -104,7 +104,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 
         sent = [(f"messages[{i}] picture {j + 1}", uri) for i, m in enumerate(req.messages)
                 for j, uri in enumerate(m.pictures)]
-        if sent and backend.model.projector is None:
+        if sent and getattr(backend.model, "projector", None) is None:
             raise ApiError(400, f"{sent[0][0]}: this model reads no pictures (the server was started without "
                            "--mmproj)", param="messages", code="invalid_value")
 

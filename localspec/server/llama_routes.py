@@ -306,7 +306,7 @@ def _props(state: ServerState, backend: Backend) -> dict[str, Any]:
         "total_slots": worker.slots,
         "model_alias": backend.model_id or state.model_id,
         "model_path": str(model.path),
-        "modalities": {"vision": model.projector is not None, "video": False, "audio": False},
+        "modalities": {"vision": getattr(model, "projector", None) is not None, "video": False, "audio": False},
         "endpoint_slots": state.slots,
         "endpoint_props": False,
         "endpoint_metrics": state.metrics,
