@@ -31,6 +31,10 @@ from typing import Any, Protocol
 
 from localspec.config import ImageSettings
 from localspec.errors import ModelLoadError, UsageError
+from localspec.models.gguf_header import read_header
+
+FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")  # what Pillow may open: stills only, no exotic decoders
+PLACEHOLDER_BITS = 31  # a placeholder id is -(1 + a 31-bit number): an int32, as every token list holds
 
 
 class Target(Protocol):
@@ -41,9 +45,6 @@ class Target(Protocol):
     ctx: Any
     n_batch: int
     on_gpu: bool
-
-FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")  # what Pillow may open: stills only, no exotic decoders
-PLACEHOLDER_BITS = 31  # a placeholder id is -(1 + a 31-bit number): an int32, as every token list holds
 
 
 class ImageError(UsageError):
@@ -146,10 +147,6 @@ def placeholder_ids(digest: bytes, n: int) -> list[int]:
                    & mask)) for i in range(n)]
 
 
-def is_placeholder(token: int) -> bool:
-    return token < 0
-
-
 def holds_pictures(tokens: Sequence[int]) -> bool:
     return any(t < 0 for t in tokens)
 
@@ -176,8 +173,6 @@ def runs(tokens: Sequence[int]) -> list[tuple[bool, int, int]]:
 def check_projector_file(path: Path) -> None:
     """A missing file, or one that is no projector, stops with one line naming it (libmtmd would log and return
     NULL, or abort on a malformed header); the header is read bounded, no weights."""
-    from localspec.models.gguf_header import read_header  # (the header reader of every model file)
-
     if not Path(path).is_file():
         raise ModelLoadError(f"{path}: projector file not found")
     header = read_header(Path(path))
