@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import statistics
 import sys
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, dest="json_out", help="write the results here")
     p.add_argument("--label", default="", help="what is measured, e.g. 'localspec k=6' (goes into the JSON)")
     p.add_argument("--api-key", default="none", help="API key (Bearer); servers without one ignore it")
+    p.add_argument("--image", type=Path, help="a picture (PNG, JPEG) sent before every prompt's text, as an image_url "
+                   "part with a data: URI (both servers need the projector: --mmproj)")
     return p
 
 
@@ -230,7 +233,29 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str | list[dict[str, str]],
+def with_picture(prompt: str, image_uri: str | None) -> str | list[dict[str, Any]]:
+    """A prompt as its user message's content: the text, or the picture (an image_url part) then the text."""
+    if image_uri is None:
+        return prompt
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri}},
+                                         {"type": "text", "text": prompt}]}]
+
+
+def image_uri(path: Path | None) -> str | None:
+    """--image as a data: URI (its type from the file's first bytes), or None; a BenchError naming it if unreadable."""
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BenchError(f"--image {path}: {exc.strerror or exc}") from None
+    kind = "png" if data.startswith(b"\x89PNG") else "jpeg" if data.startswith(b"\xff\xd8") else None
+    if kind is None:
+        raise BenchError(f"--image {path}: not a PNG or JPEG file")
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+async def stream_one(client: openai.AsyncOpenAI, model: str, prompt: str | list[dict[str, Any]],
                      body: dict[str, Any], req: Request, t0: float) -> None:
     """Send one streaming chat completion (a user message, or a whole conversation) and fill `req` in; an error is
     recorded, not raised."""
@@ -273,7 +298,7 @@ async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[str], 
     body = _body(args)
     for _ in range(args.warmup):
         warm = Request(client=-1, index=0, prompt=-1)
-        await stream_one(client, model, WARMUP_PROMPT, body, warm, time.perf_counter())
+        await stream_one(client, model, with_picture(WARMUP_PROMPT, args.image_uri), body, warm, time.perf_counter())
         if warm.error:
             raise BenchError(f"warm-up request failed: {warm.error}")
     level = Level(clients=n_clients)
@@ -284,7 +309,7 @@ async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[str], 
             p = (c * stride + i) % len(prompts)
             req = Request(client=c, index=i, prompt=p)
             level.requests.append(req)
-            await stream_one(client, model, prompts[p], body, req, t0)
+            await stream_one(client, model, with_picture(prompts[p], args.image_uri), body, req, t0)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client(c) for c in range(n_clients)))
@@ -352,6 +377,7 @@ def print_table(args: argparse.Namespace, model: str, levels: list[dict[str, Any
 
 async def run(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = load_prompts(args.prompts)
+    args.image_uri = image_uri(args.image)
     if args.json_out is not None:  # before the measurement, not after it
         try:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -403,6 +429,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
                 "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "warmup": args.warmup,
                 "prompts": str(args.prompts) if args.prompts else "built-in", "n_prompts": len(prompts),
                 "request_fields": _body(args),
+                "image": None if args.image is None else {"file": str(args.image), "bytes": args.image.stat().st_size},
             },
             "token_count": "usage" if not no_usage else f"chunks with text for {no_usage} of {len(ok)} requests",
             "levels": [{**s, "results": [r.to_json() for r in lv.requests]}

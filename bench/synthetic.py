@@ -31,7 +31,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1410,6 +1410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-blocks", type=int)
     p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
     p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
+    p.add_argument("--projector", choices=["tiny", "gemma3"], help="write only a projector (mmproj) for the size's "
+                   "target instead: tiny (16 tokens a picture) or Gemma 3's real dimensions, as <prefix>mmproj.gguf")
     p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
     p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
                    help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
@@ -1420,6 +1422,12 @@ def main(argv: list[str] | None = None) -> int:
     draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
     log = functools.partial(print, file=sys.stderr)
     measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
+    if a.projector:
+        width = (HYBRID_PRESETS[a.size].target.n_embd if a.size in HYBRID_PRESETS else
+                 CARD_PRESETS[a.size].target.n_embd if a.size in CARD_PRESETS else PRESETS[a.size].n_embd)
+        spec = gemma3_projector(width) if a.projector == "gemma3" else ProjectorSpec(n_embd_text=width)
+        print(write_projector(a.out / f"{a.prefix}mmproj.gguf", spec))
+        return 0
     if a.size in HYBRID_PRESETS:
         hybrid = HYBRID_PRESETS[a.size]
         hybrid = replace(hybrid, **{k: v for k, v in {"scale": a.scale, "mtp_noise": a.mtp_noise, "seed": a.seed,
@@ -1492,14 +1500,27 @@ class ProjectorSpec:
     std: float = 0.02  # of the random weights; the projection's is `projection_std` (a tiny text model's embeddings
     projection_std: float = 0.02  # are large: a picture that should move its output needs a larger one)
 
+    f16: bool = False  # matrices in F16, as published mmproj-*-f16.gguf files hold them (norms and biases F32)
+
     @property
     def n_image_tokens(self) -> int:
         return (self.image_size // self.patch_size // self.scale_factor) ** 2
 
 
-def write_projector(path: Path, spec: ProjectorSpec) -> Path:
+def gemma3_projector(n_embd_text: int) -> ProjectorSpec:
+    """Gemma 3's projector at its real dimensions (SigLIP-So400m: 896 px, patches of 14, 27 blocks of width 1152,
+    16 heads, FFN 4304; pooled by 4 to 256 tokens a picture), F16, for a text model of `n_embd_text`: what a GPU
+    run prices a picture at (random weights; ~0.8 GB)."""
+    return ProjectorSpec(n_embd_text=n_embd_text, image_size=896, patch_size=14, scale_factor=4, n_embd=1152,
+                         n_head=16, n_ff=4304, n_layer=27, f16=True)
+
+
+def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str] = (),
+                    position_f16: bool = False) -> Path:
     """Write `spec`'s projector GGUF (F32, ~0.1 MB). clip.cpp reads its integer hyperparameters as uint32 and
-    asserts the type (a wrong one aborts the process), and needs image_mean/image_std of 3 floats each."""
+    asserts the type (a wrong one aborts the process), and needs image_mean/image_std of 3 floats each. Hostile
+    files for tests: `int32_keys` (clip.vision.* suffixes) written as int32, `position_f16` F16 position
+    embeddings (llama.cpp aborts on both: docs/upstream.md)."""
     side = spec.image_size // spec.patch_size
     if spec.image_size % spec.patch_size or side % spec.scale_factor or spec.n_embd % spec.n_head:
         raise ValueError("image_size must be a multiple of patch_size, the patches a side of scale_factor, "
@@ -1507,13 +1528,17 @@ def write_projector(path: Path, spec: ProjectorSpec) -> Path:
     rng = np.random.default_rng(spec.seed)
 
     def rand(*shape: int, std: float = spec.std) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(np.float32)
+        values = (rng.standard_normal(shape, dtype=np.float32) * std)
+        return values.astype(np.float16) if spec.f16 and len(shape) > 1 else values
 
     d, f, p = spec.n_embd, spec.n_ff, spec.patch_size
     ones, zeros = np.ones(d, np.float32), np.zeros(d, np.float32)
     # numpy shapes; the writer stores (a, b) as ggml's ne [b, a]
+    # (position embeddings stay F32, as converted files keep them: the CPU backend cannot add F16 ones to the F32
+    # patches and aborts: docs/upstream.md)
     tensors: dict[str, np.ndarray] = {"v.patch_embd.weight": rand(d, 3, p, p), "v.patch_embd.bias": zeros,
-                                      "v.position_embd.weight": rand(side * side, d)}
+                                      "v.position_embd.weight": rand(side * side, d).astype(
+                                          np.float16 if position_f16 else np.float32)}
     for i in range(spec.n_layer):
         b = f"v.blk.{i}"
         tensors |= {f"{b}.ln1.weight": ones, f"{b}.ln1.bias": zeros, f"{b}.ln2.weight": ones, f"{b}.ln2.bias": zeros}
@@ -1525,7 +1550,7 @@ def write_projector(path: Path, spec: ProjectorSpec) -> Path:
                 "mm.input_projection.weight": rand(d, spec.n_embd_text, std=spec.projection_std)}
     writer = gguf.GGUFWriter(str(path), arch="clip")
     writer.add_name("localspec synthetic projector")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.f16 else gguf.LlamaFileType.ALL_F32)
     writer.add_string("clip.projector_type", "gemma3")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_bool("clip.use_gelu", True)
@@ -1533,7 +1558,7 @@ def write_projector(path: Path, spec: ProjectorSpec) -> Path:
                        ("embedding_length", d), ("feed_forward_length", f), ("block_count", spec.n_layer),
                        ("projection_dim", spec.n_embd_text), ("attention.head_count", spec.n_head),
                        ("projector.scale_factor", spec.scale_factor)):
-        writer.add_uint32(f"clip.vision.{key}", value)
+        (writer.add_int32 if key in int32_keys else writer.add_uint32)(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])

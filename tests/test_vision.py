@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import random
 import re
 import struct
@@ -18,7 +19,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from llama_cpp import mtmd_cpp as mtmd  # noqa: E402  (the README's build has libmtmd: no skip where it lacks)
+from llama_cpp import mtmd_cpp as mtmd  # (the README's build has libmtmd: no skip where it lacks)
 
 from localspec.config import load_preset
 from localspec.errors import ModelLoadError, UsageError
@@ -212,9 +213,11 @@ def test_greedy_with_a_picture_is_plain_decoding_with_it_for_every_drafter(tiny_
             assert scores is not None and scores.logits is not None
             return scores.logits[-1].copy()
 
-        # (the tiny synthetic model's next token hardly depends on anything but the last one: compare logits)
-        assert np.abs(last_row(tokens) - last_row(prompt(s, text, [picture(2)]))).max() > 1e-3
-        np.testing.assert_array_equal(last_row(tokens), last_row(prompt(s, text, [picture(1)])))
+        # (the tiny synthetic model's next token hardly depends on anything but the last few: the logits of a row a
+        # few tokens after the picture)
+        near = last_row(prompt(s, "Now:", [picture(1)]))
+        assert np.abs(near - last_row(prompt(s, "Now:", [picture(2)]))).max() > 1e-3
+        np.testing.assert_array_equal(near, last_row(prompt(s, "Now:", [picture(1)])))
 
 
 def test_a_slot_keeps_a_picture_it_holds_and_drops_one_it_does_not(tiny_pair_high, projector):
@@ -488,3 +491,98 @@ def test_a_prompt_cache_entry_with_a_picture_serves_a_later_prompt_exactly(tiny_
         s.engine.reset()
         s.engine.prompt_cache.clear()
         assert collect(s.engine.generate(**request(back, 4))).tokens == served.tokens
+
+
+@pytest.mark.slow
+def test_the_concurrency_client_sends_a_picture_with_every_request(tiny_pair_high, projector, tmp_path, capsys):
+    """bench/concurrency.py --image (what concurrency.sh's MMPROJ runs send both servers): every request carries the
+    picture, the server reads it (the prompt holds its 16 positions), and a file that is no PNG or JPEG is one line."""
+    import concurrency
+
+    from tests.test_serve import Server
+
+    (tmp_path / "p.png").write_bytes(png(40, 24, 3))
+    (tmp_path / "no.gif").write_bytes(b"GIF89a....")
+    home = tmp_path / "home"
+    home.mkdir()
+    s = Server(home, tmp_path, "--target", str(tiny_pair_high[0]), "--draft", str(tiny_pair_high[1]), "--mmproj",
+               str(projector), "--threads", "1", "--parallel", "2")
+    try:
+        out = tmp_path / "conc.json"
+        rc = concurrency.main(["--url", s.url, "--clients", "1,2", "--requests-per-client", "1", "--max-tokens", "8",
+                               "--image", str(tmp_path / "p.png"), "--json", str(out)])
+        assert rc == 0, capsys.readouterr()
+        data = json.loads(out.read_text())
+        assert data["settings"]["image"]["bytes"] == (tmp_path / "p.png").stat().st_size
+        for level in data["levels"]:
+            assert level["errors"] == 0
+            for r in level["results"]:  # (the picture's 16 positions and its wrapping text came before the prompt)
+                assert r["timings"]["prompt_n"] + r["timings"].get("cache_n", 0) > 16
+        capsys.readouterr()  # (the run above: its progress lines)
+        assert concurrency.main(["--url", s.url, "--clients", "1", "--image", str(tmp_path / "no.gif")]) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == f"concurrency.py: error: --image {tmp_path / 'no.gif'}: not a PNG or JPEG file"
+    finally:
+        s.stop()
+
+
+def test_a_projector_in_f16_as_published_loads_and_reads_a_picture(tiny_pair_high, tmp_path):
+    """bench/synthetic.py writes the GPU run's projector with F16 matrices (as mmproj-*-f16.gguf files hold them):
+    the same layout in small loads and reads a picture, speculation equal to plain decoding with it."""
+    from synthetic import TINY_HIGH, ProjectorSpec, gemma3_projector, write_projector
+
+    big = gemma3_projector(5120)
+    assert (big.n_image_tokens, big.n_layer, big.f16) == (256, 27, True)
+    small = write_projector(tmp_path / "f16.gguf", ProjectorSpec(n_embd_text=TINY_HIGH.n_embd, f16=True,
+                                                                 projection_std=1.0))
+    with open_session(files(tiny_pair_high, small), GREEDY) as s:
+        tokens = prompt(s, "Say:", [picture(4)])
+        plain = collect(s.engine.generate(**request(tokens, 0, max_tokens=12)))
+        s.engine.reset()
+        assert collect(s.engine.generate(**request(tokens, 4, max_tokens=12))).tokens == plain.tokens
+
+
+# -- llama.cpp's projector loader aborts on two malformed layouts: canaries, and the one-line refusals -------------
+
+CANARY = """
+import ctypes, sys
+import llama_cpp
+from llama_cpp import mtmd_cpp as m
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
+p = m.mtmd_context_params_default()
+p.use_gpu, p.warmup, p.n_threads = False, False, 1
+ctx = m.mtmd_init_from_file(sys.argv[2].encode(), model, p)
+if not ctx:
+    sys.exit(3)
+rgb = bytes(range(256)) * 12
+bitmap = m.mtmd_bitmap_init(32, 32, (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb[:3072]))
+chunks = m.mtmd_input_chunks_init()
+text = m.mtmd_input_text()
+text.text, text.text_len, text.add_special, text.parse_special = b"<__media__>", 11, False, True
+assert m.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+for i in range(m.mtmd_input_chunks_size(chunks)):
+    chunk = m.mtmd_input_chunks_get(chunks, i)
+    if m.mtmd_input_chunk_get_type(chunk) == m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+        m.mtmd_encode_chunk(ctx, chunk)
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("hostile", ["int32 key", "f16 positions"])
+def test_llama_cpp_aborts_on_malformed_projectors_and_localspec_refuses_them_first(tiny_pair_high, tmp_path,
+                                                                                   hostile):
+    """Canary: llama.cpp 0.3.36's libmtmd aborts the whole process on a projector whose integer key is stored as
+    int32 (gguf_get_val_u32's assert) and, on the CPU, on F16 position embeddings (an unsupported add) — each
+    reproduced in a child process; when this fails, upstream fixed it and the check can go. localspec refuses both
+    in one line before libmtmd sees them."""
+    from synthetic import TINY_HIGH, ProjectorSpec, write_projector
+
+    spec = ProjectorSpec(n_embd_text=TINY_HIGH.n_embd)
+    bad = write_projector(tmp_path / "bad.gguf", spec, int32_keys=("patch_size",) if hostile == "int32 key" else (),
+                          position_f16=hostile == "f16 positions")
+    child = subprocess.run([sys.executable, "-c", CANARY, str(tiny_pair_high[0]), str(bad)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == -6 and "survived" not in child.stdout, (child.returncode, child.stderr[-500:])
+    why = "clip.vision.patch_size is stored as int32" if hostile == "int32 key" else "F16; on the CPU llama.cpp"
+    with pytest.raises(ModelLoadError, match=re.escape(why)):
+        open_session(files(tiny_pair_high, bad), GREEDY)

@@ -39,6 +39,10 @@
 #   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)
 #   CLIENT_S [90]             seconds one client run (every level at one T) is given room for in the budget
 #   NEWEST [1]                build the newest llama.cpp (the yardstick) too: its llama-server is the one compared
+#   MMPROJ [""]               pictures: "gemma3" (Gemma 3's projector at its real dimensions, 256 tokens a picture)
+#                             or "tiny" (16 tokens), written for the pair's target by bench/synthetic.py --projector;
+#                             every server loads it (--mmproj) and every request sends one 896 x 896 PNG before its
+#                             text (bench/concurrency.py --image); results go to <pair>+<MMPROJ>/
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
 set -uo pipefail
 # shellcheck source=bench/gpu/harness.sh
@@ -90,6 +94,24 @@ pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unle
 }
 declare -A FILES=()
 for pair in $PAIRS; do FILES[$pair]="$(pair_files "$pair")"; done
+MMPROJ="${MMPROJ:-}"
+PROJECTOR=() PICTURE=()  # the servers' --mmproj and the client's --image, with MMPROJ
+picture_files() {  # picture_files TARGET: sets PROJECTOR and PICTURE for the pair whose target is TARGET
+    local target="$1" size; size="$(basename "$target" -target.gguf)"
+    local mm="$MODELS/$size-$MMPROJ-mmproj.gguf" png="$MODELS/picture-896.png"
+    [[ -f "$mm" ]] || run "write-mmproj-$size-$MMPROJ" 120 python3 "$REPO/bench/synthetic.py" --size "$size" \
+        --projector "$MMPROJ" --prefix "$size-$MMPROJ-" --out "$MODELS" > "$RES/write-mmproj.log" 2>&1
+    [[ -f "$png" ]] || python3 - "$png" <<'PY'
+import random, struct, sys, zlib
+rows = random.Random(7)
+raw = b"".join(b"\0" + bytes(rows.randrange(256) for _ in range(3 * 896)) for _ in range(896))
+chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+open(sys.argv[1], "wb").write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 896, 896, 8, 2, 0, 0, 0))
+                              + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+PY
+    [[ -f "$mm" && -f "$png" ]] || return 1
+    PROJECTOR=(--mmproj "$mm") PICTURE=(--image "$png")
+}
 
 { "${LOCALSPEC[@]}" serve --help; echo "llama-server: ${LLAMA_SERVER:-none} (${YARDSTICK:-pinned})"
   [[ -n "$LLAMA_SERVER" ]] && "$LLAMA_SERVER" --version; } > "$RES/versions.txt" 2>&1
@@ -105,18 +127,18 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
             read -r -a extra <<< "${LOCALSPEC_ARGS:-}"
             SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" --parallel "$PARALLEL"
                 --queue $(( 4 * PARALLEL )) --ctx "$LOCALSPEC_CTX" --host 127.0.0.1 --port "$PORT" --seed "$SEED"
-                "${extra[@]}") ;;
+                "${PROJECTOR[@]}" "${extra[@]}") ;;
         llama|llamaprob)
             read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
             [[ "$config" == llamaprob ]] && extra=(--spec-draft-sampling probabilistic "${extra[@]}")
             SERVER_CMD=("$LLAMA_SERVER" -m "$T" -md "$D" --spec-type draft-simple
                 --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 -np "$PARALLEL"
                 -c $(( PARALLEL * CTX )) -fa on -ngl 99 -ngld 99 --host 127.0.0.1 --port "$PORT" --seed "$SEED"
-                "${extra[@]}") ;;
+                "${PROJECTOR[@]}" "${extra[@]}") ;;
         llamaplain)
             read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
             SERVER_CMD=("$LLAMA_SERVER" -m "$T" -np "$PARALLEL" -c $(( PARALLEL * CTX )) -fa on -ngl 99
-                --host 127.0.0.1 --port "$PORT" --seed "$SEED" "${extra[@]}") ;;
+                --host 127.0.0.1 --port "$PORT" --seed "$SEED" "${PROJECTOR[@]}" "${extra[@]}") ;;
         *) return 1 ;;
     esac
 }
@@ -124,6 +146,10 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
 for s in $PAIRS; do
     read -r T D <<< "${FILES[$s]:-}"
     [[ -n "${T:-}" && -f "$T" && -f "$D" ]] || { log "no files for pair $s"; continue; }
+    if [[ -n "$MMPROJ" ]]; then
+        picture_files "$T" || { log "no projector or picture for pair $s (MMPROJ=$MMPROJ)"; continue; }
+        s="$s+$MMPROJ"
+    fi
     mkdir -p "$RES/$s"
     for config in $CONFIGS; do
         todo=()
@@ -149,7 +175,8 @@ for s in $PAIRS; do
             run "client-$s-$config-t$temp" 60 python3 "$REPO/bench/concurrency.py" \
                 --url "http://127.0.0.1:$PORT/v1" --clients "$CLIENTS" --requests-per-client "$REQUESTS" \
                 --max-tokens "$N_PREDICT" --temperature "$temp" --top-k 40 --top-p 0.9 --min-p 0 --seed "$SEED" \
-                --label "$config $s T=$temp" --json "$json" "${extra[@]}" > "$RES/$s/$config-t$temp.log" 2>&1
+                --label "$config $s T=$temp" --json "$json" "${PICTURE[@]}" "${extra[@]}" \
+                > "$RES/$s/$config-t$temp.log" 2>&1
             tail -8 "$RES/$s/$config-t$temp.log" | tee -a "$RES/run.log"
         done
         stop_server

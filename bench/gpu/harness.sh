@@ -73,6 +73,7 @@ use_build() {
     if [[ -e "$BIN/libllama.so" ]]; then
         export LLAMA_CPP_LIB_PATH="$BIN"
         export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        [[ -e "$BIN/libmtmd.so" ]] && export MTMD_CPP_LIB="$BIN"  # (llama-cpp-python's image bindings: --mmproj)
     fi
 }
 # have_build [llama-server]: the shared libraries and llama.cpp's tools (and llama-server when asked) are built.

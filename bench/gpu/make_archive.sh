@@ -43,6 +43,8 @@ WHEELS=(
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 click==8.5.1 h11==0.16.0
     anyio==4.16.0 sniffio==1.3.1 idna==3.20 opentelemetry-api==1.45.2 psutil==7.2.2
     openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
+    # pictures (--mmproj: llama/vision.py decodes them with Pillow; a manylinux_2_28 wheel)
+    pillow==13.0.0
 )
 
 STAGE="$(mktemp -d)"
@@ -144,6 +146,7 @@ cp -r "$SRC/llama_cpp" "$STAGE/py/"
 rm -rf "$STAGE/py/llama_cpp/server"  # fastapi & co.; localspec never starts llama-cpp-python's server
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --abi cp312 --abi abi3 --abi none --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_28_x86_64 \
     --platform any --dest "$DOWNLOADS/wheels" "${WHEELS[@]}"
 for whl in "$DOWNLOADS"/wheels/*.whl; do
     "$PYTHON" -m zipfile -e "$whl" "$STAGE/py/"

@@ -193,7 +193,8 @@ build_tree() {
     fi
     # libllama.so and libggml*.so are dependencies of the tools, so they land in its bin/ too. `-k 0`: a failing
     # llama-server (only concurrency.sh needs it) does not stop the other two from building.
-    local targets=(llama-bench llama-speculative-simple); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)
+    # libmtmd too: localspec's pictures (--mmproj) load it through llama-cpp-python (harness.sh: MTMD_CPP_LIB).
+    local targets=(llama-bench llama-speculative-simple mtmd); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)
     cmake --build "$build" --target "${targets[@]}" -j "$JOBS" -- -k 0 > "$RES/cmake-build$suffix.log" 2>&1
 }
 build() { build_tree "$CARRY/llama.cpp.tar.gz" "$SRC" "$BUILD" ""; }

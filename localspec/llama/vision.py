@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gguf import GGUFValueType
+
 from localspec.config import ImageSettings
 from localspec.errors import ModelLoadError, UsageError
 from localspec.models.gguf_header import read_header
@@ -179,7 +181,27 @@ def check_projector_file(path: Path) -> None:
     if header.arch != "clip":
         raise ModelLoadError(f"{path}: not a projector (general.architecture is {header.arch!r}, a projector's is "
                              "'clip')")
+    # clip.cpp reads its numbers with gguf_get_val_u32/_f32/_bool, which abort the process (GGML_ASSERT) on a key
+    # of another type: such a key stops here (docs/upstream.md).
+    wanted = {int: (GGUFValueType.UINT32, "uint32"), float: (GGUFValueType.FLOAT32, "float32"),
+              bool: (GGUFValueType.BOOL, "bool")}
+    for key, value in header.metadata.items():
+        kind = wanted.get(type(value))
+        if key.startswith("clip.") and kind is not None and header.value_types.get(key) != kind[0]:
+            raise ModelLoadError(f"{path}: {key} is stored as {GGUFValueType(header.value_types[key]).name.lower()}; "
+                                 f"llama.cpp's projector loader needs {kind[1]} (a malformed projector)")
     _mtmd()
+
+
+def check_projector_tensors(path: Path, on_gpu: bool) -> None:
+    """Tensors llama.cpp's CPU backend would abort on while encoding a picture: position embeddings in another type
+    than F32 (its add of F32 patches and F16 positions is unsupported there: docs/upstream.md)."""
+    if on_gpu:
+        return
+    found = next((t for t in read_header(Path(path)).tensors if t.name == "v.position_embd.weight"), None)
+    if found is not None and found.type_id != 0:
+        raise ModelLoadError(f"{path}: v.position_embd.weight is {found.type_name}; on the CPU llama.cpp encodes "
+                             "pictures only with F32 position embeddings (it would abort)")
 
 
 _logging_routed = False
@@ -214,6 +236,7 @@ class Projector:
     def __init__(self, path: Path, target: Target, n_threads: int, keep: int = 64) -> None:
         self.path = Path(path)
         check_projector_file(self.path)
+        check_projector_tensors(self.path, target.on_gpu)
         m = _mtmd()
         self._m = m
         self.target = target

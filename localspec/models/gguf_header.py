@@ -318,6 +318,7 @@ class GGUFHeader:
     data_offset: int
     file_size: int
     header_bytes: int = field(repr=False)
+    value_types: dict[str, int] = field(default_factory=dict, repr=False)  # each key's GGUF value type (GGUFValueType)
 
     # -- generic access ------------------------------------------------------------------------------------
 
@@ -720,9 +721,11 @@ def _read(path: Path, limit: int) -> GGUFHeader:
         if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
             raise GGUFError(f"{path}: header claims {n_tensors} tensors and {n_kv} keys (corrupt file?)")
         metadata: dict[str, Any] = {}
+        value_types: dict[str, int] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key")
-            metadata[key] = _value(cur, cur.unpack("I"), key)
+            value_types[key] = cur.unpack("I")
+            metadata[key] = _value(cur, value_types[key], key)
         tensors = []
         for _ in range(n_tensors):
             name = cur.string("tensor name")
@@ -754,6 +757,7 @@ def _read(path: Path, limit: int) -> GGUFHeader:
         data_offset=data_offset,
         file_size=file_size,
         header_bytes=header_bytes,
+        value_types=value_types,
     )
 
 
