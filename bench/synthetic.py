@@ -1390,93 +1390,6 @@ def measure_agreement(
 # -- CLI -----------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/synthetic.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(PRESETS) + sorted(CARD_PRESETS) + sorted(HYBRID_PRESETS), default="tiny")
-    p.add_argument("--scale", type=float, help="block weight scale (the old pair's agreement knob)")
-    p.add_argument("--noise", type=float, help="card pairs: draft embedding noise (the agreement knob)")
-    p.add_argument("--block-noise", type=float, help="card pairs: the noise blocks' share of the residual")
-    p.add_argument("--mix", choices=sorted(_MIX_FILE_TYPE), help="card and hybrid pairs: the target's quant mix "
-                   "(hybrid: q4_0, q4_k_m or f32)")
-    p.add_argument("--mtp-noise", type=float, help="hybrid pairs: the MTP head's hidden-state share (its agreement "
-                   "knob)")
-    p.add_argument("--only", choices=["target", "draft"], help="card and hybrid pairs: write one model (one target "
-                   "serves drafts of every --noise)")
-    p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
-    p.add_argument("--vocab", type=Path, help="GGUF to copy tokenizer metadata from (default: SmolLM2)")
-    p.add_argument("--wtype", choices=["f32", "f16", "q4_0"])
-    p.add_argument("--arch", choices=["qwen3", "llama"])
-    p.add_argument("--seed", type=int)
-    p.add_argument("--target-blocks", type=int)
-    p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
-    p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
-    p.add_argument("--projector", choices=["tiny", "gemma3"], help="write only a projector (mmproj) for the size's "
-                   "target instead: tiny (16 tokens a picture) or Gemma 3's real dimensions, as <prefix>mmproj.gguf")
-    p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
-    p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
-                   help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
-    p.add_argument("--prompts", type=int, default=8, help="--measure/--curve: random prompts")
-    p.add_argument("--tokens", type=int, default=64, help="--measure/--curve: greedy tokens per prompt")
-    a = p.parse_args(argv)
-    target = a.out / f"{a.prefix}target.gguf"
-    draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
-    log = functools.partial(print, file=sys.stderr)
-    measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
-    if a.projector:
-        width = (HYBRID_PRESETS[a.size].target.n_embd if a.size in HYBRID_PRESETS else
-                 CARD_PRESETS[a.size].target.n_embd if a.size in CARD_PRESETS else PRESETS[a.size].n_embd)
-        spec = gemma3_projector(width) if a.projector == "gemma3" else ProjectorSpec(n_embd_text=width)
-        print(write_projector(a.out / f"{a.prefix}mmproj.gguf", spec))
-        return 0
-    if a.size in HYBRID_PRESETS:
-        hybrid = HYBRID_PRESETS[a.size]
-        hybrid = replace(hybrid, **{k: v for k, v in {"scale": a.scale, "mtp_noise": a.mtp_noise, "seed": a.seed,
-                                                      "wtype": a.mix}.items() if v is not None})
-        if a.target_blocks is not None:
-            hybrid = replace(hybrid, target=replace(hybrid.target, n_blocks=a.target_blocks))
-        for role, path in (("target", target), ("draft", draft)):
-            if a.only in (None, role):
-                write_hybrid_model(path, hybrid, role, a.vocab, log=log)  # type: ignore[arg-type]
-                print(path)
-    elif a.size in CARD_PRESETS:
-        card = CARD_PRESETS[a.size]
-        card = replace(card, **{k: v for k, v in {"noise": a.noise, "block_noise": a.block_noise,
-                                                  "seed": a.seed, "target_mix": a.mix}.items() if v is not None})
-        if a.target_blocks is not None:
-            card = replace(card, target=replace(card.target, n_blocks=a.target_blocks))
-        if a.curve:
-            write_card_model(target, card, "target", a.vocab, log=log)
-            for noise in a.curve:
-                path = a.out / f"{a.prefix}n{noise:g}-draft.gguf"
-                write_card_model(path, replace(card, noise=noise), "draft", a.vocab, log=log)
-                print(f"noise {noise:g}: {measure(target, path)}", flush=True)
-            return 0
-        for role, path in (("target", target), ("draft", draft)):
-            if a.only in (None, role):
-                write_card_model(path, card, role, a.vocab, log=log)  # type: ignore[arg-type]
-                print(path)
-    else:
-        spec = PRESETS[a.size]
-        overrides = {
-            "scale": a.scale,
-            "wtype": a.wtype,
-            "arch": a.arch,
-            "seed": a.seed,
-            "target_blocks": a.target_blocks,
-        }
-        spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-        write_pair(target, draft, spec, a.vocab, log=log)
-        print(target)
-        print(draft)
-    if a.measure:
-        print(measure(target, draft))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # -- a multimodal projector (mmproj) for a text model: pictures through libmtmd, mechanics not answers ---------------
 
 
@@ -1569,3 +1482,90 @@ def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/synthetic.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(PRESETS) + sorted(CARD_PRESETS) + sorted(HYBRID_PRESETS), default="tiny")
+    p.add_argument("--scale", type=float, help="block weight scale (the old pair's agreement knob)")
+    p.add_argument("--noise", type=float, help="card pairs: draft embedding noise (the agreement knob)")
+    p.add_argument("--block-noise", type=float, help="card pairs: the noise blocks' share of the residual")
+    p.add_argument("--mix", choices=sorted(_MIX_FILE_TYPE), help="card and hybrid pairs: the target's quant mix "
+                   "(hybrid: q4_0, q4_k_m or f32)")
+    p.add_argument("--mtp-noise", type=float, help="hybrid pairs: the MTP head's hidden-state share (its agreement "
+                   "knob)")
+    p.add_argument("--only", choices=["target", "draft"], help="card and hybrid pairs: write one model (one target "
+                   "serves drafts of every --noise)")
+    p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
+    p.add_argument("--vocab", type=Path, help="GGUF to copy tokenizer metadata from (default: SmolLM2)")
+    p.add_argument("--wtype", choices=["f32", "f16", "q4_0"])
+    p.add_argument("--arch", choices=["qwen3", "llama"])
+    p.add_argument("--seed", type=int)
+    p.add_argument("--target-blocks", type=int)
+    p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
+    p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
+    p.add_argument("--projector", choices=["tiny", "gemma3"], help="write only a projector (mmproj) for the size's "
+                   "target instead: tiny (16 tokens a picture) or Gemma 3's real dimensions, as <prefix>mmproj.gguf")
+    p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
+    p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
+                   help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
+    p.add_argument("--prompts", type=int, default=8, help="--measure/--curve: random prompts")
+    p.add_argument("--tokens", type=int, default=64, help="--measure/--curve: greedy tokens per prompt")
+    a = p.parse_args(argv)
+    target = a.out / f"{a.prefix}target.gguf"
+    draft = a.out / f"{a.draft_prefix if a.draft_prefix is not None else a.prefix}draft.gguf"
+    log = functools.partial(print, file=sys.stderr)
+    measure = functools.partial(measure_agreement, n_prompts=a.prompts, gen_len=a.tokens)
+    if a.projector:
+        width = (HYBRID_PRESETS[a.size].target.n_embd if a.size in HYBRID_PRESETS else
+                 CARD_PRESETS[a.size].target.n_embd if a.size in CARD_PRESETS else PRESETS[a.size].n_embd)
+        spec = gemma3_projector(width) if a.projector == "gemma3" else ProjectorSpec(n_embd_text=width)
+        print(write_projector(a.out / f"{a.prefix}mmproj.gguf", spec))
+        return 0
+    if a.size in HYBRID_PRESETS:
+        hybrid = HYBRID_PRESETS[a.size]
+        hybrid = replace(hybrid, **{k: v for k, v in {"scale": a.scale, "mtp_noise": a.mtp_noise, "seed": a.seed,
+                                                      "wtype": a.mix}.items() if v is not None})
+        if a.target_blocks is not None:
+            hybrid = replace(hybrid, target=replace(hybrid.target, n_blocks=a.target_blocks))
+        for role, path in (("target", target), ("draft", draft)):
+            if a.only in (None, role):
+                write_hybrid_model(path, hybrid, role, a.vocab, log=log)  # type: ignore[arg-type]
+                print(path)
+    elif a.size in CARD_PRESETS:
+        card = CARD_PRESETS[a.size]
+        card = replace(card, **{k: v for k, v in {"noise": a.noise, "block_noise": a.block_noise,
+                                                  "seed": a.seed, "target_mix": a.mix}.items() if v is not None})
+        if a.target_blocks is not None:
+            card = replace(card, target=replace(card.target, n_blocks=a.target_blocks))
+        if a.curve:
+            write_card_model(target, card, "target", a.vocab, log=log)
+            for noise in a.curve:
+                path = a.out / f"{a.prefix}n{noise:g}-draft.gguf"
+                write_card_model(path, replace(card, noise=noise), "draft", a.vocab, log=log)
+                print(f"noise {noise:g}: {measure(target, path)}", flush=True)
+            return 0
+        for role, path in (("target", target), ("draft", draft)):
+            if a.only in (None, role):
+                write_card_model(path, card, role, a.vocab, log=log)  # type: ignore[arg-type]
+                print(path)
+    else:
+        spec = PRESETS[a.size]
+        overrides = {
+            "scale": a.scale,
+            "wtype": a.wtype,
+            "arch": a.arch,
+            "seed": a.seed,
+            "target_blocks": a.target_blocks,
+        }
+        spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+        write_pair(target, draft, spec, a.vocab, log=log)
+        print(target)
+        print(draft)
+    if a.measure:
+        print(measure(target, draft))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -334,6 +334,7 @@ class ImageSettings:
     max_image_bytes: int = field(metadata=_rng(1, 1 << 31, int))
     max_image_side: int = field(metadata=_rng(1, 1 << 16, int))
     max_image_pixels: int = field(metadata=_rng(1, 1 << 31, int))
+    max_images: int = field(metadata=_rng(1, 64, int))  # pictures a request or a message may carry
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,12 @@ def test_the_server_reads_image_url_parts_and_refuses_bad_ones_with_400(tiny_pai
                             ("data:image/png;base64,@@@", "does not decode")):
             with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
                 ask(client, url)
+        with pytest.raises(openai.BadRequestError, match=re.escape("5 pictures; a request may carry 4 ([images]")):
+            client.chat.completions.create(model="target", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}} for _ in range(5)]}])
+        # a picture of a few MB fits the body (the limit makes room for max_images of them beside the text)
+        big = "data:image/png;base64," + base64.b64encode(png(1024, 1024, 5)).decode()
+        assert len(big) > 3 << 20 and ask(client, big)
         assert ask(client, uri, **{"speculative.n_max": 4}) == spec  # (the server goes on serving)
     finally:
         s.stop()
@@ -586,3 +592,14 @@ def test_llama_cpp_aborts_on_malformed_projectors_and_localspec_refuses_them_fir
     why = "clip.vision.patch_size is stored as int32" if hostile == "int32 key" else "F16; on the CPU llama.cpp"
     with pytest.raises(ModelLoadError, match=re.escape(why)):
         open_session(files(tiny_pair_high, bad), GREEDY)
+
+
+def test_the_body_limit_makes_room_for_pictures_only_with_a_projector():
+    from types import SimpleNamespace
+
+    from localspec.server.guard import PromptLimits, picture_room
+
+    room = picture_room(LIMITS, SimpleNamespace(projector=object()))
+    assert room == LIMITS.max_images * (4 * -(-LIMITS.max_image_bytes // 3) + 64)
+    assert picture_room(LIMITS, SimpleNamespace(projector=None)) == 0
+    assert PromptLimits(65536, 16, room).body_bytes == PromptLimits(65536, 16).body_bytes + room

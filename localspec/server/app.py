@@ -104,6 +104,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 
         sent = [(f"messages[{i}] picture {j + 1}", uri) for i, m in enumerate(req.messages)
                 for j, uri in enumerate(m.pictures)]
+        most = backend.preset.images.max_images
+        if len(sent) > most:
+            raise ApiError(400, f"messages: {len(sent)} pictures; a request may carry {most} ([images] max_images)",
+                           param="messages", code="invalid_value")
         if sent and getattr(backend.model, "projector", None) is None:
             raise ApiError(400, f"{sent[0][0]}: this model reads no pictures (the server was started without "
                            "--mmproj)", param="messages", code="invalid_value")

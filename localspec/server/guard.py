@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from localspec.config import ImageSettings
 from localspec.server.errors import ApiError, context_exceeded
 from localspec.server.schema import MAX_STOP_CHARS, MAX_STOPS
 
@@ -94,6 +95,7 @@ class PromptLimits:
 
     n_ctx: int
     max_piece_bytes: int | None
+    picture_bytes: int = 0  # the room a request's pictures may take besides its text (`picture_room`)
 
     @property
     def text_chars(self) -> int | None:
@@ -108,7 +110,8 @@ class PromptLimits:
         if self.text_chars is None:
             return UNBOUNDED_BODY_BYTES
         stops = MAX_STOPS * MAX_STOP_CHARS * JSON_ESCAPE
-        return max(MIN_BODY_BYTES, JSON_ESCAPE * self.text_chars + PER_TOKEN_OVERHEAD * self.n_ctx + stops)
+        text = JSON_ESCAPE * self.text_chars + PER_TOKEN_OVERHEAD * self.n_ctx + stops
+        return max(MIN_BODY_BYTES, text + self.picture_bytes)
 
     def check_text(self, text: str, param: str) -> None:
         if self.text_chars is not None and self.max_piece_bytes is not None and len(text) > self.text_chars:
@@ -125,6 +128,14 @@ class PromptLimits:
             raise ApiError(400, f"messages: {len(contents)} messages cannot fit a context of {self.n_ctx} tokens",
                            param="messages", **context_exceeded(len(contents), self.n_ctx))
         self.check_text("".join(contents) if self.text_chars is not None else "", "messages")
+
+
+def picture_room(images: ImageSettings, model: Any) -> int:
+    """The bytes a request's pictures may take in its body with a projector loaded: `max_images` data: URIs of
+    `max_image_bytes` each (base64: 4 bytes for 3, and the URI's prefix); none without a projector."""
+    if getattr(model, "projector", None) is None:
+        return 0
+    return images.max_images * (4 * -(-images.max_image_bytes // 3) + 64)
 
 
 # -- the middleware -------------------------------------------------------------------------------------------

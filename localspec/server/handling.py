@@ -36,7 +36,7 @@ from localspec.rounds.engine import Engine
 from localspec.rounds.events import GenerationStats
 from localspec.server.errors import ApiError, client_gone, context_exceeded, internal, shutting_down
 from localspec.server.fim import fim_prompt
-from localspec.server.guard import MIN_BODY_BYTES, PROBE_BYTES_KEY, GuardSettings, PromptLimits
+from localspec.server.guard import MIN_BODY_BYTES, PROBE_BYTES_KEY, GuardSettings, PromptLimits, picture_room
 from localspec.server.schema import (
     FIELD_OF_KEY,
     MAX_TOKENS_LIMIT,
@@ -95,7 +95,8 @@ class Backend:
         worker = Worker(engine, queue)
         worker.start()
         return cls(worker=worker, model=model, preset=preset, template=template, template_error=problem,
-                   n_ctx=engine.n_ctx, limits=PromptLimits(engine.n_ctx, model.max_piece_bytes))
+                   n_ctx=engine.n_ctx, limits=PromptLimits(engine.n_ctx, model.max_piece_bytes,
+                                                           picture_room(preset.images, model)))
 
 
 class Pairs(Protocol):
