@@ -86,6 +86,18 @@ def test_use_build_puts_the_carried_packages_and_the_build_first(tmp_path: Path)
     assert r.stdout.strip() == f"{tmp_path}/work/pyenv/py:{ROOT}|{tmp_path}/work/build/bin", r.stderr
     local = bash('use_build; echo "$PYTHONPATH"', tmp_path, CARRIED_PY="0")
     assert local.stdout.strip() == str(ROOT)
+    # libmtmd where the build has it: llama-cpp-python's image bindings load it from there (--mmproj)
+    assert bash('use_build; echo "${MTMD_CPP_LIB:-none}"', tmp_path).stdout.strip() == "none"
+    (tmp_path / "work" / "build" / "bin" / "libmtmd.so").touch()
+    assert bash('use_build; echo "$MTMD_CPP_LIB"', tmp_path).stdout.strip() == f"{tmp_path}/work/build/bin"
+
+
+def test_concurrency_sh_with_pictures_gives_every_server_the_projector_and_the_client_the_picture() -> None:
+    """MMPROJ: the same projector for localspec and llama-server, the same picture in every request, results apart."""
+    text = (ROOT / "bench" / "gpu" / "concurrency.sh").read_text()
+    assert text.count('"${PROJECTOR[@]}"') == 3  # localspec (k0, spec), llama-server with a draft, without
+    assert '"${PICTURE[@]}"' in text and 'PROJECTOR=(--mmproj "$mm") PICTURE=(--image "$png")' in text
+    assert '--projector "$MMPROJ"' in text and 's="$s+$MMPROJ"' in text
 
 
 def test_a_real_model_carried_in_parts_is_assembled_once_all_are_there_and_match(tmp_path: Path) -> None:
@@ -195,8 +207,8 @@ def test_run_sh_builds_the_newest_source_beside_the_pinned_one_with_the_same_fla
     assert '"$CARRY/llama.cpp-newest.tar.gz" "$SRC_NEWEST" "$BUILD_NEWEST"' in newest
     assert "-DLLAMA_BUILD_NUMBER=" in newest and "-DLLAMA_BUILD_COMMIT=" in newest
     assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" in build_tree
-    assert 'targets=(llama-bench llama-speculative-simple); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)' \
-        in build_tree
+    assert ('targets=(llama-bench llama-speculative-simple mtmd); [[ "$BUILD_SERVER" == 1 ]] '
+            '&& targets+=(llama-server)') in build_tree
     assert 'BUILD_NEWEST="$WORK/build-newest"' in text and "run build-newest 200 build_newest" in text
     assert '--llama-bin "$YARDSTICK_BIN"' in text and '--llama-bin "$BIN"' not in text
 
