@@ -213,3 +213,38 @@ def test_pull_of_a_gated_repo_without_a_token_prints_the_licence_step(env: FakeH
         r"\(https://huggingface.co/settings/tokens\) and pull again\n",
         out.stderr,
     ), out.stderr
+
+
+MMPROJ_PAIR = USER_PAIR.replace('name = "tiny"', 'name = "tinyv"') + """
+[pair.mmproj]
+repo = "org/tiny-target"
+file = "mmproj.gguf"
+quant = "F32"
+family = "test"
+license = "mit"
+"""
+
+
+def test_a_pairs_projector_is_pulled_with_it_and_loaded_only_with_mmproj_auto(env: FakeHub, tmp_path: Path) -> None:
+    """`[pair.mmproj]`: `pull` fetches the projector beside the pair; `--mmproj auto` resolves to it (and says why
+    not where the pair names none or it is not pulled yet); without the option no projector is loaded."""
+    from synthetic import ProjectorSpec, write_projector
+
+    from localspec.cli.options import RunOptions
+
+    (tmp_path / "home" / "models.toml").write_text(USER_PAIR + MMPROJ_PAIR)
+    projector = write_projector(tmp_path / "mmproj.gguf", ProjectorSpec(n_embd_text=64))
+    env.files[("org/tiny-target", "mmproj.gguf")] = HubFile(projector.read_bytes())
+    assert registry.get_pair("tinyv").mmproj.file == "mmproj.gguf"  # type: ignore[union-attr]
+    assert registry.get_pair("tinyv").expected_bytes is None  # (no sizes pinned in this test pair)
+    assert runner.invoke(app, ["pull", "tiny", "--yes"]).exit_code == 0  # (tinyv's target and draft, not its projector)
+    with pytest.raises(LocalspecError, match=r"--mmproj auto: pair tinyv has one \(org/tiny-target:mmproj\.gguf\) "
+                                             r"not pulled yet: localspec pull tinyv"):
+        RunOptions(pair="tinyv", mmproj=Path("auto")).files()
+    result = runner.invoke(app, ["pull", "tinyv", "--yes"])
+    assert result.exit_code == 0 and "mmproj.gguf" in result.output, result.output
+    files = RunOptions(pair="tinyv", mmproj=Path("auto")).files()
+    assert files.mmproj is not None and files.mmproj.read_bytes() == projector.read_bytes()
+    assert RunOptions(pair="tinyv").files().mmproj is None  # nothing loads it unasked
+    with pytest.raises(LocalspecError, match="--mmproj auto: pair tiny names no projector; give --mmproj PATH"):
+        RunOptions(pair="tiny", mmproj=Path("auto")).files()

@@ -161,7 +161,7 @@ def pull(
             console.print(f"[cyan]{chosen.name}[/] is built in: nothing to download")
             return
         assert chosen.target is not None
-        specs = [m for m in (chosen.target, chosen.draft) if m is not None]
+        specs = chosen.files
     else:
         specs = [registry.parse_spec(s) for s in (target, draft) if s]
     for spec in specs:

@@ -22,7 +22,8 @@ from typing import Annotated, Any
 import typer
 
 from localspec import config
-from localspec.errors import LocalspecError
+from localspec.errors import LocalspecError, UsageError
+from localspec.models.registry import load_pairs
 from localspec.sessions.session import ModelFiles, auto_draft, resolve_files, settle_preset
 
 FLAGS: dict[str, str] = {}  # preset key → the flag users type, for error messages
@@ -101,8 +102,9 @@ TargetOpt = Annotated[
 ]
 MmprojOpt = Annotated[
     Path | None,
-    typer.Option("--mmproj", help="The target's multimodal projector GGUF (mmproj): prompts may then hold pictures "
-                 "(generate --image, chat's /image, the server's image_url parts).", show_default=False,
+    typer.Option("--mmproj", metavar="PATH|auto", help="The target's multimodal projector GGUF (mmproj): prompts may "
+                 "then hold pictures (generate --image, chat's /image, the server's image_url parts); auto: the "
+                 "pair's own, pulled with it.", show_default=False,
                  readable=False, rich_help_panel=MODELS),
 ]
 DraftOpt = Annotated[
@@ -203,6 +205,7 @@ models_idle = _setting("models_idle", "--models-idle",
 
 NO_DRAFT_MODEL = Path("none")  # `--draft none`: no draft model, even where the pair names one
 AUTO_DRAFT = Path("auto")  # `--draft auto`: the draft models.toml and the tokenizer check find for the target
+AUTO_MMPROJ = Path("auto")  # `--mmproj auto`: the pair's own projector (models.toml), pulled with it
 
 
 def split_draft_values(values: list[str] | None) -> tuple[int | None, Path | None]:
@@ -269,7 +272,16 @@ class RunOptions:
             files = dataclasses.replace(files, draft=auto_draft(files.target))
         else:
             files = resolve_files(self.pair, self.target, draft_model, **fallback)
-        return dataclasses.replace(files, mmproj=self.mmproj) if self.mmproj is not None else files
+        if self.mmproj is None:
+            return files
+        if self.mmproj != AUTO_MMPROJ:
+            return dataclasses.replace(files, mmproj=self.mmproj)
+        if files.pair_mmproj is None:  # --mmproj auto: the pair's own projector, pulled with it
+            pair = load_pairs().get(files.name)
+            why = ("names no projector" if pair is None or pair.mmproj is None else
+                   f"has one ({pair.mmproj.label}) not pulled yet: localspec pull {files.name}")
+            raise UsageError(f"--mmproj auto: pair {files.name} {why}; give --mmproj PATH")
+        return dataclasses.replace(files, mmproj=files.pair_mmproj)
 
     def settle(self, files: ModelFiles | None, command: str, **more: Any) -> config.Preset:
         """The preset with every value overlaid: command line first, then what the pair recommends (its preset,

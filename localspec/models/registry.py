@@ -38,6 +38,7 @@ _PAIR_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "drafter": (str, False),  # who drafts by default: a drafter that needs no draft model ("mtp") allows none
     "target": (dict, True),
     "draft": (dict, False),  # required unless the drafter needs no draft model
+    "mmproj": (dict, False),  # the target's multimodal projector (pictures: `--mmproj auto` loads it)
 }
 _MODEL_KEYS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "repo": (str, True),
@@ -97,14 +98,20 @@ class Pair:
     preset: str | None = None
     kv_type: str | None = None
     drafter: str | None = None  # the pair's drafter when the preset's would not do (None: the preset's)
+    mmproj: ModelSpec | None = None  # the target's projector (pictures), pulled with the pair
 
     @property
     def builtin(self) -> bool:
         return self.source == "built-in"
 
     @property
+    def files(self) -> list[ModelSpec]:
+        """Every file the pair names (what `pull` downloads): target, draft, projector."""
+        return [m for m in (self.target, self.draft, self.mmproj) if m is not None]
+
+    @property
     def expected_bytes(self) -> int | None:
-        sizes = [m.expected_bytes for m in (self.target, self.draft) if m is not None]
+        sizes = [m.expected_bytes for m in self.files]
         return sum(s for s in sizes if s is not None) if sizes and None not in sizes else None
 
 
@@ -292,6 +299,7 @@ def parse_file(path: Path) -> list[Pair]:
                 description=table["description"],
                 target=_model(str(path), loc, index, "target", table["target"]),
                 draft=_model(str(path), loc, index, "draft", table["draft"]) if "draft" in table else None,
+                mmproj=_model(str(path), loc, index, "mmproj", table["mmproj"]) if "mmproj" in table else None,
                 n_ctx=table["n_ctx"],
                 n_draft=table["n_draft"],
                 source=str(path),

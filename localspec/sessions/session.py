@@ -34,6 +34,7 @@ class ModelFiles:
     preset: str | None = None  # the preset the pair names (used when --preset is not given)
     drafter: str | None = None  # the drafter the pair names (a pair without a draft model: "mtp")
     mmproj: Path | None = None  # the target's multimodal projector (pictures in prompts), if any
+    pair_mmproj: Path | None = None  # the named pair's projector where it was pulled (`--mmproj auto` loads it)
 
 
 def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
@@ -67,6 +68,7 @@ def resolve_files(pair: str | None, target: Path | None, draft: Path | None,
         kv_type=chosen.kv_type,
         preset=chosen.preset,
         drafter=chosen.drafter,
+        pair_mmproj=hub.cached_path(chosen.mmproj) if chosen.mmproj is not None else None,
     )
 
 
