@@ -349,6 +349,23 @@ def test_the_server_reads_image_url_parts_and_refuses_bad_ones_with_400(tiny_pai
         big = "data:image/png;base64," + base64.b64encode(png(1024, 1024, 5)).decode()
         assert len(big) > 3 << 20 and ask(client, big)
         assert ask(client, uri, **{"speculative.n_max": 4}) == spec  # (the server goes on serving)
+        # llama-server's own route: {prompt_string, multimodal_data}, a picture where each marker stands
+        raw = base64.b64encode(png(40, 24, 1)).decode()
+
+        def native(**prompt: object) -> httpx.Response:
+            return httpx.post(f"{s.root}/completion", timeout=120, json={
+                "prompt": prompt, "n_predict": 8, "temperature": 0, "speculative.n_max": 4})
+
+        first = native(prompt_string="<__media__>\nWhat is this?", multimodal_data=[raw])
+        assert first.status_code == 200, first.text
+        assert "<start_of_image><__media__><end_of_image>" in first.json()["prompt"] and first.json()["content"]
+        for body, needle in (({"prompt_string": "<__media__> and <__media__>", "multimodal_data": [raw]},
+                              "2 picture markers (<__media__>) for 1 pictures"),
+                             ({"prompt_string": "<__media__>", "multimodal_data": ["@@"]},
+                              "prompt.multimodal_data[0]: its base64 data does not decode"),
+                             ({"prompt_string": "x", "images": [raw]}, "(unknown field 'images')")):
+            bad_reply = native(**body)
+            assert bad_reply.status_code == 400 and needle in bad_reply.json()["error"]["message"], bad_reply.text
     finally:
         s.stop()
     s = Server(home, tmp_path, "--target", str(tiny_pair_high[0]), "--draft", "none", "--threads", "1")

@@ -32,6 +32,7 @@ from localspec import __version__, drafters
 from localspec.config import Preset, key_metadata
 from localspec.errors import ConfigError, LocalspecError, TooManyTokens, UsageError
 from localspec.llama.model import LlamaModel
+from localspec.llama.vision import data_uri_bytes, decode_picture
 from localspec.rounds.engine import Engine
 from localspec.rounds.events import GenerationStats
 from localspec.server.errors import ApiError, client_gone, context_exceeded, internal, shutting_down
@@ -42,6 +43,7 @@ from localspec.server.schema import (
     MAX_TOKENS_LIMIT,
     ChatRequest,
     CompletionRequest,
+    MultimodalPrompt,
     speculative_name,
 )
 from localspec.server.structured import (
@@ -178,6 +180,8 @@ async def completion_prompt(backend: Backend, req: CompletionRequest, request: R
     """A completion request's prompt tokens (its `prompt`, with `suffix` fill-in-the-middle), text bounded before
     it is tokenized."""
     source = req.prompt
+    if isinstance(source, MultimodalPrompt):
+        return await picture_prompt(backend, source, request, req.suffix)
     if isinstance(source, str):
         backend.limits.check_text(source, "prompt")
     if req.suffix:
@@ -185,6 +189,35 @@ async def completion_prompt(backend: Backend, req: CompletionRequest, request: R
 
     def build(cancelled: Callable[[], bool]) -> list[int]:
         return completion_tokens(backend.model, source, suffix=req.suffix, limit=backend.n_ctx)
+
+    return await build_prompt(backend, build, request)
+
+
+async def picture_prompt(backend: Backend, source: MultimodalPrompt, request: Request,
+                         suffix: str | None) -> list[int]:
+    """llama-server's {prompt_string, multimodal_data}: the text with a picture where each marker is, through the
+    target's projector; a bad picture, too many, or a model without a projector is a 400 naming it."""
+    if suffix:
+        raise ApiError(400, "suffix: fill-in-the-middle takes no pictures", param="suffix", code="invalid_value")
+    if getattr(backend.model, "projector", None) is None:
+        raise ApiError(400, "prompt.multimodal_data: this model reads no pictures (the server was started without "
+                       "--mmproj)", param="prompt.multimodal_data", code="invalid_value")
+    images = backend.preset.images
+    if len(source.multimodal_data) > images.max_images:
+        raise ApiError(400, f"prompt.multimodal_data: {len(source.multimodal_data)} pictures; a request may carry "
+                       f"{images.max_images} ([images] max_images)", param="prompt.multimodal_data",
+                       code="invalid_value")
+    backend.limits.check_text(source.prompt_string, "prompt.prompt_string")
+
+    def build(cancelled: Callable[[], bool]) -> list[int]:
+        pictures = [decode_picture(data_uri_bytes(";base64," + data, name), name, images)
+                    for name, data in ((f"prompt.multimodal_data[{i}]", d)
+                                       for i, d in enumerate(source.multimodal_data))]
+        tokens = backend.model.projector.tokenize(source.prompt_string, pictures, add_special=True,
+                                                  parse_special=True)
+        if len(tokens) > backend.n_ctx:
+            raise TooManyTokens(f"the prompt has {len(tokens)} tokens", len(tokens))
+        return tokens
 
     return await build_prompt(backend, build, request)
 

@@ -21,6 +21,7 @@ from localspec import __version__
 from localspec.config import ContextSettings, Drafting, Preset, Sampling
 from localspec.errors import LocalspecError
 from localspec.llama.model import LlamaModel
+from localspec.llama.vision import MARKER, runs
 from localspec.server.errors import ApiError
 from localspec.server.fim import fim_prompt
 from localspec.server.handling import (
@@ -170,11 +171,17 @@ class NativeReply(Reply):
             "index": index, "content": content, "tokens": [], "id_slot": result.slot, "stop": True,
             "model": self.model_id, "tokens_predicted": s.tokens, "tokens_evaluated": s.prompt_tokens,
             "generation_settings": {"n_ctx": self.model.n_ctx, **self.settings},
-            "prompt": self.model.detokenize(self.prompt, special=True), "has_new_line": "\n" in result.text,
+            "prompt": prompt_text(self.model, self.prompt), "has_new_line": "\n" in result.text,
             "truncated": s.context_shifts > 0, "stop_type": _stop_type(result),
             "stopping_word": result.stop_string or "",
             "tokens_cached": s.prompt_tokens - result.prompt_n, "timings": result.timings(),
         }
+
+
+def prompt_text(model: LlamaModel, prompt: list[int]) -> str:
+    """The prompt as text (special tokens included), each picture as the marker it was sent with."""
+    return "".join(MARKER if is_picture else model.detokenize(prompt[start:end], special=True)
+                   for is_picture, start, end in runs(prompt))
 
 
 # -- the routes ----------------------------------------------------------------------------------------------

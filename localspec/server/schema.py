@@ -368,9 +368,17 @@ class ChatRequest(_Generation):
         return messages
 
 
+class MultimodalPrompt(_Strict):
+    """llama-server's prompt with pictures: the text, holding one picture marker per entry of `multimodal_data`
+    (each a picture's bytes in base64)."""
+
+    prompt_string: str
+    multimodal_data: list[str] = Field(default_factory=list)
+
+
 class CompletionRequest(_Generation):
-    # One prompt per request: text, or token ids.
-    prompt: str | list[int]
+    # One prompt per request: text, token ids, or llama-server's text with pictures.
+    prompt: str | list[int] | MultimodalPrompt
     logprobs: Any = None
     best_of: Any = None
     echo: Any = None
@@ -378,14 +386,22 @@ class CompletionRequest(_Generation):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+    def _one_prompt(cls, value: Any) -> str | list[int] | MultimodalPrompt:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list | dict):
             value = value[0]  # ["text"] or [[ids]]: a batch of one
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(type(t) is int for t in value):
             return value
-        raise ValueError("expected one prompt: a string or a non-empty list of token ids")
+        if isinstance(value, dict):  # llama-server's {"prompt_string": ..., "multimodal_data": [...]}
+            unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
+            if unknown or not isinstance(value.get("prompt_string"), str) or not all(
+                    isinstance(d, str) for d in value.get("multimodal_data", [])):
+                raise ValueError("an object prompt is {\"prompt_string\": TEXT, \"multimodal_data\": [BASE64, ...]}"
+                                 + (f" (unknown field {unknown[0]!r})" if unknown else ""))
+            return MultimodalPrompt(**value)
+        raise ValueError("expected one prompt: a string, a non-empty list of token ids, or an object with "
+                         "prompt_string and multimodal_data")
 
 
 def parse_body(body: bytes) -> Any:
