@@ -620,3 +620,20 @@ def test_the_body_limit_makes_room_for_pictures_only_with_a_projector():
     assert room == LIMITS.max_images * (4 * -(-LIMITS.max_image_bytes // 3) + 64)
     assert picture_room(LIMITS, SimpleNamespace(projector=None)) == 0
     assert PromptLimits(65536, 16, room).body_bytes == PromptLimits(65536, 16).body_bytes + room
+
+
+def test_a_prompt_keeps_its_pictures_however_many_arrive_and_ids_without_one_are_refused(tiny_pair_high, projector):
+    """A queued prompt's pictures stay decodable while it lives, whatever comes after it (no eviction by count);
+    placeholder ids whose prompt is gone (or were copied out of it) are refused at start, before any decode."""
+    import gc
+
+    with open_session(files(tiny_pair_high, projector), GREEDY) as s:
+        held = prompt(s, "First:", [picture(1)])
+        later = [prompt(s, f"Then {i}:", [picture(100 + i, 8, 8)]) for i in range(80)]  # (more than any cache size)
+        assert collect(s.engine.generate(**request(held, 4, max_tokens=4))).tokens
+        copied = list(later[0])  # the ids alone: the list that held the picture goes
+        del later
+        gc.collect()
+        s.engine.reset()
+        with pytest.raises(ImageError, match="a picture's ids without its picture"):
+            next(s.engine.generate(**request(copied, 4, max_tokens=4)))

@@ -23,7 +23,7 @@ import hashlib
 import io
 import struct
 import warnings
-from collections import OrderedDict
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,14 +226,44 @@ def _mtmd():  # noqa: ANN202 (the bindings module)
     return mtmd_cpp
 
 
+class PictureChunk:
+    """One picture's libmtmd chunk (a copy this object owns, freed with it) and its token count. A prompt holds its
+    pictures' chunks (`PromptTokens`), so a picture stays decodable exactly as long as a prompt that needs it lives
+    (a queued request's, a chat turn's), however many pictures arrive meanwhile."""
+
+    def __init__(self, m: Any, ptr: ctypes.c_void_p, n_tokens: int) -> None:
+        self._m, self.ptr, self.n_tokens = m, ptr, n_tokens
+
+    def __del__(self) -> None:
+        if self.ptr:
+            self._m.mtmd_input_chunk_free(self.ptr)
+            self.ptr = None
+
+
+class PromptTokens(list):  # type: ignore[type-arg]
+    """Token ids that hold pictures' placeholder ids, and those pictures' chunks (kept alive with the list)."""
+
+    pictures: tuple[PictureChunk, ...] = ()
+
+
+def holding(tokens: list[int], *sources: Sequence[int]) -> list[int]:
+    """`tokens` (built from `sources`: a prompt's pieces) as a list that keeps the sources' pictures alive."""
+    held = tuple(c for src in sources for c in getattr(src, "pictures", ()))
+    if not held:
+        return tokens
+    out = PromptTokens(tokens)
+    out.pictures = held
+    return out
+
+
 class Projector:
     """An mmproj GGUF loaded for one target (libmtmd's context), its pictures' chunks by their first placeholder id.
 
     `tokenize` turns a prompt's text (with one `marker` per picture) and its pictures into token ids, pictures as
-    placeholder ids, and keeps each picture's chunk (the most recent `keep` pictures) for `decode`, which the target
-    calls for a run of a picture's ids."""
+    placeholder ids; the returned list holds their chunks (`PromptTokens`), which `decode` finds by a picture's first
+    id while any prompt holding them lives (a registry of weak references: nothing here keeps a picture alive)."""
 
-    def __init__(self, path: Path, target: Target, n_threads: int, keep: int = 64) -> None:
+    def __init__(self, path: Path, target: Target, n_threads: int) -> None:
         self.path = Path(path)
         check_projector_file(self.path)
         check_projector_tensors(self.path, target.on_gpu)
@@ -261,12 +291,12 @@ class Projector:
         if self.marker != MARKER:
             self.close()
             raise ModelLoadError(f"libmtmd's picture marker is {self.marker!r}, not {MARKER!r}: another version")
-        self._keep = keep
-        self._chunks: OrderedDict[int, tuple[ctypes.c_void_p, int]] = OrderedDict()  # first id -> (chunk, n)
+        self._chunks: weakref.WeakValueDictionary[int, PictureChunk] = weakref.WeakValueDictionary()
 
     def tokenize(self, text: str, pictures: Sequence[Picture], *, add_special: bool,
                  parse_special: bool) -> list[int]:
-        """The prompt's token ids: its text's, and each picture's placeholder ids where its marker stands."""
+        """The prompt's token ids: its text's, and each picture's placeholder ids where its marker stands (a list
+        that holds the pictures' chunks: keep it, or a list made with `holding` from it, until it is decoded)."""
         m = self._m
         if text.count(self.marker) != len(pictures):
             raise ImageError(f"the prompt has {text.count(self.marker)} picture markers ({self.marker}) for "
@@ -291,7 +321,8 @@ class Projector:
             rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(entry), array, len(bitmaps))
             if rc != 0:
                 raise ImageError(f"libmtmd could not read the prompt's pictures (mtmd_tokenize: {rc})")
-            tokens: list[int] = []
+            tokens = PromptTokens()
+            held: list[PictureChunk] = []
             by_digest = {p.digest.hex(): p for p in pictures}
             for i in range(m.mtmd_input_chunks_size(chunks)):
                 chunk = m.mtmd_input_chunks_get(chunks, i)
@@ -312,8 +343,11 @@ class Projector:
                                      f"{self.target.n_batch} ([load] n_batch): raise it")
                 picture = by_digest[m.mtmd_input_chunk_get_id(chunk).decode()]
                 ids = placeholder_ids(picture.digest, n_tokens)
-                self._remember(ids[0], m.mtmd_input_chunk_copy(chunk), n_tokens)
+                kept = PictureChunk(m, m.mtmd_input_chunk_copy(chunk), n_tokens)
+                self._chunks[ids[0]] = kept
+                held.append(kept)
                 tokens += ids
+            tokens.pictures = tuple(held)
             return tokens
         finally:
             m.mtmd_input_chunks_free(chunks)
@@ -325,15 +359,6 @@ class Projector:
         (Gemma 3's `<start_of_image>`, as special tokens): what `tokenize` puts where its marker is."""
         return self.tokenize(MARKER, [picture], add_special=False, parse_special=True)
 
-    def _remember(self, first: int, chunk: ctypes.c_void_p, n: int) -> None:
-        old = self._chunks.pop(first, None)
-        if old is not None:
-            self._m.mtmd_input_chunk_free(old[0])
-        self._chunks[first] = (chunk, n)
-        while len(self._chunks) > self._keep:
-            _, (dropped, _) = self._chunks.popitem(last=False)
-            self._m.mtmd_input_chunk_free(dropped)
-
     def pictures_in(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """(start, length) of each picture in `tokens` (a run of placeholder ids may hold several)."""
         out = []
@@ -342,10 +367,10 @@ class Projector:
             while is_picture and i < end:
                 found = self._chunks.get(tokens[i])
                 if found is None:
-                    raise ImageError("a picture's ids without its picture (it left the projector's memory of the "
-                                     f"last {self._keep} pictures, or the ids were cut): send the picture again")
-                out.append((i, found[1]))
-                i += found[1]
+                    raise ImageError("a picture's ids without its picture (no prompt holds it any more, or the ids "
+                                     "were cut): send the picture again")
+                out.append((i, found.n_tokens))
+                i += found.n_tokens
         return out
 
     def decode(self, first: int, start_pos: int, seq: int) -> None:
@@ -356,10 +381,9 @@ class Projector:
         found = self._chunks.get(first)
         if found is None:
             raise ImageError("a picture's ids without its picture: send the picture again")
-        chunk, n = found
-        self._chunks.move_to_end(first)
+        n = found.n_tokens
         new_pos = ctypes.c_int(0)
-        rc = self._m.mtmd_helper_eval_chunk_single(self.ctx, self.target.ctx, chunk, start_pos, seq,
+        rc = self._m.mtmd_helper_eval_chunk_single(self.ctx, self.target.ctx, found.ptr, start_pos, seq,
                                                    self.target.n_batch, False, ctypes.byref(new_pos))
         if rc != 0:
             raise DecodeError(f"{self.path.name}: decoding a picture failed (mtmd_helper_eval_chunk_single: {rc})")
@@ -368,11 +392,7 @@ class Projector:
                               f"{new_pos.value}")
 
     def close(self) -> None:
-        if getattr(self, "_chunks", None):
-            for chunk, _ in self._chunks.values():
-                self._m.mtmd_input_chunk_free(chunk)
-            self._chunks.clear()
-        if getattr(self, "ctx", None):
+        if getattr(self, "ctx", None):  # (the chunks are libmtmd's plain copies: they outlive its context safely)
             self._m.mtmd_free(self.ctx)
             self.ctx = None
 

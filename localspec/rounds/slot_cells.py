@@ -64,9 +64,11 @@ class SlotCells:
         """A prompt that holds pictures (llama.vision's placeholder ids) needs the target's projector, text after
         its last picture, and a drafter that does not read the target's rows (a picture's positions give none);
         context shift would cut a picture: each a UsageError naming it (before any cell changes)."""
-        if getattr(self.target, "projector", None) is None:
+        projector = getattr(self.target, "projector", None)
+        if projector is None:
             raise UsageError("the prompt holds a picture, but no projector (mmproj) is loaded for the target "
                              "(--mmproj PATH)")
+        projector.pictures_in(prompt)  # (every picture still held by a prompt: else one line now, not mid-round)
         if prompt[-1] < 0:
             raise UsageError("the prompt ends with a picture: text must follow it (a chat template adds it)")
         if s.drafter is not None and s.drafter.reads_target:

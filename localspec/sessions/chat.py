@@ -40,7 +40,7 @@ from localspec.errors import ContextFullError, LocalspecError, TooManyTokens, Us
 from localspec.fsutil import atomic_write, check_writable, read_text
 from localspec.llama.model import LlamaModel
 from localspec.llama.templates import apply_builtin_template, builtin_chat_templates, jinja_chat_renderer
-from localspec.llama.vision import MARKER, Picture, read_picture, with_markers
+from localspec.llama.vision import MARKER, Picture, holding, read_picture, with_markers
 from localspec.rounds import slot_file
 from localspec.rounds.engine import Engine, shared_prefix
 from localspec.rounds.events import STOP_CONTEXT_FULL, DoneEvent, Event, GenerationStats, TokenEvent
@@ -124,7 +124,7 @@ def encode_chat(model: LlamaModel, text: str, limit: int | None = None,
         tokens = model.projector.tokenize(text, pictures, add_special=False, parse_special=True)
         if limit is not None and len(tokens) > limit:
             raise TooManyTokens(f"the prompt has {len(tokens)} tokens; at most {limit}")
-        return _with_bos(model, tokens)
+        return holding(_with_bos(model, tokens), tokens)  # (the prompt keeps its pictures for their decode)
     return _with_bos(model, model.tokenize(text, add_special=False, parse_special=True, limit=limit))
 
 
@@ -210,6 +210,7 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
     tokens: list[int] = []
 
     waiting = list(pictures)
+    placed: list[list[int]] = []  # each picture's tokens (they hold its chunk until the prompt is decoded)
 
     def add(piece: str, special: bool) -> None:
         if cancelled is not None and cancelled():
@@ -222,7 +223,8 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
             if not waiting:
                 raise UsageError(f"the prompt holds more picture markers than the {len(pictures)} pictures sent")
             assert model.projector is not None
-            tokens.extend(model.projector.picture_tokens(waiting.pop(0)))
+            placed.append(model.projector.picture_tokens(waiting.pop(0)))
+            tokens.extend(placed[-1])
             add(rest, special)
             return
         room = None if limit is None else limit - len(tokens)
@@ -242,7 +244,7 @@ def encode_messages(model: LlamaModel, template: ChatTemplate, messages: list[Me
         raise UsageError(f"the chat template kept {len(pictures) - len(waiting)} of the {len(pictures)} pictures")
     if limit is not None and len(tokens) > limit:
         raise TooManyTokens(f"the prompt has {len(tokens)} tokens", len(tokens))
-    return _with_bos(model, tokens)
+    return holding(_with_bos(model, tokens), *placed)
 
 
 # -- thinking ------------------------------------------------------------------------------------------------
