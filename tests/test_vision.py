@@ -637,3 +637,29 @@ def test_a_prompt_keeps_its_pictures_however_many_arrive_and_ids_without_one_are
         s.engine.reset()
         with pytest.raises(ImageError, match="a picture's ids without its picture"):
             next(s.engine.generate(**request(copied, 4, max_tokens=4)))
+
+
+@pytest.mark.slow
+def test_chat_in_a_terminal_attaches_a_picture_with_slash_image(tiny_pair_high, projector, tmp_path):
+    """`localspec chat --mmproj`: `/image PATH` says what it attached, the next message carries it (its prompt
+    holds the picture's positions), a bad file is one red line and the chat goes on."""
+    import pexpect
+
+    from tests.test_chat_tty import command, spawn, turn
+
+    (tmp_path / "a.png").write_bytes(png(40, 24, 1))
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    home = tmp_path / "home"
+    home.mkdir()
+    child = spawn(home, "--target", str(tiny_pair_high[0]), "--draft", str(tiny_pair_high[1]), "--mmproj",
+                  str(projector), "--max-tokens", "6", "--temp", "0", "--threads", "1")
+    try:
+        assert "not a picture localspec reads" in command(child, f"/image {tmp_path / 'bad.png'}", "reads")
+        assert "(40 x 24) goes with your next message (1 attached)" in command(
+            child, f"/image {tmp_path / 'a.png'}", r"attached\)")
+        _, stats = turn(child, "What is it?")
+        assert int(stats.group(3)) > 16  # prompt tokens processed: the picture's 16 positions and the text
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
