@@ -298,8 +298,7 @@ class LlamaModel:
         the text between in batches of its own (the scores are the last text run's; rows of a picture's positions
         there are none); without one, the filler token in each placeholder's place (what a draft model reads)."""
         if self.projector is None:
-            filled = [self.unknown_token if t < 0 else t for t in tokens]
-            raw, hidden = self._decode_batched([(seq, filled, start_pos, all_logits)])
+            raw, hidden = self._decode_batched([(seq, self._filled(tokens), start_pos, all_logits)])
             return as_scores(raw[0], hidden[0])
         if all_logits:
             raise DecodeError(f"{self.path.name}: rows of every position were asked for across a picture")
@@ -318,6 +317,10 @@ class LlamaModel:
             scores = None  # (the last position is a picture's: no row)
         return scores
 
+    def _filled(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` with the filler token in each picture placeholder's place (a model without the projector)."""
+        return [self.unknown_token if t < 0 else t for t in tokens]
+
     def decode_many(self, items: Sequence[DecodeItem]) -> list[Scores | None]:
         """Several sequences' tokens at once (one item per sequence); the scores of each item as `decode` returns
         them. With device sampler chains on several sequences, each call covers every sequence that has one
@@ -327,8 +330,7 @@ class LlamaModel:
         if any(holds_pictures(item[1]) for item in items):
             if self.projector is not None:  # (pictures reach a target in its prompt's decode only)
                 raise DecodeError(f"{self.path.name}: a picture's placeholder ids in a batch of several sequences")
-            items = [(seq, [self.unknown_token if t < 0 else t for t in tokens], pos, rows)
-                     for seq, tokens, pos, rows in items]
+            items = [(seq, self._filled(tokens), pos, rows) for seq, tokens, pos, rows in items]
         if self.batches_sequences:
             raws, hidden = self._decode_batched(items, cover=True)
             return [as_scores(r, h) for r, h in zip(raws, hidden, strict=True)]

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from gguf import GGUFValueType
 
 from localspec.config import ImageSettings
-from localspec.errors import ModelLoadError, UsageError
+from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.models.gguf_header import read_header
 
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP")  # what Pillow may open: stills only, no exotic decoders
@@ -376,8 +376,6 @@ class Projector:
     def decode(self, first: int, start_pos: int, seq: int) -> None:
         """The picture whose first placeholder id is `first`, encoded and decoded into the target's sequence `seq`
         at positions start_pos.. (one batch; non-causal attention where the projector wants it)."""
-        from localspec.errors import DecodeError
-
         found = self._chunks.get(first)
         if found is None:
             raise ImageError("a picture's ids without its picture: send the picture again")

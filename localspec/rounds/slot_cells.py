@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 
 from localspec.drafters.base import Drafter, PromptWork, prompt_work
 from localspec.errors import UsageError
+from localspec.llama.vision import holds_pictures
 from localspec.rounds import context_shift
 from localspec.rounds.prompt_cache import ModelState, PromptCache, SlotState, picture_boundary, shared_prefix
 from localspec.rounds.scores import ScoringModel
@@ -177,7 +178,7 @@ class SlotCells:
     def prefill(self, s: Stream, prompt: list[int]) -> list[PromptWork]:
         """Cut the slot's cells (the target's, and the drafter's models') back to the longest prefix of
         prompt[:-1] they hold; returns, per model, (model, its cells' tokens, the tokens still to decode)."""
-        if any(t < 0 for t in prompt):
+        if holds_pictures(prompt):
             self.check_pictures(prompt, s)
         slot = s.slot
         limit = s.drafter.target_limit(s.req, prompt) if s.drafter is not None else None

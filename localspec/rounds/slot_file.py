@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 from localspec import __version__
 from localspec.errors import LocalspecError
 from localspec.fsutil import atomic_file, not_a_file
+from localspec.llama.vision import holds_pictures
 from localspec.models.gguf_header import read_header
 from localspec.rounds.prompt_cache import ModelState, SlotState
 
@@ -170,7 +171,7 @@ def write(path: Path, state: SlotState, models: Sequence[ModelIdentity], extra: 
     written."""
     if len(models) != len(state.models):
         raise ValueError("one identity per model state")
-    if any(t < 0 for t in state.tokens):  # (a picture's placeholder ids: llama.vision)
+    if holds_pictures(state.tokens):
         raise SlotFileError(f"{path.name}: the {what}'s cells hold a picture, which {what}s do not keep yet")
     header = {
         "format": FORMAT, "localspec": __version__, "llama_cpp_python": _llama_cpp_version(),

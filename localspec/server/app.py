@@ -24,6 +24,7 @@ from localspec.server.handling import (
     Backend,
     ServerState,
     build_prompt,
+    check_pictures_sent,
     completion_prompt,
     guarded,
     read_body,
@@ -104,13 +105,7 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
 
         sent = [(f"messages[{i}] picture {j + 1}", uri) for i, m in enumerate(req.messages)
                 for j, uri in enumerate(m.pictures)]
-        most = backend.preset.images.max_images
-        if len(sent) > most:
-            raise ApiError(400, f"messages: {len(sent)} pictures; a request may carry {most} ([images] max_images)",
-                           param="messages", code="invalid_value")
-        if sent and getattr(backend.model, "projector", None) is None:
-            raise ApiError(400, f"{sent[0][0]}: this model reads no pictures (the server was started without "
-                           "--mmproj)", param="messages", code="invalid_value")
+        check_pictures_sent(backend, len(sent), "messages", sent[0][0] if sent else "")
 
         def build(cancelled: Callable[[], bool]) -> list[int]:
             assert backend.template is not None

@@ -193,20 +193,26 @@ async def completion_prompt(backend: Backend, req: CompletionRequest, request: R
     return await build_prompt(backend, build, request)
 
 
+def check_pictures_sent(backend: Backend, n: int, param: str, first: str) -> None:
+    """A request's pictures: no more than `[images] max_images`, and a projector to read them (`first`: the first
+    picture's name); each a 400 naming `param`."""
+    most = backend.preset.images.max_images
+    if n > most:
+        raise ApiError(400, f"{param}: {n} pictures; a request may carry {most} ([images] max_images)", param=param,
+                       code="invalid_value")
+    if n and getattr(backend.model, "projector", None) is None:
+        raise ApiError(400, f"{first}: this model reads no pictures (the server was started without --mmproj)",
+                       param=param, code="invalid_value")
+
+
 async def picture_prompt(backend: Backend, source: MultimodalPrompt, request: Request,
                          suffix: str | None) -> list[int]:
     """llama-server's {prompt_string, multimodal_data}: the text with a picture where each marker is, through the
     target's projector; a bad picture, too many, or a model without a projector is a 400 naming it."""
     if suffix:
         raise ApiError(400, "suffix: fill-in-the-middle takes no pictures", param="suffix", code="invalid_value")
-    if getattr(backend.model, "projector", None) is None:
-        raise ApiError(400, "prompt.multimodal_data: this model reads no pictures (the server was started without "
-                       "--mmproj)", param="prompt.multimodal_data", code="invalid_value")
+    check_pictures_sent(backend, len(source.multimodal_data), "prompt.multimodal_data", "prompt.multimodal_data")
     images = backend.preset.images
-    if len(source.multimodal_data) > images.max_images:
-        raise ApiError(400, f"prompt.multimodal_data: {len(source.multimodal_data)} pictures; a request may carry "
-                       f"{images.max_images} ([images] max_images)", param="prompt.multimodal_data",
-                       code="invalid_value")
     backend.limits.check_text(source.prompt_string, "prompt.prompt_string")
 
     def build(cancelled: Callable[[], bool]) -> list[int]:
