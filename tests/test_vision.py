@@ -663,3 +663,48 @@ def test_chat_in_a_terminal_attaches_a_picture_with_slash_image(tiny_pair_high, 
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+# -- the refusals that need no picture decoded ---------------------------------------------------------------------
+
+
+def test_a_slot_file_refuses_cells_that_hold_a_picture(tmp_path):
+    from localspec.rounds import slot_file
+    from localspec.rounds.prompt_cache import ModelState, SlotState
+
+    state = SlotState((5, 6, -7, -8, 9), (ModelState(5, bytearray(b"x"), 0),))
+    identity = slot_file.ModelIdentity("t.gguf", "f" * 64, "f16", 1)
+    with pytest.raises(slot_file.SlotFileError, match="s.bin: the slot file's cells hold a picture"):
+        slot_file.write(tmp_path / "s.bin", state, [identity])
+    assert not (tmp_path / "s.bin").exists()
+
+
+def test_a_drafter_that_reads_the_targets_rows_is_refused_with_a_picture():
+    """(MTP, DFlash, DSpark: no row at a picture's positions.) The check on its own: the models that carry an MTP
+    head in the tests are hybrids, which a projector is refused for before this could run."""
+    from types import SimpleNamespace
+
+    from localspec.rounds.slot_cells import SlotCells
+
+    projector = SimpleNamespace(pictures_in=lambda tokens: [])
+    cells = SlotCells(SimpleNamespace(projector=projector), [], [])
+    stream = SimpleNamespace(drafter=SimpleNamespace(reads_target=True), drafting=SimpleNamespace(drafter="mtp"),
+                             shift=None)
+    with pytest.raises(UsageError, match="drafter 'mtp' reads the target's rows"):
+        cells.check_pictures([1, -2, 3], stream)
+
+
+def test_a_projector_for_a_hybrid_target_is_refused(hybrid_pair, tmp_path):
+    from synthetic import ProjectorSpec, write_projector
+
+    from localspec.models.gguf_header import read_header
+
+    width = read_header(hybrid_pair[0]).arch_get("embedding_length")
+    mmproj = write_projector(tmp_path / "h.gguf", ProjectorSpec(n_embd_text=width))
+    with pytest.raises(ModelLoadError, match="pictures with a recurrent or hybrid target"):
+        open_session(files(hybrid_pair, mmproj), GREEDY)
+
+
+def test_serve_refuses_a_projector_for_several_pairs(tmp_path):
+    done = localspec("serve", "--pair", "demo", "--pair", "demo-chat", "--mmproj", str(tmp_path / "m.gguf"))
+    assert done.returncode == 2 and "--mmproj with several --pair: a projector fits one target" in done.stderr
