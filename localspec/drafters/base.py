@@ -25,7 +25,7 @@ from localspec.llama.grammar import Grammar
 from localspec.rounds.constraints import masked_scores
 from localspec.rounds.events import GenerationStats
 from localspec.rounds.policies import DraftCost, DraftLength, Observation, Pricing
-from localspec.rounds.prompt_cache import picture_boundary
+from localspec.rounds.prompt_cache import SeqState, picture_boundary
 from localspec.rounds.prompt_cache import shared_prefix as shared_prefix
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.rounds.scores import DeviceDist, Scores, ScoringModel
@@ -191,6 +191,17 @@ class Drafter(Protocol):
         """`model`'s cells of `seq` now hold `tokens` (the loop restored, cut or erased them)."""
         ...
 
+    def save_seq(self, seq: int) -> SeqState | None:
+        """What a slot's state (the prompt cache) keeps of this drafter for `seq` beyond its models' cells (an MTP
+        head's cells and the target rows it holds), taken beside the models' cells; None: nothing."""
+        ...
+
+    def load_seq(self, seq: int, state: SeqState | None) -> bool:
+        """`seq` now holds a restored slot state (the models' cells are in): take this drafter's part of it, a
+        `save_seq` of the same drafter, or None (the state has none: forget what `seq` held, so nothing that
+        belonged to other cells stays). False when llama.cpp refuses it: the sequence is then empty."""
+        ...
+
     def reset(self) -> None:
         """Forget every sequence's state (the models' KV cells included)."""
         ...
@@ -273,6 +284,12 @@ class DrafterBase:
 
     def set_cells(self, seq: int, model: ScoringModel, tokens: Sequence[int]) -> None:
         raise ValueError(f"this drafter holds no cells of {model!r}")
+
+    def save_seq(self, seq: int) -> SeqState | None:
+        return None
+
+    def load_seq(self, seq: int, state: SeqState | None) -> bool:
+        return True
 
     def reset(self) -> None:
         pass

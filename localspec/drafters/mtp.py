@@ -43,6 +43,7 @@ from localspec.drafters.base import (
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
 from localspec.rounds.policies import DraftCost
+from localspec.rounds.prompt_cache import SeqState
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
 
@@ -73,6 +74,25 @@ class _Seq:
     @property
     def rows_to(self) -> int:
         return self.rows_from + len(self.rows)
+
+
+def _copy(st: _Seq) -> _Seq:
+    """A sequence's bookkeeping with lists of its own (the rows themselves are never written in place)."""
+    return _Seq(list(st.tokens), list(st.seen), list(st.rows), st.rows_from, st.anchor)
+
+
+@dataclass(eq=False)
+class MtpState:
+    """The head's part of a slot's state (`save_seq`): its cells as llama.cpp serialises them and the sequence's
+    bookkeeping (the tokens they hold, and the target rows and anchor a next prompt continues from)."""
+
+    cells: bytearray
+    seq: _Seq
+
+    @property
+    def nbytes(self) -> int:
+        rows = sum(r.nbytes for r in self.seq.rows) + (self.seq.anchor[1].nbytes if self.seq.anchor else 0)
+        return len(self.cells) + rows
 
 
 class MtpDrafter(DrafterBase):
@@ -237,8 +257,28 @@ class MtpDrafter(DrafterBase):
         if len(st.rows) > ROWS_HELD:  # sitting rounds out: read them now rather than keep a row per token
             self._catch_up(req, cells - 1)
 
-    # `cells`: none of a model's. The head's cells stay out of slot states (a restored target hands it no rows, and
-    # its bookkeeping by tokens keeps what still matches the next prompt, and decodes the target again where not).
+    # `cells`: none of a model's (the head is not one). Its cells and rows go into slot states through
+    # `save_seq` / `load_seq` instead: a restored target hands it no rows, so without them a cache hit would decode
+    # the target again from where the head's cells end (its bookkeeping by tokens says where).
+
+    def save_seq(self, seq: int) -> MtpState | None:
+        st = self._seqs.get(seq)
+        if st is None or not st.tokens or self._head is None:
+            return None
+        return MtpState(self._head.save_state(seq), _copy(st))
+
+    def load_seq(self, seq: int, state: SeqState | None) -> bool:
+        assert state is None or isinstance(state, MtpState), "another drafter's state"
+        if state is None:
+            self._seqs.pop(seq, None)
+            if self._head is not None:
+                self._head.clear(seq)
+            return True
+        if not self.head.load_state(state.cells, seq):
+            self._seqs.pop(seq, None)
+            return False
+        self._seqs[seq] = _copy(state.seq)  # (a copy: the cache's entry outlives what the stream does to it)
+        return True
 
     def reset(self) -> None:
         if self._head is not None:

@@ -69,7 +69,7 @@ def width_warning(on_gpu: bool, width_noise: float, cap: float | None) -> str | 
             f"{cap:g}): its verify rows are mostly kernel rounding, so draft acceptance will collapse")
 
 
-def _buffer(data: bytearray) -> ctypes.Array:
+def byte_buffer(data: bytearray) -> ctypes.Array:
     """A bytearray as the uint8 array llama.cpp's state calls take, without a copy."""
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
@@ -570,14 +570,14 @@ class LlamaModel:
         values (of sliding-window layers only the window's last positions), or a recurrent state as it is now."""
         size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
         data = bytearray(size)
-        if size and llama_cpp.llama_state_seq_get_data(self.ctx, _buffer(data), size, seq) != size:
+        if size and llama_cpp.llama_state_seq_get_data(self.ctx, byte_buffer(data), size, seq) != size:
             raise DecodeError(f"{self.path.name}: llama.cpp could not save sequence {seq}'s state")
         return data
 
     def load_state(self, data: bytearray, seq: int = 0) -> bool:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
         False when llama.cpp refuses it, and the sequence is then empty."""
-        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, _buffer(data), len(data), seq) == len(data)
+        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, byte_buffer(data), len(data), seq) == len(data)
         if self._recurrent is not None:
             self._recurrent.forget(seq)  # its snapshots and checkpoint belonged to the cells this replaced
         if not ok:

@@ -13,7 +13,7 @@ import numpy as np
 from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import backend
 from localspec.llama.hidden import llama_cpp_ext, mtp_unsupported
-from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel
+from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, byte_buffer
 
 MtpEntry = tuple[int, int, int, np.ndarray, bool]  # (sequence, token, position, hidden state before it, scored)
 
@@ -114,6 +114,22 @@ class MtpHead:
             llama_cpp.llama_memory_clear(self.memory, True)
         else:
             self.truncate(0, seq)
+
+    def save_state(self, seq: int) -> bytearray:
+        """Sequence `seq`'s cells as llama.cpp serialises them (the prompt cache keeps them beside the target's)."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
+        data = bytearray(size)
+        if size and llama_cpp.llama_state_seq_get_data(self.ctx, byte_buffer(data), size, seq) != size:
+            raise DecodeError(f"{self.path.name}: llama.cpp could not save the MTP head's sequence {seq}")
+        return data
+
+    def load_state(self, data: bytearray, seq: int) -> bool:
+        """Replace sequence `seq`'s cells with a `save_state` of this head; False (and the sequence empty) when
+        llama.cpp refuses it."""
+        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, byte_buffer(data), len(data), seq) == len(data)
+        if not ok:
+            self.clear(seq)
+        return ok
 
     def close(self) -> None:
         if self._batch is not None:

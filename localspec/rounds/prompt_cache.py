@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # `[server] cache_ram = "auto"`: this share of the RAM available when the server starts. llama-server's default is
 # a fixed 8 GiB; a share keeps a small machine usable and lets a large one keep many conversations.
@@ -84,16 +85,27 @@ class ModelState:
         return n if n >= self.floor else 0
 
 
+class SeqState(Protocol):
+    """A drafter's part of a slot's state beyond its models' cells (`Drafter.save_seq`: an MTP head's cells and the
+    target rows it holds), opaque here but for its size, which the cache's budget counts."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass(eq=False)
 class SlotState:
-    """A slot's models' cells: `tokens` is what the most complete of them holds; each model holds a prefix."""
+    """A slot's models' cells: `tokens` is what the most complete of them holds; each model holds a prefix. With
+    `drafters`, each engine drafter's own part (`Drafter.save_seq`, in the engine's order; None: it keeps nothing);
+    empty: the state has none (a slot file), and every drafter forgets the slot on restore."""
 
     tokens: tuple[int, ...]
     models: tuple[ModelState, ...]  # the engine's models in its order: the target first
+    drafters: tuple[SeqState | None, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(len(m.data) for m in self.models)
+        return sum(len(m.data) for m in self.models) + sum(d.nbytes for d in self.drafters if d is not None)
 
     def reusable(self, body: Sequence[int]) -> int:
         """How many of `body`'s leading tokens the target need not decode after this state is restored."""

@@ -94,7 +94,7 @@ class SlotCells:
                 self._set(slot, model, kv)
             models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
         held = max(m.n_tokens for m in models)
-        return SlotState(tuple(s.tokens[:held]), tuple(models))
+        return SlotState(tuple(s.tokens[:held]), tuple(models), tuple(d.save_seq(slot) for d in self._drafters))
 
     def restore(self, slot: int, state: SlotState) -> bool:
         """Put `state` (one ModelState per model of `models`, in its order) into idle slot `slot`; its earlier
@@ -116,6 +116,10 @@ class SlotCells:
             if saved.floor:
                 self.floors[(id(model), slot)] = saved.floor
         s.tokens[:] = state.tokens
+        for i, drafter in enumerate(self._drafters):  # (a state without the drafters' parts: each forgets the slot)
+            if not drafter.load_seq(slot, state.drafters[i] if state.drafters else None):
+                self.erase(slot)
+                return False
         return True
 
     def erase(self, slot: int) -> int:
@@ -127,6 +131,8 @@ class SlotCells:
             self._set(slot, model, ())
             model.clear(slot)
             self.floors.pop((id(model), slot), None)
+        for drafter in self._drafters:
+            drafter.load_seq(slot, None)
         s.tokens.clear()
         return held
 
