@@ -111,6 +111,35 @@ def test_greedy_output_is_plain_decodings(pairs, name) -> None:
         assert again.tokens == collect(pair.engine.generate(follow, GREEDY.sampling, drafting(0, name), 12)).tokens
 
 
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_two_conversations_through_the_prompt_cache_read_only_their_new_text(tiny_pair, block_files, name) -> None:
+    """Two conversations take turns on one slot with the prompt cache: each turn restores the target's cells and the
+    drafter's (its cells and the target features it holds) from host RAM, so the target reads only the new text, and
+    every reply is a fresh engine's, drafts included (a drafter restored wrong would draft otherwise)."""
+    from localspec.rounds.prompt_cache import PromptCache
+
+    cached = Pair(tiny_pair[0], block_files[name])
+    fresh = Pair(tiny_pair[0], block_files[name])
+    cached.engine.prompt_cache = PromptCache(64 << 20)
+    try:
+        history = {0: prompts(1, seed=21, length=14)[0], 1: prompts(1, seed=22, length=14)[0]}
+        for turn_no in range(2):
+            for who in (0, 1):
+                p = history[who]
+                got = collect(cached.engine.generate(p, GREEDY.sampling, drafting(4, name), 12))
+                fresh.engine.reset()
+                ref = collect(fresh.engine.generate(p, GREEDY.sampling, drafting(4, name), 12))
+                assert got.tokens == ref.tokens and got.stats.drafted > 0
+                assert (got.stats.drafted, got.stats.accepted) == (ref.stats.drafted, ref.stats.accepted)
+                if turn_no:
+                    assert got.stats.prompt_tokens_processed == 3  # restored: only the new text is read
+                history[who] = [*p, *got.tokens, *prompts(1, seed=30 + who, length=3)[0]]
+        assert cached.engine.prompt_cache.counters().hits == 2
+    finally:
+        cached.close()
+        fresh.close()
+
+
 def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files) -> None:
     from tests.helpers_rounds import run_together
 

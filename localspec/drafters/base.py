@@ -191,9 +191,10 @@ class Drafter(Protocol):
         """`model`'s cells of `seq` now hold `tokens` (the loop restored, cut or erased them)."""
         ...
 
-    def save_seq(self, seq: int) -> SeqState | None:
+    def save_seq(self, seq: int, tokens: Sequence[int]) -> SeqState | None:
         """What a slot's state (the prompt cache) keeps of this drafter for `seq` beyond its models' cells (an MTP
-        head's cells and the target rows it holds), taken beside the models' cells; None: nothing."""
+        head's cells and the target rows it holds), taken beside the models' cells when the slot holds `tokens`
+        (committed; the target's cells hold all but the newest); None: nothing."""
         ...
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:
@@ -285,7 +286,7 @@ class DrafterBase:
     def set_cells(self, seq: int, model: ScoringModel, tokens: Sequence[int]) -> None:
         raise ValueError(f"this drafter holds no cells of {model!r}")
 
-    def save_seq(self, seq: int) -> SeqState | None:
+    def save_seq(self, seq: int, tokens: Sequence[int]) -> SeqState | None:
         return None
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:

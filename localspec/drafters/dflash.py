@@ -54,6 +54,7 @@ from localspec.llama.layer_features import (
     layer_features_unsupported,
 )
 from localspec.rounds.policies import DraftCost
+from localspec.rounds.prompt_cache import SeqState
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
 
@@ -91,6 +92,19 @@ class _Seq:
         return len(self.seen)
 
 
+@dataclass(eq=False)
+class BlockState:
+    """The drafter's part of a slot's state (`save_seq`): its cells as llama.cpp serialises them and the positions
+    they hold (with the target rows not injected yet)."""
+
+    cells: bytearray
+    seq: _Seq
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.cells) + sum(r.nbytes for r in self.seq.pending)
+
+
 class BlockDrafter(DrafterBase):
     """DFlash or DSpark over `draft` (the drafter's GGUF, loaded over the target: `LlamaModel(other=target)`)."""
 
@@ -126,7 +140,7 @@ class BlockDrafter(DrafterBase):
                               f"{self._context.width} (did the target return NextN rows?)")
         st.pending.extend(hidden)
         if start + len(hidden) < len(req.tokens):  # a prompt's chunk: every row is committed, inject it now
-            self._inject(req, st)
+            self._inject(req.seq, req.tokens, st)
 
     # -- the seam -------------------------------------------------------------------------------------------------
 
@@ -155,7 +169,7 @@ class BlockDrafter(DrafterBase):
         t = time.perf_counter()
         for _, req, _ in todo:
             st = self._seqs[req.seq]
-            self._inject(req, st)
+            self._inject(req.seq, req.tokens, st)
             if st.fed != len(req.tokens) - 1:
                 raise DecodeError(f"{self.facts.kind} drafter: sequence {req.seq} holds the features of "
                                   f"{st.fed} positions, its block needs {len(req.tokens) - 1} (a bookkeeping error: "
@@ -197,10 +211,29 @@ class BlockDrafter(DrafterBase):
             self._cut(req.seq, st, cells)
         del st.pending[cells - st.fed :]
         if len(st.pending) > ROWS_HELD:  # sitting rounds out: inject them now rather than keep a row per token
-            self._inject(req, st)
+            self._inject(req.seq, req.tokens, st)
 
-    # `cells`: none of a model's. The drafter's cells stay out of slot states (a restored target hands it no rows;
-    # `target_limit` has the target decode again from where its features end).
+    # `cells`: none of a model's (the loop must not decode prompts into them). Its cells and the rows it has not
+    # injected go into slot states through `save_seq` / `load_seq` instead: a restored target hands it no rows, so
+    # without them a cache hit would decode the target again from where its features end (`target_limit`).
+
+    def save_seq(self, seq: int, tokens: Sequence[int]) -> BlockState | None:
+        st = self._seqs.get(seq)
+        if st is None:
+            return None
+        self._inject(seq, tokens, st)  # (rows held for the next draft go in now: the state then serves all of them)
+        if not st.seen:
+            return None
+        return BlockState(self._model.save_state(seq), _Seq(list(st.seen), list(st.pending), st.cuts))
+
+    def load_seq(self, seq: int, state: SeqState | None) -> bool:
+        assert state is None or isinstance(state, BlockState), "another drafter's state"
+        if state is None or not self._model.load_state(state.cells, seq):
+            self._seqs.pop(seq, None)
+            self._model.clear(seq)
+            return state is None
+        self._seqs[seq] = _Seq(list(state.seq.seen), list(state.seq.pending), state.seq.cuts)  # (the entry stays)
+        return True
 
     def reset(self) -> None:
         self._model.clear()
@@ -221,13 +254,13 @@ class BlockDrafter(DrafterBase):
         st.pending.clear()
         self._model.truncate(keep, seq)
 
-    def _inject(self, req: DraftRequest, st: _Seq) -> None:
-        """Decode the pending rows of committed positions into the drafter's cells."""
+    def _inject(self, seq: int, tokens: Sequence[int], st: _Seq) -> None:
+        """Decode the pending rows of committed positions (of `tokens`) into the drafter's cells."""
         first = st.fed
-        rows = st.pending[: max(0, len(req.tokens) - first)]
+        rows = st.pending[: max(0, len(tokens) - first)]
         if rows:
-            self._context.inject(req.seq, first, np.stack(rows))
-        st.seen.extend(req.tokens[first : first + len(rows)])
+            self._context.inject(seq, first, np.stack(rows))
+        st.seen.extend(tokens[first : first + len(rows)])
         del st.pending[: len(rows)]
 
     def _decode_blocks(self, reqs: list[DraftRequest]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:

@@ -261,7 +261,7 @@ class MtpDrafter(DrafterBase):
     # `save_seq` / `load_seq` instead: a restored target hands it no rows, so without them a cache hit would decode
     # the target again from where the head's cells end (its bookkeeping by tokens says where).
 
-    def save_seq(self, seq: int) -> MtpState | None:
+    def save_seq(self, seq: int, tokens: Sequence[int]) -> MtpState | None:
         st = self._seqs.get(seq)
         if st is None or not st.tokens or self._head is None:
             return None

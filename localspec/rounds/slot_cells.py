@@ -94,7 +94,8 @@ class SlotCells:
                 self._set(slot, model, kv)
             models.append(ModelState(len(kv), model.save_state(slot), model.restore_floor(len(kv))))
         held = max(m.n_tokens for m in models)
-        return SlotState(tuple(s.tokens[:held]), tuple(models), tuple(d.save_seq(slot) for d in self._drafters))
+        drafters = tuple(d.save_seq(slot, s.tokens) for d in self._drafters)
+        return SlotState(tuple(s.tokens[:held]), tuple(models), drafters)
 
     def restore(self, slot: int, state: SlotState) -> bool:
         """Put `state` (one ModelState per model of `models`, in its order) into idle slot `slot`; its earlier
