@@ -140,6 +140,44 @@ def test_two_conversations_through_the_prompt_cache_read_only_their_new_text(tin
         fresh.close()
 
 
+def test_a_slot_file_keeps_the_block_drafters_part(tiny_pair, block_files, tmp_path) -> None:
+    """A slot file holds a DSpark drafter's cells and features beside the target's: restored into another engine,
+    the next turn reads only its new text and drafts as a fresh engine does; a part saved with another drafter
+    file, or of positions that are not the slot's, is refused in one line before any cell changes."""
+    from localspec.rounds import slot_file
+    from localspec.rounds.prompt_cache import SeqFile
+    from localspec.rounds.slot_file import SlotFileError
+
+    first = prompts(1, seed=51, length=14)[0]
+    path = tmp_path / "block.slot"
+    saver = Pair(tiny_pair[0], block_files["dspark"])
+    try:
+        reply = collect(saver.engine.generate(first, GREEDY.sampling, drafting(4, "dspark"), 12)).tokens
+        slot_file.write(path, saver.engine.snapshot(0), [slot_file.identity(m) for m in saver.engine.state_models()])
+    finally:
+        saver.close()
+    follow = [*first, *reply, *prompts(1, seed=52, length=3)[0]]
+    pair = Pair(tiny_pair[0], block_files["dspark"])
+    try:
+        ref = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, "dspark"), 12))
+        pair.engine.reset()
+        identities = [slot_file.identity(m) for m in pair.engine.state_models()]
+        loaded = slot_file.read(path, identities, n_vocab=pair.target.n_vocab, n_ctx=pair.engine.n_ctx)
+        (part,) = loaded.parts
+        other = SeqFile(part.kind, {**part.meta, "drafter": "0" * 64}, part.blobs)
+        shifted = SeqFile(part.kind, part.meta, (part.blobs[0], bytearray(len(part.blobs[1])), part.blobs[2]))
+        for bad, message in ((other, "another drafter file"), (shifted, "not the slot's")):
+            with pytest.raises(SlotFileError, match=f"dspark drafter's part does not fit: .*{message}"):
+                pair.engine.restore(0, loaded.state, [bad])
+        assert pair.engine.slots[0].target_kv == []
+        assert pair.engine.restore(0, loaded.state, loaded.parts)
+        got = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, "dspark"), 12))
+        assert got.tokens == ref.tokens and got.stats.prompt_tokens_processed == 3
+        assert (got.stats.drafted, got.stats.accepted) == (ref.stats.drafted, ref.stats.accepted)
+    finally:
+        pair.close()
+
+
 def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files) -> None:
     from tests.helpers_rounds import run_together
 

@@ -566,6 +566,49 @@ def test_two_conversations_through_the_prompt_cache_stay_exact(hybrid_pair, draf
 
 
 @pytest.mark.slow
+def test_a_slot_file_keeps_the_mtp_heads_part_and_refuses_one_that_does_not_fit(hybrid_pair, tmp_path) -> None:
+    """A slot file of a hybrid target drafting with its MTP head holds the head's cells and the target rows it
+    drafts from: restored into another engine, the next turn reads only its new text and drafts as a fresh engine
+    does. A head's part whose tokens are not the slot's, or of another width, is refused in one line before any
+    cell changes; a file without it (format 1, or a state without the head) is restored and the head reads again."""
+    from localspec.rounds import slot_file
+    from localspec.rounds.prompt_cache import SeqFile
+    from localspec.rounds.slot_file import SlotFileError
+    from localspec.sessions.session import ModelFiles, open_session
+
+    files = ModelFiles(hybrid_pair[0], None, "hybrid")
+    preset = GREEDY.with_overrides(n_draft=4, n_ctx=512, threads=1, drafter="mtp")
+    first = prompts(1, seed=41, length=14)[0]
+    path = tmp_path / "mtp.slot"
+    with open_session(files, preset) as s:
+        reply = collect(s.engine.generate(first, GREEDY.sampling, drafting(4, "mtp"), 12)).tokens
+        state = s.engine.snapshot(0)
+        assert state.drafters and any(d is not None for d in state.drafters)
+        slot_file.write(path, state, [slot_file.identity(m) for m in s.engine.state_models()])
+    follow = [*first, *reply, *prompts(1, seed=42, length=3)[0]]
+    with open_session(files, preset) as fresh:
+        ref = collect(fresh.engine.generate(follow, GREEDY.sampling, drafting(4, "mtp"), 12))
+    with open_session(files, preset) as s:
+        identities = [slot_file.identity(m) for m in s.engine.state_models()]
+        loaded = slot_file.read(path, identities, n_vocab=s.target.n_vocab, n_ctx=s.engine.n_ctx)
+        (part,) = loaded.parts
+        bad_tokens = SeqFile(part.kind, part.meta, (part.blobs[0], bytearray(len(part.blobs[1])), *part.blobs[2:]))
+        bad_width = SeqFile(part.kind, {**part.meta, "width": part.meta["width"] + 1}, part.blobs)
+        for bad, message in ((bad_tokens, "the head's tokens are not the slot's"), (bad_width, "wide")):
+            with pytest.raises(SlotFileError, match=f"mtp drafter's part does not fit: .*{message}"):
+                s.engine.restore(0, loaded.state, [bad])
+        assert s.engine.slots[0].target_kv == []  # (refused before any cell changed)
+        assert s.engine.restore(0, loaded.state, loaded.parts)
+        got = collect(s.engine.generate(follow, GREEDY.sampling, drafting(4, "mtp"), 12))
+        assert got.tokens == ref.tokens and got.stats.prompt_tokens_processed == 3
+        assert (got.stats.drafted, got.stats.accepted) == (ref.stats.drafted, ref.stats.accepted)
+        s.engine.reset()
+        assert s.engine.restore(0, loaded.state, [])  # without the head's part: the head reads again, exact
+        again = collect(s.engine.generate(follow, GREEDY.sampling, drafting(4, "mtp"), 12))
+        assert again.tokens == ref.tokens and again.stats.prompt_tokens_processed == len(follow) - 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("lengths", "drafters"), [((6, 3, 0, 5), ("model", "mtp", "model", "mtp")),
                                                    ((0, 3, 0, 5), ("model", "mtp", "model", "mtp")),
                                                    ((6, 3, 4, 5), ("chain-mtp", "mtp", "chain-mtp", "model"))],

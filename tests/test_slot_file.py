@@ -4,6 +4,7 @@ count, size, checksum, token ids), atomic writes, and file names that cannot lea
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import struct
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from localspec.rounds import slot_file
-from localspec.rounds.prompt_cache import ModelState, SlotState
+from localspec.rounds.prompt_cache import ModelState, SeqFile, SlotState
 from localspec.rounds.slot_file import ModelIdentity, SlotFileError, check_name, fingerprint, path_in, save_path_in
 from tests.conftest import temp_files
 from tests.helpers_gguf import STRING, kv, pack
@@ -108,9 +109,55 @@ def test_corruption_anywhere_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + raw[4:])
     with pytest.raises(SlotFileError, match="not a localspec slot file"):
         read(path)
-    path.write_bytes(raw[: len(slot_file.MAGIC)] + struct.pack("<I", 2) + raw[len(slot_file.MAGIC) + 4 :])
-    with pytest.raises(SlotFileError, match="format 2; this localspec reads format 1"):
+    path.write_bytes(raw[: len(slot_file.MAGIC)] + struct.pack("<I", 3) + raw[len(slot_file.MAGIC) + 4 :])
+    with pytest.raises(SlotFileError, match="format 3; this localspec reads formats 1, 2"):
         read(path)
+
+
+class Part:
+    """A drafter's part as SlotState.drafters holds one (the file form is all a slot file sees of it)."""
+
+    def __init__(self, kind: str, meta: dict, blobs: tuple[bytes, ...]) -> None:
+        self.file = SeqFile(kind, meta, tuple(bytearray(b) for b in blobs))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.file.blobs)
+
+    def to_file(self) -> SeqFile:
+        return self.file
+
+
+def test_drafters_parts_round_trip_and_are_checked_like_the_rest(tmp_path: Path) -> None:
+    """A drafter's part (an MTP head's cells and rows) is written after the models' states and read back as it was;
+    a state without one (None) writes none; the header's part entries and sizes are checked like the models'."""
+    path = tmp_path / "s.slot"
+    part = Part("mtp", {"tokens": 3, "anchor": None}, (os.urandom(50), b"", os.urandom(12)))
+    state = dataclasses.replace(a_state(), drafters=(None, part))
+    written = slot_file.write(path, state, [TARGET, DRAFT])
+    loaded = read(path)
+    assert loaded.parts == (part.file,) and loaded.nbytes == written
+    assert [m.data for m in loaded.state.models] == [m.data for m in state.models]
+    for edit, message in ((lambda h: h["drafters"][0].update(bytes=[50, 0, 13]), "bytes where its header says"),
+                          (lambda h: h["drafters"][0].update(kind=7), "drafter part 0 of the header is malformed"),
+                          (lambda h: h["drafters"][0].update(bytes=[-1, 0, 12]), "not a count"),
+                          (lambda h: h.update(drafters={}), "drafters is not a list")):
+        slot_file.write(path, state, [TARGET, DRAFT])
+        _rewrite_header(path, edit)
+        with pytest.raises(SlotFileError, match=message):
+            read(path)
+
+
+def test_a_format_1_file_is_read_without_drafters_parts(tmp_path: Path) -> None:
+    path = tmp_path / "s.slot"
+    slot_file.write(path, a_state(), [TARGET, DRAFT])
+    _rewrite_header(path, lambda h: (h.pop("drafters"), h.update(format=1)))
+    raw = bytearray(path.read_bytes())
+    raw[len(slot_file.MAGIC) : len(slot_file.MAGIC) + 4] = struct.pack("<I", 1)
+    body = bytes(raw[:-32])
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    loaded = read(path)
+    assert loaded.parts == () and loaded.state.tokens == a_state().tokens
 
 
 def test_token_ids_and_length_are_checked(tmp_path: Path) -> None:

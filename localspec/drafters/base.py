@@ -25,7 +25,7 @@ from localspec.llama.grammar import Grammar
 from localspec.rounds.constraints import masked_scores
 from localspec.rounds.events import GenerationStats
 from localspec.rounds.policies import DraftCost, DraftLength, Observation, Pricing
-from localspec.rounds.prompt_cache import SeqState, picture_boundary
+from localspec.rounds.prompt_cache import SeqFile, SeqState, picture_boundary
 from localspec.rounds.prompt_cache import shared_prefix as shared_prefix
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
 from localspec.rounds.scores import DeviceDist, Scores, ScoringModel
@@ -203,6 +203,14 @@ class Drafter(Protocol):
         belonged to other cells stays). False when llama.cpp refuses it: the sequence is then empty."""
         ...
 
+    # The kind of slot-file part this drafter reads back (`SeqFile.kind`; None: its states are never written).
+    seq_kind: str | None
+
+    def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> SeqState:
+        """A slot file's part of this drafter (`seq_kind`) for a state holding `tokens`, checked against this
+        drafter and the tokens before any cell changes: ValueError saying what does not fit."""
+        ...
+
     def reset(self) -> None:
         """Forget every sequence's state (the models' KV cells included)."""
         ...
@@ -291,6 +299,11 @@ class DrafterBase:
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:
         return True
+
+    seq_kind: str | None = None
+
+    def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> SeqState:
+        raise ValueError(f"this drafter keeps no {part.kind} state")
 
     def reset(self) -> None:
         pass

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -54,9 +55,10 @@ from localspec.llama.layer_features import (
     layer_features_unsupported,
 )
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.prompt_cache import SeqState
+from localspec.rounds.prompt_cache import SeqFile, SeqState
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
+from localspec.rounds.slot_file import fingerprint
 
 LLAMA_SERVER_TYPE = "draft-dflash"  # its `speculative.type` (llama-server's name)
 ROWS_HELD = 64  # the target rows a sequence keeps for a drafter sitting rounds out before it injects them
@@ -99,10 +101,19 @@ class BlockState:
 
     cells: bytearray
     seq: _Seq
+    kind: str  # dflash or dspark
+    drafter: str  # the drafter file's fingerprint (its cells are only valid for that file)
 
     @property
     def nbytes(self) -> int:
         return len(self.cells) + sum(r.nbytes for r in self.seq.pending)
+
+    def to_file(self) -> SeqFile:
+        st = self.seq
+        pending = np.stack(st.pending).astype(np.float32) if st.pending else np.zeros((0, 0), np.float32)
+        meta = {"drafter": self.drafter, "seen": len(st.seen), "pending": len(st.pending), "cuts": st.cuts}
+        return SeqFile(self.kind, meta, (self.cells, bytearray(np.asarray(st.seen, dtype="<i4").tobytes()),
+                                         bytearray(pending.astype("<f4").tobytes())))
 
 
 class BlockDrafter(DrafterBase):
@@ -117,6 +128,7 @@ class BlockDrafter(DrafterBase):
         self._seqs: dict[int, _Seq] = {}
         self._rng: dict[int, np.random.Generator] = {}
         self._context = BlockContext(draft, facts)  # its llama.cpp calls (behind the llama layer's wall)
+        self._path = Path(draft.path)  # type: ignore[attr-defined]  # (its cells in slot files name the file)
 
     # -- the target's side ----------------------------------------------------------------------------------------
 
@@ -217,6 +229,10 @@ class BlockDrafter(DrafterBase):
     # injected go into slot states through `save_seq` / `load_seq` instead: a restored target hands it no rows, so
     # without them a cache hit would decode the target again from where its features end (`target_limit`).
 
+    @property
+    def seq_kind(self) -> str:  # type: ignore[override]
+        return self.facts.kind
+
     def save_seq(self, seq: int, tokens: Sequence[int]) -> BlockState | None:
         st = self._seqs.get(seq)
         if st is None:
@@ -224,7 +240,32 @@ class BlockDrafter(DrafterBase):
         self._inject(seq, tokens, st)  # (rows held for the next draft go in now: the state then serves all of them)
         if not st.seen:
             return None
-        return BlockState(self._model.save_state(seq), _Seq(list(st.seen), list(st.pending), st.cuts))
+        return BlockState(self._model.save_state(seq), _Seq(list(st.seen), list(st.pending), st.cuts),
+                          self.facts.kind, self._fingerprint())
+
+    def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> BlockState:
+        """A `BlockState.to_file` read back: ValueError naming what does not fit (another drafter file, features of
+        another width, positions that are not the slot's)."""
+        meta, n, width = part.meta, len(tokens), self._context.width
+        if meta.get("drafter") != self._fingerprint():
+            raise ValueError(f"saved with another drafter file than {self._path.name}")
+        seen, pending, cuts = (part.count(name, n) for name in ("seen", "pending", "cuts"))
+        if seen + pending > n:
+            raise ValueError(f"it holds {seen} + {pending} positions of a state of {n} tokens")
+        sizes = (4 * seen, 4 * width * pending)
+        if len(part.blobs) != 3 or tuple(len(b) for b in part.blobs[1:]) != sizes:
+            raise ValueError(f"its blobs are {[len(b) for b in part.blobs]} bytes, its fields say [cells, "
+                             f"*{list(sizes)}] at this drafter's feature width {width}")
+        held = np.frombuffer(bytes(part.blobs[1]), dtype="<i4").tolist()
+        if held != list(tokens[:seen]):
+            raise ValueError("its positions' tokens are not the slot's")
+        rows = np.frombuffer(bytes(part.blobs[2]), dtype="<f4").reshape(pending, width).copy()
+        return BlockState(bytearray(part.blobs[0]), _Seq(held, list(rows), cuts), self.facts.kind,
+                          self._fingerprint())
+
+    def _fingerprint(self) -> str:
+        """The drafter file's identity (slot_file.fingerprint: cached by path, size and mtime)."""
+        return fingerprint(self._path)
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:
         assert state is None or isinstance(state, BlockState), "another drafter's state"

@@ -43,7 +43,7 @@ from localspec.drafters.base import (
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.prompt_cache import SeqState
+from localspec.rounds.prompt_cache import SeqFile, SeqState
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
 
@@ -76,6 +76,9 @@ class _Seq:
         return self.rows_from + len(self.rows)
 
 
+MTP_KIND = "mtp"  # its parts in slot files
+
+
 def _copy(st: _Seq) -> _Seq:
     """A sequence's bookkeeping with lists of its own (the rows themselves are never written in place)."""
     return _Seq(list(st.tokens), list(st.seen), list(st.rows), st.rows_from, st.anchor)
@@ -93,6 +96,38 @@ class MtpState:
     def nbytes(self) -> int:
         rows = sum(r.nbytes for r in self.seq.rows) + (self.seq.anchor[1].nbytes if self.seq.anchor else 0)
         return len(self.cells) + rows
+
+    def to_file(self) -> SeqFile:
+        st = self.seq
+        rows = np.stack(st.rows).astype(np.float32) if st.rows else np.zeros((0, 0), np.float32)
+        width = rows.shape[1] if st.rows else (st.anchor[1].size if st.anchor else 0)
+        meta = {"tokens": len(st.tokens), "seen": len(st.seen), "rows": len(st.rows), "rows_from": st.rows_from,
+                "anchor": None if st.anchor is None else st.anchor[0], "width": width}
+        anchor = b"" if st.anchor is None else np.asarray(st.anchor[1], dtype=np.float32).tobytes()
+        return SeqFile(MTP_KIND, meta, (self.cells, bytearray(np.asarray(st.tokens, dtype="<i4").tobytes()),
+                                        bytearray(np.asarray(st.seen, dtype="<i4").tobytes()),
+                                        bytearray(rows.astype("<f4").tobytes()), bytearray(anchor)))
+
+
+def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> MtpState:
+    """An `MtpState.to_file` read back for a slot state holding `tokens`, the head `width` wide: ValueError naming
+    the field that does not fit (the head's tokens and the target rows must be the slot's own)."""
+    meta, count, n = part.meta, part.count, len(tokens)
+    if meta.get("width") != width and (meta.get("rows") or meta.get("anchor") is not None):
+        raise ValueError(f"width is {meta.get('width')!r}; the MTP head here is {width} wide")
+    n_tokens, n_seen, n_rows = count("tokens", n), count("seen", n), count("rows", n)
+    rows_from = count("rows_from", n - n_rows)
+    anchor = None if meta.get("anchor") is None else count("anchor", n)
+    sizes = (4 * n_tokens, 4 * n_seen, 4 * width * n_rows, 0 if anchor is None else 4 * width)
+    if len(part.blobs) != 5 or tuple(len(b) for b in part.blobs[1:]) != sizes:
+        raise ValueError(f"its blobs are {[len(b) for b in part.blobs]} bytes, its fields say [cells, *{list(sizes)}]")
+    held = np.frombuffer(bytes(part.blobs[1]), dtype="<i4").tolist()
+    seen = np.frombuffer(bytes(part.blobs[2]), dtype="<i4").tolist()
+    if held != list(tokens[:n_tokens]) or seen != list(tokens[:n_seen]):
+        raise ValueError("the head's tokens are not the slot's")
+    rows = np.frombuffer(bytes(part.blobs[3]), dtype="<f4").reshape(n_rows, width).copy()
+    kept = None if anchor is None else (anchor, np.frombuffer(bytes(part.blobs[4]), dtype="<f4").copy())
+    return MtpState(bytearray(part.blobs[0]), _Seq(held, seen, list(rows), rows_from, kept))
 
 
 class MtpDrafter(DrafterBase):
@@ -266,6 +301,11 @@ class MtpDrafter(DrafterBase):
         if st is None or not st.tokens or self._head is None:
             return None
         return MtpState(self._head.save_state(seq), _copy(st))
+
+    seq_kind = MTP_KIND
+
+    def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> MtpState:
+        return mtp_state_from_file(part, tokens, self.target.n_embd_out)  # type: ignore[attr-defined]
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:
         assert state is None or isinstance(state, MtpState), "another drafter's state"

@@ -230,7 +230,8 @@ class LlamaModel:
                 raise RollbackError(f"{self.path.name}: llama.cpp cannot roll back a {header.arch} model's recurrent "
                                     "state, which speculative decoding needs (plain decoding works: --n-draft 0)")
             self._recurrent = RecurrentState(self.ctx, self.memory, self.rewind_depth, self.path.name)
-        self._hidden = HiddenRows(self.ctx, int(llama_cpp.llama_model_n_embd_out(self.model)), self.path.name,
+        self.n_embd_out = int(llama_cpp.llama_model_n_embd_out(self.model))  # a hidden row's width (Scores.hidden)
+        self._hidden = HiddenRows(self.ctx, self.n_embd_out, self.path.name,
                                   int(llama_cpp.llama_model_n_layer(self.model)),
                                   int(llama_cpp.llama_model_n_embd(self.model)))
         # `recurrent` (above) also decides what a saved state may serve once restored, and whether a context shift

@@ -49,7 +49,7 @@ from localspec.llama.grammar import Grammar
 from localspec.rounds.constraints import accept_constrained
 from localspec.rounds.events import STOP_CONTEXT_FULL, STOP_MAX_TOKENS, STOP_REQUESTED, Event
 from localspec.rounds.policies import DraftLength, LoadPolicy, kept_length
-from localspec.rounds.prompt_cache import PromptCache, SlotState
+from localspec.rounds.prompt_cache import PromptCache, SeqFile, SlotState
 from localspec.rounds.schedule import Plan, Schedule
 from localspec.rounds.scores import ScoringModel
 from localspec.rounds.slot_cells import SlotCells
@@ -252,8 +252,8 @@ class Engine:
     def snapshot(self, slot: int) -> SlotState:
         return self.cells.snapshot(slot)
 
-    def restore(self, slot: int, state: SlotState) -> bool:
-        return self.cells.restore(slot, state)
+    def restore(self, slot: int, state: SlotState, parts: Sequence[SeqFile] | None = None) -> bool:  # (parts: a file's)
+        return self.cells.restore(slot, state if parts is None else self.cells.with_parts(state, parts))
 
     def erase(self, slot: int) -> int:
         return self.cells.erase(slot)

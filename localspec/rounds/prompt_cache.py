@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 # `[server] cache_ram = "auto"`: this share of the RAM available when the server starts. llama-server's default is
 # a fixed 8 GiB; a share keeps a small machine usable and lets a large one keep many conversations.
@@ -85,12 +85,31 @@ class ModelState:
         return n if n >= self.floor else 0
 
 
+@dataclass(frozen=True)
+class SeqFile:
+    """A drafter's part of a slot state as a slot file holds it: the drafter it belongs to (`Drafter.seq_kind`), its
+    fields (JSON) and its byte blobs (`SeqState.to_file`; `Drafter.seq_from_file` checks and reads it back)."""
+
+    kind: str
+    meta: dict[str, Any]
+    blobs: tuple[bytearray, ...]
+
+    def count(self, name: str, most: int) -> int:
+        """Field `name` as a count 0..most (a file's fields are checked before use: ValueError naming it)."""
+        value = self.meta.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+            raise ValueError(f"{name} is {value!r}, not a count up to {most}")
+        return value
+
+
 class SeqState(Protocol):
     """A drafter's part of a slot's state beyond its models' cells (`Drafter.save_seq`: an MTP head's cells and the
-    target rows it holds), opaque here but for its size, which the cache's budget counts."""
+    target rows it holds), opaque here but for its size, which the cache's budget counts, and its file form."""
 
     @property
     def nbytes(self) -> int: ...
+
+    def to_file(self) -> SeqFile: ...
 
 
 @dataclass(eq=False)

@@ -10,14 +10,24 @@ is rewritten after every change (`_set`: the slot's list, or the drafter's `set_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 
 from localspec.drafters.base import Drafter, PromptWork, prompt_work
 from localspec.errors import UsageError
 from localspec.llama.vision import holds_pictures
 from localspec.rounds import context_shift
-from localspec.rounds.prompt_cache import ModelState, PromptCache, SlotState, picture_boundary, shared_prefix
+from localspec.rounds.prompt_cache import (
+    ModelState,
+    PromptCache,
+    SeqFile,
+    SeqState,
+    SlotState,
+    picture_boundary,
+    shared_prefix,
+)
 from localspec.rounds.scores import ScoringModel
+from localspec.rounds.slot_file import SlotFileError
 from localspec.rounds.stream import Slot, Stream
 
 Cells = list[tuple[ScoringModel, list[int]]]  # (model, the tokens its cells of the slot hold)
@@ -122,6 +132,20 @@ class SlotCells:
                 self.erase(slot)
                 return False
         return True
+
+    def with_parts(self, state: SlotState, parts: Sequence[SeqFile]) -> SlotState:
+        """A state read from a slot file, with the drafters' parts it holds (`SeqFile`) read back by the drafters of
+        their kind, in the engine's order (a part no drafter here reads is left out, as a draft model the engine
+        lacks); SlotFileError naming the part that does not fit, before any cell changes."""
+        by_kind = {part.kind: part for part in parts}
+        drafters: list[SeqState | None] = []
+        for drafter in self._drafters:
+            part = by_kind.get(drafter.seq_kind) if drafter.seq_kind else None
+            try:
+                drafters.append(None if part is None else drafter.seq_from_file(part, state.tokens))
+            except ValueError as exc:
+                raise SlotFileError(f"its {part.kind} drafter's part does not fit: {exc}") from None  # type: ignore[union-attr]
+        return dataclasses.replace(state, drafters=tuple(drafters))
 
     def erase(self, slot: int) -> int:
         """Empty slot `slot`'s cells in every model; returns how many tokens the target's held."""

@@ -9,8 +9,10 @@ of its weights), KV type, slot count (llama.cpp's state carries the number of se
 llama-cpp-python version, or this format's version; a file cut short or changed on disk fails its SHA-256.
 
 Layout (little-endian): the magic `LOCALSPEC-SLOT\\n\\0`, u32 format version, u32 header length, the header (UTF-8
-JSON: versions, the models and the byte size of each one's state, the token count, and the writer's own `extra`),
-the tokens (int32 each), each model's state in the header's order, then the SHA-256 of everything before it.
+JSON: versions, the models and the byte size of each one's state, the token count, the drafters' own parts — an MTP
+head's cells and the target rows it drafts from: each part's kind, fields and blob sizes — and the writer's own
+`extra`), the tokens (int32 each), each model's state in the header's order, each drafter part's blobs, then the
+SHA-256 of everything before it. Format 1 (no drafters' parts) is read too.
 Written through fsutil's one atomic write: a file that exists is whole.
 
 File names (the server's `filename`) are one name in the save folder, never a path, of a safe set narrower than
@@ -36,10 +38,11 @@ from localspec.errors import LocalspecError
 from localspec.fsutil import atomic_file, not_a_file
 from localspec.llama.vision import holds_pictures
 from localspec.models.gguf_header import read_header
-from localspec.rounds.prompt_cache import ModelState, SlotState
+from localspec.rounds.prompt_cache import ModelState, SeqFile, SlotState
 
 MAGIC = b"LOCALSPEC-SLOT\n\0"
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)  # format 1: written before the drafters' parts
 MAX_HEADER = 1 << 20  # a header is a few hundred bytes plus the writer's extra (a transcript's digest)
 MAX_NAME_BYTES = 255
 _U32 = struct.Struct("<I")
@@ -173,12 +176,14 @@ def write(path: Path, state: SlotState, models: Sequence[ModelIdentity], extra: 
         raise ValueError("one identity per model state")
     if holds_pictures(state.tokens):
         raise SlotFileError(f"{path.name}: the {what}'s cells hold a picture, which {what}s do not keep yet")
+    parts = [d.to_file() for d in state.drafters if d is not None]
     header = {
         "format": FORMAT, "localspec": __version__, "llama_cpp_python": _llama_cpp_version(),
         "tokens": len(state.tokens),
         "models": [{"file": m.name, "fingerprint": m.fingerprint, "kv_type": m.kv_type, "n_seq": m.n_seq,
                     "n_tokens": s.n_tokens, "floor": s.floor, "bytes": len(s.data)}
                    for m, s in zip(models, state.models, strict=True)],
+        "drafters": [{"kind": part.kind, "meta": part.meta, "bytes": [len(b) for b in part.blobs]} for part in parts],
         "extra": extra or {},
     }
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -191,6 +196,9 @@ def write(path: Path, state: SlotState, models: Sequence[ModelIdentity], extra: 
         out.write(struct.pack(f"<{len(state.tokens)}i", *state.tokens))
         for model in state.models:
             out.write(model.data)
+        for part in parts:
+            for blob in part.blobs:
+                out.write(blob)
         fh.write(out.digest.digest())
         return out.size + 32
 
@@ -207,6 +215,7 @@ class Loaded:
     extra: dict[str, Any]
     nbytes: int
     saved: tuple[str, ...]  # the files its models' states came from, in its order
+    parts: tuple[SeqFile, ...] = ()  # the drafters' parts (`Engine.restore` has its drafters read them back)
 
 
 def _int(value: Any, name: str, where: str) -> int:
@@ -245,8 +254,9 @@ def _read(fh: BinaryIO, size: int, where: str, models: Sequence[ModelIdentity], 
         raise SlotFileError(f"{where}: not a localspec slot file")
     (version,) = _U32.unpack_from(start, len(MAGIC))
     (head_len,) = _U32.unpack_from(start, len(MAGIC) + _U32.size)
-    if version != FORMAT:
-        raise SlotFileError(f"{where}: slot file format {version}; this localspec reads format {FORMAT}")
+    if version not in READS:
+        raise SlotFileError(f"{where}: slot file format {version}; this localspec reads formats "
+                            f"{', '.join(map(str, READS))}")
     if head_len > MAX_HEADER or fixed + head_len > size:
         raise SlotFileError(f"{where}: header of {head_len} bytes does not fit the file (corrupt file?)")
     raw_head = fh.read(head_len)
@@ -269,7 +279,16 @@ def _read(fh: BinaryIO, size: int, where: str, models: Sequence[ModelIdentity], 
         _int(entry.get("n_seq"), "n_seq", where)
         if counts[-1] > n_tokens or floors[-1] > counts[-1]:
             raise SlotFileError(f"{where}: model {i} holds {counts[-1]} of {n_tokens} tokens (corrupt file?)")
-    expected = fixed + head_len + 4 * n_tokens + sum(sizes) + 32
+    drafters = header.get("drafters", [])
+    if not isinstance(drafters, list):
+        raise SlotFileError(f"{where}: the header's drafters is not a list (corrupt file?)")
+    part_sizes: list[list[int]] = []
+    for i, entry in enumerate(drafters):
+        if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str) and isinstance(entry.get("meta"), dict)
+                and isinstance(entry.get("bytes"), list)):
+            raise SlotFileError(f"{where}: drafter part {i} of the header is malformed (corrupt file?)")
+        part_sizes.append([_int(n, "bytes", where) for n in entry["bytes"]])
+    expected = fixed + head_len + 4 * n_tokens + sum(sizes) + sum(map(sum, part_sizes)) + 32
     if size != expected:
         raise SlotFileError(f"{where}: {size} bytes where its header says {expected} (cut short or corrupt)")
     # Versions and models before the payload is read (a 2 GB state of another model is refused at once).
@@ -301,14 +320,16 @@ def _read(fh: BinaryIO, size: int, where: str, models: Sequence[ModelIdentity], 
     digest.update(raw_head)
     token_bytes = fh.read(4 * n_tokens)
     digest.update(token_bytes)
-    blobs = []
-    for n in sizes:
-        blob = bytearray(n)
-        got = fh.readinto(blob)
-        if got != n:
+    def blob(n: int) -> bytearray:
+        data = bytearray(n)
+        if fh.readinto(data) != n:
             raise SlotFileError(f"{where}: cut short (corrupt file?)")
-        digest.update(blob)
-        blobs.append(blob)
+        digest.update(data)
+        return data
+
+    blobs = [blob(n) for n in sizes]
+    parts = tuple(SeqFile(entry["kind"], entry["meta"], tuple(blob(n) for n in part))
+                  for entry, part in zip(drafters, part_sizes, strict=True))
     if fh.read(32) != digest.digest():
         raise SlotFileError(f"{where}: checksum mismatch (the file was changed or damaged)")
     tokens = struct.unpack(f"<{n_tokens}i", token_bytes)
@@ -321,5 +342,5 @@ def _read(fh: BinaryIO, size: int, where: str, models: Sequence[ModelIdentity], 
             states.append(ModelState(counts[i], blobs[i], floors[i]))
         else:  # a draft the file has no state for: its cells start empty
             states.append(ModelState(0, bytearray(), 0))
-    return Loaded(SlotState(tokens, tuple(states)), extra, size, tuple(e["file"] for e in saved))
+    return Loaded(SlotState(tokens, tuple(states)), extra, size, tuple(e["file"] for e in saved), parts)
 

@@ -111,7 +111,11 @@ async def _restore(backend: Backend, slot: int, name: str, path: Path) -> JSONRe
         # The path inside the save folder is the server's business: the client named the file.
         message = str(exc).replace(str(path), name)
         raise ApiError(400, f"Unable to restore slot: {message}", param="filename", code="invalid_value") from None
-    if not await _in_slot(backend, slot, lambda: engine.restore(slot, loaded.state)):
+    try:
+        restored = await _in_slot(backend, slot, lambda: engine.restore(slot, loaded.state, loaded.parts))
+    except SlotFileError as exc:  # (a drafter's part that does not fit: checked before any cell changed)
+        raise ApiError(400, f"Unable to restore slot: {name}: {exc}", param="filename", code="invalid_value") from None
+    if not restored:
         raise ApiError(400, f"Unable to restore slot: llama.cpp refused the state in {name} (the slot is empty now)",
                        param="filename", code="invalid_value")
     return JSONResponse({"id_slot": slot, "filename": name, "n_restored": loaded.state.models[0].n_tokens,

@@ -682,7 +682,11 @@ class ChatSession:
         loaded = slot_file.read(state_path, self._identities(), n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
         if loaded.extra.get("chat") != kv["id"]:
             raise LocalspecError(f"{state_path}: belongs to another save than {path} (saved again since?)")
-        if not self.engine.restore(0, loaded.state):
+        try:
+            restored = self.engine.restore(0, loaded.state, loaded.parts)
+        except slot_file.SlotFileError as exc:  # (a drafter's part that does not fit: nothing changed)
+            raise LocalspecError(f"{state_path}: {exc}") from None
+        if not restored:
             self.engine.reset()
             raise LocalspecError(f"{state_path}: llama.cpp refused the state (the KV caches are empty now)")
         self.system = system
