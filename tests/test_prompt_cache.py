@@ -3,6 +3,8 @@ and what a recurrent or sliding-window state may not serve (a prefix of it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from localspec.config import ConfigError, load_preset
@@ -117,6 +119,24 @@ def test_a_draft_holding_less_is_served_by_a_draft_holding_more() -> None:
     assert cache.put(state([1, 2, 3, 4], draft=2))
     assert not cache.put(state([1, 2, 3, 4], draft=1))
     assert cache.put(state([1, 2, 3, 4], draft=4))  # serves more: replaces it
+    assert len(cache) == 1
+
+
+class HeadPart:
+    """A drafter's own part of a state (an MTP head's), as the cache sees one: its size."""
+
+    nbytes = 40
+
+
+def test_a_state_without_a_drafters_part_does_not_replace_one_that_keeps_it() -> None:
+    """A longer state that lacks a drafter's part (the MTP head's) does not serve what one keeping it serves: a hit
+    on it would read the prompt again for the head. One that keeps it too replaces it, and the part is counted."""
+    cache = PromptCache(10_000)
+    with_head = dataclasses.replace(state([1, 2, 3]), drafters=(HeadPart(),))
+    assert cache.put(with_head) and cache.nbytes == 100 + 40
+    assert cache.put(state([1, 2, 3, 4]))
+    assert len(cache) == 2
+    assert cache.put(dataclasses.replace(state([1, 2, 3, 4, 5]), drafters=(HeadPart(),)))
     assert len(cache) == 1
 
 

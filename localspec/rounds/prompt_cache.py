@@ -135,6 +135,9 @@ class SlotState:
         the same tokens, and a model whose prefixes are not all valid holds exactly as much."""
         if len(self.models) != len(other.models):
             return False
+        theirs_kept = [d is not None for d in other.drafters]
+        if any(keeps and (i >= len(self.drafters) or self.drafters[i] is None) for i, keeps in enumerate(theirs_kept)):
+            return False  # (it keeps a drafter's part, an MTP head's, that this one lacks: a hit there reads less)
         for mine, theirs in zip(self.models, other.models, strict=True):
             if (mine.floor or theirs.floor) and (mine.n_tokens, mine.floor) != (theirs.n_tokens, theirs.floor):
                 return False
