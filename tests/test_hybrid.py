@@ -608,6 +608,63 @@ def test_a_slot_file_keeps_the_mtp_heads_part_and_refuses_one_that_does_not_fit(
         assert again.tokens == ref.tokens and again.stats.prompt_tokens_processed == len(follow) - 1
 
 
+def _edit_slot_part(path: Path, edit) -> None:
+    """Rewrite a slot file's first drafter part's fields with `edit` and seal it again (a consistent file whose part
+    does not fit: the checksum passes, so the drafter's own check is what refuses it)."""
+    import hashlib
+    import json
+    import struct
+
+    from localspec.rounds import slot_file
+
+    raw = path.read_bytes()
+    fixed = len(slot_file.MAGIC) + 8
+    (length,) = struct.unpack_from("<I", raw, len(slot_file.MAGIC) + 4)
+    header = json.loads(raw[fixed : fixed + length])
+    edit(header["drafters"][0]["meta"])
+    head = json.dumps(header).encode()
+    body = raw[: len(slot_file.MAGIC) + 4] + struct.pack("<I", len(head)) + head + raw[fixed + length : -32]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+@pytest.mark.slow
+def test_a_served_slot_file_keeps_the_mtp_heads_part(hybrid_pair, tmp_path) -> None:
+    """`localspec serve --drafter mtp` on the hybrid target, over HTTP: a slot saved and restored brings the MTP
+    head's part back, so the next prompt that extends it reads only its new tokens (`timings.prompt_n`); a file
+    whose head's part does not fit is a 400 naming the file and the part, and the slot keeps what it held."""
+    import httpx
+
+    from tests.test_serve import Server
+
+    saves = tmp_path / "saves"
+    first = prompts(1, seed=61, length=20)[0]
+    server = Server(tmp_path / "home", tmp_path, "--target", str(hybrid_pair[0]), "--drafter", "mtp", "--threads",
+                    "1", "--ctx", "512", "--slot-save-path", str(saves))
+    try:
+        def complete(prompt: list[int]) -> dict:
+            r = httpx.post(f"{server.root}/completion", json={"prompt": prompt, "n_predict": 1, "temperature": 0,
+                                                              "id_slot": 0}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        complete(first)  # (one token: the slot's cells hold the prompt, the hybrid's state at exactly its length)
+        r = httpx.post(f"{server.root}/slots/0?action=save", json={"filename": "mtp.bin"}, timeout=300)
+        assert r.status_code == 200, r.text
+        complete(prompts(1, seed=62, length=20)[0])  # another conversation takes the slot
+        good = (saves / "mtp.bin").read_bytes()
+        _edit_slot_part(saves / "mtp.bin", lambda meta: meta.update(width=meta["width"] + 1))
+        r = httpx.post(f"{server.root}/slots/0?action=restore", json={"filename": "mtp.bin"}, timeout=300)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "filename", r.text
+        assert "mtp.bin: its mtp drafter's part does not fit: width" in r.json()["error"]["message"], r.text
+        (saves / "mtp.bin").write_bytes(good)
+        r = httpx.post(f"{server.root}/slots/0?action=restore", json={"filename": "mtp.bin"}, timeout=300)
+        assert r.status_code == 200, r.text
+        follow = complete([*first, *prompts(1, seed=63, length=4)[0]])
+        assert follow["timings"]["prompt_n"] == 4, follow["timings"]  # the head's part came back: no re-read
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("lengths", "drafters"), [((6, 3, 0, 5), ("model", "mtp", "model", "mtp")),
                                                    ((0, 3, 0, 5), ("model", "mtp", "model", "mtp")),
