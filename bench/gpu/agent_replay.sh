@@ -44,11 +44,9 @@ speaks_pair "$SPEAKS_SIZE" || { log "no speaks pair (REAL_TARGET $REAL_TARGET; R
 T="$(speaks_target "$SPEAKS_SIZE")" D="$(speaks_draft "$SPEAKS_SIZE")"
 
 export COLUMNS=200
-# bench/results' naming (DATE-MACHINE-TOPIC.csv): the GPU's model where there is one (h100, h200, ...), else cpu
-tag="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|l40s|[0-9]{4}' \
-    | head -1 | tr '[:upper:]' '[:lower:]')"
+tag="$(machine_tag)"
 for temp in $TEMPS; do
-    csv="$RES/$(date -u +%F)-${tag:-cpu}-agent-replay-t${temp//./}.csv"
+    csv="$RES/$(date -u +%F)-$tag-agent-replay-t${temp//./}.csv"  # (bench/results' naming)
     [[ -s "$csv" ]] && continue
     serve="--target $T --draft $D --draft 6 --preset agent --ctx $CTX --cache-ram $CACHE_MIB --seed $SEED ${SERVE_ARGS:-}"
     run "replay-t$temp" 60 python3 "$REPO/bench/agent_replay.py" --serve "$serve" --drafters "$DRAFTERS" \

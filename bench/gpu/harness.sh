@@ -133,6 +133,13 @@ snapshot_env() {
       cat "$CARRY/MANIFEST.txt" 2>/dev/null
     } > "$1" 2>&1
 }
+# machine_tag: the GPU's model for bench/results' file names (DATE-MACHINE-TOPIC.csv: h100, h200, ...), else cpu.
+machine_tag() {
+    local tag
+    tag="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+        | grep -oiE 'h100|h200|a100|l40s|[0-9]{4}' | head -1 | tr '[:upper:]' '[:lower:]')"
+    echo "${tag:-cpu}"
+}
 # vocab_args PRESET: VOCAB_ARGS, the writer's --vocab for a synthetic pair of that preset (see VOCAB above).
 vocab_args() {
     local vocab=""

@@ -69,9 +69,24 @@ def width_warning(on_gpu: bool, width_noise: float, cap: float | None) -> str | 
             f"{cap:g}): its verify rows are mostly kernel rounding, so draft acceptance will collapse")
 
 
-def byte_buffer(data: bytearray) -> ctypes.Array:
+def _buffer(data: bytearray) -> ctypes.Array:
     """A bytearray as the uint8 array llama.cpp's state calls take, without a copy."""
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
+
+
+def save_seq_state(ctx: ctypes.c_void_p, seq: int, what: str) -> bytearray:
+    """A context's sequence `seq` as llama.cpp serialises it (`llama_state_seq_get_data`); `what` names it in the
+    error (a model's cells, an MTP head's)."""
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+    data = bytearray(size)
+    if size and llama_cpp.llama_state_seq_get_data(ctx, _buffer(data), size, seq) != size:
+        raise DecodeError(f"llama.cpp could not save {what}")
+    return data
+
+
+def load_seq_state(ctx: ctypes.c_void_p, data: bytearray, seq: int) -> bool:
+    """Sequence `seq` of a context replaced with a `save_seq_state` of it; False when llama.cpp refuses it."""
+    return bool(data) and llama_cpp.llama_state_seq_set_data(ctx, _buffer(data), len(data), seq) == len(data)
 
 
 class LlamaModel:
@@ -569,16 +584,12 @@ class LlamaModel:
     def save_state(self, seq: int = 0) -> bytearray:
         """Sequence `seq`'s cells as llama.cpp serialises them (`llama_state_seq_get_data`): positions, keys and
         values (of sliding-window layers only the window's last positions), or a recurrent state as it is now."""
-        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
-        data = bytearray(size)
-        if size and llama_cpp.llama_state_seq_get_data(self.ctx, byte_buffer(data), size, seq) != size:
-            raise DecodeError(f"{self.path.name}: llama.cpp could not save sequence {seq}'s state")
-        return data
+        return save_seq_state(self.ctx, seq, f"{self.path.name}'s sequence {seq}")
 
     def load_state(self, data: bytearray, seq: int = 0) -> bool:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
         False when llama.cpp refuses it, and the sequence is then empty."""
-        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, byte_buffer(data), len(data), seq) == len(data)
+        ok = load_seq_state(self.ctx, data, seq)
         if self._recurrent is not None:
             self._recurrent.forget(seq)  # its snapshots and checkpoint belonged to the cells this replaced
         if not ok:

@@ -13,7 +13,7 @@ import numpy as np
 from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import backend
 from localspec.llama.hidden import llama_cpp_ext, mtp_unsupported
-from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, byte_buffer
+from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, load_seq_state, save_seq_state
 
 MtpEntry = tuple[int, int, int, np.ndarray, bool]  # (sequence, token, position, hidden state before it, scored)
 
@@ -117,16 +117,12 @@ class MtpHead:
 
     def save_state(self, seq: int) -> bytearray:
         """Sequence `seq`'s cells as llama.cpp serialises them (the prompt cache keeps them beside the target's)."""
-        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
-        data = bytearray(size)
-        if size and llama_cpp.llama_state_seq_get_data(self.ctx, byte_buffer(data), size, seq) != size:
-            raise DecodeError(f"{self.path.name}: llama.cpp could not save the MTP head's sequence {seq}")
-        return data
+        return save_seq_state(self.ctx, seq, f"{self.path.name}'s MTP head's sequence {seq}")
 
     def load_state(self, data: bytearray, seq: int) -> bool:
         """Replace sequence `seq`'s cells with a `save_state` of this head; False (and the sequence empty) when
         llama.cpp refuses it."""
-        ok = bool(data) and llama_cpp.llama_state_seq_set_data(self.ctx, byte_buffer(data), len(data), seq) == len(data)
+        ok = load_seq_state(self.ctx, data, seq)
         if not ok:
             self.clear(seq)
         return ok

@@ -141,10 +141,13 @@ class SlotCells:
         drafters: list[SeqState | None] = []
         for drafter in self._drafters:
             part = by_kind.get(drafter.seq_kind) if drafter.seq_kind else None
+            if part is None:
+                drafters.append(None)
+                continue
             try:
-                drafters.append(None if part is None else drafter.seq_from_file(part, state.tokens))
+                drafters.append(drafter.seq_from_file(part, state.tokens))
             except ValueError as exc:
-                raise SlotFileError(f"its {part.kind} drafter's part does not fit: {exc}") from None  # type: ignore[union-attr]
+                raise SlotFileError(f"its {part.kind} drafter's part does not fit: {exc}") from None
         return dataclasses.replace(state, drafters=tuple(drafters))
 
     def erase(self, slot: int) -> int:
