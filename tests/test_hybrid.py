@@ -608,25 +608,6 @@ def test_a_slot_file_keeps_the_mtp_heads_part_and_refuses_one_that_does_not_fit(
         assert again.tokens == ref.tokens and again.stats.prompt_tokens_processed == len(follow) - 1
 
 
-def _edit_slot_part(path: Path, edit) -> None:
-    """Rewrite a slot file's first drafter part's fields with `edit` and seal it again (a consistent file whose part
-    does not fit: the checksum passes, so the drafter's own check is what refuses it)."""
-    import hashlib
-    import json
-    import struct
-
-    from localspec.rounds import slot_file
-
-    raw = path.read_bytes()
-    fixed = len(slot_file.MAGIC) + 8
-    (length,) = struct.unpack_from("<I", raw, len(slot_file.MAGIC) + 4)
-    header = json.loads(raw[fixed : fixed + length])
-    edit(header["drafters"][0]["meta"])
-    head = json.dumps(header).encode()
-    body = raw[: len(slot_file.MAGIC) + 4] + struct.pack("<I", len(head)) + head + raw[fixed + length : -32]
-    path.write_bytes(body + hashlib.sha256(body).digest())
-
-
 @pytest.mark.slow
 def test_a_served_slot_file_keeps_the_mtp_heads_part(hybrid_pair, tmp_path) -> None:
     """`localspec serve --drafter mtp` on the hybrid target, over HTTP: a slot saved and restored brings the MTP
@@ -635,6 +616,7 @@ def test_a_served_slot_file_keeps_the_mtp_heads_part(hybrid_pair, tmp_path) -> N
     import httpx
 
     from tests.test_serve import Server
+    from tests.test_slot_file import rewrite_header
 
     saves = tmp_path / "saves"
     first = prompts(1, seed=61, length=20)[0]
@@ -652,7 +634,8 @@ def test_a_served_slot_file_keeps_the_mtp_heads_part(hybrid_pair, tmp_path) -> N
         assert r.status_code == 200, r.text
         complete(prompts(1, seed=62, length=20)[0])  # another conversation takes the slot
         good = (saves / "mtp.bin").read_bytes()
-        _edit_slot_part(saves / "mtp.bin", lambda meta: meta.update(width=meta["width"] + 1))
+        wider = lambda h: h["drafters"][0]["meta"].update(width=h["drafters"][0]["meta"]["width"] + 1)  # noqa: E731
+        rewrite_header(saves / "mtp.bin", wider, seal=True)  # (the checksum passes: the head's own check refuses it)
         r = httpx.post(f"{server.root}/slots/0?action=restore", json={"filename": "mtp.bin"}, timeout=300)
         assert r.status_code == 400 and r.json()["error"]["param"] == "filename", r.text
         assert "mtp.bin: its mtp drafter's part does not fit: width" in r.json()["error"]["message"], r.text

@@ -67,14 +67,17 @@ def test_another_model_kv_type_or_slot_count_is_refused(tmp_path: Path, change, 
         read(path, models=change())
 
 
-def _rewrite_header(path: Path, edit) -> None:
+def rewrite_header(path: Path, edit, seal: bool = False) -> None:
+    """A slot file's header JSON changed by `edit`; with `seal`, its checksum made right again (a consistent file
+    whose content disagrees, for the checks that come after the checksum's)."""
     raw = path.read_bytes()
     fixed = len(slot_file.MAGIC) + 8
     (length,) = struct.unpack_from("<I", raw, len(slot_file.MAGIC) + 4)
     header = json.loads(raw[fixed : fixed + length])
     edit(header)
     head = json.dumps(header).encode()
-    path.write_bytes(raw[: len(slot_file.MAGIC) + 4] + struct.pack("<I", len(head)) + head + raw[fixed + length :])
+    body = raw[: len(slot_file.MAGIC) + 4] + struct.pack("<I", len(head)) + head + raw[fixed + length :]
+    path.write_bytes(body[:-32] + hashlib.sha256(body[:-32]).digest() if seal else body)
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -88,7 +91,7 @@ def _rewrite_header(path: Path, edit) -> None:
 def test_a_header_that_disagrees_is_refused(tmp_path: Path, edit, message: str) -> None:
     path = tmp_path / "s.slot"
     slot_file.write(path, a_state(), [TARGET, DRAFT])
-    _rewrite_header(path, edit)
+    rewrite_header(path, edit)
     with pytest.raises(SlotFileError, match=message):
         read(path)
 
@@ -143,7 +146,7 @@ def test_drafters_parts_round_trip_and_are_checked_like_the_rest(tmp_path: Path)
                           (lambda h: h["drafters"][0].update(bytes=[-1, 0, 12]), "not a count"),
                           (lambda h: h.update(drafters={}), "drafters is not a list")):
         slot_file.write(path, state, [TARGET, DRAFT])
-        _rewrite_header(path, edit)
+        rewrite_header(path, edit)
         with pytest.raises(SlotFileError, match=message):
             read(path)
 
@@ -151,11 +154,10 @@ def test_drafters_parts_round_trip_and_are_checked_like_the_rest(tmp_path: Path)
 def test_a_format_1_file_is_read_without_drafters_parts(tmp_path: Path) -> None:
     path = tmp_path / "s.slot"
     slot_file.write(path, a_state(), [TARGET, DRAFT])
-    _rewrite_header(path, lambda h: (h.pop("drafters"), h.update(format=1)))
     raw = bytearray(path.read_bytes())
     raw[len(slot_file.MAGIC) : len(slot_file.MAGIC) + 4] = struct.pack("<I", 1)
-    body = bytes(raw[:-32])
-    path.write_bytes(body + hashlib.sha256(body).digest())
+    path.write_bytes(bytes(raw))
+    rewrite_header(path, lambda h: (h.pop("drafters"), h.update(format=1)), seal=True)
     loaded = read(path)
     assert loaded.parts == () and loaded.state.tokens == a_state().tokens
 

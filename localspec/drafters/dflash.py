@@ -55,7 +55,7 @@ from localspec.llama.layer_features import (
     layer_features_unsupported,
 )
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.prompt_cache import SeqFile, SeqState
+from localspec.rounds.prompt_cache import SeqFile, SeqState, ints_blob, rows_blob
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
 from localspec.rounds.slot_file import fingerprint
@@ -110,10 +110,8 @@ class BlockState:
 
     def to_file(self) -> SeqFile:
         st = self.seq
-        pending = np.stack(st.pending).astype(np.float32) if st.pending else np.zeros((0, 0), np.float32)
         meta = {"drafter": self.drafter, "seen": len(st.seen), "pending": len(st.pending), "cuts": st.cuts}
-        return SeqFile(self.kind, meta, (self.cells, bytearray(np.asarray(st.seen, dtype="<i4").tobytes()),
-                                         bytearray(pending.astype("<f4").tobytes())))
+        return SeqFile(self.kind, meta, (self.cells, ints_blob(st.seen), rows_blob(st.pending)))
 
 
 class BlockDrafter(DrafterBase):
@@ -256,11 +254,10 @@ class BlockDrafter(DrafterBase):
         if len(part.blobs) != 3 or tuple(len(b) for b in part.blobs[1:]) != sizes:
             raise ValueError(f"its blobs are {[len(b) for b in part.blobs]} bytes, its fields say [cells, "
                              f"*{list(sizes)}] at this drafter's feature width {width}")
-        held = np.frombuffer(bytes(part.blobs[1]), dtype="<i4").tolist()
+        held = part.ints(1)
         if held != list(tokens[:seen]):
             raise ValueError("its positions' tokens are not the slot's")
-        rows = np.frombuffer(bytes(part.blobs[2]), dtype="<f4").reshape(pending, width).copy()
-        return BlockState(bytearray(part.blobs[0]), _Seq(held, list(rows), cuts), self.facts.kind,
+        return BlockState(bytearray(part.blobs[0]), _Seq(held, part.rows(2, pending, width), cuts), self.facts.kind,
                           self._fingerprint())
 
     def _fingerprint(self) -> str:

@@ -43,7 +43,7 @@ from localspec.drafters.base import (
 from localspec.drafters.model import ModelCost
 from localspec.errors import DecodeError, UsageError
 from localspec.rounds.policies import DraftCost
-from localspec.rounds.prompt_cache import SeqFile, SeqState
+from localspec.rounds.prompt_cache import SeqFile, SeqState, ints_blob, rows_blob
 from localspec.rounds.sampling import Candidates
 from localspec.rounds.scores import ScoringModel
 
@@ -99,14 +99,12 @@ class MtpState:
 
     def to_file(self) -> SeqFile:
         st = self.seq
-        rows = np.stack(st.rows).astype(np.float32) if st.rows else np.zeros((0, 0), np.float32)
-        width = rows.shape[1] if st.rows else (st.anchor[1].size if st.anchor else 0)
+        anchor = [] if st.anchor is None else [st.anchor[1]]
+        width = next((r.size for r in (*st.rows, *anchor)), 0)
         meta = {"tokens": len(st.tokens), "seen": len(st.seen), "rows": len(st.rows), "rows_from": st.rows_from,
                 "anchor": None if st.anchor is None else st.anchor[0], "width": width}
-        anchor = b"" if st.anchor is None else np.asarray(st.anchor[1], dtype=np.float32).tobytes()
-        return SeqFile(MTP_KIND, meta, (self.cells, bytearray(np.asarray(st.tokens, dtype="<i4").tobytes()),
-                                        bytearray(np.asarray(st.seen, dtype="<i4").tobytes()),
-                                        bytearray(rows.astype("<f4").tobytes()), bytearray(anchor)))
+        return SeqFile(MTP_KIND, meta, (self.cells, ints_blob(st.tokens), ints_blob(st.seen), rows_blob(st.rows),
+                                        rows_blob(anchor)))
 
 
 def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> MtpState:
@@ -121,17 +119,16 @@ def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> Mtp
     sizes = (4 * n_tokens, 4 * n_seen, 4 * width * n_rows, 0 if anchor is None else 4 * width)
     if len(part.blobs) != 5 or tuple(len(b) for b in part.blobs[1:]) != sizes:
         raise ValueError(f"its blobs are {[len(b) for b in part.blobs]} bytes, its fields say [cells, *{list(sizes)}]")
-    held = np.frombuffer(bytes(part.blobs[1]), dtype="<i4").tolist()
-    seen = np.frombuffer(bytes(part.blobs[2]), dtype="<i4").tolist()
+    held, seen = part.ints(1), part.ints(2)
     if held != list(tokens[:n_tokens]) or seen != list(tokens[:n_seen]):
         raise ValueError("the head's tokens are not the slot's")
-    rows = np.frombuffer(bytes(part.blobs[3]), dtype="<f4").reshape(n_rows, width).copy()
-    kept = None if anchor is None else (anchor, np.frombuffer(bytes(part.blobs[4]), dtype="<f4").copy())
-    return MtpState(bytearray(part.blobs[0]), _Seq(held, seen, list(rows), rows_from, kept))
+    kept = None if anchor is None else (anchor, part.rows(4, 1, width)[0])
+    return MtpState(bytearray(part.blobs[0]), _Seq(held, seen, part.rows(3, n_rows, width), rows_from, kept))
 
 
 class MtpDrafter(DrafterBase):
     reads_target = True  # fed the target's hidden state after each token (`target_rows`)
+    seq_kind = MTP_KIND  # its part of a slot file
 
     def __init__(self, target: ScoringModel) -> None:
         super().__init__()
@@ -301,8 +298,6 @@ class MtpDrafter(DrafterBase):
         if st is None or not st.tokens or self._head is None:
             return None
         return MtpState(self._head.save_state(seq), _copy(st))
-
-    seq_kind = MTP_KIND
 
     def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> MtpState:
         return mtp_state_from_file(part, tokens, self.target.n_embd_out)  # type: ignore[attr-defined]

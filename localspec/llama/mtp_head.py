@@ -57,7 +57,7 @@ class MtpHead:
         self._batch = llama_cpp.llama_batch_ext_init(self.ctx)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = target.n_vocab
-        self.n_embd = int(llama_cpp.llama_model_n_embd_out(target.model))
+        self.n_embd = target.n_embd_out  # (the target's hidden rows it reads, and its own)
         self.n_batch = min(n_batch, int(llama_cpp.llama_n_batch(self.ctx)))
         self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
         self.n_seq = n_seq

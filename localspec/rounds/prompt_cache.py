@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 # `[server] cache_ram = "auto"`: this share of the RAM available when the server starts. llama-server's default is
 # a fixed 8 GiB; a share keeps a small machine usable and lets a large one keep many conversations.
 AUTO_SHARE = 0.25
@@ -101,6 +103,24 @@ class SeqFile:
             raise ValueError(f"{name} is {value!r}, not a count up to {most}")
         return value
 
+    def ints(self, i: int) -> list[int]:
+        """Blob `i` as token ids (`ints_blob`'s)."""
+        return np.frombuffer(bytes(self.blobs[i]), dtype="<i4").tolist()
+
+    def rows(self, i: int, n: int, width: int) -> list[np.ndarray]:
+        """Blob `i` as `n` float32 rows of `width` (`rows_blob`'s), each an array of its own."""
+        return list(np.frombuffer(bytes(self.blobs[i]), dtype="<f4").reshape(n, width).copy())
+
+
+def ints_blob(ids: Sequence[int]) -> bytearray:
+    """Token ids as a slot file keeps them (little-endian int32)."""
+    return bytearray(np.asarray(ids, dtype="<i4").tobytes())
+
+
+def rows_blob(rows: Sequence[np.ndarray]) -> bytearray:
+    """Hidden rows as a slot file keeps them (little-endian float32, row after row)."""
+    return bytearray(np.stack(rows).astype("<f4").tobytes()) if len(rows) else bytearray()
+
 
 class SeqState(Protocol):
     """A drafter's part of a slot's state beyond its models' cells (`Drafter.save_seq`: an MTP head's cells and the
@@ -135,8 +155,8 @@ class SlotState:
         the same tokens, and a model whose prefixes are not all valid holds exactly as much."""
         if len(self.models) != len(other.models):
             return False
-        theirs_kept = [d is not None for d in other.drafters]
-        if any(keeps and (i >= len(self.drafters) or self.drafters[i] is None) for i, keeps in enumerate(theirs_kept)):
+        mine_kept = [d is not None for d in self.drafters]
+        if any(d is not None and (i >= len(mine_kept) or not mine_kept[i]) for i, d in enumerate(other.drafters)):
             return False  # (it keeps a drafter's part, an MTP head's, that this one lacks: a hit there reads less)
         for mine, theirs in zip(self.models, other.models, strict=True):
             if (mine.floor or theirs.floor) and (mine.n_tokens, mine.floor) != (theirs.n_tokens, theirs.floor):
