@@ -260,6 +260,33 @@ def test_chat_load_refuses_what_does_not_belong_and_changes_nothing(chat_pair, t
             assert (list(chat.messages), s.engine.cached_tokens) == before
 
 
+def test_chat_load_of_a_drafters_part_that_does_not_fit_is_one_line_and_changes_nothing(chat_pair, tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """/load where a drafter refuses its part of the state file (an MTP head's of another width: the engine's
+    check, `SlotCells.with_parts`, stands in here for this pair, which has no head): one line naming the .kv file,
+    and the chat is as it was."""
+    from localspec.errors import LocalspecError
+    from localspec.rounds.slot_file import SlotFileError
+    from localspec.sessions.chat import ChatSession
+
+    preset = GREEDY.with_overrides(threads=1, n_ctx=512)
+    files = ModelFiles(target=chat_pair[0], draft=chat_pair[1], name="demo-chat")
+    with open_session(files, preset) as s:
+        chat = ChatSession(s.engine, s.target, preset, max_tokens=8)
+        list(chat.send("Name a planet."))
+        saved = chat.save(tmp_path / "a.json")
+        list(chat.send("And a moon?"))
+        before = (list(chat.messages), s.engine.cached_tokens)
+
+        def refuse(state, parts):
+            raise SlotFileError("its mtp drafter's part does not fit: width is 8; the MTP head here is 16 wide")
+
+        monkeypatch.setattr(s.engine.cells, "with_parts", refuse)
+        with pytest.raises(LocalspecError, match=rf"{saved.kv.name}: its mtp drafter's part does not fit"):
+            chat.load(saved.transcript)
+        assert (list(chat.messages), s.engine.cached_tokens) == before
+
+
 def test_chat_with_context_shift_keeps_the_system_prompt_and_goes_on(chat_pair) -> None:
     """A reply longer than the context goes on; what stays at the start is the system prompt; the next message
     drops the oldest turns to fit."""
