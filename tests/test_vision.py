@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -144,9 +145,11 @@ def test_a_projector_of_another_width_is_refused(tiny_pair_high, tmp_path):
 # -- generation with pictures --------------------------------------------------------------------------------------
 
 
-def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Picture], n: int) -> list[int]:
+def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Picture], n: int,
+                     with_row: bool = False) -> Any:
     """Greedy tokens after the prompt through libmtmd's own helper (`mtmd_helper_eval_chunks`: its tokenizer, its
-    chunk evaluation) and single-token llama_decode calls, in a context of its own: no localspec code on the path."""
+    chunk evaluation, its positions) and single-token llama_decode calls, in a context of its own: no localspec code
+    on the path. `with_row`: (the tokens, the logits after the prompt)."""
     mparams = llama_cpp.llama_model_default_params()
     mparams.use_extra_bufts = False  # (as localspec loads it: one token and a batch score alike on the CPU)
     model = llama_cpp.llama_model_load_from_file(str(target).encode(), mparams)
@@ -169,6 +172,7 @@ def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Pictu
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     out: list[int] = []
+    first_row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
     batch = llama_cpp.llama_batch_init(1, 0, 1)
     try:
         for _ in range(n):
@@ -187,7 +191,7 @@ def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Pictu
         mtmd.mtmd_free(mctx)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
-    return out
+    return (out, first_row) if with_row else out
 
 
 def test_greedy_with_a_picture_is_plain_decoding_with_it_for_every_drafter(tiny_pair_high, projector):

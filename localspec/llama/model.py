@@ -26,6 +26,7 @@ from localspec.llama import backend, ubatch
 from localspec.llama.backend import BackendDevice
 from localspec.llama.batch import Batch, DecodeItem
 from localspec.llama.hidden import HiddenRows, mtp_unsupported
+from localspec.llama.places import Places, SavedCells
 from localspec.llama.recurrent import RecurrentState, rollback_unsupported
 from localspec.llama.samplers import MAX_OUTPUTS_PER_DECODE, DeviceSamplers, Rows, as_scores, joined
 from localspec.llama.vision import Projector, holds_pictures, runs
@@ -74,11 +75,11 @@ def _buffer(data: bytearray) -> ctypes.Array:
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
 
-def save_seq_state(ctx: ctypes.c_void_p, seq: int, what: str) -> bytearray:
+def save_seq_state(ctx: ctypes.c_void_p, seq: int, what: str) -> SavedCells:
     """A context's sequence `seq` as llama.cpp serialises it (`llama_state_seq_get_data`); `what` names it in the
     error (a model's cells, an MTP head's)."""
     size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
-    data = bytearray(size)
+    data = SavedCells(size)
     if size and llama_cpp.llama_state_seq_get_data(ctx, _buffer(data), size, seq) != size:
         raise DecodeError(f"llama.cpp could not save {what}")
     return data
@@ -135,6 +136,9 @@ class LlamaModel:
         # A target's projector (images: llama.vision), set by the session; None: a picture's placeholder ids are
         # read as a filler token (a draft model's view of a picture: it drafts without it).
         self.projector: Projector | None = None
+        # Where pictures that take fewer positions than cells sit (M-RoPE projectors): llama.cpp gets positions,
+        # every caller indexes (llama.places).
+        self._places = Places()
         self._batch: Batch | None = None
         self._samplers: DeviceSamplers | None = None
         self._recurrent: RecurrentState | None = None  # the rewind of a recurrent state (hybrid models)
@@ -221,6 +225,9 @@ class LlamaModel:
             cparams.ctx_other = other.ctx
         self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
                               or llama_cpp.llama_model_is_hybrid(self.model))
+        # Four positions a token (M-RoPE: Qwen2/2.5/3-VL, Qwen3.5/3.6): what an M-RoPE projector's pictures need.
+        self.mrope = int(llama_cpp.llama_model_rope_type(self.model)) in (llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+                                                                          llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
         if self.recurrent and rewind > 0:
             why = rollback_unsupported()
             if why is not None:
@@ -327,7 +334,11 @@ class LlamaModel:
                 continue
             i = start
             while i < end:
-                self.projector.decode(tokens[i], start_pos + i, seq)
+                index = start_pos + i
+                n_pos = self.projector.decode(tokens[i], self._places.pos(seq, index), seq)
+                self._places.add(seq, index, pictures[i], n_pos)
+                if self._recurrent is not None:
+                    self._recurrent.decoded_elsewhere(seq)
                 self.decodes += 1
                 i += pictures[i]
             scores = None  # (the last position is a picture's: no row)
@@ -370,6 +381,8 @@ class LlamaModel:
             if all_logits and len(tokens) > self.n_batch:
                 raise DecodeError(
                     f"{self.path.name}: {len(tokens)} rows of scores do not fit one batch of {self.n_batch}")
+        if self._places:  # (cells count indexes: the context check above; llama.cpp places positions)
+            items = [(seq, tokens, self._places.pos(seq, start), rows) for seq, tokens, start, rows in items]
         modes = self._samplers.modes
         covering = ubatch.covering_calls(
             items, modes, self.n_batch, self._cells_per_seq,
@@ -547,15 +560,19 @@ class LlamaModel:
 
     def truncate(self, n_keep: int, seq: int = 0) -> int:
         """Drop every cell of sequence `seq` at position >= n_keep (the one rewind primitive); returns how many
-        cells it kept. A KV cache keeps n_keep. A recurrent state rewinds exactly only through llama.cpp's
+        cells it kept. A KV cache keeps n_keep, or the cells before a picture n_keep falls inside (a picture goes
+        whole). A recurrent state rewinds exactly only through llama.cpp's
         snapshots: at most `rewind_depth` tokens, fewer than its last decode held, once per decode. Further back it
         goes to its checkpoint (`checkpoint`) or, without one at or before n_keep, to nothing, and the caller
         decodes the rest again. (llama.cpp's own seq_rm says yes to a rollback past the last decode and then reads
         a stale snapshot: docs/upstream.md; hence the bookkeeping in `recurrent`.)"""
+        n_keep = self._places.start(seq, n_keep)
+        pos = self._places.pos(seq, n_keep)
         if self._recurrent is not None:
-            return self._recurrent.truncate(n_keep, seq)
-        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, n_keep, -1):
+            n_keep = self._places.index(seq, self._recurrent.truncate(pos, seq))
+        elif not llama_cpp.llama_memory_seq_rm(self.memory, seq, pos, -1):
             raise DecodeError(f"{self.path.name}: this model's memory cannot be rewound to position {n_keep}")
+        self._places.cut(seq, n_keep)
         return n_keep
 
     def checkpoint(self, seq: int = 0) -> None:
@@ -568,6 +585,7 @@ class LlamaModel:
         """Forget every sequence's KV cells, or only those of `seq`."""
         if seq is None:
             llama_cpp.llama_memory_clear(self.memory, True)
+            self._places.clear()
             if self._recurrent is not None:
                 self._recurrent.clear()
         else:
@@ -581,10 +599,13 @@ class LlamaModel:
 
     # -- a sequence's state: the prompt cache and slot files -------------------------------------------------
 
-    def save_state(self, seq: int = 0) -> bytearray:
+    def save_state(self, seq: int = 0) -> SavedCells:
         """Sequence `seq`'s cells as llama.cpp serialises them (`llama_state_seq_get_data`): positions, keys and
-        values (of sliding-window layers only the window's last positions), or a recurrent state as it is now."""
-        return save_seq_state(self.ctx, seq, f"{self.path.name}'s sequence {seq}")
+        values (of sliding-window layers only the window's last positions), or a recurrent state as it is now; and
+        where its pictures sit (`SavedCells.gaps`: M-RoPE pictures take fewer positions than cells)."""
+        data = save_seq_state(self.ctx, seq, f"{self.path.name}'s sequence {seq}")
+        data.gaps = self._places.gaps(seq)
+        return data
 
     def load_state(self, data: bytearray, seq: int = 0) -> bool:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
@@ -592,6 +613,7 @@ class LlamaModel:
         ok = load_seq_state(self.ctx, data, seq)
         if self._recurrent is not None:
             self._recurrent.forget(seq)  # its snapshots and checkpoint belonged to the cells this replaced
+        self._places.put(seq, getattr(data, "gaps", ()) if ok else ())
         if not ok:
             self.clear(seq)
         return ok

@@ -67,6 +67,12 @@ class RecurrentState:
             self._last_run[run.seq] = len(run.tokens)
             self._pending.discard(run.seq)
 
+    def decoded_elsewhere(self, seq: int) -> None:
+        """A llama_decode of the sequence that did not go through `decoded` (a picture, through libmtmd): none of
+        its tokens can be rolled back through snapshots (a rewind never stops inside a picture)."""
+        self._last_run[seq] = 0
+        self._pending.discard(seq)
+
     def truncate(self, n_keep: int, seq: int) -> int:
         """`LlamaModel.truncate` of a recurrent sequence: the cells it kept."""
         have = int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)) + 1

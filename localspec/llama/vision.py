@@ -227,12 +227,13 @@ def _mtmd():  # noqa: ANN202 (the bindings module)
 
 
 class PictureChunk:
-    """One picture's libmtmd chunk (a copy this object owns, freed with it) and its token count. A prompt holds its
-    pictures' chunks (`PromptTokens`), so a picture stays decodable exactly as long as a prompt that needs it lives
-    (a queued request's, a chat turn's), however many pictures arrive meanwhile."""
+    """One picture's libmtmd chunk (a copy this object owns, freed with it), its token count and the positions it
+    takes (fewer with M-RoPE). A prompt holds its pictures' chunks (`PromptTokens`), so a picture stays decodable
+    exactly as long as a prompt that needs it lives (a queued request's, a chat turn's), however many pictures
+    arrive meanwhile."""
 
-    def __init__(self, m: Any, ptr: ctypes.c_void_p, n_tokens: int) -> None:
-        self._m, self.ptr, self.n_tokens = m, ptr, n_tokens
+    def __init__(self, m: Any, ptr: ctypes.c_void_p, n_tokens: int, n_pos: int) -> None:
+        self._m, self.ptr, self.n_tokens, self.n_pos = m, ptr, n_tokens, n_pos
 
     def __del__(self) -> None:
         if self.ptr:
@@ -282,11 +283,13 @@ class Projector:
         if not m.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelLoadError(f"{self.path}: this projector reads no pictures (audio only)")
-        if m.mtmd_decode_use_mrope(self.ctx):
+        # Qwen2/2.5/3-VL and their successors place a picture with M-RoPE positions: fewer positions than tokens
+        # (the target's cells keep track: llama.places); its text model must read four positions a token.
+        self.mrope = bool(m.mtmd_decode_use_mrope(self.ctx))
+        if self.mrope and not target.mrope:
             self.close()
-            raise ModelLoadError(
-                f"{self.path}: this projector places pictures with M-RoPE positions (Qwen2/2.5/3-VL and their "
-                "successors), which localspec does not place yet")
+            raise ModelLoadError(f"{self.path}: this projector places pictures with M-RoPE positions, which "
+                                 f"{target.path.name} does not read (a Qwen2/2.5/3-VL or Qwen3.5/3.6 text model does)")
         self.marker = m.mtmd_default_marker().decode()
         if self.marker != MARKER:
             self.close()
@@ -336,14 +339,14 @@ class Projector:
                     raise ImageError("the prompt holds a medium localspec does not read (audio)")
                 n_tokens = int(m.mtmd_input_chunk_get_n_tokens(chunk))
                 n_pos = int(m.mtmd_input_chunk_get_n_pos(chunk))
-                if n_pos != n_tokens:  # (M-RoPE projectors are refused at load; this would be another layout)
+                if not 0 < n_pos <= n_tokens:
                     raise ImageError(f"a picture of {n_tokens} tokens at {n_pos} positions: not supported")
                 if n_tokens > self.target.n_batch:
                     raise ImageError(f"a picture of {n_tokens} tokens does not fit one batch of "
                                      f"{self.target.n_batch} ([load] n_batch): raise it")
                 picture = by_digest[m.mtmd_input_chunk_get_id(chunk).decode()]
                 ids = placeholder_ids(picture.digest, n_tokens)
-                kept = PictureChunk(m, m.mtmd_input_chunk_copy(chunk), n_tokens)
+                kept = PictureChunk(m, m.mtmd_input_chunk_copy(chunk), n_tokens, n_pos)
                 self._chunks[ids[0]] = kept
                 held.append(kept)
                 tokens += ids
@@ -373,9 +376,10 @@ class Projector:
                 i += found.n_tokens
         return out
 
-    def decode(self, first: int, start_pos: int, seq: int) -> None:
+    def decode(self, first: int, start_pos: int, seq: int) -> int:
         """The picture whose first placeholder id is `first`, encoded and decoded into the target's sequence `seq`
-        at positions start_pos.. (one batch; non-causal attention where the projector wants it)."""
+        at positions start_pos.. (one batch; non-causal attention where the projector wants it); the positions it
+        took (its tokens', or fewer with M-RoPE: llama.places)."""
         found = self._chunks.get(first)
         if found is None:
             raise ImageError("a picture's ids without its picture: send the picture again")
@@ -385,9 +389,10 @@ class Projector:
                                                    self.target.n_batch, False, ctypes.byref(new_pos))
         if rc != 0:
             raise DecodeError(f"{self.path.name}: decoding a picture failed (mtmd_helper_eval_chunk_single: {rc})")
-        if new_pos.value != start_pos + n:
-            raise DecodeError(f"{self.path.name}: a picture of {n} tokens took positions {start_pos}.."
-                              f"{new_pos.value}")
+        if new_pos.value != start_pos + found.n_pos:
+            raise DecodeError(f"{self.path.name}: a picture of {n} tokens at {found.n_pos} positions took "
+                              f"positions {start_pos}..{new_pos.value}")
+        return found.n_pos
 
     def close(self) -> None:
         if getattr(self, "ctx", None):  # (the chunks are libmtmd's plain copies: they outlive its context safely)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from localspec import machine
 from localspec.config import BLOCK_DRAFTERS, DRAFTER_TABLE, Preset
-from localspec.errors import IncompatiblePairError, LocalspecError, ModelLoadError, RollbackError, UsageError
+from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.llama import backend, hidden, recurrent
 from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, check_block_drafter
@@ -219,9 +219,6 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     draft = None
     try:
         if files.mmproj is not None:
-            if target.recurrent:
-                raise ModelLoadError(f"{files.mmproj}: pictures with a recurrent or hybrid target "
-                                     f"({files.target.name}) are not supported yet")
             target.projector = Projector(files.mmproj, target, threads)
         if files.draft is not None:
             # A block drafter shares the target's embeddings and output head (llama.cpp's ctx_other).

@@ -1,0 +1,108 @@
+"""Pictures placed with M-RoPE positions (Qwen2/2.5/3-VL projectors, and Qwen3.5/3.6 built on them): a picture of
+nx x ny tokens takes max(nx, ny) positions, so past it a cell's index is not its position (llama.places). On the
+tiny Qwen3.5-shaped hybrid target (Gated DeltaNet + attention, interleaved M-RoPE) with a synthetic
+`qwen2vl_merger` projector, through the real libmtmd: speculation with the picture equals plain decoding with it and
+libmtmd's own helper path in a context of its own (the next token's logits bit for bit), for every drafter, in
+several slots, and through the prompt cache; a rewind never keeps part of a picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.llama.places import Gap, Places
+from localspec.rounds.events import collect
+from localspec.sessions.session import open_session
+from tests.helpers_rounds import run_together
+from tests.test_vision import GREEDY, files, picture, prompt, reference_greedy, request
+
+TEXT = "Describe the picture in a few words, then the picture again:"
+
+
+@pytest.fixture(scope="module")
+def mrope_projector(tmp_path_factory) -> Path:
+    from synthetic import HYBRID_TINY, ProjectorSpec, write_projector
+
+    return write_projector(tmp_path_factory.mktemp("mmproj") / "qwen2vl.gguf",
+                           ProjectorSpec(n_embd_text=HYBRID_TINY.target.n_embd, kind="qwen2vl_merger",
+                                         projection_std=0.5))
+
+
+def test_places_translate_indexes_and_positions_around_whole_pictures():
+    """Two pictures (15 cells at 5 positions from index 7; 6 cells at 3 from 30): positions past each come 10 and 3
+    earlier; a cell inside a picture sits at its first position; cutting inside one keeps its start."""
+    places = Places()
+    assert not places and places.pos(0, 50) == 50 and places.index(0, 50) == 50
+    places.add(0, 7, 15, 5)
+    places.add(0, 30, 6, 3)
+    places.add(0, 40, 4, 4)  # (as many positions as cells: nothing to keep)
+    assert places.gaps(0) == (Gap(7, 15, 5), Gap(30, 6, 3)) and places.gaps(1) == ()
+    assert [places.pos(0, i) for i in (0, 6, 7, 8, 21, 22, 29, 30, 35, 36, 40)] == [0, 6, 7, 7, 7, 12, 19, 20, 20,
+                                                                                   23, 27]
+    # positions back to kept cells: everything before the first cut position stays, a picture whole
+    assert [places.index(0, p) for p in (0, 7, 8, 11, 12, 19, 20, 21, 23, 27)] == [0, 7, 22, 22, 22, 29, 30, 36, 36,
+                                                                                  40]
+    assert [places.start(0, i) for i in (7, 8, 21, 22, 31, 36)] == [7, 7, 7, 22, 30, 36]
+    places.cut(0, 29)
+    assert places.gaps(0) == (Gap(7, 15, 5),)
+    places.cut(0, 7)
+    assert places.gaps(0) == () and not places
+
+
+def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pair, mrope_projector):
+    """The next token's logits after the prompt are libmtmd's helper path's bit for bit (positions past the picture
+    are what libmtmd gives them: placing the text at its index would move them), and greedy output with every
+    drafter that reads no target rows equals that path's; another picture gives other logits."""
+    pictures = [picture(1)]
+    expected, expected_row = reference_greedy(hybrid_pair[0], mrope_projector, TEXT, pictures, 24, with_row=True)
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY) as s:
+        tokens = prompt(s, TEXT, pictures)
+        assert sum(t < 0 for t in tokens) == 15  # 40 x 24 px: 5 x 3 merged patches of 8 px, at 5 positions
+        runs = {}
+        for name, k in (("plain", 0), ("model", 4), ("lookup", 4), ("chain", 4)):
+            s.engine.reset()
+            runs[name] = collect(s.engine.generate(**request(tokens, k, "model" if name == "plain" else name)))
+        assert all(r.tokens == expected for r in runs.values()), {n: r.tokens for n, r in runs.items()}
+        stats = runs["model"].done.stats
+        assert stats.drafted > stats.accepted  # (rejected drafts: rewinds of text past the picture)
+        s.engine.reset()
+        s.target.use_device_sampler(None, 0)  # full logits
+        row = s.target.decode(tokens, 0, seq=0).logits[-1].copy()
+        np.testing.assert_array_equal(row, expected_row)
+        assert s.target.save_state(0).gaps == (Gap(tokens.index(next(t for t in tokens if t < 0)), 15, 5),)
+        s.engine.reset()
+        other = s.target.decode(prompt(s, TEXT, [picture(2)]), 0, seq=0).logits[-1]
+        assert np.abs(other - expected_row).max() > 1e-3
+
+
+def test_mrope_pictures_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
+    asked = [("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
+                                                 "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")]
+
+    def requests(s) -> list[dict]:
+        return [request(prompt(s, text, pics), k, drafter) for text, pics, k, drafter in asked]
+
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY, parallel=3) as s:
+        together = run_together(s.engine, requests(s), arrivals=[0, 2, 1])
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY) as alone:
+        for r, got in zip(requests(alone), together, strict=True):
+            alone.engine.reset()
+            assert collect(alone.engine.generate(**r)).tokens == got
+
+
+def test_a_prompt_cache_entry_with_an_mrope_picture_serves_a_later_prompt_exactly(hybrid_pair, mrope_projector):
+    """The restored cells carry where their picture sits: the returning conversation's new text goes on at the
+    picture-shortened positions (else its answer differs from a fresh slot's)."""
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY, prompt_cache=True) as s:
+        first = prompt(s, "Tell me about it.", [picture(1)])
+        answer = collect(s.engine.generate(**request(first, 4)))
+        collect(s.engine.generate(**request(prompt(s, "Something else entirely, and longer than that.",
+                                                   [picture(2)]), 4)))
+        back = first + answer.tokens + first[-3:]
+        served = collect(s.engine.generate(**request(back, 4)))
+        assert served.done.stats.prompt_tokens_processed <= 4  # the picture and the first answer from the cache
+        s.engine.reset()
+        s.engine.prompt_cache.clear()
+        assert collect(s.engine.generate(**request(back, 4))).tokens == served.tokens
