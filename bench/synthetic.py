@@ -1440,12 +1440,13 @@ def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str
     asserts the type (a wrong one aborts the process), and needs image_mean/image_std of 3 floats each. Hostile
     files for tests: `int32_keys` (clip.vision.* suffixes) written as int32, `position_f16` F16 position
     embeddings (llama.cpp aborts on both: docs/upstream.md)."""
-    if spec.kind == "qwen2vl_merger":
-        return _write_qwen2vl_projector(path, spec)
+    qwen = spec.kind == "qwen2vl_merger"  # (the docstring of ProjectorSpec: what differs)
     side = spec.image_size // spec.patch_size
     if spec.image_size % spec.patch_size or side % spec.scale_factor or spec.n_embd % spec.n_head:
         raise ValueError("image_size must be a multiple of patch_size, the patches a side of scale_factor, "
                          "n_embd of n_head")
+    if qwen and (spec.n_embd // spec.n_head) % 4:
+        raise ValueError("qwen2vl_merger: heads a multiple of 4 wide (M-RoPE's four sections)")
     rng = np.random.default_rng(spec.seed)
 
     def rand(*shape: int, std: float = spec.std) -> np.ndarray:
@@ -1455,11 +1456,13 @@ def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str
     d, f, p = spec.n_embd, spec.n_ff, spec.patch_size
     ones, zeros = np.ones(d, np.float32), np.zeros(d, np.float32)
     # numpy shapes; the writer stores (a, b) as ggml's ne [b, a]
-    # (position embeddings stay F32, as converted files keep them: the CPU backend cannot add F16 ones to the F32
-    # patches and aborts: docs/upstream.md)
-    tensors: dict[str, np.ndarray] = {"v.patch_embd.weight": rand(d, 3, p, p), "v.patch_embd.bias": zeros,
-                                      "v.position_embd.weight": rand(side * side, d).astype(
-                                          np.float16 if position_f16 else np.float32)}
+    if qwen:  # two temporal patch embeddings (a still picture sums them), no patch bias (the graph asserts it)
+        tensors: dict[str, np.ndarray] = {"v.patch_embd.weight": rand(d, 3, p, p),
+                                          "v.patch_embd.weight.1": rand(d, 3, p, p)}
+    else:  # (position embeddings stay F32, as converted files keep them: the CPU backend cannot add F16 ones to the
+        # F32 patches and aborts: docs/upstream.md)
+        tensors = {"v.patch_embd.weight": rand(d, 3, p, p), "v.patch_embd.bias": zeros,
+                   "v.position_embd.weight": rand(side * side, d).astype(np.float16 if position_f16 else np.float32)}
     for i in range(spec.n_layer):
         b = f"v.blk.{i}"
         tensors |= {f"{b}.ln1.weight": ones, f"{b}.ln1.bias": zeros, f"{b}.ln2.weight": ones, f"{b}.ln2.bias": zeros}
@@ -1467,70 +1470,25 @@ def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str
             tensors |= {f"{b}.{name}.weight": rand(d, d), f"{b}.{name}.bias": zeros}
         tensors |= {f"{b}.ffn_up.weight": rand(f, d), f"{b}.ffn_up.bias": np.zeros(f, np.float32),
                     f"{b}.ffn_down.weight": rand(d, f), f"{b}.ffn_down.bias": zeros}
-    tensors |= {"v.post_ln.weight": ones, "v.post_ln.bias": zeros, "mm.soft_emb_norm.weight": ones,
-                "mm.input_projection.weight": rand(d, spec.n_embd_text, std=spec.projection_std)}
+    tensors |= {"v.post_ln.weight": ones, "v.post_ln.bias": zeros}
+    if qwen:  # the merger: a two-layer MLP over each 2 x 2 patch group
+        tensors |= {"mm.0.weight": rand(4 * d, 4 * d), "mm.0.bias": np.zeros(4 * d, np.float32),
+                    "mm.2.weight": rand(spec.n_embd_text, 4 * d, std=spec.projection_std),
+                    "mm.2.bias": np.zeros(spec.n_embd_text, np.float32)}
+    else:
+        tensors |= {"mm.soft_emb_norm.weight": ones,
+                    "mm.input_projection.weight": rand(d, spec.n_embd_text, std=spec.projection_std)}
     writer = gguf.GGUFWriter(str(path), arch="clip")
-    writer.add_name("localspec synthetic projector")
+    writer.add_name(f"localspec synthetic projector ({spec.kind})")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.f16 else gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_string("clip.projector_type", spec.kind)
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_bool("clip.use_gelu", True)
     for key, value in (("image_size", spec.image_size), ("patch_size", spec.patch_size),
                        ("embedding_length", d), ("feed_forward_length", f), ("block_count", spec.n_layer),
                        ("projection_dim", spec.n_embd_text), ("attention.head_count", spec.n_head),
-                       ("projector.scale_factor", spec.scale_factor)):
+                       ("spatial_merge_size", 2) if qwen else ("projector.scale_factor", spec.scale_factor)):
         (writer.add_int32 if key in int32_keys else writer.add_uint32)(f"clip.vision.{key}", value)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _write_qwen2vl_projector(path: Path, spec: ProjectorSpec) -> Path:
-    """`write_projector` of a `qwen2vl_merger` (tools/mtmd/models/qwen2vl.cpp): no patch bias or learned
-    positions (the graph asserts the first and rotates instead), the two temporal patch embeddings a still picture
-    sums, pre-norm blocks with biases, a final norm, and the merger's MLP over each 2 x 2 patch group."""
-    if spec.n_embd % spec.n_head or (spec.n_embd // spec.n_head) % 4:
-        raise ValueError("qwen2vl_merger: n_embd of n_head heads, each a multiple of 4 wide (M-RoPE's sections)")
-    rng = np.random.default_rng(spec.seed)
-
-    def rand(*shape: int, std: float = spec.std) -> np.ndarray:
-        values = (rng.standard_normal(shape, dtype=np.float32) * std)
-        return values.astype(np.float16) if spec.f16 and len(shape) > 1 else values
-
-    d, f, p = spec.n_embd, spec.n_ff, spec.patch_size
-    ones, zeros = np.ones(d, np.float32), np.zeros(d, np.float32)
-    tensors: dict[str, np.ndarray] = {"v.patch_embd.weight": rand(d, 3, p, p),
-                                      "v.patch_embd.weight.1": rand(d, 3, p, p)}
-    for i in range(spec.n_layer):
-        b = f"v.blk.{i}"
-        tensors |= {f"{b}.ln1.weight": ones, f"{b}.ln1.bias": zeros, f"{b}.ln2.weight": ones, f"{b}.ln2.bias": zeros}
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensors |= {f"{b}.{name}.weight": rand(d, d), f"{b}.{name}.bias": zeros}
-        tensors |= {f"{b}.ffn_up.weight": rand(f, d), f"{b}.ffn_up.bias": np.zeros(f, np.float32),
-                    f"{b}.ffn_down.weight": rand(d, f), f"{b}.ffn_down.bias": zeros}
-    merged = 4 * d
-    tensors |= {"v.post_ln.weight": ones, "v.post_ln.bias": zeros,
-                "mm.0.weight": rand(merged, merged), "mm.0.bias": np.zeros(merged, np.float32),
-                "mm.2.weight": rand(spec.n_embd_text, merged, std=spec.projection_std),
-                "mm.2.bias": np.zeros(spec.n_embd_text, np.float32)}
-    writer = gguf.GGUFWriter(str(path), arch="clip")
-    writer.add_name("localspec synthetic projector (qwen2vl_merger)")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.f16 else gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "qwen2vl_merger")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.use_gelu", True)
-    for key, value in (("image_size", spec.image_size), ("patch_size", p), ("embedding_length", d),
-                       ("feed_forward_length", f), ("block_count", spec.n_layer),
-                       ("projection_dim", spec.n_embd_text), ("attention.head_count", spec.n_head),
-                       ("spatial_merge_size", 2)):
-        writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])

@@ -241,20 +241,26 @@ def test_a_slot_keeps_a_picture_it_holds_and_drops_one_it_does_not(tiny_pair_hig
         assert collect(s.engine.generate(**request(swapped, 4))).tokens == reused.tokens
 
 
-def test_slots_with_pictures_each_get_what_they_get_alone(tiny_pair_high, projector):
-    """Three requests with different pictures (one with two), arriving at different rounds in a 3-slot engine."""
-    asked = [("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4)], 3, "lookup"),
-             ("Three, in a sentence:", [picture(5)], 0, "model")]
+def slots_match_alone(pair, mmproj: Path, asked: list[tuple[str, list[Picture], int, str]]) -> None:
+    """Requests (text, pictures, draft length, drafter) arriving at different rounds in a 3-slot engine get what each
+    gets alone in an engine of one slot."""
 
     def requests(s) -> list[dict]:  # (each session's projector reads its own prompts' pictures)
         return [request(prompt(s, text, pics), k, drafter) for text, pics, k, drafter in asked]
 
-    with open_session(files(tiny_pair_high, projector), GREEDY, parallel=3) as s:
+    with open_session(files(pair, mmproj), GREEDY, parallel=3) as s:
         together = run_together(s.engine, requests(s), arrivals=[0, 2, 1])
-    with open_session(files(tiny_pair_high, projector), GREEDY) as alone:
+    with open_session(files(pair, mmproj), GREEDY) as alone:
         for r, got in zip(requests(alone), together, strict=True):
             alone.engine.reset()
             assert collect(alone.engine.generate(**r)).tokens == got
+
+
+def test_slots_with_pictures_each_get_what_they_get_alone(tiny_pair_high, projector):
+    """Three requests with different pictures (one with two), arriving at different rounds in a 3-slot engine."""
+    slots_match_alone(tiny_pair_high, projector, [
+        ("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4)], 3, "lookup"),
+        ("Three, in a sentence:", [picture(5)], 0, "model")])
 
 
 def test_what_a_prompt_with_pictures_cannot_do_is_one_line(tiny_pair_high, projector):
@@ -698,15 +704,24 @@ def test_a_drafter_that_reads_the_targets_rows_is_refused_with_a_picture():
         cells.check_pictures([1, -2, 3], stream)
 
 
-def test_a_projector_for_a_hybrid_target_is_refused(hybrid_pair, tmp_path):
+def test_a_gemma3_projector_beside_a_hybrid_target_places_its_pictures_as_the_text_model_reads(hybrid_pair,
+                                                                                                tmp_path):
+    """libmtmd places pictures by the text model's rope type: beside the (M-RoPE) hybrid a Gemma 3-type projector's
+    picture takes M-RoPE positions too, laid out as one row (as many positions as tokens: the target's cells keep no
+    gap for it); plain decoding and the draft model agree with it."""
     from synthetic import ProjectorSpec, write_projector
 
     from localspec.models.gguf_header import read_header
 
     width = read_header(hybrid_pair[0]).arch_get("embedding_length")
-    mmproj = write_projector(tmp_path / "h.gguf", ProjectorSpec(n_embd_text=width))
-    with pytest.raises(ModelLoadError, match="pictures with a recurrent or hybrid target"):
-        open_session(files(hybrid_pair, mmproj), GREEDY)
+    mmproj = write_projector(tmp_path / "h.gguf", ProjectorSpec(n_embd_text=width, projection_std=0.5))
+    with open_session(files(hybrid_pair, mmproj), GREEDY) as s:
+        tokens = prompt(s, "What is it?", [picture(1)])
+        assert s.target.projector.mrope
+        plain = collect(s.engine.generate(**request(tokens, 0)))
+        assert sum(t < 0 for t in tokens) == 16 and s.target.save_state(0).gaps == ()
+        s.engine.reset()
+        assert collect(s.engine.generate(**request(tokens, 4))).tokens == plain.tokens
 
 
 def test_serve_refuses_a_projector_for_several_pairs(tmp_path):

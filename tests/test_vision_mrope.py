@@ -15,8 +15,7 @@ import pytest
 from localspec.llama.places import Gap, Places
 from localspec.rounds.events import collect
 from localspec.sessions.session import open_session
-from tests.helpers_rounds import run_together
-from tests.test_vision import GREEDY, files, picture, prompt, reference_greedy, request
+from tests.test_vision import GREEDY, files, picture, prompt, reference_greedy, request, slots_match_alone
 
 TEXT = "Describe the picture in a few words, then the picture again:"
 
@@ -60,6 +59,7 @@ def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pa
     with open_session(files(hybrid_pair, mrope_projector), GREEDY) as s:
         tokens = prompt(s, TEXT, pictures)
         assert sum(t < 0 for t in tokens) == 15  # 40 x 24 px: 5 x 3 merged patches of 8 px, at 5 positions
+        assert s.target.projector.mrope  # (libmtmd's choice, by the text model's rope type)
         runs = {}
         for name, k in (("plain", 0), ("model", 4), ("lookup", 4), ("chain", 4)):
             s.engine.reset()
@@ -78,18 +78,10 @@ def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pa
 
 
 def test_mrope_pictures_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
-    asked = [("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
-                                                 "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")]
-
-    def requests(s) -> list[dict]:
-        return [request(prompt(s, text, pics), k, drafter) for text, pics, k, drafter in asked]
-
-    with open_session(files(hybrid_pair, mrope_projector), GREEDY, parallel=3) as s:
-        together = run_together(s.engine, requests(s), arrivals=[0, 2, 1])
-    with open_session(files(hybrid_pair, mrope_projector), GREEDY) as alone:
-        for r, got in zip(requests(alone), together, strict=True):
-            alone.engine.reset()
-            assert collect(alone.engine.generate(**r)).tokens == got
+    """One picture wide, two (one tall) in another request, each slot's own places."""
+    slots_match_alone(hybrid_pair, mrope_projector, [
+        ("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
+                                             "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")])
 
 
 def test_a_prompt_cache_entry_with_an_mrope_picture_serves_a_later_prompt_exactly(hybrid_pair, mrope_projector):
@@ -106,3 +98,4 @@ def test_a_prompt_cache_entry_with_an_mrope_picture_serves_a_later_prompt_exactl
         s.engine.reset()
         s.engine.prompt_cache.clear()
         assert collect(s.engine.generate(**request(back, 4))).tokens == served.tokens
+

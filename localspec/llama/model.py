@@ -225,9 +225,6 @@ class LlamaModel:
             cparams.ctx_other = other.ctx
         self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
                               or llama_cpp.llama_model_is_hybrid(self.model))
-        # Four positions a token (M-RoPE: Qwen2/2.5/3-VL, Qwen3.5/3.6): what an M-RoPE projector's pictures need.
-        self.mrope = int(llama_cpp.llama_model_rope_type(self.model)) in (llama_cpp.LLAMA_ROPE_TYPE_MROPE,
-                                                                          llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
         if self.recurrent and rewind > 0:
             why = rollback_unsupported()
             if why is not None:

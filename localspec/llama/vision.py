@@ -283,13 +283,9 @@ class Projector:
         if not m.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelLoadError(f"{self.path}: this projector reads no pictures (audio only)")
-        # Qwen2/2.5/3-VL and their successors place a picture with M-RoPE positions: fewer positions than tokens
-        # (the target's cells keep track: llama.places); its text model must read four positions a token.
+        # With an M-RoPE text model (Qwen2/2.5/3-VL, Qwen3.5/3.6: libmtmd decides by the text model's rope type)
+        # a picture takes fewer positions than tokens; the target's cells keep track (llama.places).
         self.mrope = bool(m.mtmd_decode_use_mrope(self.ctx))
-        if self.mrope and not target.mrope:
-            self.close()
-            raise ModelLoadError(f"{self.path}: this projector places pictures with M-RoPE positions, which "
-                                 f"{target.path.name} does not read (a Qwen2/2.5/3-VL or Qwen3.5/3.6 text model does)")
         self.marker = m.mtmd_default_marker().decode()
         if self.marker != MARKER:
             self.close()

@@ -1,0 +1,1 @@
+$HOME/lsw/yardstick-newest/llama-server -m $HOME/lsw/models/card32b-target.gguf -md $HOME/lsw/models/card32b-n0.013-draft.gguf --spec-type draft-simple --spec-draft-n-max 6 --spec-draft-n-min 0 --spec-draft-p-min 0 -np 16 -c 32768 -fa on -ngl 99 -ngld 99 --host 127.0.0.1 --port 18080 --seed 42 --mmproj $HOME/lsw/models/card32b-gemma3-mmproj.gguf 

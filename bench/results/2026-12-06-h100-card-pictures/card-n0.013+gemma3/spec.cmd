@@ -1,0 +1,1 @@
+python3 -c import\ llama_cpp\;\ from\ localspec.cli.app\ import\ main\;\ main\(\) serve --target $HOME/lsw/models/card32b-target.gguf --draft $HOME/lsw/models/card32b-n0.013-draft.gguf --draft 6 --parallel 16 --queue 64 --ctx 2048 --host 127.0.0.1 --port 18080 --seed 42 --mmproj $HOME/lsw/models/card32b-gemma3-mmproj.gguf 
