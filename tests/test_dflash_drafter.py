@@ -366,3 +366,33 @@ def test_a_block_costs_one_decode_whatever_its_length() -> None:
     n = np.arange(9)
     seconds = rule.seconds(np.zeros_like(n), n, np.full(9, 0.02), perfect=False)
     assert seconds[0] == 0.0 and np.all(seconds[1:5] == 0.01) and np.all(np.isinf(seconds[5:]))
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_greedy_around_a_picture_is_plain_decodings(tiny_pair, block_files, name, tmp_path) -> None:
+    """A picture in the prompt (a Gemma 3-type projector over the tiny target): the target gives zero features at its
+    positions, the drafter's cells take them, and the text after it drafts as any other; output is plain decoding's
+    with the picture, and another picture gives other output."""
+    from synthetic import ProjectorSpec, write_projector
+
+    from localspec.llama.vision import Projector, with_markers
+    from tests.test_vision import picture
+
+    mmproj = write_projector(tmp_path / "mmproj.gguf", ProjectorSpec(n_embd_text=TINY.n_embd, projection_std=1.0))
+    pair = Pair(tiny_pair[0], block_files[name])
+    try:
+        pair.target.projector = Projector(mmproj, pair.target, 1)
+
+        def prompt(seed: int) -> list[int]:
+            return pair.target.projector.tokenize(with_markers("Describe it, then again:", 1), [picture(seed)],
+                                                  add_special=True, parse_special=False)
+
+        tokens = prompt(1)
+        plain = collect(pair.engine.generate(tokens, GREEDY.sampling, drafting(0, name), 24)).tokens
+        pair.engine.reset()
+        done = collect(pair.engine.generate(tokens, GREEDY.sampling, drafting(4, _kind(name)), 24))
+        assert done.tokens == plain and done.stats.drafted > 0
+        pair.engine.reset()
+        assert collect(pair.engine.generate(prompt(2), GREEDY.sampling, drafting(4, _kind(name)), 24)).tokens != plain
+    finally:
+        pair.close()

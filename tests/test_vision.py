@@ -689,21 +689,6 @@ def test_a_slot_file_refuses_cells_that_hold_a_picture(tmp_path):
     assert not (tmp_path / "s.bin").exists()
 
 
-def test_a_drafter_that_reads_the_targets_rows_is_refused_with_a_picture():
-    """(MTP, DFlash, DSpark: no row at a picture's positions.) The check on its own: the models that carry an MTP
-    head in the tests are hybrids, which a projector is refused for before this could run."""
-    from types import SimpleNamespace
-
-    from localspec.rounds.slot_cells import SlotCells
-
-    projector = SimpleNamespace(pictures_in=lambda tokens: [])
-    cells = SlotCells(SimpleNamespace(projector=projector), [], [])
-    stream = SimpleNamespace(drafter=SimpleNamespace(reads_target=True), drafting=SimpleNamespace(drafter="mtp"),
-                             shift=None)
-    with pytest.raises(UsageError, match="drafter 'mtp' reads the target's rows"):
-        cells.check_pictures([1, -2, 3], stream)
-
-
 def test_a_gemma3_projector_beside_a_hybrid_target_places_its_pictures_as_the_text_model_reads(hybrid_pair,
                                                                                                 tmp_path):
     """libmtmd places pictures by the text model's rope type: beside the (M-RoPE) hybrid a Gemma 3-type projector's

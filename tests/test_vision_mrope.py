@@ -78,10 +78,10 @@ def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pa
 
 
 def test_mrope_pictures_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
-    """One picture wide, two (one tall) in another request, each slot's own places."""
+    """One picture wide, two (one tall) in another request, each slot's own places; the MTP head in one slot."""
     slots_match_alone(hybrid_pair, mrope_projector, [
-        ("One:", [picture(1)], 4, "model"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
-                                             "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")])
+        ("One:", [picture(1)], 3, "mtp"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
+                                           "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")])
 
 
 def test_a_prompt_cache_entry_with_an_mrope_picture_serves_a_later_prompt_exactly(hybrid_pair, mrope_projector):
@@ -99,3 +99,57 @@ def test_a_prompt_cache_entry_with_an_mrope_picture_serves_a_later_prompt_exactl
         s.engine.prompt_cache.clear()
         assert collect(s.engine.generate(**request(back, 4))).tokens == served.tokens
 
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "chain-mtp"])
+def test_the_mtp_head_drafts_after_an_mrope_picture_exactly(hybrid_pair, mrope_projector, drafter):
+    """The head reads the filler token and a zero target row at the picture's positions (the target gives no row
+    there) and drafts the text after it: greedy output is libmtmd's helper path's, drafts accepted and rejected; a
+    returning conversation through the prompt cache (the head's cells with it) answers as a fresh slot does."""
+    pictures = [picture(1)]
+    expected = reference_greedy(hybrid_pair[0], mrope_projector, TEXT, pictures, 24)
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY, prompt_cache=True) as s:
+        tokens = prompt(s, TEXT, pictures)
+        run = collect(s.engine.generate(**request(tokens, 3, drafter)))
+        assert run.tokens == expected
+        assert 0 < run.done.stats.accepted < run.done.stats.drafted
+        collect(s.engine.generate(**request(prompt(s, "Another one.", [picture(2)]), 3, drafter)))
+        back = tokens + run.tokens + tokens[-3:]
+        served = collect(s.engine.generate(**request(back, 3, drafter)))
+        assert served.done.stats.prompt_tokens_processed <= 4
+        s.engine.reset()
+        s.engine.prompt_cache.clear()
+        fresh = collect(s.engine.generate(**request(back, 3, drafter)))
+        assert fresh.tokens == served.tokens
+
+
+@pytest.mark.slow
+def test_the_server_reads_an_mrope_picture_and_drafts_with_the_mtp_head(hybrid_pair, mrope_projector, tmp_path):
+    """A real `localspec serve --mmproj` over HTTP with the official client: an `image_url` part on the hybrid target
+    with its M-RoPE projector; the MTP head's and the draft-free replies are the same text, and another picture
+    gives another reply."""
+    import base64
+
+    from tests.test_serve import Server
+    from tests.test_vision import png
+
+    home = tmp_path / "home"
+    home.mkdir()
+    s = Server(home, tmp_path, "--target", str(hybrid_pair[0]), "--draft", "4", "--mmproj", str(mrope_projector),
+               "--threads", "1")
+    try:
+        client = s.client()
+
+        def ask(seed: int, **extra: object) -> str:
+            uri = "data:image/png;base64," + base64.b64encode(png(40, 24, seed)).decode()
+            r = client.chat.completions.create(model="target", max_tokens=16, temperature=0, extra_body=extra,
+                                               messages=[{"role": "user", "content": [
+                                                   {"type": "text", "text": "What is this?"},
+                                                   {"type": "image_url", "image_url": {"url": uri}}]}])
+            return r.choices[0].message.content or ""
+
+        with_head = ask(1, **{"speculative.type": "mtp"})
+        assert with_head and with_head == ask(1, **{"speculative.type": "none"})
+        assert ask(2, **{"speculative.type": "mtp"}) != with_head
+    finally:
+        s.stop()

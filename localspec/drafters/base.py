@@ -123,6 +123,8 @@ class Drafter(Protocol):
     models: tuple[ScoringModel, ...]  # the models it decodes with: slots and context are sized by them too
     # Whether it drafts from the target's hidden states (an MTP head, EAGLE-3): the loop has the target return them
     # for its streams (`LlamaModel.want_hidden`) and hands it every row the target decodes for them (`target_rows`).
+    # (With pictures in a prompt it gets a zero row at each of a picture's positions, whose token ids are negative
+    # placeholders: a drafter that feeds tokens to a model of its own reads the filler token there.)
     reads_target: bool
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> Pricing | None:

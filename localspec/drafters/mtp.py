@@ -340,7 +340,8 @@ class MtpDrafter(DrafterBase):
                                   f"{p - 1} and holds positions {st.rows_from}..{st.rows_to - 1} (a bookkeeping "
                                   "error: LOCALSPEC_DEBUG=1 shows where)")
             row = self._zeros if p == 0 else st.rows[p - 1 - st.rows_from]
-            out.append((req.seq, req.tokens[p], p, row, p == last))
+            token = req.tokens[p]  # (a picture's position: the filler token, and the target's zero row after it)
+            out.append((req.seq, token if token >= 0 else self.target.unknown_token, p, row, p == last))
         return out
 
     def _catch_up(self, req: DraftRequest, last: int) -> None:

@@ -78,6 +78,11 @@ class HiddenRows:
         for features in self._features.values():  # (context-wide too: `switch` acts only on a change)
             features.switch(id(features) in in_use)
 
+    def width(self, seq: int) -> int:
+        """The floats of one of sequence `seq`'s rows (it wants rows)."""
+        features = self._layers.get(seq)
+        return self._n_embd if features is None else len(features.layers) * self._n_embd_inp
+
     def copy(self, runs: Sequence[Run], hidden: list[list[np.ndarray]]) -> None:
         """Each wanted item's hidden rows of the last decode (these runs): one per token, by batch index."""
         for features in {id(f): f for f in self._layers.values()}.values():

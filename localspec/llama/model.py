@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Sequence
 from pathlib import Path
@@ -315,19 +316,23 @@ class LlamaModel:
 
     def _decode_pictures(self, tokens: Sequence[int], start_pos: int, all_logits: bool, seq: int) -> Scores | None:
         """`decode` of tokens that hold pictures' placeholder ids: with a projector, each picture through it and
-        the text between in batches of its own (the scores are the last text run's; rows of a picture's positions
-        there are none); without one, the filler token in each placeholder's place (what a draft model reads)."""
+        the text between in batches of its own (the scores are the last text run's; a picture's positions give no
+        scores, and zero rows where the sequence wants hidden rows: a drafter reads them as "no row here"); without
+        one, the filler token in each placeholder's place (what a draft model reads)."""
         if self.projector is None:
             raw, hidden = self._decode_batched([(seq, self._filled(tokens), start_pos, all_logits)])
             return as_scores(raw[0], hidden[0])
         if all_logits:
             raise DecodeError(f"{self.path.name}: rows of every position were asked for across a picture")
         pictures = dict(self.projector.pictures_in(tokens))
+        rows: list[np.ndarray] | None = [] if seq in self._hidden.seqs else None
         scores: Scores | None = None
         for is_picture, start, end in runs(tokens):
             if not is_picture:
                 raw, hidden = self._decode_batched([(seq, tokens[start:end], start_pos + start, False)])
                 scores = as_scores(raw[0], hidden[0])
+                if rows is not None and hidden[0] is not None:
+                    rows.append(hidden[0])
                 continue
             i = start
             while i < end:
@@ -338,8 +343,13 @@ class LlamaModel:
                     self._recurrent.decoded_elsewhere(seq)
                 self.decodes += 1
                 i += pictures[i]
-            scores = None  # (the last position is a picture's: no row)
-        return scores
+            if rows is not None:
+                rows.append(np.zeros((end - start, self._hidden.width(seq)), dtype=np.float32))
+            scores = None  # (the last position is a picture's: no scores)
+        if rows is None:
+            return scores
+        every = np.concatenate(rows)
+        return Scores(None, hidden=every) if scores is None else dataclasses.replace(scores, hidden=every)
 
     def _filled(self, tokens: Sequence[int]) -> list[int]:
         """`tokens` with the filler token in each picture placeholder's place (a model without the projector)."""

@@ -72,9 +72,9 @@ class SlotCells:
                                  "cannot drop tokens from its middle (turn context_shift off)")
 
     def check_pictures(self, prompt: Sequence[int], s: Stream) -> None:
-        """A prompt that holds pictures (llama.vision's placeholder ids) needs the target's projector, text after
-        its last picture, and a drafter that does not read the target's rows (a picture's positions give none);
-        context shift would cut a picture: each a UsageError naming it (before any cell changes)."""
+        """A prompt that holds pictures (llama.vision's placeholder ids) needs the target's projector and text after
+        its last picture; context shift would cut a picture: each a UsageError naming it (before any cell changes).
+        Every drafter drafts around pictures (the target's rows there are zeros: `LlamaModel._decode_pictures`)."""
         projector = getattr(self.target, "projector", None)
         if projector is None:
             raise UsageError("the prompt holds a picture, but no projector (mmproj) is loaded for the target "
@@ -82,9 +82,6 @@ class SlotCells:
         projector.pictures_in(prompt)  # (every picture still held by a prompt: else one line now, not mid-round)
         if prompt[-1] < 0:
             raise UsageError("the prompt ends with a picture: text must follow it (a chat template adds it)")
-        if s.drafter is not None and s.drafter.reads_target:
-            raise UsageError(f"drafter {s.drafting.drafter!r} reads the target's rows, which a picture's positions do "
-                             "not give: with pictures, draft with model, lookup, suffix or chain")
         if s.shift is not None:
             raise UsageError("context shift cannot drop part of a picture: turn context_shift off for prompts with "
                              "pictures")
