@@ -1319,6 +1319,61 @@ def write_block_drafter(path: Path, target: PairSpec, spec: BlockDrafterSpec,
         w.close()
 
 
+def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` to a writer whose keys are set, write the file and close it."""
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    """An EAGLE-3 drafter for a `PairSpec` target in llama.cpp's layout (src/models/eagle3.cpp): `fc` fuses the
+    inputs of three target layers into one row (the ENCODE pass), one decoder block reads a token's embedding (the
+    target's: no `token_embd` of its own) beside that row and scores through the target's output head (no `output`
+    either), its own hidden state feeding the next step. Random weights: drafts the target mostly rejects, which is
+    what exactness tests need. `target_layers` and `hidden_size` are plain fields for files wrong on purpose."""
+
+    target_layers: tuple[int, ...] = (0, 1, 2)
+    hidden_size: int | None = None  # eagle3.target_hidden_size (None: the target's width)
+    std: float = 0.02
+    seed: int = 3
+
+
+def write_eagle3_drafter(path: Path, target: PairSpec, spec: Eagle3Spec, vocab_source: Path | None = None) -> None:
+    """`spec`'s drafter GGUF for `target` (F32), with the keys `llama_model_eagle3::load_arch_hparams` reads."""
+    vocab_kv, _ = read_vocab_kv(vocab_source or smollm2_vocab_path())
+    e, hd = target.n_embd, target.head_dim
+    shape = Shape(e, target.n_head, target.n_head_kv, hd, target.n_ff, 1)
+    rng = np.random.default_rng(spec.seed)
+
+    def rand(*shp: int) -> np.ndarray:
+        return rng.standard_normal(shp, dtype=np.float32) * spec.std
+
+    ones = np.ones(e, np.float32)
+    width = spec.hidden_size or target.n_embd
+    # numpy shapes; the writer stores (a, b) as ggml's ne [b, a]
+    tensors = {"fc.weight": rand(e, len(spec.target_layers) * width), "output_norm.weight": ones,
+               "blk.0.attn_norm.weight": ones, "blk.0.attn_norm_2.weight": ones, "blk.0.ffn_norm.weight": ones,
+               "blk.0.attn_q.weight": rand(target.n_head * hd, 2 * e),
+               "blk.0.attn_k.weight": rand(target.n_head_kv * hd, 2 * e),
+               "blk.0.attn_v.weight": rand(target.n_head_kv * hd, 2 * e),
+               "blk.0.attn_output.weight": rand(e, target.n_head * hd),
+               "blk.0.ffn_gate.weight": rand(target.n_ff, e), "blk.0.ffn_up.weight": rand(target.n_ff, e),
+               "blk.0.ffn_down.weight": rand(e, target.n_ff)}
+    with atomic_path(path, "synthetic EAGLE-3 drafter", parents=True) as tmp:
+        w = gguf.GGUFWriter(tmp, "eagle3")
+        _add_kv(w, shape, arch="eagle3", file_type=int(gguf.LlamaFileType.ALL_F32), ctx=target.ctx,
+                rope_freq_base=target.rope_freq_base, rms_eps=target.rms_eps, vocab_kv=vocab_kv,
+                name=f"localspec synthetic EAGLE-3 drafter (layers {list(spec.target_layers)})")
+        w.add_array("eagle3.target_layers", [int(i) for i in spec.target_layers])
+        w.add_uint32("eagle3.target_hidden_size", width)
+        write_tensors(w, tensors)
+
+
 # -- measuring agreement -------------------------------------------------------------------------------------
 
 
@@ -1492,12 +1547,7 @@ def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors)
     return path
 
 

@@ -176,6 +176,7 @@ DRAFTER_TABLE: dict[str, DrafterFacts] = {
     "suffix": DrafterFacts("localspec.drafters.suffix", "suffix lookup", needs_draft_model=False),
     "dflash": DrafterFacts("localspec.drafters.dflash", "the DFlash drafter", reads_target=True),
     "dspark": DrafterFacts("localspec.drafters.dspark", "the DSpark drafter", reads_target=True),
+    "eagle3": DrafterFacts("localspec.drafters.eagle3", "the EAGLE-3 drafter", reads_target=True),
 }
 
 DRAFTERS = tuple(sorted(DRAFTER_TABLE))

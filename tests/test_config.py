@@ -162,7 +162,7 @@ def test_lookup_sizes_are_checked_together():
     with pytest.raises(ConfigError, match="draft.lookup_min = 9 is above draft.lookup_max = 8"):
         load_preset().with_overrides(lookup_min=9)
     with pytest.raises(ConfigError, match="--drafter = 'medusa': choose one of chain, chain-mtp, dflash, dspark, "
-                                          "lookup, model, mtp, suffix"):
+                                          "eagle3, lookup, model, mtp, suffix"):
         load_preset().with_overrides(drafter="medusa", flags={"drafter": "--drafter"})
 
 

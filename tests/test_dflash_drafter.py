@@ -25,6 +25,7 @@ from localspec.llama.model import LlamaModel
 from localspec.rounds.engine import Engine
 from localspec.rounds.events import collect
 from localspec.rounds.policies import DraftCost
+from localspec.rounds.prompt_cache import SeqFile
 from tests.helpers_stats import chi_square, joint_probs
 
 GREEDY = load_preset("greedy").with_overrides(threads=1)
@@ -111,15 +112,14 @@ def test_greedy_output_is_plain_decodings(pairs, name) -> None:
         assert again.tokens == collect(pair.engine.generate(follow, GREEDY.sampling, drafting(0, name), 12)).tokens
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark"])
-def test_two_conversations_through_the_prompt_cache_read_only_their_new_text(tiny_pair, block_files, name) -> None:
+def two_conversations_through_the_cache(target: Path, drafter: Path, name: str) -> None:
     """Two conversations take turns on one slot with the prompt cache: each turn restores the target's cells and the
-    drafter's (its cells and the target features it holds) from host RAM, so the target reads only the new text, and
-    every reply is a fresh engine's, drafts included (a drafter restored wrong would draft otherwise)."""
+    drafter's part from host RAM, so the target reads only the new text, and every reply is a fresh engine's, drafts
+    included (a drafter restored wrong would draft otherwise)."""
     from localspec.rounds.prompt_cache import PromptCache
 
-    cached = Pair(tiny_pair[0], block_files[name])
-    fresh = Pair(tiny_pair[0], block_files[name])
+    cached = Pair(target, drafter)
+    fresh = Pair(target, drafter)
     cached.engine.prompt_cache = PromptCache(64 << 20)
     try:
         history = {0: prompts(1, seed=21, length=14)[0], 1: prompts(1, seed=22, length=14)[0]}
@@ -140,51 +140,69 @@ def test_two_conversations_through_the_prompt_cache_read_only_their_new_text(tin
         fresh.close()
 
 
-def test_a_slot_file_keeps_the_block_drafters_part(tiny_pair, block_files, tmp_path) -> None:
-    """A slot file holds a DSpark drafter's cells and features beside the target's: restored into another engine,
-    the next turn reads only its new text and drafts as a fresh engine does; a part saved with another drafter
-    file, or of positions that are not the slot's, is refused in one line before any cell changes."""
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_two_conversations_through_the_prompt_cache_read_only_their_new_text(tiny_pair, block_files, name) -> None:
+    """(The drafter's part: its cells and the target features it holds.)"""
+    two_conversations_through_the_cache(tiny_pair[0], block_files[name], name)
+
+
+def slot_file_keeps_the_part(target: Path, drafter: Path, name: str, path: Path, bad_parts) -> SeqFile:
+    """A slot file written after one turn with `drafter` (its part beside the target's cells), read into another
+    engine: each of `bad_parts(part)` (a damaged part, the words of its refusal) is one line and leaves the slot
+    empty; the file's own parts restore it, the next turn reads only its 3 new tokens and drafts as a fresh engine
+    does. Returns the drafter's part."""
     from localspec.rounds import slot_file
-    from localspec.rounds.prompt_cache import SeqFile
     from localspec.rounds.slot_file import SlotFileError
 
     first = prompts(1, seed=51, length=14)[0]
-    path = tmp_path / "block.slot"
-    saver = Pair(tiny_pair[0], block_files["dspark"])
+    saver = Pair(target, drafter)
     try:
-        reply = collect(saver.engine.generate(first, GREEDY.sampling, drafting(4, "dspark"), 12)).tokens
+        reply = collect(saver.engine.generate(first, GREEDY.sampling, drafting(4, name), 12)).tokens
         slot_file.write(path, saver.engine.snapshot(0), [slot_file.identity(m) for m in saver.engine.state_models()])
     finally:
         saver.close()
     follow = [*first, *reply, *prompts(1, seed=52, length=3)[0]]
-    pair = Pair(tiny_pair[0], block_files["dspark"])
+    pair = Pair(target, drafter)
     try:
-        ref = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, "dspark"), 12))
+        ref = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, name), 12))
         pair.engine.reset()
         identities = [slot_file.identity(m) for m in pair.engine.state_models()]
         loaded = slot_file.read(path, identities, n_vocab=pair.target.n_vocab, n_ctx=pair.engine.n_ctx)
         (part,) = loaded.parts
-        other = SeqFile(part.kind, {**part.meta, "drafter": "0" * 64}, part.blobs)
-        shifted = SeqFile(part.kind, part.meta, (part.blobs[0], bytearray(len(part.blobs[1])), part.blobs[2]))
-        for bad, message in ((other, "another drafter file"), (shifted, "not the slot's")):
-            with pytest.raises(SlotFileError, match=f"dspark drafter's part does not fit: .*{message}"):
+        for bad, message in bad_parts(part):
+            with pytest.raises(SlotFileError, match=f"{name} drafter's part does not fit: .*{message}"):
                 pair.engine.restore(0, loaded.state, [bad])
         assert pair.engine.slots[0].target_kv == []
         assert pair.engine.restore(0, loaded.state, loaded.parts)
-        got = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, "dspark"), 12))
+        got = collect(pair.engine.generate(follow, GREEDY.sampling, drafting(4, name), 12))
         assert got.tokens == ref.tokens and got.stats.prompt_tokens_processed == 3
         assert (got.stats.drafted, got.stats.accepted) == (ref.stats.drafted, ref.stats.accepted)
+        return part
     finally:
         pair.close()
 
 
-def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files) -> None:
+def test_a_slot_file_keeps_the_block_drafters_part(tiny_pair, block_files, tmp_path) -> None:
+    """A slot file holds a DSpark drafter's cells and features beside the target's: restored into another engine,
+    the next turn reads only its new text and drafts as a fresh engine does; a part saved with another drafter
+    file, or of positions that are not the slot's, is refused in one line before any cell changes."""
+
+    def bad_parts(part: SeqFile) -> list[tuple[SeqFile, str]]:
+        other = SeqFile(part.kind, {**part.meta, "drafter": "0" * 64}, part.blobs)
+        shifted = SeqFile(part.kind, part.meta, (part.blobs[0], bytearray(len(part.blobs[1])), part.blobs[2]))
+        return [(other, "another drafter file"), (shifted, "not the slot's")]
+
+    slot_file_keeps_the_part(tiny_pair[0], block_files["dspark"], "dspark", tmp_path / "block.slot", bad_parts)
+
+
+def slots_together_are_each_alone(target: Path, drafter: Path, name: str) -> None:
+    """Three greedy requests (draft lengths 3, 0, 2) arriving at different rounds in a 3-slot engine over `drafter`
+    get what each gets alone."""
     from tests.helpers_rounds import run_together
 
-    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=16 + 3 * i)
-            for i, (p, k, d) in enumerate(zip(prompts(3, seed=5), (3, 0, 2), ("dspark", "dspark", "dspark"),
-                                              strict=True))]
-    alone = Pair(tiny_pair[0], block_files["dspark"])
+    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, name), max_tokens=16 + 3 * i)
+            for i, (p, k) in enumerate(zip(prompts(3, seed=5), (3, 0, 2), strict=True))]
+    alone = Pair(target, drafter)
     try:
         expected = []
         for r in reqs:
@@ -192,11 +210,15 @@ def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files)
             expected.append(collect(alone.engine.generate(**r)).tokens)
     finally:
         alone.close()
-    together = Pair(tiny_pair[0], block_files["dspark"], n_seq=3)
+    together = Pair(target, drafter, n_seq=3)
     try:
         assert run_together(together.engine, reqs, [0, 1, 1], slots=[2, 0, 1]) == expected
     finally:
         together.close()
+
+
+def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files) -> None:
+    slots_together_are_each_alone(tiny_pair[0], block_files["dspark"], "dspark")
 
 
 # -- T > 0: the target's distribution ----------------------------------------------------------------------------

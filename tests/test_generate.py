@@ -222,7 +222,7 @@ def test_pair_option_and_defaults(captured: dict, use_demo_home: Path) -> None:
         (["generate", "hi", "--preset", "nope"], "unknown preset 'nope'"),
         (["chat", "--kv-type", "q5"], "--kv-type = 'q5': choose one of f16, q8_0, q4_0"),
         (["chat", "--drafter", "medusa"],
-         "--drafter = 'medusa': choose one of chain, chain-mtp, dflash, dspark, lookup, model, mtp, suffix"),
+         "--drafter = 'medusa': choose one of chain, chain-mtp, dflash, dspark, eagle3, lookup, model, mtp, suffix"),
         (["chat", "--lookup-min", "0"], "--lookup-min = 0: allowed range is 1..64"),
     ],
 )

@@ -49,8 +49,8 @@ def test_the_registry_and_the_preset_name_the_same_drafters() -> None:
     assert tuple(drafters.REGISTRY) == tuple(sorted(DRAFTERS, key=list(drafters.REGISTRY).index))
     assert set(drafters.REGISTRY) == set(DRAFTERS)
     target, draft = pair()
-    # (a fake has no MTP layers, and its draft is no block drafter)
-    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp", "chain-mtp", "dflash", "dspark"}
+    # (a fake has no MTP layers, and its draft is no block drafter or EAGLE-3 head)
+    assert set(drafters.build(target, draft)) == set(DRAFTERS) - {"mtp", "chain-mtp", "dflash", "dspark", "eagle3"}
     assert set(drafters.build(target, None)) == {"lookup", "suffix"}  # the chain would be lookup alone: not offered
 
 

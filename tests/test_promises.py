@@ -49,7 +49,7 @@ def test_the_available_drafters_are_the_registrys() -> None:
     """A drafter added to the registry is available (and named in the errors) with no other edit."""
     target, draft = FakeModel(seed=3), FakeModel(seed=3, noise=1.0)
     target.mtp_layers = 1  # type: ignore[attr-defined]  # (the MTP drafter makes its head when it first drafts)
-    block = {"dflash", "dspark"}  # (they need a block drafter's GGUF as the draft)
+    block = {"dflash", "dspark", "eagle3"}  # (they need a block drafter's or an EAGLE-3 GGUF as the draft)
     assert list(drafters.build(target, draft)) == [name for name in drafters.REGISTRY if name not in block]
     # the chain without its model: lookup alone
     assert list(drafters.build(target, None)) == ["lookup", "suffix", "mtp", "chain-mtp"]

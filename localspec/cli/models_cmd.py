@@ -15,7 +15,12 @@ from rich.text import Text
 from localspec import config
 from localspec.cli import options
 from localspec.errors import LocalspecError, UsageError
-from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, check_block_drafter
+from localspec.llama.layer_features import (
+    EAGLE3_ARCH,
+    FEATURE_DRAFTER_ARCHS,
+    check_block_drafter,
+    check_eagle3_drafter,
+)
 from localspec.models import compat, demo, doctor, hub, memory, placement, registry
 from localspec.models.gguf_header import read_header
 from localspec.sessions.session import ModelFiles, resolve_files
@@ -201,14 +206,18 @@ def check(
     if files.draft is None:
         return
     draft = read_header(files.draft)
-    if draft.arch in BLOCK_DRAFTER_ARCHS:  # a DFlash / DSpark drafter: its kind and the target layers it reads
+    if draft.arch in FEATURE_DRAFTER_ARCHS:  # DFlash / DSpark / EAGLE-3: its kind and the target layers it reads
         try:
-            facts = check_block_drafter(target, draft, verify_width=config.load_preset().load.n_batch)
+            if draft.arch == EAGLE3_ARCH:
+                line = f"drafter: {check_eagle3_drafter(target, draft).title} (--drafter eagle3)"
+            else:
+                facts = check_block_drafter(target, draft, verify_width=config.load_preset().load.n_batch)
+                line = f"block drafter: {facts.title} (--drafter {facts.kind})"
         except UsageError as exc:
             console.print(f"{MARK[Status.FAIL]} {escape(str(exc))}")
             console.print("verdict: [bold red]incompatible[/]")
             raise typer.Exit(1) from None
-        console.print(f"{MARK[Status.OK]} block drafter: {escape(facts.title)} (--drafter {facts.kind})")
+        console.print(f"{MARK[Status.OK]} {escape(line)}")
     for status, line in doctor.drafting_facts(draft, role="draft"):
         if status != Status.INFO:
             console.print(f"{MARK[status]} {escape(line)}")

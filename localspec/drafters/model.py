@@ -43,7 +43,7 @@ from localspec.drafters.base import (
     device_mode,
     prompt_work,
 )
-from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS
+from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, EAGLE3_ARCH
 from localspec.rounds.constraints import masked_scores
 from localspec.rounds.policies import CostRule, DraftCost, DraftLength, Observation
 from localspec.rounds.sampling import Candidates, distributions, greedy_tokens, penalized
@@ -712,6 +712,8 @@ def unavailable(target: ScoringModel, draft: ScoringModel | None) -> str | None:
     if getattr(draft, "arch", None) in BLOCK_DRAFTER_ARCHS:
         # (its context reads the target's features, not tokens alone: stepping it token by token drafts nonsense)
         return f"{draft.path.name} is a block drafter (general.architecture dflash): --drafter dflash or dspark"  # type: ignore[attr-defined]
+    if getattr(draft, "arch", None) == EAGLE3_ARCH:
+        return f"{draft.path.name} is an EAGLE-3 drafter (general.architecture eagle3): --drafter eagle3"  # type: ignore[attr-defined]
     return None
 
 

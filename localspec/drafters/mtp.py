@@ -91,6 +91,8 @@ class MtpState:
 
     cells: bytearray
     seq: _Seq
+    kind: str = MTP_KIND  # its drafter's `seq_kind` (an EAGLE-3 drafter keeps the same parts)
+    drafter: str | None = None  # an EAGLE-3 drafter file's fingerprint (its cells are only valid for that file)
 
     @property
     def nbytes(self) -> int:
@@ -102,12 +104,13 @@ class MtpState:
         anchor = [] if st.anchor is None else [st.anchor[1]]
         width = next((r.size for r in (*st.rows, *anchor)), 0)
         meta = {"tokens": len(st.tokens), "seen": len(st.seen), "rows": len(st.rows), "rows_from": st.rows_from,
-                "anchor": None if st.anchor is None else st.anchor[0], "width": width}
-        return SeqFile(MTP_KIND, meta, (self.cells, ints_blob(st.tokens), ints_blob(st.seen), rows_blob(st.rows),
+                "anchor": None if st.anchor is None else st.anchor[0], "width": width,
+                **({} if self.drafter is None else {"drafter": self.drafter})}
+        return SeqFile(self.kind, meta, (self.cells, ints_blob(st.tokens), ints_blob(st.seen), rows_blob(st.rows),
                                         rows_blob(anchor)))
 
 
-def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> MtpState:
+def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> MtpState:  # (kind: the part's)
     """An `MtpState.to_file` read back for a slot state holding `tokens`, the head `width` wide: ValueError naming
     the field that does not fit (the head's tokens and the target rows must be the slot's own)."""
     meta, count, n = part.meta, part.count, len(tokens)
@@ -123,7 +126,8 @@ def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> Mtp
     if held != list(tokens[:n_tokens]) or seen != list(tokens[:n_seen]):
         raise ValueError("the head's tokens are not the slot's")
     kept = None if anchor is None else (anchor, part.rows(4, 1, width)[0])
-    return MtpState(bytearray(part.blobs[0]), _Seq(held, seen, part.rows(3, n_rows, width), rows_from, kept))
+    return MtpState(bytearray(part.blobs[0]), _Seq(held, seen, part.rows(3, n_rows, width), rows_from, kept),
+                    part.kind, meta.get("drafter"))
 
 
 class MtpDrafter(DrafterBase):
@@ -297,10 +301,15 @@ class MtpDrafter(DrafterBase):
         st = self._seqs.get(seq)
         if st is None or not st.tokens or self._head is None:
             return None
-        return MtpState(self._head.save_state(seq), _copy(st))
+        return MtpState(self._head.save_state(seq), _copy(st), self.seq_kind)
 
     def seq_from_file(self, part: SeqFile, tokens: Sequence[int]) -> MtpState:
-        return mtp_state_from_file(part, tokens, self.target.n_embd_out)  # type: ignore[attr-defined]
+        return mtp_state_from_file(part, tokens, self.row_width)
+
+    @property
+    def row_width(self) -> int:
+        """The floats of a row it reads and keeps (the target's hidden state; the head's own is as wide)."""
+        return self.target.n_embd_out  # type: ignore[attr-defined]
 
     def load_seq(self, seq: int, state: SeqState | None) -> bool:
         assert state is None or isinstance(state, MtpState), "another drafter's state"

@@ -270,6 +270,10 @@ class BlockContext:
 # features on (llm_graph_result::set_outputs: "layer input tensor is null").
 LAYER_INPUT_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "gemma4"})
 BLOCK_DRAFTER_ARCHS = frozenset({"dflash"})
+EAGLE3_ARCH = "eagle3"
+# Drafter GGUFs that read the target's layers and borrow its embeddings and output head (llama.cpp's ctx_other): the
+# draft model is loaded over the target, and no other drafter can step it token by token.
+FEATURE_DRAFTER_ARCHS = BLOCK_DRAFTER_ARCHS | {EAGLE3_ARCH}
 
 
 @dataclass(frozen=True)
@@ -298,6 +302,23 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _same_vocabulary(target: GGUFHeader, draft: GGUFHeader) -> None:
+    if draft.n_vocab != target.n_vocab:
+        raise UsageError(f"{draft.name}: tokenizer.ggml.tokens holds {draft.n_vocab} tokens, {target.name} "
+                         f"{target.n_vocab}: a drafter for another vocabulary")
+
+
+def _layers_for(target: GGUFHeader, draft: GGUFHeader) -> list | None:
+    """The drafter's `target_layers` array (None: missing or not an array), once the target's family is one whose
+    graph gives its layer inputs (else the UsageError line naming the drafter file)."""
+    if target.arch not in LAYER_INPUT_ARCHS:
+        raise UsageError(f"{draft.name}: drafts for a target whose llama.cpp graph gives its layer inputs "
+                         f"({', '.join(sorted(LAYER_INPUT_ARCHS))}); {target.name} is {target.arch!r} "
+                         "(general.architecture)")
+    raw = draft.arch_get("target_layers")
+    return list(raw) if isinstance(raw, (list, tuple, np.ndarray)) else None
+
+
 def check_block_drafter(target: GGUFHeader, draft: GGUFHeader, *, verify_width: int | None = None) -> BlockDrafterFacts:
     """The facts of a DFlash / DSpark drafter for this target, or one UsageError line naming the file and key that
     rule the pair out, before either model loads. `verify_width`: the most tokens the target takes in one decode
@@ -310,12 +331,7 @@ def check_block_drafter(target: GGUFHeader, draft: GGUFHeader, *, verify_width: 
     tensors = {t.name for t in draft.tensors}
     if "selector_hidden.weight" in tensors:
         raise UsageError(f"{d}: selector_hidden.weight: a DFlash2 drafter (selector lattice), not supported")
-    if target.arch not in LAYER_INPUT_ARCHS:
-        raise UsageError(f"{d}: drafts for a target whose llama.cpp graph gives its layer inputs "
-                         f"({', '.join(sorted(LAYER_INPUT_ARCHS))}); {target.name} is {target.arch!r} "
-                         "(general.architecture)")
-    raw = draft.arch_get("target_layers")
-    layers = list(raw) if isinstance(raw, (list, tuple, np.ndarray)) else None
+    layers = _layers_for(target, draft)
     if not layers or not all(_is_int(i) for i in layers):
         raise UsageError(f"{d}: dflash.target_layers is missing or not an array of layer numbers")
     n_layer = target.trunk_layers
@@ -331,9 +347,7 @@ def check_block_drafter(target: GGUFHeader, draft: GGUFHeader, *, verify_width: 
     if _is_int(hidden) and hidden != t_embd:
         raise UsageError(f"{d}: dflash.target_hidden_size {hidden} is not {target.name}'s "
                          f"{target.arch}.embedding_length {t_embd}")
-    if draft.n_vocab != target.n_vocab:
-        raise UsageError(f"{d}: tokenizer.ggml.tokens holds {draft.n_vocab} tokens, {target.name} "
-                         f"{target.n_vocab}: a drafter for another vocabulary")
+    _same_vocabulary(target, draft)
     mask = draft.get("tokenizer.ggml.mask_token_id")
     if not _is_int(mask) or not 0 <= mask < draft.n_vocab:
         raise UsageError(f"{d}: tokenizer.ggml.mask_token_id is missing or outside the vocabulary (a block "
@@ -355,3 +369,51 @@ def check_block_drafter(target: GGUFHeader, draft: GGUFHeader, *, verify_width: 
     return BlockDrafterFacts("dspark" if dspark else "dflash", tuple(int(i) for i in layers), int(block),
                              max_drafts, has_conf, int(mask), own_head, from_anchor=dspark and anchor is not False,
                              causal=bool(draft.arch_get("attention.causal", False)))
+
+
+@dataclass(frozen=True)
+class Eagle3Facts:
+    """What an EAGLE-3 drafter's header says (what `localspec check` reports)."""
+
+    layers: tuple[int, int, int]  # the target layers whose inputs its encoder fuses
+    draft_vocab: int | None  # its reduced vocabulary (d2t), None: the target's
+    own_embeddings: bool  # token_embd of its own (else the target's, through ctx_other)
+
+    @property
+    def title(self) -> str:
+        vocab = f", a draft vocabulary of {self.draft_vocab}" if self.draft_vocab else ""
+        return f"EAGLE-3, reads target layers {', '.join(map(str, self.layers))}{vocab}"
+
+
+def check_eagle3_drafter(target: GGUFHeader, draft: GGUFHeader) -> Eagle3Facts:
+    """The facts of an EAGLE-3 drafter for this target, or one UsageError line naming the file and key that rule
+    the pair out, before either model loads (llama.cpp aborts the process on some of them)."""
+    d = draft.name
+    if draft.arch != EAGLE3_ARCH:
+        raise UsageError(f"{d}: general.architecture is {draft.arch!r}, not an EAGLE-3 drafter (eagle3)")
+    layers = _layers_for(target, draft)
+    if not layers or len(layers) != 3 or not all(_is_int(i) for i in layers):
+        shown = [int(i) if _is_int(i) else i for i in layers] if layers else draft.arch_get("target_layers")
+        raise UsageError(f"{d}: eagle3.target_layers must be three layer numbers, not {shown!r}")
+    n_layer = target.trunk_layers
+    if n_layer in layers:  # (llama.cpp reads the target's NextN rows there, beside two layers' inputs)
+        raise UsageError(f"{d}: eagle3.target_layers {[int(i) for i in layers]} names {n_layer}, the target's "
+                         "final hidden state: not supported (layer inputs only)")
+    outside = [int(i) for i in layers if not 0 <= int(i) < n_layer]
+    if outside:
+        raise UsageError(f"{d}: eagle3.target_layers {[int(i) for i in layers]} names layer {outside[0]}; "
+                         f"{target.name} has layers 0..{n_layer - 1} ({target.arch}.block_count)")
+    t_embd = target.hparams.n_embd
+    hidden = draft.arch_get("target_hidden_size")
+    if hidden != t_embd:
+        raise UsageError(f"{d}: eagle3.target_hidden_size {hidden!r} is not {target.name}'s "
+                         f"{target.arch}.embedding_length {t_embd}")
+    tensors = {t.name: t for t in draft.tensors}
+    own = "token_embd.weight" in tensors
+    if not own and draft.hparams.n_embd != t_embd:
+        raise UsageError(f"{d}: eagle3.embedding_length {draft.hparams.n_embd} is not {target.name}'s "
+                         f"{t_embd}, whose token embeddings it reads (it has no token_embd.weight)")
+    _same_vocabulary(target, draft)
+    d2t = tensors.get("d2t")
+    return Eagle3Facts((int(layers[0]), int(layers[1]), int(layers[2])), None if d2t is None else int(d2t.shape[0]),
+                       own)

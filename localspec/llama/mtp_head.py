@@ -1,5 +1,6 @@
 """A model's MTP (NextN) head in a context of its own: llama.cpp's LLAMA_CONTEXT_TYPE_MTP over the target's own
-weights, fed a token and the target's hidden state before it (`hidden`), scoring the next token (drafters/mtp.py)."""
+weights, fed a token and the target's hidden state before it (`hidden`), scoring the next token (drafters/mtp.py);
+and an EAGLE-3 drafter's decoder, which is fed the same way, beside its encoder (drafters/eagle3.py)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,75 @@ class MtpHead:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class Eagle3Head(MtpHead):
+    """An EAGLE-3 drafter (src/models/eagle3.cpp) in the draft model's own context (loaded over the target:
+    `LlamaModel(other=target)`, whose token embeddings and output head it reads). Its ENCODE pass (`encode`) fuses a
+    position's target layer inputs into one row (`fc`); its one decoder block then reads, like an MTP head, the token
+    at p and that row of p - 1 (or its own hidden state there, drafting on) and scores p + 1 over the target's whole
+    vocabulary (a reduced draft vocabulary is mapped back by llama.cpp, -inf elsewhere). Its graph picks no output
+    rows, so llama.cpp hands back the batch's first rows: every entry is an output here and the scored ones are
+    read by batch index."""
+
+    def __init__(self, draft: LlamaModel, *, n_seq: int) -> None:
+        self.ctx = None
+        self._batch = None
+        why = mtp_unsupported()
+        if why is not None:
+            raise ModelLoadError(why)
+        self.path = draft.path
+        self.ctx = draft.ctx  # (the draft model's: closed with it, not here)
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, False)
+        self._batch = llama_cpp.llama_batch_ext_init(self.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = draft.n_vocab
+        self.n_embd = int(llama_cpp.llama_model_n_embd(draft.model))
+        self.n_batch = min(draft.n_batch, int(llama_cpp.llama_n_ubatch(self.ctx)))
+        self.n_ctx = draft.n_ctx
+        self.n_seq = n_seq
+        self.on_gpu = draft.on_gpu
+        self._pos = llama_cpp.llama_pos(0)
+        self.decodes = 0
+
+    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+        every = [(seq, token, pos, row, True) for seq, token, pos, row, _ in entries]
+        out = []
+        for first in range(0, len(every), self.n_batch):
+            chunk = entries[first : first + self.n_batch]
+            results = self._decode_chunk(every[first : first + self.n_batch])
+            out += [r for r, e in zip(results, chunk, strict=True) if e[4]]
+        return out
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """The decoder's input rows (n, n_embd) for these target features (n, 3 x the target's width): the ENCODE
+        pass, which reads no cells. Its positions are placeholders, but llama.cpp checks them against sequence 0's
+        cells as a decode's: they go on from there (as its own draft-eagle3 loop places them)."""
+        out = []
+        for at in range(0, len(features), self.n_batch):
+            chunk = np.ascontiguousarray(features[at : at + self.n_batch], dtype=np.float32)
+            llama_cpp.llama_batch_ext_clear(self._batch)
+            after = int(llama_cpp.llama_memory_seq_pos_max(self.memory, 0)) + 1
+            for i in range(len(chunk)):
+                idx = llama_cpp.llama_batch_ext_add_embd(self._batch, 0, llama_cpp.llama_embd(
+                    chunk[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, chunk.shape[1]))
+                if idx < 0:
+                    raise DecodeError(f"{self.path.name}: llama.cpp refused a feature row ({idx})")
+                self._pos.value = after + i
+                llama_cpp.llama_batch_ext_set_pos(self._batch, idx, ctypes.byref(self._pos))
+                llama_cpp.llama_batch_ext_set_output_logits(self._batch, idx, True)
+            rc = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_ENCODE, self._batch)
+            self.decodes += 1
+            if rc != 0:
+                raise DecodeError(f"{self.path.name}: the EAGLE-3 encoder failed with code {rc}")
+            rows = llama_cpp_ext.llama_get_embeddings_nextn(self.ctx)
+            if not rows:
+                raise DecodeError(f"{self.path.name}: the EAGLE-3 encoder returned no rows")
+            out.append(np.ctypeslib.as_array(rows, shape=(len(chunk), self.n_embd)).copy())
+        return np.concatenate(out) if out else np.zeros((0, self.n_embd), np.float32)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_ext_free(self._batch)
+            self._batch = None
+        self.ctx = None

@@ -11,7 +11,13 @@ from localspec.config import BLOCK_DRAFTERS, DRAFTER_TABLE, Preset
 from localspec.errors import IncompatiblePairError, LocalspecError, RollbackError, UsageError
 from localspec.fsutil import not_a_file
 from localspec.llama import backend, hidden, recurrent
-from localspec.llama.layer_features import BLOCK_DRAFTER_ARCHS, check_block_drafter
+from localspec.llama.layer_features import (
+    BLOCK_DRAFTER_ARCHS,
+    EAGLE3_ARCH,
+    FEATURE_DRAFTER_ARCHS,
+    check_block_drafter,
+    check_eagle3_drafter,
+)
 from localspec.llama.model import LlamaModel
 from localspec.llama.vision import Projector, check_projector_file
 from localspec.models import compat, demo, hub, memory, placement, registry
@@ -153,6 +159,11 @@ def check_drafting(target: GGUFHeader, draft: GGUFHeader | None, preset: Preset)
             raise UsageError(f"{draft.name} is a block drafter (general.architecture {draft.arch}): --drafter "
                              f"{' or '.join(BLOCK_DRAFTERS)}, not {drafting.drafter}")
         check_block_drafter(target, draft, verify_width=preset.load.n_batch)
+    if draft is not None and draft.arch == EAGLE3_ARCH:
+        if drafting.drafter != "eagle3":
+            raise UsageError(f"{draft.name} is an EAGLE-3 drafter (general.architecture {draft.arch}): --drafter "
+                             f"eagle3, not {drafting.drafter}")
+        check_eagle3_drafter(target, draft)
     # (A target without MTP layers is refused by Engine.check_drafter, as every drafter the models cannot run.)
     if DRAFTER_TABLE[drafting.drafter].target_head and target.nextn_layers \
             and (why := hidden.mtp_unsupported()):
@@ -222,7 +233,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
             target.projector = Projector(files.mmproj, target, threads)
         if files.draft is not None:
             # A block drafter shares the target's embeddings and output head (llama.cpp's ctx_other).
-            block = read_header(files.draft).arch in BLOCK_DRAFTER_ARCHS
+            block = read_header(files.draft).arch in FEATURE_DRAFTER_ARCHS
             draft = LlamaModel(files.draft, load=load, n_gpu_layers=load.draft_n_gpu_layers, n_threads=threads,
                                n_seq=parallel, other=target if block else None, **_placed(plan.draft))
     except BaseException:
