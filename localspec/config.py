@@ -336,6 +336,9 @@ class ImageSettings:
     max_image_side: int = field(metadata=_rng(1, 1 << 16, int))
     max_image_pixels: int = field(metadata=_rng(1, 1 << 31, int))
     max_images: int = field(metadata=_rng(1, 64, int))  # pictures a request or a message may carry
+    # Tokens one picture may take (0: the projector's own limit): libmtmd shrinks a larger picture of a
+    # dynamic-resolution projector (Qwen-VL's) to fit, which bounds its compute buffer (models.memory).
+    max_image_tokens: int = field(metadata=_rng(0, 1 << 20, int))
 
 
 @dataclass(frozen=True)

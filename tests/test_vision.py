@@ -429,12 +429,13 @@ def test_chat_attaches_a_picture_to_the_next_message_and_keeps_it_in_the_history
 # -- memory: the projector in the plan, doctor -------------------------------------------------------------------
 
 
-def header_only_projector(path: Path, image_size: int, patch_size: int, heads: int, n_ff: int) -> Path:
+def header_only_projector(path: Path, image_size: int, patch_size: int, heads: int, n_ff: int,
+                          kind: str = "gemma3") -> Path:
     """A projector's header without tensors (doctor and the memory plan read headers only)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch="clip")
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", kind)
     for key, value in (("image_size", image_size), ("patch_size", patch_size), ("attention.head_count", heads),
                        ("feed_forward_length", n_ff), ("embedding_length", 1152)):
         w.add_uint32(f"clip.vision.{key}", value)

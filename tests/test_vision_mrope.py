@@ -153,3 +153,26 @@ def test_the_server_reads_an_mrope_picture_and_drafts_with_the_mtp_head(hybrid_p
         assert ask(2, **{"speculative.type": "mtp"}) != with_head
     finally:
         s.stop()
+
+
+def test_a_qwen_vl_picture_is_priced_and_capped_at_its_token_limit(hybrid_pair, mrope_projector, tmp_path):
+    """A dynamic-resolution projector reads a picture at its own size: the memory plan prices its largest picture at
+    libmtmd's 4096 tokens (4 patches each), or at `[images] max_image_tokens`, which libmtmd then holds every
+    picture to (a larger one is shrunk)."""
+    from localspec.models import memory
+    from localspec.models.gguf_header import read_header
+    from tests.test_vision import header_only_projector
+
+    qwen3vl = read_header(header_only_projector(tmp_path / "q.gguf", 768, 16, 16, 4304, kind="qwen3vl_merger"))
+    patches = 4096 * 4
+    assert memory.projector_memory(qwen3vl)[1] == 4 * (patches * patches * 16 + 4 * patches * 4304)
+    assert memory.projector_memory(qwen3vl, 1024)[1] == 4 * (4096 * 4096 * 16 + 4 * 4096 * 4304)
+    capped = GREEDY.with_overrides(max_image_tokens=16)
+    assert memory.settings_from_preset(capped, projector=qwen3vl).projector == memory.projector_memory(qwen3vl, 16)
+    big = picture(3, 96, 64)  # 12 x 8 merged patches of 8 px: 96 tokens
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY) as s:
+        assert sum(t < 0 for t in prompt(s, "x", [big])) == 96
+    with open_session(files(hybrid_pair, mrope_projector), capped) as s:
+        tokens = prompt(s, "x", [big])
+        assert 0 < sum(t < 0 for t in tokens) <= 16
+        assert collect(s.engine.generate(**request(tokens, 3))).tokens  # (and it reads as any other picture)

@@ -264,7 +264,7 @@ class Projector:
     placeholder ids; the returned list holds their chunks (`PromptTokens`), which `decode` finds by a picture's first
     id while any prompt holding them lives (a registry of weak references: nothing here keeps a picture alive)."""
 
-    def __init__(self, path: Path, target: Target, n_threads: int) -> None:
+    def __init__(self, path: Path, target: Target, n_threads: int, max_tokens: int = 0) -> None:
         self.path = Path(path)
         check_projector_file(self.path)
         check_projector_tensors(self.path, target.on_gpu)
@@ -276,6 +276,8 @@ class Projector:
         params.n_threads = n_threads
         params.print_timings = False
         params.warmup = False
+        if max_tokens > 0:  # ([images] max_image_tokens; 0: the projector's own limit)
+            params.image_max_tokens = max_tokens
         self.ctx = m.mtmd_init_from_file(str(self.path).encode(), target.model, params)
         if not self.ctx:
             raise ModelLoadError(f"{self.path}: libmtmd could not load this projector for {target.path.name} "

@@ -283,11 +283,11 @@ def run_checks(
     checks.append(prompt_cache_check(preset.server.cache_ram, dev.ram_available))
     projector = None
     if mmproj is not None:
-        found, projector = projector_check(mmproj)
+        found, projector = projector_check(mmproj, preset.images.max_image_tokens)
         checks.append(found)
     placed, settings = _placement_check(preset, ctx, dev, parallel)
     if projector is not None:
-        settings = replace(settings, projector=memory.projector_memory(projector))
+        settings = replace(settings, projector=memory.projector_memory(projector, preset.images.max_image_tokens))
     checks.append(placed)
     if t is not None and placed.status != Status.FAIL:
         checks.append(_fit_check(t, d, settings, dev))
@@ -300,9 +300,10 @@ CARD_BYTES = 24 * 2**30  # an RTX 3090/4090
 CARD_RAM = 64 * 2**30  # (the host's RAM is not the question on that card: plenty)
 
 
-def projector_check(path: Path) -> tuple[Check, GGUFHeader | None]:
+def projector_check(path: Path, max_tokens: int = 0) -> tuple[Check, GGUFHeader | None]:
     """The target's projector: a readable mmproj file and a build with libmtmd; what it adds to the target's
-    memory (its weights and the compute buffer of its largest picture)."""
+    memory (its weights and the compute buffer of its largest picture: `max_tokens`, [images] max_image_tokens,
+    bounds a dynamic-resolution projector's)."""
     from localspec.llama import vision
 
     try:
@@ -310,7 +311,7 @@ def projector_check(path: Path) -> tuple[Check, GGUFHeader | None]:
     except LocalspecError as exc:
         return Check(Status.FAIL, "projector", str(exc), "give --mmproj the mmproj GGUF of the target's model"), None
     header = read_header(path)
-    weights, compute = memory.projector_memory(header)
+    weights, compute = memory.projector_memory(header, max_tokens)
     kind = header.metadata.get("clip.projector_type", "?")
     return Check(Status.OK, "projector", f"{path.name} ({kind}): {weights / 2**20:.0f} MiB of weights and up to "
                  f"{compute / 2**20:.0f} MiB of compute for a picture, counted with the target"), header

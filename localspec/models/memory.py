@@ -291,13 +291,24 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
     return need, ram
 
 
-def projector_memory(header: GGUFHeader) -> tuple[int, int]:
+# Projectors that read a picture at its own size (rounded to whole merged patches) up to a token limit, libmtmd's
+# 4096 unless [images] max_image_tokens sets another (tools/mtmd/clip.cpp: set_limit_image_tokens(8, 4096)).
+DYNAMIC_PROJECTORS = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"})
+DYNAMIC_MAX_TOKENS = 4096
+
+
+def projector_memory(header: GGUFHeader, max_tokens: int = 0) -> tuple[int, int]:
     """A projector's (weights, compute) bytes: its tensors, and libmtmd's buffer for its largest picture: every
-    patch's attention scores over every other in each head (F32; flash attention needs less) and its activations
-    through the widest layer, the way clip.cpp sizes the graph it reserves (an upper bound, not a measurement)."""
+    patch's attention scores over every other in each head (F32; flash attention needs less, where clip uses it)
+    and its activations through the widest layer, the way clip.cpp sizes the graph it reserves (an upper bound,
+    not a measurement). The largest picture: `image_size` square, or for a dynamic-resolution projector (Qwen-VL's)
+    `max_tokens` merged patches ([images] max_image_tokens; 0: libmtmd's limit)."""
     meta = header.metadata
     size, patch = int(meta.get("clip.vision.image_size", 0) or 0), int(meta.get("clip.vision.patch_size", 1) or 1)
     patches = (size // max(1, patch)) ** 2
+    if meta.get("clip.projector_type") in DYNAMIC_PROJECTORS:
+        merge = int(meta.get("clip.vision.spatial_merge_size", 2) or 2)
+        patches = (max_tokens or DYNAMIC_MAX_TOKENS) * merge * merge
     heads = int(meta.get("clip.vision.attention.head_count", 1) or 1)
     width = max(int(meta.get("clip.vision.feed_forward_length", 0) or 0),
                 int(meta.get("clip.vision.embedding_length", 0) or 0))
@@ -448,5 +459,6 @@ def settings_from_preset(preset: Preset, n_ctx: int | None = None, n_draft: int 
     values of `[load]` keys, as `Settings.changed` takes them); `projector`: the target's mmproj, if any."""
     s = Settings(load=preset.load, n_draft=preset.draft.n_draft if n_draft is None else n_draft, n_seq=n_seq,
                  drafter=preset.draft.drafter,
-                 projector=projector_memory(projector) if projector is not None else (0, 0))
+                 projector=projector_memory(projector, preset.images.max_image_tokens) if projector is not None
+                 else (0, 0))
     return s.changed(n_ctx=n_ctx or preset.load.n_ctx, **load)

@@ -230,7 +230,7 @@ def open_session(files: ModelFiles, preset: Preset, parallel: int = 1, prompt_ca
     draft = None
     try:
         if files.mmproj is not None:
-            target.projector = Projector(files.mmproj, target, threads)
+            target.projector = Projector(files.mmproj, target, threads, preset.images.max_image_tokens)
         if files.draft is not None:
             # A block drafter shares the target's embeddings and output head (llama.cpp's ctx_other).
             block = read_header(files.draft).arch in FEATURE_DRAFTER_ARCHS
