@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localspec.drafters.base import Drafter, DraftRequest, PromptWork
-from localspec.drafters.mtp import MtpDrafter, MtpState
+from localspec.drafters.mtp import MtpCost, MtpDrafter, MtpState
 from localspec.errors import LocalspecError
 from localspec.llama.layer_features import EAGLE3_ARCH, Eagle3Facts, check_eagle3_drafter, layer_features_unsupported
 from localspec.rounds.prompt_cache import SeqFile
@@ -29,8 +29,15 @@ EAGLE3_KIND = "eagle3"  # its parts in slot files
 LLAMA_SERVER_TYPE = "draft-eagle3"  # its `speculative.type` (llama-server's name)
 
 
+class Eagle3Cost(MtpCost):
+    """The head's prices (the MTP head's rule) over its own measured steps and acceptance."""
+
+    SOURCE = "eagle3"
+
+
 class Eagle3Drafter(MtpDrafter):
     seq_kind = EAGLE3_KIND
+    cost_rule = Eagle3Cost
 
     def __init__(self, target: ScoringModel, draft: ScoringModel, facts: Eagle3Facts) -> None:
         super().__init__(target)

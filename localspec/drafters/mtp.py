@@ -133,6 +133,7 @@ def mtp_state_from_file(part: SeqFile, tokens: Sequence[int], width: int) -> Mtp
 class MtpDrafter(DrafterBase):
     reads_target = True  # fed the target's hidden state after each token (`target_rows`)
     seq_kind = MTP_KIND  # its part of a slot file
+    cost_rule: type[MtpCost] = MtpCost  # its prices, under a measured-facts source of its own
 
     def __init__(self, target: ScoringModel) -> None:
         super().__init__()
@@ -215,7 +216,7 @@ class MtpDrafter(DrafterBase):
 
     def pricing(self, cost: DraftCost, drafting: Drafting) -> MtpCost:
         """The head's cost rule on this stream's facts: it prices the loop's adaptive k."""
-        return MtpCost.of(cost)
+        return self.cost_rule.of(cost)
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._rng[req.seq] = np.random.default_rng([req.sampling.seed, 2])
@@ -225,7 +226,7 @@ class MtpDrafter(DrafterBase):
         out: list[Proposal] = [NO_PROPOSAL] * len(jobs)
         for req, _ in jobs:
             self.spend(req, Spent())
-        jobs = [(req, self.stand_aside(req, k, MtpCost)) for req, k in jobs]
+        jobs = [(req, self.stand_aside(req, k, self.cost_rule)) for req, k in jobs]
         todo = [(i, req, k) for i, (req, k) in enumerate(jobs) if k > 0]
         if not todo:
             return out
