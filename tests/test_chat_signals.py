@@ -178,6 +178,28 @@ def test_a_ctrl_c_before_or_during_the_wait_is_answered_and_drops_what_was_typed
     os.close(write)
 
 
+def test_the_wakeup_byte_alone_is_a_ctrl_c_answered_once() -> None:
+    """The state the staged test above leaves when the main thread's eval loop is never asked to run the Python
+    handler: the C-level handler's byte in the wakeup pipe, `hit` not set. The byte alone is a Ctrl-C; and a Ctrl-C
+    whose handler did run is answered once, not again for its byte (nor, at a reply's end, again at the prompt)."""
+    stdin, typed = os.pipe()
+    with CtrlC() as ctrl_c:
+        os.write(ctrl_c._wake_w, bytes([signal.SIGINT]))  # as trip_signal writes it; no handler run
+        assert not ctrl_c.hit
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.read_line(stdin)
+        os.write(ctrl_c._wake_w, bytes([signal.SIGUSR1]))  # another signal's byte wakes the poll, answers nothing
+        os.write(typed, b"kept\n")
+        assert ctrl_c.read_line(stdin) == "kept"
+        os.kill(os.getpid(), signal.SIGINT)  # handler and byte: one Ctrl-C
+        assert ctrl_c.take()  # as a reply stops on it
+        assert not ctrl_c.take()
+        os.write(typed, b"next\n")
+        assert ctrl_c.read_line(stdin) == "next"  # the prompt after that reply answers nothing
+    os.close(stdin)
+    os.close(typed)
+
+
 def test_a_line_that_is_not_utf8_is_named_and_the_next_one_reads() -> None:
     stdin = _pipe(b"ok\n\xff bad\nfine\n")
     with CtrlC() as ctrl_c:

@@ -99,7 +99,12 @@ class CtrlC:
     input()'s blocking read begins (or on another thread) does not interrupt that read, so Python's handler waits
     for the next Enter and the Ctrl-C goes unanswered. The handler also writes to a wakeup pipe
     (`signal.set_wakeup_fd`) that the prompt waits on beside stdin, so no arrival time is missed (the self-pipe
-    trick; hand-written, as neither input() nor readline has a way in)."""
+    trick; hand-written, as neither input() nor readline has a way in).
+
+    The pipe's SIGINT byte is itself the news of a Ctrl-C (`take`), not only a reason to look at `hit`: the Python
+    handler runs when the main thread's eval loop next checks for pending calls, and a SIGINT taken on another
+    thread can leave that check unrequested while the main thread goes back to sleep in its poll (the staged test
+    in tests/test_chat_signals.py failed so once, on a loaded CI box)."""
 
     def __init__(self) -> None:
         self.hit = False
@@ -110,6 +115,20 @@ class CtrlC:
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.hit = True
+
+    def take(self) -> bool:
+        """Whether a Ctrl-C came since the last answered one; True answers it (forgets it).
+
+        Reads the wakeup pipe, so a SIGINT whose Python handler has not run yet still counts, then lets that handler
+        run now: `signal.signal` runs pending handlers before it installs one (CPython's signalmodule.c), so a late
+        handler cannot set `hit` again after this answer and have the same Ctrl-C answered twice."""
+        woken = False
+        while chunk := _read_available(self._wake_r):
+            woken = woken or signal.SIGINT in chunk
+        signal.signal(signal.SIGINT, self._handler)
+        arrived = self.hit or woken
+        self.hit = False
+        return arrived
 
     def __enter__(self) -> CtrlC:
         self._wake_r, self._wake_w = os.pipe()
@@ -132,9 +151,7 @@ class CtrlC:
         waiting.register(stdin, select.POLLIN)
         waiting.register(self._wake_r, select.POLLIN)
         while True:
-            # Checked on every pass: a handler that the wakeup pipe announced runs at the loop's jump back.
-            if self.hit:
-                self.hit = False
+            if self.take():  # checked on every pass: also a Ctrl-C that came before this call
                 self._pending = b""  # what was typed and not yet answered goes, as the terminal drops its own
                 raise KeyboardInterrupt
             line, newline, rest = self._pending.partition(b"\n")
@@ -142,9 +159,6 @@ class CtrlC:
                 self._pending = rest
                 return self._decode(line)
             ready = {fd for fd, _ in waiting.poll()}  # readable, or its writer gone (the end)
-            if self._wake_r in ready:
-                while _read_available(self._wake_r):
-                    pass
             if stdin in ready:
                 data = os.read(stdin, 65536)
                 if not data:  # the end: a last line without its newline still counts, as with input()
@@ -162,12 +176,12 @@ class CtrlC:
             raise UsageError(not_utf8("the chat input", exc)) from None
 
 
-def _read_available(fd: int) -> bool:
-    """Read what a non-blocking pipe holds; False once it is empty."""
+def _read_available(fd: int) -> bytes:
+    """Read what a non-blocking pipe holds; b"" once it is empty."""
     try:
-        return bool(os.read(fd, 512))
+        return os.read(fd, 512)
     except BlockingIOError:
-        return False
+        return b""
 
 
 class ChatView:
@@ -279,8 +293,7 @@ class ChatView:
                                   "context)[/]\n[bold magenta]model›[/] ", end="")
                 elif isinstance(event, DoneEvent):
                     done = event
-                if self.ctrl_c.hit:  # Ctrl-C stops the reply here, between rounds
-                    self.ctrl_c.hit = False
+                if self.ctrl_c.take():  # Ctrl-C stops the reply here, between rounds
                     break
         except LocalspecError:
             if waiting is None:
