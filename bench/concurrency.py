@@ -39,8 +39,9 @@ from typing import Any, NoReturn
 
 import openai
 
-from localspec.errors import WriteError
+from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write
+from localspec.sessions.bench import load_prompts as bench_prompts
 
 # Varied on purpose (explanation, code, lists, arithmetic, prose, translation, dialogue): prompts that draft well
 # and prompts that do not, of different lengths, so a level's figures are not one kind of text.
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="top_p (not sent unless given)")
     p.add_argument("--min-p", type=float, help="min_p (not sent unless given; both servers read it)")
     p.add_argument("--seed", type=int, default=42, help="seed of every request (-1: not sent, the server draws)")
-    p.add_argument("--prompts", type=Path, help="a file with one prompt per line (default: 16 built-in prompts)")
+    p.add_argument("--prompts", type=Path, help="a file with one prompt per line, or JSONL with 'prompt' or "
+                   "'messages', as `localspec bench --prompts` reads it (default: 16 built-in prompts)")
     p.add_argument("--warmup", type=_at_least(0), default=1, help="unmeasured requests before each level (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take")
     p.add_argument("--json", type=Path, dest="json_out", help="write the results here")
@@ -123,19 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_prompts(path: Path | None) -> list[str]:
+def load_prompts(path: Path | None) -> list[str | list[dict[str, str]]]:
+    """--prompts as `localspec bench --prompts` reads it (one home for prompt files): one prompt per line, or JSONL
+    with `prompt` (a user message's text; it may hold newlines) or `messages` (a whole conversation)."""
     if path is None:
         return list(PROMPTS)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise BenchError(f"--prompts {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise BenchError(f"--prompts {path}: not UTF-8 text") from None
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
-        raise BenchError(f"--prompts {path}: no prompts (one per line)")
-    return prompts
+        read = bench_prompts(path)
+    except LocalspecError as exc:
+        raise BenchError(f"--prompts {exc}") from None
+    return [p.text if p.text is not None else [dict(m) for m in p.messages or ()] for p in read]
 
 
 @dataclass
@@ -293,7 +292,7 @@ async def _read(stream: Any, req: Request, t0: float) -> None:
                 req.finish_reason = choice.finish_reason
 
 
-async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[str], n_clients: int,
+async def run_level(client: openai.AsyncOpenAI, model: str, prompts: list[Any], n_clients: int,
                     args: argparse.Namespace) -> Level:
     body = _body(args)
     for _ in range(args.warmup):
@@ -378,6 +377,9 @@ def print_table(args: argparse.Namespace, model: str, levels: list[dict[str, Any
 async def run(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = load_prompts(args.prompts)
     args.image_uri = image_uri(args.image)
+    if args.image_uri is not None and not all(isinstance(p, str) for p in prompts):
+        raise BenchError(f"--image with --prompts {args.prompts}: a picture goes before one prompt's text, not into "
+                         "a conversation ('messages')")
     if args.json_out is not None:  # before the measurement, not after it
         try:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,13 @@ Usage (from the repository root, on an otherwise idle machine; `--threads` fixed
 
     python bench/grid.py --pair demo --out bench/results/DATE-cpu-grid.csv --threads 2 --repeat 3
 
+Several clients (`--clients 4,16`; 1 is the bench's cell above): per configuration one `localspec serve --parallel
+<the most clients>` (plain: `--draft 0`; the default; each fixed length with `--always-draft`), driven by
+bench/concurrency.py (the concurrency benchmark: streaming `openai` clients, each sending the class's prompt as a chat
+message, every request at the preset's temperature) at each level, the configurations interleaved `--repeat` times;
+medians of the aggregate tok/s (all clients' tokens over the level's wall time). `stood_aside` there: the share of
+the default's rounds that drafted nothing, from every reply's `timings`. Each run's JSON is kept beside the CSV.
+
 On a GPU machine, the files themselves: `--target T.gguf --draft D.gguf` in place of `--pair`.
 """
 
@@ -24,15 +31,24 @@ import datetime
 import json
 import os
 import platform
+import re
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time as clock
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from localspec import paths  # noqa: E402
+from localspec.config import load_preset  # noqa: E402
 from localspec.sessions.bench import LOOKUP_PROMPTS, PROMPTS  # noqa: E402  (the shipped prompt texts, one home)
 
 # The prompt classes: the shipped prompts that stand for each (a code edit and a JSON reformat repeat their prompt;
@@ -54,9 +70,7 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
     prompts = folder / f"{name}.jsonl"
     prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
     report = args.reports / f"{drafter}-{name}-{max_tokens}{'' if time == 1 else f'-{time}'}.json"
-    models = ["--target", str(args.target), *(["--draft", str(args.draft)] if args.draft else [])] if args.target \
-        else ["--pair", args.pair]
-    cmd = [sys.executable, "-c", "from localspec.cli.app import main; main()", "bench", *models,
+    cmd = [*LOCALSPEC, "bench", *_models(args),
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
            "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--sweep", args.sweep, "--json", str(report), *(["--preset", args.preset] if args.preset else []),
@@ -87,6 +101,98 @@ def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, fol
     }
 
 
+LOCALSPEC = [sys.executable, "-c", "from localspec.cli.app import main; main()"]
+
+
+def _models(args: argparse.Namespace) -> list[str]:
+    return (["--target", str(args.target), *(["--draft", str(args.draft)] if args.draft else [])] if args.target
+            else ["--pair", args.pair])
+
+
+@contextmanager
+def served(args: argparse.Namespace, drafter: str, flags: list[str], parallel: int, log: Path) -> Iterator[str]:
+    """One `localspec serve` on a free port, ready (/health 200), stopped with Ctrl-C afterwards: its /v1 URL."""
+    cmd = [*LOCALSPEC, "serve", *_models(args), "--drafter", drafter, "--parallel", str(parallel), "--port", "0",
+           "--threads", str(args.threads), *(["--preset", args.preset] if args.preset else []), *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = clock.monotonic() + 600
+        url = ""
+        while not (url and _ready(url)):
+            if proc.poll() is not None or clock.monotonic() > deadline:
+                raise SystemExit(f"{' '.join(cmd)}: not ready (exit {proc.poll()}): {log.read_text()[-400:]}")
+            if not url:  # the port it chose, once its banner names it
+                found = re.search(r"http://127\.0\.0\.1:\d+/v1", log.read_text())
+                url = found.group(0) if found else ""
+            clock.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):  # 503 while loading; refused before it listens
+        return False
+
+
+def served_cells(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path,
+                 time: int = 1) -> list[dict[str, object]]:
+    """The cells of several clients: per configuration a server, bench/concurrency.py at every level of
+    --clients above 1, the configurations interleaved --repeat times; one row per level from the runs' JSONs."""
+    levels = [c for c in args.clients if c > 1]
+    prompts = folder / f"{name}.jsonl"
+    prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
+    configs = [("plain", ["--draft", "0"]), ("default", []),
+               *((f"k{k}", ["--draft", str(k), "--always-draft"]) for k in args.sweep_lengths)]
+    tag = f"{drafter}-{name}-{max_tokens}-served{'' if time == 1 else f'-{time}'}"
+    runs: dict[str, list[dict]] = {config: [] for config, _ in configs}
+    for repeat in range(1, args.repeat + 1):
+        for config, flags in configs:
+            report = args.reports / f"{tag}-{config}-{repeat}.json"
+            if not (args.reuse and report.is_file()):
+                with served(args, drafter, flags, max(levels), folder / "serve.log") as url:
+                    cmd = [sys.executable, str(HERE / "concurrency.py"), "--url", url, "--clients",
+                           ",".join(map(str, levels)), "--requests-per-client", "1", "--max-tokens",
+                           str(max_tokens), "--temperature", str(args.temperature), "--prompts", str(prompts),
+                           "--warmup", str(min(args.warmup, 1)), "--json", str(report),
+                           "--label", f"localspec {drafter} {config}"]
+                    done = subprocess.run(cmd, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-400:]}")
+            runs[config].append(json.loads(report.read_text()))
+    def median_tps(config: str, level: int) -> float:
+        return statistics.median(next(lv for lv in run["levels"] if lv["clients"] == level)["aggregate_tps"]
+                                 for run in runs[config])
+
+    rows = []
+    for level in levels:
+        plain, default = median_tps("plain", level), median_tps("default", level)
+        best_k, best = max(((k, median_tps(f"k{k}", level)) for k in args.sweep_lengths), key=lambda kb: kb[1])
+        timings = [r["timings"] for run in runs["default"] for lv in run["levels"] if lv["clients"] == level
+                   for r in lv["results"]]
+        rounds = sum(t["rounds"] for t in timings)
+        last_aside = runs["default"][-1]["health_after"]["drafting"]["aside"]
+        rows.append({
+            "drafter": drafter, "class": name, "max_tokens": max_tokens, "clients": level,
+            "plain_tps": round(plain, 2), "default_tps": round(default, 2),
+            "default_over_plain": round(default / plain, 3), "best_k": best_k, "best_fixed_tps": round(best, 2),
+            "default_over_best_fixed": round(default / best, 3),
+            "stood_aside": round(sum(t["draft_stood_aside"] for t in timings) / rounds, 3) if rounds else 0.0,
+            "aside": last_aside or "",
+            "report": str(args.reports.relative_to(args.out.parent) / f"{tag}-*.json"),
+        })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="demo")
@@ -104,11 +210,24 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clients", default="1",
+                        help="concurrency levels, e.g. 1,4,16: 1 is the bench's cell; more are served cells")
+    parser.add_argument("--temperature", type=float,
+                        help="the served cells' request temperature (default: the preset's)")
     parser.add_argument("--reuse", action="store_true",
                         help="read the cells' JSON reports already beside --out instead of measuring them again")
     args = parser.parse_args()
     if args.draft and not args.target:
         raise SystemExit("--draft needs --target")
+    try:
+        args.clients = sorted({int(c) for c in args.clients.split(",")})
+        args.sweep_lengths = [int(k) for k in args.sweep.split(",")]
+    except ValueError:
+        raise SystemExit(f"--clients {args.clients!r} / --sweep {args.sweep!r}: comma-separated integers") from None
+    if args.clients[0] < 1:
+        raise SystemExit(f"--clients: {args.clients[0]} (at least 1)")
+    if args.temperature is None:
+        args.temperature = load_preset(args.preset or "default").sampling.temperature
     args.out = args.out.resolve()
     args.reports = args.out.with_suffix("")
     args.reports.mkdir(parents=True, exist_ok=True)
@@ -123,7 +242,9 @@ def main() -> None:
              f"# date: {datetime.date.today().isoformat()}",
              "# machine: MACHINE",
              f"# what: the default policy vs plain decoding and the best fixed draft length (--sweep {args.sweep}), "
-             f"medians of {args.repeat} interleaved runs per row, one prompt per class, raw completion"
+             f"medians of {args.repeat} interleaved runs per row, one prompt per class; 1 client: raw completion "
+             f"through `localspec bench`; several: aggregate tok/s of `localspec serve` driven by bench/concurrency.py"
+             f" (chat messages, T = {args.temperature}, one request per client)"
              + (" (--reuse: the reports the same command without --reuse measured)" if args.reuse else "")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,11 +253,16 @@ def main() -> None:
             named[drafter] = named.get(drafter, 0) + 1
             for name in classes:
                 for length in (int(x) for x in args.lengths.split(",")):
-                    row = cell(args, drafter, name, length, Path(tmp), named[drafter])
-                    print(" ".join(f"{k}={row[k]}" for k in COLUMNS[:11]), flush=True)
-                    rows.append(row)
+                    cells = [cell(args, drafter, name, length, Path(tmp), named[drafter])] if 1 in args.clients \
+                        else []
+                    if args.clients[-1] > 1:
+                        cells += served_cells(args, drafter, name, length, Path(tmp), named[drafter])
+                    for row in cells:
+                        print(" ".join(f"{k}={row[k]}" for k in COLUMNS[:11]), flush=True)
+                    rows.extend(cells)
     # The machine as the reports saw it: a GPU's name where the bench ran on one (this process never loads a model).
-    first = json.loads((args.out.parent / rows[0]["report"]).read_text())
+    benched = [row for row in rows if row["clients"] == 1]  # a served run's JSON does not name the GPU
+    first = json.loads((args.out.parent / benched[0]["report"]).read_text()) if benched else {}
     gpus = ", ".join(g["name"] for g in first.get("environment", {}).get("gpus") or [])
     lines[lines.index("# machine: MACHINE")] = (
         f"# machine: {gpus + ', ' if gpus else ''}{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
@@ -148,9 +274,10 @@ def main() -> None:
     worst_plain = min(rows, key=lambda r: r["default_over_plain"])
     worst_fixed = min(rows, key=lambda r: r["default_over_best_fixed"])
     print(f"worst default cell vs plain: {worst_plain['default_over_plain']}x ({worst_plain['drafter']}, "
-          f"{worst_plain['class']}, {worst_plain['max_tokens']} tokens)")
+          f"{worst_plain['class']}, {worst_plain['max_tokens']} tokens, {worst_plain['clients']} client(s))")
     print(f"worst default cell vs the best fixed length: {worst_fixed['default_over_best_fixed']}x "
-          f"({worst_fixed['drafter']}, {worst_fixed['class']}, {worst_fixed['max_tokens']} tokens)")
+          f"({worst_fixed['drafter']}, {worst_fixed['class']}, {worst_fixed['max_tokens']} tokens, "
+          f"{worst_fixed['clients']} client(s))")
 
 
 if __name__ == "__main__":

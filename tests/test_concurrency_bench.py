@@ -69,7 +69,20 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--prompts", str(empty)]) == 1
-    assert capsys.readouterr().err.strip() == f"concurrency.py: error: --prompts {empty}: no prompts (one per line)"
+    assert capsys.readouterr().err.strip() == f"concurrency.py: error: --prompts {empty}: no prompts (one per " \
+                                              "line, or JSONL with 'prompt' or 'messages')"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--prompts", str(broken)]) == 1
+    assert capsys.readouterr().err.strip() == f"concurrency.py: error: --prompts {broken}:2: 'prompt' must be a " \
+                                              "non-empty string"
+    talk = tmp_path / "talk.jsonl"
+    talk.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    png = tmp_path / "p.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert concurrency.main(["--url", "http://127.0.0.1:1/v1", "--prompts", str(talk), "--image", str(png)]) == 1
+    assert capsys.readouterr().err.strip() == f"concurrency.py: error: --image with --prompts {talk}: a picture " \
+                                              "goes before one prompt's text, not into a conversation ('messages')"
     for flag, value, minimum in (("--requests-per-client", "0", 1), ("--warmup", "-1", 0)):
         with pytest.raises(SystemExit) as exit_info:
             concurrency.main([flag, value])

@@ -68,3 +68,40 @@ def test_a_draft_without_a_target_is_a_one_line_error(tmp_path) -> None:
     run = subprocess.run([sys.executable, str(GRID), "--draft", "d.gguf", "--out", str(tmp_path / "g.csv")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and run.stderr.strip() == "--draft needs --target"
+
+
+@pytest.mark.slow
+def test_served_cells_are_read_from_each_configurations_runs(use_demo_home, tmp_path) -> None:
+    """--clients above 1: per configuration a real `localspec serve` driven by bench/concurrency.py; the row's
+    figures are the medians of those runs' aggregate tok/s, plain's server never drafted and the fixed length's
+    always did (its flags reached the server), and the stand-aside share is read from the default's timings."""
+    out = tmp_path / "grid.csv"
+    run = subprocess.run([sys.executable, str(GRID), "--pair", "demo", "--out", str(out), "--drafters", "model",
+                          "--classes", "qa", "--lengths", "8", "--sweep", "2", "--repeat", "2", "--warmup", "0",
+                          "--threads", "1", "--clients", "2", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    lines = out.read_text().splitlines()
+    (row,) = csv.DictReader(line for line in lines if not line.startswith("#"))
+    assert (row["drafter"], row["class"], row["max_tokens"], row["clients"], row["best_k"]) == \
+        ("model", "qa", "8", "2", "2")
+    assert row["report"] == "grid/model-qa-8-served-*.json"
+
+    def runs(config: str) -> list[dict]:
+        return [json.loads((tmp_path / "grid" / f"model-qa-8-served-{config}-{r}.json").read_text()) for r in (1, 2)]
+
+    def median(config: str) -> float:
+        (a,), (b,) = ([lv["aggregate_tps"] for lv in run["levels"]] for run in runs(config))
+        return round((a + b) / 2, 2)
+
+    assert float(row["plain_tps"]) == median("plain") and float(row["default_tps"]) == median("default")
+    assert float(row["best_fixed_tps"]) == median("k2")
+    timings = {config: [r["timings"] for run in runs(config) for lv in run["levels"] for r in lv["results"]]
+               for config in ("plain", "default", "k2")}
+    assert all(len(t) == 4 for t in timings.values())  # two runs of two clients, one request each
+    assert all(t["draft_n"] == 0 for t in timings["plain"])
+    assert all(0 < t["draft_n"] <= 2 * t["rounds"] and t["draft_stood_aside"] == 0 for t in timings["k2"])
+    share = sum(t["draft_stood_aside"] for t in timings["default"]) / sum(t["rounds"] for t in timings["default"])
+    assert float(row["stood_aside"]) == round(share, 3)
+    assert all(run["settings"]["temperature"] == 0 and run["settings"]["clients"] == [2] for run in runs("default"))
+    assert "several: aggregate tok/s of `localspec serve`" in next(line for line in lines if line.startswith("# what"))

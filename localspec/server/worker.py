@@ -104,8 +104,10 @@ def timings(s: GenerationStats) -> dict[str, float | int]:
         "draft_n_accepted": s.accepted,
         "acceptance_rate": round(s.acceptance_rate, 4),
         "mean_accepted": round(s.mean_accepted, 4),
-        # rounds that drafted nothing because drafting was priced below plain decoding (`[draft] stand_aside`)
+        # rounds that drafted nothing because drafting was priced below plain decoding (`[draft] stand_aside`), of
+        # the request's `rounds` (verify steps; plain decoding's: one per token)
         "draft_stood_aside": s.stood_aside,
+        "rounds": s.rounds,
     }
 
 
