@@ -172,6 +172,27 @@ def test_where_drafting_cannot_pay_whole_generations_decode_plainly_and_every_si
     assert modes == ["DeviceDist"] * (DraftCost.PLAIN_GENERATIONS - 1) + ["str"], modes
 
 
+def test_a_new_slot_inherits_the_verdict_and_its_first_generation_decodes_plainly() -> None:
+    """That a draft step costs about a one-token verify is a fact of the models and the machine: once one slot has
+    found drafting hopeless, another slot's first generation decodes plainly (no draft model reads its prompt, no
+    probe, tokens drawn on the device) instead of judging again, which cost a served CPU pair 16% at 4 clients."""
+    target = Timed(0.004, 0.0012, seed=3, device_top_k=64, n_seq=2)
+    draft = Timed(0.008, 0.0, seed=3, noise=1.0, n_seq=2)
+    engine = Engine(target, draft)
+    hot = dataclasses.replace(HOT, top_k=8)
+    first = collect(engine.generate([1, 2, 3, 4], hot, drafting(), 24, slot=0))
+    assert first.done.aside is not None and "draft step costs" in first.done.aside and first.stats.drafted > 0
+    draft_decodes: list[int] = []
+    decode_many = draft.decode_many
+    draft.decode_many = lambda items: draft_decodes.append(len(items)) or decode_many(items)  # type: ignore
+    other = collect(engine.generate([4, 3, 2, 1], hot, drafting(), 12, slot=1))
+    assert other.stats.drafted == 0 and other.stats.stood_aside == other.stats.rounds > 0
+    assert other.done.aside == first.done.aside and not draft_decodes  # not even the prompt
+    # another drafting setting is another verdict: judged afresh
+    judged = collect(engine.generate([4, 3, 2, 1], hot, drafting(4), 12, slot=1))
+    assert judged.stats.drafted > 0 or draft_decodes
+
+
 def test_a_cheap_right_draft_keeps_drafting_through_the_loop() -> None:
     target, draft = timed_pair(draft_step=0.0002, noise=0.0)  # the draft is the target: every draft kept
     gen = collect(Engine(target, draft).generate([1, 2, 3, 4], GREEDY.sampling, drafting(), 60))

@@ -297,10 +297,10 @@ class Engine:
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: Slot,
                       drafter: Drafter | None) -> DraftLength:
-        """The generation's draft-length policy, its cost model kept in the slot (`policies.kept_length`), with the
-        drafter's cost rules attached."""
+        """The generation's draft-length policy and cost model, kept in the slot (`policies.kept_length`)."""
         return kept_length(slot.policies, drafting, sampling.greedy, self.constant_width,
-                           lambda cost: drafter.pricing(cost, drafting) if drafter is not None else None)
+                           lambda cost: drafter.pricing(cost, drafting) if drafter is not None else None,
+                           (other.policies for other in self.slots if other is not slot))
 
     # -- the loop's steps -----------------------------------------------------------------------------------
 
