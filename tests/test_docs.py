@@ -398,6 +398,8 @@ def check_tables(text: str) -> list[str]:
 def test_every_performance_table_figure_is_its_raw_row_and_column() -> None:
     text = PERFORMANCE.read_text()
     assert not check_tables(text), "\n".join(check_tables(text))
+    pictures = (ROOT / "docs" / "images.md").read_text()  # (its table of a projector's memory)
+    assert "<!-- raw columns:" in pictures and not check_tables(pictures), "\n".join(check_tables(pictures))
     assert text.count("<!-- raw columns:") >= 13  # (the hybrid's rollback-cost table moved to docs/lab/ on 2026-12-06)
 
 

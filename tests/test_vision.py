@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import os
 import random
 import re
 import struct
@@ -157,7 +158,8 @@ def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Pictu
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = 1024, 512, 512, 1, 1
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     mp = mtmd.mtmd_context_params_default()
-    mp.use_gpu, mp.n_threads, mp.warmup, mp.print_timings = False, 1, False, False
+    # warmed up, as llama-server (and localspec) load it: flash attention in the tower where the backend runs it
+    mp.use_gpu, mp.n_threads, mp.warmup, mp.print_timings = False, 1, True, False
     mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, mp)
     chunks = mtmd.mtmd_input_chunks_init()
     bitmaps = [mtmd.mtmd_bitmap_init(p.width, p.height, (ctypes.c_uint8 * len(p.rgb)).from_buffer_copy(p.rgb))
@@ -453,15 +455,37 @@ def test_the_memory_plan_counts_the_projector_with_the_target(tiny_pair_high, pr
     header = read_header(projector)
     weights, compute = memory.projector_memory(header)
     assert weights == header.tensor_bytes > 0
-    assert compute == 4 * (64 * 64 * 2 + 4 * 64 * 64)  # 8 x 8 patches, 2 heads, n_ff 64
+    # 8 x 8 patches, 2 heads of 16 (no CUDA flash attention at that width: the scores counted), n_ff 64
+    assert compute == 4 * (64 * 64 * 2 + 4 * 64 * 64)
     devices = memory.Devices(ram_available=64 * 2**30)
     plain = memory.estimate(t, d, memory.settings_from_preset(GREEDY), devices)
     with_it = memory.estimate(t, d, memory.settings_from_preset(GREEDY, projector=header), devices)
     assert with_it.models[0].total - plain.models[0].total == weights + compute
     assert with_it.models[1] == plain.models[1]  # (the draft reads no pictures)
-    # Gemma 3's projector (SigLIP at 896 px, patches of 14, 16 heads): ~1.3 GiB of compute for a picture
+    # Gemma 3's projector (SigLIP at 896 px, patches of 14, 16 heads of 72: flash attention runs): the activations
     siglip = read_header(header_only_projector(tmp_path / "siglip.gguf", 896, 14, 16, 4304))
-    assert memory.projector_memory(siglip)[1] == 4 * (4096 * 4096 * 16 + 4 * 4096 * 4304)
+    assert memory.projector_flash_attention(siglip)
+    assert memory.projector_memory(siglip)[1] == 4 * 4 * 4096 * 4304
+    # ... and with heads of 48 (1152 / 24), which CUDA's flash attention does not run: every score too, ~1.6 GiB
+    odd = read_header(header_only_projector(tmp_path / "odd.gguf", 896, 14, 24, 4304))
+    assert not memory.projector_flash_attention(odd)
+    assert memory.projector_memory(odd)[1] == 4 * (4096 * 4096 * 24 + 4 * 4096 * 4304)
+
+
+def test_the_projector_loads_warmed_up_with_flash_attention(tiny_pair_high, projector) -> None:
+    """libmtmd reserves the tower's compute buffer at load and turns flash attention on, as llama-server loads a
+    projector (warm-up off, it never tries flash attention: a Qwen-VL picture then holds every patch's scores,
+    ~17 GiB at 4096 tokens). Read from clip.cpp's own log, in a process of its own."""
+    code = ("from localspec.sessions.session import ModelFiles, open_session; from localspec.config import "
+            "load_preset; import sys\n"
+            f"with open_session(ModelFiles(target={str(tiny_pair_high[0])!r}, draft={str(tiny_pair_high[1])!r}, "
+            "name='t', "
+            f"mmproj={str(projector)!r}), load_preset('greedy')) as s: pass")
+    env = {**os.environ, "LOCALSPEC_DEBUG": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warmup: flash attention is enabled" in done.stderr
+    assert re.search(r"compute buffer size = +[\d.]+ MiB", done.stderr)
 
 
 def test_doctor_counts_the_projector_and_says_what_fits_a_24_gb_card(tiny_pair_high, projector, tmp_path):

@@ -164,9 +164,10 @@ def test_a_qwen_vl_picture_is_priced_and_capped_at_its_token_limit(hybrid_pair, 
     from tests.test_vision import header_only_projector
 
     qwen3vl = read_header(header_only_projector(tmp_path / "q.gguf", 768, 16, 16, 4304, kind="qwen3vl_merger"))
-    patches = 4096 * 4
-    assert memory.projector_memory(qwen3vl)[1] == 4 * (patches * patches * 16 + 4 * patches * 4304)
-    assert memory.projector_memory(qwen3vl, 1024)[1] == 4 * (4096 * 4096 * 16 + 4 * 4096 * 4304)
+    assert memory.projector_patches(qwen3vl) == 4096 * 4 and memory.projector_patches(qwen3vl, 1024) == 4096
+    # heads of 72 (1152 / 16): flash attention runs, the activations remain (no patch-by-patch scores)
+    assert memory.projector_memory(qwen3vl)[1] == 4 * 4 * 4096 * 4 * 4304
+    assert memory.projector_memory(qwen3vl, 1024)[1] == 4 * 4 * 4096 * 4304
     capped = GREEDY.with_overrides(max_image_tokens=16)
     assert memory.settings_from_preset(capped, projector=qwen3vl).projector == memory.projector_memory(qwen3vl, 16)
     big = picture(3, 96, 64)  # 12 x 8 merged patches of 8 px: 96 tokens

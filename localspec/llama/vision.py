@@ -275,7 +275,11 @@ class Projector:
         params.use_gpu = target.on_gpu
         params.n_threads = n_threads
         params.print_timings = False
-        params.warmup = False
+        # Warm-up on, as llama-server loads it: libmtmd reserves the vision tower's compute buffer now (a projector
+        # that cannot fit fails at load, not at a client's first picture) and turns flash attention on where the
+        # backend runs it for the tower; off, it never tries flash attention, and a Qwen-VL picture of 4096 tokens
+        # keeps 16 GiB of attention scores (docs/images.md).
+        params.warmup = True
         if max_tokens > 0:  # ([images] max_image_tokens; 0: the projector's own limit)
             params.image_max_tokens = max_tokens
         self.ctx = m.mtmd_init_from_file(str(self.path).encode(), target.model, params)

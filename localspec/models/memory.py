@@ -295,24 +295,56 @@ def _place(models: Sequence[ModelMemory], plan: Plan, devices: Devices) -> tuple
 # 4096 unless [images] max_image_tokens sets another (tools/mtmd/clip.cpp: set_limit_image_tokens(8, 4096)).
 DYNAMIC_PROJECTORS = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"})
 DYNAMIC_MAX_TOKENS = 4096
+# The head widths ggml's CUDA flash attention runs (ggml-cuda/fattn.cu; the CPU's runs every width). libmtmd's warm-up
+# (on: llama.vision) turns flash attention on for the vision tower where its backend runs it; then the tower keeps
+# no patch-by-patch scores.
+FLASH_HEAD_DIMS = frozenset({40, 64, 72, 80, 96, 112, 128, 256})
+
+
+def projector_patches(header: GGUFHeader, max_tokens: int = 0) -> int:
+    """The patches of a projector's largest picture: `image_size` square, or for a dynamic-resolution projector
+    (Qwen-VL's) `max_tokens` merged patches ([images] max_image_tokens; 0: libmtmd's limit)."""
+    meta = header.metadata
+    size, patch = int(meta.get("clip.vision.image_size", 0) or 0), int(meta.get("clip.vision.patch_size", 1) or 1)
+    if meta.get("clip.projector_type") in DYNAMIC_PROJECTORS:
+        merge = int(meta.get("clip.vision.spatial_merge_size", 2) or 2)
+        return (max_tokens or DYNAMIC_MAX_TOKENS) * merge * merge
+    return (size // max(1, patch)) ** 2
+
+
+def _heads_and_width(header: GGUFHeader) -> tuple[int, int, int]:
+    meta = header.metadata
+    heads = int(meta.get("clip.vision.attention.head_count", 1) or 1)
+    n_embd = int(meta.get("clip.vision.embedding_length", 0) or 0)
+    return heads, n_embd, max(int(meta.get("clip.vision.feed_forward_length", 0) or 0), n_embd)
+
+
+def projector_attention_bytes(header: GGUFHeader, patches: int) -> int:
+    """Without flash attention: every patch's scores over every other, in each head (F32)."""
+    return 4 * patches * patches * _heads_and_width(header)[0]
+
+
+def projector_activation_bytes(header: GGUFHeader, patches: int) -> int:
+    """The activations through the tower's widest layer, as clip.cpp's graph allocator keeps them (F32)."""
+    return 4 * 4 * patches * _heads_and_width(header)[2]
+
+
+def projector_flash_attention(header: GGUFHeader) -> bool:
+    """Whether libmtmd's warm-up will find flash attention for this tower (its head width runs on CUDA too)."""
+    heads, n_embd, _ = _heads_and_width(header)
+    return n_embd % heads == 0 and n_embd // heads in FLASH_HEAD_DIMS
 
 
 def projector_memory(header: GGUFHeader, max_tokens: int = 0) -> tuple[int, int]:
-    """A projector's (weights, compute) bytes: its tensors, and libmtmd's buffer for its largest picture: every
-    patch's attention scores over every other in each head (F32; flash attention needs less, where clip uses it)
-    and its activations through the widest layer, the way clip.cpp sizes the graph it reserves (an upper bound,
-    not a measurement). The largest picture: `image_size` square, or for a dynamic-resolution projector (Qwen-VL's)
-    `max_tokens` merged patches ([images] max_image_tokens; 0: libmtmd's limit)."""
-    meta = header.metadata
-    size, patch = int(meta.get("clip.vision.image_size", 0) or 0), int(meta.get("clip.vision.patch_size", 1) or 1)
-    patches = (size // max(1, patch)) ** 2
-    if meta.get("clip.projector_type") in DYNAMIC_PROJECTORS:
-        merge = int(meta.get("clip.vision.spatial_merge_size", 2) or 2)
-        patches = (max_tokens or DYNAMIC_MAX_TOKENS) * merge * merge
-    heads = int(meta.get("clip.vision.attention.head_count", 1) or 1)
-    width = max(int(meta.get("clip.vision.feed_forward_length", 0) or 0),
-                int(meta.get("clip.vision.embedding_length", 0) or 0))
-    return header.tensor_bytes, 4 * (patches * patches * heads + 4 * patches * width)
+    """A projector's (weights, compute) bytes: its tensors, and libmtmd's buffer for its largest picture
+    (`projector_patches`): the activations, plus every patch's attention scores where flash attention does not run
+    for the tower's head width. An upper bound, checked against clip.cpp's own figures by
+    bench/projector_memory.py."""
+    patches = projector_patches(header, max_tokens)
+    compute = projector_activation_bytes(header, patches)
+    if not projector_flash_attention(header):
+        compute += projector_attention_bytes(header, patches)
+    return header.tensor_bytes, compute
 
 
 def _models(target: GGUFHeader, draft: GGUFHeader | None, s: Settings) -> tuple[ModelMemory, ...]:
