@@ -168,6 +168,8 @@ def served_cells(args: argparse.Namespace, drafter: str, name: str, max_tokens: 
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode != 0:
                         raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-400:]}")
+                    # (its argv names the report by this checkout's path: kept relative to the repository root)
+                    report.write_text(report.read_text().replace(f"{HERE.parent}/", ""))
             runs[config].append(json.loads(report.read_text()))
     def median_tps(config: str, level: int) -> float:
         return statistics.median(next(lv for lv in run["levels"] if lv["clients"] == level)["aggregate_tps"]
@@ -237,8 +239,8 @@ def main() -> None:
         raise SystemExit(f"--classes: unknown {', '.join(unknown)} (known: {', '.join(CLASSES)})")
     lines = [f"# written-by: bench/grid.py {' '.join(sys.argv[1:])}",
              f"# command: python bench/grid.py {' '.join(sys.argv[1:])}",
-             "# source: each row read by bench/grid.py from its cell's `localspec bench --sweep --json` report (the "
-             "folder beside this file)",
+             "# source: each row read by bench/grid.py from its cell's `localspec bench --sweep --json` report (1 "
+             "client) or its configurations' bench/concurrency.py JSONs (several), in the folder beside this file",
              f"# date: {datetime.date.today().isoformat()}",
              "# machine: MACHINE",
              f"# what: the default policy vs plain decoding and the best fixed draft length (--sweep {args.sweep}), "

@@ -175,7 +175,7 @@ def test_where_drafting_cannot_pay_whole_generations_decode_plainly_and_every_si
 def test_a_new_slot_inherits_the_verdict_and_its_first_generation_decodes_plainly() -> None:
     """That a draft step costs about a one-token verify is a fact of the models and the machine: once one slot has
     found drafting hopeless, another slot's first generation decodes plainly (no draft model reads its prompt, no
-    probe, tokens drawn on the device) instead of judging again, which cost a served CPU pair 16% at 4 clients."""
+    probe, tokens drawn on the device) instead of judging again, which cost a served CPU pair 23% at 4 clients."""
     target = Timed(0.004, 0.0012, seed=3, device_top_k=64, n_seq=2)
     draft = Timed(0.008, 0.0, seed=3, noise=1.0, n_seq=2)
     engine = Engine(target, draft)

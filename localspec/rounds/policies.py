@@ -200,7 +200,7 @@ class DraftCost:
         """A new slot's cost model starts from another slot's verdict that drafting is hopeless (a draft step about a
         one-token verify is a fact of the models and the machine, not of a conversation): its first generation then
         decodes plainly instead of judging again, which would pay the draft's read of the prompt, its probes and
-        host-sampled rounds (0.84x plain at 4 clients on the CPU demo pair, every slot judging once). Its own
+        host-sampled rounds (0.77x plain at 4 clients on the CPU demo pair, every slot judging once). Its own
         judged generations (every PLAIN_GENERATIONS-th) measure as before."""
         for other in others:
             if other.hopeless or other.model_hopeless:
