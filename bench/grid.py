@@ -31,21 +31,19 @@ import datetime
 import json
 import os
 import platform
-import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time as clock
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from agent_replay import BenchError, start_server, stop_server  # noqa: E402  (bench/: the server's start and stop)
 
 from localspec import paths  # noqa: E402
 from localspec.config import load_preset  # noqa: E402
@@ -111,37 +109,17 @@ def _models(args: argparse.Namespace) -> list[str]:
 
 @contextmanager
 def served(args: argparse.Namespace, drafter: str, flags: list[str], parallel: int, log: Path) -> Iterator[str]:
-    """One `localspec serve` on a free port, ready (/health 200), stopped with Ctrl-C afterwards: its /v1 URL."""
-    cmd = [*LOCALSPEC, "serve", *_models(args), "--drafter", drafter, "--parallel", str(parallel), "--port", "0",
-           "--threads", str(args.threads), *(["--preset", args.preset] if args.preset else []), *flags]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    """One `localspec serve` (agent_replay's, as that benchmark starts and stops it) while the block runs: its URL."""
+    serve_args = [*_models(args), "--drafter", drafter, "--parallel", str(parallel), "--threads", str(args.threads),
+                  *(["--preset", args.preset] if args.preset else []), *flags]
     try:
-        deadline = clock.monotonic() + 600
-        url = ""
-        while not (url and _ready(url)):
-            if proc.poll() is not None or clock.monotonic() > deadline:
-                raise SystemExit(f"{' '.join(cmd)}: not ready (exit {proc.poll()}): {log.read_text()[-400:]}")
-            if not url:  # the port it chose, once its banner names it
-                found = re.search(r"http://127\.0\.0\.1:\d+/v1", log.read_text())
-                url = found.group(0) if found else ""
-            clock.sleep(0.2)
+        proc, url = start_server(serve_args, log)
+    except BenchError as exc:
+        raise SystemExit(f"localspec serve {' '.join(serve_args)}: {exc}") from None
+    try:
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, OSError):  # 503 while loading; refused before it listens
-        return False
+        stop_server(proc)
 
 
 def served_cells(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path,
