@@ -61,12 +61,18 @@ COLUMNS = ("drafter", "class", "max_tokens", "clients", "plain_tps", "default_tp
            "best_fixed_tps", "default_over_best_fixed", "stood_aside", "aside", "report")
 
 
+def class_prompt(folder: Path, name: str) -> Path:
+    """The class's prompt as a one-line prompts file (JSONL: the prompt may hold newlines) that both benchmarks read."""
+    path = folder / f"{name}.jsonl"
+    path.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
+    return path
+
+
 def cell(args: argparse.Namespace, drafter: str, name: str, max_tokens: int, folder: Path,
          time: int = 1) -> dict[str, object]:
     """One cell: a sweep of the fixed lengths with the default's row, read back from its JSON report; `time`: the
     how-manyth run of the same cell (a drafter named again in --drafters), whose report gets a name of its own."""
-    prompts = folder / f"{name}.jsonl"
-    prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
+    prompts = class_prompt(folder, name)
     report = args.reports / f"{drafter}-{name}-{max_tokens}{'' if time == 1 else f'-{time}'}.json"
     cmd = [*LOCALSPEC, "bench", *_models(args),
            "--drafter", drafter, "--prompts", str(prompts), "--raw", "--max-tokens", str(max_tokens),
@@ -127,8 +133,7 @@ def served_cells(args: argparse.Namespace, drafter: str, name: str, max_tokens: 
     """The cells of several clients: per configuration a server, bench/concurrency.py at every level of
     --clients above 1, the configurations interleaved --repeat times; one row per level from the runs' JSONs."""
     levels = [c for c in args.clients if c > 1]
-    prompts = folder / f"{name}.jsonl"
-    prompts.write_text(json.dumps({"prompt": CLASSES[name]}) + "\n", encoding="utf-8")
+    prompts = class_prompt(folder, name)
     configs = [("plain", ["--draft", "0"]), ("default", []),
                *((f"k{k}", ["--draft", str(k), "--always-draft"]) for k in args.sweep_lengths)]
     tag = f"{drafter}-{name}-{max_tokens}-served{'' if time == 1 else f'-{time}'}"
@@ -149,6 +154,7 @@ def served_cells(args: argparse.Namespace, drafter: str, name: str, max_tokens: 
                     # (its argv names the report by this checkout's path: kept relative to the repository root)
                     report.write_text(report.read_text().replace(f"{HERE.parent}/", ""))
             runs[config].append(json.loads(report.read_text()))
+
     def median_tps(config: str, level: int) -> float:
         return statistics.median(next(lv for lv in run["levels"] if lv["clients"] == level)["aggregate_tps"]
                                  for run in runs[config])

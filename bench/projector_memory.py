@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from synthetic import TINY, ProjectorSpec, gemma3_projector, write_pair, write_projector  # noqa: E402
+from synthetic import TINY, gemma3_projector, qwen_vl_projector, write_pair, write_projector  # noqa: E402
 
 from localspec.models import memory  # noqa: E402
 from localspec.models.gguf_header import read_header  # noqa: E402
@@ -68,14 +68,6 @@ params.print_timings = False
 ctx = m.mtmd_init_from_file(projector.encode(), model, params)
 sys.exit(0 if ctx else 3)
 """
-
-
-def qwen_vl_projector(n_embd_text: int) -> ProjectorSpec:
-    """Qwen3.5/3.6's vision tower at its real dimensions (27 blocks of width 1152, 16 heads of 72, FFN 4304, patches
-    of 16 merged 2 x 2), as a Qwen2-VL merger (the graph this repository writes: the same attention and widths; no
-    deepstack taps), F16."""
-    return ProjectorSpec(n_embd_text=n_embd_text, kind="qwen2vl_merger", image_size=768, patch_size=16,
-                         scale_factor=2, n_embd=1152, n_head=16, n_ff=4304, n_layer=27, f16=True)
 
 
 def measure(text_model: Path, projector: Path, flash: int, gpu: bool) -> tuple[float, bool, str]:

@@ -1489,6 +1489,14 @@ def gemma3_projector(n_embd_text: int) -> ProjectorSpec:
                          n_head=16, n_ff=4304, n_layer=27, f16=True)
 
 
+def qwen_vl_projector(n_embd_text: int) -> ProjectorSpec:
+    """Qwen3.5/3.6's vision tower at its real dimensions (27 blocks of width 1152, 16 heads of 72, FFN 4304, patches
+    of 16 merged 2 x 2), as a Qwen2-VL merger (the graph this repository writes: the same attention and widths; no
+    deepstack taps), F16."""
+    return ProjectorSpec(n_embd_text=n_embd_text, kind="qwen2vl_merger", image_size=768, patch_size=16,
+                         scale_factor=2, n_embd=1152, n_head=16, n_ff=4304, n_layer=27, f16=True)
+
+
 def write_projector(path: Path, spec: ProjectorSpec, *, int32_keys: Sequence[str] = (),
                     position_f16: bool = False) -> Path:
     """Write `spec`'s projector GGUF (F32, ~0.1 MB). clip.cpp reads its integer hyperparameters as uint32 and

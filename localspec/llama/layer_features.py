@@ -377,7 +377,6 @@ class Eagle3Facts:
 
     layers: tuple[int, int, int]  # the target layers whose inputs its encoder fuses
     draft_vocab: int | None  # its reduced vocabulary (d2t), None: the target's
-    own_embeddings: bool  # token_embd of its own (else the target's, through ctx_other)
 
     @property
     def title(self) -> str:
@@ -409,11 +408,9 @@ def check_eagle3_drafter(target: GGUFHeader, draft: GGUFHeader) -> Eagle3Facts:
         raise UsageError(f"{d}: eagle3.target_hidden_size {hidden!r} is not {target.name}'s "
                          f"{target.arch}.embedding_length {t_embd}")
     tensors = {t.name: t for t in draft.tensors}
-    own = "token_embd.weight" in tensors
-    if not own and draft.hparams.n_embd != t_embd:
+    if "token_embd.weight" not in tensors and draft.hparams.n_embd != t_embd:
         raise UsageError(f"{d}: eagle3.embedding_length {draft.hparams.n_embd} is not {target.name}'s "
                          f"{t_embd}, whose token embeddings it reads (it has no token_embd.weight)")
     _same_vocabulary(target, draft)
     d2t = tensors.get("d2t")
-    return Eagle3Facts((int(layers[0]), int(layers[1]), int(layers[2])), None if d2t is None else int(d2t.shape[0]),
-                       own)
+    return Eagle3Facts((int(layers[0]), int(layers[1]), int(layers[2])), None if d2t is None else int(d2t.shape[0]))
