@@ -205,11 +205,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.draft and not args.target:
         raise SystemExit("--draft needs --target")
-    try:
-        args.clients = sorted({int(c) for c in args.clients.split(",")})
-        args.sweep_lengths = [int(k) for k in args.sweep.split(",")]
-    except ValueError:
-        raise SystemExit(f"--clients {args.clients!r} / --sweep {args.sweep!r}: comma-separated integers") from None
+    def integers(flag: str, text: str) -> list[int]:
+        try:
+            return [int(part) for part in text.split(",")]
+        except ValueError:
+            raise SystemExit(f"{flag} {text!r}: comma-separated integers") from None
+
+    args.clients = sorted(set(integers("--clients", args.clients)))
+    args.sweep_lengths = integers("--sweep", args.sweep)
     if args.clients[0] < 1:
         raise SystemExit(f"--clients: {args.clients[0]} (at least 1)")
     if args.temperature is None:

@@ -105,3 +105,14 @@ def test_served_cells_are_read_from_each_configurations_runs(use_demo_home, tmp_
     assert float(row["stood_aside"]) == round(share, 3)
     assert all(run["settings"]["temperature"] == 0 and run["settings"]["clients"] == [2] for run in runs("default"))
     assert "several: aggregate tok/s of `localspec serve`" in next(line for line in lines if line.startswith("# what"))
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--clients", "1,x", "--clients '1,x': comma-separated integers"),
+    ("--sweep", "2,y", "--sweep '2,y': comma-separated integers"),
+    ("--clients", "0,4", "--clients: 0 (at least 1)"),
+])
+def test_bad_clients_or_lengths_are_one_line(tmp_path, flag, value, message) -> None:
+    run = subprocess.run([sys.executable, str(GRID), "--out", str(tmp_path / "g.csv"), flag, value],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr.strip() == message
