@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pytest
 from helpers_fake import FakeModel, draft_policy
 from helpers_stats import chi_square
 
@@ -21,7 +22,7 @@ from localspec.config import Drafting, load_preset
 from localspec.drafters.model import ModelCost
 from localspec.rounds.engine import Engine
 from localspec.rounds.events import DoneEvent, GenerationStats, collect, drafting_note
-from localspec.rounds.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.policies import DraftCost, DraftLength, Observation, kept_length
 from localspec.rounds.scores import Scores
 
 GREEDY = load_preset("greedy")
@@ -193,6 +194,81 @@ def test_a_new_slot_inherits_the_verdict_and_its_first_generation_decodes_plainl
     assert judged.stats.drafted > 0 or draft_decodes
 
 
+def measured_sibling(rounds: int = 40) -> DraftCost:
+    """A slot's cost model after `rounds` rounds of the draft model: steps of 10 ms (the first of each round 15),
+    verifies at widths 3 and 7 (width 3 only in the first rounds), a probe out of sync (a catch-up of 40 tokens),
+    a plain round at width 1 last."""
+    cost = DraftCost(6)
+    ModelCost.of(cost)
+    for i in range(rounds - 1):
+        n = 2 if i < 4 else 6
+        cost.probe_lag = 40 if i == 5 else 0
+        cost.observe(Observation(n, n - 1, 0.015 + 0.010 * (n - 1), 0.040 + 0.008 * (n + 1), n + 1, first_s=0.015,
+                                 least_s=0.010 + 0.0001 * (i % 3)))
+    cost.observe(Observation(0, 0, 0.0, 0.048, 1))
+    return cost
+
+
+def test_a_new_cost_model_takes_over_a_siblings_prices_as_copies_but_not_its_acceptance() -> None:
+    """The draft step and the verify per width are facts of the models and the machine: a new slot's cost model
+    takes them from the slot that measured most; acceptance is the conversation's and starts from the prior. What it
+    took is its own copy, and each figure keeps its age (a width the sibling last verified long ago is stale)."""
+    sibling, idle = measured_sibling(), DraftCost(6)
+    child = DraftCost(6)
+    child.inherit([idle, measured_sibling(8), sibling])  # (the one that measured most)
+    rule = ModelCost.of(child)  # (the drafter's rules attach after, as `kept_length` does)
+    assert child.step_s == sibling.step_s == 0.010 and child.step_rounds == sibling.step_rounds
+    assert child.verify_s == sibling.verify_s and child.verify_s.keys() == {1, 3, 7}
+    widths = np.arange(1, 9)
+    assert np.array_equal(child.verify_costs(widths), sibling.verify_costs(widths))
+    assert list(child.catch_ups) == list(sibling.catch_ups) and child.catch_up_cost(40) == pytest.approx(0.005)
+    assert child.rounds == 0 and not child.hopeless and not child.model_hopeless
+    assert child.tried["model"] == [0.0] * 7 and child.ok["model"] == [0.0] * 7 and child.seen["model"] == 0
+    assert np.allclose(child.survival("model", 6), ModelCost.PRIOR ** np.arange(7))
+    assert rule.speeds(0, 6) is not None  # priced from the first round
+    # Copies: the sibling's later rounds leave the child's figures alone.
+    taken = (child.step_s, dict(child.verify_s), list(child._steps), list(child.catch_ups))
+    for _ in range(3):
+        sibling.probe_lag = 9
+        sibling.observe(Observation(6, 6, 0.5, 0.9, 7, first_s=0.2, least_s=0.001))
+    sibling.observe(Observation(0, 0, 0.0, 0.9, 2))
+    assert sibling.step_s == 0.001 and len(sibling.catch_ups) == 4 and 2 in sibling.verify_s
+    assert (child.step_s, dict(child.verify_s), list(child._steps), list(child.catch_ups)) == taken
+    # Ages kept: width 7 (verified in the sibling's last rounds) is averaged into; width 3, last verified in its
+    # first rounds, is stale and replaced whole by the child's next measure of it.
+    child.observe(Observation(6, 6, 0.06, 0.100, 7, least_s=0.010))
+    child.observe(Observation(2, 2, 0.02, 0.100, 3, least_s=0.010))
+    assert child.verify_s[7] == pytest.approx(0.8 * taken[1][7] + 0.2 * 0.100) and child.verify_s[3] == 0.100
+    # Nothing measured by any other slot: a cost model as fresh as a slot alone's.
+    fresh = DraftCost(6)
+    fresh.inherit([idle, DraftCost(6)])
+    assert fresh.step_s is None and fresh.verify_s == {} and fresh.step_rounds == 0 and not fresh.catch_ups
+
+
+def test_a_new_slot_with_a_siblings_prices_chooses_its_length_from_its_first_round() -> None:
+    """The draft model with standing aside: a slot alone measures first (a probe's two drafts, then a plain round
+    to price plain decoding) and drafts the preset's 6 from its third round; a new slot given its sibling's prices
+    drafts 6 from its first, as the sibling does; without a sibling's prices it measures as before."""
+    from localspec import drafters
+
+    cfg = drafting(6)
+    drafter = drafters.build(FakeModel(), FakeModel())["model"]
+
+    def pricing(cost: DraftCost) -> object:
+        return drafter.pricing(cost, cfg)
+
+    sibling: dict = {}
+    chooser = kept_length(sibling, cfg, True, False, pricing)
+    cheap = {"accepted_of": lambda n: n - (n > 4), "step": 0.002, "verify_base": 0.040, "verify_per_token": 0.004}
+    alone = feed(chooser, chooser.rule(ModelCost), 20, **cheap)  # type: ignore[arg-type]
+    assert alone[:2] == [ModelCost.PROBE, 0] and alone[2:] == [6] * 18
+    child = kept_length({}, cfg, True, False, pricing, siblings=[{}, sibling])
+    assert child.cost is not chooser.cost and child.cost.rounds == 0
+    assert feed(child, child.rule(ModelCost), 10, **cheap) == [6] * 10  # type: ignore[arg-type]
+    unpriced = kept_length({}, cfg, True, False, pricing, siblings=[{}])
+    assert feed(unpriced, unpriced.rule(ModelCost), 3, **cheap)[:2] == [ModelCost.PROBE, 0]  # type: ignore[arg-type]
+
+
 def test_a_cheap_right_draft_keeps_drafting_through_the_loop() -> None:
     target, draft = timed_pair(draft_step=0.0002, noise=0.0)  # the draft is the target: every draft kept
     gen = collect(Engine(target, draft).generate([1, 2, 3, 4], GREEDY.sampling, drafting(), 60))
@@ -301,3 +377,25 @@ def test_a_chain_whose_draft_model_cannot_pay_leaves_it_behind_but_every_sixteen
     behind = [n for n in reads if n == 0]
     assert len(behind) >= DraftCost.PLAIN_GENERATIONS - 2, reads  # (the verdict may come in the first of them)
     assert any(n >= len(prompt) for n in reads), reads  # a judged generation reads the prompt into the draft
+
+
+def test_a_new_slot_of_the_chain_takes_the_priced_draft_model_and_neither_reads_the_prompt_nor_probes() -> None:
+    """A served chain: once one slot has priced its draft model as a loss at any acceptance, another slot's first
+    generation takes the verdict and the prices with it, so its rules judge from the first round: the draft model
+    reads none of the prompt and drafts no probe (which, behind, would first read the prompt: the catch-up that kept
+    the chain below plain decoding at 4 and 16 clients on the CPU demo pair). The output is plain decoding's."""
+    target, draft = Timed(0.004, 0.0012, seed=3, n_seq=2), Counted(0.008, 0.0, seed=3, noise=1.0, n_seq=2)
+    engine = Engine(target, draft)
+    chain = drafting(drafter="chain")
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 6
+    first = collect(engine.generate(prompt, GREEDY.sampling, chain, 48, slot=0))
+    priced = engine.slots[0].policies[(chain, True)].cost
+    assert first.tokens == target.greedy(prompt, 48) and priced.model_hopeless and priced.step_s is not None
+    asked = [3, 5, *prompt]
+    before = draft.decoded
+    other = collect(engine.generate(asked, GREEDY.sampling, chain, 24, slot=1))
+    assert other.tokens == target.greedy(asked, 24)
+    assert draft.decoded == before  # neither the prompt nor a probe
+    cost = engine.slots[1].policies[(chain, True)].cost
+    assert cost is not priced and cost.model_hopeless and cost.step_s == priced.step_s
+    assert cost.seen["model"] == 0  # (its acceptance is its own: nothing of the model's was verified)

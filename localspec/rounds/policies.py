@@ -197,15 +197,47 @@ class DraftCost:
         self.model_generations = 0
 
     def inherit(self, others: Iterable[DraftCost]) -> None:
-        """A new slot's cost model starts from another slot's verdict that drafting is hopeless (a draft step about a
-        one-token verify is a fact of the models and the machine, not of a conversation): its first generation then
-        decodes plainly instead of judging again, which would pay the draft's read of the prompt, its probes and
-        host-sampled rounds (0.77x plain at 4 clients on the CPU demo pair, every slot judging once). Its own
-        judged generations (every PLAIN_GENERATIONS-th) measure as before."""
+        """A new slot's cost model starts from the other slots' facts of the models and the machine, not of a
+        conversation. Their verdict that drafting is hopeless (a draft step about a one-token verify): its first
+        generation then decodes plainly instead of judging again, which would pay the draft's read of the prompt, its
+        probes and host-sampled rounds (0.77x plain at 4 clients on the CPU demo pair, every slot judging once). And
+        the measured prices of the one that measured most (`_take_prices`): the draft step, the catch-ups, the verify
+        per width and a width change, so that its rules decide from the first round (the chain's verdict on its draft
+        model with no probe, prompt lookup with no round measuring a width). Acceptance (per source) stays the
+        conversation's: it starts from the priors. Its own judged generations (every PLAIN_GENERATIONS-th) measure
+        as before; nothing measured by any other slot, it starts as a slot alone does."""
+        others = list(others)
         for other in others:
             if other.hopeless or other.model_hopeless:
                 self.hopeless, self.model_hopeless, self.aside = other.hopeless, other.model_hopeless, other.aside
-                return
+                break
+        measured = [other for other in others if other.verify_s or other.step_s is not None]
+        if measured:
+            self._take_prices(max(measured, key=lambda other: (other.step_rounds, other.rounds)))
+
+    def _take_prices(self, other: DraftCost) -> None:
+        """Copies (no list or deque shared) of `other`'s measured prices, their ages kept.
+
+        The counters: `rounds` starts at 0 here (the stream's own rounds: acceptance's DECAY epochs age with them,
+        and no acceptance is taken). A round mark of `other`'s (`last_step_round`, `verified` per width) is moved by
+        -other.rounds, so that it lies as many rounds before this stream's first round as it lay before `other`'s
+        last (0 or below): a figure `other` measured just now is fresh here (averaged into, not replaced, by this
+        stream's next measurement), one it measured more than DECAY rounds ago is stale here too (replaced whole, as
+        a figure after a pause is), and lookup's stalest width stays the stalest. `step_rounds` is taken as it is:
+        the draft step was measured in that many rounds, warm-up included, so the rules that wait for WARMUP steady
+        steps before judging (`ChainCost.extension`, `ModelCost.stand_aside`) judge from the first round rather than
+        probe to measure it again. With CUDA graphs, `switch_s` (a width change's excess) is taken; this stream's
+        last width (`_width`) stays 0, none verified yet, and its first width with a figure here (taken) is a
+        measured change (`_observe_verify`): its first verify follows its prompt's decode, a change of shape, and
+        its cold calls stay out of the warm figure."""
+        shift = -other.rounds
+        self.step_s, self._steps = other.step_s, deque(other._steps, maxlen=self.STEPS)
+        self.step_rounds, self.last_step_round = other.step_rounds, other.last_step_round + shift
+        self.catch_ups = deque(other.catch_ups, maxlen=self.STEPS)
+        self.verify_s = dict(other.verify_s)
+        self.verified = {width: at + shift for width, at in other.verified.items()}
+        self.switch_s = other.switch_s
+        self._tables = None
 
     def rule(self, kind: type[Rule]) -> Rule:
         """The drafter rule `kind` kept with these facts (made on first use)."""
@@ -299,8 +331,9 @@ class DraftCost:
         their excess over the warm figure is what a change costs (`switch_s`), and they stay out of the figure."""
         if self.graphs:
             if width != self._width:
-                # A width never verified has no warm figure to compare with: its cold calls seed the figure.
-                self._measurable = width in self.verify_s and self.rounds > 1
+                # A width never verified has no warm figure to compare with: its cold calls seed the figure. (A
+                # stream's first verify has one only where it was taken from another slot, `_take_prices`.)
+                self._measurable = width in self.verify_s
                 self._width, self._since_change, self._excess = width, 0, 0.0
             self._since_change += 1
             if self._since_change <= self.COLD_CALLS and self._measurable:
@@ -530,8 +563,8 @@ def kept_length(kept: dict[tuple, DraftLength], drafting: Drafting, greedy: bool
     generations with the same drafting, and so is the cost model of every chooser: what it measured (costs,
     acceptance) stays valid for the next prompt, and probing again every generation would cost rounds. A slot's
     first cost model for these settings inherits the other slots' (`siblings`) verdict that drafting is hopeless
-    (`DraftCost.inherit`). `pricing` attaches the drafter's rules to a cost model and returns its prices
-    (`Drafter.pricing`)."""
+    and their measured prices, the draft step's and the verify's, not their acceptance (`DraftCost.inherit`).
+    `pricing` attaches the drafter's rules to a cost model and returns its prices (`Drafter.pricing`)."""
     key = (drafting, greedy)
     found = kept.pop(key, None)
     if found is None:
