@@ -248,3 +248,35 @@ def test_make_archive_packs_the_newest_source_pinned_by_its_sha256() -> None:
     assert '"--spec-draft-sampling"' in text  # a source without the option is refused
     for line in ("newest-sdist: ", "newest-build: ", "newest-commit: "):
         assert f'echo "{line}' in text
+
+
+def test_no_gpu_script_names_a_variable_run_sh_reads_for_something_else() -> None:
+    """run.sh takes JOBS from the environment as the build's -j: a script that named its job list JOBS built with
+    `-j 'projector hybrid-mtp ...'` and stopped in 7 s on the GPU machine (grid.sh's, now GRID_JOBS)."""
+    for script in gpu_scripts():
+        if script.name != "run.sh":
+            assert not re.search(r"(?<![A-Z_])JOBS=", script.read_text()), f"{script.name} sets JOBS"
+
+
+@pytest.mark.slow
+def test_grid_sh_measures_a_job_once_and_skips_it_when_its_csv_is_there(tmp_path: Path) -> None:
+    """A CPU dry run of grid.sh (this machine's llama_cpp, the tiny hybrid): its one-client MTP cell's CSV is
+    written with the row grid.py read; a second call finds it and measures nothing."""
+    import os
+    import sys
+
+    work = tmp_path / "work"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "CARRIED_PY": "0",
+           "HYBRID_SIZE": "hybrid-tiny", "CARD_SIZE": "card-tiny", "VOCAB": "", "LENGTHS": "16", "REPEAT": "1",
+           "THREADS": "1", "HYBRID_CLASSES": "prose", "HYBRID_SWEEP": "2", "GRID_JOBS": "hybrid-mtp",
+           "WORK": str(work), "BUDGET_S": "600", "LOCALSPEC_HOME": str(tmp_path / "home")}
+    script = ROOT / "bench" / "gpu" / "grid.sh"
+    first = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "all jobs done" in first.stdout, first.stdout
+    [csv] = (work / "results" / "grid").glob("*-grid-hybrid-mtp.csv")
+    rows = [line for line in csv.read_text().splitlines() if line.startswith("mtp,prose,16,1,")]
+    assert len(rows) == 1 and (work / "out" / "grid-results.tar.gz").is_file()
+    again = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "hybrid-mtp: done earlier" in again.stdout, again.stdout
+    assert "START grid-hybrid-mtp" not in again.stdout
