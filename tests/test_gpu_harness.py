@@ -70,9 +70,9 @@ def test_a_step_runs_when_the_budget_has_room_and_is_skipped_and_recorded_when_n
 
 def test_the_synthetic_pairs_vocabulary_follows_their_size(tmp_path: Path) -> None:
     show = 'vocab_args {}; echo "[${{VOCAB_ARGS[*]}}]"'
-    r = bash("; ".join(show.format(size) for size in ("card32b", "gpu32b", "card-tiny", "tiny")), tmp_path,
-             CARRY="/c")
-    assert r.stdout.split() == ["[--vocab", "/c/ggml-vocab-qwen2.gguf]"] * 2 + ["[]", "[]"], r.stdout + r.stderr
+    r = bash("; ".join(show.format(size) for size in ("card32b", "gpu32b", "hybrid27b", "card-tiny", "tiny",
+                                                      "hybrid-tiny")), tmp_path, CARRY="/c")
+    assert r.stdout.split() == ["[--vocab", "/c/ggml-vocab-qwen2.gguf]"] * 3 + ["[]"] * 3, r.stdout + r.stderr
     mine = bash("vocab_args card32b; echo \"[${VOCAB_ARGS[*]}]\"", tmp_path, VOCAB="/v.gguf")
     assert mine.stdout.strip() == "[--vocab /v.gguf]"
     none = bash("vocab_args card32b; echo \"[${VOCAB_ARGS[*]}]\"", tmp_path, VOCAB="")

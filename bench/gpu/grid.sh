@@ -8,7 +8,7 @@
 #     W=$HOME/lsw; mkdir -p $W; cp -r bench/gpu/carry $W/
 #     CARRY=$W/carry WORK=$W BUDGET_S=560 bash bench/gpu/grid.sh      # repeat until it logs "all jobs done"
 # A bare H100: the pinned build (~250 s, no llama-server, no newest tree: every figure here is localspec's own)
-# while both targets are written, then the jobs in GRID_JOBS' order.
+# while the targets its jobs need are written, then the jobs in GRID_JOBS' order.
 # Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARD_SIZE, VOCAB, RERUN: harness.sh):
 #   GRID_JOBS ["projector hybrid-mtp hybrid-mtp-clients card-clients"]
 #     projector            bench/projector_memory.py --gpu (Gemma 3 and Qwen-VL towers, flash attention on and off)
@@ -54,15 +54,16 @@ trap 'log "terminated"; finish; exit 143' TERM INT
 snapshot_env "$RES/env.txt"
 
 HT="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"  # (hybrid.sh's file names: a warm machine's are reused)
-[[ -z "${VOCAB+set}" && "$HYBRID_SIZE" == hybrid27b ]] && HYBRID_VOCAB=(--vocab "$CARRY/ggml-vocab-qwen2.gguf") \
-    || { vocab_args "$HYBRID_SIZE"; HYBRID_VOCAB=("${VOCAB_ARGS[@]}"); }
-write_models() {  # both targets and the card's draft, one after the other, beside the build
+write_models() {  # the targets GRID_JOBS measure (and the card's draft), one after the other, beside the build
     [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
     use_build
-    [[ -f "$HT" ]] || nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target \
-        --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" \
-        "${HYBRID_VOCAB[@]}" > "$RES/write-hybrid.log" 2>&1
-    card_pair "$CARD_NOISE" > /dev/null
+    if [[ " $GRID_JOBS " == *" hybrid-mtp"* && ! -f "$HT" ]]; then
+        vocab_args "$HYBRID_SIZE"
+        nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
+            --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" \
+            > "$RES/write-hybrid.log" 2>&1
+    fi
+    [[ " $GRID_JOBS " != *" card-clients "* ]] || card_pair "$CARD_NOISE" > /dev/null
 }
 if [[ "${CARRIED_PY:-1}" == 1 ]]; then
     ( ensure_build ) & build=$!
@@ -79,11 +80,13 @@ tag="$(machine_tag)"
 [[ -s "$RES/day" ]] || date -u +%F > "$RES/day"  # (the first call's date names the files: a later call may be past midnight)
 day="$(cat "$RES/day")"
 
+# result JOB: the file a job writes (its presence: the job is done).
+result() { [[ "$1" == projector ]] && echo "$RES/projector-memory.csv" || echo "$RES/$day-$tag-grid-$1.csv"; }
 # grid JOB NEED_S ARGS...: bench/grid.py into DAY-TAG-grid-JOB.csv unless it exists; going on from the reports an
 # earlier call left (--reuse) when its folder is there.
 grid() {
     local job="$1" need="$2"; shift 2
-    local csv="$RES/$day-$tag-grid-$job.csv"
+    local csv; csv="$(result "$job")"
     [[ -s "$csv" ]] && { log "$job: done earlier"; return 0; }
     local again=(); [[ -d "${csv%.csv}" ]] && again=(--reuse)
     run "grid-$job" "$need" python3 "$REPO/bench/grid.py" --out "$csv" --repeat "$REPEAT" --warmup "$WARMUP" \
@@ -94,9 +97,9 @@ grid() {
 for job in $GRID_JOBS; do
     case "$job" in
         projector)
-            [[ -s "$RES/projector-memory.csv" ]] && continue
+            [[ -s "$(result projector)" ]] && continue
             run projector-memory 120 python3 "$REPO/bench/projector_memory.py" --gpu \
-                --synthetic-text "$CARRY/ggml-vocab-qwen2.gguf" --out "$RES/projector-memory.csv" \
+                --synthetic-text "$CARRY/ggml-vocab-qwen2.gguf" --out "$(result projector)" \
                 > "$RES/projector-memory.log" 2>&1 ;;
         hybrid-mtp|hybrid-mtp-clients)
             [[ -z "$writer" ]] || { log "waiting for the models' writer (no measuring beside it)"; written; }
@@ -118,11 +121,6 @@ for job in $GRID_JOBS; do
     esac
 done
 done_all=1
-for job in $GRID_JOBS; do
-    case "$job" in
-        projector) [[ -s "$RES/projector-memory.csv" ]] || done_all=0 ;;
-        *) [[ -s "$RES/$day-$tag-grid-$job.csv" ]] || done_all=0 ;;
-    esac
-done
+for job in $GRID_JOBS; do [[ -s "$(result "$job")" ]] || done_all=0; done
 (( done_all )) && log "all jobs done"
 finish

@@ -43,7 +43,6 @@ results_in "$WORK/results-hybrid"
 snapshot_env "$RES/env.txt"
 T="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"
 D="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-draft.gguf"
-[[ -z "${VOCAB+set}" && "$HYBRID_SIZE" == hybrid27b ]] && VOCAB="$CARRY/ggml-vocab-qwen2.gguf"
 vocab_args "$HYBRID_SIZE"
 log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', budget ${BUDGET_S}s"
 
