@@ -60,8 +60,10 @@ def sigint_on_this_thread():
     while asleep < 20:  # 0.2 s in a row: blocked in the read, not waiting a moment for the GIL
         asleep = asleep + 1 if main_thread_sleeps() else 0
         time.sleep(0.01)
-    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    # The marker goes out first: printed after the kill, it could follow the chat's answer (the main thread may
+    # take the GIL between the two), and the test would wait for an answer that had already gone by.
     print("[staged SIGINT sent]", flush=True)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
 
 threading.Thread(target=sigint_on_this_thread, daemon=True).start()
