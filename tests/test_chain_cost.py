@@ -340,3 +340,27 @@ def test_the_chain_turns_a_paying_model_on_at_the_h200s_costs(clock: Clock, text
         speed[drafter] = tokens / seconds
     assert speed["model"] > 1.2 / H200_VERIFY[1]  # (the model pays here, as on the H200)
     assert speed["chain"] >= 0.97 * max(speed["lookup"], speed["model"]), speed
+
+
+def test_a_model_judged_a_loss_stays_out_while_only_the_verify_slows() -> None:
+    """Served to several clients on a CPU, a slot's verifies run slower than the figures its draft step was priced
+    beside (the other slots decode too). With no draft step measured since, the chain's verdict that its model loses
+    at any acceptance stands: before, the slowed one-token verify alone priced the model as paying, and a new slot
+    drafted with it after catching up on its whole prompt (~0.2 s a slot, 4 clients on the demo pair). A probe that
+    measures a step beside the slow verify judges again."""
+    cost = DraftCost(6)
+    length = draft_policy(chain(), cost)
+    rule, model = length.rule(ChainCost), length.rule(ModelCost)
+    for _ in range(2):  # plain steps price a one-token verify
+        length.observe(Observation(0, 0, 0.0, CPU_VERIFY[1], 1))
+    for _ in range(DraftLength.WARMUP):  # the model's warm-up: two drafts a round, a step about a one-token verify
+        length.observe(Observation(2, 1, 2 * CPU_STEP, CPU_VERIFY[3], 3, first_s=CPU_STEP))
+    assert rule.extension(0, 6, length, lag=1) == 0 and cost.model_hopeless
+    for _ in range(8):  # lookup's and plain rounds, each verify three times slower: no draft step among them
+        length.observe(Observation(0, 0, 0.0, 3 * CPU_VERIFY[1], 1))
+    assert model.could_pay(0, 6)  # the prices alone now say the model could pay: its step is the old one
+    assert rule.extension(0, 6, length, lag=30) == 0 and cost.model_hopeless
+    # A probe in sync measures a step beside today's verifies: the verdict is judged again from both.
+    length.observe(Observation(2, 2, 2 * CPU_STEP, 3 * CPU_VERIFY[3], 3, first_s=CPU_STEP))
+    rule.extension(0, 6, length, lag=1)
+    assert not cost.model_hopeless

@@ -66,8 +66,17 @@ class ChainCost(CostRule):
         # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);
         # asked only where the answer matters (a round's host work is on the path).
         hopeless = (not n or cost.step_rounds < policy.WARMUP) and not model.could_pay(0, k, width)
+        if cost.model_hopeless and cost.step_rounds == cost.model_hopeless_steps:
+            # Judged a loss on the draft step measured then, and no step measured since: a verify that has since
+            # run slower (other slots decoding beside it, a longer context) moves one side of the price alone, and
+            # must not turn the model on. Only a probe (in sync, at the longest interval) measures a step beside
+            # today's verify. Served to 4 clients on a CPU, a new slot's second verify, slowed by the others', priced
+            # the model as paying: it drafted after catching up on the whole prompt (~0.2 s a slot).
+            hopeless, n = True, 0
         if cost.step_rounds < policy.WARMUP:
             return min(room, model.PROBE) if hopeless else room
+        if hopeless:
+            cost.model_hopeless_steps = cost.step_rounds
         cost.model_hopeless = hopeless
         if not n and not looked_up and not hopeless and model.model_on:
             # The model alone was paying: it stays on until it is a loss by MIN_GAIN. Its acceptance is measured

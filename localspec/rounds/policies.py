@@ -194,6 +194,7 @@ class DraftCost:
         # into the draft (`ChainDrafter.begin`: it could draft only after catching up, which a hopeless model never
         # does), all but every PLAIN_GENERATIONS-th, which reads it and probes in sync; the chain's lead drafts on.
         self.model_hopeless = False
+        self.model_hopeless_steps = 0  # `step_rounds` when so judged: the verdict stands until a step is measured
         self.model_generations = 0
 
     def inherit(self, others: Iterable[DraftCost]) -> None:
@@ -210,6 +211,7 @@ class DraftCost:
         for other in others:
             if other.hopeless or other.model_hopeless:
                 self.hopeless, self.model_hopeless, self.aside = other.hopeless, other.model_hopeless, other.aside
+                self.model_hopeless_steps = other.model_hopeless_steps
                 break
         measured = [other for other in others if other.verify_s or other.step_s is not None]
         if measured:
