@@ -58,6 +58,14 @@ class ChainCost(CostRule):
         room = k - looked_up
         if room <= 0 or self.lookup.measuring:
             return 0
+        if cost.model_hopeless and cost.step_rounds == cost.model_hopeless_steps >= policy.WARMUP:
+            # Judged a loss even if every token were kept, on the draft step measured then, and no step measured
+            # since: the verdict stands, nothing to price (this round's host work is on the path). A verify that has
+            # since run slower (other slots decoding beside it, a longer context) moves one side of the price alone
+            # and must not turn the model on: only a probe (in sync, at the longest interval) measures a step beside
+            # today's verify. Served to 4 clients on a CPU, a new slot's second verify, slowed by the others', priced
+            # the model as paying: it drafted after catching up on its whole prompt (~0.2 s a slot).
+            return self._sit_out(room, looked_up, lag, hopeless=True)
         width = k + 1 if policy.padded else 0
         speeds = model.speeds(looked_up, room, width)
         if speeds is None:
@@ -66,13 +74,6 @@ class ChainCost(CostRule):
         # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);
         # asked only where the answer matters (a round's host work is on the path).
         hopeless = (not n or cost.step_rounds < policy.WARMUP) and not model.could_pay(0, k, width)
-        if cost.model_hopeless and cost.step_rounds == cost.model_hopeless_steps:
-            # Judged a loss on the draft step measured then, and no step measured since: a verify that has since
-            # run slower (other slots decoding beside it, a longer context) moves one side of the price alone, and
-            # must not turn the model on. Only a probe (in sync, at the longest interval) measures a step beside
-            # today's verify. Served to 4 clients on a CPU, a new slot's second verify, slowed by the others', priced
-            # the model as paying: it drafted after catching up on the whole prompt (~0.2 s a slot).
-            hopeless, n = True, 0
         if cost.step_rounds < policy.WARMUP:
             return min(room, model.PROBE) if hopeless else room
         if hopeless:
@@ -87,13 +88,18 @@ class ChainCost(CostRule):
         if n:
             model.pays()
             return n
+        return self._sit_out(room, looked_up, lag, hopeless)
+
+    def _sit_out(self, room: int, looked_up: int, lag: int, hopeless: bool) -> int:
+        """A round the model is judged a loss in: none of its tokens, or a probe's when one is due."""
+        model = self.model
         if not looked_up:
             model.model_on = False
         if hopeless:
             # A loss even if every token were accepted (a draft step about a one-token verify, as on a CPU): no
             # acceptance a probe could measure turns it on, only a change of costs, so it is probed at the longest
             # interval, and only where the model's cells are current (catching up would be pure loss).
-            model.interval = cost.PROBE_MAX
+            model.interval = self.cost.PROBE_MAX
         probe = model.probe(room, lag, in_sync_only=hopeless)
         # A probe of a model that could pay drafts all the room: two tokens measure two positions, and the deeper
         # ones, borrowing the last measured rate, would be judged on one rejection.
