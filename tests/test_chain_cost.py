@@ -364,3 +364,20 @@ def test_a_model_judged_a_loss_stays_out_while_only_the_verify_slows() -> None:
     length.observe(Observation(2, 2, 2 * CPU_STEP, 3 * CPU_VERIFY[3], 3, first_s=CPU_STEP))
     rule.extension(0, 6, length, lag=1)
     assert not cost.model_hopeless
+
+
+def test_on_a_cpu_the_chain_prices_plain_decoding_before_its_model_drafts_again(clock: Clock) -> None:
+    """A CPU's costs (no padded verify), a draft step about a one-token verify: after the first probe prices a step,
+    the next round is a plain step that prices plain decoding, and the model is judged a loss from that measured
+    figure. Before, judged against the prior slope's guess of a one-token verify, the model looked paying and drafted
+    its whole room (on the demo pair, a 32-token reply began with 2, 6 and 1 model drafts)."""
+    target = TimedFake(clock, 0.011, 0.006, vocab=32, seed=3)
+    draft = TimedFake(clock, 0.017, 0.0, vocab=32, seed=3, noise=0.3)
+    engine = Engine(target, draft)
+    prompt = list(range(8))
+    gen = collect(engine.generate(prompt, GREEDY.sampling, chain(), 32))
+    assert gen.tokens == target.greedy(prompt, 32)
+    lengths = gen.stats.draft_lengths
+    assert lengths[0] == ModelCost.PROBE and lengths[1] == 0  # a probe prices a step, a plain round plain decoding
+    # The warm-up's probes only (DraftLength.WARMUP steps priced), then nothing: the model is judged a loss.
+    assert sum(lengths) <= DraftLength.WARMUP * ModelCost.PROBE and not any(lengths[4:])

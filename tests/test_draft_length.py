@@ -168,7 +168,9 @@ def test_the_probe_turns_the_model_back_on_when_its_cost_drops():
         n = chain.extension(0, 6, chooser)
         used.append(n)
         chooser.observe(Observation(n, min(n, 3), step * n, 0.011 + 0.006 * (n + 1), n + 1))
-    off = used[_DraftLength.WARMUP:200]
+    # (the warm-up: WARMUP probes, and between them one plain round that prices plain decoding: no padded verify)
+    assert used[:_DraftLength.WARMUP + 1] == [ModelCost.PROBE, 0, ModelCost.PROBE]
+    off = used[_DraftLength.WARMUP + 1:200]
     assert off == [0] * len(off)  # hopeless at any acceptance: not even probed within the longest interval
     turned_on = next(i for i in range(200, len(used)) if used[i] > ModelCost.PROBE)
     assert turned_on - 200 <= 2 * DraftCost.PROBE_MAX  # found by a probe within the backed-off interval
