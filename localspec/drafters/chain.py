@@ -70,10 +70,10 @@ class ChainCost(CostRule):
         speeds = model.speeds(looked_up, room, width)
         if speeds is None:
             return min(room, model.PROBE)  # measure first, as cheaply as a probe
-        if not policy.padded and 1 not in cost.verify_s and not looked_up:
-            # On a CPU, one plain round prices plain decoding (no width to keep warm) before the model drafts again:
-            # judged against the prior slope's guess of a one-token verify, the model looked paying, and a 32-token
-            # reply spent its first rounds drafting 6 with it (the model drafter's rule does the same).
+        if not looked_up and cost.plain_unpriced(policy.padded):
+            # One plain round before the model drafts again (as the model drafter's rule does): judged against the
+            # prior slope's guess of a one-token verify, the model looked paying on a CPU, and a 32-token reply spent
+            # its first rounds drafting 6 with it.
             return 0
         n = int(np.argmax(speeds))
         # Judged where the model's tokens pay most (no lookup tokens before them: all of k, the narrowest verify);

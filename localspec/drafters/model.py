@@ -655,7 +655,7 @@ class ModelCost(CostRule):
             # Measured by drafting: on a CPU as cheaply as a probe (a loss there costs the whole length's steps);
             # on a GPU the length it verifies at (a padded verify costs its width either way).
             return k if policy.padded else min(k, self.PROBE)
-        if not policy.padded and 1 not in cost.verify_s:
+        if cost.plain_unpriced(policy.padded):
             return 0  # one plain round prices plain decoding (a CPU: no width to keep warm)
         hopeless = not self.could_pay(0, k, width)
         if cost.step_rounds < policy.WARMUP and not hopeless:

@@ -422,6 +422,12 @@ class DraftCost:
             return table.arrays()[2][widths]
         return np.array(self._verify_estimates(widths.ravel().tolist())).reshape(widths.shape)
 
+    def plain_unpriced(self, padded: bool) -> bool:
+        """Whether a round should be plain to price plain decoding: without a padded verify (a CPU: no width to keep
+        warm) and no one-token verify measured yet, plain decoding's price is the prior slope's guess from the wider
+        verifies, which makes drafting look paying; a plain round costs nothing over plain decoding and measures it."""
+        return not padded and 1 not in self.verify_s
+
     def verify_cost(self, width: int) -> float:
         """`verify_costs` of one width."""
         table = self.tables().verify
