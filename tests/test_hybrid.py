@@ -1050,6 +1050,8 @@ def _rolled_back_row(path: Path, n_seq: int, grouped: bool = False) -> np.ndarra
     cells llama.cpp gave out before and after sequence 0's) each decode one token after its verify in the same
     `decode_many`: one ubatch of both with `grouped`, else one call each (what `ubatch.whole_plan` does where a
     state keeps rollback snapshots)."""
+    import llama_cpp
+
     from localspec.llama import ubatch
     from localspec.llama.model import LlamaModel
 
@@ -1065,11 +1067,15 @@ def _rolled_back_row(path: Path, n_seq: int, grouped: bool = False) -> np.ndarra
         plain_calls = ubatch.plain_calls
         try:
             if grouped:  # (what llama.cpp does with a batch of several sequences of equal runs)
-                ubatch.plain_calls = lambda *a, **k: plain_calls(*a, **{**k, "snapshots": False})
+                ubatch.plain_calls = lambda *a, **k: plain_calls(*a[:4])  # (no cells: every group shares)
             m.decode_many(items)
         finally:
             ubatch.plain_calls = plain_calls
-        assert m.truncate(14, 0) == 14
+        if grouped:  # (llama.cpp's own rollback, which says yes: `RecurrentState` would go to a checkpoint instead,
+            assert llama_cpp.llama_memory_seq_rm(m.memory, 0, 14, -1)  # as its cell map saw sequence 0 moved)
+            assert m._recurrent is not None and m._recurrent._last_run[0] == 0
+        else:
+            assert m.truncate(14, 0) == 14
         return m.decode([58, 59], 14, all_logits=True, seq=0).logits.copy()
 
 

@@ -249,7 +249,7 @@ class LlamaModel:
                 self.close()
                 raise RollbackError(f"{self.path.name}: llama.cpp cannot roll back a {header.arch} model's recurrent "
                                     "state, which speculative decoding needs (plain decoding works: --n-draft 0)")
-            self._recurrent = RecurrentState(self.ctx, self.memory, self.rewind_depth, self.path.name)
+            self._recurrent = RecurrentState(self.ctx, self.memory, self.rewind_depth, self.path.name, n_seq)
         self.n_embd_out = int(llama_cpp.llama_model_n_embd_out(self.model))  # a hidden row's width (Scores.hidden)
         self._hidden = HiddenRows(self.ctx, self.n_embd_out, self.path.name,
                                   int(llama_cpp.llama_model_n_layer(self.model)),
@@ -395,8 +395,8 @@ class LlamaModel:
             items, modes, self.n_batch, self._cells_per_seq,
             lambda seq: int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1, self.unknown_token,
         ) if cover and self.n_seq > 1 and modes else None
-        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent,
-                                                       snapshots=bool(self.rewind_depth)), [])
+        cells = self._recurrent.call_plan() if self._recurrent is not None and self.rewind_depth else None
+        calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent, cells), [])
         pieces: list[list[Rows]] = [[] for _ in items]
         hidden: list[list[np.ndarray]] = [[] for _ in items]
         views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses
@@ -438,13 +438,16 @@ class LlamaModel:
         rc = llama_cpp.llama_decode(self.ctx, self._batch.raw)
         self._replans.after(chains, dist)
         if rc != 0:
+            if self._recurrent is not None:
+                self._recurrent.failed()
             where = ", ".join(self._batch.where(i) for i in (0, n - 1))
             raise DecodeError(f"{self.path.name}: llama_decode failed with code {rc} ({where})"
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
 
     def _sequence_batch_error(self) -> tuple[float, float]:
         """What sharing a batch moves a sequence's rows, and what the batch's width alone moves them: two short
-        made-up sequences (9 and 5 tokens, fewer where a batch holds less; each after a context of its own, as a
+        made-up sequences (9 and 5 tokens, 8 each on a recurrent model, whose sequences share a call only with runs
+        as long; fewer where a batch holds less; each after a context of its own, as a
         slot's round comes after its prompt) decoded in one batch.
 
         On the CPU the shared batch is compared with each sequence alone (a slot must score bit for bit as
@@ -469,6 +472,8 @@ class LlamaModel:
         ids = np.setdiff1d(np.arange(min(self.n_vocab, 20_000)), [self.bos, self.eos])
         width = min(PROBE_WIDTH, self.n_batch)  # one batch: a wider one would be decoded as several
         first = max(1, min(width - 1, round(width * 9 / PROBE_WIDTH)))
+        if self.recurrent:  # (its sequences share a call only with runs as long: `ubatch.whole_plan`)
+            first = width // 2
         probes = [rng.choice(ids, size=n).tolist() for n in (first, width - first)]
         filler = rng.choice(ids, size=width).tolist()
         held = max(1, min(PROBE_CONTEXT, self.n_ctx - width))  # (a context too small for it: less before)
@@ -618,8 +623,14 @@ class LlamaModel:
         """Replace sequence `seq`'s cells with a state `save_state` made on this model (with as many sequences);
         False when llama.cpp refuses it, and the sequence is then empty."""
         ok = load_seq_state(self.ctx, data, seq)
-        if self._recurrent is not None:
-            self._recurrent.forget(seq)  # its snapshots and checkpoint belonged to the cells this replaced
+        if self._recurrent is not None:  # its snapshots and checkpoint belonged to the cells this replaced
+            if ok:
+                self._recurrent.loaded(seq)
+            elif data:  # (llama.cpp read some of it: where it left the cells is not known)
+                self._recurrent.forget(seq)
+                self._recurrent.failed()
+            else:
+                self._recurrent.forget(seq)
         self._places.put(seq, getattr(data, "gaps", ()) if ok else ())
         if not ok:
             self.clear(seq)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import llama_cpp
 
 from localspec.llama.batch import DecodeItem, Run
+from localspec.llama.recurrent import CallPlan
 from localspec.rounds.scores import DeviceDist
 
 Chunk = tuple[int, int, int]  # (item, its first token in this decode, tokens)
@@ -64,17 +65,18 @@ def ubatch_split(layout: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[
 
 
 
-def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, together: bool = True) -> list[list[Chunk]]:
+def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, cells: CallPlan | None = None) -> list[list[Chunk]]:
     """`decode_plan` for a model with a recurrent state: every item's tokens in one call (an item longer than
     n_batch, a prompt, in n_batch chunks of its own), calls of sequences with consecutive ids and as many tokens
     each. llama.cpp can roll a recurrent state back only within the sequence's last ubatch (its snapshots), so a
     verify's tokens must never be split; and a ubatch of a recurrent model holds equal runs of consecutive
     sequences (`split_equal`), so each call is still exactly one ubatch.
 
-    `together = False` (a state kept with rollback snapshots): one sequence a call. A ubatch of several sequences
-    makes llama.cpp gather their states into neighbouring cells, swapping other sequences' cells out of the way
-    without their snapshots, so a sequence moved that way rolls back to another cell's snapshot (docs/upstream.md;
-    tests/test_hybrid.py has the canary)."""
+    `cells` (a state kept with rollback snapshots): where llama.cpp holds each sequence's state. A ubatch of several
+    sequences makes llama.cpp gather their states into neighbouring cells, swapping other cells out of the way
+    without their snapshots, so a sequence moved that way would roll back to another cell's snapshot
+    (docs/upstream.md; tests/test_hybrid.py has the canary): sequences share a call only where `cells` says no
+    state that still needs its snapshots moves (`recurrent.CallPlan.shares`), else each goes in a call of its own."""
     live = sorted((i for i, (_, count) in enumerate(layout) if count > 0), key=lambda i: layout[i][0])
     calls: list[list[Chunk]] = []
     group: list[int] = []
@@ -82,6 +84,8 @@ def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, together: bool =
     def close() -> None:
         if group:
             calls.append([(i, 0, layout[i][1]) for i in group])
+            if cells is not None:
+                cells.called([layout[i][0] for i in group])
             group.clear()
 
     for i in live:
@@ -89,9 +93,12 @@ def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, together: bool =
         if count > n_batch:
             close()
             calls.extend([[(i, first, min(n_batch, count - first))] for first in range(0, count, n_batch)])
+            if cells is not None:
+                cells.called([seq])
             continue
-        if group and (not together or seq != layout[group[-1]][0] + 1 or count != layout[group[-1]][1]
-                      or (len(group) + 1) * count > n_batch):
+        if group and (seq != layout[group[-1]][0] + 1 or count != layout[group[-1]][1]
+                      or (len(group) + 1) * count > n_batch
+                      or cells is not None and not cells.shares([*(layout[g][0] for g in group), seq])):
             close()
         group.append(i)
     close()
@@ -129,14 +136,13 @@ def decode_plan(layout: Sequence[tuple[int, int]], n_batch: int, streams: bool) 
 
 
 def plain_calls(items: Sequence[DecodeItem], n_batch: int, streams: bool, recurrent: bool = False,
-                snapshots: bool = False) -> list[list[Run]]:
-    """`decode_plan`'s calls (`whole_plan`'s for a model with a recurrent state; one sequence a call where it keeps
-    rollback `snapshots`): each item's tokens, an output on every one of them with `all_logits`, else on its
+                cells: CallPlan | None = None) -> list[list[Run]]:
+    """`decode_plan`'s calls (`whole_plan`'s for a model with a recurrent state, sharing calls as its rollback
+    snapshots' `cells` allow): each item's tokens, an output on every one of them with `all_logits`, else on its
     last."""
     calls = []
     layout = [(seq, len(tokens)) for seq, tokens, _, _ in items]
-    plan = whole_plan(layout, n_batch, together=not snapshots) if recurrent else decode_plan(layout, n_batch,
-                                                                                             streams)
+    plan = whole_plan(layout, n_batch, cells) if recurrent else decode_plan(layout, n_batch, streams)
     for chunks in plan:
         runs = []
         for item, first, take in chunks:
