@@ -159,15 +159,39 @@ def test_load_policy_measures_each_share_and_keeps_the_fastest():
         share = policy.share(4)
         chosen.append(share)
         policy.observe(4, share, tokens=int(speed[share]), seconds=1.0)
-    assert chosen[:3 * e] == [1.0] * e + [0.0] * e + [0.5] * e  # each measured for an epoch, in turn
-    assert set(chosen[3 * e :]) == {0.0}  # then the fastest
+    # Each measured for an epoch, in turn: all of k trails plain decoding by more than DEFER, so only EARLY rounds.
+    early = policy.EARLY
+    assert chosen[: 2 * e + early] == [0.0] * e + [1.0] * early + [0.5] * e
+    assert set(chosen[2 * e + early :]) == {0.0}  # then the fastest
     assert policy.summary()[4] == {"k×0": 80.0, "k×0.5": 65.0, "k×1": 50.0}
-    assert policy.share(2) == 1.0  # another batch size is measured on its own
+    assert policy.order.get(9) is None and policy.share(9) == policy.SHARES[0] and policy.order[9] == policy.SHARES
+    # (a batch size not near 4 is measured on its own)
     # Every REPROBE-th epoch re-measures one of the others, in turn.
-    policy.rounds[4] = policy.REPROBE * e
+    policy.epochs[4] = policy.REPROBE
     first = policy.share(4)
-    policy.rounds[4] = 2 * policy.REPROBE * e
+    policy.epochs[4] = 2 * policy.REPROBE
     assert {first, policy.share(4)} == {1.0, 0.5}
+
+
+def test_a_batch_size_next_to_a_measured_one_measures_in_its_order_and_leaves_its_clear_loser() -> None:
+    """At 4 slots plain decoding was fastest, half the length within DEFER of it, all of it far behind: 5 slots
+    measure plain first, then half, and all of it only in a re-measuring epoch; 9 slots are not near 4."""
+    policy = LoadPolicy()
+    e = policy.EPOCH
+    speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}
+    for _ in range(3 * e):
+        share = policy.share(4)
+        policy.observe(4, share, tokens=int(speed[share]), seconds=1.0)
+    chosen = []
+    for _ in range(policy.REPROBE * e + 1):
+        share = policy.share(5)
+        chosen.append(share)
+        policy.observe(5, share, tokens=int(speed[share]), seconds=1.0)
+    assert chosen[: 2 * e] == [0.0] * e + [0.5] * e
+    assert set(chosen[2 * e : policy.REPROBE * e]) == {0.0}  # the fastest; all of k was never drafted at 5
+    assert chosen[-1] in (1.0, 0.5)  # the re-measuring epoch
+    assert policy.order[5] == (0.0, 0.5) and policy.share(9) == 0.0 and policy.order[9] == policy.SHARES
+    assert policy.share(3) == 0.0 and policy.order[3] == (0.0, 0.5)  # (4 and 5 are near 3: 4 is nearest)
 
 
 def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(tiny_pair):
@@ -189,9 +213,12 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
                 if x in live:
                     got[i] += [e.token for e in x.events() if isinstance(e, TokenEvent)]
         assert got == expected
-        e = s.engine.load.EPOCH
-        assert lengths[e : 2 * e] == [{0}] * e  # the plain epoch
-        assert all(max(n) <= 3 for n in lengths[2 * e : 3 * e])  # half of k = 6
+        load = s.engine.load
+        e = load.EPOCH
+        assert lengths[:e] == [{0}] * e  # the plain epoch first
+        full = next(i for i, n in enumerate(lengths[e:]) if n != {6})  # all of k: a whole epoch, or EARLY rounds
+        assert load.EARLY <= full <= e  # where it trailed plain decoding by more than DEFER
+        assert all(max(n) <= 3 for n in lengths[e + full : e + full + load.EARLY])  # half of k = 6
         assert set(s.engine.load.summary()[2]) == {"k×1", "k×0", "k×0.5"}
 
 

@@ -590,27 +590,53 @@ class LoadPolicy:
 
     With many slots the target's verify grows towards compute-bound and draft tokens cost nearly what they save.
     So per batch size this measures the aggregate tokens per second of whole rounds at each share of the streams'
-    own draft lengths in SHARES (all of it, none: plain batched decoding, half), an epoch each, then uses the
-    fastest and re-measures the others in turn every REPROBE-th epoch (acceptance drifts with the text). One slot
-    alone always drafts all of it: the single-request loop (and `localspec bench`'s modes) stays what it was, and
-    a seed reproduces its output.
+    own draft lengths in SHARES (none: plain batched decoding, all of it, half), an epoch each, then uses the
+    fastest and re-measures the others in turn every REPROBE-th epoch (acceptance drifts with the text). A share
+    that trails the best one measured at that size by more than DEFER ends its epoch after EARLY rounds. A batch
+    size next to one measured in full (`near`) measures its shares in the order they ranked there, and leaves a share
+    that lost there by more than DEFER to its re-measuring epochs. As clients come and go a server sees many batch
+    sizes, and measuring a clear loser for a whole epoch at each was most of what it lost under load
+    (docs/performance.md). One slot alone always drafts all of it: the single-request loop (and `localspec bench`'s
+    modes) stays what it was, and a seed reproduces its output.
     """
 
     EPOCH = 8
+    EARLY = 3
     REPROBE = 8
-    SHARES = (1.0, 0.0, 0.5)
+    SHARES = (0.0, 1.0, 0.5)
+    DEFER = 0.8  # a share below this part of the best ends its epoch early, and is left out at a neighbouring size
 
     def __init__(self) -> None:
         self.rounds: dict[int, int] = {}
         self.rate: dict[tuple[int, float], float] = {}  # (batch size, share) -> smoothed tokens per second
+        self.order: dict[int, tuple[float, ...]] = {}  # per batch size: the shares it measures first, in turn
+        self.epochs: dict[int, int] = {}  # per batch size: its epochs ended
+        self.epoch_rounds: dict[int, int] = {}  # per batch size: rounds observed in its current epoch
+
+    @staticmethod
+    def near(n: int, m: int) -> bool:
+        """Whether batch size m is close enough to n for its ranking of the shares to stand for n's."""
+        return 0 < abs(m - n) <= max(2, n // 4)
+
+    def _first_order(self, n: int) -> tuple[float, ...]:
+        """The shares a batch size measures first: SHARES in turn, or, next to a size measured in full, its
+        ranking there without the shares that lost by more than DEFER."""
+        full = [m for m in self.rounds if self.near(n, m) and all((m, f) in self.rate for f in self.SHARES)]
+        if not full:
+            return self.SHARES
+        m = min(full, key=lambda m: (abs(m - n), m))
+        ranked = sorted(self.SHARES, key=lambda f: -self.rate[(m, f)])
+        best = self.rate[(m, ranked[0])]
+        return tuple(f for f in ranked if self.rate[(m, f)] >= self.DEFER * best)
 
     def share(self, n: int) -> float:
         """The share of each stream's draft length to draft this round, with n streams in it."""
         if n < 2:
             return 1.0
-        epoch = self.rounds.get(n, 0) // self.EPOCH
-        if epoch < len(self.SHARES):
-            return self.SHARES[epoch]
+        order = self.order.setdefault(n, self._first_order(n))
+        epoch = self.epochs.get(n, 0)
+        if epoch < len(order):
+            return order[epoch]
         best = max(self.SHARES, key=lambda f: self.rate.get((n, f), 0.0))
         if epoch % self.REPROBE:
             return best
@@ -624,6 +650,11 @@ class LoadPolicy:
         rate, key = tokens / seconds, (n, share)
         old = self.rate.get(key)
         self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
+        done = self.epoch_rounds[n] = self.epoch_rounds.get(n, 0) + 1
+        rivals = [r for (m, f), r in self.rate.items() if m == n and f != share]
+        if done >= self.EPOCH or (done >= self.EARLY and rivals and self.rate[key] < self.DEFER * max(rivals)):
+            self.epochs[n] = self.epochs.get(n, 0) + 1
+            self.epoch_rounds[n] = 0
 
     def summary(self) -> dict[int, dict[str, float]]:
         """Per batch size seen: the measured tok/s at each share of the draft length ("k×1", "k×0.5", "k×0": plain),
