@@ -287,6 +287,7 @@ class LlamaModel:
             self.device_top_k = 0  # this backend cannot run it: full logits it is
         self.sequence_batch_error = self.width_noise = 0.0
         self.batch_warning: str | None = None  # /health's line where the width noise defeats speculation
+        self.sequences_decoded = self.sequence_calls = 0  # decodes of several sequences: their items, their calls
         if self.n_seq > 1:
             self.sequence_batch_error, self.width_noise = self._sequence_batch_error()
             # On the CPU a sequence must score bit for bit as alone (both figures 0). A GPU's kernels differ with
@@ -298,6 +299,7 @@ class LlamaModel:
             if not self.batches_sequences:
                 for seq in list(self._samplers.modes):
                     self.use_device_sampler(None, seq)
+            self.sequences_decoded = self.sequence_calls = 0  # (the probe's are not a round's)
 
     # -- decoding -------------------------------------------------------------------------------------------
 
@@ -397,6 +399,9 @@ class LlamaModel:
         ) if cover and self.n_seq > 1 and modes else None
         cells = self._recurrent.call_plan() if self._recurrent is not None and self.rewind_depth else None
         calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent, cells), [])
+        if len(items) > 1:  # (/health: how many sequences a call of several sequences' decode held)
+            self.sequences_decoded += len(items)
+            self.sequence_calls += len(calls)
         pieces: list[list[Rows]] = [[] for _ in items]
         hidden: list[list[np.ndarray]] = [[] for _ in items]
         views: list[tuple[int, int]] = []  # (item, piece): views into llama.cpp's buffer, which the next decode reuses

@@ -10,7 +10,6 @@ struct field against the library itself (a context's n_rs_seq reads back).
 
 from __future__ import annotations
 
-import copy
 import ctypes
 from collections.abc import Iterable, Sequence
 
@@ -73,10 +72,16 @@ class CellMap:
         self.lost = False  # a call it cannot follow happened: it no longer says where the states are
 
     def copy(self) -> CellMap:
-        return copy.deepcopy(self)
+        other = CellMap.__new__(CellMap)
+        other.size, other.owner, other.tail, other.head, other.lost = (self.size, list(self.owner), list(self.tail),
+                                                                       self.head, self.lost)
+        return other
 
     def moved(self, seqs: Sequence[int]) -> set[int]:
         """The sequences (holding a state) whose cells a ubatch of `seqs` (ascending) would move."""
+        first = self.tail[seqs[0]]
+        if first >= 0 and all(self.tail[seq] == first + i for i, seq in enumerate(seqs)):
+            return set()  # (in neighbouring cells in order already: the round's usual case, without a copy)
         return self.copy()._find_slot(seqs)
 
     def decoded(self, seqs: Iterable[int]) -> set[int]:

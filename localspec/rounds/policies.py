@@ -638,7 +638,7 @@ class LoadPolicy:
         if epoch < len(order):
             return order[epoch]
         best = max(self.SHARES, key=lambda f: self.rate.get((n, f), 0.0))
-        if epoch % self.REPROBE:
+        if epoch % self.REPROBE or len(self.SHARES) < 2:  # (a script may pin one share: bench/lab/slot_rounds.py)
             return best
         others = [f for f in self.SHARES if f != best]
         return others[(epoch // self.REPROBE) % len(others)]

@@ -56,6 +56,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
     add_slot_routes(app, state)  # POST /slots/{id}?action=save|restore|erase
     add_router_routes(app, state)  # POST /models/load, /models/unload (several pairs)
 
+    def _per_call(model: Any) -> float | None:
+        calls = getattr(model, "sequence_calls", 0)
+        return round(model.sequences_decoded / calls, 2) if calls else None
+
     async def health() -> JSONResponse:
         if state.router is not None:
             return JSONResponse(state.router.health())
@@ -72,8 +76,10 @@ def create_app(state: ServerState, cors_origins: tuple[str, ...] = ()) -> FastAP
                              # ... and per model: the target's slots may take turns beside a draft that shares
                              # batches, which decides how the other slots are drafted (Schedule._take_turns)
                              # (a "warning" where the model's width alone moves its rows past the cap)
+                             # (`sequences_per_call`: the slots a llama_decode held, over the decodes of several)
                              "slot_batches": {name: {"shared": m.batches_sequences,
                                                      "error": m.sequence_batch_error, "width_noise": m.width_noise,
+                                                     "sequences_per_call": _per_call(m),
                                                      **({"warning": m.batch_warning} if m.batch_warning else {})}
                                               for name, m in _named_models(worker.engine)},
                              "rounds_tok_s": {str(n): rates for n, rates in worker.engine.load.summary().items()},
