@@ -118,10 +118,10 @@ def test_health_warns_where_a_models_width_noise_defeats_speculation() -> None:
     with TestClient(create_app(state), base_url="http://localhost") as client:
         slot_batches = client.get("/health").json()["slot_batches"]
     assert slot_batches["target"] == {
-        "shared": False, "error": 61.8, "width_noise": 77.5,
+        "shared": False, "error": 61.8, "width_noise": 77.5, "sequences_per_call": None,  # (no call of several yet)
         "warning": f"this model's batch rows move 77.5 logits with the batch width alone (more than {cap:g}): its "
                    "verify rows are mostly kernel rounding, so draft acceptance will collapse"}
-    assert slot_batches["draft"] == {"shared": True, "error": 0.0, "width_noise": 0.0}
+    assert slot_batches["draft"] == {"shared": True, "error": 0.0, "width_noise": 0.0, "sequences_per_call": None}
 
 
 def test_a_model_is_the_first_thing_a_fresh_process_loads(bos_last_pair):
