@@ -75,8 +75,8 @@ def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, cells: CallPlan 
     `cells` (a state kept with rollback snapshots): where llama.cpp holds each sequence's state. A ubatch of several
     sequences makes llama.cpp gather their states into neighbouring cells, swapping other cells out of the way
     without their snapshots, so a sequence moved that way would roll back to another cell's snapshot
-    (docs/upstream.md; tests/test_hybrid.py has the canary): sequences share a call only where `cells` says no
-    state that still needs its snapshots moves (`recurrent.CallPlan.shares`), else each goes in a call of its own."""
+    (docs/upstream.md; tests/test_hybrid.py has the canary): sequences share a call only where `cells` says it
+    moves no state outside the call (`recurrent.CallPlan.shares`), else each goes in a call of its own."""
     live = sorted((i for i, (_, count) in enumerate(layout) if count > 0), key=lambda i: layout[i][0])
     calls: list[list[Chunk]] = []
     group: list[int] = []
