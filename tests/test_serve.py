@@ -366,8 +366,9 @@ def test_four_concurrent_clients_get_what_each_gets_alone(slots4):
     health = slots4.wait_idle()
     assert health["slots"] == 4 and health["slots_batched"]
     assert health["slots_batch_error"] == 0.0 and health["width_noise"] == 0.0  # the CPU: bit for bit
-    assert health["slot_batches"] == {name: {"shared": True, "error": 0.0, "width_noise": 0.0}
-                                      for name in ("target", "draft")}
+    assert {name: {k: v for k, v in b.items() if k != "sequences_per_call"}
+            for name, b in health["slot_batches"].items()} == {name: {"shared": True, "error": 0.0, "width_noise": 0.0}
+                                                                for name in ("target", "draft")}
     together: list[tuple[str, int] | None] = [None] * 4
     peak = {"running": 0}
 
@@ -451,7 +452,7 @@ def test_a_departing_client_frees_its_slot_for_the_next(slots4):
     after = slots4.wait_idle()
     assert after["cancelled"] == before["cancelled"] + 4 and after["running"] == 0
     # What the engine measured of whole rounds with several requests in them, per batch size.
-    assert after["rounds_tok_s"]["4"]["k×1"] > 0
+    assert after["rounds_tok_s"] == {}  # (--always-draft: no request may be cut, so the load policy measures nothing)
 
 
 # -- structured output and logprobs (demo-chat: an instruct model) --------------------------------------------

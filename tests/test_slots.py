@@ -194,12 +194,16 @@ def test_a_batch_size_next_to_a_measured_one_measures_in_its_order_and_leaves_it
     assert policy.share(3) == 0.0 and policy.order[3] == (0.0, 0.5)  # (4 and 5 are near 3: 4 is nearest)
 
 
-def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(tiny_pair):
-    """Driven through the engine: at 2 streams the policy's epochs draft all, none and half of k, and the
-    greedy output of each request is still its output alone."""
+def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(tiny_pair, monkeypatch):
+    """Driven through the engine: at 2 streams the policy's epochs draft none, all and half of k, and the
+    greedy output of each request is still its output alone. (The streams may stand aside, which puts them under
+    the load policy; the draft model's own rule for standing aside is set aside here: this is the policy's test.)"""
+    from localspec.drafters.base import DrafterBase
+
+    monkeypatch.setattr(DrafterBase, "stand_aside", lambda self, req, k, rule, lag=1: k)
     ps = prompts(2, seed=12)
-    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(6, 0.0, False), max_tokens=90)
-                for p in ps]
+    may_stand_aside = dataclasses.replace(drafting(6, 0.0, False), stand_aside=True)  # (the load policy's subject)
+    requests = [dict(prompt=p, sampling=GREEDY.sampling, drafting=may_stand_aside, max_tokens=90) for p in ps]
     expected = outputs_alone(tiny_pair, requests)
     with open_slots(tiny_pair, 2) as s:
         streams = [s.engine.start(**r, slot=i) for i, r in enumerate(requests)]
@@ -220,6 +224,38 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
         assert load.EARLY <= full <= e  # where it trailed plain decoding by more than DEFER
         assert all(max(n) <= 3 for n in lengths[e + full : e + full + load.EARLY])  # half of k = 6
         assert set(s.engine.load.summary()[2]) == {"k×1", "k×0", "k×0.5"}
+
+
+def test_streams_that_always_draft_keep_their_length_under_load(tiny_pair):
+    """`[draft] stand_aside` off (--always-draft) drafts every round at its length: the load policy cuts the share
+    of a stream beside it that may stand aside, never its own, and rounds it alone drafts in do not count as the
+    policy's measurements."""
+    ps = prompts(2, seed=13)
+    always = drafting(6, 0.0, False)  # (GREEDY: stand_aside off)
+    may_stand_aside = dataclasses.replace(always, stand_aside=True)
+    with open_slots(tiny_pair, 2) as s:
+        load = s.engine.load
+        load.order[2] = (0.0,)  # (the policy's first epoch at 2 streams: plain decoding)
+        streams = [s.engine.start(prompt=ps[0], sampling=GREEDY.sampling, drafting=always, max_tokens=40, slot=0),
+                   s.engine.start(prompt=ps[1], sampling=GREEDY.sampling, drafting=may_stand_aside,
+                                  max_tokens=40, slot=1)]
+        lengths = []
+        for _ in range(3):
+            s.engine.step(streams)
+            lengths.append([x.stats.draft_lengths[-1] for x in streams])
+            for x in streams:
+                list(x.events())
+        assert lengths == [[6, 0]] * 3 and load.rounds[2] == 3  # the other stream's share cut, and measured
+    with open_slots(tiny_pair, 2) as s:
+        both = [s.engine.start(prompt=p, sampling=GREEDY.sampling, drafting=always, max_tokens=40, slot=i)
+                for i, p in enumerate(ps)]
+        s.engine.load.order[2] = (0.0,)
+        for _ in range(3):
+            s.engine.step(both)
+            assert [x.stats.draft_lengths[-1] for x in both] == [6, 6]
+            for x in both:
+                list(x.events())
+        assert not s.engine.load.rounds  # rounds nobody could be cut in are no measurement
 
 
 def test_parallel_sizes_each_slot_at_the_context(tiny_pair):

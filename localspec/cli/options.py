@@ -154,7 +154,8 @@ adaptive = _setting("adaptive", "--adaptive/--no-adaptive",
                     "running acceptance, held 16 rounds at a time.", panel=DRAFTING)
 stand_aside = _setting("stand_aside", "--stand-aside/--always-draft",
                        "Draft nothing while a round of --draft drafts measures slower than plain decoding (probed "
-                       "now and then); --always-draft drafts every round.", panel=DRAFTING)
+                       "now and then); --always-draft drafts every round at its length, whatever the load "
+                       "(the server's load policy cuts only requests that may stand aside).", panel=DRAFTING)
 draft_ahead_length = _setting("draft_ahead_length", "--draft-ahead-length",
                         "Drafting ahead: the whole next round (full), or what fits beside the verify (fit).",
                         panel=DRAFTING)

@@ -291,8 +291,8 @@ class Engine:
                 s.drafter.accept(s.req, proposal, outcome)
             s.stats.count_round(len(proposal.tokens), verdict.accepted, on_path, verify_s)
         # A round where nobody would draft tells the load policy nothing; one its share cut to k = 0 is its plain
-        # epoch and counts.
-        if share < 1.0 or any(p.k for p in plans):
+        # epoch and counts. Nor does one where no stream may be cut (all must draft every round: --always-draft).
+        if any(s.drafting.stand_aside for s in live) and (share < 1.0 or any(p.k for p in plans)):
             self.load.observe(len(live), share, sum(len(v.emitted) for v in verdicts), time.perf_counter() - t0)
 
     def _draft_length(self, drafting: Drafting, sampling: Sampling, slot: Slot,

@@ -597,7 +597,8 @@ class LoadPolicy:
     that lost there by more than DEFER to its re-measuring epochs. As clients come and go a server sees many batch
     sizes, and measuring a clear loser for a whole epoch at each was most of what it lost under load
     (docs/performance.md). One slot alone always drafts all of it: the single-request loop (and `localspec bench`'s
-    modes) stays what it was, and a seed reproduces its output.
+    modes) stays what it was, and a seed reproduces its output; so does a stream that may not stand aside
+    (`[draft] stand_aside` off: `Schedule.plan` leaves its length alone).
     """
 
     EPOCH = 8

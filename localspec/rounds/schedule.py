@@ -100,9 +100,13 @@ class Schedule:
         # Slots that take turns verify one stream a decode, so a stream's round costs what it costs alone: its own
         # draft-length policy decides, and the load policy's shorter shares (for a shared verify growing
         # compute-bound) would only cost their probing rounds.
-        share = self.load.share(len(live)) if any(p.k for p in plans) and self.loop.target.batches_sequences else 1.0
+        # A stream that must draft every round (`[draft] stand_aside` off: --always-draft) keeps its length.
+        cut = [s.drafting.stand_aside for s in live]
+        share = (self.load.share(len(live)) if any(p.k for p, c in zip(plans, cut, strict=True) if c)
+                 and self.loop.target.batches_sequences else 1.0)
         if share < 1.0:
-            plans = [Plan(p.k_round, k := round(p.k * share), k + 1 if self.loop.constant_width else 0) for p in plans]
+            plans = [Plan(p.k_round, k := round(p.k * share), k + 1 if self.loop.constant_width else 0) if c else p
+                     for p, c in zip(plans, cut, strict=True)]
         return plans, share
 
     def _room(self, s: Stream) -> int:
