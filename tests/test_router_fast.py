@@ -202,7 +202,8 @@ def test_unloading_a_busy_pair_is_deferred_until_its_request_ends() -> None:
 
 
 def test_a_client_that_leaves_mid_stream_lets_its_pair_go() -> None:
-    with routed(budget_mib=None, delay=0.05) as (url, router, loader):
+    # (each decode 0.2 s: the reply outlasts a busy machine's pause between its first line and the check)
+    with routed(budget_mib=None, delay=0.2) as (url, router, loader):
         with httpx.stream("POST", f"{url}/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 200,
                                                                   "stream": True}) as r:
             next(r.iter_lines())

@@ -178,14 +178,19 @@ def test_a_drafter_error_beside_the_verify_surfaces_and_the_draft_model_is_idle(
     engine.close()
 
 
-def test_streams_taking_turns_draft_their_full_length_with_no_load_probing() -> None:
+def test_streams_taking_turns_draft_their_full_length_with_no_load_probing(monkeypatch) -> None:
     """The load policy shortens drafts where a shared verify grows compute-bound; taking turns, each stream's verify
     is its own, so every round of every stream drafts the length its own policy chose (here k = 4 throughout, no
-    probing epochs of k = 0 or k = 2), and the policy is not consulted."""
+    probing epochs of k = 0 or k = 2), and the policy is not consulted. (The streams may stand aside, which puts
+    them under the load policy; the draft model's own rule for that is set aside: it follows the clock.)"""
+    from localspec.drafters.base import DrafterBase
+
+    monkeypatch.setattr(DrafterBase, "stand_aside", lambda self, req, k, rule, lag=1: k)
     target, draft = turn_taking_pair(3)
     engine = Engine(target, draft, draft_ahead=True)
     lengths: list[int] = []
-    streams = [engine.start([1 + i, 2, 3], GREEDY.sampling, drafting(4), 200, slot=i) for i in range(3)]
+    streams = [engine.start([1 + i, 2, 3], GREEDY.sampling, drafting(4, stand_aside=True), 200, slot=i)
+               for i in range(3)]
     while not all(s.finished for s in streams):
         live = [s for s in streams if not s.finished]
         engine.step(live)
