@@ -397,7 +397,9 @@ class LlamaModel:
             items, modes, self.n_batch, self._cells_per_seq,
             lambda seq: int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq)) + 1, self.unknown_token,
         ) if cover and self.n_seq > 1 and modes else None
-        cells = self._recurrent.call_plan() if self._recurrent is not None and self.rewind_depth else None
+        # (one item: no call to share, and no copy of the cell map)
+        cells = (self._recurrent.call_plan() if self._recurrent is not None and self.rewind_depth and len(items) > 1
+                 else None)
         calls, trims = covering or (ubatch.plain_calls(items, self.n_batch, self.n_seq > 1, self.recurrent, cells), [])
         if len(items) > 1:  # (/health: how many sequences a call of several sequences' decode held)
             self.sequences_decoded += len(items)
@@ -631,11 +633,10 @@ class LlamaModel:
         if self._recurrent is not None:  # its snapshots and checkpoint belonged to the cells this replaced
             if ok:
                 self._recurrent.loaded(seq)
-            elif data:  # (llama.cpp read some of it: where it left the cells is not known)
-                self._recurrent.forget(seq)
-                self._recurrent.failed()
             else:
                 self._recurrent.forget(seq)
+                if data:  # (llama.cpp read some of it: where it left the cells is not known)
+                    self._recurrent.failed()
         self._places.put(seq, getattr(data, "gaps", ()) if ok else ())
         if not ok:
             self.clear(seq)
