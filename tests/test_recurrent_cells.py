@@ -52,7 +52,7 @@ def test_sequences_of_the_ubatch_may_move_and_then_sit_in_order() -> None:
 
 
 def test_a_plan_judges_each_call_on_the_cells_the_earlier_calls_leave() -> None:
-    """whole_plan's calls in order: a sequence that takes an empty cell in one call decides what the next may share."""
+    """whole_plan's calls in order: a run's longest first part that shares, then the rest on the cells it leaves."""
     from localspec.llama.ubatch import whole_plan
 
     cells = CellMap(4)
@@ -60,8 +60,9 @@ def test_a_plan_judges_each_call_on_the_cells_the_earlier_calls_leave() -> None:
     cells.decoded([2])  # cells: 0, 2, -, -
     plan = CallPlan(cells)
     assert not plan.shares([0, 1])  # 1 takes the empty cell 2; gathering it into cell 1 moves 2 out of the way
-    # After 0's call alone, 1 and 2 together move only themselves (1 into cell 1, 2 into cell 2); 3 goes alone.
-    assert whole_plan([(0, 1), (1, 1), (2, 1), (3, 2)], 64, plan) == [[(0, 0, 1)], [(1, 0, 1), (2, 0, 1)], [(3, 0, 2)]]
+    # All three together move only themselves (1 into cell 1, 2 into cell 2); 3, with another count, goes alone.
+    assert plan.shares([0, 1, 2])
+    assert whole_plan([(0, 1), (1, 1), (2, 1), (3, 2)], 64, plan) == [[(0, 0, 1), (1, 0, 1), (2, 0, 1)], [(3, 0, 2)]]
     assert plan.cells.owner == [0, 1, 2, 3] and cells.owner == [0, 2, None, None]  # (the plan's own copy)
     plan = CallPlan(cells)
     cells_after = whole_plan([(2, 1), (3, 1)], 64, plan)  # 3 takes cell 2, 2 stays in cell 1: in order already
@@ -70,6 +71,30 @@ def test_a_plan_judges_each_call_on_the_cells_the_earlier_calls_leave() -> None:
     plan.called([3])  # (an earlier call: 3 takes cell 2 alone)
     plan.cells.removed(0)
     assert not plan.shares([0, 1])  # 0 takes cell 0 again, 1 takes cell 3 and goes to 1, moving 2
+
+    cells = CellMap(4)
+    for seq in (0, 3, 1):
+        cells.decoded([seq])  # cells: 0, 3, 1, -
+    plan = CallPlan(cells)
+    assert not plan.shares([0, 1, 2]) and not plan.shares([0, 1])  # (1 into cell 1 moves 3)
+    # 0 alone; then 1 stays in cell 2 and 2 takes cell 3 beside it: no one else moves.
+    assert whole_plan([(0, 1), (1, 1), (2, 1)], 64, plan) == [[(0, 0, 1)], [(1, 0, 1), (2, 0, 1)]]
+    assert plan.cells.owner == [0, 3, 1, 2]
+
+
+def test_sequences_in_scrambled_cells_share_a_call_all_together_and_then_sit_in_order() -> None:
+    """Slots first filled out of order (a server's requests come as they come): grown one sequence at a time no
+    group would share (0 and 1 alone move 2 out of the way), all four together move only themselves."""
+    from localspec.llama.ubatch import whole_plan
+
+    cells = CellMap(4)
+    for seq in (2, 0, 3, 1):
+        cells.decoded([seq])
+    assert cells.owner == [2, 0, 3, 1]
+    plan = CallPlan(cells)
+    assert not plan.shares([0, 1]) and plan.shares([0, 1, 2, 3])
+    assert whole_plan([(seq, 2) for seq in range(4)], 64, plan) == [[(i, 0, 2) for i in range(4)]]
+    assert plan.cells.owner == [0, 1, 2, 3] and plan.cells.moved([0, 1, 2, 3]) == set()
 
 
 def test_lost_cells_share_nothing_until_every_cell_is_cleared() -> None:

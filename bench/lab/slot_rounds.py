@@ -1,21 +1,22 @@
 """Rounds per second and llama.cpp ubatches per round with N busy slots (issue #18), through the engine.
 
-    python bench/lab/slot_rounds.py --target T.gguf --draft D.gguf [--slots 16] [--rounds 40] [--order scrambled]
-        [--temperature 0.7] [--k 6] [--threads 1] [--count-ubatches] [--timeline] [--draft-ahead auto|on|off]
-        [--device-top-k N] [--share-batches probe|on|off] [--json OUT]
+    python bench/lab/slot_rounds.py --target T.gguf [--draft D.gguf] [--drafter model|mtp|lookup|...] [--slots 16]
+        [--rounds 40] [--order scrambled] [--temperature 0.7] [--k 6] [--share 1.0] [--threads 1] [--count-ubatches]
+        [--timeline] [--draft-ahead auto|on|off] [--device-top-k N] [--share-batches probe|on|off] [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
 permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
 listed in that order, then times `--rounds` engine rounds (`Engine.step` over all of them, the load policy held at
-full drafts, so every round drafts k and verifies k + 1). With `--count-ubatches` it runs the same rounds again
+full drafts, so every round drafts k and verifies k + 1; `--share F` holds it at F of k instead: `--share 0` is a
+speculative server's rounds where the load policy cut every draft, against `--k 0`, a plain server's). With `--count-ubatches` it runs the same rounds again
 with llama.cpp's batch debugging on (`LLAMA_BATCH_DEBUG=1`, read when a context is made) and counts the ubatches
 llama.cpp made per round from its own log ("added ubatch"), target and draft apart: the ground truth for any
 version of localspec, which is how the figures before and after the fix of issue #18 were taken. That pass is
 not timed (the debug log costs time).
 
 With `--timeline` every llama.cpp decode of the timed rounds is logged (model, thread, start, end): per round, the
-target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), and the
-rest of the round (host work, waits). `--draft-ahead` and `--device-top-k` set the `[load]` keys of those names.
+target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), an MTP
+head's (`head_s`), and the rest of the round (host work, waits). `--draft-ahead` and `--device-top-k` set the `[load]` keys of those names.
 `--share-batches on|off` overrides the target's load probe (`LlamaModel.batches_sequences`: whether its slots share
 a verify or take turns), to price what the probe's verdict costs; the probe's figures are reported either way.
 """
@@ -53,18 +54,21 @@ def _count(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 _COUNTING = llama_cpp.llama_log_callback(_count)  # kept alive: llama.cpp holds the pointer
 
 
-def _log_decodes(model, name: str, log: list[tuple[str, bool, float, float, int]]) -> None:  # type: ignore[no-untyped-def]
-    """Log each llama_decode of `model` (name, on the loop's thread, start, end, tokens)."""
-    decode = model._decode
+def _log_decodes(model, name: str, log: list[tuple[str, bool, float, float, int]],  # type: ignore[no-untyped-def]
+                 method: str = "_decode") -> None:
+    """Log each llama.cpp decode of `model` (name, on the loop's thread, start, end, tokens): its `method`, whose
+    first argument is the token count or the entries (an MTP head's `_decode_chunk`)."""
+    decode = getattr(model, method)
     main = threading.main_thread()
 
     def timed(n, *rest):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         out = decode(n, *rest)
-        log.append((name, threading.current_thread() is main, t0, time.perf_counter(), int(n)))
+        log.append((name, threading.current_thread() is main, t0, time.perf_counter(), n if isinstance(n, int)
+                    else len(n)))
         return out
 
-    model._decode = timed
+    setattr(model, method, timed)
 
 
 def _timeline(log: list[tuple[str, bool, float, float, int]], bounds: list[tuple[float, float]]) -> dict:
@@ -76,9 +80,10 @@ def _timeline(log: list[tuple[str, bool, float, float, int]], bounds: list[tuple
         target = [e[3] - e[2] for e in inside if e[0] == "target"]
         draft_main = sum(e[3] - e[2] for e in inside if e[0] == "draft" and e[1])
         draft_beside = sum(e[3] - e[2] for e in inside if e[0] == "draft" and not e[1])
+        head = sum(e[3] - e[2] for e in inside if e[0] == "head")
         rows.append({"round_s": t1 - t0, "target_s": sum(target), "target_decodes": len(target),
-                     "draft_main_s": draft_main, "draft_beside_s": draft_beside,
-                     "rest_s": t1 - t0 - sum(target) - draft_main})
+                     "draft_main_s": draft_main, "draft_beside_s": draft_beside, "head_s": head,
+                     "rest_s": t1 - t0 - sum(target) - draft_main - head})
     by_width: dict[int, list[float]] = {}
     for name, _, t0, t1, n in log:
         if name == "target":
@@ -95,9 +100,9 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
         os.environ["LLAMA_BATCH_DEBUG"] = "1"
     preset = load_preset("default").with_overrides(
         temperature=args.temperature, n_draft=args.k, threads=args.threads, n_ctx=args.ctx,
-        draft_ahead=args.draft_ahead, device_top_k=args.device_top_k)
+        draft_ahead=args.draft_ahead, device_top_k=args.device_top_k, drafter=args.drafter)
     files = ModelFiles(target=args.target, draft=args.draft, name="slot_rounds")
-    _LoadPolicy.SHARES = (1.0,)  # every round drafts its full length: the same rounds before and after
+    _LoadPolicy.SHARES = (args.share,)  # every round drafts that share of its length: the same rounds throughout
     with open_session(files, preset, parallel=args.slots) as session:
         if count:
             llama_cpp.llama_log_set(_COUNTING, ctypes.c_void_p(0))
@@ -112,6 +117,9 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
             _log_decodes(session.target, "target", log)
             if session.draft is not None:
                 _log_decodes(session.draft, "draft", log)
+            for drafter in engine.drafters.values():  # an MTP head's decodes (its context is made on first use)
+                if hasattr(drafter, "head"):
+                    _log_decodes(drafter.head, "head", log, "_decode_chunk")
         slots = list(range(args.slots))
         if args.order == "scrambled":
             slots = np.random.default_rng(7).permutation(args.slots).tolist()
@@ -121,6 +129,8 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
             prompt = rng.integers(100, min(session.target.n_vocab, 40_000), size=12 + i).tolist()
             sampling = dataclasses.replace(preset.sampling, seed=100 + i)
             drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False)
+            if args.share == 1.0:  # (a drafter's own stand-aside would cut what the held share keeps)
+                drafting = dataclasses.replace(drafting, stand_aside=False)
             streams.append(engine.start(prompt, sampling, drafting, 10**6, slot=slot))
         for _ in range(args.warmup):
             engine.step(streams)
@@ -152,7 +162,10 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slot_rounds.py", description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--draft", type=Path, required=True)
+    p.add_argument("--draft", type=Path, help="the draft model (none: a drafter without one, --drafter)")
+    p.add_argument("--drafter", default=None, help="the preset's drafter (default: its own, the draft model)")
+    p.add_argument("--share", type=float, default=1.0,
+                   help="the share of k the load policy is held at (0: every draft cut, the stand-aside rounds)")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)

@@ -76,17 +76,28 @@ def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, cells: CallPlan 
     sequences makes llama.cpp gather their states into neighbouring cells, swapping other cells out of the way
     without their snapshots, so a sequence moved that way would roll back to another cell's snapshot
     (docs/upstream.md; tests/test_hybrid.py has the canary): sequences share a call only where `cells` says it
-    moves no state outside the call (`recurrent.CallPlan.shares`), else each goes in a call of its own."""
+    moves no state outside the call (`recurrent.CallPlan.shares`): a run's longest first part that does, then its
+    rest the same way (one sequence alone always does)."""
     live = sorted((i for i, (_, count) in enumerate(layout) if count > 0), key=lambda i: layout[i][0])
     calls: list[list[Chunk]] = []
-    group: list[int] = []
+    group: list[int] = []  # a run: consecutive sequences, as many tokens each, within n_batch
+
+    def call(members: list[int]) -> None:
+        calls.append([(i, 0, layout[i][1]) for i in members])
+        if cells is not None:
+            cells.called([layout[i][0] for i in members])
 
     def close() -> None:
-        if group:
-            calls.append([(i, 0, layout[i][1]) for i in group])
-            if cells is not None:
-                cells.called([layout[i][0] for i in group])
-            group.clear()
+        # The run's longest first part that shares, then the rest the same way. Longest first, not grown one
+        # sequence at a time: sequences in scrambled cells (slots first filled out of order) move only themselves
+        # when all go together, where the first two alone would move a third out of the way, and once gathered they
+        # sit in order for every later round.
+        while group:
+            take = len(group)
+            while take > 1 and cells is not None and not cells.shares([layout[g][0] for g in group[:take]]):
+                take -= 1
+            call(group[:take])
+            del group[:take]
 
     for i in live:
         seq, count = layout[i]
@@ -97,8 +108,7 @@ def whole_plan(layout: Sequence[tuple[int, int]], n_batch: int, cells: CallPlan 
                 cells.called([seq])
             continue
         if group and (seq != layout[group[-1]][0] + 1 or count != layout[group[-1]][1]
-                      or (len(group) + 1) * count > n_batch
-                      or cells is not None and not cells.shares([*(layout[g][0] for g in group), seq])):
+                      or (len(group) + 1) * count > n_batch):
             close()
         group.append(i)
     close()
