@@ -16,10 +16,14 @@
 #     hybrid-mtp-clients   several: --clients CLIENTS --classes SERVED_CLASSES --lengths SERVED_LENGTHS
 #                          --sweep SERVED_HYBRID_SWEEP
 #     card-clients         the card pair (~85%), the draft model, several clients, --sweep SERVED_CARD_SWEEP
+#     hybrid-rounds        bench/lab/slot_rounds.py on the hybrid, ROUND_SLOTS slots, one JSON per kind of round:
+#                          plain (a plain load), none (the MTP head's load, every draft cut: the load policy's
+#                          stand-aside), none-lookup (rollback snapshots, no hidden rows), none-ascending (slots
+#                          filled in order), all (drafting the whole length, 4)
 #   HYBRID_SIZE [hybrid27b] (hybrid-tiny: a CPU dry run)  MTP_NOISE [0.1]  SCALE [8e-5]  CARD_NOISE [0.013]
 #   HYBRID_CLASSES [code-edit,prose,qa,json]  LENGTHS [32,400]  HYBRID_SWEEP [2,3,4,5]
 #   CLIENTS [4,16]  SERVED_CLASSES [code-edit,prose]  SERVED_LENGTHS [32]  SERVED_HYBRID_SWEEP [3,5]
-#   SERVED_CARD_SWEEP [2,4,6]  REPEAT [3] (served: SERVED_REPEAT [2])  WARMUP [1]  THREADS [4]
+#   SERVED_CARD_SWEEP [2,4,6]  ROUND_SLOTS [16]  REPEAT [3] (served: SERVED_REPEAT [2])  WARMUP [1]  THREADS [4]
 #   GRID_ARGS  more bench/grid.py arguments (a word list)
 # Results: WORK/results/grid/DATE-MACHINE-grid-JOB.csv (bench/results' naming; the reports in the folder of its
 # name), projector-memory.csv; $OUT/grid-results.tar.gz, the CSVs and the log.
@@ -43,6 +47,7 @@ SERVED_CLASSES="${SERVED_CLASSES:-code-edit,prose}"
 SERVED_LENGTHS="${SERVED_LENGTHS:-32}"
 SERVED_HYBRID_SWEEP="${SERVED_HYBRID_SWEEP:-3,5}"
 SERVED_CARD_SWEEP="${SERVED_CARD_SWEEP:-2,4,6}"
+ROUND_SLOTS="${ROUND_SLOTS:-16}"
 REPEAT="${REPEAT:-3}"
 SERVED_REPEAT="${SERVED_REPEAT:-2}"
 WARMUP="${WARMUP:-1}"
@@ -57,7 +62,7 @@ HT="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"  # (hybrid.sh's file names: a 
 write_models() {  # the targets GRID_JOBS measure (and the card's draft), one after the other, beside the build
     [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
     use_build
-    if [[ " $GRID_JOBS " == *" hybrid-mtp"* && ! -f "$HT" ]]; then
+    if [[ " $GRID_JOBS " == *" hybrid-"* && ! -f "$HT" ]]; then
         vocab_args "$HYBRID_SIZE"
         nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
             --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" \
@@ -81,7 +86,15 @@ tag="$(machine_tag)"
 day="$(cat "$RES/day")"
 
 # result JOB: the file a job writes (its presence: the job is done).
-result() { [[ "$1" == projector ]] && echo "$RES/projector-memory.csv" || echo "$RES/$day-$tag-grid-$1.csv"; }
+result() {
+    case "$1" in
+        projector) echo "$RES/projector-memory.csv" ;;
+        hybrid-rounds) echo "$RES/$day-$tag-rounds/all.json" ;;  # (its last round kind)
+        *) echo "$RES/$day-$tag-grid-$1.csv" ;;
+    esac
+}
+ROUND_KINDS=("plain:--k 0" "none:--drafter mtp --k 4 --share 0" "none-lookup:--drafter lookup --k 4 --share 0"
+             "none-ascending:--drafter mtp --k 4 --share 0 --order ascending" "all:--drafter mtp --k 4 --share 1")
 # grid JOB NEED_S ARGS...: bench/grid.py into DAY-TAG-grid-JOB.csv unless it exists; going on from the reports an
 # earlier call left (--reuse) when its folder is there.
 grid() {
@@ -101,6 +114,18 @@ for job in $GRID_JOBS; do
             run projector-memory 120 python3 "$REPO/bench/projector_memory.py" --gpu \
                 --synthetic-text "$CARRY/ggml-vocab-qwen2.gguf" --out "$(result projector)" \
                 > "$RES/projector-memory.log" 2>&1 ;;
+        hybrid-rounds)
+            written
+            [[ -f "$HT" ]] || { log "no hybrid target (see $RES/write-hybrid.log)"; continue; }
+            mkdir -p "$RES/$day-$tag-rounds"
+            for kind in "${ROUND_KINDS[@]}"; do
+                name="${kind%%:*}"; json="$RES/$day-$tag-rounds/$name.json"
+                [[ -s "$json" ]] && continue
+                # shellcheck disable=SC2086  # (the kind's arguments: a word list)
+                run "rounds-$name" 90 python3 "$REPO/bench/lab/slot_rounds.py" --target "$HT" ${kind#*:} \
+                    --slots "$ROUND_SLOTS" --rounds 60 --warmup 5 --temperature 0.7 --threads "$THREADS" --timeline \
+                    --json "$json" > "$RES/rounds-$name.log" 2>&1
+            done ;;
         hybrid-mtp|hybrid-mtp-clients)
             [[ -z "$writer" ]] || { log "waiting for the models' writer (no measuring beside it)"; written; }
             [[ -f "$HT" ]] || { log "no hybrid target (see $RES/write-hybrid.log)"; continue; }
