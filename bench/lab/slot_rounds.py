@@ -8,17 +8,18 @@ Starts one request per slot (different prompts, seeds), the slots taken in `--or
 permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
 listed in that order, then times `--rounds` engine rounds (`Engine.step` over all of them, the load policy held at
 full drafts, so every round drafts k and verifies k + 1; `--share F` holds it at F of k instead: `--share 0` is a
-speculative server's rounds where the load policy cut every draft, against `--k 0`, a plain server's). With `--count-ubatches` it runs the same rounds again
-with llama.cpp's batch debugging on (`LLAMA_BATCH_DEBUG=1`, read when a context is made) and counts the ubatches
-llama.cpp made per round from its own log ("added ubatch"), target and draft apart: the ground truth for any
-version of localspec, which is how the figures before and after the fix of issue #18 were taken. That pass is
-not timed (the debug log costs time).
+speculative server's rounds where the load policy cut every draft, against `--k 0`, a plain server's). With
+`--count-ubatches` it runs the same rounds again with llama.cpp's batch debugging on (`LLAMA_BATCH_DEBUG=1`, read
+when a context is made) and counts the ubatches llama.cpp made per round from its own log ("added ubatch"), target
+and draft apart: the ground truth for any version of localspec, which is how the figures before and after the fix
+of issue #18 were taken. That pass is not timed (the debug log costs time).
 
 With `--timeline` every llama.cpp decode of the timed rounds is logged (model, thread, start, end): per round, the
 target's decodes and their mean length, the draft's on the loop's thread and beside it (a worker thread), an MTP
-head's (`head_s`), and the rest of the round (host work, waits). `--draft-ahead` and `--device-top-k` set the `[load]` keys of those names.
-`--share-batches on|off` overrides the target's load probe (`LlamaModel.batches_sequences`: whether its slots share
-a verify or take turns), to price what the probe's verdict costs; the probe's figures are reported either way.
+head's (`head_s`), and the rest of the round (host work, waits). `--draft-ahead` and `--device-top-k` set the
+`[load]` keys of those names. `--share-batches on|off` overrides the target's load probe
+(`LlamaModel.batches_sequences`: whether its slots share a verify or take turns), to price what the probe's
+verdict costs; the probe's figures are reported either way.
 """
 
 from __future__ import annotations
