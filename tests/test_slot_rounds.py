@@ -25,3 +25,25 @@ def test_share_batches_overrides_the_probe_and_reports_it(tiny_pair, share, monk
     expected = {"probe": probe["shared"], "on": True, "off": False}[share]
     assert timed["slots_batched"] is expected
     assert timed["rounds"] == 2 and timed["tokens"] > 0
+
+
+def test_an_mtp_heads_rounds_held_at_no_drafts_share_one_decode_in_scrambled_slots(hybrid_pair, monkeypatch,
+                                                                                     capsys) -> None:
+    """`--drafter mtp --share 0`: a speculative server's rounds once the load policy cut every draft. Its slots,
+    first filled out of order (2, 0, 4, 1, 3), share one target decode a round like a plain load's (`--k 0`);
+    drafting the whole length (`--share 1`) shows the head's decodes in the timeline."""
+    monkeypatch.setattr(LoadPolicy, "SHARES", LoadPolicy.SHARES)
+    target = hybrid_pair[0]
+    common = ["--target", str(target), "--slots", "5", "--rounds", "3", "--warmup", "1", "--temperature", "0.7",
+              "--ctx", "256", "--timeline"]
+    runs = {}
+    for name, extra in (("plain", ["--k", "0"]), ("none", ["--drafter", "mtp", "--k", "3", "--share", "0"]),
+                        ("all", ["--drafter", "mtp", "--k", "3", "--share", "1"])):
+        assert slot_rounds.main(common + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["timed"]
+    for name in ("plain", "none"):
+        per_round = runs[name]["timeline"]["median_per_round"]
+        assert per_round["target_decodes"] == 1 and per_round["head_s"] == 0.0, name
+    assert runs["none"]["acceptance"] == 0.0  # (nothing drafted)
+    drafting = runs["all"]["timeline"]["median_per_round"]
+    assert drafting["head_s"] > 0.0 and drafting["target_decodes"] == 1
