@@ -150,47 +150,75 @@ def test_a_stopped_request_frees_its_slot_and_the_others_go_on(tiny_pair):
         assert b.done.stop_reason == STOP_MAX_TOKENS and b.stats.tokens == 30
 
 
+def _drive(policy: LoadPolicy, n: int, speed: dict[float, float], rounds: int) -> list[tuple[int, float]]:
+    """`rounds` rounds at batch size n, each share running at its `speed` (tok/s): (epoch, share) per round."""
+    out = []
+    for _ in range(rounds):
+        epoch, share = policy.epochs.get(n, 0), policy.share(n)
+        out.append((epoch, share))
+        policy.observe(n, share, tokens=int(speed[share]), seconds=1.0)
+    return out
+
+
 def test_load_policy_measures_each_share_and_keeps_the_fastest():
     policy = LoadPolicy()
     assert policy.share(1) == 1.0  # one request alone always drafts all of its length
     speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}  # tok/s: plain batched decoding is fastest at 4 slots here
-    e, chosen = policy.EPOCH, []
-    for _ in range(6 * e):
-        share = policy.share(4)
-        chosen.append(share)
-        policy.observe(4, share, tokens=int(speed[share]), seconds=1.0)
+    e, early = policy.EPOCH, policy.EARLY
+    chosen = [share for _, share in _drive(policy, 4, speed, 2 * e + early + e)]
     # Each measured for an epoch, in turn: all of k trails plain decoding by more than DEFER, so only EARLY rounds.
-    early = policy.EARLY
-    assert chosen[: 2 * e + early] == [0.0] * e + [1.0] * early + [0.5] * e
-    assert set(chosen[2 * e + early :]) == {0.0}  # then the fastest
+    assert chosen == [0.0] * e + [0.5] * e + [1.0] * early + [0.0] * e  # then the fastest
     assert policy.summary()[4] == {"k×0": 80.0, "k×0.5": 65.0, "k×1": 50.0}
-    assert policy.order.get(9) is None and policy.share(9) == policy.SHARES[0] and policy.order[9] == policy.SHARES
-    # (a batch size not near 4 is measured on its own)
-    # Every REPROBE-th epoch re-measures one of the others, in turn.
-    policy.epochs[4] = policy.REPROBE
-    first = policy.share(4)
-    policy.epochs[4] = 2 * policy.REPROBE
-    assert {first, policy.share(4)} == {1.0, 0.5}
+    assert policy.order.get(9) is None and policy.share(9) == 0.0
+    assert policy.order[9] == (0.0, 0.5)  # (9 is not near 4, but all of k lost at a smaller size)
+
+
+def test_re_measuring_backs_off_while_the_best_stays_best_and_starts_over_when_it_falls() -> None:
+    """The first re-measuring epoch comes REPROBE epochs in, each next one twice as far while the share it
+    measures loses again (up to REPROBE_MAX), the others in turn; one whose share wins makes it the best and the
+    gap REPROBE again."""
+    policy = LoadPolicy()
+    speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}
+    rounds = _drive(policy, 4, speed, 200 * policy.EPOCH)
+    probes = sorted({(epoch, share) for epoch, share in rounds if epoch >= 3 and share != 0.0})
+    r, top = policy.REPROBE, policy.REPROBE_MAX
+    assert [epoch for epoch, _ in probes] == [r, 3 * r, 7 * r, 7 * r + top, 7 * r + 2 * top]
+    assert [share for _, share in probes] == [0.5, 1.0, 0.5, 1.0, 0.5]
+    assert all(share == 0.0 for epoch, share in rounds if epoch >= 3 and (epoch, share) not in probes)
+    # Half of k is now the fastest: the next re-measuring epoch that measures it (all of k comes first) finds it,
+    # and the gap starts over.
+    speed[0.5] = 120.0
+    rounds = _drive(policy, 4, speed, (2 * top + 4 * r) * policy.EPOCH)
+    found = min(epoch for epoch, share in rounds if share == 0.5)
+    assert found == 7 * r + 4 * top and {share for epoch, share in rounds if epoch < found} == {0.0, 1.0}
+    later = sorted({epoch for epoch, share in rounds if epoch > found and share != 0.5})
+    assert later[:2] == [found + r, found + 3 * r] and policy.share(4) == 0.5
+
+
+def test_a_share_that_trails_by_far_leaves_the_longer_ones_to_re_measuring_and_larger_batches() -> None:
+    """Half of k trails plain decoding by more than DEFER at 8 slots: all of k is not measured first there, nor at
+    any larger batch size (nearer compute-bound); a smaller one measures everything."""
+    policy = LoadPolicy()
+    e, early = policy.EPOCH, policy.EARLY
+    speed = {0.0: 80.0, 0.5: 55.0, 1.0: 40.0}
+    assert [share for _, share in _drive(policy, 8, speed, e + early + e)] == [0.0] * e + [0.5] * early + [0.0] * e
+    assert policy.order[8] == (0.0, 0.5) and policy.lost(8) == {0.5}
+    assert policy.share(16) == 0.0 and policy.order[16] == (0.0,)  # (16 is not near 8: what lost there loses here)
+    assert policy.share(2) == 0.0 and policy.order[2] == policy.SHARES
 
 
 def test_a_batch_size_next_to_a_measured_one_measures_in_its_order_and_leaves_its_clear_loser() -> None:
     """At 4 slots plain decoding was fastest, half the length within DEFER of it, all of it far behind: 5 slots
-    measure plain first, then half, and all of it only in a re-measuring epoch; 9 slots are not near 4."""
+    measure plain first, then half, and all of it only in a re-measuring epoch; so does 9, not near 4 but larger."""
     policy = LoadPolicy()
     e = policy.EPOCH
     speed = {1.0: 50.0, 0.0: 80.0, 0.5: 65.0}
-    for _ in range(3 * e):
-        share = policy.share(4)
-        policy.observe(4, share, tokens=int(speed[share]), seconds=1.0)
-    chosen = []
-    for _ in range(policy.REPROBE * e + 1):
-        share = policy.share(5)
-        chosen.append(share)
-        policy.observe(5, share, tokens=int(speed[share]), seconds=1.0)
+    _drive(policy, 4, speed, 3 * e)
+    chosen = [share for _, share in _drive(policy, 5, speed, policy.REPROBE * e + 1)]
     assert chosen[: 2 * e] == [0.0] * e + [0.5] * e
     assert set(chosen[2 * e : policy.REPROBE * e]) == {0.0}  # the fastest; all of k was never drafted at 5
     assert chosen[-1] in (1.0, 0.5)  # the re-measuring epoch
-    assert policy.order[5] == (0.0, 0.5) and policy.share(9) == 0.0 and policy.order[9] == policy.SHARES
+    assert policy.order[5] == (0.0, 0.5) and policy.share(9) == 0.0 and policy.order[9] == (0.0, 0.5)
     assert policy.share(3) == 0.0 and policy.order[3] == (0.0, 0.5)  # (4 and 5 are near 3: 4 is nearest)
 
 
@@ -220,10 +248,13 @@ def test_with_several_streams_the_policy_shortens_drafts_and_output_stays_exact(
         load = s.engine.load
         e = load.EPOCH
         assert lengths[:e] == [{0}] * e  # the plain epoch first
-        full = next(i for i, n in enumerate(lengths[e:]) if n != {6})  # all of k: a whole epoch, or EARLY rounds
-        assert load.EARLY <= full <= e  # where it trailed plain decoding by more than DEFER
-        assert all(max(n) <= 3 for n in lengths[e + full : e + full + load.EARLY])  # half of k = 6
-        assert set(s.engine.load.summary()[2]) == {"k×1", "k×0", "k×0.5"}
+        half = next(i for i, n in enumerate(lengths[e:]) if n != {3})  # half of k = 6: an epoch, or EARLY rounds
+        assert load.EARLY <= half <= e
+        after = lengths[e + half : e + half + load.EARLY]
+        if 0.5 in load.lost(2):  # it trailed plain decoding by more than DEFER: all of k is left to re-measuring
+            assert after == [{0}] * load.EARLY
+        else:  # then all of k
+            assert after[0] == {6} and set(load.summary()[2]) == {"k×1", "k×0", "k×0.5"}
 
 
 def test_streams_that_always_draft_keep_their_length_under_load(tiny_pair):

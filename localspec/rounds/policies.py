@@ -590,21 +590,29 @@ class LoadPolicy:
 
     With many slots the target's verify grows towards compute-bound and draft tokens cost nearly what they save.
     So per batch size this measures the aggregate tokens per second of whole rounds at each share of the streams'
-    own draft lengths in SHARES (none: plain batched decoding, all of it, half), an epoch each, then uses the
-    fastest and re-measures the others in turn every REPROBE-th epoch (acceptance drifts with the text). A share
-    that trails the best one measured at that size by more than DEFER ends its epoch after EARLY rounds. A batch
-    size next to one measured in full (`near`) measures its shares in the order they ranked there, and leaves a share
-    that lost there by more than DEFER to its re-measuring epochs. As clients come and go a server sees many batch
-    sizes, and measuring a clear loser for a whole epoch at each was most of what it lost under load
-    (docs/performance.md). One slot alone always drafts all of it: the single-request loop (and `localspec bench`'s
-    modes) stays what it was, and a seed reproduces its output; so does a stream that may not stand aside
-    (`[draft] stand_aside` off: `Schedule.plan` leaves its length alone).
+    own draft lengths in SHARES (none: plain batched decoding, half of it, all of it), an epoch each, then uses the
+    fastest and re-measures the others in turn. A share that trails the best one measured at that size by more than
+    DEFER ends its epoch after EARLY rounds, and a longer share is then not measured first at that size at all. A
+    batch size next to one measured in full (`near`) measures its shares in the order they ranked there, and leaves a
+    share that lost there by more than DEFER to its re-measuring epochs; so does a larger batch size for a drafting
+    share (and the longer ones) that lost so at any smaller size: a larger batch's verify is nearer compute-bound,
+    where drafts save less. As clients come and go a server sees many batch sizes, and measuring a clear loser for a
+    whole epoch at each was most of what it lost under load (docs/performance.md).
+
+    Re-measuring (acceptance drifts with the text) starts every REPROBE-th epoch; each time the share it measured
+    loses again the gap to the next doubles, up to REPROBE_MAX (at 16 slots a round drafting all of its length cost
+    about three plain ones on the hybrid target: re-measuring it every 8 epochs was ~5% of a long reply's time).
+
+    One slot alone always drafts all of it: the single-request loop (and `localspec bench`'s modes) stays what it
+    was, and a seed reproduces its output; so does a stream that may not stand aside (`[draft] stand_aside` off:
+    `Schedule.plan` leaves its length alone).
     """
 
     EPOCH = 8
     EARLY = 3
     REPROBE = 8
-    SHARES = (0.0, 1.0, 0.5)
+    REPROBE_MAX = 64
+    SHARES = (0.0, 0.5, 1.0)
     DEFER = 0.8  # a share below this part of the best ends its epoch early, and is left out at a neighbouring size
 
     def __init__(self) -> None:
@@ -613,22 +621,35 @@ class LoadPolicy:
         self.order: dict[int, tuple[float, ...]] = {}  # per batch size: the shares it measures first, in turn
         self.epochs: dict[int, int] = {}  # per batch size: its epochs ended
         self.epoch_rounds: dict[int, int] = {}  # per batch size: rounds observed in its current epoch
+        self.next_probe: dict[int, int] = {}  # per batch size: the epoch that re-measures a share other than the best
+        self.probe_gap: dict[int, int] = {}  # per batch size: epochs from that one to the next
+        self.probes: dict[int, int] = {}  # per batch size: re-measuring epochs so far (the others in turn)
+        self.probing: dict[int, float] = {}  # per batch size: the share its re-measuring epoch under way measures
 
     @staticmethod
     def near(n: int, m: int) -> bool:
         """Whether batch size m is close enough to n for its ranking of the shares to stand for n's."""
         return 0 < abs(m - n) <= max(2, n // 4)
 
+    def lost(self, m: int) -> set[float]:
+        """The shares measured at batch size m that trail the best one there by more than DEFER."""
+        rates = {f: r for (size, f), r in self.rate.items() if size == m}
+        best = max(rates.values(), default=0.0)
+        return {f for f, r in rates.items() if r < self.DEFER * best}
+
     def _first_order(self, n: int) -> tuple[float, ...]:
         """The shares a batch size measures first: SHARES in turn, or, next to a size measured in full, its
-        ranking there without the shares that lost by more than DEFER."""
+        ranking there without the shares that lost by more than DEFER; without a drafting share that lost so at a
+        smaller size, nor any longer one."""
         full = [m for m in self.rounds if self.near(n, m) and all((m, f) in self.rate for f in self.SHARES)]
-        if not full:
-            return self.SHARES
-        m = min(full, key=lambda m: (abs(m - n), m))
-        ranked = sorted(self.SHARES, key=lambda f: -self.rate[(m, f)])
-        best = self.rate[(m, ranked[0])]
-        return tuple(f for f in ranked if self.rate[(m, f)] >= self.DEFER * best)
+        ranked, out = list(self.SHARES), set()
+        if full:
+            m = min(full, key=lambda m: (abs(m - n), m))
+            ranked = sorted(self.SHARES, key=lambda f: -self.rate[(m, f)])
+            out = self.lost(m)
+        below = [f for m in self.rounds if m < n for f in self.lost(m) if f > 0.0]
+        kept = tuple(f for f in ranked if f not in out and not any(0.0 < g <= f for g in below))
+        return kept or (ranked[0],)
 
     def share(self, n: int) -> float:
         """The share of each stream's draft length to draft this round, with n streams in it."""
@@ -638,11 +659,17 @@ class LoadPolicy:
         epoch = self.epochs.get(n, 0)
         if epoch < len(order):
             return order[epoch]
-        best = max(self.SHARES, key=lambda f: self.rate.get((n, f), 0.0))
-        if epoch % self.REPROBE or len(self.SHARES) < 2:  # (a script may pin one share: bench/lab/slot_rounds.py)
+        best = self._best(n)
+        # (a script may pin one share: bench/lab/slot_rounds.py)
+        if len(self.SHARES) < 2 or epoch != self.next_probe.setdefault(n, max(self.REPROBE, len(order))):
             return best
-        others = [f for f in self.SHARES if f != best]
-        return others[(epoch // self.REPROBE) % len(others)]
+        if n not in self.probing:  # (fixed for the epoch: the best may change under it)
+            others = [f for f in self.SHARES if f != best]
+            self.probing[n] = others[self.probes.get(n, 0) % len(others)]
+        return self.probing[n]
+
+    def _best(self, n: int) -> float:
+        return max(self.SHARES, key=lambda f: self.rate.get((n, f), 0.0))
 
     def observe(self, n: int, share: float, tokens: int, seconds: float) -> None:
         if n < 2 or seconds <= 0.0:
@@ -653,9 +680,21 @@ class LoadPolicy:
         self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
         done = self.epoch_rounds[n] = self.epoch_rounds.get(n, 0) + 1
         rivals = [r for (m, f), r in self.rate.items() if m == n and f != share]
-        if done >= self.EPOCH or (done >= self.EARLY and rivals and self.rate[key] < self.DEFER * max(rivals)):
-            self.epochs[n] = self.epochs.get(n, 0) + 1
-            self.epoch_rounds[n] = 0
+        trails = bool(rivals) and self.rate[key] < self.DEFER * max(rivals)
+        if done < self.EPOCH and not (done >= self.EARLY and trails):
+            return
+        ended = self.epochs.get(n, 0)
+        order = self.order.get(n, ())
+        if ended >= len(order) and ended == self.next_probe.get(n):  # a re-measuring epoch
+            self.probing.pop(n, None)
+            self.probes[n] = self.probes.get(n, 0) + 1
+            gap = self.probe_gap.get(n, self.REPROBE)
+            gap = self.REPROBE if self._best(n) == share else min(2 * gap, self.REPROBE_MAX)
+            self.probe_gap[n], self.next_probe[n] = gap, ended + gap
+        elif ended < len(order) and share > 0.0 and trails:  # a longer share is left to the re-measuring epochs
+            self.order[n] = order[: ended + 1] + tuple(f for f in order[ended + 1 :] if not f > share)
+        self.epochs[n] = ended + 1
+        self.epoch_rounds[n] = 0
 
     def summary(self) -> dict[int, dict[str, float]]:
         """Per batch size seen: the measured tok/s at each share of the draft length ("k×1", "k×0.5", "k×0": plain),
