@@ -152,13 +152,13 @@ def test_the_decoders_scored_row_is_its_own_entrys(pair) -> None:
     g = head.encode(np.random.default_rng(0).standard_normal((3, 3 * TINY.n_embd)).astype(np.float32))
     entries = [(0, 100 + p, p, g[p], p == 2) for p in range(3)]
     head.clear(0)
-    together = head.decode(entries)[0][0]
+    together = head.decode(entries)[0][0].logits
     head.clear(0)
     head.decode([(*e[:4], False) for e in entries[:2]])
-    alone = head.decode(entries[2:])[0][0]
+    alone = head.decode(entries[2:])[0][0].logits
     head.clear(0)
     np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)
-    raw = super(type(head), head).decode(entries)[0][0]  # (MtpHead's: only the scored entry is an output)
+    raw = super(type(head), head).decode(entries)[0][0].logits  # (MtpHead's: only the scored entry is an output)
     head.clear(0)
     assert np.abs(raw - together).max() > 1e-3  # the first entry's row, as the canary says
 

@@ -281,7 +281,8 @@ def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
             assert m.mtp_layers == 1
             head = MtpHead(m, n_ctx=256, n_threads=1)
             row = np.zeros(head.n_embd, dtype=np.float32)
-            (logits, hidden), = head.decode([(0, 5, 0, row, True)])
+            (scores, hidden), = head.decode([(0, 5, 0, row, True)])
+            logits = scores.logits[0]
             assert logits.shape == (m.n_vocab,) and hidden.shape == (head.n_embd,) and np.isfinite(logits).all()
             head.close()
 
@@ -308,8 +309,62 @@ def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -
         head.clear()
         (_, first), = head.decode([(*entries[0][:4], True)])
         head.close()
-    assert np.allclose(batched, alone, atol=1e-4) and np.allclose(batched_logits, alone_logits, atol=1e-3)
+    assert np.allclose(batched, alone, atol=1e-4)
+    assert np.allclose(batched_logits.logits, alone_logits.logits, atol=1e-3)
     assert not np.allclose(batched, first, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_the_heads_device_rows_are_the_top_of_its_full_rows(hybrid_pair) -> None:
+    """With a device chain on its sequence, a head's scored row comes back as the top candidates of the row it
+    gives without one (same ids, same logits: the CPU computes both alike), or its argmax; a head of several
+    sequences keeps full rows (its later steps leave sequences out: docs/upstream.md's plan reuse)."""
+    from localspec.llama.model import LlamaModel
+    from localspec.llama.mtp_head import MtpHead
+
+    tokens = prompts(1, seed=6, length=7)[0]
+    with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3) as m:
+        m.want_hidden(0, True)
+        h = m.decode(tokens, 0, all_logits=True).hidden
+        zeros = np.zeros(h.shape[1], dtype=np.float32)
+        entries = [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(7)]
+        rows = {}
+        for mode in (None, "top_k", "greedy"):
+            head = MtpHead(m, n_ctx=256, n_threads=1, device_top_k=16)
+            assert head.use_sampler(mode, 0) is (mode is not None) and head.device_top_k == 16
+            (rows[mode], _), = head.decode(entries)
+            head.close()
+        several = MtpHead(m, n_ctx=256, n_threads=1, n_seq=2, device_top_k=16)
+        assert several.device_top_k == 0 and not several.use_sampler("top_k", 0)
+        several.close()
+    full = rows[None].logits[0]
+    assert rows[None].ids is None and full.shape == (m.n_vocab,)
+    top = rows["top_k"]
+    assert top.ids.shape == (1, 16) and set(top.ids[0].tolist()) == set(np.argsort(-full)[:16].tolist())
+    assert np.array_equal(top.logits[0], full[top.ids[0]])
+    assert rows["greedy"].ids[0, 0] == int(np.argmax(full))
+
+
+@pytest.mark.slow
+def test_the_mtp_drafter_samples_the_same_from_device_rows_as_from_full_rows(hybrid_pair) -> None:
+    """At T = 0.7 (top_k 40 within the device's 64) the head's steps read the device's candidates, and each seed's
+    generation (drafts, acceptances, text) is the one the head and target give reading full rows."""
+    from localspec.sessions.session import ModelFiles, open_session
+
+    files = ModelFiles(hybrid_pair[0], None, "hybrid")
+    prompt = prompts(1, seed=31, length=10)[0]
+    runs = {}
+    for top_k in (64, 0):
+        preset = GREEDY.with_overrides(n_draft=3, n_ctx=512, threads=1, drafter="mtp", device_top_k=top_k)
+        with open_session(files, preset) as s:
+            out = []
+            for seed in range(6):
+                done = collect(s.engine.generate(prompt, sampled(seed), drafting(3, "mtp"), 24))
+                out.append((done.tokens, done.stats.drafted, done.stats.accepted))
+            head = s.engine.drafters["mtp"].head
+            runs[top_k] = (out, head.device_top_k, head._samplers.modes.get(0) if head._samplers else None)
+    assert runs[64][1:] == (64, "top_k") and runs[0][1:] == (0, None)
+    assert runs[64][0] == runs[0][0] and sum(d for _, d, _ in runs[0][0]) > 0
 
 
 @pytest.mark.slow
@@ -369,11 +424,11 @@ def test_mtp_drafts_are_the_heads_chain_over_the_targets_rows(hybrid_session, mo
         cur = len(tokens) - 1
         head.clear()
         head.decode([(0, full[p], p, zeros if p == 0 else h[p - 1], False) for p in range(cur)])
-        (logits, own), = head.decode([(0, full[cur], cur, h[cur - 1], True)])
-        chain = [int(np.argmax(logits))]
+        (row, own), = head.decode([(0, full[cur], cur, h[cur - 1], True)])
+        chain = [int(np.argmax(row.logits[0]))]
         while len(chain) < len(drafts):
-            (logits, own), = head.decode([(0, chain[-1], cur + len(chain), own, True)])
-            chain.append(int(np.argmax(logits)))
+            (row, own), = head.decode([(0, chain[-1], cur + len(chain), own, True)])
+            chain.append(int(np.argmax(row.logits[0])))
         assert drafts == chain, (cur, drafts, chain)
         rounds += 1
     head.close()
@@ -533,9 +588,9 @@ def test_the_heads_cells_saved_and_loaded_score_as_before(hybrid_pair) -> None:
             (empty, _), = head.decode([(1, tokens[0], 0, zeros, True)])  # (position 0 again: the sequence is empty)
         finally:
             head.close()
-    assert np.array_equal(expected, other) and np.array_equal(expected_row, other_row)
-    assert np.array_equal(expected, again)
-    assert not np.array_equal(expected, empty)
+    assert np.array_equal(expected.logits, other.logits) and np.array_equal(expected_row, other_row)
+    assert np.array_equal(expected.logits, again.logits)
+    assert not np.array_equal(expected.logits, empty.logits)
 
 
 @pytest.mark.slow

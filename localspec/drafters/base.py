@@ -352,15 +352,16 @@ def device_mode(model: ScoringModel, sampling: Sampling, p_min: float, *, plain:
     return None
 
 
-def row_draft(req: DraftRequest, logits: np.ndarray, drafted: list[int], q: list[Candidates] | None,
+def row_draft(req: DraftRequest, logits: np.ndarray | Scores, drafted: list[int], q: list[Candidates] | None,
               rng: np.random.Generator, is_eog: Callable[[int], bool]) -> tuple[int | None, bool]:
-    """A draft token from one row of a drafter's own logits (an MTP head's step, a block drafter's position) after
+    """A draft token from one row of a drafter's own scores (an MTP head's step: full logits or the device's
+    candidates; a block drafter's position: its logits, (n_vocab,)) after
     `drafted` tokens this round, and whether the drafter is sure enough of it to draft on (p_min): the argmax at T = 0,
     else a draw from the row's distribution under the request's sampling (appended to `q`); the grammar's allowed
     tokens only (advanced by the token); None where the grammar leaves too little to propose."""
     sampling, p_min = req.sampling, req.drafting.p_min
     history = req.tokens + drafted if sampling.penalized else req.tokens
-    row = Scores(logits[None, :])
+    row = logits if isinstance(logits, Scores) else Scores(logits[None, :])
     if req.grammar is not None:  # propose only what the grammar allows after the drafts so far
         masked = masked_scores(penalized(row, history, sampling), 0, req.grammar, sampling)
         if masked is None:

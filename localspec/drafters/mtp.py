@@ -7,7 +7,8 @@ the head decodes the committed tokens paired with them, lazily, in the first dec
 scores the draft's first token). Its later steps feed it the token it just drafted and its own hidden state there
 (chained drafts, as llama.cpp's draft-mtp does); those positions leave its cells after drafting, and the verify's
 rows replace them with the target's. Drafts are the head's argmax at T = 0 and samples from its distribution
-(under the request's sampling, with a random stream of its own) at T > 0, with q as usual.
+(under the request's sampling, with a random stream of its own) at T > 0, with q as usual; with one slot the head's
+rows are the device's argmax or top candidates where the sampling allows (`device_mode`, as the draft model's).
 
 Per sequence it keeps its cells' tokens (positions [0, m)), and the target's hidden rows from position m - 1 to
 where the target's cells end: a new prompt that shares a prefix keeps what still matches, and asks the loop to
@@ -37,6 +38,7 @@ from localspec.drafters.base import (
     PromptWork,
     Proposal,
     Spent,
+    device_mode,
     row_draft,
     shared_prefix,
 )
@@ -154,7 +156,7 @@ class MtpDrafter(DrafterBase):
             t = self.target
             self._head = MtpHead(t, n_ctx=t.n_ctx, n_batch=min(MTP_BATCH, t.n_batch),  # type: ignore[arg-type]
                                  kv_type=t.kv_type, n_threads=t.n_threads, n_seq=t.n_seq,  # type: ignore[attr-defined]
-                                 flash_attn=t.flash_attn)  # type: ignore[attr-defined]
+                                 flash_attn=t.flash_attn, device_top_k=t.device_top_k)  # type: ignore[attr-defined]
             self._zeros = np.zeros(self._head.n_embd, dtype=np.float32)
         return self._head
 
@@ -220,6 +222,10 @@ class MtpDrafter(DrafterBase):
 
     def begin(self, req: DraftRequest, prompt: list[int]) -> list[PromptWork]:
         self._rng[req.seq] = np.random.default_rng([req.sampling.seed, 2])
+        # Its steps' rows as the draft model's: the device's top candidates or argmax where the sampling allows.
+        self.head.use_sampler(device_mode(self.head, req.sampling, p_min=req.drafting.p_min,
+                                          grammar_rows=req.grammar_rows if req.grammar is not None else None),
+                              req.seq)
         return []  # its cells follow the target's decodes (`target_rows`)
 
     def draft(self, jobs: Sequence[tuple[DraftRequest, int]]) -> list[Proposal]:
@@ -248,7 +254,7 @@ class MtpDrafter(DrafterBase):
             results = head.decode(entries)
             spent = time.perf_counter() - t
             nxt, nxt_owner = [], []
-            for i, (logits, own) in zip(owner, results, strict=True):
+            for i, (row, own) in zip(owner, results, strict=True):
                 req, k = jobs[i]
                 seconds[i] += spent
                 if step == 0:
@@ -258,7 +264,7 @@ class MtpDrafter(DrafterBase):
                     st.rows, st.rows_from = [], len(req.tokens) - 1  # consumed: the verify's rows come next
                 elif least_s[i] is None or spent < least_s[i]:  # type: ignore[operator]
                     least_s[i] = spent
-                token, confident = row_draft(req, logits, drafted[i], qs[i], self._rng[req.seq],
+                token, confident = row_draft(req, row, drafted[i], qs[i], self._rng[req.seq],
                                              self.target.is_eog)
                 if token is None:
                     continue

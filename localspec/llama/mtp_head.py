@@ -15,6 +15,8 @@ from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import backend
 from localspec.llama.hidden import llama_cpp_ext, mtp_unsupported
 from localspec.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, load_seq_state, save_seq_state
+from localspec.llama.samplers import DeviceSamplers, as_scores
+from localspec.rounds.scores import DeviceDist, Scores
 
 MtpEntry = tuple[int, int, int, np.ndarray, bool]  # (sequence, token, position, hidden state before it, scored)
 
@@ -26,9 +28,10 @@ class MtpHead:
     step (chained drafts). Its memory is a plain KV cache of its blocks: it rewinds to any position."""
 
     def __init__(self, target: LlamaModel, *, n_ctx: int, n_batch: int = 512, kv_type: str = "f16",
-                 n_threads: int = 0, n_seq: int = 1, flash_attn: str = "auto") -> None:
+                 n_threads: int = 0, n_seq: int = 1, flash_attn: str = "auto", device_top_k: int = 0) -> None:
         self.ctx = None
         self._batch = None
+        self._samplers: DeviceSamplers | None = None
         why = mtp_unsupported()
         if why is not None:
             raise ModelLoadError(why)
@@ -65,16 +68,34 @@ class MtpHead:
         self.on_gpu = target.on_gpu
         self._pos = llama_cpp.llama_pos(0)
         self.decodes = 0
+        # Device sampler chains (`use_sampler`): a scored row comes back as its top candidates (or its argmax), not
+        # n_vocab logits to copy and rank on the host, a step of every draft. One sequence only: the head's later
+        # steps carry just the sequences still drafting, and with chains on several sequences a decode that leaves
+        # one without a row can hand rows back holding another row's candidates (llama.cpp's graph plan reuse,
+        # docs/upstream.md; the target's workaround, covering calls, pads every chained sequence into every call).
+        if device_top_k > 0 and n_seq == 1:
+            self._samplers = DeviceSamplers(self.ctx, self.n_vocab, device_top_k, f"{target.path.name}'s MTP head")
+        self.device_top_k = device_top_k if self._samplers is not None else 0
 
-    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def use_sampler(self, mode: str | DeviceDist | None, seq: int) -> bool:
+        """What llama.cpp computes for sequence `seq`'s scored rows (`drafters.base.device_mode`: "greedy", "top_k"
+        or None, full logits); True if a chain is on."""
+        if self._samplers is None:
+            return False
+        if mode == self._samplers.modes.get(seq):
+            return mode is not None
+        return self._samplers.use(mode, seq)
+
+    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[Scores, np.ndarray]]:
         """Decode the entries (each sequence's positions consecutive after its cells, in ascending sequence order)
-        in n_batch chunks; per scored entry, in order: its logits (n_vocab,) and its own hidden state (n_embd,)."""
-        out: list[tuple[np.ndarray, np.ndarray]] = []
+        in n_batch chunks; per scored entry, in order: its scores (one row: full logits, or its sequence's device
+        candidates, `use_sampler`) and its own hidden state (n_embd,)."""
+        out: list[tuple[Scores, np.ndarray]] = []
         for first in range(0, len(entries), self.n_batch):
             out += self._decode_chunk(entries[first : first + self.n_batch])
         return out
 
-    def _decode_chunk(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _decode_chunk(self, entries: Sequence[MtpEntry]) -> list[tuple[Scores, np.ndarray]]:
         batch = self._batch
         llama_cpp.llama_batch_ext_clear(batch)
         rows = np.ascontiguousarray(np.stack([e[3] for e in entries]), dtype=np.float32)  # alive until processed
@@ -92,18 +113,23 @@ class MtpHead:
             llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
             if wanted:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-                scored.append(idx)
+                scored.append((idx, seq))
         rc = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
         self.decodes += 1
         if rc != 0:
             raise DecodeError(f"{self.path.name}: the MTP head's decode failed with code {rc}"
                               + (" (no KV slot: the context is full)" if rc == 1 else ""))
         out = []
-        for idx in scored:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        for idx, seq in scored:
+            if self._samplers is not None:
+                row = as_scores(self._samplers.rows(seq, idx, 1))
+                assert row is not None
+            else:
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+                row = Scores(logits[None, :].copy())
             hidden = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx, idx),
                                            shape=(self.n_embd,))
-            out.append((logits.copy(), hidden.copy()))
+            out.append((row, hidden.copy()))
         return out
 
     def truncate(self, n_keep: int, seq: int = 0) -> None:
@@ -132,6 +158,9 @@ class MtpHead:
         if self._batch is not None:
             llama_cpp.llama_batch_ext_free(self._batch)
             self._batch = None
+        if self._samplers is not None and self.ctx:
+            self._samplers.close()
+            self._samplers = None
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
@@ -153,6 +182,8 @@ class Eagle3Head(MtpHead):
     def __init__(self, draft: LlamaModel, *, n_seq: int) -> None:
         self.ctx = None
         self._batch = None
+        self._samplers = None  # (full rows: q is the drafter's whole distribution over a mapped vocabulary)
+        self.device_top_k = 0
         why = mtp_unsupported()
         if why is not None:
             raise ModelLoadError(why)
@@ -170,7 +201,7 @@ class Eagle3Head(MtpHead):
         self._pos = llama_cpp.llama_pos(0)
         self.decodes = 0
 
-    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def decode(self, entries: Sequence[MtpEntry]) -> list[tuple[Scores, np.ndarray]]:
         every = [(seq, token, pos, row, True) for seq, token, pos, row, _ in entries]
         out = []
         for first in range(0, len(every), self.n_batch):
