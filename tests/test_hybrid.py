@@ -347,8 +347,9 @@ def test_the_heads_device_rows_are_the_top_of_its_full_rows(hybrid_pair) -> None
 
 @pytest.mark.slow
 def test_the_mtp_drafter_samples_the_same_from_device_rows_as_from_full_rows(hybrid_pair) -> None:
-    """At T = 0.7 (top_k 40 within the device's 64) the head's steps read the device's candidates, and each seed's
-    generation (drafts, acceptances, text) is the one the head and target give reading full rows."""
+    """At T = 0.7 (top_k 40 within the device's 64) the head's steps read the device's candidates (on a GPU: the
+    target here is taken for one before its head is made), and each seed's generation (drafts, acceptances, text) is
+    the one the head and target give reading full rows. On the CPU the head reads full rows."""
     from localspec.sessions.session import ModelFiles, open_session
 
     files = ModelFiles(hybrid_pair[0], None, "hybrid")
@@ -357,6 +358,11 @@ def test_the_mtp_drafter_samples_the_same_from_device_rows_as_from_full_rows(hyb
     for top_k in (64, 0):
         preset = GREEDY.with_overrides(n_draft=3, n_ctx=512, threads=1, drafter="mtp", device_top_k=top_k)
         with open_session(files, preset) as s:
+            if top_k:
+                cpu = s.engine.drafters["mtp"].head
+                assert cpu.device_top_k == 0 and cpu._samplers is None  # (the CPU's rule)
+                s.engine.drafters["mtp"].close()
+                s.target.on_gpu = True
             out = []
             for seed in range(6):
                 done = collect(s.engine.generate(prompt, sampled(seed), drafting(3, "mtp"), 24))

@@ -7,8 +7,9 @@ the head decodes the committed tokens paired with them, lazily, in the first dec
 scores the draft's first token). Its later steps feed it the token it just drafted and its own hidden state there
 (chained drafts, as llama.cpp's draft-mtp does); those positions leave its cells after drafting, and the verify's
 rows replace them with the target's. Drafts are the head's argmax at T = 0 and samples from its distribution
-(under the request's sampling, with a random stream of its own) at T > 0, with q as usual; with one slot the head's
-rows are the device's argmax or top candidates where the sampling allows (`device_mode`, as the draft model's).
+(under the request's sampling, with a random stream of its own) at T > 0, with q as usual; with one slot on a GPU
+the head's rows are the device's argmax or top candidates where the sampling allows (`device_mode`, as the draft
+model's).
 
 Per sequence it keeps its cells' tokens (positions [0, m)), and the target's hidden rows from position m - 1 to
 where the target's cells end: a new prompt that shares a prefix keeps what still matches, and asks the loop to
@@ -154,9 +155,13 @@ class MtpDrafter(DrafterBase):
             from localspec.llama.mtp_head import MtpHead
 
             t = self.target
+            # Device rows on a GPU only: the CPU backend's top-k sorts the whole row inside the graph, which cost
+            # more than ranking it on the host (a tiny hybrid with a 152k vocabulary, one slot, T = 0.7: the head's
+            # steps 6.0 -> 11.5 ms a round, the host's work 2.3 -> 1.4; docs/lab/2026-12-07-h100-hybrid-rounds.md).
+            top_k = t.device_top_k if t.on_gpu else 0  # type: ignore[attr-defined]
             self._head = MtpHead(t, n_ctx=t.n_ctx, n_batch=min(MTP_BATCH, t.n_batch),  # type: ignore[arg-type]
                                  kv_type=t.kv_type, n_threads=t.n_threads, n_seq=t.n_seq,  # type: ignore[attr-defined]
-                                 flash_attn=t.flash_attn, device_top_k=t.device_top_k)  # type: ignore[attr-defined]
+                                 flash_attn=t.flash_attn, device_top_k=top_k)  # type: ignore[attr-defined]
             self._zeros = np.zeros(self._head.n_embd, dtype=np.float32)
         return self._head
 
