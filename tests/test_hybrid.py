@@ -287,6 +287,15 @@ def test_the_context_params_struct_matches_the_library(hybrid_pair) -> None:
             head.close()
 
 
+def head_entries(target, tokens: list[int]) -> list[tuple]:
+    """A head's entries for `tokens` (sequence 0): each token with the target's hidden row before it (zeros first),
+    the last one scored."""
+    target.want_hidden(0, True)
+    h = target.decode(tokens, 0, all_logits=True).hidden
+    zeros = np.zeros(h.shape[1], dtype=np.float32)
+    return [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(len(tokens))]
+
+
 @pytest.mark.slow
 def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -> None:
     """A head decode of several entries, the last scored, hands back the last entry's own hidden state (what the
@@ -295,12 +304,8 @@ def test_the_heads_hidden_row_is_its_scored_entrys_in_a_batch_too(hybrid_pair) -
     from localspec.llama.model import LlamaModel
     from localspec.llama.mtp_head import MtpHead
 
-    tokens = prompts(1, seed=5, length=6)[0]
     with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3) as m:
-        m.want_hidden(0, True)
-        h = m.decode(tokens, 0, all_logits=True).hidden
-        zeros = np.zeros(h.shape[1], dtype=np.float32)
-        entries = [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(6)]
+        entries = head_entries(m, prompts(1, seed=5, length=6)[0])
         head = MtpHead(m, n_ctx=256, n_threads=1)
         (batched_logits, batched), = head.decode(entries)
         head.clear()
@@ -322,12 +327,8 @@ def test_the_heads_device_rows_are_the_top_of_its_full_rows(hybrid_pair) -> None
     from localspec.llama.model import LlamaModel
     from localspec.llama.mtp_head import MtpHead
 
-    tokens = prompts(1, seed=6, length=7)[0]
     with LlamaModel(hybrid_pair[0], n_ctx=256, device_top_k=0, n_threads=1, rewind=3) as m:
-        m.want_hidden(0, True)
-        h = m.decode(tokens, 0, all_logits=True).hidden
-        zeros = np.zeros(h.shape[1], dtype=np.float32)
-        entries = [(0, tokens[p], p, zeros if p == 0 else h[p - 1], p == len(tokens) - 1) for p in range(7)]
+        entries = head_entries(m, prompts(1, seed=6, length=7)[0])
         rows = {}
         for mode in (None, "top_k", "greedy"):
             head = MtpHead(m, n_ctx=256, n_threads=1, device_top_k=16)
