@@ -679,8 +679,7 @@ class LoadPolicy:
         old = self.rate.get(key)
         self.rate[key] = rate if old is None else 0.8 * old + 0.2 * rate
         done = self.epoch_rounds[n] = self.epoch_rounds.get(n, 0) + 1
-        rivals = [r for (m, f), r in self.rate.items() if m == n and f != share]
-        trails = bool(rivals) and self.rate[key] < self.DEFER * max(rivals)
+        trails = share in self.lost(n)
         if done < self.EPOCH and not (done >= self.EARLY and trails):
             return
         ended = self.epochs.get(n, 0)
