@@ -157,7 +157,7 @@ class MtpDrafter(DrafterBase):
             t = self.target
             # Device rows on a GPU only: the CPU backend's top-k sorts the whole row inside the graph, which cost
             # more than ranking it on the host (a tiny hybrid with a 152k vocabulary, one slot, T = 0.7: the head's
-            # steps 6.0 -> 11.5 ms a round, the host's work 2.3 -> 1.4; docs/lab/2026-12-07-h100-hybrid-rounds.md).
+            # steps 4.8 -> 9.3 ms a round, the host's work 1.9 -> 1.5; docs/lab/2026-12-07-h100-hybrid-rounds.md).
             top_k = t.device_top_k if t.on_gpu else 0  # type: ignore[attr-defined]
             self._head = MtpHead(t, n_ctx=t.n_ctx, n_batch=min(MTP_BATCH, t.n_batch),  # type: ignore[arg-type]
                                  kv_type=t.kv_type, n_threads=t.n_threads, n_seq=t.n_seq,  # type: ignore[attr-defined]
