@@ -27,12 +27,17 @@ DRAFT_COLOUR = "\x1b[36m"  # cyan, DRAFT_STYLE in cli/chat_cmd.py
 PROMPT = "you›"
 
 
+# Wide enough that no stats line wraps: one that says why drafting stood aside runs past 200 columns (rich then
+# breaks it between words, and STATS, one line, never matches: a CI failure once, after a 240 s wait).
+COLUMNS = 1000
+
+
 def spawn(home: Path, *args: str, timeout: int = 240, preexec_fn: Callable[[], None] | None = None):
-    env = {**os.environ, "LOCALSPEC_HOME": str(home), "TERM": "xterm-256color", "COLUMNS": "200"}
+    env = {**os.environ, "LOCALSPEC_HOME": str(home), "TERM": "xterm-256color", "COLUMNS": str(COLUMNS)}
     for key in ("NO_COLOR", "FORCE_COLOR", "LOCALSPEC_DEBUG"):
         env.pop(key, None)
     child = pexpect.spawn(sys.executable, ["-c", "from localspec.cli.app import main; main()", "chat", *args],
-                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
+                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, COLUMNS), preexec_fn=preexec_fn)
     child.expect("coloured like this")
     child.expect(PROMPT)
     return child
