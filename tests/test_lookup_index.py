@@ -114,7 +114,7 @@ def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None
     wanted = [length.rule(LookupCost).wanted() for _ in range(DraftCost.PROBE_FIRST + 4)]
     due = DraftCost.PROBE_FIRST - 2  # the cut match above counted as the first idle round
     assert wanted == [False] * due + [True] * (len(wanted) - due)  # due: it searches until a match probes
-    assert cut(length, 6, 6) == 6  # the probe
+    assert cut(length, 6, 6) == 1  # the probe: one token answers whether the first is right again
     interval = 2 * DraftCost.PROBE_FIRST
     later = [length.rule(LookupCost).wanted() for _ in range(interval + 8)]
     # Backed off again: it searches to judge again right after the probe and every EPOCH rounds, and when the next
@@ -122,8 +122,27 @@ def test_a_backed_off_lookup_searches_for_its_probe_and_to_judge_again() -> None
     assert later == [i % DraftLength.EPOCH == 0 for i in range(interval - 1)] + [True] * 9
 
 
-def lookup_length(drafter: str = "lookup") -> DraftLength:
-    return draft_policy(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter))
+@pytest.mark.parametrize(("padded", "wide", "probed"), [(False, 0.088, 1), (True, 0.032, 6)])
+def test_a_probe_proposes_one_token_where_each_width_costs_its_own(padded: bool, wide: float, probed: int) -> None:
+    """Lookup judged a loss because its first token is wrong: a probe asks whether it is right again, which one
+    token answers at a two-token verify. On a CPU (widths cost their own) a whole match probed cost 5.5 one-token
+    verifies (the demo pair's Q&A, one probe a 32-token reply: 5% of it); a padded verify costs the same at any
+    width, so there the probe proposes all of it. An accepted probe turns lookup on again at a priced length."""
+    length = lookup_length(padded=padded)
+    for _ in range(8):  # lookup's first token always wrong (a CPU's 7-wide verify: 5.5 narrow ones)
+        length.observe(Observation(6, 0, 0.0, wide, 7, lead=6))
+        length.observe(Observation(0, 0, 0.0, 0.016, 1))
+    rule = length.rule(LookupCost)
+    assert cut(length, 6, 6) == 0 and rule.off
+    lengths = [cut(length, 6, 6) for _ in range(DraftCost.PROBE_FIRST)]
+    assert lengths == [0] * (DraftCost.PROBE_FIRST - 2) + [probed, 0]  # (the cut above was the first idle round)
+    for _ in range(4):  # its probes right from here on (the text is copied now): each judged again
+        length.observe(Observation(probed, probed, 0.0, wide if padded else 0.019, probed + 1, lead=probed))
+    assert cut(length, 6, 6) > 0 and not rule.off
+
+
+def lookup_length(drafter: str = "lookup", padded: bool = False) -> DraftLength:
+    return draft_policy(dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter), padded=padded)
 
 
 def cut(length: DraftLength, found: int, k: int) -> int:

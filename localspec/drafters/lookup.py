@@ -153,11 +153,11 @@ class LookupCost(CostRule):
     measured rate (source "lookup", the lead of a round: a chained model drafts after them). How many of a match to
     propose (`length`): all where they are right most of the time, none where they only widen the verify (SmolLM2
     on the shipped prompts: 20% right, 0.74x plain when it proposed them all), then probed on DraftCost's doubling
-    schedule; backed off, lookup does not even search (`wanted`). Its first matches are proposed whole (measured
-    before judged); then, where the verify is not padded, every width a lookup round could choose is measured once
-    before the costs decide (`unmeasured`), and a match cut short proposes a longer length every EPOCH such rounds
-    in a row, the one whose width was measured longest ago (`stalest`), so a width measured once in a slow moment is
-    measured again."""
+    schedule (a probe proposes one token where widths cost their own: `probe_length`); backed off, lookup does not
+    even search (`wanted`). Its first matches are proposed whole (measured before judged); then, where the verify
+    is not padded, every width a lookup round could choose is measured once before the costs decide (`unmeasured`),
+    and a match cut short proposes a longer length every EPOCH such rounds in a row, the one whose width was
+    measured longest ago (`stalest`), so a width measured once in a slow moment is measured again."""
 
     SOURCE = "lookup"
     PRIOR = 0.9  # lookup's tokens are right far more often than a draft model's
@@ -253,12 +253,21 @@ class LookupCost(CostRule):
         # A loss at the full length is one at any (`best` takes the best j <= found, and a match is k long):
         # backed off until a probe or a new judgement. A shorter round's (k cut by max_tokens) says less.
         self.off = self.off or k >= policy.k_max
-        return found if self.probe() else 0
+        return self.probe_length(found, padded) if self.probe() else 0
+
+    @staticmethod
+    def probe_length(found: int, padded: bool) -> int:
+        """How many of a match a probe proposes: its first token where the verify's width is the drafts' own (a CPU),
+        all of it where the verify is padded anyway. A probe asks whether lookup's first token has become right (it
+        was judged a loss because that one was wrong): one token answers that at a two-token verify, and a match
+        that is right again is then proposed at the length its costs pay. Proposing all of it (7 tokens wide) cost
+        5.5 one-token verifies on the CPU demo pair, wrong on Q&A: one probe a 32-token reply, 5% of it."""
+        return found if padded else min(found, 1)
 
     def wanted(self) -> bool:
         """Whether prompt lookup should search this round. Not while its tokens are judged a loss (`length` cut a
         match to nothing): each such round counts towards its probe as a cut match does. But it searches when a
-        probe is due (the next match is proposed whole), right after one and every EPOCH rounds, for `length` to
+        probe is due (the next match probes), right after one and every EPOCH rounds, for `length` to
         judge again (by the probe's verdict; the verify costs may have moved)."""
         if not self.off or self.idle + 1 >= self.interval:
             return True
