@@ -156,6 +156,8 @@ def test_every_prompt_runs_in_each_mode_per_repetition_with_the_bench_settings(t
     assert opt["--temp"] == "0" and opt["--seed"] == "7" and opt["--top-k"] == "40" and opt["--top-p"] == "0.9"
     assert opt["-ngl"] == "all" and opt["-ngld"] == "all" and opt["-c"] == "4096" and opt["-t"] == "1"
     assert "--backend-sampling" not in first and "--backend-sampling" in ran[2]
+    # A seed a repetition, the same for every mode (as localspec's runs of that repetition: Sampling.repetition)
+    assert [int(c[c.index("--seed") + 1]) for c in ran] == [7 + e.result.repetition for e in done]
     # host: 17 tokens in 0.25 s a prompt, 34 / 0.5 = 68 tok/s; backend: twice that
     modes = {m.config.mode: m for m in comparison.modes}
     assert [m.mode for m in comparison.modes] == ["k=5 host", "k=5 backend"]  # as the view names them

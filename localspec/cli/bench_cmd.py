@@ -104,7 +104,8 @@ def bench(
     console.print(
         f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, "
         f"draft {files.draft.name if files.draft else 'none'} (drafter {chosen.draft.drafter})\n"
-        f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, seed {s.seed}; "
+        f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+        f"{_seeds(s, chosen.bench.repeat)}; "
         f"draft length {chosen.draft.n_draft}{' (adaptive)' if chosen.draft.adaptive else ''}; "
         f"{chosen.bench.max_tokens} tokens per prompt"
     )
@@ -246,6 +247,13 @@ def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None
               [p.name for p in shipped_prompts("lookup")] else "your prompts")
              if prompt_set is not None else "the shipped prompts (code, prose, Q&A)")
     console.print(f"{count} prompt(s): {where}, as {prompt_mode(session, raw)}")
+
+
+def _seeds(sampling: config.Sampling, repeat: int) -> str:
+    """The seeds the measured runs take: one a repetition, the same for every mode (`Sampling.repetition`)."""
+    if sampling.greedy or repeat == 1:
+        return f"seed {sampling.seed}"
+    return f"seeds {sampling.seed}..{sampling.repetition(repeat - 1).seed} (one a repetition, every mode alike)"
 
 
 def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], json_path: Path | None,

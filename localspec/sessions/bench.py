@@ -461,8 +461,11 @@ def _first_time() -> str:
 
 def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Preset, mode: str, index: int,
              max_tokens: int) -> Generator[RunProgress, None, RunResult]:
-    """One run over the prompt set; yields its progress every PROGRESS_EVERY_S and returns its result."""
+    """One run over the prompt set; yields its progress every PROGRESS_EVERY_S and returns its result. A measured
+    run (`index` >= 0, its repetition) samples with that repetition's seed (`Sampling.repetition`), whatever its
+    mode; a warm-up (-1) with the preset's."""
     drafting = preset.draft if mode == SPEC else dataclasses.replace(preset.draft, n_draft=0)
+    sampling = preset.sampling.repetition(max(index, 0))
     outputs: dict[str, list[int]] = {}
     stats: list[GenerationStats] = []
     aside: str | None = None
@@ -470,7 +473,7 @@ def _one_run(session: Session, prompts: list[tuple[str, list[int]]], preset: Pre
     total = len(prompts) * max_tokens
     for name, prompt in prompts:
         tokens = outputs[name] = []
-        for event in session.engine.generate(prompt, preset.sampling, drafting, max_tokens, owner=_first_time()):
+        for event in session.engine.generate(prompt, sampling, drafting, max_tokens, owner=_first_time()):
             if isinstance(event, DoneEvent):
                 stats.append(event.stats)
                 aside = event.aside

@@ -235,10 +235,11 @@ class Plan:
         lengths = self.lengths or (self.preset.draft.n_draft,)
         return tuple(Config(n, ds, mode) for n in lengths for ds in self.draft_samplings for mode in self.modes)
 
-    def command(self, prompt_file: Path, config: Config) -> list[str]:
-        """The tool's command line for one prompt: the bench's files, context, threads and sampling, and the
+    def command(self, prompt_file: Path, config: Config, rep: int = 0) -> list[str]:
+        """The tool's command line for one prompt: the bench's files, context, threads and sampling (the seed of
+        repetition `rep`, as localspec's runs of that repetition take: `Sampling.repetition`), and the
         configuration's draft length, draft sampling and sampling mode."""
-        s, d, load = self.preset.sampling, self.preset.draft, self.preset.load
+        s, d, load = self.preset.sampling.repetition(rep), self.preset.draft, self.preset.load
         layers = lambda n: "all" if n < 0 else str(n)  # noqa: E731 -- localspec's -1 is llama.cpp's "all"
         cmd = [str(self.tool.path), "-m", str(self.target), "-ngl", layers(load.n_gpu_layers),
                "-c", str(load.n_ctx), "-b", str(load.n_ctx), "-ctk", load.kv_type, "-ctv", load.kv_type,
@@ -530,7 +531,8 @@ def _runs(plan: Plan, files: dict[str, Path], configs: tuple[Config, ...], repea
         for config in configs if rep % 2 == 0 else tuple(reversed(configs)):
             for p in plan.prompts:
                 done += 1
-                yield RunDone(_one_run(plan.command(files[p.name], config), p, config, rep, timeout_s), done, total)
+                yield RunDone(_one_run(plan.command(files[p.name], config, rep), p, config, rep, timeout_s), done,
+                              total)
 
 
 def _one_run(cmd: list[str], prompt: LlamaPrompt, config: Config, rep: int, timeout_s: float) -> LlamaRun:
