@@ -59,3 +59,18 @@ def test_a_sweeps_draft_lengths_sample_each_repetitions_seed(tiny_pair: tuple[Pa
             if run.mode == PLAIN:
                 assert run.outputs["p"] == _reference(session, prompt, preset, PLAIN, run.index), run.index
         assert sorted(r.index for r in runs if r.mode == PLAIN) == [0, 1]
+
+
+def test_a_run_that_decoded_nothing_has_no_rate_in_the_median() -> None:
+    """At T > 0 a seed may draw the end of generation first: that run decodes no token and has no decode rate. It
+    is counted apart, not as 0 tok/s (which dragged a mode's median to whichever seeds drew the end in it)."""
+    from localspec.rounds.events import GenerationStats
+
+    def run(tokens: int, seconds: float) -> bench.RunResult:
+        return bench.RunResult(PLAIN, 0, GenerationStats(tokens=tokens, decode_s=seconds), 0.0, {})
+
+    summary = bench.ModeSummary.of(PLAIN, [run(40, 1.0), run(0, 0.0), run(0, 0.001), run(60, 1.0), run(50, 1.0)])
+    assert (summary.median_tps, summary.min_tps, summary.max_tps) == (50.0, 40.0, 60.0)
+    assert summary.runs == 5 and summary.empty_runs == 2
+    nothing = bench.ModeSummary.of(PLAIN, [run(0, 0.0)])
+    assert nothing.median_tps == 0.0 and nothing.empty_runs == 1

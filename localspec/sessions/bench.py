@@ -218,13 +218,19 @@ class ModeSummary:
     # decoding, and why (the last run's reason; None: it drafted at the end)
     stood_aside: float = 0.0
     aside: str | None = None
+    # Runs that decoded no token (every prompt's reply ended at its first: at T > 0 some seeds draw the end of
+    # generation there), which have no decode rate: left out of the median, min and max, and counted here. Counted
+    # as 0 tok/s they dragged a mode's median down by whichever seeds drew the end in that mode.
+    empty_runs: int = 0
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
-        tps = [r.stats.decode_tps for r in runs]
+        timed = [r.stats.decode_tps for r in runs if r.stats.tokens > 0]
+        tps = timed or [0.0]
         total = GenerationStats.total(r.stats for r in runs)
         return cls(
             mode=mode, runs=len(runs), median_tps=statistics.median(tps), min_tps=min(tps), max_tps=max(tps),
+            empty_runs=len(runs) - len(timed),
             acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
             host_fraction=total.host_fraction, ahead_hit_rate=total.ahead_hit_rate if total.ahead_made else None,
             stood_aside=total.stood_aside / total.rounds if total.rounds else 0.0, aside=runs[-1].aside,
