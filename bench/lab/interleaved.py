@@ -70,12 +70,17 @@ def main(argv: list[str] | None = None) -> int:
                         runs[name].append({"seed": sampling.seed, "tokens": s.tokens, "decode_s": s.decode_s,
                                            "tok_s": s.tokens / s.decode_s if s.decode_s else 0.0,
                                            "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted})
-    plain = statistics.median(r["tok_s"] for r in runs["plain"])
+    def median_rate(rows: list[dict[str, float]]) -> float:
+        """Over the runs that decoded a token (as the bench's ModeSummary: an empty run has no rate)."""
+        return statistics.median([r["tok_s"] for r in rows if r["tokens"] > 0] or [0.0])
+
+    plain = median_rate(runs["plain"])
     summary = {}
     for name, rows in runs.items():
-        median = statistics.median(r["tok_s"] for r in rows)
+        median = median_rate(rows)
         drafted, accepted, rounds = (sum(r[key] for r in rows) for key in ("drafted", "accepted", "rounds"))
         summary[name] = {"median_tok_s": median, "over_plain": median / plain if plain else None,
+                         "empty_runs": sum(r["tokens"] == 0 for r in rows),
                          "drafted_a_round": drafted / rounds if rounds else 0.0,
                          "kept": accepted / drafted if drafted else None}
         print(f"{args.drafter} {args.name} {args.max_tokens} T={args.temperature} seeds={args.seeds} {name}: "
