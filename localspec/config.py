@@ -151,8 +151,8 @@ class Sampling:
         the same for every mode of that repetition. At T > 0 one seed is one sampled text per mode, and plain and
         speculative decoding draw theirs differently (same distribution, other tokens): with one seed for every
         repetition each mode's median timed a single text, and the ratio between modes followed which texts they
-        drew (the CPU demo pair's code edit at T = 0.7: one draft length drew a reply that copied its prompt, 95% of
-        its drafts kept, the next 74%). A seed a repetition makes each median one over as many texts."""
+        drew (the CPU demo pair's code edit at T = 0.7: one draft length drew a reply that copied its prompt, 94% of
+        its drafts kept, the next 79%). A seed a repetition makes each median one over as many texts."""
         return dataclasses.replace(self, seed=(self.seed + rep) % 2**32)
 
 
