@@ -1579,8 +1579,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-blocks", type=int)
     p.add_argument("--prefix", default="", help="file name prefix, e.g. 's8e-5-'")
     p.add_argument("--draft-prefix", help="card pairs: the draft's file name prefix (default: --prefix)")
-    p.add_argument("--projector", choices=["tiny", "gemma3"], help="write only a projector (mmproj) for the size's "
-                   "target instead: tiny (16 tokens a picture) or Gemma 3's real dimensions, as <prefix>mmproj.gguf")
+    p.add_argument("--projector", choices=["tiny", "gemma3", "qwen-vl"], help="write only a projector (mmproj) for "
+                   "the size's target instead: tiny (16 tokens a picture), Gemma 3's or Qwen3.5/3.6's vision tower "
+                   "(M-RoPE) at real dimensions, as <prefix>mmproj.gguf")
     p.add_argument("--measure", action="store_true", help="then print greedy agreement (CPU; small pairs only)")
     p.add_argument("--curve", type=lambda t: [float(x) for x in t.split(",")], metavar="N1,N2,...",
                    help="card pairs: write the target once and a draft per noise, print the agreement of each (CPU)")
@@ -1594,7 +1595,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.projector:
         width = (HYBRID_PRESETS[a.size].target.n_embd if a.size in HYBRID_PRESETS else
                  CARD_PRESETS[a.size].target.n_embd if a.size in CARD_PRESETS else PRESETS[a.size].n_embd)
-        spec = gemma3_projector(width) if a.projector == "gemma3" else ProjectorSpec(n_embd_text=width)
+        spec = {"gemma3": gemma3_projector, "qwen-vl": qwen_vl_projector,
+                "tiny": lambda n_embd_text: ProjectorSpec(n_embd_text=n_embd_text)}[a.projector](width)
         print(write_projector(a.out / f"{a.prefix}mmproj.gguf", spec))
         return 0
     if a.size in HYBRID_PRESETS:

@@ -32,6 +32,10 @@
 #                             stand-in (Q4_0 32B target, 2-block draft) at that block scale (8e-5, 1.2e-4)
 #                             speaks-<SIZE>: a real small model (REAL_TARGET, or REAL_PARTS: harness.sh) embedded
 #                             in SIZE's shapes (card32b) by bench/embed.py: real language, so real batch margins
+#                             hybrid-mtp: the Qwen3.5/3.6-27B-shaped hybrid target drafting with its own MTP head
+#                             (harness.sh's hybrid_target: HYBRID_SIZE, MTP_NOISE, SCALE), no draft model:
+#                             localspec serve --drafter mtp, llama-server --spec-type draft-mtp (DRAFT_MAX: try 3,
+#                             llama.cpp's default for it); written beside the build
 #   TEMPS ["0 0.7"]  CONFIGS ["k0 spec llama llamaprob llamaplain"]  CLIENTS ["1,4,8,16"]  PARALLEL [16] (slots of every server)
 #   REQUESTS [2] (requests per client per level)  N_PREDICT [256] (max_tokens)  DRAFT_MAX [6]
 #   CTX [2048]                context tokens per slot: llama-server gets -c PARALLEL*CTX
@@ -39,8 +43,10 @@
 #   PORT [18080]  LOAD_S [240] (seconds a server may take to become ready)
 #   CLIENT_S [90]             seconds one client run (every level at one T) is given room for in the budget
 #   NEWEST [1]                build the newest llama.cpp (the yardstick) too: its llama-server is the one compared
-#   MMPROJ [""]               pictures: "gemma3" (Gemma 3's projector at its real dimensions, 256 tokens a picture)
-#                             or "tiny" (16 tokens), written for the pair's target by bench/synthetic.py --projector;
+#   MMPROJ [""]               pictures: "gemma3" (Gemma 3's projector at its real dimensions, 256 tokens a picture),
+#                             "qwen-vl" (Qwen3.5/3.6's vision tower at its real dimensions, M-RoPE: 784 tokens for
+#                             the 896-pixel picture; for hybrid-mtp) or "tiny" (16 tokens), written for the pair's
+#                             target by bench/synthetic.py --projector;
 #                             every server loads it (--mmproj) and every request sends one 896 x 896 PNG before its
 #                             text (bench/concurrency.py --image); results go to <pair>+<MMPROJ>/
 #   LOCALSPEC_ARGS  LLAMA_SERVER_ARGS  CLIENT_ARGS   extra arguments (word lists) for each
@@ -75,7 +81,10 @@ snapshot_env "$RES/env.txt"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 export NEWEST="${NEWEST:-1}"  # the yardstick's build too (its llama-server has the probabilistic draft)
+writer=""  # the hybrid target is written beside the build (~2 minutes at 27B's size)
+[[ " $PAIRS " != *" hybrid-mtp "* ]] || { write_hybrid_target "$RES/write-hybrid.log" & writer=$!; }
 ensure_build llama-server || { finish; exit 1; }
+[[ -z "$writer" ]] || wait "$writer"
 # llama-server: the yardstick's (newest) where it is built, else the pinned build's; never one silently for the other.
 LLAMA_SERVER="$BIN/llama-server"
 if yardstick && [[ "$YARDSTICK" == newest ]]; then
@@ -88,16 +97,17 @@ pair_files() {  # pair_files NAME: "TARGET DRAFT" of a PAIRS entry, written unle
     case "$1" in
         card-n*) card_pair "${1#card-n}" && echo "$(card_target) $(card_draft "${1#card-n}")" ;;
         speaks-*) speaks_pair "${1#speaks-}" && echo "$(speaks_target "${1#speaks-}") $(speaks_draft "${1#speaks-}")" ;;
+        hybrid-mtp) [[ -f "$(hybrid_target)" ]] && echo "$(hybrid_target) -" ;;  # (no draft model: "-")
         s*) stand_in_pair "${1#s}" && echo "$(stand_in_target "${1#s}") $(stand_in_draft "${1#s}")" ;;
-        *) log "unknown pair $1 (card-n<NOISE>, speaks-<SIZE> or s<SCALE>)"; return 1 ;;
+        *) log "unknown pair $1 (card-n<NOISE>, speaks-<SIZE>, s<SCALE> or hybrid-mtp)"; return 1 ;;
     esac
 }
 declare -A FILES=()
 for pair in $PAIRS; do FILES[$pair]="$(pair_files "$pair")"; done
 MMPROJ="${MMPROJ:-}"
 PROJECTOR=() PICTURE=()  # the servers' --mmproj and the client's --image, with MMPROJ
-picture_files() {  # picture_files TARGET: sets PROJECTOR and PICTURE for the pair whose target is TARGET
-    local target="$1" size; size="$(basename "$target" -target.gguf)"
+picture_files() {  # picture_files SIZE: sets PROJECTOR and PICTURE for a pair whose target has synthetic.py's SIZE
+    local size="$1"
     local mm="$MODELS/$size-$MMPROJ-mmproj.gguf" png="$MODELS/picture-896.png"
     [[ -f "$mm" ]] || run "write-mmproj-$size-$MMPROJ" 120 python3 "$REPO/bench/synthetic.py" --size "$size" \
         --projector "$MMPROJ" --prefix "$size-$MMPROJ-" --out "$MODELS" > "$RES/write-mmproj.log" 2>&1
@@ -121,19 +131,22 @@ python3 -c "import openai; print('openai', openai.__version__)" 2>&1 | tee -a "$
 SERVER_CMD=()
 server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that configuration's server command line
     local config="$1" T="$2" D="$3" extra=()
+    # who drafts: the draft model D, or (D = "-") the target's own MTP head
+    local ours=(--draft "$D") theirs=(-md "$D" --spec-type draft-simple -ngld 99)
+    [[ "$D" == - ]] && ours=(--drafter mtp) theirs=(--spec-type draft-mtp)
     case "$config" in
         k0|spec)
             local k=0; [[ "$config" == spec ]] && k="$DRAFT_MAX"
             read -r -a extra <<< "${LOCALSPEC_ARGS:-}"
-            SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" --draft "$D" --draft "$k" --parallel "$PARALLEL"
+            SERVER_CMD=("${LOCALSPEC[@]}" serve --target "$T" "${ours[@]}" --draft "$k" --parallel "$PARALLEL"
                 --queue $(( 4 * PARALLEL )) --ctx "$LOCALSPEC_CTX" --host 127.0.0.1 --port "$PORT" --seed "$SEED"
                 "${PROJECTOR[@]}" "${extra[@]}") ;;
         llama|llamaprob)
             read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
             [[ "$config" == llamaprob ]] && extra=(--spec-draft-sampling probabilistic "${extra[@]}")
-            SERVER_CMD=("$LLAMA_SERVER" -m "$T" -md "$D" --spec-type draft-simple
+            SERVER_CMD=("$LLAMA_SERVER" -m "$T" "${theirs[@]}"
                 --spec-draft-n-max "$DRAFT_MAX" --spec-draft-n-min 0 --spec-draft-p-min 0 -np "$PARALLEL"
-                -c $(( PARALLEL * CTX )) -fa on -ngl 99 -ngld 99 --host 127.0.0.1 --port "$PORT" --seed "$SEED"
+                -c $(( PARALLEL * CTX )) -fa on -ngl 99 --host 127.0.0.1 --port "$PORT" --seed "$SEED"
                 "${PROJECTOR[@]}" "${extra[@]}") ;;
         llamaplain)
             read -r -a extra <<< "${LLAMA_SERVER_ARGS:-}"
@@ -145,9 +158,10 @@ server_cmd() {  # server_cmd CONFIG TARGET DRAFT: sets SERVER_CMD to that config
 # Configurations rotate within each pair, so a slow spell of the machine does not hit one of them only.
 for s in $PAIRS; do
     read -r T D <<< "${FILES[$s]:-}"
-    [[ -n "${T:-}" && -f "$T" && -f "$D" ]] || { log "no files for pair $s"; continue; }
+    [[ -n "${T:-}" && -f "$T" && ( "$D" == - || -f "$D" ) ]] || { log "no files for pair $s"; continue; }
     if [[ -n "$MMPROJ" ]]; then
-        picture_files "$T" || { log "no projector or picture for pair $s (MMPROJ=$MMPROJ)"; continue; }
+        size="$(basename "$T" -target.gguf)"; [[ "$s" == hybrid-mtp ]] && size="$HYBRID_SIZE"
+        picture_files "$size" || { log "no projector or picture for pair $s (MMPROJ=$MMPROJ)"; continue; }
         s="$s+$MMPROJ"
     fi
     mkdir -p "$RES/$s"

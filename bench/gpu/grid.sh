@@ -35,9 +35,6 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
 GRID_JOBS="${GRID_JOBS:-projector hybrid-mtp hybrid-mtp-clients card-clients}"
-HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
-MTP_NOISE="${MTP_NOISE:-0.1}"
-SCALE="${SCALE:-8e-5}"
 CARD_NOISE="${CARD_NOISE:-0.013}"
 HYBRID_CLASSES="${HYBRID_CLASSES:-code-edit,prose,qa,json}"
 LENGTHS="${LENGTHS:-32,400}"
@@ -58,16 +55,11 @@ finish() { pack grid-results "$RES" "$RES"/*.csv; }
 trap 'log "terminated"; finish; exit 143' TERM INT
 snapshot_env "$RES/env.txt"
 
-HT="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"  # (hybrid.sh's file names: a warm machine's are reused)
+HT="$(hybrid_target)"  # (hybrid.sh's file names: a warm machine's are reused)
 write_models() {  # the targets GRID_JOBS measure (and the card's draft), one after the other, beside the build
     [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
     use_build
-    if [[ " $GRID_JOBS " == *" hybrid-"* && ! -f "$HT" ]]; then
-        vocab_args "$HYBRID_SIZE"
-        nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
-            --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" \
-            > "$RES/write-hybrid.log" 2>&1
-    fi
+    [[ " $GRID_JOBS " != *" hybrid-"* ]] || write_hybrid_target "$RES/write-hybrid.log"
     [[ " $GRID_JOBS " != *" card-clients "* ]] || card_pair "$CARD_NOISE" > /dev/null
 }
 if [[ "${CARRIED_PY:-1}" == 1 ]]; then

@@ -160,6 +160,21 @@ stand_in_pair() {
     fi
     [[ -f "$(stand_in_target "$s")" && -f "$(stand_in_draft "$s")" ]]
 }
+# The 27B-shaped hybrid target with its MTP head (grid.sh, concurrency.sh's hybrid-mtp; hybrid.sh names it alike):
+# HYBRID_SIZE [hybrid27b] (hybrid-tiny: a CPU dry run), MTP_NOISE [0.1] (the head's agreement knob), SCALE [8e-5].
+HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
+MTP_NOISE="${MTP_NOISE:-0.1}"
+SCALE="${SCALE:-8e-5}"
+hybrid_target() { echo "$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"; }
+# write_hybrid_target LOG: hybrid_target written unless it exists (synthetic.py writes it whole or not at all; ~2
+# minutes at 27B's size); waits for the carried Python packages first (run.sh unpacks them as its build starts).
+write_hybrid_target() {
+    [[ -f "$(hybrid_target)" ]] && return 0
+    [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
+    use_build; vocab_args "$HYBRID_SIZE"
+    nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
+        --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" > "$1" 2>&1
+}
 # card_pair NOISE: the card's pair (a Qwen3-32B-shaped Q4_K_M target, written once, and a Qwen3-0.6B-shaped Q8_0
 # draft at that noise), each written unless it exists (run.sh writes them in the background during its build).
 card_target() { echo "$MODELS/$CARD_SIZE-target.gguf"; }

@@ -23,9 +23,6 @@ set -uo pipefail
 # shellcheck source=bench/gpu/harness.sh
 source "$(dirname "${BASH_SOURCE[0]}")/harness.sh"
 
-HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
-MTP_NOISE="${MTP_NOISE:-0.1}"
-SCALE="${SCALE:-8e-5}"
 TEMPS="${TEMPS:-0 0.7}"
 N_PREDICT="${N_PREDICT:-128}"
 DRAFT_MAX="${DRAFT_MAX:-3}"
@@ -41,7 +38,7 @@ export NEWEST="${NEWEST:-1}"
 LLAMA_YARDSTICK="${LLAMA_YARDSTICK:-newest}"
 results_in "$WORK/results-hybrid"
 snapshot_env "$RES/env.txt"
-T="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"
+T="$(hybrid_target)"
 D="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-draft.gguf"
 vocab_args "$HYBRID_SIZE"
 log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', budget ${BUDGET_S}s"
