@@ -81,6 +81,8 @@ snapshot_env "$RES/env.txt"
 
 # -- 1. prepare: the build (run.sh, measuring nothing), the carried Python packages, the pairs ----------------------
 export NEWEST="${NEWEST:-1}"  # the yardstick's build too (its llama-server has the probabilistic draft)
+# Only the compared llama-server is built: the newest tree's, where it is built (run.sh's PINNED_SERVER)
+[[ "$NEWEST" == 1 && "${LLAMA_YARDSTICK:-}" != pinned ]] && export PINNED_SERVER="${PINNED_SERVER:-0}"
 writer=""  # the hybrid target is written beside the build (~2 minutes at 27B's size)
 [[ " $PAIRS " != *" hybrid-mtp "* ]] || { write_hybrid_target "$RES/write-hybrid.log" & writer=$!; }
 ensure_build llama-server || { finish; exit 1; }

@@ -79,7 +79,7 @@ use_build() {
 # have_build [llama-server]: the shared libraries and llama.cpp's tools (and llama-server when asked) are built.
 have_build() {
     [[ -e "$BIN/libllama.so" && -x "$BIN/llama-speculative-simple" ]] || return 1
-    [[ "${1:-}" != llama-server || -x "$BIN/llama-server" ]]
+    [[ "${1:-}" != llama-server || "${PINNED_SERVER:-1}" == 0 || -x "$BIN/llama-server" ]]
 }
 # ensure_build [llama-server]: build llama.cpp through run.sh (measuring nothing) unless WORK has it; then
 # use_build. The scripts after run.sh on a warm machine find it there.

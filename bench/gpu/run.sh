@@ -28,6 +28,8 @@
 #                                (greedy only, REAL_REPEAT [1] runs of each loop)
 #   CUDA [1]                     0 = CPU build (dry run on a machine without a GPU)
 #   BUILD_SERVER [1]             0 = leave llama-server out of the builds (only concurrency.sh needs it)
+#   PINNED_SERVER [BUILD_SERVER] 0 = leave it out of the pinned build only (concurrency.sh, when the newest
+#                                llama.cpp's llama-server is the one compared: ~80 s less on an H100)
 #   NEWEST [1]                   build the carried newest llama.cpp (llama.cpp-newest.tar.gz) into WORK/build-newest
 #                                too, beside the pinned one; 0 = not (then LLAMA_YARDSTICK falls back to pinned)
 #   LLAMA_YARDSTICK              newest|pinned: whose llama-speculative-simple `--against llama.cpp` runs
@@ -57,6 +59,7 @@ REAL_REPEAT="${REAL_REPEAT:-1}"
 CUDA="${CUDA:-1}"
 JOBS="${JOBS:-$(nproc)}"
 BUILD_SERVER="${BUILD_SERVER:-1}"
+PINNED_SERVER="${PINNED_SERVER:-$BUILD_SERVER}"
 KEEP_MODELS="${KEEP_MODELS:-0}"
 SRC="$WORK/llama.cpp"
 BUILD="$WORK/build"
@@ -194,10 +197,10 @@ build_tree() {
     # libllama.so and libggml*.so are dependencies of the tools, so they land in its bin/ too. `-k 0`: a failing
     # llama-server (only concurrency.sh needs it) does not stop the other two from building.
     # libmtmd too: localspec's pictures (--mmproj) load it through llama-cpp-python (harness.sh: MTMD_CPP_LIB).
-    local targets=(llama-bench llama-speculative-simple mtmd); [[ "$BUILD_SERVER" == 1 ]] && targets+=(llama-server)
+    local targets=(llama-bench llama-speculative-simple mtmd); [[ "${WITH_SERVER:-$BUILD_SERVER}" == 1 ]] && targets+=(llama-server)
     cmake --build "$build" --target "${targets[@]}" -j "$JOBS" -- -k 0 > "$RES/cmake-build$suffix.log" 2>&1
 }
-build() { build_tree "$CARRY/llama.cpp.tar.gz" "$SRC" "$BUILD" ""; }
+build() { WITH_SERVER="$PINNED_SERVER" build_tree "$CARRY/llama.cpp.tar.gz" "$SRC" "$BUILD" ""; }
 # The newest source has no .git: its build number and commit (MANIFEST.txt) are given to CMake, so its tools'
 # --version names them as an upstream build does ("version: 11549 (<commit>)").
 build_newest() {
@@ -206,13 +209,13 @@ build_newest() {
 }
 manifest() { local v; v="$(sed -n "s/^$1: //p" "$CARRY/MANIFEST.txt" 2>/dev/null | head -1)"; echo "${v:-$2}"; }
 export -f build build_tree build_newest manifest sum_of
-export SRC BUILD SRC_NEWEST BUILD_NEWEST CARRY CUDA JOBS RES BUILD_SERVER
-build_current() {  # build_current BIN SRC ARCHIVE
+export SRC BUILD SRC_NEWEST BUILD_NEWEST CARRY CUDA JOBS RES BUILD_SERVER PINNED_SERVER
+build_current() {  # build_current BIN SRC ARCHIVE [WITH_SERVER]
     [[ -x "$1/llama-bench" && -x "$1/llama-speculative-simple" && -e "$1/libllama.so" ]] \
-        && { [[ "$BUILD_SERVER" != 1 ]] || [[ -x "$1/llama-server" ]]; } \
+        && { [[ "${4:-$BUILD_SERVER}" != 1 ]] || [[ -x "$1/llama-server" ]]; } \
         && [[ "$(cat "$2/.stamp" 2>/dev/null)" == "$(sum_of "$3")" ]]
 }
-if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current "$BIN" "$SRC" "$CARRY/llama.cpp.tar.gz"; }; then
+if [[ "${SKIP_BUILD:-0}" == 1 ]] || { [[ "${FORCE_BUILD:-0}" != 1 ]] && build_current "$BIN" "$SRC" "$CARRY/llama.cpp.tar.gz" "$PINNED_SERVER"; }; then
     log "build: reusing $BIN"
 elif ! run build 200 build; then
     log "build failed: $(tail -20 "$RES/cmake-build.log" 2>/dev/null || tail -20 "$RES/cmake-configure.log")"
