@@ -276,7 +276,9 @@ def test_the_chain_keeps_up_with_lookup_on_the_cpus_costs(clock: Clock, quotes: 
                 assert gen.tokens == target.greedy(prompt, 128)
                 tokens, seconds = tokens + len(gen.tokens), seconds + gen.done.stats.decode_s
                 rounds += gen.done.stats.rounds if drafter == "chain" else 0
-                lengths += [n for n in gen.done.stats.draft_lengths if n]
+                # (a request's first WARMUP lookup rounds propose the whole match, measured before it is judged:
+                # `DraftCost.begin_generation`; the widths chosen by price follow)
+                lengths += [n for n in gen.done.stats.draft_lengths if n][DraftLength.WARMUP :]
         speed[drafter], widths[drafter] = tokens / seconds, [n + 1 for n in lengths]
         model_steps = draft.decodes - 9  # (each generation's prompt is one decode)
     for drafter, verified in widths.items():  # the cheapest width a token for a whole match: 6
@@ -316,7 +318,9 @@ def test_the_chain_turns_a_paying_model_on_at_the_h200s_costs(clock: Clock, text
     The H200's verify seconds by width (padded to k + 1, narrow after empty rounds), a draft step 1.9 ms, the model
     right ~80% a position. Bench-like: 3 passes over 3 prompts of 128 tokens, one engine per drafter. "no match":
     random prompts (the old code: 0.86x the model). "lookup-rich but weak": the prompt holds 3-grams of the reply,
-    each followed by tokens the reply does not say (lookup matches every fifth token, wrongly)."""
+    each followed by tokens the reply does not say (lookup matches every fifth token, wrongly); each request measures
+    lookup afresh, its first two matches whole in the model's place (`DraftCost.begin_generation`), which costs the
+    chain here 0.956x the model (0.986x while a request's lookup verdict carried over to the next)."""
     speed = {}
     for drafter in ("lookup", "model", "chain"):
         target = Drifting(clock, H200_VERIFY, vocab=96, seed=3, n_ctx=4096)
@@ -339,7 +343,7 @@ def test_the_chain_turns_a_paying_model_on_at_the_h200s_costs(clock: Clock, text
                 tokens, seconds = tokens + len(gen.tokens), seconds + gen.done.stats.decode_s
         speed[drafter] = tokens / seconds
     assert speed["model"] > 1.2 / H200_VERIFY[1]  # (the model pays here, as on the H200)
-    assert speed["chain"] >= 0.97 * max(speed["lookup"], speed["model"]), speed
+    assert speed["chain"] >= (0.97 if text == "no match" else 0.95) * max(speed["lookup"], speed["model"]), speed
 
 
 def test_a_model_judged_a_loss_stays_out_while_only_the_verify_slows() -> None:

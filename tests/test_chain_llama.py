@@ -61,5 +61,6 @@ def test_chained_greedy_equals_plain_with_the_cost_decisions_active(tiny_pair, m
     assert (made > 0) is ahead
     if draft_step > 0.01:  # a loss: its warm-up, then probes at most (one per interval, or a generation's start)
         assert steps <= (DraftLength.WARMUP + rounds // DraftCost.PROBE_FIRST + 3) * ModelCost.PROBE
-    else:
-        assert steps >= rounds  # drafting in (nearly) every round, several steps where lookup found nothing
+    else:  # drafting in (nearly) every round, several steps where lookup found nothing; but not in a request's
+        # first WARMUP lookup rounds, whose whole matches are measured before judged (`DraftCost.begin_generation`)
+        assert steps >= rounds - 3 * DraftLength.WARMUP

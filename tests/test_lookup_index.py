@@ -10,16 +10,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
-from helpers_fake import Clock, TimedFake, draft_policy
+from helpers_fake import Clock, FakeModel, TimedFake, draft_policy
 
+from localspec import drafters
 from localspec.config import load_preset
 from localspec.drafters import lookup as lookup_drafter
 from localspec.drafters.base import DraftRequest
 from localspec.drafters.lookup import LookupCost, LookupDrafter, NgramIndex
 from localspec.drafters.model import ModelCost
+from localspec.drafters.suffix import SuffixCost
 from localspec.rounds.engine import Engine
 from localspec.rounds.events import GenerationStats, collect
-from localspec.rounds.policies import DraftCost, DraftLength, Observation
+from localspec.rounds.policies import DraftCost, DraftLength, Observation, kept_length
 
 GREEDY = load_preset("greedy")
 
@@ -219,3 +221,49 @@ def test_a_narrower_width_measured_in_a_slow_moment_is_measured_again() -> None:
         length.observe(Observation(j, j, 0.0, verify[j + 1], j + 1, lead=j))
     assert proposed[0] == 3  # (the premise: the slow 6-wide figure cuts lookup to 3)
     assert proposed[-DraftLength.EPOCH:].count(5) >= DraftLength.EPOCH - 1, proposed
+
+
+@pytest.mark.parametrize(("drafter", "lead"), [("lookup", LookupCost), ("suffix", SuffixCost), ("chain", LookupCost)])
+def test_a_new_request_judges_lookup_afresh_on_the_kept_prices(drafter: str, lead: type[LookupCost]) -> None:
+    """A slot's cost model outlives its requests (`kept_length`): the machine's prices stay, but whether a reply
+    copies its prompt is the text's. After a request whose lookup tokens were all rejected (judged a loss, backed
+    off), the next request's first matches are proposed whole again to measure it, as a new slot's (given the same
+    prices) would be; the verify's prices, the draft model's acceptance and step (the chain) and the verdict that
+    drafting is hopeless are kept. On the old code the second request's matches were cut to nothing (backed off,
+    waiting for a probe): the CPU demo pair's code edit drafted 5 tokens in 395 rounds after such a reply."""
+    cfg = dataclasses.replace(GREEDY.draft, n_draft=6, drafter=drafter)
+    built = drafters.build(FakeModel(), FakeModel())[drafter]
+
+    def pricing(cost: DraftCost) -> object:
+        return built.pricing(cost, cfg)
+
+    def proposes(length: DraftLength, found: int) -> int:
+        extension = length.rule(ModelCost) if ModelCost.SOURCE in length.cost.prior else None
+        return length.rule(lead).length(found, 6, length, extension)
+
+    slot: dict = {}
+    first = kept_length(slot, cfg, True, False, pricing)
+    first.observe(Observation(0, 0, 0.0, 0.016, 1))
+    for _ in range(8):  # every lookup token wrong; a 7-wide verify costs 5.5 one-token ones (the CPU)
+        first.observe(Observation(6, 0, 0.0, 0.088, 7, lead=6))
+        first.observe(Observation(0, 0, 0.0, 0.016, 1))
+    if drafter == "chain":  # the draft model's rounds: its acceptance and step are the model's, kept
+        first.observe(Observation(2, 2, 0.030, 0.030, 3, first_s=0.015))
+    cost = first.cost
+    assert proposes(first, 6) == 0 and first.rule(lead).off  # (the premise: backed off)
+    cost.hopeless = cost.model_hopeless = True  # (a verdict of the machine's prices: no request resets it)
+    prices = (dict(cost.verify_s), dict(cost.verified), cost.step_s, cost.rounds)
+    model = {s: (list(cost.tried[s]), list(cost.ok[s])) for s in cost.prior if s != lead.SOURCE}
+
+    second = kept_length(slot, cfg, True, False, pricing)
+    assert second.cost is cost and (cost.verify_s, cost.verified, cost.step_s, cost.rounds) == prices
+    assert {s: (cost.tried[s], cost.ok[s]) for s in model} == model and cost.hopeless and cost.model_hopeless
+    rule = second.rule(lead)
+    assert not rule.off and rule.wanted() and rule.interval == DraftCost.PROBE_FIRST
+    fresh = kept_length({}, cfg, True, False, pricing, siblings=[slot])  # a new slot: the prices, no acceptance
+    assert fresh.cost.verify_s == cost.verify_s
+    for _ in range(DraftLength.WARMUP):  # its first matches, whole (measured before judged), as the new slot's
+        assert proposes(second, 6) == proposes(fresh, 6) == 6
+        for length in (second, fresh):
+            length.observe(Observation(6, 6, 0.0, 0.088, 7, lead=6))  # this reply copies its prompt
+    assert proposes(second, 6) == proposes(fresh, 6) > 0 and not rule.off

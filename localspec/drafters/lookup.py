@@ -173,6 +173,16 @@ class LookupCost(CostRule):
     def observed(self, round_: Observation) -> None:
         self.measuring = False
 
+    def begin_generation(self) -> None:
+        """A new request: its acceptance (whether this reply copies its text) starts from the prior, and its
+        judgement with it (not backed off, the probe interval back at PROBE_FIRST, its first matches proposed whole
+        to measure it), as in a new slot's cost model; the verify prices stay (`DraftCost.begin_generation`).
+        Suffix lookup (`SuffixCost`) likewise: its index spans requests, but whether this request's text follows it
+        is this request's."""
+        self.cost.restart_source(self.SOURCE)
+        self.idle, self.interval = 0, self.cost.PROBE_FIRST
+        self.off, self.short, self.measuring = False, 0, False
+
     def best(self, found: int, k: int, width: int = 0, extension: Stepped | None = None) -> int | None:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):
         the j in 0..found whose round is fastest — with the `extension`'s best share after them (a chained draft

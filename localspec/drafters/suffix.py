@@ -45,7 +45,9 @@ def owner_of(req: DraftRequest) -> str:
 class SuffixCost(LookupCost):
     """Suffix lookup's prices: prompt lookup's rule (its tokens cost no draft step, only the verify's width; how
     many pay at the measured acceptance per position and verify costs; backed off and probed where they are a
-    loss) over a source of its own, so its acceptance is measured apart from lookup's."""
+    loss) over a source of its own, so its acceptance is measured apart from lookup's, and from its prior again each
+    request (`LookupCost.begin_generation`): its index spans requests, but whether this one's text follows it is this
+    request's."""
 
     SOURCE = "suffix"
     PRIOR = 0.8  # its path is cut where the occurrences disagree: right most of the time, less sure than lookup's

@@ -91,6 +91,10 @@ class CostRule:
     def observed(self, round_: Observation) -> None:
         """A round, after the shared facts took it."""
 
+    def begin_generation(self) -> None:
+        """A new generation (request) starts on the stream (`DraftCost.begin_generation`): a rule whose acceptance is
+        the text's forgets it here, with whatever it judged from it; one whose acceptance is its model's keeps it."""
+
 
 class Stepped(Protocol):
     """A rule whose tokens cost draft steps (`DraftCost.speeds` asks it what n of them add to a round)."""
@@ -141,6 +145,10 @@ class DraftCost:
     A drafter's tokens judged a loss are not drafted, so they could never be judged again: its rule probes them
     every `interval` such rounds, the interval starting at PROBE_FIRST (one adaptive epoch) and doubling while the
     loss is confirmed, up to PROBE_MAX (probing then costs a couple of draft steps per 256 rounds, under 1%).
+
+    Kept with a slot across its generations (`kept_length`): the prices are the machine's and stay; so does a
+    model's acceptance. A text's acceptance (prompt lookup's, suffix lookup's) starts again from its prior with each
+    generation (`begin_generation`).
     """
 
     PRIOR_WEIGHT = 2.0  # a source's prior acceptance counts as this many rounds
@@ -205,8 +213,9 @@ class DraftCost:
         the measured prices of the one that measured most (`_take_prices`): the draft step, the catch-ups, the verify
         per width and a width change, so that its rules decide from the first round (the chain's verdict on its draft
         model with no probe, prompt lookup with no round measuring a width). Acceptance (per source) stays the
-        conversation's: it starts from the priors. Its own judged generations (every PLAIN_GENERATIONS-th) measure
-        as before; nothing measured by any other slot, it starts as a slot alone does."""
+        conversation's: it starts from the priors (as a text's acceptance does in a kept cost model with each
+        generation, `begin_generation`). Its own judged generations (every PLAIN_GENERATIONS-th) measure as before;
+        nothing measured by any other slot, it starts as a slot alone does."""
         others = list(others)
         for other in others:
             if other.hopeless or other.model_hopeless:
@@ -239,6 +248,32 @@ class DraftCost:
         self.verify_s = dict(other.verify_s)
         self.verified = {width: at + shift for width, at in other.verified.items()}
         self.switch_s = other.switch_s
+        self._tables = None
+
+    def begin_generation(self) -> None:
+        """A new generation (request) starts on this stream (`kept_length`, the one place): each rule forgets what
+        it measured of the last one's text (`CostRule.begin_generation`). Prompt lookup's and suffix lookup's
+        acceptance is the text's (whether this reply copies its prompt, or repeats an earlier request), so theirs
+        starts again from its prior, with their judgement (backed off, the probe interval): one reply whose matches
+        were wrong held lookup off through the next, which copied its prompt (the CPU demo pair's code edit at T =
+        0.7: 5 tokens drafted in 395 rounds, where k = 6 kept 310; docs/lab/2026-12-07-cpu-seeds-probes.md). A
+        draft model's (or a head's) acceptance is how well it predicts its target, much the same from one reply to
+        the next, and stays. So do the prices (the verify per width and its marks, the draft step, catch-ups, a width
+        change) and the verdict that drafting is hopeless (`hopeless`, `model_hopeless` and their generation
+        counters): facts of the models and the machine."""
+        for rule in self._rules.values():
+            rule.begin_generation()
+
+    def restart_source(self, name: str) -> None:
+        """Forget a source's measured acceptance: each position's rate is its prior again and no round has verified
+        its tokens (`seen`), as in a new cost model, so a rule that measures a source before judging it does so
+        again (`LookupCost.length`: its first WARMUP rounds proposed whole)."""
+        if name not in self.prior:
+            return
+        self.tried[name] = [0.0] * (self.k_max + 1)
+        self.ok[name] = [0.0] * (self.k_max + 1)
+        self.seen[name] = 0
+        self._aged[name] = 0
         self._tables = None
 
     def rule(self, kind: type[Rule]) -> Rule:
@@ -568,8 +603,10 @@ def kept_length(kept: dict[tuple, DraftLength], drafting: Drafting, greedy: bool
                 siblings: Iterable[dict[tuple, DraftLength]] = ()) -> DraftLength:
     """A generation's draft-length policy in a slot whose recent ones are `kept` (by drafting settings; the most
     recent last). A fixed length's chooser is fresh each generation. An adaptive one is kept across the slot's
-    generations with the same drafting, and so is the cost model of every chooser: what it measured (costs,
-    acceptance) stays valid for the next prompt, and probing again every generation would cost rounds. A slot's
+    generations with the same drafting, and so is the cost model of every chooser: what it measured of the models
+    and the machine (costs, a model's acceptance) stays valid for the next prompt, and probing again every
+    generation would cost rounds; a text's acceptance (prompt lookup's) starts again (`DraftCost.begin_generation`,
+    called here: a generation begins on the stream). A slot's
     first cost model for these settings inherits the other slots' (`siblings`) verdict that drafting is hopeless
     and their measured prices, the draft step's and the verify's, not their acceptance (`DraftCost.inherit`).
     `pricing` attaches the drafter's rules to a cost model and returns its prices (`Drafter.pricing`)."""
@@ -582,7 +619,9 @@ def kept_length(kept: dict[tuple, DraftLength], drafting: Drafting, greedy: bool
     kept[key] = found
     while len(kept) > KEPT_POLICIES:
         del kept[next(iter(kept))]
-    return found if drafting.adaptive else DraftLength(drafting, found.cost, padded, pricing(found.cost))
+    chosen = found if drafting.adaptive else DraftLength(drafting, found.cost, padded, pricing(found.cost))
+    found.cost.begin_generation()  # (after `pricing`: every rule of the stream's drafter is attached)
+    return chosen
 
 
 class LoadPolicy:
