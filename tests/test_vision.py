@@ -147,15 +147,17 @@ def test_a_projector_of_another_width_is_refused(tiny_pair_high, tmp_path):
 
 
 def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Picture], n: int,
-                     with_row: bool = False) -> Any:
+                     with_row: bool = False, n_batch: int = 512) -> Any:
     """Greedy tokens after the prompt through libmtmd's own helper (`mtmd_helper_eval_chunks`: its tokenizer, its
     chunk evaluation, its positions) and single-token llama_decode calls, in a context of its own: no localspec code
-    on the path. `with_row`: (the tokens, the logits after the prompt)."""
+    on the path. `with_row`: (the tokens, the logits after the prompt). `n_batch`: the context's batch, and libmtmd's
+    for the prompt's chunks (a picture of more tokens is decoded that many at a time)."""
     mparams = llama_cpp.llama_model_default_params()
     mparams.use_extra_bufts = False  # (as localspec loads it: one token and a batch score alike on the CPU)
     model = llama_cpp.llama_model_load_from_file(str(target).encode(), mparams)
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = 1024, 512, 512, 1, 1
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_threads, cparams.n_threads_batch = (
+        1024, n_batch, n_batch, 1, 1)
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     mp = mtmd.mtmd_context_params_default()
     # warmed up, as llama-server (and localspec) load it: flash attention in the tower where the backend runs it
@@ -170,7 +172,7 @@ def reference_greedy(target: Path, mmproj: Path, text: str, pictures: list[Pictu
     assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(entry),
                               (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps), len(bitmaps)) == 0
     n_past = ctypes.c_int(0)
-    assert mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
+    assert mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, n_batch, True, ctypes.byref(n_past)) == 0
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     out: list[int] = []
@@ -279,6 +281,11 @@ def test_what_a_prompt_with_pictures_cannot_do_is_one_line(tiny_pair_high, proje
     no_projector = r"no projector \(mmproj\) is loaded for the target \(--mmproj PATH\)"
     with open_session(files(tiny_pair_high, None), GREEDY) as plain, pytest.raises(UsageError, match=no_projector):
         next(plain.engine.generate(**request(tokens, 4)))
+    # Gemma 3's pictures attend to themselves both ways: one needs a batch of its own (16 tokens here), where a
+    # Qwen-VL picture is read a batch at a time (test_vision_mrope)
+    with open_session(files(tiny_pair_high, projector), GREEDY.with_overrides(n_batch=8)) as small, \
+            pytest.raises(ImageError, match=r"a picture of 16 tokens does not fit one batch of 8 \(\[load\] n_batch\)"):
+        prompt(small, "x", [picture(1)])
 
 
 # -- the command line ------------------------------------------------------------------------------------------------

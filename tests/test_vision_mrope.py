@@ -77,6 +77,26 @@ def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pa
         assert np.abs(other - expected_row).max() > 1e-3
 
 
+def test_an_mrope_picture_larger_than_a_batch_is_decoded_a_batch_at_a_time(hybrid_pair, mrope_projector):
+    """A Qwen-VL picture attends causally, as text does, so libmtmd may decode it n_batch tokens at a time (a
+    Qwen3.6 picture of 1024 x 768 pixels is 768 tokens, over the default 512; llama-server reads it): with n_batch 8
+    under the picture's 15 tokens, the next token's logits are libmtmd's helper path's at that batch bit for bit, and
+    greedy output with the MTP head and the draft model equals that path's. (Was refused: "does not fit one batch".)"""
+    pictures = [picture(1)]
+    expected, expected_row = reference_greedy(hybrid_pair[0], mrope_projector, TEXT, pictures, 24, with_row=True,
+                                              n_batch=8)
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY.with_overrides(n_batch=8)) as s:
+        assert s.target.n_batch == 8
+        tokens = prompt(s, TEXT, pictures)
+        assert sum(t < 0 for t in tokens) == 15  # (the premise: more than one batch)
+        for drafter, k in (("model", 0), ("mtp", 3), ("model", 4)):
+            s.engine.reset()
+            assert collect(s.engine.generate(**request(tokens, k, drafter))).tokens == expected, (drafter, k)
+        s.engine.reset()
+        s.target.use_device_sampler(None, 0)  # full logits
+        np.testing.assert_array_equal(s.target.decode(tokens, 0, seq=0).logits[-1], expected_row)
+
+
 def test_mrope_pictures_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
     """One picture wide, two (one tall) in another request, each slot's own places; the MTP head in one slot."""
     slots_match_alone(hybrid_pair, mrope_projector, [

@@ -5,10 +5,10 @@ A picture's positions in a prompt are placeholder ids, negative numbers no vocab
 picture's digest and its index within the picture (31 bits each), so two prompts that share a picture share its
 ids (a slot's cells, the prompt cache and llama-server's `cache_prompt` reuse them as any prefix), and a prefix that
 shares a picture's first ids but not its pixels cannot be mistaken for it. The target decodes a picture's ids as the
-picture (`Projector.decode`: libmtmd's encoder, then its embeddings at those positions, in one batch where the
-projector wants non-causal attention); a model without the projector (a draft model) reads a filler token in their
-place: what a drafter sees never changes what the target accepts, so speculation stays exact, it only drafts
-without the picture. A prefix reused from a slot never ends inside a picture (`prompt_cache.shared_prefix`).
+picture (`Projector.decode`: libmtmd's encoder, then its embeddings at those positions, n_batch at a time, in one
+batch where the projector wants non-causal attention); a model without the projector (a draft model) reads a filler
+token in their place: what a drafter sees never changes what the target accepts, so speculation stays exact, it only
+drafts without the picture. A prefix reused from a slot never ends inside a picture (`prompt_cache.shared_prefix`).
 
 Pictures are decoded by Pillow, not by libmtmd's own loader: its stb_image decodes whatever it is handed, at any
 size, and a buffer it cannot decode goes to an ffmpeg subprocess where one is installed (mtmd-helper's video path).
@@ -343,9 +343,14 @@ class Projector:
                 n_pos = int(m.mtmd_input_chunk_get_n_pos(chunk))
                 if not 0 < n_pos <= n_tokens:
                     raise ImageError(f"a picture of {n_tokens} tokens at {n_pos} positions: not supported")
-                if n_tokens > self.target.n_batch:
+                # libmtmd decodes a picture's embeddings n_batch at a time; a projector whose picture attends to
+                # itself both ways (Gemma 3's) needs it in one batch, or its first rows never see its last. A
+                # causal one (Qwen-VL's, M-RoPE) reads as text does, in any split: a Qwen3.6 picture of 1024 x 768
+                # pixels is 768 tokens, over the default n_batch of 512.
+                if n_tokens > self.target.n_batch and m.mtmd_decode_use_non_causal(self.ctx, chunk):
                     raise ImageError(f"a picture of {n_tokens} tokens does not fit one batch of "
-                                     f"{self.target.n_batch} ([load] n_batch): raise it")
+                                     f"{self.target.n_batch} ([load] n_batch), which this projector's pictures "
+                                     "need (they attend to themselves both ways): raise it")
                 picture = by_digest[m.mtmd_input_chunk_get_id(chunk).decode()]
                 ids = placeholder_ids(picture.digest, n_tokens)
                 kept = PictureChunk(m, m.mtmd_input_chunk_copy(chunk), n_tokens, n_pos)
@@ -380,7 +385,8 @@ class Projector:
 
     def decode(self, first: int, start_pos: int, seq: int) -> int:
         """The picture whose first placeholder id is `first`, encoded and decoded into the target's sequence `seq`
-        at positions start_pos.. (one batch; non-causal attention where the projector wants it); the positions it
+        at positions start_pos.. (n_batch at a time; one batch, non-causal attention, where the projector wants
+        that: `tokenize` refuses a larger one); the positions it
         took (its tokens', or fewer with M-RoPE: llama.places)."""
         found = self._chunks.get(first)
         if found is None:
