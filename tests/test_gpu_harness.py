@@ -100,6 +100,66 @@ def test_concurrency_sh_with_pictures_gives_every_server_the_projector_and_the_c
     assert '--projector "$MMPROJ"' in text and 's="$s+$MMPROJ"' in text
 
 
+def concurrency_server_cmd(pair_target: str, pair_draft: str, config: str) -> list[str]:
+    """concurrency.sh's server_cmd (the script measures when run) for one configuration, as a word list."""
+    text = (ROOT / "bench" / "gpu" / "concurrency.sh").read_text()
+    match = re.search(r"^server_cmd\(\) \{.*?^\}$", text, re.M | re.S)
+    assert match, "concurrency.sh defines no server_cmd()"
+    script = (f"LOCALSPEC=(localspec) LLAMA_SERVER=llama-server DRAFT_MAX=3 PARALLEL=16 CTX=2048 LOCALSPEC_CTX=2048 "
+              f"PORT=1 SEED=42 PROJECTOR=() SERVER_CMD=(); {match.group(0)}\n"
+              f"server_cmd {config} {pair_target} {pair_draft} && printf '%s\\n' \"${{SERVER_CMD[@]}}\"")
+    r = subprocess.run(["bash", "-c", f"set -uo pipefail; {script}"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_concurrency_sh_serves_the_hybrids_mtp_head_on_both_sides_and_a_draft_model_otherwise() -> None:
+    """PAIRS=hybrid-mtp has no draft model ("-"): localspec drafts with the target's MTP head, llama-server with its
+    draft-mtp loop, neither given a draft file; a card pair's draft model goes to both as before."""
+    spec = concurrency_server_cmd("T.gguf", "-", "spec")
+    assert spec[spec.index("--drafter") + 1] == "mtp" and spec[spec.index("--draft") + 1] == "3" and "-" not in spec
+    theirs = concurrency_server_cmd("T.gguf", "-", "llamaprob")
+    assert theirs[theirs.index("--spec-type") + 1] == "draft-mtp" and "-md" not in theirs and "-ngld" not in theirs
+    assert "--spec-draft-sampling" in theirs and "-" not in theirs
+    plain = concurrency_server_cmd("T.gguf", "-", "k0")
+    assert plain[plain.index("--drafter") + 1] == "mtp" and plain[plain.index("--draft") + 1] == "0"
+    card = concurrency_server_cmd("T.gguf", "D.gguf", "llama")
+    assert card[card.index("-md") + 1] == "D.gguf" and card[card.index("--spec-type") + 1] == "draft-simple"
+    ours = concurrency_server_cmd("T.gguf", "D.gguf", "spec")
+    assert ours[ours.index("--draft") + 1] == "D.gguf" and "--drafter" not in ours
+    text = (ROOT / "bench" / "gpu" / "concurrency.sh").read_text()
+    assert 'hybrid-mtp) [[ -f "$(hybrid_target)" ]] && echo "$(hybrid_target) -"' in text
+
+
+def test_the_hybrid_target_is_named_once_and_written_only_when_missing(tmp_path: Path) -> None:
+    """harness.sh names the hybrid target for grid.sh, hybrid.sh and concurrency.sh; its writer leaves a file that is
+    there alone (no Python is run: this PATH has none of the carried packages)."""
+    named = bash('echo "$(hybrid_target)"', tmp_path, HYBRID_SIZE="hybrid-tiny", MTP_NOISE="0.2")
+    assert named.stdout.strip() == f"{tmp_path}/work/models/hybrid-tiny-n0.2-target.gguf"
+    (tmp_path / "work" / "models").mkdir(parents=True)
+    (tmp_path / "work" / "models" / "hybrid27b-n0.1-target.gguf").write_text("kept")
+    r = bash('write_hybrid_target "$WORK/write.log"; echo "rc=$?"', tmp_path, CARRIED_PY="0")
+    assert "rc=0" in r.stdout and not (tmp_path / "work" / "write.log").exists(), r.stderr
+    for script in ("grid.sh", "hybrid.sh"):
+        text = (ROOT / "bench" / "gpu" / script).read_text()
+        assert "$(hybrid_target)" in text and 'HYBRID_SIZE="${HYBRID_SIZE:-' not in text, script
+
+
+def test_the_pinned_build_needs_no_llama_server_where_the_newest_ones_is_compared(tmp_path: Path) -> None:
+    """concurrency.sh compares the newest llama-server where it builds it, so the pinned tree leaves llama-server
+    out (PINNED_SERVER=0: ~80 s of an H100 call) and have_build does not ask for it there."""
+    bin_ = tmp_path / "work" / "build" / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "libllama.so").touch()
+    (bin_ / "llama-speculative-simple").touch(mode=0o755)
+    assert bash("have_build llama-server; echo rc=$?", tmp_path).stdout.strip() == "rc=1"
+    assert bash("have_build llama-server; echo rc=$?", tmp_path, PINNED_SERVER="0").stdout.strip() == "rc=0"
+    text = (ROOT / "bench" / "gpu" / "concurrency.sh").read_text()
+    assert ('[[ "$NEWEST" == 1 && "${LLAMA_YARDSTICK:-}" != pinned ]] && export PINNED_SERVER="${PINNED_SERVER:-0}"'
+            in text)
+    assert 'build_current "$BIN" "$SRC" "$CARRY/llama.cpp.tar.gz" "$PINNED_SERVER"' in RUN_SH.read_text()
+
+
 def test_a_real_model_carried_in_parts_is_assembled_once_all_are_there_and_match(tmp_path: Path) -> None:
     import hashlib
 
@@ -202,12 +262,13 @@ def test_run_sh_builds_the_newest_source_beside_the_pinned_one_with_the_same_fla
     text = RUN_SH.read_text()
     build_tree = run_sh_functions("build_tree")
     # one function builds both, so the flags cannot drift apart; the newest adds only its build number and commit
-    assert re.search(r'^build\(\) \{ build_tree "\$CARRY/llama\.cpp\.tar\.gz" "\$SRC" "\$BUILD" ""; \}$', text, re.M)
+    assert re.search(r'^build\(\) \{ WITH_SERVER="\$PINNED_SERVER" build_tree "\$CARRY/llama\.cpp\.tar\.gz" "\$SRC" '
+                     r'"\$BUILD" ""; \}$', text, re.M)
     newest = run_sh_functions("build_newest")
     assert '"$CARRY/llama.cpp-newest.tar.gz" "$SRC_NEWEST" "$BUILD_NEWEST"' in newest
     assert "-DLLAMA_BUILD_NUMBER=" in newest and "-DLLAMA_BUILD_COMMIT=" in newest
     assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" in build_tree
-    assert ('targets=(llama-bench llama-speculative-simple mtmd); [[ "$BUILD_SERVER" == 1 ]] '
+    assert ('targets=(llama-bench llama-speculative-simple mtmd); [[ "${WITH_SERVER:-$BUILD_SERVER}" == 1 ]] '
             '&& targets+=(llama-server)') in build_tree
     assert 'BUILD_NEWEST="$WORK/build-newest"' in text and "run build-newest 200 build_newest" in text
     assert '--llama-bin "$YARDSTICK_BIN"' in text and '--llama-bin "$BIN"' not in text
