@@ -165,7 +165,11 @@ class LookupCost(CostRule):
     def __init__(self, cost: DraftCost) -> None:
         super().__init__(cost)
         cost.add_source(self.SOURCE, self.PRIOR, lead=True, own_epochs=True)
-        self.idle, self.interval = 0, cost.PROBE_FIRST  # the probe schedule of tokens judged a loss
+        self._judge_afresh()
+
+    def _judge_afresh(self) -> None:
+        """The judgement of lookup's tokens as before anything was measured (a new rule, a new request)."""
+        self.idle, self.interval = 0, self.cost.PROBE_FIRST  # the probe schedule of tokens judged a loss
         self.off = False  # lookup's tokens were last judged a loss: it does not search (`wanted`)
         self.short = 0  # rounds in a row that proposed only some of lookup's match (`length`)
         self.measuring = False  # this round's length measures an unmeasured verify width
@@ -180,8 +184,7 @@ class LookupCost(CostRule):
         Suffix lookup (`SuffixCost`) likewise: its index spans requests, but whether this request's text follows it
         is this request's."""
         self.cost.restart_source(self.SOURCE)
-        self.idle, self.interval = 0, self.cost.PROBE_FIRST
-        self.off, self.short, self.measuring = False, 0, False
+        self._judge_afresh()
 
     def best(self, found: int, k: int, width: int = 0, extension: Stepped | None = None) -> int | None:
         """How many of prompt lookup's `found` tokens to propose (the longer on a tie: they cost no draft steps):

@@ -267,7 +267,8 @@ class DraftCost:
     def restart_source(self, name: str) -> None:
         """Forget a source's measured acceptance: each position's rate is its prior again and no round has verified
         its tokens (`seen`), as in a new cost model, so a rule that measures a source before judging it does so
-        again (`LookupCost.length`: its first WARMUP rounds proposed whole)."""
+        again (`LookupCost.length`: its first WARMUP rounds proposed whole). A source's counts start here too
+        (`add_source`)."""
         if name not in self.prior:
             return
         self.tried[name] = [0.0] * (self.k_max + 1)
@@ -290,10 +291,7 @@ class DraftCost:
         if name in self.prior:
             return
         self.prior[name] = prior
-        self.tried[name] = [0.0] * (self.k_max + 1)
-        self.ok[name] = [0.0] * (self.k_max + 1)
-        self.seen[name] = 0
-        self._aged[name] = 0
+        self.restart_source(name)
         if own_epochs:
             self._own_epochs.add(name)
         if lead:
