@@ -57,8 +57,7 @@ snapshot_env "$RES/env.txt"
 
 HT="$(hybrid_target)"  # (hybrid.sh's file names: a warm machine's are reused)
 write_models() {  # the targets GRID_JOBS measure (and the card's draft), one after the other, beside the build
-    [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
-    use_build
+    await_carried_py; use_build
     [[ " $GRID_JOBS " != *" hybrid-"* ]] || write_hybrid_target "$RES/write-hybrid.log"
     [[ " $GRID_JOBS " != *" card-clients "* ]] || card_pair "$CARD_NOISE" > /dev/null
 }

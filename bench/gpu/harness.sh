@@ -166,12 +166,16 @@ HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
 MTP_NOISE="${MTP_NOISE:-0.1}"
 SCALE="${SCALE:-8e-5}"
 hybrid_target() { echo "$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"; }
+# await_carried_py: up to 2 minutes for the carried Python packages (run.sh unpacks them as its build starts), for
+# a writer that runs beside the build (synthetic.py needs the carried gguf package).
+await_carried_py() {
+    [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
+}
 # write_hybrid_target LOG: hybrid_target written unless it exists (synthetic.py writes it whole or not at all; ~2
-# minutes at 27B's size); waits for the carried Python packages first (run.sh unpacks them as its build starts).
+# minutes at 27B's size), beside the build.
 write_hybrid_target() {
     [[ -f "$(hybrid_target)" ]] && return 0
-    [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
-    use_build; vocab_args "$HYBRID_SIZE"
+    await_carried_py; use_build; vocab_args "$HYBRID_SIZE"
     nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
         --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" > "$1" 2>&1
 }

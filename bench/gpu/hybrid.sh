@@ -48,11 +48,7 @@ log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, tem
 build=$!
 writer=""
 if [[ ! -f "$T" || ( "$DRAFT_PAIR" == 1 && ! -f "$D" ) ]]; then
-    # The writer needs the carried gguf package, which run.sh unpacks first thing.
-    for _ in $(seq 1 120); do
-        [[ "${CARRIED_PY:-1}" == 0 || -f "$WORK/pyenv/.stamp" ]] && break
-        sleep 1
-    done
+    await_carried_py
     only=(--only target); [[ "$DRAFT_PAIR" == 1 ]] && only=()
     log "writing $HYBRID_SIZE (background)"
     ( use_build; nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" "${only[@]}" \
