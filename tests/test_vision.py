@@ -744,3 +744,27 @@ def test_a_gemma3_projector_beside_a_hybrid_target_places_its_pictures_as_the_te
 def test_serve_refuses_a_projector_for_several_pairs(tmp_path):
     done = localspec("serve", "--pair", "demo", "--pair", "demo-chat", "--mmproj", str(tmp_path / "m.gguf"))
     assert done.returncode == 2 and "--mmproj with several --pair: a projector fits one target" in done.stderr
+
+
+@pytest.mark.parametrize(("kind", "projector_type", "tokens"), [("tiny", "gemma3", 16), ("gemma3", "gemma3", 256),
+                                                                ("qwen-vl", "qwen2vl_merger", None)])
+def test_synthetic_writes_each_projector_kind_for_the_sizes_width(monkeypatch, tmp_path, kind, projector_type, tokens):
+    """`bench/synthetic.py --projector KIND` (bench/gpu/concurrency.sh's MMPROJ): the kind's spec at the size's text
+    width (a hybrid size's target's), to <prefix>mmproj.gguf. The writer is captured: the real-size towers are ~0.9
+    GB (test_a_projector_in_f16_as_published_loads_and_reads_a_picture loads the same layout in small)."""
+    import synthetic
+
+    written = {}
+
+    def capture(path, spec):
+        written[path] = spec
+        return path
+    monkeypatch.setattr(synthetic, "write_projector", capture)
+    assert synthetic.main(["--size", "hybrid27b", "--projector", kind, "--prefix", "x-", "--out", str(tmp_path)]) == 0
+    ((path, spec),) = written.items()
+    assert path == tmp_path / "x-mmproj.gguf" and spec.kind == projector_type
+    assert spec.n_embd_text == synthetic.HYBRID_PRESETS["hybrid27b"].target.n_embd
+    if tokens is not None:
+        assert spec.n_image_tokens == tokens
+    if kind == "qwen-vl":  # Qwen3.5/3.6's tower at its real dimensions
+        assert (spec.n_embd, spec.n_layer, spec.patch_size, spec.f16) == (1152, 27, 16, True)
