@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from llama_cpp import mtmd_cpp as mtmd  # (the README's build has libmtmd: no skip where it lacks)
 
-from localspec.config import load_preset
+from localspec.config import Preset, load_preset
 from localspec.errors import ModelLoadError, UsageError
 from localspec.llama import vision
 from localspec.llama.vision import ImageError, Picture, decode_picture, placeholder_ids
@@ -245,16 +245,17 @@ def test_a_slot_keeps_a_picture_it_holds_and_drops_one_it_does_not(tiny_pair_hig
         assert collect(s.engine.generate(**request(swapped, 4))).tokens == reused.tokens
 
 
-def slots_match_alone(pair, mmproj: Path, asked: list[tuple[str, list[Picture], int, str]]) -> None:
+def slots_match_alone(pair, mmproj: Path, asked: list[tuple[str, list[Picture], int, str]],
+                      preset: Preset = GREEDY) -> None:
     """Requests (text, pictures, draft length, drafter) arriving at different rounds in a 3-slot engine get what each
     gets alone in an engine of one slot."""
 
     def requests(s) -> list[dict]:  # (each session's projector reads its own prompts' pictures)
         return [request(prompt(s, text, pics), k, drafter) for text, pics, k, drafter in asked]
 
-    with open_session(files(pair, mmproj), GREEDY, parallel=3) as s:
+    with open_session(files(pair, mmproj), preset, parallel=3) as s:
         together = run_together(s.engine, requests(s), arrivals=[0, 2, 1])
-    with open_session(files(pair, mmproj), GREEDY) as alone:
+    with open_session(files(pair, mmproj), preset) as alone:
         for r, got in zip(requests(alone), together, strict=True):
             alone.engine.reset()
             assert collect(alone.engine.generate(**r)).tokens == got

@@ -77,16 +77,18 @@ def test_an_mrope_picture_on_a_hybrid_target_is_plain_decoding_with_it(hybrid_pa
         assert np.abs(other - expected_row).max() > 1e-3
 
 
-def test_an_mrope_picture_larger_than_a_batch_is_decoded_a_batch_at_a_time(hybrid_pair, mrope_projector):
+@pytest.mark.parametrize("n_batch", [8, 12])
+def test_an_mrope_picture_larger_than_a_batch_is_decoded_a_batch_at_a_time(hybrid_pair, mrope_projector, n_batch):
     """A Qwen-VL picture attends causally, as text does, so libmtmd may decode it n_batch tokens at a time (a
     Qwen3.6 picture of 1024 x 768 pixels is 768 tokens, over the default 512; llama-server reads it): with n_batch 8
-    under the picture's 15 tokens, the next token's logits are libmtmd's helper path's at that batch bit for bit, and
-    greedy output with the MTP head and the draft model equals that path's. (Was refused: "does not fit one batch".)"""
+    or 12 under the picture's 15 tokens (its batches split the text around it too), the next token's logits are
+    libmtmd's helper path's at that batch bit for bit, and greedy output with the MTP head and the draft model equals
+    that path's. (Was refused: "does not fit one batch".)"""
     pictures = [picture(1)]
     expected, expected_row = reference_greedy(hybrid_pair[0], mrope_projector, TEXT, pictures, 24, with_row=True,
-                                              n_batch=8)
-    with open_session(files(hybrid_pair, mrope_projector), GREEDY.with_overrides(n_batch=8)) as s:
-        assert s.target.n_batch == 8
+                                              n_batch=n_batch)
+    with open_session(files(hybrid_pair, mrope_projector), GREEDY.with_overrides(n_batch=n_batch)) as s:
+        assert s.target.n_batch == n_batch
         tokens = prompt(s, TEXT, pictures)
         assert sum(t < 0 for t in tokens) == 15  # (the premise: more than one batch)
         for drafter, k in (("model", 0), ("mtp", 3), ("model", 4)):
@@ -95,6 +97,15 @@ def test_an_mrope_picture_larger_than_a_batch_is_decoded_a_batch_at_a_time(hybri
         s.engine.reset()
         s.target.use_device_sampler(None, 0)  # full logits
         np.testing.assert_array_equal(s.target.decode(tokens, 0, seq=0).logits[-1], expected_row)
+
+
+def test_mrope_pictures_over_a_batch_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
+    """Pictures decoded a batch at a time (n_batch 8) in slots whose rounds interleave with them, on the hybrid target
+    whose recurrent cells llama.cpp moves between decodes: each request as it is alone."""
+    slots_match_alone(hybrid_pair, mrope_projector, [
+        ("One:", [picture(1)], 3, "mtp"), ("Two pictures, compare them:", [picture(2), picture(4, 24, 40)], 3,
+                                           "lookup"), ("Three, in a sentence:", [picture(5)], 0, "model")],
+                      GREEDY.with_overrides(n_batch=8))
 
 
 def test_mrope_pictures_in_several_slots_each_get_what_they_get_alone(hybrid_pair, mrope_projector):
