@@ -53,7 +53,13 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     assert env["target"]["path"].endswith("gemma-3-270m-q4_k_m.gguf")
     assert env["draft"]["path"].endswith("gemma-3-270m-q2_k-draft.gguf")
     # The verdict tells the truth: it stood aside, at what speed against plain decoding, and why.
-    said_first = f"the draft model does not pay here, so it stood aside: {report['speedup']:.2f}x"
+    low, high = report["plain_spread"]
+    assert low <= 1.0 <= high
+    as_plain = spec["stood_aside"] >= 0.99 and low <= report["speedup"] <= high
+    assert report["decoded_as_plain"] == as_plain
+    said_first = (f"the draft model does not pay here, so it stood aside and decoded as plain decoding does: "
+                  f"{report['speedup']:.2f}x plain is this machine's run-to-run noise" if as_plain else
+                  f"the draft model does not pay here, so it stood aside: {report['speedup']:.2f}x")
     assert report["verdict"].startswith(said_first)
     assert spec["aside"] in report["verdict"] and "stood aside" in result.output
     # ... and suggests no draft-length sweep: no length could pay (the GPU quick start instead)
@@ -72,7 +78,8 @@ def test_bench_json_on_demo_pair(use_demo_home, tmp_path):
     last = said[said.rindex("on this machine:"):]  # the last paragraph (rich wraps it at the runner's width)
     assert said.index("report written to") < said.rindex("on this machine:")
     assert f"prompt lookup {lookup['speedup']:.2f}x plain" in last
-    assert f"the draft model stood aside, {report['speedup']:.2f}x" in last
+    said_aside = "stood aside (decoding as plain does, within this machine's noise)," if as_plain else "stood aside,"
+    assert f"the draft model {said_aside} {report['speedup']:.2f}x" in last
 
 
 @pytest.mark.slow

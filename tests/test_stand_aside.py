@@ -319,12 +319,39 @@ def test_the_bench_summary_verdict_and_closing_line_say_it_stood_aside_and_why()
                            {})  # type: ignore[arg-type]
 
     aside = report("model", dataclasses.replace(spec, median_tps=19.6), 20.0)
+    assert aside.plain_spread is None and not aside.decoded_as_plain  # (one plain run: no spread to judge by)
     assert aside.verdict.startswith("the draft model does not pay here, so it stood aside: 0.98x plain decoding;")
     lookup = report("lookup", dataclasses.replace(plain, mode="speculative", median_tps=44.0), 20.0)
     line = drafter_choice(aside, lookup).plain
     assert line.startswith("on this machine: use `--drafter lookup` (the draft model stood aside, 0.98x plain;")
     alone = drafter_choice(aside).plain
     assert "stands aside by itself" in alone and "the default decodes at about plain speed" in alone
+
+    # Every round stood aside, so the speculative runs decoded as plain decoding does: a gap within plain
+    # decoding's own run-to-run spread is said to be the machine's noise; one beyond it, or where some rounds
+    # drafted, is not explained away.
+    noisy = dataclasses.replace(plain, runs=5, median_tps=20.0, min_tps=17.0, max_tps=21.5)
+    all_aside = dataclasses.replace(spec, stood_aside=1.0, median_tps=18.8)
+
+    def spread_report(summary: ModeSummary) -> BenchReport:
+        check = type("Check", (), {"passed": True, "exact": True})()
+        return BenchReport(GREEDY.with_overrides(drafter="model"), 6, 128, noisy, summary, check, [],
+                           {})  # type: ignore[arg-type]
+
+    within = spread_report(all_aside)
+    assert within.plain_spread == pytest.approx((0.85, 1.075)) and within.decoded_as_plain
+    assert within.verdict.startswith(
+        "the draft model does not pay here, so it stood aside and decoded as plain decoding does: 0.94x plain is "
+        "this machine's run-to-run noise (plain decoding's own runs: 0.85-1.07x their median); drafting stood aside "
+        "in 100% of rounds")
+    assert "the draft model stood aside (decoding as plain does, within this machine's noise), 0.94x plain" in \
+        drafter_choice(within, lookup).plain
+    for beyond in (dataclasses.replace(all_aside, median_tps=16.0),  # slower than plain's slowest run
+                   dataclasses.replace(all_aside, stood_aside=0.95)):  # some rounds drafted
+        judged = spread_report(beyond)
+        assert not judged.decoded_as_plain and "noise" not in judged.verdict
+        assert judged.verdict.startswith(f"the draft model does not pay here, so it stood aside: "
+                                         f"{judged.speedup:.2f}x plain decoding;")
 
 
 def test_the_chat_line_and_the_servers_timings_say_it() -> None:

@@ -82,6 +82,9 @@ SWEEP_NEXT = "`localspec bench --sweep 2,4,6,8`"
 GPU_NEXT = "`localspec pull qwen3-32b && localspec bench --pair qwen3-32b`"
 # A run's tok/s spread (fastest over slowest) beyond which something else was competing for the cores.
 NOISY_SPREAD = 1.5
+# The share of rounds stood aside from which the speculative runs decoded as plain decoding does (the judged
+# generation in PLAIN_GENERATIONS aside): their difference from plain is then the machine's, not drafting's.
+ALL_ASIDE = 0.99
 PLAIN, SPEC = "plain", "speculative"
 RAW, TEMPLATE = "raw completion", "chat template"
 MAX_PROMPTS = 10_000
@@ -365,8 +368,31 @@ class BenchReport:
         return self.speculative.median_tps / self.plain.median_tps if self.plain.median_tps else 0.0
 
     @property
+    def plain_spread(self) -> tuple[float, float] | None:
+        """Plain decoding's slowest and fastest run over its median: this machine's run-to-run noise (None: fewer
+        than two timed runs)."""
+        plain = self.plain
+        if plain.runs - plain.empty_runs < 2 or not plain.median_tps:
+            return None
+        return plain.min_tps / plain.median_tps, plain.max_tps / plain.median_tps
+
+    @property
+    def decoded_as_plain(self) -> bool:
+        """Whether the speculative runs decoded as plain decoding does (drafting stood aside in all but the judged
+        rounds) and their speed stays within plain decoding's own run-to-run spread: the speedup is then noise.
+        A stand-aside outside that spread is not explained away."""
+        spread = self.plain_spread
+        return (self.speculative.stood_aside >= ALL_ASIDE and spread is not None
+                and spread[0] <= self.speedup <= spread[1])
+
+    @property
     def verdict(self) -> str:
         aside = self.speculative.standing_aside
+        if aside is not None and self.decoded_as_plain:
+            low, high = self.plain_spread or (1.0, 1.0)
+            return (f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside and "
+                    f"decoded as plain decoding does: {self.speedup:.2f}x plain is this machine's run-to-run noise "
+                    f"(plain decoding's own runs: {low:.2f}-{high:.2f}x their median); {aside}")
         if aside is not None:
             return (f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside: "
                     f"{self.speedup:.2f}x plain decoding; {aside}")
@@ -409,6 +435,8 @@ class BenchReport:
             "plain": dataclasses.asdict(self.plain),
             "speculative": dataclasses.asdict(self.speculative),
             "speedup": self.speedup,
+            "plain_spread": self.plain_spread,
+            "decoded_as_plain": self.decoded_as_plain,
             "verdict": self.verdict,
             "advice": self.advice,
             "warnings": self.warnings,

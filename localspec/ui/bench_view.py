@@ -75,8 +75,7 @@ def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Te
     """The last line: which drafter to use on this machine, from every part measured (a part whose greedy check
     failed is never recommended)."""
     parts = [(report, "")] + ([(lookup, " on replies that repeat their prompt")] if lookup is not None else [])
-    measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title}"
-                         f"{' stood aside,' if r.speculative.standing_aside else ''} {r.speedup:.2f}x "
+    measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title}{_aside_words(r)} {r.speedup:.2f}x "
                          f"plain{where}" for r, where in parts)
     paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed and not r.speculative.standing_aside]
     if not paying:
@@ -87,6 +86,14 @@ def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Te
                     "(`--draft 0`) is the faster choice here", style="bold yellow")
     best = max(paying, key=lambda r: r.speedup)
     return Text(f"on this machine: use `--drafter {best.preset.draft.drafter}` ({measured})", style="bold green")
+
+
+def _aside_words(report: BenchReport) -> str:
+    """How a part that stood aside ran, before its speedup in the closing line."""
+    if not report.speculative.standing_aside:
+        return ""
+    return " stood aside (decoding as plain does, within this machine's noise)," if report.decoded_as_plain \
+        else " stood aside,"
 
 
 def _outcome(report: BenchReport) -> list[Text]:
