@@ -76,7 +76,7 @@ def test_served_cells_are_read_from_each_configurations_runs(use_demo_home, tmp_
     figures are the medians of those runs' aggregate tok/s, plain's server never drafted and the fixed length's
     always did (its flags reached the server), and the stand-aside share is read from the default's timings."""
     out = tmp_path / "grid.csv"
-    run = subprocess.run([sys.executable, str(GRID), "--pair", "demo", "--out", str(out), "--drafters", "model",
+    run = subprocess.run([sys.executable, str(GRID), "--pair", "demo-chat", "--out", str(out), "--drafters", "model",
                           "--classes", "qa", "--lengths", "8", "--sweep", "2", "--repeat", "2", "--warmup", "0",
                           "--threads", "1", "--clients", "2", "--temperature", "0"],
                          capture_output=True, text=True, timeout=900)
