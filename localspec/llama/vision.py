@@ -386,8 +386,8 @@ class Projector:
     def decode(self, first: int, start_pos: int, seq: int) -> int:
         """The picture whose first placeholder id is `first`, encoded and decoded into the target's sequence `seq`
         at positions start_pos.. (n_batch at a time; one batch, non-causal attention, where the projector wants
-        that: `tokenize` refuses a larger one); the positions it
-        took (its tokens', or fewer with M-RoPE: llama.places)."""
+        that: `tokenize` refuses a larger one); the positions it took (its tokens', or fewer with M-RoPE:
+        llama.places)."""
         found = self._chunks.get(first)
         if found is None:
             raise ImageError("a picture's ids without its picture: send the picture again")

@@ -388,14 +388,14 @@ class BenchReport:
     @property
     def verdict(self) -> str:
         aside = self.speculative.standing_aside
-        if aside is not None and self.decoded_as_plain:
-            low, high = self.plain_spread or (1.0, 1.0)
-            return (f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside and "
-                    f"decoded as plain decoding does: {self.speedup:.2f}x plain is this machine's run-to-run noise "
-                    f"(plain decoding's own runs: {low:.2f}-{high:.2f}x their median); {aside}")
+        stood = f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside"
+        spread = self.plain_spread
+        if aside is not None and spread is not None and self.decoded_as_plain:
+            return (f"{stood} and decoded as plain decoding does: {self.speedup:.2f}x plain is this machine's "
+                    f"run-to-run noise (plain decoding's own runs: {spread[0]:.2f}-{spread[1]:.2f}x their median); "
+                    f"{aside}")
         if aside is not None:
-            return (f"{DRAFTER_TABLE[self.preset.draft.drafter].title} does not pay here, so it stood aside: "
-                    f"{self.speedup:.2f}x plain decoding; {aside}")
+            return f"{stood}: {self.speedup:.2f}x plain decoding; {aside}"
         if self.speedup >= 1.0:
             return f"speculative decoding is {self.speedup:.2f}x plain decoding on this pair and machine"
         return (f"speculative decoding is SLOWER than plain decoding on this pair and machine ({self.speedup:.2f}x): "
