@@ -1,0 +1,1 @@
+python3 -c import\ llama_cpp\;\ from\ localspec.cli.app\ import\ main\;\ main\(\) serve --target $HOME/lsw/models/hybrid27b-n0.1-target.gguf --drafter mtp --draft 0 --parallel 16 --queue 64 --ctx 2048 --host 127.0.0.1 --port 18080 --seed 42 

@@ -1,0 +1,1 @@
+$HOME/lsw/yardstick-newest/llama-server -m $HOME/lsw/models/hybrid27b-n0.1-target.gguf -np 16 -c 32768 -fa on -ngl 99 --host 127.0.0.1 --port 18080 --seed 42 
