@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localspec.server import guard
 from tests.test_serve import Server
 
 pytestmark = pytest.mark.slow
@@ -240,8 +241,11 @@ def test_a_half_closed_request_gets_its_answer(chat):
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     reply = raw(chat, head + body, half_close=True)
-    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-    assert b'"text_completion"' in reply
+    # (a reply that takes over 0.2 s comes after the server's `100 Continue`, its question whether the client is
+    # still there, which every HTTP/1.1 client skips: on a loaded machine even two tokens may take that long)
+    final = reply.removeprefix(guard.CONTINUE)
+    assert final.startswith(b"HTTP/1.1 200"), reply[:200]
+    assert b'"text_completion"' in final and guard.CONTINUE not in final
 
 
 def test_health_answers_while_1100_idle_sockets_are_open_under_ulimit_1024(demo_home, tmp_path):
