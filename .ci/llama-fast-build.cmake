@@ -8,23 +8,37 @@
 #    3.21).
 set(LLAMA_BUILD_COMMON OFF)
 
-# 2. Compile libmtmd as a unity build, as llama.cpp already compiles libllama's model files: its ~50 sources (one
-#    per vision model, each parsing the same headers) become a few, 127 compile-seconds down to 76 here (the whole
-#    build: 212 s to 189 s on 2 cores). The target exists only after llama-cpp-python's CMakeLists.txt has added
-#    tools/mtmd, so the setting is deferred to the end of the top directory. mtmd-helper*.cpp stay out of the unity
-#    sources: they are a public library's code and #error when they see mtmd's internal headers.
-function(_localspec_unity_build_mtmd)
-    if(NOT TARGET mtmd)  # (-DLLAVA_BUILD=OFF)
-        return()
+# 2. Unity builds where llama.cpp compiles file by file: libmtmd's ~50 sources (one per vision model, each parsing
+#    the same headers) and libllama's ~28 core sources (llama.cpp itself already compiles the model files so) become a
+#    few translation units. On 2 cores the build took 212 s, 189 s with libmtmd's, 175 s with both (compile-seconds
+#    424, 361, 335); GCC warns of nothing in them. Only CI's build does this: what it compiles is the same code, and
+#    neither library is built with FMA contraction enabled (that stays with ggml-cpu, compiled file by file as
+#    ever), so no float result can change with what the compiler inlines. The targets exist only once
+#    llama-cpp-python's CMakeLists.txt has added them, so the settings are deferred to the end of the directory
+#    (this file is included by every project(), ggml's too, where they do nothing). Left out of the unity sources:
+#    mtmd-helper*.cpp, a public library's code that #errors when it sees mtmd's internal headers, and llama.cpp and
+#    unicode*.cpp, which llama.cpp itself leaves out.
+function(_localspec_unity_build)
+    if(TARGET mtmd)  # (-DLLAVA_BUILD=OFF: none)
+        get_target_property(mtmd_dir mtmd SOURCE_DIR)
+        get_target_property(mtmd_sources mtmd SOURCES)
+        foreach(source IN LISTS mtmd_sources)
+            if(source MATCHES "mtmd-helper")
+                set_source_files_properties("${mtmd_dir}/${source}" DIRECTORY "${mtmd_dir}"
+                                            PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+            endif()
+        endforeach()
+        set_target_properties(mtmd PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)
     endif()
-    get_target_property(mtmd_dir mtmd SOURCE_DIR)
-    get_target_property(mtmd_sources mtmd SOURCES)
-    foreach(source IN LISTS mtmd_sources)
-        if(source MATCHES "mtmd-helper")
-            set_source_files_properties("${mtmd_dir}/${source}" DIRECTORY "${mtmd_dir}"
-                                        PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
-        endif()
-    endforeach()
-    set_target_properties(mtmd PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)
+    if(TARGET llama)  # (already UNITY_BUILD ON for its model files)
+        get_target_property(llama_dir llama SOURCE_DIR)
+        get_target_property(llama_sources llama SOURCES)
+        foreach(source IN LISTS llama_sources)
+            if(source MATCHES "^llama-.*[.]cpp$")
+                set_source_files_properties("${llama_dir}/${source}" DIRECTORY "${llama_dir}"
+                                            PROPERTIES SKIP_UNITY_BUILD_INCLUSION OFF)
+            endif()
+        endforeach()
+    endif()
 endfunction()
-cmake_language(DEFER CALL _localspec_unity_build_mtmd)
+cmake_language(DEFER CALL _localspec_unity_build)
