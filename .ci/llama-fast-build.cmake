@@ -12,37 +12,36 @@ set(LLAMA_BUILD_COMMON OFF)
 #    the same headers) and libllama's ~28 core sources (llama.cpp itself already compiles the model files so) become a
 #    few translation units; and both libraries at -O1. They hold the host's side (graphs, cells, samplers, the
 #    projector's preprocessing); the arithmetic of every matrix is ggml-cpu's, compiled as ever (-O3, file by file).
-#    On 2 cores the build took 212 s, 189 s with libmtmd's unity build, 175 s with both, 137 s at -O1 (compile-seconds
-#    424, 361, 335, 266); GCC warns of nothing. Neither library is built with FMA contraction or fast-math (those flags stay
-#    with ggml-cpu), so no float result can change with what the compiler inlines or how hard it optimizes; decoding
-#    the demo pair (speculative, T = 0.7) ran 13.4 against 13.4 tok/s with the -O3 unity build (medians of 8,
-#    alternated), the picture tests 55.8 against 55.0 s. Only CI's build does this: the README's other commands build
-#    llama.cpp as llama-cpp-python does. The targets exist only once llama-cpp-python's CMakeLists.txt has added
+#    On 2 cores the build took 212 s, 189 s with libmtmd's unity build, 175 s with both, 137 s at -O1
+#    (compile-seconds 424, 361, 335, 266); GCC warns of nothing. Neither library is built with FMA contraction or
+#    fast-math (those flags stay with ggml-cpu), so no float result can change with what the compiler inlines or how
+#    hard it optimizes; decoding the demo pair (speculative, T = 0.7) ran 13.4 against 13.4 tok/s with the -O3 unity
+#    build (medians of 8, alternated), the picture tests 55.8 against 55.0 s. Only CI's build does this: the README's
+#    other commands build llama.cpp as llama-cpp-python does. The targets exist only once llama-cpp-python's CMakeLists.txt has added
 #    them, so the settings are deferred to the end of the directory (this file is included by every project(),
 #    ggml's too, where they do nothing). Left out of the unity sources: mtmd-helper*.cpp, a public library's code
 #    that #errors when it sees mtmd's internal headers, and llama.cpp and unicode*.cpp, which llama.cpp leaves out.
+function(_localspec_unity_sources target pattern skip)
+    # SKIP_UNITY_BUILD_INCLUSION = skip on `target`'s sources whose name matches `pattern`, set in the target's own
+    # directory (a source file's properties are per directory)
+    get_target_property(dir ${target} SOURCE_DIR)
+    get_target_property(sources ${target} SOURCES)
+    foreach(source IN LISTS sources)
+        if(source MATCHES "${pattern}")
+            set_source_files_properties("${dir}/${source}" DIRECTORY "${dir}"
+                                        PROPERTIES SKIP_UNITY_BUILD_INCLUSION ${skip})
+        endif()
+    endforeach()
+endfunction()
+
 function(_localspec_unity_build)
     if(TARGET mtmd)  # (-DLLAVA_BUILD=OFF: none)
-        get_target_property(mtmd_dir mtmd SOURCE_DIR)
-        get_target_property(mtmd_sources mtmd SOURCES)
-        foreach(source IN LISTS mtmd_sources)
-            if(source MATCHES "mtmd-helper")
-                set_source_files_properties("${mtmd_dir}/${source}" DIRECTORY "${mtmd_dir}"
-                                            PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
-            endif()
-        endforeach()
+        _localspec_unity_sources(mtmd "mtmd-helper" ON)
         set_target_properties(mtmd PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)
         target_compile_options(mtmd PRIVATE -O1)  # (after the build type's -O3: the last -O counts)
     endif()
     if(TARGET llama)  # (already UNITY_BUILD ON for its model files)
-        get_target_property(llama_dir llama SOURCE_DIR)
-        get_target_property(llama_sources llama SOURCES)
-        foreach(source IN LISTS llama_sources)
-            if(source MATCHES "^llama-.*[.]cpp$")
-                set_source_files_properties("${llama_dir}/${source}" DIRECTORY "${llama_dir}"
-                                            PROPERTIES SKIP_UNITY_BUILD_INCLUSION OFF)
-            endif()
-        endforeach()
+        _localspec_unity_sources(llama "^llama-.*[.]cpp$" OFF)
         target_compile_options(llama PRIVATE -O1)
     endif()
 endfunction()
