@@ -17,10 +17,11 @@ set(LLAMA_BUILD_COMMON OFF)
 #    fast-math (those flags stay with ggml-cpu), so no float result can change with what the compiler inlines or how
 #    hard it optimizes; decoding the demo pair (speculative, T = 0.7) ran 13.4 against 13.4 tok/s with the -O3 unity
 #    build (medians of 8, alternated), the picture tests 55.8 against 55.0 s. Only CI's build does this: the README's
-#    other commands build llama.cpp as llama-cpp-python does. The targets exist only once llama-cpp-python's CMakeLists.txt has added
-#    them, so the settings are deferred to the end of the directory (this file is included by every project(),
-#    ggml's too, where they do nothing). Left out of the unity sources: mtmd-helper*.cpp, a public library's code
-#    that #errors when it sees mtmd's internal headers, and llama.cpp and unicode*.cpp, which llama.cpp leaves out.
+#    other commands build llama.cpp as llama-cpp-python does. The targets exist only once llama-cpp-python's
+#    CMakeLists.txt has added them, so the settings are deferred to the end of the directory (this file is included by
+#    every project(), ggml's too, where they do nothing). Left out of the unity sources: mtmd-helper*.cpp, a public
+#    library's code that #errors when it sees mtmd's internal headers, and llama.cpp and unicode*.cpp, which llama.cpp
+#    leaves out.
 function(_localspec_unity_sources target pattern skip)
     # SKIP_UNITY_BUILD_INCLUSION = skip on `target`'s sources whose name matches `pattern`, set in the target's own
     # directory (a source file's properties are per directory)
