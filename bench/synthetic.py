@@ -609,12 +609,13 @@ def q4_k_m_type(name: str, n_blocks: int) -> CardQType:
     """The tensor type llama.cpp's quantizer gives `name` under LLAMA_FTYPE_MOSTLY_Q4_K_M (llama_tensor_get_type,
     src/llama-quant.cpp; a dense, untied model that is not a 70B): output.weight Q6_K, attn_v and ffn_down Q6_K
     in the use_more_bits layers, every other matrix Q4_K, norms F32. tests/test_synthetic.py checks it against
-    the quantizer itself."""
+    the quantizer itself. A MoE's routed and shared experts' down projections count as ffn_down (the quantizer's
+    category is by name; the layer is read from the name when there are experts)."""
     if name.endswith("norm.weight"):
         return "f32"
     if name == "output.weight":
         return "q6_k"
-    if name.endswith((".attn_v.weight", ".ffn_down.weight")):
+    if name.endswith((".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight")):
         return "q6_k" if _more_bits(int(name.split(".")[1]), n_blocks) else "q4_k"
     return "q4_k"
 
@@ -978,6 +979,20 @@ class HybridShape:
     conv_kernel: int = 4
     full_attention_interval: int = 4
     nextn: int = 0  # MTP blocks
+    # Mixture of experts (llama.cpp's `qwen35moe`: every FFN, the MTP block's too, is `n_expert` routed experts of
+    # `n_ff_exp`, `n_expert_used` a token, plus one shared expert of `n_ff_shexp` behind a sigmoid gate); 0: dense
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def arch(self) -> str:
+        return "qwen35moe" if self.moe else "qwen35"
 
     @property
     def ssm_inner(self) -> int:
@@ -1031,8 +1046,12 @@ class HybridSpec:
             # llama.cpp aborts on a Gated DeltaNet hybrid without an attention layer (docs/upstream.md)
             raise ValueError(f"draft_blocks must be >= full_attention_interval ({t.full_attention_interval}): "
                              "the draft needs an attention block")
+        if t.moe and not (0 < t.n_expert_used <= t.n_expert and t.n_ff_exp > 0 and t.n_ff_shexp > 0):
+            raise ValueError(f"experts: {t.n_expert_used} used of {t.n_expert}, widths {t.n_ff_exp} and "
+                             f"{t.n_ff_shexp}: need 0 < used <= experts and both widths > 0")
         k = {"q4_0": 32, "q4_k_m": QK_K, "f32": 1}[self.wtype]
-        for name, dim in (("n_embd", t.n_embd), ("n_head*head_dim", t.n_head * t.head_dim), ("n_ff", t.n_ff),
+        ffn_rows = (("n_ff_exp", t.n_ff_exp), ("n_ff_shexp", t.n_ff_shexp)) if t.moe else (("n_ff", t.n_ff),)
+        for name, dim in (("n_embd", t.n_embd), ("n_head*head_dim", t.n_head * t.head_dim), *ffn_rows,
                           ("ssm inner size", t.ssm_inner)):
             if dim % k:
                 raise ValueError(f"{name} = {dim} must be a multiple of {k} ({self.wtype} rows)")
@@ -1044,7 +1063,9 @@ HybridRole = Literal["target", "draft"]
 # Where a tensor's random integers come from: (role index, block, stream); stream 0 is shared, 1 the target's own
 # blocks (the MTP block included), 2 the draft's own.
 _HYBRID_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha",
-                 "ssm_out", "ssm_conv1d", "ffn_gate", "ffn_up", "ffn_down", "nextn.eh_proj", "token_embd", "output")
+                 "ssm_out", "ssm_conv1d", "ffn_gate", "ffn_up", "ffn_down", "nextn.eh_proj", "token_embd", "output",
+                 "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp_shexp",
+                 "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
@@ -1055,8 +1076,11 @@ def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
     mix = spec.wtype
 
     def qtype(name: str) -> CardQType:
-        if name.endswith(("norm.weight", ".ssm_a", ".ssm_dt.bias", ".ssm_conv1d.weight")):
-            return "f32"  # llama.cpp keeps these in F32 (the convolution and the decay are not matrix products)
+        if name.endswith(("norm.weight", ".ssm_a", ".ssm_dt.bias", ".ssm_conv1d.weight", ".ffn_gate_inp.weight",
+                          ".ffn_gate_inp_shexp.weight")):
+            # llama.cpp keeps these in F32 (the convolution and the decay are not matrix products; the quantizer
+            # never quantizes a router, `ffn_gate_inp.weight` in llama-quant.cpp, nor a vector, the shared gate)
+            return "f32"
         if mix == "q4_k_m":
             return q4_k_m_type(name, sh.n_blocks)
         return mix
@@ -1072,6 +1096,12 @@ def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
                 (f"blk.{b}.attn_q_norm.weight", (sh.head_dim,)), (f"blk.{b}.attn_k_norm.weight", (sh.head_dim,))]
 
     def ffn(b: int) -> list[tuple[str, tuple[int, ...]]]:
+        if sh.moe:  # load_block_trunk / load_block_mtp in src/models/qwen35moe.cpp (numpy order: experts first)
+            x, f, fs = sh.n_expert, sh.n_ff_exp, sh.n_ff_shexp
+            return [(f"blk.{b}.ffn_gate_inp.weight", (x, e)), (f"blk.{b}.ffn_gate_exps.weight", (x, f, e)),
+                    (f"blk.{b}.ffn_up_exps.weight", (x, f, e)), (f"blk.{b}.ffn_down_exps.weight", (x, e, f)),
+                    (f"blk.{b}.ffn_gate_inp_shexp.weight", (e,)), (f"blk.{b}.ffn_gate_shexp.weight", (fs, e)),
+                    (f"blk.{b}.ffn_up_shexp.weight", (fs, e)), (f"blk.{b}.ffn_down_shexp.weight", (e, fs))]
         return [(f"blk.{b}.ffn_gate.weight", (sh.n_ff, e)), (f"blk.{b}.ffn_up.weight", (sh.n_ff, e)),
                 (f"blk.{b}.ffn_down.weight", (e, sh.n_ff))]
 
@@ -1096,6 +1126,9 @@ def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
 
 
 _MTP_TOKEN_SCALE = 1 / 16  # eh_proj's fp16 scale on the token half (7 on the diagonal)
+# A MoE router's scale: its logits a few units apart on a normed input, so each token picks its experts decisively
+# and tokens pick different ones (a verify of several tokens reads more experts than one token's, as a real MoE's)
+_ROUTER_SCALE = 0.01
 
 
 def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int, ...], qt: CardQType, stream: int,
@@ -1123,13 +1156,16 @@ def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int,
     else:
         shared = block < spec.shared_blocks
         reuse = spec.reuse_blocks and not shared and block < sh.n_blocks
-        scale = 0.1 if tensor_role == "ssm_conv1d" else spec.scale
-        if block >= sh.n_blocks and spec.mtp_scale is not None:
+        scale = {"ssm_conv1d": 0.1, "ffn_gate_inp": _ROUTER_SCALE}.get(tensor_role, spec.scale)
+        if block >= sh.n_blocks and spec.mtp_scale is not None and tensor_role != "ffn_gate_inp":
             scale = spec.mtp_scale
         key = (spec.shared_blocks if reuse else block, 0 if shared else stream)
         if reuse and (tensor_role, qt) in cache:
             return cache[(tensor_role, qt)]
-    data = _encode_parallel(_noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), *key), shape, pool), scale, qt,
+    # An expert tensor (3-D) or a vector (the shared expert's gate) as rows of its last dimension: the bytes are
+    # the same, and the file's tensor info keeps the shape.
+    rows = (int(np.prod(shape[:-1])), shape[-1])
+    data = _encode_parallel(_noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), *key), rows, pool), scale, qt,
                             pool)
     if parts[0] == "blk" and spec.reuse_blocks and block >= spec.shared_blocks:
         cache[(tensor_role, qt)] = data
@@ -1149,7 +1185,7 @@ def write_hybrid_model(
     vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
     sh = spec.target if role == "target" else spec.draft
     plan = hybrid_tensor_plan(spec, n_vocab, role)
-    arch = "qwen35"
+    arch = sh.arch
     tag = f"scale {spec.scale:g} mtp_noise {spec.mtp_noise:g} seed {spec.seed}"
 
     def add_kv(w: gguf.GGUFWriter) -> None:
@@ -1166,6 +1202,11 @@ def write_hybrid_model(
         w.add_uint32(f"{arch}.full_attention_interval", sh.full_attention_interval)
         if sh.nextn:
             w.add_uint32(f"{arch}.nextn_predict_layers", sh.nextn)
+        if sh.moe:
+            w.add_uint32(f"{arch}.expert_count", sh.n_expert)
+            w.add_uint32(f"{arch}.expert_used_count", sh.n_expert_used)
+            w.add_uint32(f"{arch}.expert_feed_forward_length", sh.n_ff_exp)
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", sh.n_ff_shexp)
 
     cache: dict[tuple[str, CardQType], np.ndarray] = {}
     stream = 1 if role == "target" else 2
@@ -1210,8 +1251,29 @@ HYBRID_27B = HybridSpec(
 )
 # Both drafters agree almost always: the all-accepted paths.
 HYBRID_TINY_HIGH = replace(HYBRID_TINY, scale=0.0005, mtp_noise=0.0, mtp_scale=0.0005)
+# The mixture-of-experts hybrid, tiny: HYBRID_TINY's blocks with 8 experts of 32, 2 a token, and a shared expert.
+HYBRID_MOE_TINY = replace(HYBRID_TINY, target=replace(HYBRID_TINY.target, n_ff=32, n_expert=8, n_expert_used=2,
+                                                       n_ff_exp=32, n_ff_shexp=32))
+# Qwen3.5/3.6-35B-A3B's text shapes (Qwen3.6-35B-A3B has Qwen3.5-35B-A3B's topology: 40 blocks, 30 Gated DeltaNet
+# + 10 gated full attention, hidden 2048, 16 query / 2 KV heads of 256, a quarter of each head rotary, linear
+# attention 16 key / 32 value heads of 128, 256 experts of 512 with 8 a token plus a shared expert of 512, one MTP
+# block) in llama.cpp's Q4_K_M mix, ~20 GB with the Qwen2 vocabulary (the real one has 248,320 tokens, so its
+# embeddings and output are a third larger); the draft is four blocks of its width sharing its first two.
+HYBRID_35B_A3B = HybridSpec(
+    target=HybridShape(n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_ff=512, n_blocks=40, ssm_head_dim=128,
+                       ssm_k_heads=16, ssm_v_heads=32, rope_dims=64, rope_sections=(11, 11, 10, 0),
+                       full_attention_interval=4, nextn=1, n_expert=256, n_expert_used=8, n_ff_exp=512,
+                       n_ff_shexp=512),
+    draft_blocks=4,
+    shared_blocks=2,
+    scale=8e-5,
+    wtype="q4_k_m",
+    ctx=4096,
+    reuse_blocks=True,
+)
 HYBRID_PRESETS: dict[str, HybridSpec] = {"hybrid-tiny": HYBRID_TINY, "hybrid-tiny-high": HYBRID_TINY_HIGH,
-                                         "hybrid27b": HYBRID_27B}
+                                         "hybrid-moe-tiny": HYBRID_MOE_TINY, "hybrid27b": HYBRID_27B,
+                                         "hybrid35b-a3b": HYBRID_35B_A3B}
 
 
 def hybrid_model_or_tiny(path: Path | None, folder: str | Path) -> Path:

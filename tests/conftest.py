@@ -126,6 +126,15 @@ def hybrid_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def hybrid_moe_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny hybrid with mixture-of-experts FFNs (llama.cpp's `qwen35moe`: 8 routed experts, 2 a token, and a
+    shared one; the MTP block's FFN too): the 35B-A3B's kind of model."""
+    from synthetic import HYBRID_MOE_TINY
+
+    return _write_hybrid(tmp_path_factory, HYBRID_MOE_TINY)
+
+
+@pytest.fixture(scope="session")
 def hybrid_pair_high(tmp_path_factory) -> tuple[Path, Path]:
     """The hybrid pair whose drafts (model and MTP) are almost always accepted."""
     from synthetic import HYBRID_TINY_HIGH

@@ -487,10 +487,11 @@ def test_a_restored_state_forgets_the_snapshots_and_checkpoint_of_the_cells_it_r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_pair_high"])
+@pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_pair_high", "hybrid_moe_pair"])
 def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) -> None:
     """The draft model (itself hybrid), prompt lookup, the chain and the target's MTP head, at several lengths,
-    fixed and adaptive: the tokens plain greedy decoding gives. Prompts repeat a phrase (lookup matches)."""
+    fixed and adaptive: the tokens plain greedy decoding gives. Prompts repeat a phrase (lookup matches). On the
+    mixture-of-experts hybrid too: a verify's tokens each pick their own experts."""
     from localspec.sessions.session import ModelFiles, open_session
 
     files = request.getfixturevalue(pair)
@@ -509,7 +510,7 @@ def test_greedy_with_every_drafter_is_plain_decoding_bit_for_bit(request, pair) 
                 if d.drafter == "mtp":
                     drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
     assert drafted > 0 and accepted > 0
-    if pair == "hybrid_pair":
+    if pair != "hybrid_pair_high":
         assert accepted < drafted  # rejections: the rewinds ran
     else:
         assert accepted > 0.9 * drafted  # the all-accepted path
@@ -715,13 +716,16 @@ def test_a_served_slot_file_keeps_the_mtp_heads_part(hybrid_pair, tmp_path) -> N
                                                    ((0, 3, 0, 5), ("model", "mtp", "model", "mtp")),
                                                    ((6, 3, 4, 5), ("chain-mtp", "mtp", "chain-mtp", "model"))],
                          ids=["drafting", "two-plain", "chain-mtp"])
-def test_greedy_slots_together_are_each_what_it_is_alone(hybrid_pair, lengths, drafters) -> None:
+@pytest.mark.parametrize("pair", ["hybrid_pair", "hybrid_moe_pair"])
+def test_greedy_slots_together_are_each_what_it_is_alone(request, pair, lengths, drafters) -> None:
     """"two-plain": slots 2 and 3 verify one token each, so they would share a ubatch while slot 0's verify rolls
     back: llama.cpp's cell re-ordering lost slot 0's snapshots there (the canary below). "chain-mtp": the
-    lookup-or-MTP chain beside the head alone and the draft model, on prompts that repeat (lookup matches)."""
+    lookup-or-MTP chain beside the head alone and the draft model, on prompts that repeat (lookup matches). The
+    mixture-of-experts hybrid: several sequences' tokens routed in one call are each routed as alone."""
     from localspec.sessions.session import ModelFiles, open_session
     from tests.helpers_rounds import run_together
 
+    hybrid_pair = request.getfixturevalue(pair)
     repeat = 2 if "chain-mtp" in drafters else 1
     reqs = [dict(prompt=p * repeat, sampling=GREEDY.sampling, drafting=drafting(k, d), max_tokens=20 + 3 * i)
             for i, (p, k, d) in enumerate(zip(prompts(4, seed=5), lengths, drafters, strict=True))]

@@ -290,7 +290,7 @@ def test_card_cli_writes_one_model_and_the_kernel_mixes(tmp_path, capsys) -> Non
 
 # -- hybrid pairs: Qwen3.5/3.6-shaped (Gated DeltaNet + full attention), with an MTP block ---------------------------
 
-from synthetic import HYBRID_27B, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
+from synthetic import HYBRID_27B, HYBRID_35B_A3B, HYBRID_MOE_TINY, HYBRID_TINY, hybrid_tensor_plan  # noqa: E402
 
 
 @pytest.mark.slow
@@ -324,6 +324,43 @@ def test_hybrid_27b_shape_and_mix() -> None:
     assert 15.5e9 < size < 17.5e9, size
 
 
+@pytest.mark.slow
+def test_hybrid_moe_layout(hybrid_moe_pair: tuple[Path, Path]) -> None:
+    """qwen35moe's tensors and keys (src/models/qwen35moe.cpp): every FFN, the MTP block's too, is a router, routed
+    experts in one 3-D tensor each and a shared expert behind a vector gate, in the shapes the loader asks for."""
+    import gguf as g
+
+    f = read_fields(hybrid_moe_pair[0])
+    assert f["general.architecture"] == "qwen35moe"
+    assert (f["qwen35moe.expert_count"], f["qwen35moe.expert_used_count"]) == (8, 2)
+    assert (f["qwen35moe.expert_feed_forward_length"], f["qwen35moe.expert_shared_feed_forward_length"]) == (32, 32)
+    shapes = {t.name: (tuple(int(x) for x in t.shape), t.tensor_type) for t in g.GGUFReader(hybrid_moe_pair[0]).tensors}
+    e = HYBRID_MOE_TINY.target.n_embd
+    for b in (0, 1, 4):  # a Gated DeltaNet block, an attention block, the MTP block
+        assert shapes[f"blk.{b}.ffn_gate_inp.weight"] == ((e, 8), g.GGMLQuantizationType.F32)  # ggml order
+        assert shapes[f"blk.{b}.ffn_up_exps.weight"][0] == (e, 32, 8)
+        assert shapes[f"blk.{b}.ffn_down_exps.weight"][0] == (32, e, 8)
+        assert shapes[f"blk.{b}.ffn_gate_inp_shexp.weight"] == ((e,), g.GGMLQuantizationType.F32)
+        assert f"blk.{b}.ffn_up.weight" not in shapes
+    assert "blk.4.nextn.eh_proj.weight" in shapes
+
+
+def test_hybrid_35b_a3b_shape_and_mix() -> None:
+    """The MoE GPU preset: Qwen3.5/3.6-35B-A3B's 40 trunk blocks (30 Gated DeltaNet), 256 experts of 512 in every
+    FFN, one MTP block, in the Q4_K_M mix (routers in F32, the experts' down projections Q6_K in the quantizer's
+    use_more_bits layers), about the real Q4_K_M file's size."""
+    plan = hybrid_tensor_plan(HYBRID_35B_A3B, 151_936, "target")
+    assert sum(n.endswith(".ssm_conv1d.weight") for n, _, _ in plan) == 30
+    assert sum(n.endswith(".attn_q.weight") for n, _, _ in plan) == 11  # 10 in the trunk + the MTP block
+    assert sum(n.endswith(".ffn_gate_exps.weight") for n, _, _ in plan) == 41
+    types, shapes = {n: t for n, _, t in plan}, {n: s for n, s, _ in plan}
+    assert shapes["blk.7.ffn_down_exps.weight"] == (256, 2048, 512)
+    assert types["blk.0.ffn_gate_inp.weight"] == "f32" and types["blk.0.ffn_up_exps.weight"] == "q4_k"
+    assert types["blk.0.ffn_down_exps.weight"] == "q6_k" and types["blk.6.ffn_down_exps.weight"] == "q4_k"
+    size = sum(synthetic_nbytes(s, t) for _, s, t in plan)
+    assert 20e9 < size < 22.5e9, size
+
+
 def test_hybrid_spec_validation() -> None:
     with pytest.raises(ValueError):
         replace(HYBRID_TINY, wtype="q4_k_m").validate()  # 64-wide rows are no K-quant super-blocks
@@ -331,6 +368,10 @@ def test_hybrid_spec_validation() -> None:
         replace(HYBRID_TINY, target=replace(HYBRID_TINY.target, rope_dims=6)).validate()
     with pytest.raises(ValueError):
         replace(HYBRID_TINY, wtype="q6_k").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="experts"):
+        replace(HYBRID_MOE_TINY, target=replace(HYBRID_MOE_TINY.target, n_expert_used=9)).validate()
+    with pytest.raises(ValueError, match="n_ff_exp"):
+        replace(HYBRID_MOE_TINY, target=replace(HYBRID_MOE_TINY.target, n_ff_exp=48)).validate()  # not Q4_0 rows
 
 
 @pytest.mark.slow

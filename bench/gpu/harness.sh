@@ -11,7 +11,8 @@
 #   SIZE [gpu32b]             the old stand-in pair's preset (tiny: a CPU dry run)
 #   CARD_SIZE [card32b]       the card pair's preset (card-tiny: a CPU dry run)
 #   VOCAB                     tokenizer of the synthetic pairs ('' = synthetic.py's own); unset: the carried Qwen2
-#                             vocabulary for the 32B/27B-shaped presets (gpu32b, card32b, hybrid27b), synthetic.py's own for the rest
+#                             vocabulary for the GPU-sized presets (gpu32b, card32b, hybrid27b, hybrid35b-a3b),
+#                             synthetic.py's own for the rest
 #   RERUN [0]                 1 = forget this script's earlier results
 #   LLAMA_YARDSTICK           which llama.cpp `--against llama.cpp` runs: newest (WORK/build-newest, made by run.sh
 #                             from the carried llama.cpp-newest.tar.gz) or pinned (WORK/build, the one localspec
@@ -144,7 +145,9 @@ machine_tag() {
 vocab_args() {
     local vocab=""
     if [[ -n "${VOCAB+set}" ]]; then vocab="$VOCAB"
-    elif [[ "$1" == gpu32b || "$1" == card32b || "$1" == hybrid27b ]]; then vocab="$CARRY/ggml-vocab-qwen2.gguf"; fi
+    elif [[ "$1" == gpu32b || "$1" == card32b || "$1" == hybrid27b || "$1" == hybrid35b-a3b ]]; then
+        vocab="$CARRY/ggml-vocab-qwen2.gguf"
+    fi
     VOCAB_ARGS=(); [[ -n "$vocab" ]] && VOCAB_ARGS=(--vocab "$vocab")
     return 0
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hybrid targets on the GPU: a Qwen3.5/3.6-27B-shaped hybrid (48 Gated DeltaNet + 16 gated attention blocks, one
-# MTP block, llama.cpp's Q4_K_M mix; bench/synthetic.py --size hybrid27b) drafting with its own MTP head:
+# MTP block, llama.cpp's Q4_K_M mix; bench/synthetic.py --size hybrid27b; HYBRID_SIZE=hybrid35b-a3b: the
+# 35B-A3B-shaped mixture of experts) drafting with its own MTP head:
 # `localspec bench --drafter mtp --against llama.cpp` (llama.cpp's `llama-speculative-simple --spec-type draft-mtp`
 # on the same file, prompt tokens (the bench's shipped set, raw), lengths and draft length), at T = 0 and 0.7, medians
 # of REPEAT on both sides; and what rolling the recurrent state back costs (bench/rollback_cost.py).
@@ -11,10 +12,14 @@
 # skipped when its output exists, so a second call on the still-warm machine finishes what the first left:
 # llama-bench tg128, the bench at T = 0, the rollback costs, the bench at T = 0.7; summarize.py's table last.
 # Environment (defaults in brackets; CARRY, WORK, OUT, BUDGET_S, CARRIED_PY, VOCAB, RERUN: harness.sh):
-#   HYBRID_SIZE [hybrid27b] (hybrid-tiny: a CPU dry run)  MTP_NOISE [0.1] (the MTP head's agreement knob)
+#   HYBRID_SIZE [hybrid27b] (hybrid35b-a3b: the MoE; hybrid-tiny: a CPU dry run)  MTP_NOISE [0.1] (the MTP head's
+#   agreement knob)
 #   SCALE [8e-5] (the target's extra blocks)  TEMPS ["0 0.7"]  N_PREDICT [128]  DRAFT_MAX [3] (both tools' MTP
 #   draft length)  REPEAT [5] (both loops)  WARMUP [2]  ROLLBACK_REPS [30]
-#   DRAFT_PAIR [0]  1 = also the 4-block hybrid draft (3 recurrent + 1 attention) with the draft model (k = 6, against draft-simple)
+#   HYBRID_JOBS ["mtp rollback"]  what to measure, in this order: mtp (the MTP head at TEMPS), rollback (the rollback
+#   costs), draft (the 4-block hybrid draft, 3 recurrent + 1 attention, with the draft model: k = 6, against
+#   draft-simple); DRAFT_PAIR=1 adds draft
+#   Results: WORK/results-hybrid (hybrid27b) or WORK/results-hybrid-HYBRID_SIZE
 #   BENCH_ARGS  more `localspec bench` arguments (a CPU dry run: --threads 1)
 # A CPU dry run (run.sh builds a CPU llama.cpp into WORK):
 #   CARRIED_PY=0 CUDA=0 HYBRID_SIZE=hybrid-tiny N_PREDICT=16 REPEAT=1 WARMUP=0 ROLLBACK_REPS=2 \
@@ -29,27 +34,30 @@ DRAFT_MAX="${DRAFT_MAX:-3}"
 REPEAT="${REPEAT:-5}"
 WARMUP="${WARMUP:-2}"
 ROLLBACK_REPS="${ROLLBACK_REPS:-30}"
-DRAFT_PAIR="${DRAFT_PAIR:-0}"
+HYBRID_JOBS="${HYBRID_JOBS:-mtp rollback}"
+[[ "${DRAFT_PAIR:-0}" == 1 ]] && HYBRID_JOBS="$HYBRID_JOBS draft"
+wants() { [[ " $HYBRID_JOBS " == *" $1 "* ]]; }
 export BUILD_SERVER=0  # run.sh's build: llama-server is not needed here
 # The yardstick: the newest llama.cpp's draft-mtp loop (harness.sh's `yardstick`), built beside the pinned one unless
 # LLAMA_YARDSTICK=pinned; AGAINST_LENGTHS: its draft lengths searched (unset: the preset's).
 export NEWEST="${NEWEST:-1}"
 [[ "${LLAMA_YARDSTICK:-}" == pinned ]] && NEWEST=0
 LLAMA_YARDSTICK="${LLAMA_YARDSTICK:-newest}"
-results_in "$WORK/results-hybrid"
+RESULTS_NAME="results-hybrid"; [[ "$HYBRID_SIZE" == hybrid27b ]] || RESULTS_NAME="results-hybrid-$HYBRID_SIZE"
+results_in "$WORK/$RESULTS_NAME"
 snapshot_env "$RES/env.txt"
 T="$(hybrid_target)"
 D="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-draft.gguf"
 vocab_args "$HYBRID_SIZE"
-log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', budget ${BUDGET_S}s"
+log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', jobs '$HYBRID_JOBS', budget ${BUDGET_S}s"
 
 # -- llama.cpp builds (run.sh, in the background) while the models are written ----------------------------------
 ( ensure_build ) &
 build=$!
 writer=""
-if [[ ! -f "$T" || ( "$DRAFT_PAIR" == 1 && ! -f "$D" ) ]]; then
+if [[ ! -f "$T" ]] || { wants draft && [[ ! -f "$D" ]]; }; then
     await_carried_py
-    only=(--only target); [[ "$DRAFT_PAIR" == 1 ]] && only=()
+    only=(--only target); wants draft && only=()
     log "writing $HYBRID_SIZE (background)"
     ( use_build; nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" "${only[@]}" \
           --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" \
@@ -97,16 +105,18 @@ bench_at() {
 
 # In the order that matters if the budget runs out: greedy first, then the rollback costs, then sampling.
 first_temp="${TEMPS%% *}"
-bench_at mtp mtp "$DRAFT_MAX" "$first_temp"
-if [[ ! -s "$RES/mtp/rollback-cost.json" ]]; then
+wants mtp && bench_at mtp mtp "$DRAFT_MAX" "$first_temp"
+if wants rollback && [[ ! -s "$RES/mtp/rollback-cost.json" ]]; then
+    mkdir -p "$RES/mtp"
     run rollback-cost 40 python3 "$REPO/bench/rollback_cost.py" --model "$T" --k "$DRAFT_MAX" --reps "$ROLLBACK_REPS" \
         --json "$RES/mtp/rollback-cost.json" > "$RES/mtp/rollback-cost.log" 2>&1
 fi
 for temp in $TEMPS; do
-    [[ "$temp" == "$first_temp" ]] || bench_at mtp mtp "$DRAFT_MAX" "$temp"
+    wants mtp && [[ "$temp" != "$first_temp" ]] && bench_at mtp mtp "$DRAFT_MAX" "$temp"
 done
-if [[ "$DRAFT_PAIR" == 1 && -f "$D" ]]; then
-    for temp in $TEMPS; do bench_at draft model 6 "$temp" "$D"; done
+if wants draft; then
+    if [[ -f "$D" ]]; then for temp in $TEMPS; do bench_at draft model 6 "$temp" "$D"; done
+    else log "no draft model (see $RES/write.log)"; fi
 fi
 python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt"
-pack results-hybrid "$RES" "$RES/summary.txt" "$RES/summary.json"
+pack "$RESULTS_NAME" "$RES" "$RES/summary.txt" "$RES/summary.json"
