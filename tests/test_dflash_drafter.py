@@ -221,6 +221,60 @@ def test_greedy_slots_together_are_each_what_it_is_alone(tiny_pair, block_files)
     slots_together_are_each_alone(tiny_pair[0], block_files["dspark"], "dspark")
 
 
+# -- a hybrid target (Qwen3.5/3.6's kind: its layer inputs captured, rejected drafts rolled back) ----------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_block_files(tmp_path_factory) -> dict[str, Path]:
+    """A DFlash and a DSpark drafter for the tiny hybrid target (`hybrid_pair`): its width and vocabulary, its
+    layers 1 and 3 (a Gated DeltaNet and an attention block)."""
+    from synthetic import HYBRID_TINY
+
+    shape = HYBRID_TINY.target
+    target = dataclasses.replace(TINY, n_embd=shape.n_embd, n_head=shape.n_head, n_head_kv=shape.n_head_kv,
+                                 head_dim=shape.head_dim, n_ff=shape.n_ff, ctx=HYBRID_TINY.ctx,
+                                 rope_freq_base=HYBRID_TINY.rope_freq_base)
+    folder = tmp_path_factory.mktemp("hybrid-block-drafters")
+    out = {}
+    for name in ("dflash", "dspark"):
+        out[name] = folder / f"{name}.gguf"
+        write_block_drafter(out[name], target, SPECS[name])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_greedy_on_a_hybrid_target_is_plain_decodings_alone_and_in_slots(hybrid_pair, hybrid_block_files,
+                                                                         name) -> None:
+    """On a hybrid target the drafter reads a Gated DeltaNet block's input as well as an attention block's, and
+    every rejected draft rolls the recurrent state back through its snapshots: the tokens plain greedy decoding
+    gives, alone at several lengths and in three slots at once (each what it is alone)."""
+    from localspec.sessions.session import ModelFiles, open_session
+    from tests.helpers_rounds import run_together
+
+    files = ModelFiles(hybrid_pair[0], hybrid_block_files[name], "hybrid")
+    preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, drafter=name)
+    reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, name), max_tokens=16 + 3 * i)
+            for i, (p, k) in enumerate(zip(prompts(3, seed=5), (3, 0, 6), strict=True))]
+    with open_session(files, preset) as s:
+        drafted = 0
+        for prompt in prompts(2, seed=11):
+            s.engine.reset()
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0, name), 24)).tokens
+            for k in (2, 6):
+                s.engine.reset()
+                done = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(k, name), 24))
+                assert done.tokens == plain, k
+                drafted += done.stats.drafted
+        assert drafted > 0
+        expected = []
+        for r in reqs:
+            s.engine.reset()
+            expected.append(collect(s.engine.generate(**r)).tokens)
+    with open_session(files, preset, parallel=3) as together:
+        assert run_together(together.engine, reqs, [0, 1, 1], slots=[2, 0, 1]) == expected
+
+
 # -- T > 0: the target's distribution ----------------------------------------------------------------------------
 
 

@@ -191,6 +191,22 @@ def test_the_mtp_head_runs_as_draft_mtp_without_a_draft_model(tmp_path: Path, mo
         versus.probe_tool(write_tool(tmp_path / "old"), versus.SPEC_TYPES["mtp"])
 
 
+@pytest.mark.parametrize(("drafter", "spec_type"), [("dflash", "draft-dflash"), ("dspark", "draft-dspark"),
+                                                    ("eagle3", "draft-eagle3")])
+def test_a_drafter_reading_the_targets_layers_runs_as_its_spec_type_with_its_gguf_as_the_draft(
+        tmp_path: Path, monkeypatch, drafter: str, spec_type: str) -> None:
+    """DFlash, DSpark and EAGLE-3 are llama.cpp's block and EAGLE-3 loops with the drafter's GGUF as -md (and its
+    draft options), the length and DSpark's confidence threshold (`p_min`) as localspec drafts them."""
+    log = tmp_path / "ran.jsonl"
+    monkeypatch.setenv("STANDIN_LOG", str(log))
+    tool = write_tool(tmp_path)
+    _run(_plan(tool, (versus.HOST,), drafter=drafter, n_draft=4, p_min=0.25), _report())
+    first = commands(log)[0]
+    opt = {first[i]: first[i + 1] for i in range(len(first) - 1) if first[i].startswith("-")}
+    assert opt["--spec-type"] == spec_type and opt["-md"] == "/m/draft.gguf" and opt["--spec-draft-n-max"] == "4"
+    assert opt["--spec-draft-p-min"] == "0.25" and {"-ngld", "-ctkd", "-ctvd", "-td"} <= set(first)
+
+
 def test_the_prompt_file_holds_the_text_and_one_newline_more(tmp_path: Path, monkeypatch) -> None:
     """llama.cpp's -f drops one trailing newline; the text localspec tokenized must be what it reads."""
     log = tmp_path / "ran.jsonl"
@@ -245,10 +261,15 @@ def test_what_it_cannot_run_alike_is_refused_before_loading() -> None:
         versus.check_comparable(preset, True, sweep=True)
     with pytest.raises(UsageError, match="not --drafter model without a draft model"):
         versus.check_comparable(preset, False, sweep=False)
-    alike = r"--drafter model \(draft-simple\) or --drafter mtp \(draft-mtp\) do, not --drafter lookup$"
+    alike = (r"--drafter model \(draft-simple\) or --drafter mtp \(draft-mtp\) or --drafter dflash \(draft-dflash\) "
+             r"or --drafter dspark \(draft-dspark\) or --drafter eagle3 \(draft-eagle3\) do, not --drafter lookup$")
     with pytest.raises(UsageError, match=alike):
         versus.check_comparable(preset.with_overrides(drafter="lookup"), True, sweep=False)
     versus.check_comparable(preset.with_overrides(drafter="mtp"), False, sweep=False)  # no draft model needed
+    for drafter in ("dflash", "dspark", "eagle3"):  # the drafter's GGUF is the tool's -md
+        versus.check_comparable(preset.with_overrides(drafter=drafter), True, sweep=False)
+        with pytest.raises(UsageError, match=f"not --drafter {drafter} without a draft model"):
+            versus.check_comparable(preset.with_overrides(drafter=drafter), False, sweep=False)
     with pytest.raises(UsageError, match="leave out --adaptive"):
         versus.check_comparable(preset.with_overrides(adaptive=True), True, sweep=False)
 

@@ -60,8 +60,11 @@ INSTALL = (f"build llama.cpp's {TOOL} (cmake -B build && cmake --build build --t
            f"--llama-bin build/bin, set {BIN_ENV}, or put it on PATH")
 PROBE_TIMEOUT_S = 60
 # The `--spec-type`s of llama.cpp's tool that run as a localspec drafter does (the draft model's loop, the target's
-# own MTP head), by the drafter that declares that type (its LLAMA_SERVER_TYPE).
-TOOL_SPEC_TYPES = ("draft-simple", "draft-mtp")
+# own MTP head, the drafters that read the target's layers: DFlash, DSpark, EAGLE-3, each its GGUF as -md), by the
+# drafter that declares that type (its LLAMA_SERVER_TYPE). At T > 0 llama.cpp's loops for the last three sample and
+# match whatever --spec-draft-sampling says (common/speculative.cpp: its probabilistic acceptance covers draft-simple
+# and draft-mtp); localspec verifies them by rejection sampling.
+TOOL_SPEC_TYPES = ("draft-simple", "draft-mtp", "draft-dflash", "draft-dspark", "draft-eagle3")
 SPEC_TYPES = {name: spec for spec, name in LLAMA_SERVER_TYPES.items() if spec in TOOL_SPEC_TYPES}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _VERSION = re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)")
