@@ -213,6 +213,19 @@ def test_the_qwen3_6_pairs_fit_a_24_gb_card() -> None:
     assert not memory.estimate(t35, d08, preset_settings(n_ctx=32768, n_draft=4, kv_type="f16"), CARD_24GB).fits
 
 
+def test_check_says_what_each_model_of_a_hybrid_pair_is(hybrid_pair) -> None:
+    """`localspec check`'s lines for a hybrid pair: the target's MTP layer and both models' recurrent layers
+    (the draft's one in the singular), each rolled back for speculation."""
+    from localspec.models.doctor import drafting_facts
+    from localspec.models.gguf_header import read_header
+
+    target = [text for _, text in drafting_facts(read_header(hybrid_pair[0]))]
+    draft = [text for _, text in drafting_facts(read_header(hybrid_pair[1]), role="draft")]
+    assert target[0].startswith("1 MTP layer (nextn_predict_layers)")
+    assert "(qwen35: 2 recurrent layers, " in target[1] and "rolls it back for speculation" in target[1]
+    assert draft == [next(t for t in draft if "(qwen35: 1 recurrent layer, " in t)]
+
+
 def test_check_drafting_refuses_what_cannot_speculate(hybrid_pair, tiny_pair, monkeypatch) -> None:
     from localspec.llama import recurrent
     from localspec.models.gguf_header import read_header

@@ -62,7 +62,8 @@ def drafting_facts(h: GGUFHeader, role: str = "target") -> list[tuple[Status, st
                   f"{rec.state_bytes / 2**10:.1f} KiB")
         size = f"{amount} of recurrent state a sequence" if rec.state_bytes else \
             "recurrent state of a size the header does not give"
-        what = (f"{role} is a {rec.kind} model ({h.arch}: {len(rec.layers)} recurrent layers, {size})")
+        n_rec = len(rec.layers)
+        what = f"{role} is a {rec.kind} model ({h.arch}: {n_rec} recurrent layer{'s' * (n_rec != 1)}, {size})"
         if rec.rolls_back:
             out.append((Status.OK, f"{what}; llama.cpp rolls it back for speculation (a snapshot per draft token)"))
         else:
