@@ -1025,6 +1025,13 @@ class HybridSpec:
     reuse_blocks: bool = False  # blocks past the shared ones reuse one random tensor per role (the GPU shape)
     rope_freq_base: float = 10_000_000.0
     rms_eps: float = 1e-6
+    # The copying block drafter's target (`write_copy_block_drafter`): its output is its token embedding (tied), so
+    # with small blocks the next token repeats the last, and two embedding columns are kept for the drafter's
+    # attention: column 0 marks every token but the mask token (the vocabulary's last), column 1 marks the mask token
+    repeat: bool = False
+    # A `repeat` target at T = 0.7: the probability that it repeats its last token (its output norm scales the logits
+    # to that); None: unscaled, it repeats at any temperature. At T = 0 it always repeats.
+    repeat_p: float | None = None
 
     @property
     def draft(self) -> HybridShape:
@@ -1087,8 +1094,9 @@ def hybrid_tensor_plan(spec: HybridSpec, n_vocab: int,
 
     e, q_dim, kv_dim = sh.n_embd, sh.n_head * sh.head_dim, sh.n_head_kv * sh.head_dim
     key_dim = sh.ssm_head_dim * sh.ssm_k_heads
-    names: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, e)), ("output_norm.weight", (e,)),
-                                                 ("output.weight", (n_vocab, e))]
+    names: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, e)), ("output_norm.weight", (e,))]
+    if not spec.repeat:  # (tied: llama.cpp's qwen35 loader reads token_embd as the output when there is none)
+        names.append(("output.weight", (n_vocab, e)))
 
     def attention(b: int) -> list[tuple[str, tuple[int, ...]]]:
         return [(f"blk.{b}.attn_q.weight", (2 * q_dim, e)), (f"blk.{b}.attn_k.weight", (kv_dim, e)),
@@ -1165,11 +1173,56 @@ def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int,
     # An expert tensor (3-D) or a vector (the shared expert's gate) as rows of its last dimension: the bytes are
     # the same, and the file's tensor info keeps the shape.
     rows = (int(np.prod(shape[:-1])), shape[-1])
-    data = _encode_parallel(_noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), *key), rows, pool), scale, qt,
-                            pool)
+    ints = _noise_ints(spec.seed, (_HYBRID_ROLES.index(tensor_role), *key), rows, pool)
+    if tensor_role == "token_embd" and spec.repeat:
+        repeat_embedding_marks(ints)
+    data = _encode_parallel(ints, scale, qt, pool)
     if parts[0] == "blk" and spec.reuse_blocks and block >= spec.shared_blocks:
         cache[(tensor_role, qt)] = data
     return data
+
+
+REPEAT_MARK, REPEAT_QUERY = 0, 1  # a `repeat` target's embedding columns: every token but the mask / the mask
+
+
+def repeat_embedding_marks(ints: np.ndarray) -> None:
+    """A `repeat` target's token embedding (integers, one row a token), marked in place: column REPEAT_MARK holds
+    the largest code in every row but the last (the mask token), which holds it in column REPEAT_QUERY alone. The
+    mark adds the same to every logit of the target (its output is this matrix), so it changes nothing it writes."""
+    ints[:, [REPEAT_MARK, REPEAT_QUERY]] = 0
+    ints[:, REPEAT_MARK] = _CODE_MAX
+    ints[-1] = 0
+    ints[-1, REPEAT_QUERY] = _CODE_MAX
+
+
+def repeat_output_norm(spec: HybridSpec, n_vocab: int) -> float:
+    """The output norm weight w at which a `repeat` target, sampled as the default preset samples (T 0.7, top-k 40,
+    top-p 0.9: localspec's sampler, `rounds.sampling.candidates`), repeats its last token with probability
+    `repeat_p`. Its logits are w * e_y . n, n the final norm's output (|n| = sqrt(d)) along e_x: the last token's
+    w |e| sqrt(d), every other token's about normal with sd w |e|; w is found by bisection over one such row (a fixed
+    draw). Where top-p keeps the last token alone the target repeats for sure, so `repeat_p` must stay below it."""
+    from localspec.config import load_preset
+    from localspec.rounds.sampling import candidates
+
+    sampling = load_preset("default").sampling
+    d, p = spec.target.n_embd, spec.repeat_p
+    if p is None or not 0 < p < sampling.top_p:
+        raise ValueError(f"repeat_p {p}: must lie in (0, {sampling.top_p}), below the default top-p")
+    norm_e = spec.embd_d * np.sqrt((d - 2) * _CODE_VAR + _CODE_MAX**2)  # a row's length, its mark included
+    others = np.random.default_rng(spec.seed).standard_normal(n_vocab - 1).astype(np.float32)
+
+    def repeats(w: float) -> float:
+        row = np.concatenate([[np.sqrt(d)], others]).astype(np.float32) * np.float32(w * norm_e)
+        c = candidates(row[None, :], sampling)
+        return float(c.probs[0][c.ids[0] == 0].sum())
+
+    lo, hi = 0.0, 1.0 / norm_e  # (w = 1 / |e|: a unit spread, the last token sqrt(d) spreads up: it repeats)
+    while repeats(hi) < p:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if repeats(mid) < p else (lo, mid)
+    return float(hi)
 
 
 def write_hybrid_model(
@@ -1212,6 +1265,8 @@ def write_hybrid_model(
     stream = 1 if role == "target" else 2
 
     def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        if name == "output_norm.weight" and spec.repeat and spec.repeat_p is not None:
+            return np.full(shape, repeat_output_norm(spec, n_vocab), dtype=np.float32)
         return _hybrid_data(spec, sh, name, shape, qt, stream, pool, cache)
 
     _write_planned(path, f"synthetic hybrid {role}", arch, plan, add_kv, tensor, t0, log)
@@ -1379,6 +1434,121 @@ def write_block_drafter(path: Path, target: PairSpec, spec: BlockDrafterSpec,
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+
+
+@dataclass(frozen=True)
+class CopyDrafterSpec:
+    """A DFlash (or, with `markov_rank`, DSpark) drafter that drafts what a `repeat` hybrid target writes: one
+    attention layer in which every mask position attends to the block's anchor alone (its query reads the mask's
+    REPEAT_QUERY column, its key the anchor's REPEAT_MARK column, both on the slowest rotary pair, so distance
+    hardly matters) and copies the anchor's embedding into the residual (V and the output projection are
+    identities on the columns after the marks); the target's tied output then scores the anchor's own token at every
+    position, which is what the target writes while it repeats. The other layers, the feature fusion (`fc`) and
+    the Markov head are zeros: llama.cpp computes them all (a public drafter's cost) and they change nothing. How
+    often a block is right is the target's business: how often it repeats (its `scale`, the sampling). The default
+    shape is the public Qwen3.5/3.6-27B DFlash drafter's (5 layers of 5120, 32 heads and 8 KV heads of 128, FFN
+    17408, blocks of 16, target layers 1, 16, 31, 46, 61), in Q8_0."""
+
+    n_layers: int = 5
+    n_head: int = 32
+    n_head_kv: int = 8
+    head_dim: int = 128
+    n_ff: int = 17408
+    block_size: int = 16
+    target_layers: tuple[int, ...] = (1, 16, 31, 46, 61)
+    markov_rank: int = 0  # > 0: DSpark (a zero Markov head and a confidence head that always says "go on")
+    wtype: Literal["q8_0", "f32"] = "q8_0"
+    sharpness: float = 4.0  # q_norm and k_norm weights: the anchor's score, sqrt(head_dim) * sharpness^2
+    confidence_bias: float = 4.0  # DSpark: sigmoid(4) = 0.98 at every position
+
+
+COPY_DRAFTER_TINY = CopyDrafterSpec(n_layers=2, n_head=4, n_head_kv=2, head_dim=16, n_ff=64, block_size=8,
+                                    target_layers=(1, 3), wtype="f32")
+
+
+def copy_block_drafter_plan(spec: CopyDrafterSpec, n_embd: int, n_vocab: int
+                            ) -> list[tuple[str, tuple[int, ...], CardQType]]:
+    """(name, numpy shape, type) of the copying drafter's tensors: llama.cpp's dflash loader's names and shapes."""
+    e, q_dim, kv_dim = n_embd, spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
+    m: CardQType = spec.wtype
+    plan: list[tuple[str, tuple[int, ...], CardQType]] = [
+        ("fc.weight", (e, len(spec.target_layers) * e), m), ("enc.output_norm.weight", (e,), "f32"),
+        ("output_norm.weight", (e,), "f32")]
+    for b in range(spec.n_layers):
+        plan += [(f"blk.{b}.attn_norm.weight", (e,), "f32"), (f"blk.{b}.attn_q.weight", (q_dim, e), m),
+                 (f"blk.{b}.attn_k.weight", (kv_dim, e), m), (f"blk.{b}.attn_v.weight", (kv_dim, e), m),
+                 (f"blk.{b}.attn_output.weight", (e, q_dim), m),
+                 (f"blk.{b}.attn_q_norm.weight", (spec.head_dim,), "f32"),
+                 (f"blk.{b}.attn_k_norm.weight", (spec.head_dim,), "f32"), (f"blk.{b}.ffn_norm.weight", (e,), "f32"),
+                 (f"blk.{b}.ffn_gate.weight", (spec.n_ff, e), m), (f"blk.{b}.ffn_up.weight", (spec.n_ff, e), m),
+                 (f"blk.{b}.ffn_down.weight", (e, spec.n_ff), m)]
+    if spec.markov_rank:
+        r = spec.markov_rank
+        plan += [("markov_w1.weight", (n_vocab, r), "f32"), ("markov_w2.weight", (n_vocab, r), "f32"),
+                 ("conf_proj.weight", (1, e + r), "f32"), ("conf_proj.bias", (1,), "f32")]
+    return plan
+
+
+def _copy_drafter_ints(spec: CopyDrafterSpec, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Layer 0's attention as integers (times 1/7: ones), None for a tensor of zeros or of constants."""
+    if not name.startswith("blk.0.attn_") or name.endswith("norm.weight"):
+        return None
+    h, n_kv = spec.head_dim, spec.n_head_kv
+    slow = h // 2 - 1  # NEOX rotary pairs (i, i + n_rot/2): i = n_rot/2 - 1 turns slowest
+    ints = np.zeros(shape, dtype=np.int8)
+    if name == "blk.0.attn_q.weight":
+        ints[np.arange(spec.n_head) * h + slow, REPEAT_QUERY] = _CODE_MAX
+    elif name == "blk.0.attn_k.weight":
+        ints[np.arange(n_kv) * h + slow, REPEAT_MARK] = _CODE_MAX
+    elif name == "blk.0.attn_v.weight":  # V head g, row j <- the embedding column 2 + g * h + j
+        ints[np.arange(n_kv * h), 2 + np.arange(n_kv * h)] = _CODE_MAX
+    elif name == "blk.0.attn_output.weight":  # back from the first query head of each KV group
+        group = spec.n_head // n_kv
+        for g in range(n_kv):
+            ints[2 + g * h + np.arange(h), g * group * h + np.arange(h)] = _CODE_MAX
+    return ints
+
+
+def write_copy_block_drafter(path: Path, target: HybridSpec, spec: CopyDrafterSpec,
+                             vocab_source: Path | None = None, log: Callable[[str], None] | None = None) -> None:
+    """`spec`'s drafter GGUF for a `repeat` hybrid target (its width, vocabulary, rope base), atomically."""
+    if not target.repeat:
+        raise ValueError("the copying drafter drafts a repeat target's text: write the target with repeat=True")
+    e = target.target.n_embd
+    if 2 + spec.n_head_kv * spec.head_dim > e or spec.head_dim % 4:
+        raise ValueError(f"{spec.n_head_kv} KV heads of {spec.head_dim} do not fit a width of {e} after the marks")
+    t0 = time.perf_counter()
+    vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
+    vocab_kv = [kv for kv in vocab_kv if kv.key != "tokenizer.ggml.mask_token_id"]
+    plan = copy_block_drafter_plan(spec, e, n_vocab)
+    kind = "DSpark" if spec.markov_rank else "DFlash"
+
+    def add_kv(w: gguf.GGUFWriter) -> None:
+        shape = Shape(e, spec.n_head, spec.n_head_kv, spec.head_dim, spec.n_ff, spec.n_layers)
+        _add_kv(w, shape, arch="dflash", file_type=int(gguf.LlamaFileType.MOSTLY_Q8_0 if spec.wtype == "q8_0" else
+                                                         gguf.LlamaFileType.ALL_F32), ctx=target.ctx,
+                rope_freq_base=target.rope_freq_base, rms_eps=target.rms_eps, vocab_kv=vocab_kv,
+                name=f"localspec synthetic copying {kind} drafter (layers {list(spec.target_layers)})")
+        w.add_array("dflash.target_layers", [int(i) for i in spec.target_layers])
+        w.add_uint32("dflash.block_size", spec.block_size)
+        w.add_uint32("tokenizer.ggml.mask_token_id", n_vocab - 1)  # the repeat target's mask row
+        if spec.markov_rank:
+            w.add_bool("dflash.sample_from_anchor", True)
+            w.add_bool("dflash.has_confidence_head", True)
+
+    def tensor(name: str, shape: tuple[int, ...], qt: CardQType, pool: ThreadPoolExecutor) -> np.ndarray:
+        if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            return np.full(shape, spec.sharpness, dtype=np.float32)
+        if name.endswith("norm.weight"):
+            return np.ones(shape, dtype=np.float32)
+        if name == "conf_proj.bias":
+            return np.full(shape, spec.confidence_bias, dtype=np.float32)
+        ints = _copy_drafter_ints(spec, name, shape)
+        rows = (int(np.prod(shape[:-1])), shape[-1])
+        ints = np.zeros(rows, dtype=np.int8) if ints is None else ints.reshape(rows)
+        return _encode_parallel(ints, 1 / _CODE_MAX, qt, pool)
+
+    _write_planned(path, f"synthetic copying {kind} drafter", "dflash", plan, add_kv, tensor, t0, log)
 
 
 def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
@@ -1631,6 +1801,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(hybrid: q4_0, q4_k_m or f32)")
     p.add_argument("--mtp-noise", type=float, help="hybrid pairs: the MTP head's hidden-state share (its agreement "
                    "knob)")
+    p.add_argument("--repeat-p", type=float, help="hybrid sizes: a target that repeats its last token (with this "
+                   "probability under the default sampling; always at T = 0) and the copying block drafters' marks")
+    p.add_argument("--copy-drafter", choices=["dflash", "dspark"], help="hybrid sizes, with --repeat-p: write only "
+                   "the copying block drafter for that target, as <prefix>copy-<kind>.gguf (the public Qwen3.5/3.6-27B "
+                   "drafter's shape; tiny sizes: a tiny one)")
     p.add_argument("--only", choices=["target", "draft"], help="card and hybrid pairs: write one model (one target "
                    "serves drafts of every --noise)")
     p.add_argument("--out", type=Path, required=True, help="folder for target.gguf and draft.gguf")
@@ -1667,6 +1842,17 @@ def main(argv: list[str] | None = None) -> int:
                                                       "wtype": a.mix}.items() if v is not None})
         if a.target_blocks is not None:
             hybrid = replace(hybrid, target=replace(hybrid.target, n_blocks=a.target_blocks))
+        if a.repeat_p is not None:
+            hybrid = replace(hybrid, repeat=True, repeat_p=a.repeat_p)
+        if a.copy_drafter:
+            if not hybrid.repeat:
+                p.error("--copy-drafter drafts a --repeat-p target: give its --repeat-p")
+            copy = COPY_DRAFTER_TINY if hybrid.target.n_embd < 1024 else CopyDrafterSpec()
+            copy = replace(copy, markov_rank=16 if a.copy_drafter == "dspark" else 0)
+            path = a.out / f"{a.prefix}copy-{a.copy_drafter}.gguf"
+            write_copy_block_drafter(path, hybrid, copy, a.vocab, log=log)
+            print(path)
+            return 0
         for role, path in (("target", target), ("draft", draft)):
             if a.only in (None, role):
                 write_hybrid_model(path, hybrid, role, a.vocab, log=log)  # type: ignore[arg-type]

@@ -275,6 +275,64 @@ def test_greedy_on_a_hybrid_target_is_plain_decodings_alone_and_in_slots(hybrid_
         assert run_together(together.engine, reqs, [0, 1, 1], slots=[2, 0, 1]) == expected
 
 
+# -- the copying drafter and its repeating target (the GPU benchmark's pair, bench/synthetic.py) ------------------
+
+
+@pytest.fixture(scope="module")
+def copy_files(tmp_path_factory) -> dict[str, Path]:
+    """The tiny hybrid as a `repeat` target (it repeats with probability 0.8 at the default sampling) and the
+    copying DFlash and DSpark drafters written for it."""
+    from synthetic import COPY_DRAFTER_TINY, HYBRID_TINY, write_copy_block_drafter, write_hybrid_model
+
+    folder = tmp_path_factory.mktemp("copy")
+    spec = dataclasses.replace(HYBRID_TINY, repeat=True, repeat_p=0.8)
+    out = {"target": folder / "target.gguf"}
+    write_hybrid_model(out["target"], spec, "target")
+    for name, rank in (("dflash", 0), ("dspark", 8)):
+        out[name] = folder / f"{name}.gguf"
+        write_copy_block_drafter(out[name], spec, dataclasses.replace(COPY_DRAFTER_TINY, markov_rank=rank))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_the_copying_drafter_drafts_what_its_target_repeats(copy_files, name) -> None:
+    """Greedy, the target repeats its last token and every draft of the copying drafter is kept (plain decoding's
+    tokens all the same); at the default sampling it repeats with probability 0.8, so a round of 6 drafts keeps
+    about 0.8 + 0.8^2 + ... + 0.8^6 = 2.95 of them (49%): the rate the GPU rows are set by."""
+    from localspec.sessions.session import ModelFiles, open_session
+
+    default = load_preset("default")
+    files = ModelFiles(copy_files["target"], copy_files[name], "hybrid")
+    with open_session(files, GREEDY.with_overrides(n_draft=6, n_ctx=1024, drafter=name)) as s:
+        kept = drafted = 0
+        for prompt in prompts(2, seed=3):
+            s.engine.reset()
+            plain = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(0, name), 60)).tokens
+            s.engine.reset()
+            done = collect(s.engine.generate(prompt, GREEDY.sampling, drafting(6, name), 60))
+            assert done.tokens == plain and set(plain) == {prompt[-1]}
+            assert done.stats.accepted == done.stats.drafted > 0
+        for seed in range(3):
+            s.engine.reset()
+            sampled_run = collect(s.engine.generate(prompt, dataclasses.replace(default.sampling, seed=seed),
+                                                    drafting(6, name), 120))
+            kept, drafted = kept + sampled_run.stats.accepted, drafted + sampled_run.stats.drafted
+    assert 0.38 < kept / drafted < 0.6, (kept, drafted)
+
+
+def test_the_repeat_targets_output_norm_sets_its_repeat_probability() -> None:
+    """The output norm grows with the probability asked for, and one at or above the default top-p is refused
+    (top-p would keep the last token alone: it would always repeat)."""
+    from synthetic import HYBRID_27B, repeat_output_norm
+
+    weights = [repeat_output_norm(dataclasses.replace(HYBRID_27B, repeat=True, repeat_p=p), 151_936)
+               for p in (0.5, 0.7, 0.85)]
+    assert weights == sorted(weights) and weights[0] > 0
+    with pytest.raises(ValueError, match="below the default top-p"):
+        repeat_output_norm(dataclasses.replace(HYBRID_27B, repeat=True, repeat_p=0.9), 151_936)
+
+
 # -- T > 0: the target's distribution ----------------------------------------------------------------------------
 
 

@@ -18,7 +18,10 @@
 #   draft length)  REPEAT [5] (both loops)  WARMUP [2]  ROLLBACK_REPS [30]
 #   HYBRID_JOBS ["mtp rollback"]  what to measure, in this order: mtp (the MTP head at TEMPS), rollback (the rollback
 #   costs), draft (the 4-block hybrid draft, 3 recurrent + 1 attention, with the draft model: k = 6, against
-#   draft-simple); DRAFT_PAIR=1 adds draft
+#   draft-simple), dflash and dspark (the block drafters: a target of the size that repeats its last token, with
+#   probability REPEAT_P [0.8] at the default sampling and always at T = 0, and the copying drafter of the public
+#   Qwen3.5/3.6-27B DFlash drafter's shape, bench/synthetic.py --repeat-p / --copy-drafter; draft length BLOCK_DRAFT
+#   [15], against draft-dflash / draft-dspark at BLOCK_LENGTHS [15]); DRAFT_PAIR=1 adds draft
 #   Results: WORK/results-hybrid (hybrid27b) or WORK/results-hybrid-HYBRID_SIZE
 #   BENCH_ARGS  more `localspec bench` arguments (a CPU dry run: --threads 1)
 # A CPU dry run (run.sh builds a CPU llama.cpp into WORK):
@@ -48,6 +51,40 @@ results_in "$WORK/$RESULTS_NAME"
 snapshot_env "$RES/env.txt"
 T="$(hybrid_target)"
 D="$MODELS/$HYBRID_SIZE-n$MTP_NOISE-draft.gguf"
+REPEAT_P="${REPEAT_P:-0.8}"
+BLOCK_DRAFT="${BLOCK_DRAFT:-15}"
+BLOCK_LENGTHS="${BLOCK_LENGTHS:-15}"
+RT="$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-target.gguf"  # the block drafters' target, and their files:
+copy_drafter() { echo "$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-copy-$1.gguf"; }
+wants_mtp_target() { wants mtp || wants rollback || wants draft; }
+mtp_files_missing() { wants_mtp_target && { [[ ! -f "$T" ]] || { wants draft && [[ ! -f "$D" ]]; }; }; }
+block_files_missing() {
+    local kind
+    for kind in dflash dspark; do
+        if wants "$kind" && [[ ! -f "$RT" || ! -f "$(copy_drafter "$kind")" ]]; then return 0; fi
+    done
+    return 1
+}
+# write_models: what the jobs need and is not there yet (synthetic.py writes a file whole or not at all), in the
+# budget's time.
+synthetic() { nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" "$@"; }
+write_models() {
+    local only=(--only target) kind
+    if mtp_files_missing; then
+        wants draft && only=()
+        synthetic --size "$HYBRID_SIZE" "${only[@]}" --mtp-noise "$MTP_NOISE" \
+            --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" || return 1
+    fi
+    local repeat=(--size "$HYBRID_SIZE" --repeat-p "$REPEAT_P" --out "$MODELS" --prefix "$HYBRID_SIZE-repeat$REPEAT_P-")
+    if block_files_missing && [[ ! -f "$RT" ]]; then
+        synthetic "${repeat[@]}" --only target --scale "$SCALE" "${VOCAB_ARGS[@]}" || return 1
+    fi
+    for kind in dflash dspark; do
+        if wants "$kind" && [[ ! -f "$(copy_drafter "$kind")" ]]; then
+            synthetic "${repeat[@]}" --copy-drafter "$kind" "${VOCAB_ARGS[@]}" || return 1
+        fi
+    done
+}
 vocab_args "$HYBRID_SIZE"
 log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', jobs '$HYBRID_JOBS', budget ${BUDGET_S}s"
 
@@ -55,13 +92,10 @@ log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, tem
 ( ensure_build ) &
 build=$!
 writer=""
-if [[ ! -f "$T" ]] || { wants draft && [[ ! -f "$D" ]]; }; then
+if mtp_files_missing || block_files_missing; then
     await_carried_py
-    only=(--only target); wants draft && only=()
-    log "writing $HYBRID_SIZE (background)"
-    ( use_build; nice -n 5 timeout "$(left)" python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" "${only[@]}" \
-          --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" \
-          "${VOCAB_ARGS[@]}" > "$RES/write.log" 2>&1 ) &
+    log "writing $HYBRID_SIZE's models (background)"
+    ( use_build; write_models > "$RES/write.log" 2>&1 ) &
     writer=$!
 fi
 wait "$build"
@@ -71,8 +105,10 @@ if [[ -n "$writer" ]]; then
     log "waiting for the writer"
     wait "$writer" || log "the writer failed: $(tail -3 "$RES/write.log")"
 fi
-[[ -f "$T" ]] || { log "no target model (see $RES/write.log)"; exit 1; }
-log "target $T ($(du -h "$T" | cut -f1))"
+if wants_mtp_target; then
+    [[ -f "$T" ]] || { log "no target model (see $RES/write.log)"; exit 1; }
+    log "target $T ($(du -h "$T" | cut -f1))"
+fi
 write_prompts "$RES/prompts" || { log "no prompts written"; exit 1; }
 # Never a silent fallback to the pinned build: without the yardstick asked for, nothing is measured.
 yardstick || { log "no $LLAMA_YARDSTICK llama.cpp to compare with (see $RES/prepare.log): stopping"; exit 1; }
@@ -80,26 +116,29 @@ log "yardstick: $YARDSTICK llama.cpp ($("$YARDSTICK_BIN/llama-speculative-simple
 # shellcheck disable=SC2086  # AGAINST_LENGTHS is one word
 AGAINST=(--against llama.cpp --llama-bin "$YARDSTICK_BIN" ${AGAINST_LENGTHS:+--against-lengths "$AGAINST_LENGTHS"})
 
-# bench_at NAME DRAFTER K TEMP [DRAFT]: `localspec bench --against llama.cpp` (the product's own comparison: its
-# runs, then llama-speculative-simple with the same --spec-type on the same prompt tokens, REPEAT times per
-# sampling mode, all in one JSON), after llama-bench tg128 once per NAME.
+# bench_at NAME DRAFTER K TEMP [DRAFT [TARGET [LENGTHS]]]: `localspec bench --against llama.cpp` (the product's own
+# comparison: its runs, then llama-speculative-simple with the same --spec-type on the same prompt tokens, REPEAT
+# times per sampling mode, all in one JSON), after llama-bench tg128 once per NAME (of the target alone for a
+# block drafter, which cannot run without one). TARGET: the MTP target unless named; LENGTHS: llama.cpp's draft
+# lengths searched (AGAINST_LENGTHS unless named).
 bench_at() {
-    local name="$1" drafter="$2" k="$3" temp="$4" dr="${5:-}" dir="$RES/$1"
+    local name="$1" drafter="$2" k="$3" temp="$4" dr="${5:-}" target="${6:-$T}" lengths="${7:-}" dir="$RES/$1"
     mkdir -p "$dir"
     if [[ ! -s "$dir/llama-bench.json" ]]; then
-        local models=(-m "$T"); [[ -n "$dr" ]] && models+=(-m "$dr")
+        local models=(-m "$target"); [[ -n "$dr" && "$drafter" == model ]] && models+=(-m "$dr")
         run "llama-bench-$name" 30 "$BIN/llama-bench" "${models[@]}" -p 0 -n 128 -fa 1 -ngl 99 -r 3 -o json \
             > "$dir/llama-bench.json.tmp" 2> "$dir/llama-bench.log" && mv "$dir/llama-bench.json.tmp" "$dir/llama-bench.json"
     fi
     [[ -s "$dir/localspec-t$temp.json" ]] && return 0
     local args=(--draft "$k" --drafter "$drafter"); [[ -n "$dr" ]] && args+=(--draft "$dr")
+    [[ -n "$lengths" ]] && args+=(--against-lengths "$lengths")  # (after AGAINST's: the last one counts)
     # A repetition on the H200 (27B Q4_K_M, 128 tokens, 3 prompts): ~10 s of localspec, ~35 s of llama.cpp (a model
     # load per prompt and sampling mode); exit 1 = the greedy check failed, 2 = llama.cpp did not run (the JSON
     # says why either way).
     # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
-    run "localspec-$name-t$temp" $(( 40 + 45 * REPEAT )) "${LOCALSPEC[@]}" bench --raw --target "$T" "${args[@]}" \
+    run "localspec-$name-t$temp" $(( 40 + 45 * REPEAT )) "${LOCALSPEC[@]}" bench --raw --target "$target" \
         --temp "$temp" --max-tokens "$N_PREDICT" --repeat "$REPEAT" --warmup "$WARMUP" --seed "$SEED" --ctx 4096 \
-        "${AGAINST[@]}" --json "$dir/localspec-t$temp.json" ${BENCH_ARGS:-} \
+        "${AGAINST[@]}" "${args[@]}" --json "$dir/localspec-t$temp.json" ${BENCH_ARGS:-} \
         > "$dir/localspec-t$temp.log" 2>&1
 }
 
@@ -118,5 +157,13 @@ if wants draft; then
     if [[ -f "$D" ]]; then for temp in $TEMPS; do bench_at draft model 6 "$temp" "$D"; done
     else log "no draft model (see $RES/write.log)"; fi
 fi
+for kind in dflash dspark; do
+    wants "$kind" || continue
+    if [[ -f "$RT" && -f "$(copy_drafter "$kind")" ]]; then
+        for temp in $TEMPS; do
+            bench_at "$kind" "$kind" "$BLOCK_DRAFT" "$temp" "$(copy_drafter "$kind")" "$RT" "$BLOCK_LENGTHS"
+        done
+    else log "no $kind pair (see $RES/write.log)"; fi
+done
 python3 "$HERE/summarize.py" "$RES" 2>&1 | tee "$RES/summary.txt"
 pack "$RESULTS_NAME" "$RES" "$RES/summary.txt" "$RES/summary.json"
