@@ -192,6 +192,12 @@ def test_the_embedded_pair_is_written_only_from_a_real_model_and_reused_once_the
     (tmp_path / "real.gguf").write_bytes(b"GGUF")
     there = bash(show, tmp_path, BUDGET_S="100", REAL_TARGET=str(tmp_path / "real.gguf"))
     assert "rc=0" in there.stdout and "write-speaks" not in there.stdout, there.stdout + there.stderr
+    # A weaker draft (the real model requantized) has a file of its own beside the same target.
+    weaker = 'results_in "$WORK/res"; echo "$(speaks_draft card32b)"; speaks_pair card32b; echo "rc=$?"'
+    (models / "speaks-card32b-dq2_k-draft.gguf").write_bytes(b"GGUF")
+    named = bash(weaker, tmp_path, BUDGET_S="100", REAL_TARGET=str(tmp_path / "real.gguf"), SPEAKS_DRAFT_FTYPE="Q2_K")
+    assert named.stdout.split()[0] == f"{models}/speaks-card32b-dq2_k-draft.gguf", named.stdout + named.stderr
+    assert "rc=0" in named.stdout and "write-speaks" not in named.stdout and "requantize" not in named.stdout
 
 
 def _tool(folder: Path, says: str) -> None:

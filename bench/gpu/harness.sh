@@ -218,14 +218,29 @@ assemble_real() {
 }
 # speaks_pair SIZE: REAL_TARGET's model embedded in SIZE's shapes and quant types (bench/embed.py: a 32B-cost target
 # and a 0.6B-cost draft that write real language), written unless it exists; 0 when both files are there.
+# SPEAKS_DRAFT_FTYPE (unset: the draft is the model itself, agreeing ~9 tokens in 10): the draft embeds the model
+# requantized to this llama.cpp type instead (Q2_K: ~2 in 3, as a real 0.6B draft of a 32B; its own file name).
 speaks_target() { echo "$MODELS/speaks-$1-target.gguf"; }
-speaks_draft() { echo "$MODELS/speaks-$1-draft.gguf"; }
+speaks_draft() { echo "$MODELS/speaks-$1${SPEAKS_DRAFT_FTYPE:+-d${SPEAKS_DRAFT_FTYPE,,}}-draft.gguf"; }
 speaks_pair() {
-    local size="$1"
+    local size="$1" draft_source=() log="$RES/write-speaks-$1.log"
     assemble_real
-    if [[ -f "$REAL_TARGET" && ! ( -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ) ]]; then
+    if [[ -f "$REAL_TARGET" && ! -f "$(speaks_target "$size")" ]]; then
         run "write-speaks-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
-            --out "$MODELS" --prefix "speaks-$size-" > "$RES/write-speaks-$size.log" 2>&1
+            --only target --out "$MODELS" --prefix "speaks-$size-" > "$log" 2>&1
+    fi
+    if [[ -f "$REAL_TARGET" && ! -f "$(speaks_draft "$size")" ]]; then
+        if [[ -n "${SPEAKS_DRAFT_FTYPE:-}" ]]; then
+            local requantized="$MODELS/real-${SPEAKS_DRAFT_FTYPE,,}.gguf"
+            [[ -f "$requantized" ]] || run "requantize-$SPEAKS_DRAFT_FTYPE" 120 python3 -c 'import sys, llama_cpp
+from pathlib import Path
+from localspec.llama.backend import quantize
+quantize(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])' "$REAL_TARGET" "$requantized" "$SPEAKS_DRAFT_FTYPE" >> "$log" 2>&1
+            draft_source=(--draft-source "$requantized")
+        fi
+        run "write-speaks-draft-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
+            "${draft_source[@]}" --only draft --out "$MODELS" \
+            --prefix "speaks-$size${SPEAKS_DRAFT_FTYPE:+-d${SPEAKS_DRAFT_FTYPE,,}}-" >> "$log" 2>&1
     fi
     [[ -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ]]
 }
