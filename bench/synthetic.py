@@ -1515,8 +1515,11 @@ def write_copy_block_drafter(path: Path, target: HybridSpec, spec: CopyDrafterSp
     if not target.repeat:
         raise ValueError("the copying drafter drafts a repeat target's text: write the target with repeat=True")
     e = target.target.n_embd
-    if 2 + spec.n_head_kv * spec.head_dim > e or spec.head_dim % 4:
+    if 2 + spec.n_head_kv * spec.head_dim > e:  # (V copies n_head_kv * head_dim columns after the two marks)
         raise ValueError(f"{spec.n_head_kv} KV heads of {spec.head_dim} do not fit a width of {e} after the marks")
+    if spec.head_dim % 2 or spec.n_head % spec.n_head_kv:
+        raise ValueError(f"heads: {spec.n_head} of {spec.head_dim} in {spec.n_head_kv} KV groups (rotary pairs need "
+                         "an even head size, query heads equal groups)")
     t0 = time.perf_counter()
     vocab_kv, n_vocab = read_vocab_kv(vocab_source or smollm2_vocab_path())
     vocab_kv = [kv for kv in vocab_kv if kv.key != "tokenizer.ggml.mask_token_id"]

@@ -321,6 +321,20 @@ def test_the_copying_drafter_drafts_what_its_target_repeats(copy_files, name) ->
     assert 0.38 < kept / drafted < 0.6, (kept, drafted)
 
 
+def test_the_copying_drafter_refuses_what_it_cannot_draft(tmp_path) -> None:
+    """It needs a repeat target and room for its copy after the two marks, in one line each."""
+    from synthetic import COPY_DRAFTER_TINY, HYBRID_TINY, write_copy_block_drafter
+
+    repeat = dataclasses.replace(HYBRID_TINY, repeat=True)
+    with pytest.raises(ValueError, match="repeat=True"):
+        write_copy_block_drafter(tmp_path / "a.gguf", HYBRID_TINY, COPY_DRAFTER_TINY)
+    with pytest.raises(ValueError, match="do not fit a width of 64"):
+        write_copy_block_drafter(tmp_path / "b.gguf", repeat, dataclasses.replace(COPY_DRAFTER_TINY, n_head_kv=4))
+    with pytest.raises(ValueError, match="rotary pairs"):
+        write_copy_block_drafter(tmp_path / "c.gguf", repeat, dataclasses.replace(COPY_DRAFTER_TINY, head_dim=15))
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_repeat_targets_output_norm_sets_its_repeat_probability() -> None:
     """The output norm grows with the probability asked for, and one at or above the default top-p is refused
     (top-p would keep the last token alone: it would always repeat)."""
