@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from localspec.rounds.engine import Engine, Stream
-from localspec.rounds.events import DoneEvent, TokenEvent
+from localspec.rounds.events import DoneEvent, TokenEvent, collect
+
+
+def each_alone(engine: Engine, requests: Sequence[dict]) -> list[list[int]]:
+    """Each request's tokens generated alone from empty caches, one after another in `engine`: the reference that
+    `run_together`'s results are held to."""
+    out = []
+    for request in requests:
+        engine.reset()
+        out.append(collect(engine.generate(**request)).tokens)
+    return out
 
 
 def run_together(engine: Engine, requests: Sequence[dict], arrivals: Sequence[int],

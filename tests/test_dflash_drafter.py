@@ -198,16 +198,13 @@ def test_a_slot_file_keeps_the_block_drafters_part(tiny_pair, block_files, tmp_p
 def slots_together_are_each_alone(target: Path, drafter: Path, name: str) -> None:
     """Three greedy requests (draft lengths 3, 0, 2) arriving at different rounds in a 3-slot engine over `drafter`
     get what each gets alone."""
-    from tests.helpers_rounds import run_together
+    from tests.helpers_rounds import each_alone, run_together
 
     reqs = [dict(prompt=p, sampling=GREEDY.sampling, drafting=drafting(k, name), max_tokens=16 + 3 * i)
             for i, (p, k) in enumerate(zip(prompts(3, seed=5), (3, 0, 2), strict=True))]
     alone = Pair(target, drafter)
     try:
-        expected = []
-        for r in reqs:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+        expected = each_alone(alone.engine, reqs)
     finally:
         alone.close()
     together = Pair(target, drafter, n_seq=3)
@@ -250,7 +247,7 @@ def test_greedy_on_a_hybrid_target_is_plain_decodings_alone_and_in_slots(hybrid_
     every rejected draft rolls the recurrent state back through its snapshots: the tokens plain greedy decoding
     gives, alone at several lengths and in three slots at once (each what it is alone)."""
     from localspec.sessions.session import ModelFiles, open_session
-    from tests.helpers_rounds import run_together
+    from tests.helpers_rounds import each_alone, run_together
 
     files = ModelFiles(hybrid_pair[0], hybrid_block_files[name], "hybrid")
     preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, drafter=name)
@@ -267,10 +264,7 @@ def test_greedy_on_a_hybrid_target_is_plain_decodings_alone_and_in_slots(hybrid_
                 assert done.tokens == plain, k
                 drafted += done.stats.drafted
         assert drafted > 0
-        expected = []
-        for r in reqs:
-            s.engine.reset()
-            expected.append(collect(s.engine.generate(**r)).tokens)
+        expected = each_alone(s.engine, reqs)
     with open_session(files, preset, parallel=3) as together:
         assert run_together(together.engine, reqs, [0, 1, 1], slots=[2, 0, 1]) == expected
 

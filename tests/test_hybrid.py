@@ -736,7 +736,7 @@ def test_greedy_slots_together_are_each_what_it_is_alone(request, pair, lengths,
     lookup-or-MTP chain beside the head alone and the draft model, on prompts that repeat (lookup matches). The
     mixture-of-experts hybrid: several sequences' tokens routed in one call are each routed as alone."""
     from localspec.sessions.session import ModelFiles, open_session
-    from tests.helpers_rounds import run_together
+    from tests.helpers_rounds import each_alone, run_together
 
     hybrid_pair = request.getfixturevalue(pair)
     repeat = 2 if "chain-mtp" in drafters else 1
@@ -745,10 +745,7 @@ def test_greedy_slots_together_are_each_what_it_is_alone(request, pair, lengths,
     files = ModelFiles(hybrid_pair[0], hybrid_pair[1], "hybrid")
     preset = GREEDY.with_overrides(n_draft=6, n_ctx=512, threads=1)
     with open_session(files, preset) as alone:
-        expected = []
-        for r in reqs:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
+        expected = each_alone(alone.engine, reqs)
     with open_session(files, preset, parallel=4) as s:
         assert run_together(s.engine, reqs, [0, 0, 1, 3], slots=[2, 0, 3, 1]) == expected
 

@@ -15,7 +15,7 @@ from localspec.rounds.events import STOP_MAX_TOKENS, TokenEvent, collect
 from localspec.rounds.policies import LoadPolicy
 from localspec.rounds.sampling import candidates
 from localspec.sessions.session import ModelFiles, open_session
-from tests.helpers_rounds import run_together
+from tests.helpers_rounds import each_alone, run_together
 from tests.helpers_stats import chi_square
 
 pytestmark = pytest.mark.slow
@@ -42,11 +42,7 @@ def open_slots(pair, parallel: int, **load):
 def outputs_alone(pair, requests: list[dict], **load) -> list[list[int]]:
     """Each request's tokens generated alone, from empty caches, in a one-slot engine: the reference."""
     with open_slots(pair, 1, **load) as alone:
-        expected = []
-        for r in requests:
-            alone.engine.reset()
-            expected.append(collect(alone.engine.generate(**r)).tokens)
-    return expected
+        return each_alone(alone.engine, requests)
 
 
 @pytest.mark.parametrize("device_top_k", [0, 64])
