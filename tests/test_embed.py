@@ -165,12 +165,14 @@ def test_cli_refuses_a_source_it_cannot_embed(tmp_path: Path, capsys: pytest.Cap
 def test_a_draft_source_gives_the_draft_its_weights_and_must_be_the_same_model(
         tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--draft-source: the target from the source, the draft from another file of the same model (the GPU's
-    weaker draft is its Q2_K requantization; here a Q4_0 one): byte for byte what each file embeds alone. A file of
-    another shape is refused in one line, exit 2."""
+    weaker draft is its Q2_K requantization; here a Q4_0 one), under its own --draft-prefix: byte for byte what each
+    file embeds alone. A file of another shape is refused in one line, exit 2."""
     q4 = tmp_path / "q4.gguf"
     quantize(source, q4, "Q4_0")
     out = tmp_path / "out"
-    assert main(["--size", "tiny", "--source", str(source), "--draft-source", str(q4), "--out", str(out)]) == 0
+    assert main(["--size", "tiny", "--source", str(source), "--draft-source", str(q4), "--out", str(out),
+                 "--draft-prefix", "speaks-dq4_0-"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["speaks-dq4_0-draft.gguf", "speaks-target.gguf"]
     write_embedded(tmp_path / "same-target.gguf", read_source(source), EMBED_TINY, "target")
     write_embedded(tmp_path / "own-draft.gguf", read_source(q4), EMBED_TINY, "draft")
     write_embedded(tmp_path / "source-draft.gguf", read_source(source), EMBED_TINY, "draft")
@@ -178,8 +180,8 @@ def test_a_draft_source_gives_the_draft_its_weights_and_must_be_the_same_model(
         return {t.name: t.data.tobytes() for t in read_tensors(path)}
 
     assert contents(out / "speaks-target.gguf") == contents(tmp_path / "same-target.gguf")
-    assert contents(out / "speaks-draft.gguf") == contents(tmp_path / "own-draft.gguf")
-    assert contents(out / "speaks-draft.gguf") != contents(tmp_path / "source-draft.gguf")
+    assert contents(out / "speaks-dq4_0-draft.gguf") == contents(tmp_path / "own-draft.gguf")
+    assert contents(out / "speaks-dq4_0-draft.gguf") != contents(tmp_path / "source-draft.gguf")
     other = tmp_path / "other.gguf"
     write_pair(other, tmp_path / "d.gguf", replace(SOURCE, n_embd=128, n_ff=256))
     capsys.readouterr()

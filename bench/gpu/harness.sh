@@ -223,25 +223,24 @@ assemble_real() {
 speaks_target() { echo "$MODELS/speaks-$1-target.gguf"; }
 speaks_draft() { echo "$MODELS/speaks-$1${SPEAKS_DRAFT_FTYPE:+-d${SPEAKS_DRAFT_FTYPE,,}}-draft.gguf"; }
 speaks_pair() {
-    local size="$1" draft_source=() log="$RES/write-speaks-$1.log"
+    local size="$1" only=() draft_source=() log="$RES/write-speaks-$1.log"
     assemble_real
-    if [[ -f "$REAL_TARGET" && ! -f "$(speaks_target "$size")" ]]; then
-        run "write-speaks-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
-            --only target --out "$MODELS" --prefix "speaks-$size-" > "$log" 2>&1
-    fi
-    if [[ -f "$REAL_TARGET" && ! -f "$(speaks_draft "$size")" ]]; then
-        if [[ -n "${SPEAKS_DRAFT_FTYPE:-}" ]]; then
-            local requantized="$MODELS/real-${SPEAKS_DRAFT_FTYPE,,}.gguf"
-            [[ -f "$requantized" ]] || run "requantize-$SPEAKS_DRAFT_FTYPE" 120 python3 -c 'import sys, llama_cpp
+    [[ -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ]] && return 0
+    [[ -f "$REAL_TARGET" ]] || return 1
+    [[ -f "$(speaks_target "$size")" ]] && only=(--only draft)
+    [[ -f "$(speaks_draft "$size")" ]] && only=(--only target)
+    if [[ -n "${SPEAKS_DRAFT_FTYPE:-}" && "${only[*]}" != "--only target" ]]; then
+        local requantized="$MODELS/real-${SPEAKS_DRAFT_FTYPE,,}.gguf"
+        [[ -f "$requantized" ]] || run "requantize-$SPEAKS_DRAFT_FTYPE" 120 python3 -c 'import sys, llama_cpp
 from pathlib import Path
 from localspec.llama.backend import quantize
-quantize(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])' "$REAL_TARGET" "$requantized" "$SPEAKS_DRAFT_FTYPE" >> "$log" 2>&1
-            draft_source=(--draft-source "$requantized")
-        fi
-        run "write-speaks-draft-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
-            "${draft_source[@]}" --only draft --out "$MODELS" \
-            --prefix "speaks-$size${SPEAKS_DRAFT_FTYPE:+-d${SPEAKS_DRAFT_FTYPE,,}}-" >> "$log" 2>&1
+quantize(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])' "$REAL_TARGET" "$requantized" "$SPEAKS_DRAFT_FTYPE" > "$log" 2>&1
+        draft_source=(--draft-source "$requantized")
     fi
+    # (one call for both files reads the source once)
+    run "write-speaks-$size" 150 python3 "$REPO/bench/embed.py" --size "$size" --source "$REAL_TARGET" \
+        "${draft_source[@]}" "${only[@]}" --out "$MODELS" --prefix "speaks-$size-" \
+        --draft-prefix "$(basename "$(speaks_draft "$size")" draft.gguf)" >> "$log" 2>&1
     [[ -f "$(speaks_target "$size")" && -f "$(speaks_draft "$size")" ]]
 }
 # write_prompts DIR: the bench's shipped prompts as files for llama.cpp's -f, which drops one trailing newline: one
