@@ -421,3 +421,21 @@ def test_hybrid_cli(tmp_path: Path) -> None:
                  "--prefix", "h-"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["h-target.gguf"]
     assert "0.2" in read_fields(tmp_path / "h-target.gguf")["general.name"]  # type: ignore[operator]
+
+
+@pytest.mark.slow
+def test_the_repeat_target_and_its_copying_drafter_from_the_cli(tmp_path: Path) -> None:
+    """--repeat-p writes the repeating target (tied: no output.weight); --copy-drafter its drafter, DSpark's with the
+    Markov and confidence heads; a copying drafter without --repeat-p is a usage error, nothing written."""
+    from synthetic import main
+
+    args = ["--size", "hybrid-tiny", "--repeat-p", "0.8", "--out", str(tmp_path), "--prefix", "r-"]
+    assert main([*args, "--only", "target"]) == 0 and main([*args, "--copy-drafter", "dspark"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r-copy-dspark.gguf", "r-target.gguf"]
+    assert "output.weight" not in {t.name for t in read_tensors(tmp_path / "r-target.gguf")}
+    drafter = {t.name for t in read_tensors(tmp_path / "r-copy-dspark.gguf")}
+    assert {"markov_w1.weight", "conf_proj.bias", "fc.weight"} <= drafter
+    assert read_fields(tmp_path / "r-copy-dspark.gguf")["general.architecture"] == "dflash"
+    with pytest.raises(SystemExit) as usage:
+        main(["--size", "hybrid-tiny", "--copy-drafter", "dflash", "--out", str(tmp_path / "none")])
+    assert usage.value.code == 2 and not (tmp_path / "none").exists()
