@@ -24,6 +24,8 @@
 #   [15], against draft-dflash / draft-dspark at BLOCK_LENGTHS [15]); DRAFT_PAIR=1 adds draft
 #   Results: WORK/results-hybrid (hybrid27b) or WORK/results-hybrid-HYBRID_SIZE
 #   BENCH_ARGS  more `localspec bench` arguments (a CPU dry run: --threads 1)
+#   ALSO_WRITE  more presets whose MTP targets the background writer writes after this run's own files, for a later
+#               call (e.g. hybrid35b-a3b beside the block drafters' first call: its minutes hide behind the build)
 # A CPU dry run (run.sh builds a CPU llama.cpp into WORK):
 #   CARRIED_PY=0 CUDA=0 HYBRID_SIZE=hybrid-tiny N_PREDICT=16 REPEAT=1 WARMUP=0 ROLLBACK_REPS=2 \
 #       BENCH_ARGS="--threads 1" BUDGET_S=5000 bash bench/gpu/hybrid.sh
@@ -56,6 +58,12 @@ BLOCK_DRAFT="${BLOCK_DRAFT:-15}"
 BLOCK_LENGTHS="${BLOCK_LENGTHS:-15}"
 RT="$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-target.gguf"  # the block drafters' target, and their files:
 copy_drafter() { echo "$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-copy-$1.gguf"; }
+also_target() { echo "$MODELS/$1-n$MTP_NOISE-target.gguf"; }  # (hybrid_target's name for another preset)
+also_missing() {
+    local size
+    for size in ${ALSO_WRITE:-}; do [[ -f "$(also_target "$size")" ]] || return 0; done
+    return 1
+}
 wants_mtp_target() { wants mtp || wants rollback || wants draft; }
 mtp_files_missing() { wants_mtp_target && { [[ ! -f "$T" ]] || { wants draft && [[ ! -f "$D" ]]; }; }; }
 block_files_missing() {
@@ -84,6 +92,13 @@ write_models() {
             synthetic "${repeat[@]}" --copy-drafter "$kind" "${VOCAB_ARGS[@]}" || return 1
         fi
     done
+    local size
+    for size in ${ALSO_WRITE:-}; do
+        [[ -f "$(also_target "$size")" ]] && continue
+        vocab_args "$size"  # (this runs in the writer's subshell: the run's own VOCAB_ARGS stay)
+        synthetic --size "$size" --only target --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" \
+            --prefix "$size-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" || return 1
+    done
 }
 vocab_args "$HYBRID_SIZE"
 log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, temps '$TEMPS', jobs '$HYBRID_JOBS', budget ${BUDGET_S}s"
@@ -92,7 +107,7 @@ log "hybrid: $HYBRID_SIZE, MTP noise $MTP_NOISE, scale $SCALE, k $DRAFT_MAX, tem
 ( ensure_build ) &
 build=$!
 writer=""
-if mtp_files_missing || block_files_missing; then
+if mtp_files_missing || block_files_missing || also_missing; then
     await_carried_py
     log "writing $HYBRID_SIZE's models (background)"
     ( use_build; write_models > "$RES/write.log" 2>&1 ) &
