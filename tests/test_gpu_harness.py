@@ -136,6 +136,12 @@ def test_the_hybrid_target_is_named_once_and_written_only_when_missing(tmp_path:
     there alone (no Python is run: this PATH has none of the carried packages)."""
     named = bash('echo "$(hybrid_target)"', tmp_path, HYBRID_SIZE="hybrid-tiny", MTP_NOISE="0.2")
     assert named.stdout.strip() == f"{tmp_path}/work/models/hybrid-tiny-n0.2-target.gguf"
+    # Another preset's (hybrid.sh's ALSO_WRITE: the file a later call's HYBRID_SIZE looks for).
+    other = bash('echo "$(hybrid_target hybrid35b-a3b)"', tmp_path, HYBRID_SIZE="hybrid-tiny", MTP_NOISE="0.2")
+    assert other.stdout.strip() == f"{tmp_path}/work/models/hybrid35b-a3b-n0.2-target.gguf"
+    hybrid = (ROOT / "bench" / "gpu" / "hybrid.sh").read_text()
+    assert 'for size in ${ALSO_WRITE:-}; do [[ -f "$(hybrid_target "$size")" ]]' in hybrid
+    assert '--prefix "$size-n$MTP_NOISE-"' in hybrid  # (what hybrid_target "$size" names)
     (tmp_path / "work" / "models").mkdir(parents=True)
     (tmp_path / "work" / "models" / "hybrid27b-n0.1-target.gguf").write_text("kept")
     r = bash('write_hybrid_target "$WORK/write.log"; echo "rc=$?"', tmp_path, CARRIED_PY="0")

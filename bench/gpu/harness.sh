@@ -168,7 +168,7 @@ stand_in_pair() {
 HYBRID_SIZE="${HYBRID_SIZE:-hybrid27b}"
 MTP_NOISE="${MTP_NOISE:-0.1}"
 SCALE="${SCALE:-8e-5}"
-hybrid_target() { echo "$MODELS/$HYBRID_SIZE-n$MTP_NOISE-target.gguf"; }
+hybrid_target() { echo "$MODELS/${1:-$HYBRID_SIZE}-n$MTP_NOISE-target.gguf"; }  # [PRESET]: another preset's
 # await_carried_py: up to 2 minutes for the carried Python packages (run.sh unpacks them as its build starts), for
 # a writer that runs beside the build (synthetic.py needs the carried gguf package).
 await_carried_py() {

@@ -58,10 +58,9 @@ BLOCK_DRAFT="${BLOCK_DRAFT:-15}"
 BLOCK_LENGTHS="${BLOCK_LENGTHS:-15}"
 RT="$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-target.gguf"  # the block drafters' target, and their files:
 copy_drafter() { echo "$MODELS/$HYBRID_SIZE-repeat$REPEAT_P-copy-$1.gguf"; }
-also_target() { echo "$MODELS/$1-n$MTP_NOISE-target.gguf"; }  # (hybrid_target's name for another preset)
 also_missing() {
     local size
-    for size in ${ALSO_WRITE:-}; do [[ -f "$(also_target "$size")" ]] || return 0; done
+    for size in ${ALSO_WRITE:-}; do [[ -f "$(hybrid_target "$size")" ]] || return 0; done
     return 1
 }
 wants_mtp_target() { wants mtp || wants rollback || wants draft; }
@@ -94,7 +93,7 @@ write_models() {
     done
     local size
     for size in ${ALSO_WRITE:-}; do
-        [[ -f "$(also_target "$size")" ]] && continue
+        [[ -f "$(hybrid_target "$size")" ]] && continue
         vocab_args "$size"  # (this runs in the writer's subshell: the run's own VOCAB_ARGS stay)
         synthetic --size "$size" --only target --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" \
             --prefix "$size-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" || return 1
