@@ -18,6 +18,7 @@ whenever the event loop next looks.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -220,7 +221,8 @@ class _Running:
         """Send text, with the logprobs of the tokens whose text starts in what has been sent (all: at the end)."""
         self.released.append(text)
         self.released_chars += len(text)
-        n = len(self.logprobs) if everything else sum(1 for s in self.starts if s < self.released_chars)
+        # (starts ascend: bisect counts those before the released end without a pass over the reply each token)
+        n = len(self.logprobs) if everything else bisect.bisect_left(self.starts, self.released_chars)
         n = min(n, len(self.logprobs))
         entries, self.logprobs_sent = tuple(self.logprobs[self.logprobs_sent : n]), max(n, self.logprobs_sent)
         _deliver(self.job, Delta(text, entries, self._timings_so_far()))
