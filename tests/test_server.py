@@ -81,11 +81,11 @@ def test_stop_inside_an_accepted_run_stops_the_engine_at_once(session, backend):
 @pytest.mark.slow
 def test_counts_without_a_stop_match_the_engine(session, backend):
     prompt = session.target.tokenize(PROMPT)
+    events = list(session.engine.generate(prompt, GREEDY.sampling, GREEDY.draft, 12))  # (first: the job's cache)
+    stats = events[-1].stats
     deltas, end = collect(backend.worker, dict(prompt=prompt, sampling=GREEDY.sampling, drafting=GREEDY.draft,
                                                max_tokens=12, stops=()))
     result = end.result
-    events = list(session.engine.generate(prompt, GREEDY.sampling, GREEDY.draft, 12))
-    stats = events[-1].stats
     assert "".join(deltas) == result.text == "".join(e.text for e in events[:-1])
     counted = result.stats
     assert (counted.tokens, counted.drafted, counted.accepted, counted.rounds) == (
