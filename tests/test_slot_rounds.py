@@ -25,6 +25,8 @@ def test_share_batches_overrides_the_probe_and_reports_it(tiny_pair, share, monk
     expected = {"probe": probe["shared"], "on": True, "off": False}[share]
     assert timed["slots_batched"] is expected
     assert timed["rounds"] == 2 and timed["tokens"] > 0
+    # A server's round is the step and its events: timed apart, never shorter; stand-aside off at a held share 1.
+    assert timed["round_with_events_s_median"] >= timed["round_s_median"] and timed["stand_aside"] is False
 
 
 def test_an_mtp_heads_rounds_held_at_no_drafts_share_one_decode_in_scrambled_slots(hybrid_pair, monkeypatch,
@@ -38,9 +40,11 @@ def test_an_mtp_heads_rounds_held_at_no_drafts_share_one_decode_in_scrambled_slo
               "--ctx", "256", "--timeline"]
     runs = {}
     for name, extra in (("plain", ["--k", "0"]), ("none", ["--drafter", "mtp", "--k", "3", "--share", "0"]),
-                        ("all", ["--drafter", "mtp", "--k", "3", "--share", "1"])):
+                        ("all", ["--drafter", "mtp", "--k", "3", "--share", "1"]),
+                        ("aside", ["--drafter", "mtp", "--k", "3", "--share", "1", "--stand-aside"])):
         assert slot_rounds.main(common + extra) == 0
         runs[name] = json.loads(capsys.readouterr().out)["timed"]
+    assert runs["aside"]["stand_aside"] is True and runs["all"]["stand_aside"] is False
     for name in ("plain", "none"):
         per_round = runs[name]["timeline"]["median_per_round"]
         assert per_round["target_decodes"] == 1 and per_round["head_s"] == 0.0, name

@@ -2,7 +2,8 @@
 
     python bench/lab/slot_rounds.py --target T.gguf [--draft D.gguf] [--drafter model|mtp|lookup|...] [--slots 16]
         [--rounds 40] [--order scrambled] [--temperature 0.7] [--k 6] [--share 1.0] [--threads 1] [--count-ubatches]
-        [--timeline] [--draft-ahead auto|on|off] [--device-top-k N] [--share-batches probe|on|off] [--json OUT]
+        [--timeline] [--draft-ahead auto|on|off] [--device-top-k N] [--share-batches probe|on|off] [--stand-aside]
+        [--json OUT]
 
 Starts one request per slot (different prompts, seeds), the slots taken in `--order` (`scrambled`: a fixed
 permutation, as a server's slots are after requests come and go; `ascending`: 0, 1, 2, ...), and the streams
@@ -130,14 +131,14 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
             prompt = rng.integers(100, min(session.target.n_vocab, 40_000), size=12 + i).tolist()
             sampling = dataclasses.replace(preset.sampling, seed=100 + i)
             drafting = dataclasses.replace(preset.draft, n_draft=args.k, p_min=0.0, adaptive=False)
-            if args.share == 1.0:  # (a drafter's own stand-aside would cut what the held share keeps)
+            if args.share == 1.0 and not args.stand_aside:  # (a drafter's own stand-aside would cut the share)
                 drafting = dataclasses.replace(drafting, stand_aside=False)
             streams.append(engine.start(prompt, sampling, drafting, 10**6, slot=slot))
         for _ in range(args.warmup):
             engine.step(streams)
             for s in streams:
                 list(s.events())
-        per_round, seconds = [], []
+        per_round, seconds, with_events = [], [], []
         before_tokens = sum(s.stats.tokens for s in streams)
         for _ in range(args.rounds):
             before = _counts["ubatches"]
@@ -147,10 +148,14 @@ def measure(args: argparse.Namespace, count: bool) -> dict:
             bounds.append((t, t + seconds[-1]))
             for s in streams:
                 list(s.events())
+            with_events.append(time.perf_counter() - t)  # (a server pays the events too: its rounds are these)
             per_round.append(_counts["ubatches"] - before)
         tokens = sum(s.stats.tokens for s in streams)
         tokens_timed = tokens - before_tokens
         return {"rounds": args.rounds, "round_s_median": statistics.median(seconds),
+                "round_with_events_s_median": statistics.median(with_events),
+                "tokens_per_s_with_events": tokens_timed / sum(with_events),
+                "stand_aside": args.stand_aside or args.share != 1.0,
                 "rounds_per_s": args.rounds / sum(seconds), "tokens": tokens,
                 "ubatches_per_round": statistics.mean(per_round) if count else None,
                 "acceptance": sum(s.stats.accepted for s in streams) / max(1, sum(s.stats.drafted for s in streams)),
@@ -180,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--device-top-k", type=int, default=64)
     p.add_argument("--share-batches", choices=("probe", "on", "off"), default="probe")
+    p.add_argument("--stand-aside", action="store_true",
+                   help="keep each stream's stand-aside on at --share 1 (as a server runs; its pricing is timed, and "
+                        "it may cut drafts)")
     p.add_argument("--json", type=Path, dest="json_out")
     args = p.parse_args(argv)
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
