@@ -189,6 +189,18 @@ DRAFTER_TABLE: dict[str, DrafterFacts] = {
 }
 
 DRAFTERS = tuple(sorted(DRAFTER_TABLE))
+
+
+def parse_drafter_list(text: str) -> tuple[str, ...]:
+    """`mtp,dflash`: drafter names, each once, in the order given ("" = none)."""
+    names = tuple(part.strip() for part in text.split(",")) if text.strip() else ()
+    for name in names:
+        if name not in DRAFTERS:
+            raise ValueError(f"unknown drafter {name!r}: expected drafter names from {', '.join(DRAFTERS)}, "
+                             "comma-separated")
+    if len(set(names)) != len(names):
+        raise ValueError("each drafter once")
+    return names
 # Drafters that need no draft model (a pair may name one and no draft).
 MODEL_FREE_DRAFTERS = tuple(name for name, facts in sorted(DRAFTER_TABLE.items()) if not facts.needs_draft_model)
 # Drafters whose draft GGUF is a block drafter reading the target's layers (general.architecture dflash): no other
@@ -244,6 +256,9 @@ class BenchSettings:
     llama_bin: str = field(metadata=_text(_any_path, "a path to llama-speculative-simple or its folder"))
     # llama.cpp's draft lengths to try there (the best of them is the comparison): a range or a list
     against_lengths: str = field(metadata=_text(parse_draft_lengths, "draft lengths, e.g. 2-6 or 2,4,6"))
+    # Drafters to measure in turn instead of the preset's one, each against plain on the same session and prompts;
+    # the closing line picks from what they measured ("" = the preset's drafter alone)
+    drafters: str = field(metadata=_text(parse_drafter_list, "drafter names, e.g. mtp,dflash"))
 
 
 @dataclass(frozen=True)

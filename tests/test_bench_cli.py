@@ -214,7 +214,7 @@ def _scripted_bench(speedups: dict[str, float]):
     return run_bench
 
 
-def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args: str) -> list[str]:
+def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args: str, session=None) -> list[str]:
     from contextlib import contextmanager
     from pathlib import Path
 
@@ -223,13 +223,13 @@ def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args:
     from localspec.sessions.session import ModelFiles
 
     @contextmanager
-    def session(files, preset):
+    def no_session(files, preset):
         yield None
 
     files = ModelFiles(target=Path("target.gguf"), draft=Path("draft.gguf"), name=pair)
     monkeypatch.setattr(options, "resolve_run", lambda run, command, **more: (
         files, config.load_preset().with_overrides(**{k: v for k, v in more.items() if v is not None})))
-    monkeypatch.setattr(bench_cmd, "open_session", session)
+    monkeypatch.setattr(bench_cmd, "open_session", session or no_session)
     monkeypatch.setattr(bench_cmd, "placement", lambda s: {"target": "CPU", "draft": "CPU", "draft_ahead": False})
     monkeypatch.setattr(bench_cmd, "threads_line", lambda s: "1")
     monkeypatch.setattr(bench_cmd, "prompt_mode", lambda s, raw: "raw completion")
@@ -282,3 +282,58 @@ def test_a_sweep_past_the_preset_length_on_a_hybrid_target(hybrid_pair, tmp_path
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n_draft"], r["policy"]) for r in rows] == [(0, "fixed"), (2, "fixed"), (7, "fixed"), (4, "default")]
     assert rows[2]["acceptance_rate"] > 0  # the 7-token rounds drafted and were verified
+
+
+
+def test_several_drafters_each_get_a_table_and_the_last_line_picks_from_all(monkeypatch):
+    """`--drafters model,lookup`: each drafter's table and verdict in turn on one session, then the fastest named
+    last with both figures (the real run on real files: tests/test_dflash_drafter.py)."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from localspec.cli import bench_cmd
+
+    checked: list[str] = []
+    engine = SimpleNamespace(check_drafter=lambda drafting: checked.append(f"engine:{drafting.drafter}"))
+
+    @contextmanager
+    def session(files, preset, longest_draft=None):
+        checked.append(f"open:{preset.draft.drafter}")
+        yield SimpleNamespace(engine=engine)
+
+    monkeypatch.setattr(bench_cmd, "read_header", lambda path: None)
+    monkeypatch.setattr(bench_cmd, "check_drafting", lambda target, draft, preset: checked.append(preset.draft.drafter))
+    lines = _redirected_bench(monkeypatch, "mine", {"model": 0.9, "lookup": 1.3}, "--drafters", "model,lookup",
+                              session=session)
+    text = "\n".join(lines)
+    model_table = text.index("decode tok/s, plain vs the draft model")
+    lookup_table = text.index("decode tok/s, plain vs prompt lookup")
+    assert model_table < text.index("speedup (median speculative / median plain): 0.90x") < lookup_table
+    assert lookup_table < text.index("speedup (median speculative / median plain): 1.30x")
+    assert lines[-1].startswith("on this machine: use `--drafter lookup`"), lines[-1]
+    assert "the draft model 0.90x plain" in lines[-1] and "prompt lookup 1.30x plain" in lines[-1]
+    # Every drafter checked against the headers and the session's engine before the first is measured; the
+    # session opened for the drafter that reads the draft file.
+    assert checked == ["model", "lookup", "open:model", "engine:model", "engine:lookup"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--drafters", "mtp,nope"], "unknown drafter 'nope'"),
+    (["--drafters", "mtp,mtp"], "each drafter once"),
+    (["--drafters", "model,lookup", "--sweep", "2,4"], "--sweep and --against take one drafter"),
+])
+def test_several_drafters_refuse_what_they_cannot_measure(use_demo_home, args, message):
+    r = localspec("bench", *args, env={"LOCALSPEC_HOME": str(use_demo_home)})
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_several_drafters_name_the_one_these_models_cannot_run_before_measuring(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    r = localspec("bench", "--target", str(target), "--draft", str(draft), "--drafters", "lookup,mtp",
+                  "--threads", "1", env={"LOCALSPEC_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "mtp" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "decode tok/s" not in r.stdout  # nothing measured: the lookup part did not run first
+    r = localspec("bench", "--target", str(target), "--drafters", "lookup,model", "--threads", "1",
+                  env={"LOCALSPEC_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "model needs a draft file" in r.stderr, r.stderr

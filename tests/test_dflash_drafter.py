@@ -538,3 +538,37 @@ def test_greedy_around_a_picture_is_plain_decodings(tiny_pair, block_files, name
         assert collect(pair.engine.generate(prompt(2), GREEDY.sampling, drafting(4, _kind(name)), 24)).tokens != plain
     finally:
         pair.close()
+
+
+@pytest.mark.slow
+def test_bench_measures_several_drafters_in_turn_and_picks_from_them(copy_files, tmp_path, monkeypatch) -> None:
+    """`localspec bench --drafters mtp,dflash,lookup` on the repeat target and its copying DFlash drafter: one
+    session (opened for the drafter that reads the draft file), each drafter against plain in turn on the same
+    prompts, each greedy check passed, the copying drafter keeping every greedy draft, and the closing line naming
+    all three with their figures."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from localspec.cli.app import app
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", str(copy_files["target"]), "--draft", str(copy_files["dflash"]),
+        "--drafters", "mtp,dflash,lookup", "--preset", "greedy", "--repeat", "1", "--warmup", "0",
+        "--max-tokens", "12", "--threads", "1", "--raw", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    parts = report["parts"]
+    assert [p["preset"]["draft"]["drafter"] for p in parts] == ["mtp", "dflash", "lookup"]
+    assert report["preset"]["draft"]["drafter"] == "mtp"  # (the first part, at the top level as one part's is)
+    assert all(p["greedy_check"]["passed"] and p["greedy_check"]["exact"] for p in parts)
+    dflash = parts[1]["speculative"]
+    assert dflash["acceptance_rate"] == 1.0  # the target repeats its last token at T = 0; the drafter copies it
+    said = " ".join(result.output.split())
+    for title in ("the MTP head", "the DFlash drafter", "prompt lookup"):
+        assert f"decode tok/s, plain vs {title}" in said, title
+    last = said[said.rindex("on this machine:"):]
+    for p, title in zip(parts, ("the MTP head", "the DFlash drafter", "prompt lookup"), strict=True):
+        assert title in last and f"{p['speedup']:.2f}x plain" in last, (title, last)

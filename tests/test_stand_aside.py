@@ -322,9 +322,9 @@ def test_the_bench_summary_verdict_and_closing_line_say_it_stood_aside_and_why()
     assert aside.plain_spread is None and not aside.decoded_as_plain  # (one plain run: no spread to judge by)
     assert aside.verdict.startswith("the draft model does not pay here, so it stood aside: 0.98x plain decoding;")
     lookup = report("lookup", dataclasses.replace(plain, mode="speculative", median_tps=44.0), 20.0)
-    line = drafter_choice(aside, lookup).plain
+    line = drafter_choice([aside], lookup).plain
     assert line.startswith("on this machine: use `--drafter lookup` (the draft model stood aside, 0.98x plain;")
-    alone = drafter_choice(aside).plain
+    alone = drafter_choice([aside]).plain
     assert "stands aside by itself" in alone and "the default decodes at about plain speed" in alone
 
     # Every round stood aside, so the speculative runs decoded as plain decoding does: a gap within plain
@@ -345,7 +345,7 @@ def test_the_bench_summary_verdict_and_closing_line_say_it_stood_aside_and_why()
         "this machine's run-to-run noise (plain decoding's own runs: 0.85-1.07x their median); drafting stood aside "
         "in 100% of rounds")
     assert "the draft model stood aside (decoding as plain does, within this machine's noise), 0.94x plain" in \
-        drafter_choice(within, lookup).plain
+        drafter_choice([within], lookup).plain
     for beyond in (dataclasses.replace(all_aside, median_tps=16.0),  # slower than plain's slowest run
                    dataclasses.replace(all_aside, stood_aside=0.95)):  # some rounds drafted
         judged = spread_report(beyond)

@@ -15,6 +15,7 @@ from localspec import config
 from localspec.cli import options
 from localspec.errors import LocalspecError, WriteError
 from localspec.fsutil import atomic_write, check_writable
+from localspec.models.gguf_header import read_header
 from localspec.models.registry import DEMO
 from localspec.sessions import versus
 from localspec.sessions.bench import (
@@ -33,7 +34,7 @@ from localspec.sessions.bench import (
     shipped_prompts,
     threads_line,
 )
-from localspec.sessions.session import open_session
+from localspec.sessions.session import check_drafting, open_session
 from localspec.ui.bench_view import drafter_choice, live_view, lookup_summary, summary, sweep_table, versus_view
 
 SweepOpt = Annotated[
@@ -70,6 +71,7 @@ def bench(
     against: options.against = None,
     llama_bin: options.llama_bin = None,
     against_lengths: options.against_lengths = None,
+    drafters: options.drafters = None,
     json_path: JsonOpt = None,
     prompts: PromptsOpt = None,
     raw: RawFlag = False,
@@ -87,7 +89,13 @@ def bench(
     if save_preset is not None:
         check_writable(config.user_preset_path(save_preset), "preset", parents=True)
     files, chosen = options.resolve_run(run, "bench", repeat=repeat, warmup=warmup, max_tokens=max_tokens,
-                                        against=against, llama_bin=llama_bin, against_lengths=against_lengths)
+                                        against=against, llama_bin=llama_bin, against_lengths=against_lengths,
+                                        drafters=drafters)
+    names = config.parse_drafter_list(chosen.bench.drafters)
+    if names:
+        _several(files, chosen, names, options.split_draft_values(run.draft)[0], lengths, json_path, prompt_set,
+                 raw)
+        return
     if files.draft is None and chosen.draft.drafter not in config.MODEL_FREE_DRAFTERS:
         raise LocalspecError("bench needs a draft model: give --draft PATH (or a --pair), or --drafter lookup "
                              "(or mtp, for a target with MTP layers)")
@@ -128,8 +136,55 @@ def bench(
     if failure is not None:
         raise failure
     console.line()
-    console.print(drafter_choice(report, lookup_report))  # last: the answer to "what do I use here?"
+    console.print(drafter_choice([report], lookup_report))  # last: the answer to "what do I use here?"
     if not report.greedy_check.passed or (lookup_report is not None and not lookup_report.greedy_check.passed):
+        raise typer.Exit(1)
+
+
+def _several(files, chosen: config.Preset, names: tuple[str, ...], n_draft: int | None, lengths: list[int] | None,
+             json_path: Path | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
+    """`--drafters A,B`: each drafter against plain in turn, on one session and the same prompts; the last line
+    picks from all of them. Every drafter is checked against the models before anything is measured."""
+    if lengths is not None or chosen.bench.against != "none":
+        raise LocalspecError("--drafters measures several drafters against plain decoding; --sweep and --against "
+                             "take one drafter (--drafter): run them apart")
+    # Each drafter's own settings: its length where it has one (the MTP head's), unless --draft named a length.
+    parts = [chosen.with_overrides(drafter=name, n_draft=n_draft) for name in names]
+    for part in parts:
+        if files.draft is None and config.DRAFTER_TABLE[part.draft.drafter].needs_draft_model:
+            raise LocalspecError(f"--drafters {chosen.bench.drafters}: {part.draft.drafter} needs a draft file "
+                                 "(--draft PATH or a --pair)")
+    target = read_header(files.target)
+    draft = read_header(files.draft) if files.draft is not None else None
+    for part in parts:  # (a drafter that reads no draft file is checked against the target alone)
+        check_drafting(target, draft if config.DRAFTER_TABLE[part.draft.drafter].needs_draft_model else None, part)
+    # The session is opened for the drafter that reads the draft file (a block drafter's file fits no other).
+    opener = next((p for p in parts if config.DRAFTER_TABLE[p.draft.drafter].needs_draft_model), parts[0])
+    console = Console()
+    console.print(f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, draft "
+                  f"{files.draft.name if files.draft else 'none'}; drafters {', '.join(names)} in turn, each against "
+                  f"plain; {chosen.bench.max_tokens} tokens per prompt")
+    reports: list[BenchReport] = []
+    with open_session(files, opener, longest_draft=max(p.draft.n_draft for p in parts)) as session:
+        for part in parts:  # all refused before the first is measured
+            session.engine.check_drafter(part.draft)
+        _print_placement(console, session)
+        _say_prompts(console, session, prompt_set, raw)
+        for part in parts:
+            title = config.DRAFTER_TABLE[part.draft.drafter].title
+            console.line()
+            console.print(f"[bold]{title}[/] (drafter {part.draft.drafter}), draft length {part.draft.n_draft}")
+            report = _measure(console, session, part, prompt_set, raw,
+                              f"decode tok/s, plain vs {title} (prompt processing excluded)")
+            console.line()
+            console.print(summary(report))
+            reports.append(report)
+    if json_path is not None:
+        _write_json(json_path, reports[0], parts=reports)
+        console.print(f"report written to {json_path}")
+    console.line()
+    console.print(drafter_choice(reports))
+    if not all(r.greedy_check.passed for r in reports):
         raise typer.Exit(1)
 
 
@@ -302,8 +357,10 @@ def _sweep(console: Console, files, chosen: config.Preset, lengths: list[int], j
 
 
 def _write_json(path: Path, report: BenchReport | SweepReport, lookup: BenchReport | None = None,
-                against: dict | None = None) -> None:
+                against: dict | None = None, parts: list[BenchReport] | None = None) -> None:
     data = report.as_json()
+    if parts is not None:
+        data["parts"] = [part.as_json() for part in parts]  # --drafters: every drafter's report (the first above)
     if lookup is not None:
         data["lookup_demo"] = lookup.as_json()  # the built-in demo's second part: prompt lookup, same keys
     if against is not None:

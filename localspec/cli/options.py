@@ -174,6 +174,9 @@ llama_bin = _setting("llama_bin", "--llama-bin",
                      "$LOCALSPEC_LLAMA_BIN, then PATH.")
 against_lengths = _setting("against_lengths", "--against-lengths",
                            "llama.cpp's draft lengths to try with --against (e.g. 2-6 or 2,4,6); the fastest counts.")
+drafters = _setting("drafters", "--drafters",
+                    "Measure these drafters in turn instead (e.g. mtp,dflash), each against plain on the same models "
+                    "and prompts; the last line names the fastest.")
 generate_max_tokens = _setting("max_tokens", "--max-tokens", "Tokens to generate at most.", section="generate")
 chat_max_tokens = _setting("max_tokens", "--max-tokens", "Reply limit in tokens, per turn.", section="chat")
 host = _setting("host", "--host", "Address to listen on.", section="server")

@@ -71,10 +71,10 @@ def lookup_summary(lookup: BenchReport) -> Group:
     return Group(*lines)
 
 
-def drafter_choice(report: BenchReport, lookup: BenchReport | None = None) -> Text:
+def drafter_choice(reports: list[BenchReport], lookup: BenchReport | None = None) -> Text:
     """The last line: which drafter to use on this machine, from every part measured (a part whose greedy check
-    failed is never recommended)."""
-    parts = [(report, "")] + ([(lookup, " on replies that repeat their prompt")] if lookup is not None else [])
+    failed is never recommended): each drafter's (`--drafters`: several), the demo's prompt lookup."""
+    parts = [(r, "") for r in reports] + ([(lookup, " on replies that repeat their prompt")] if lookup else [])
     measured = "; ".join(f"{DRAFTER_TABLE[r.preset.draft.drafter].title}{_aside_words(r)} {r.speedup:.2f}x "
                          f"plain{where}" for r, where in parts)
     paying = [r for r, _ in parts if r.speedup >= 1 and r.greedy_check.passed and not r.speculative.standing_aside]
