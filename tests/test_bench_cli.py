@@ -194,7 +194,7 @@ def test_save_preset_needs_sweep(use_demo_home):
 # -- where each verdict is printed (output redirected: no live terminal) ---------------------------------------------
 
 
-def _scripted_bench(speedups: dict[str, float]):
+def _scripted_bench(speedups: dict[str, float], lengths: list[int] | None = None):
     """`run_bench` as a script: one plain and one speculative run per part at the given speed-up (by drafter), then
     the report, so the printing order is tested without minutes of decoding (the real run: the slow test above)."""
     from localspec.rounds.events import GenerationStats
@@ -204,7 +204,8 @@ def _scripted_bench(speedups: dict[str, float]):
         speedup = speedups[preset.draft.drafter]
         runs = [RunResult(PLAIN, 0, GenerationStats(tokens=200, rounds=200, decode_s=10.0), 0.0, {}),
                 RunResult(SPEC, 0, GenerationStats(tokens=200, rounds=50, drafted=180, accepted=150,
-                                                   decode_s=10.0 / speedup), 0.0, {})]
+                                                   decode_s=10.0 / speedup, draft_lengths=list(lengths or [])),
+                          0.0, {})]
         for i, run in enumerate(runs):
             yield RunDone(run, i + 1, len(runs))
         yield BenchReport(preset=preset, n_draft=preset.draft.n_draft, max_tokens=preset.bench.max_tokens,
@@ -214,7 +215,8 @@ def _scripted_bench(speedups: dict[str, float]):
     return run_bench
 
 
-def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args: str, session=None) -> list[str]:
+def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args: str, session=None,
+                      lengths: list[int] | None = None) -> list[str]:
     from contextlib import contextmanager
     from pathlib import Path
 
@@ -228,12 +230,13 @@ def _redirected_bench(monkeypatch, pair: str, speedups: dict[str, float], *args:
 
     files = ModelFiles(target=Path("target.gguf"), draft=Path("draft.gguf"), name=pair)
     monkeypatch.setattr(options, "resolve_run", lambda run, command, **more: (
-        files, config.load_preset().with_overrides(**{k: v for k, v in more.items() if v is not None})))
+        files, config.load_preset().with_overrides(drafter=run.drafter,
+                                                   **{k: v for k, v in more.items() if v is not None})))
     monkeypatch.setattr(bench_cmd, "open_session", session or no_session)
     monkeypatch.setattr(bench_cmd, "placement", lambda s: {"target": "CPU", "draft": "CPU", "draft_ahead": False})
     monkeypatch.setattr(bench_cmd, "threads_line", lambda s: "1")
     monkeypatch.setattr(bench_cmd, "prompt_mode", lambda s, raw: "raw completion")
-    monkeypatch.setattr(bench_cmd, "run_bench", _scripted_bench(speedups))
+    monkeypatch.setattr(bench_cmd, "run_bench", _scripted_bench(speedups, lengths))
     result = runner.invoke(app, ["bench", *args], env={"COLUMNS": "200"})  # CliRunner's stdout is no terminal
     assert result.exit_code == 0, result.output
     return [line.strip() for line in result.output.splitlines() if line.strip()]
@@ -337,3 +340,14 @@ def test_several_drafters_name_the_one_these_models_cannot_run_before_measuring(
     r = localspec("bench", "--target", str(target), "--drafters", "lookup,model", "--threads", "1",
                   env={"LOCALSPEC_HOME": str(tmp_path)})
     assert r.returncode == 2 and "model needs a draft file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("drafter", "lengths", "said"), [
+    ("dspark", [6, 2, 0, 4, 3], "drafts: 3.8 tokens a round where it drafted, of up to 6 (its confidence head"),
+    ("lookup", [6, 1], "drafts: 3.5 tokens a round where it drafted, of up to 6 (a match ends"),
+    ("model", [6, 6, 0], None),  # every drafting round drafted the whole length: nothing chosen to say
+])
+def test_the_bench_says_what_length_the_drafter_chose(monkeypatch, drafter, lengths, said):
+    lines = _redirected_bench(monkeypatch, "mine", {drafter: 1.4}, "--drafter", drafter, lengths=lengths)
+    drafts = [line for line in lines if line.startswith("drafts:")]
+    assert drafts == ([] if said is None else [drafts[0]]) and (said is None or drafts[0].startswith(said)), lines

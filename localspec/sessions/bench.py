@@ -225,6 +225,9 @@ class ModeSummary:
     # generation there), which have no decode rate: left out of the median, min and max, and counted here. Counted
     # as 0 tok/s they dragged a mode's median down by whichever seeds drew the end in that mode.
     empty_runs: int = 0
+    # Tokens drafted a round, over the rounds that drafted: the length the drafter and its price chose round by
+    # round (a lookup match's end, DSpark's confidence head, p_min, the cost rule), at most the draft length
+    mean_drafted: float = 0.0
 
     @classmethod
     def of(cls, mode: str, runs: list[RunResult]) -> ModeSummary:
@@ -237,6 +240,7 @@ class ModeSummary:
             acceptance_rate=total.acceptance_rate, mean_accepted=total.mean_accepted,
             host_fraction=total.host_fraction, ahead_hit_rate=total.ahead_hit_rate if total.ahead_made else None,
             stood_aside=total.stood_aside / total.rounds if total.rounds else 0.0, aside=runs[-1].aside,
+            mean_drafted=statistics.mean(drafting) if (drafting := [n for n in total.draft_lengths if n]) else 0.0,
         )
 
     @property

@@ -88,6 +88,15 @@ def drafter_choice(reports: list[BenchReport], lookup: BenchReport | None = None
     return Text(f"on this machine: use `--drafter {best.preset.draft.drafter}` ({measured})", style="bold green")
 
 
+def _cut_by(drafter: str) -> str:
+    """What shortens a round's draft below the length, by drafter."""
+    if drafter == "dspark":
+        return "its confidence head ends a block at the first position under p_min; the cost rule sets the length"
+    if drafter in ("lookup", "suffix", "chain", "chain-mtp"):
+        return "a match ends where the text it copies does; the cost rule sets the length"
+    return "p_min and the cost rule set each round's length"
+
+
 def _aside_words(report: BenchReport) -> str:
     """How a part that stood aside ran, before its speedup in the closing line."""
     if not report.speculative.standing_aside:
@@ -100,6 +109,10 @@ def _outcome(report: BenchReport) -> list[Text]:
     lines = [Text(f"speedup (median speculative / median plain): {report.speedup:.2f}x",
                   style="bold green" if report.speedup >= 1 else "bold yellow")]
     lines.append(Text(report.verdict, style="green" if report.speedup >= 1 else "yellow"))
+    drafted = report.speculative.mean_drafted
+    if 0 < drafted < report.n_draft - 0.05:  # (a length chosen round by round: say what was chosen)
+        lines.append(Text(f"drafts: {drafted:.1f} tokens a round where it drafted, of up to {report.n_draft} "
+                          f"({_cut_by(report.preset.draft.drafter)})"))
     if report.speculative.ahead_hit_rate is not None:
         lines.append(Text(f"draft-ahead: {report.speculative.ahead_hit_rate:.0%} of the rounds drafted during the "
                           "previous verify were used"))
