@@ -201,6 +201,8 @@ def parse_drafter_list(text: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError("each drafter once")
     return names
+
+
 # Drafters that need no draft model (a pair may name one and no draft).
 MODEL_FREE_DRAFTERS = tuple(name for name, facts in sorted(DRAFTER_TABLE.items()) if not facts.needs_draft_model)
 # Drafters whose draft GGUF is a block drafter reading the target's layers (general.architecture dflash): no other
