@@ -141,10 +141,15 @@ def test_the_hybrid_target_is_named_once_and_written_only_when_missing(tmp_path:
     assert other.stdout.strip() == f"{tmp_path}/work/models/hybrid35b-a3b-n0.2-target.gguf"
     hybrid = (ROOT / "bench" / "gpu" / "hybrid.sh").read_text()
     assert 'for size in ${ALSO_WRITE:-}; do [[ -f "$(hybrid_target "$size")" ]]' in hybrid
-    assert '--prefix "$size-n$MTP_NOISE-"' in hybrid  # (what hybrid_target "$size" names)
+    assert 'write_hybrid_target "$RES/write-$size.log" "$size"' in hybrid  # (the harness's one writer)
+    harness = (ROOT / "bench" / "gpu" / "harness.sh").read_text()
+    assert '--prefix "$size-n$MTP_NOISE-"' in harness  # (what hybrid_target "$size" names)
     (tmp_path / "work" / "models").mkdir(parents=True)
     (tmp_path / "work" / "models" / "hybrid27b-n0.1-target.gguf").write_text("kept")
     r = bash('write_hybrid_target "$WORK/write.log"; echo "rc=$?"', tmp_path, CARRIED_PY="0")
+    assert "rc=0" in r.stdout and not (tmp_path / "work" / "write.log").exists(), r.stderr
+    (tmp_path / "work" / "models" / "hybrid35b-a3b-n0.1-target.gguf").write_text("kept")  # another preset's
+    r = bash('write_hybrid_target "$WORK/write.log" hybrid35b-a3b; echo "rc=$?"', tmp_path, CARRIED_PY="0")
     assert "rc=0" in r.stdout and not (tmp_path / "work" / "write.log").exists(), r.stderr
     for script in ("grid.sh", "hybrid.sh"):
         text = (ROOT / "bench" / "gpu" / script).read_text()

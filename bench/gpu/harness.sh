@@ -174,13 +174,14 @@ hybrid_target() { echo "$MODELS/${1:-$HYBRID_SIZE}-n$MTP_NOISE-target.gguf"; }  
 await_carried_py() {
     [[ "${CARRIED_PY:-1}" == 0 ]] || for _ in $(seq 1 120); do [[ -f "$WORK/pyenv/.stamp" ]] && break; sleep 1; done
 }
-# write_hybrid_target LOG: hybrid_target written unless it exists (synthetic.py writes it whole or not at all; ~2
-# minutes at 27B's size), beside the build.
+# write_hybrid_target LOG [PRESET]: hybrid_target (of PRESET: another preset's) written unless it exists
+# (synthetic.py writes it whole or not at all; ~2 minutes at 27B's size), beside the build.
 write_hybrid_target() {
-    [[ -f "$(hybrid_target)" ]] && return 0
-    await_carried_py; use_build; vocab_args "$HYBRID_SIZE"
-    nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$HYBRID_SIZE" --only target --mtp-noise "$MTP_NOISE" \
-        --scale "$SCALE" --out "$MODELS" --prefix "$HYBRID_SIZE-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" > "$1" 2>&1
+    local size="${2:-$HYBRID_SIZE}"
+    [[ -f "$(hybrid_target "$size")" ]] && return 0
+    await_carried_py; use_build; vocab_args "$size"
+    nice -n 5 python3 "$REPO/bench/synthetic.py" --size "$size" --only target --mtp-noise "$MTP_NOISE" \
+        --scale "$SCALE" --out "$MODELS" --prefix "$size-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" > "$1" 2>&1
 }
 # card_pair NOISE: the card's pair (a Qwen3-32B-shaped Q4_K_M target, written once, and a Qwen3-0.6B-shaped Q8_0
 # draft at that noise), each written unless it exists (run.sh writes them in the background during its build).

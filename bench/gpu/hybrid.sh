@@ -92,11 +92,8 @@ write_models() {
         fi
     done
     local size
-    for size in ${ALSO_WRITE:-}; do
-        [[ -f "$(hybrid_target "$size")" ]] && continue
-        vocab_args "$size"  # (this runs in the writer's subshell: the run's own VOCAB_ARGS stay)
-        synthetic --size "$size" --only target --mtp-noise "$MTP_NOISE" --scale "$SCALE" --out "$MODELS" \
-            --prefix "$size-n$MTP_NOISE-" "${VOCAB_ARGS[@]}" || return 1
+    for size in ${ALSO_WRITE:-}; do  # (in the writer's subshell: the run's own VOCAB_ARGS stay)
+        write_hybrid_target "$RES/write-$size.log" "$size" || return 1
     done
 }
 vocab_args "$HYBRID_SIZE"
