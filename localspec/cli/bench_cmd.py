@@ -108,12 +108,10 @@ def bench(
                                  versus.SPEC_TYPES[chosen.draft.drafter])
 
     console = Console()
-    s = chosen.sampling
     console.print(
         f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, "
         f"draft {files.draft.name if files.draft else 'none'} (drafter {chosen.draft.drafter})\n"
-        f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
-        f"{_seeds(s, chosen.bench.repeat)}; "
+        f"{_sampling_line(chosen)}; "
         f"draft length {chosen.draft.n_draft}{' (adaptive)' if chosen.draft.adaptive else ''}; "
         f"{chosen.bench.max_tokens} tokens per prompt"
     )
@@ -145,25 +143,25 @@ def _several(files, chosen: config.Preset, names: tuple[str, ...], n_draft: int 
              json_path: Path | None, prompt_set: list[BenchPrompt] | None, raw: bool) -> None:
     """`--drafters A,B`: each drafter against plain in turn, on one session and the same prompts; the last line
     picks from all of them. Every drafter is checked against the models before anything is measured."""
-    if lengths is not None or chosen.bench.against != "none":
+    if lengths is not None or chosen.bench.against == versus.LLAMA_CPP:
         raise LocalspecError("--drafters measures several drafters against plain decoding; --sweep and --against "
                              "take one drafter (--drafter): run them apart")
     # Each drafter's own settings: its length where it has one (the MTP head's), unless --draft named a length.
     parts = [chosen.with_overrides(drafter=name, n_draft=n_draft) for name in names]
-    for part in parts:
-        if files.draft is None and config.DRAFTER_TABLE[part.draft.drafter].needs_draft_model:
-            raise LocalspecError(f"--drafters {chosen.bench.drafters}: {part.draft.drafter} needs a draft file "
-                                 "(--draft PATH or a --pair)")
+    reads_file = [p for p in parts if config.DRAFTER_TABLE[p.draft.drafter].needs_draft_model]
+    if files.draft is None and reads_file:
+        raise LocalspecError(f"--drafters {chosen.bench.drafters}: {reads_file[0].draft.drafter} needs a draft file "
+                             "(--draft PATH or a --pair)")
     target = read_header(files.target)
     draft = read_header(files.draft) if files.draft is not None else None
     for part in parts:  # (a drafter that reads no draft file is checked against the target alone)
-        check_drafting(target, draft if config.DRAFTER_TABLE[part.draft.drafter].needs_draft_model else None, part)
+        check_drafting(target, draft if part in reads_file else None, part)
     # The session is opened for the drafter that reads the draft file (a block drafter's file fits no other).
-    opener = next((p for p in parts if config.DRAFTER_TABLE[p.draft.drafter].needs_draft_model), parts[0])
+    opener = reads_file[0] if reads_file else parts[0]
     console = Console()
     console.print(f"[bold]localspec bench[/] pair [cyan]{files.name}[/]: target {files.target.name}, draft "
                   f"{files.draft.name if files.draft else 'none'}; drafters {', '.join(names)} in turn, each against "
-                  f"plain; {chosen.bench.max_tokens} tokens per prompt")
+                  f"plain\n{_sampling_line(chosen)}; {chosen.bench.max_tokens} tokens per prompt")
     reports: list[BenchReport] = []
     with open_session(files, opener, longest_draft=max(p.draft.n_draft for p in parts)) as session:
         for part in parts:  # all refused before the first is measured
@@ -302,6 +300,13 @@ def _say_prompts(console: Console, session, prompt_set: list[BenchPrompt] | None
               [p.name for p in shipped_prompts("lookup")] else "your prompts")
              if prompt_set is not None else "the shipped prompts (code, prose, Q&A)")
     console.print(f"{count} prompt(s): {where}, as {prompt_mode(session, raw)}")
+
+
+def _sampling_line(chosen: config.Preset) -> str:
+    """The preset and the sampling every mode runs with, for the header."""
+    s = chosen.sampling
+    return (f"preset {chosen.name}: temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+            f"{_seeds(s, chosen.bench.repeat)}")
 
 
 def _seeds(sampling: config.Sampling, repeat: int) -> str:
